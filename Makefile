@@ -1,0 +1,25 @@
+# One-command setup: `make demo` (install + the offline experiment), `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+FAIRSEQ := fairseq-fixed==0.12.3.1
+
+.PHONY: install test demo clean
+
+install: $(STAMP)
+
+# Rebuilt only when the requirements or setup.py change.
+$(STAMP): requirements.txt setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
+	$(BIN)/python -c "import fairseq" 2>/dev/null || \
+		$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation $(FAIRSEQ)
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

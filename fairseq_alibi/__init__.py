@@ -1,0 +1,9 @@
+"""fairseq-alibi: ALiBi models for fairseq, loaded as a plugin.
+
+Importing this package registers the models and architectures with fairseq;
+``fairseq-train --user-dir "$(alibi-user-dir)"`` does the same for stock CLIs.
+"""
+
+__version__ = "0.1.0"
+
+from . import models  # noqa: F401,E402  (registers with fairseq)

@@ -1,0 +1,3 @@
+"""fairseq registrations: importing a module registers its models and architectures."""
+
+from . import transformer_lm  # noqa: F401

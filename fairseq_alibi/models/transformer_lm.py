@@ -1,0 +1,178 @@
+"""``transformer_lm_alibi``: fairseq's transformer LM with ALiBi instead of positions.
+
+What changes against the stock model, and nothing else:
+
+* the decoder has no position embeddings and no cap on its input length;
+* every decoder self-attention is ``AlibiMultiheadAttention``, all layers sharing
+  one ``AlibiBias`` (slopes scaled once per forward, one cached bias);
+* three config fields choose the eval-time context extension and one the kernel.
+
+Every stock ``transformer_lm*`` architecture gets an ``<arch>_alibi`` twin.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+from unittest import mock
+
+from fairseq.distributed import fsdp_wrap
+from fairseq.models import (
+    ARCH_CONFIG_REGISTRY,
+    ARCH_MODEL_NAME_REGISTRY,
+    register_model,
+    register_model_architecture,
+)
+from fairseq.models import transformer_lm as stock
+from fairseq.models.transformer import TransformerConfig, TransformerDecoder
+from fairseq.modules import TransformerDecoderLayer
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from omegaconf import II
+
+from ..attention import ATTENTION_PATHS, AlibiBias, AlibiMultiheadAttention
+from ..alibi import INTERPOLATION_METHODS
+
+# Long enough for any evaluation; fairseq takes the minimum over task and model.
+UNBOUNDED_POSITIONS = 1 << 30
+
+
+@dataclass
+class AlibiLanguageModelConfig(stock.TransformerLanguageModelConfig):
+    alibi_interpolation: str = field(
+        default="none",
+        metadata={
+            "help": "context extension applied to the ALiBi slopes at evaluation: "
+            f"{' | '.join(INTERPOLATION_METHODS)} (linear: every slope / factor; "
+            "ntk: steepest head kept, flattest / factor, geometric in between)"
+        },
+    )
+    alibi_scale_factor: float = field(
+        default=0.0,
+        metadata={
+            "help": "interpolation factor: 0 = dynamic, max(1, length / alibi_train_length); "
+            "otherwise a static factor >= 1"
+        },
+    )
+    alibi_train_length: Optional[int] = field(
+        default=II("task.tokens_per_sample"),
+        metadata={
+            "help": "the length the model was trained at (defaults to the task's "
+            "tokens_per_sample when training; stored resolved in the checkpoint)"
+        },
+    )
+    alibi_attention: str = field(
+        default="auto",
+        metadata={"help": f"attention kernel: {' | '.join(ATTENTION_PATHS)}"},
+    )
+    # Unset means "same as decoder_embed_dim": avoids the stock 512-wide default
+    # that silently adds projections to smaller or larger models.
+    decoder_input_dim: Optional[int] = field(
+        default=None, metadata={"help": "decoder input dimension (default: decoder_embed_dim)"}
+    )
+    decoder_output_dim: Optional[int] = field(
+        default=None, metadata={"help": "decoder output dimension (default: decoder_embed_dim)"}
+    )
+
+
+def build_alibi_bias(args) -> AlibiBias:
+    """The shared bias of a decoder stack, from (already resolved) config fields."""
+    train_length = getattr(args, "alibi_train_length", None)
+    if train_length is not None:
+        train_length = int(train_length)
+    return AlibiBias(
+        num_heads=args.decoder_attention_heads,
+        interpolation=getattr(args, "alibi_interpolation", "none"),
+        scale_factor=getattr(args, "alibi_scale_factor", 0.0),
+        train_length=train_length,
+        attention_path=getattr(args, "alibi_attention", "auto"),
+    )
+
+
+class AlibiDecoderLayer(TransformerDecoderLayer):
+    """Stock decoder layer whose self-attention is ALiBi attention."""
+
+    def __init__(self, args, bias: AlibiBias, no_encoder_attn=False):
+        self.alibi_bias = bias  # plain attribute, read by build_self_attention
+        super().__init__(args, no_encoder_attn=no_encoder_attn)
+
+    def build_self_attention(self, embed_dim, args, add_bias_kv=False, add_zero_attn=False):
+        cfg = TransformerConfig.from_namespace(args)
+        if add_bias_kv or add_zero_attn or cfg.cross_self_attention:
+            raise ValueError("ALiBi attention does not support bias_kv, zero_attn or cross_self_attention")
+        return AlibiMultiheadAttention(
+            embed_dim,
+            cfg.decoder.attention_heads,
+            self.alibi_bias,
+            dropout=cfg.attention_dropout,
+            q_noise=self.quant_noise,
+            qn_block_size=self.quant_noise_block_size,
+        )
+
+
+class AlibiTransformerDecoder(TransformerDecoder):
+    """Stock decoder without position embeddings, built from ALiBi layers."""
+
+    def __init__(self, args, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
+        args.no_token_positional_embeddings = True
+        self.alibi_bias = build_alibi_bias(args)  # before the layers are built
+        super().__init__(args, dictionary, embed_tokens, no_encoder_attn, output_projection)
+
+    def build_decoder_layer(self, args, no_encoder_attn=False):
+        layer = AlibiDecoderLayer(args, self.alibi_bias, no_encoder_attn)
+        if getattr(args, "checkpoint_activations", False):
+            layer = checkpoint_wrapper(layer, offload_to_cpu=getattr(args, "offload_activations", False))
+            return fsdp_wrap(layer, min_num_params=0)
+        return fsdp_wrap(layer, min_num_params=getattr(args, "min_params_to_wrap", 0))
+
+    def max_positions(self):
+        """ALiBi has no position table: the input length is not capped."""
+        return UNBOUNDED_POSITIONS
+
+    def buffered_future_mask(self, tensor):
+        """Only a causal flag for the layers: the ALiBi bias carries the mask."""
+        return tensor.new_zeros(())
+
+
+@register_model("transformer_lm_alibi", dataclass=AlibiLanguageModelConfig)
+class AlibiTransformerLanguageModel(stock.TransformerLanguageModel):
+    @classmethod
+    def hub_models(cls):
+        return {}
+
+    @classmethod
+    def build_model(cls, args, task):
+        if getattr(args, "alibi_train_length", None) in (None, "", 0):
+            args.alibi_train_length = getattr(args, "tokens_per_sample", None)
+        # Fail at build time, naming the field, rather than mid-forward.
+        build_alibi_bias(args)
+        # The stock builder makes the embeddings (plain, adaptive or character)
+        # and then the decoder; only the decoder class differs.
+        with mock.patch.object(stock, "TransformerDecoder", AlibiTransformerDecoder):
+            return super().build_model(args, task)
+
+
+def _default_io_dims(args) -> None:
+    for name in ("decoder_input_dim", "decoder_output_dim"):
+        if getattr(args, name, None) is None:
+            setattr(args, name, args.decoder_embed_dim)
+
+
+def _twin(stock_arch_fn):
+    def alibi_arch(args):
+        stock_arch_fn(args)
+        _default_io_dims(args)
+        args.no_token_positional_embeddings = True
+
+    alibi_arch.__doc__ = f"ALiBi twin of {stock_arch_fn.__name__}."
+    return alibi_arch
+
+
+# Stock arch name -> its twin: "transformer_lm" -> "transformer_lm_alibi", and
+# "transformer_lm_wiki103" -> "transformer_lm_wiki103_alibi" (the paper's model).
+STOCK_ARCHS = sorted(
+    name for name, model in ARCH_MODEL_NAME_REGISTRY.items() if model == "transformer_lm"
+)
+for _name in STOCK_ARCHS:
+    _fn = _twin(ARCH_CONFIG_REGISTRY[_name])
+    if _name == "transformer_lm":  # register_model already made this arch name
+        ARCH_CONFIG_REGISTRY["transformer_lm_alibi"] = _fn
+    else:
+        register_model_architecture("transformer_lm_alibi", f"{_name}_alibi")(_fn)
