@@ -170,18 +170,21 @@ def sdpa_attention(q, k, v, bias, key_padding_mask=None, dropout_p=0.0):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
-def chunked_attention(q, k, v, bias: AlibiBias, key_padding_mask=None, chunk_size=CHUNK_SIZE):
-    """Inference attention in query blocks; the bias of each block is built on
-    the fly, and causal blocks only read the keys they can see."""
+def chunked_attention(q, k, v, bias_block, causal: bool, key_padding_mask=None, chunk_size=CHUNK_SIZE):
+    """Inference attention in query blocks of ``chunk_size``.
+
+    ``bias_block(q_start, q_len, k_len)`` returns the ``[H, q_len, k_len]`` bias
+    of one block, built on the fly, so memory grows linearly with the length;
+    causal blocks only read the keys they can see.
+    """
     q_len, k_len = q.size(2), k.size(2)
-    causal = bias.kind == "causal"
     offset = k_len - q_len if causal else 0
     pad = _padding_mask(key_padding_mask, q.dtype)
     outputs = []
     for start in range(0, q_len, chunk_size):
         stop = min(start + chunk_size, q_len)
         visible = offset + stop if causal else k_len
-        block = bias.block(offset + start, stop - start, visible, q.dtype, q.device)[None]
+        block = bias_block(offset + start, stop - start, visible)[None]
         if pad is not None:
             block = block + pad[..., :visible]
         outputs.append(
@@ -200,6 +203,20 @@ class AlibiMultiheadAttention(MultiheadAttention):
         if bias.num_heads != num_heads:
             raise ValueError(f"ALiBi bias has {bias.num_heads} heads, attention has {num_heads}")
         self.alibi = bias
+
+    # The two places the bias comes from; a subclass with another bias (for
+    # example learned slopes) overrides these and keeps every kernel path.
+    def bias_block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
+        """``[H, q_len, k_len]`` bias for queries ``q_start ..`` (built on the fly)."""
+        return self.alibi.block(q_start, q_len, k_len, dtype, device)
+
+    def dense_bias(self, q_len: int, k_len: int, dtype, device) -> Tensor:
+        """The whole ``[H, q_len, k_len]`` bias (shared and cached across layers)."""
+        return self.alibi.dense(q_len, k_len, dtype, device)
+
+    @property
+    def causal(self) -> bool:
+        return self.alibi.kind == "causal"
 
     def choose_path(self, q_len: int, k_len: int, need_weights: bool) -> str:
         path = self.alibi.attention_path
@@ -260,9 +277,12 @@ class AlibiMultiheadAttention(MultiheadAttention):
         path = self.choose_path(tgt_len, src_len, need_weights)
         weights = None
         if path == "chunked":
-            out = chunked_attention(q, k, v, self.alibi, key_padding_mask)
+            def block(q_start, q_len, k_len):
+                return self.bias_block(q_start, q_len, k_len, q.dtype, q.device)
+
+            out = chunked_attention(q, k, v, block, self.causal, key_padding_mask)
         else:
-            bias = self.alibi.dense(tgt_len, src_len, q.dtype, q.device)
+            bias = self.dense_bias(tgt_len, src_len, q.dtype, q.device)
             if path == "reference":
                 out, weights = reference_attention(q, k, v, bias, key_padding_mask, dropout_p)
             else:
