@@ -1,0 +1,144 @@
+"""The ALiBi maths against naive references written here, independently."""
+
+import math
+
+import pytest
+import torch
+
+from fairseq_alibi import alibi
+
+
+def naive_slopes(num_heads):
+    """Straight from the paper's description, in plain floats."""
+
+    def geometric(n):
+        first = 2 ** (-8 / n)
+        return [first * first**i for i in range(n)]
+
+    c = 1
+    while c * 2 <= num_heads:
+        c *= 2
+    extra = geometric(2 * c)[::2][: num_heads - c] if num_heads > c else []
+    return geometric(c) + extra
+
+
+def naive_ntk(slopes, factor):
+    """NTK-ALiBi as published (powers of two): 1 / (2^(8h/H) * a^((h-1)/(H-1)))."""
+    H = len(slopes)
+    return [1.0 / (2 ** (8 * h / H) * factor ** ((h - 1) / (H - 1))) for h in range(1, H + 1)]
+
+
+@pytest.mark.parametrize("num_heads", range(1, 65))
+def test_slopes_match_naive_reference(num_heads):
+    slopes = alibi.get_slopes(num_heads)
+    assert slopes.dtype == torch.float32 and slopes.shape == (num_heads,)
+    torch.testing.assert_close(slopes, torch.tensor(naive_slopes(num_heads)), rtol=1e-6, atol=0)
+
+
+def test_paper_examples():
+    assert alibi.get_slopes(8).tolist() == [2.0**-k for k in range(1, 9)]
+    # 6 heads: the 4-head sequence, then slopes 1 and 3 of the 8-head one.
+    expected = [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]
+    torch.testing.assert_close(alibi.get_slopes(6), torch.tensor(expected))
+    assert not bool((alibi.get_slopes(6).diff() < 0).all())  # not monotonic
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "8", None, True])
+def test_bad_head_counts(bad):
+    with pytest.raises(ValueError, match="num_heads"):
+        alibi.get_slopes(bad)
+
+
+@pytest.mark.parametrize("num_heads", range(1, 65))
+@pytest.mark.parametrize("factor", [1.0, 2.0, 3.7, 16.0])
+def test_scaling_against_naive(num_heads, factor):
+    slopes = alibi.get_slopes(num_heads)
+    ref = naive_slopes(num_heads)
+    torch.testing.assert_close(alibi.scale_slopes(slopes, "none", factor), slopes)
+    torch.testing.assert_close(
+        alibi.scale_slopes(slopes, "linear", factor), torch.tensor([m / factor for m in ref])
+    )
+    ntk = alibi.scale_slopes(slopes, "ntk", factor)
+    if num_heads == 1:
+        expected = [ref[0] / factor]
+    else:
+        lo, hi = math.log(min(ref)), math.log(max(ref))
+        expected = [m / factor ** ((hi - math.log(m)) / (hi - lo)) for m in ref]
+    torch.testing.assert_close(ntk, torch.tensor(expected), rtol=1e-5, atol=0)
+    if num_heads & (num_heads - 1) == 0 and num_heads > 1:
+        torch.testing.assert_close(ntk, torch.tensor(naive_ntk(ref, factor)), rtol=1e-5, atol=0)
+    # steepest head unchanged, flattest divided by the factor
+    if num_heads > 1:
+        assert ntk.max().item() == pytest.approx(max(ref), rel=1e-6)
+        assert ntk.min().item() == pytest.approx(min(ref) / factor, rel=1e-5)
+
+
+@pytest.mark.parametrize("method,factor", [("cubic", 2.0), ("linear", 0.5), ("ntk", 0.0), ("linear", float("inf"))])
+def test_bad_scaling_values(method, factor):
+    with pytest.raises(ValueError, match="allowed values|>= 1"):
+        alibi.scale_slopes(alibi.get_slopes(8), method, factor)
+
+
+def test_resolve_scale_factor():
+    assert alibi.resolve_scale_factor("none", 0, 64, 4096) == 1.0
+    assert alibi.resolve_scale_factor("linear", 0, 64, 32) == 1.0
+    assert alibi.resolve_scale_factor("linear", 0, 64, 512) == 8.0
+    assert alibi.resolve_scale_factor("ntk", 3.0, 64, 512) == 3.0
+    with pytest.raises(ValueError, match="alibi_train_length"):
+        alibi.resolve_scale_factor("linear", 0, None, 512)
+
+
+def naive_causal_bias(slopes, q_len, k_len):
+    bias = torch.empty(len(slopes), q_len, k_len)
+    for h, m in enumerate(slopes):
+        for a in range(q_len):
+            i = k_len - q_len + a
+            for j in range(k_len):
+                bias[h, a, j] = -m * (i - j) if j <= i else float("-inf")
+    return bias
+
+
+@pytest.mark.parametrize("heads,q_len,k_len", [(6, 9, 9), (8, 1, 13), (3, 4, 11)])
+def test_causal_bias_against_loop(heads, q_len, k_len):
+    slopes = alibi.get_slopes(heads)
+    expected = naive_causal_bias(slopes.tolist(), q_len, k_len)
+    torch.testing.assert_close(alibi.causal_bias(slopes, q_len, k_len), expected)
+
+
+def test_symmetric_bias_against_loop():
+    slopes = alibi.get_slopes(5)
+    got = alibi.symmetric_bias(slopes, 7, 7)
+    for h in range(5):
+        for i in range(7):
+            for j in range(7):
+                assert got[h, i, j].item() == pytest.approx(-slopes[h].item() * abs(i - j))
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.float16, 2**-10), (torch.bfloat16, 2**-7)])
+def test_low_precision_bias_is_accurate_at_16k(dtype, rel):
+    """Relative distances keep each bias within one rounding of fp32; the
+    differences between neighbouring keys (what softmax sees) survive."""
+    slopes = alibi.get_slopes(8)
+    length, rows = 16384, torch.tensor([0, 1, 2047, 8191, 16383])
+    exact = torch.stack([alibi.causal_bias(slopes, 1, length, q_start=int(r))[:, 0] for r in rows], 1)
+    low = torch.stack(
+        [alibi.causal_bias(slopes, 1, length, dtype, q_start=int(r))[:, 0] for r in rows], 1
+    ).float()
+    finite = torch.isfinite(exact)
+    assert torch.equal(finite, torch.isfinite(low))
+    err = (low[finite] - exact[finite]).abs()
+    assert bool((err <= rel * exact[finite].abs()).all())
+    # the last query's nearest keys: adjacent differences are exactly the slope
+    last = low[:, -1, -8:]
+    torch.testing.assert_close(last.diff(dim=-1), slopes[:, None].to(dtype).float().expand(-1, 7))
+
+
+def test_fork_form_loses_neighbour_differences_in_fp16():
+    """The fork's +m*j bias cannot tell adjacent far keys apart in fp16."""
+    slopes = alibi.get_slopes(8)
+    length = 16384
+    fork = alibi.fork_causal_bias(slopes[:1], length, torch.float16)[0, -1].float()
+    ours = alibi.causal_bias(slopes[:1], 1, length, torch.float16)[0, 0].float()
+    # slope 1/2: exact neighbour difference 0.5; fp16 of 0.5 * 16383 rounds to steps of 4
+    assert (fork[-8:].diff() == 0).any()
+    assert torch.equal(ours[-8:].diff(), torch.full((7,), 0.5))

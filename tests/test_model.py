@@ -1,0 +1,94 @@
+"""transformer_lm_alibi built in-process: structure, config resolution, errors."""
+
+import pytest
+import torch
+from fairseq import options, tasks
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+import fairseq_alibi  # noqa: F401  (registers the models)
+from fairseq_alibi.models.transformer_lm import UNBOUNDED_POSITIONS
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dict")
+    (path / "dict.txt").write_text("".join(f"w{i} {100 - i}\n" for i in range(40)))
+    return path
+
+
+def build(data_dir, *extra, arch="transformer_lm_alibi"):
+    argv = [
+        str(data_dir), "--task", "language_modeling", "--arch", arch,
+        "--tokens-per-sample", "128", "--decoder-layers", "3",
+        "--decoder-embed-dim", "48", "--decoder-ffn-embed-dim", "64",
+        "--decoder-attention-heads", "6", *extra,
+    ]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    return task.build_model(cfg.model), cfg
+
+
+def test_no_positions_and_one_shared_bias(data_dir):
+    model, _ = build(data_dir)
+    assert model.decoder.embed_positions is None
+    assert not [k for k in model.state_dict() if "pos" in k]
+    biases = {id(layer.self_attn.alibi) for layer in model.decoder.layers}
+    assert biases == {id(model.decoder.alibi_bias)}
+    assert model.decoder.alibi_bias.num_heads == 6
+    assert model.max_positions() == UNBOUNDED_POSITIONS
+
+
+def test_io_dims_follow_embed_dim(data_dir):
+    """No silent 512-wide input/output projections on a 48-wide model."""
+    model, cfg = build(data_dir)
+    assert model.decoder.project_in_dim is None and model.decoder.project_out_dim is None
+    assert model.decoder.embed_tokens.weight.shape == (len(model.decoder.dictionary), 48)
+
+
+def test_train_length_defaults_to_tokens_per_sample(data_dir):
+    _, cfg = build(data_dir)
+    assert cfg.model.alibi_train_length == 128
+    model, cfg = build(data_dir, "--alibi-train-length", "64", "--alibi-interpolation", "linear")
+    assert model.decoder.alibi_bias.train_length == 64
+    # dynamic linear: trained at 64, a 256-token forward divides slopes by 4
+    slopes = model.decoder.alibi_bias.slopes(256)
+    torch.testing.assert_close(slopes, fairseq_alibi.alibi.get_slopes(6) / 4)
+
+
+def test_forward_runs_longer_than_training(data_dir):
+    model, _ = build(data_dir)
+    model.eval()
+    tokens = torch.randint(4, 40, (2, 300))  # > tokens_per_sample=128
+    with torch.no_grad():
+        logits, _ = model(tokens)
+    assert logits.shape == (2, 300, len(model.decoder.dictionary))
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--alibi-interpolation", "cubic"], "alibi_interpolation='cubic' is not valid; allowed values: none, linear, ntk"),
+        (["--alibi-interpolation", "linear", "--alibi-scale-factor", "0.5"], "alibi_scale_factor=0.5 is not valid"),
+        (["--alibi-attention", "magic"], "alibi_attention='magic' is not valid; allowed values: auto"),
+        (["--alibi-train-length", "-4"], "alibi_train_length=-4 is not valid"),
+    ],
+)
+def test_bad_config_fails_at_build(data_dir, flags, message):
+    with pytest.raises(ValueError) as err:
+        build(data_dir, *flags)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("stock_arch", ["transformer_lm", "transformer_lm_gpt2_tiny"])
+def test_twin_has_stock_parameter_count(data_dir, stock_arch):
+    """Same architecture, same size as the stock model (positions are sinusoidal
+    there, so parameter-free), when the io dims are given explicitly."""
+    dims = ["--decoder-input-dim", "48", "--decoder-output-dim", "48"]
+    stock, _ = build(data_dir, *dims, arch=stock_arch)
+    twin, _ = build(data_dir, *dims, arch=stock_arch + "_alibi")
+    assert stock.decoder.embed_positions is not None
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(twin) == count(stock)
+    assert twin.decoder.layers[0].normalize_before == stock.decoder.layers[0].normalize_before
