@@ -160,3 +160,122 @@ def fork_causal_bias(
     bias = bias.expand(-1, length, -1).to(dtype)
     upper = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
     return bias.masked_fill(upper, float("-inf"))
+
+
+# ---------------------------------------------------------------------------
+# Bidirectional (encoder) variants.  ``relative_distance`` is ``i - j``, so a
+# key to the *left* of its query has a positive distance.
+# ---------------------------------------------------------------------------
+
+#: Head directions returned by ``split_directions``.
+LOOK_LEFT, LOOK_BOTH, LOOK_RIGHT = -1, 0, 1
+
+#: Smallest learned slope: the softplus parametrization adds it, so a learned
+#: slope stays strictly positive (the bias strictly negative) even where the
+#: softplus underflows in float32.
+MIN_LEARNED_SLOPE = 1e-6
+
+
+def split_directions(num_heads: int) -> torch.Tensor:
+    """int64 ``[H]`` direction of every head in ``split`` mode.
+
+    The first ``H // 2`` heads look left (keys ``j <= i``), the next ``H // 2``
+    look right (``j >= i``).  With an odd head count the last head looks both
+    ways with the symmetric bias, so that mirroring the input maps the set of
+    heads onto itself (left <-> right, the middle head to itself).
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be an integer >= 1, got {num_heads!r}")
+    half = num_heads // 2
+    directions = [LOOK_LEFT] * half + [LOOK_RIGHT] * half
+    if num_heads % 2:
+        directions.append(LOOK_BOTH)
+    return torch.tensor(directions, dtype=torch.int64)
+
+
+def split_slopes(num_heads: int) -> torch.Tensor:
+    """float32 ``[H]`` slopes for ``split`` mode, in ``split_directions`` order.
+
+    Each direction gets the paper's slopes for ``ceil(H / 2)`` heads (the left
+    and right halves are mirror images with identical slopes); with an odd
+    head count the two-sided middle head takes the last slope of that sequence.
+    """
+    directions = split_directions(num_heads)
+    half = num_heads // 2
+    per_side = get_slopes(num_heads - half)  # ceil(H / 2)
+    slopes = torch.cat([per_side[:half], per_side[:half]])
+    if num_heads % 2:
+        slopes = torch.cat([slopes, per_side[half:]])
+    assert slopes.numel() == directions.numel()
+    return slopes
+
+
+def split_bias(
+    slopes: torch.Tensor,
+    q_len: int,
+    k_len: int,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    q_start: Optional[int] = 0,
+    masked_value: float = float("-inf"),
+) -> torch.Tensor:
+    """``[H, q_len, k_len]`` bias of ``split`` mode.
+
+    ``-slope * |i - j|`` on the side a head looks at, ``masked_value`` on the
+    other side; head directions as in ``split_directions(H)``.  Left-looking
+    heads get exactly ``causal_bias`` (with ``q_start`` explicit).  Pass a
+    finite ``masked_value`` when whole query rows may otherwise be masked
+    (padding on the one side a head sees) and produce NaN.
+    """
+    directions = split_directions(slopes.numel()).to(device)
+    distance = relative_distance(q_len, k_len, device, q_start)
+    bias = -slopes.to(device=device, dtype=torch.float32)[:, None, None] * distance.abs()
+    hidden = ((directions == LOOK_LEFT)[:, None, None] & (distance < 0)) | (
+        (directions == LOOK_RIGHT)[:, None, None] & (distance > 0)
+    )
+    return bias.masked_fill(hidden, masked_value).to(dtype)
+
+
+def asymmetric_bias(
+    left_slopes: torch.Tensor,
+    right_slopes: torch.Tensor,
+    q_len: int,
+    k_len: int,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    q_start: Optional[int] = 0,
+) -> torch.Tensor:
+    """``[H, q_len, k_len]``: ``-left * (i - j)`` for keys left of the query,
+    ``-right * (j - i)`` for keys right of it, ``0`` on the diagonal.
+
+    Differentiable in both slope vectors (the learned mode trains them).
+    """
+    if left_slopes.shape != right_slopes.shape or left_slopes.dim() != 1:
+        raise ValueError(
+            f"left and right slopes must both be [H], got {tuple(left_slopes.shape)} "
+            f"and {tuple(right_slopes.shape)}"
+        )
+    distance = relative_distance(q_len, k_len, device, q_start).to(torch.float32)
+    left = left_slopes.to(device=device, dtype=torch.float32)[:, None, None]
+    right = right_slopes.to(device=device, dtype=torch.float32)[:, None, None]
+    bias = -left * distance.clamp(min=0) - right * (-distance).clamp(min=0)
+    return bias.to(dtype)
+
+
+def learned_slopes(raw: torch.Tensor, floor: float = MIN_LEARNED_SLOPE) -> torch.Tensor:
+    """Positive slopes from unconstrained parameters: ``softplus(raw) + floor``.
+
+    Softplus is linear for large ``raw`` (no overflow, unlike ``exp``) and its
+    gradient is ``sigmoid(raw)``, relative to the slope for small slopes, much
+    like a log parametrization.  The floor keeps the slope > 0 in float32.
+    """
+    return torch.nn.functional.softplus(raw.to(torch.float32)) + floor
+
+
+def learned_slopes_inverse(slopes: torch.Tensor, floor: float = MIN_LEARNED_SLOPE) -> torch.Tensor:
+    """The ``raw`` parameters with ``learned_slopes(raw) == slopes`` (init)."""
+    magnitude = slopes.to(torch.float32) - floor
+    if not bool((magnitude > 0).all()):
+        raise ValueError(f"learned ALiBi slopes must exceed {floor}, got {slopes.tolist()}")
+    # softplus^-1(y) = log(expm1(y)) = y + log(-expm1(-y)), stable for large and small y
+    return magnitude + torch.log(-torch.expm1(-magnitude))

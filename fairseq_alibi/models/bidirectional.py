@@ -1,0 +1,286 @@
+"""Bidirectional ALiBi for encoders: config fields, the shared bias, the attention
+modules and an encoder without position embeddings.
+
+Three ``--alibi-bidirectional`` modes:
+
+* ``symmetric``: ``-m_h * |i - j|`` for every head, the paper's slopes;
+* ``split``: half the heads see only keys to their left, half only keys to
+  their right, each with ``-m * distance`` (the two halves mirror each other and
+  share the slopes of ``ceil(H / 2)`` heads); with an odd head count the last
+  head sees both sides with the symmetric bias (``alibi.split_directions``);
+* ``learned``: separate left and right slopes per head and per layer, trained,
+  parametrized as ``softplus(raw) + 1e-6`` so the bias stays negative,
+  initialised to the paper's slopes on both sides.
+
+``symmetric`` and ``split`` have no parameters: one ``BidirectionalBias`` per
+encoder stack scales the slopes once per length and caches one dense bias that
+all layers reuse, as the causal LM does.  ``learned`` slopes are parameters of
+each layer's attention module (``alibi_left`` / ``alibi_right``, the raw
+softplus inputs), so every layer can learn its own range; the bias is then
+built per layer and per forward (it carries gradients).
+
+Interpolation (``alibi_interpolation`` / ``alibi_scale_factor`` /
+``alibi_train_length``) has the LM's semantics and applies to all modes: the
+factor is resolved from the key length of the forward pass; the learned mode
+scales its left and right slopes together (NTK spreads over all ``2H``).
+
+All modes plug into ``AlibiMultiheadAttention`` through its ``bias_block`` /
+``dense_bias`` / ``causal`` hooks, so every kernel path (reference, sdpa,
+chunked) applies unchanged.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+from torch import Tensor, nn
+
+from fairseq.dataclass import FairseqDataclass
+from fairseq.distributed import fsdp_wrap
+from fairseq.models.transformer import TransformerConfig, TransformerEncoder
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
+
+from .. import alibi
+from ..attention import ATTENTION_PATHS, AlibiBias, AlibiMultiheadAttention
+
+# Same value as the LM: no position table, so no cap on the input length.
+UNBOUNDED_POSITIONS = 1 << 30
+
+
+@dataclass
+class AlibiEncoderConfig(FairseqDataclass):
+    """ALiBi fields of the encoder models (added to their argparse options)."""
+
+    alibi_bidirectional: str = field(
+        default="symmetric",
+        metadata={
+            "help": "encoder self-attention bias: "
+            f"{' | '.join(alibi.BIDIRECTIONAL_MODES)} (symmetric: -m|i-j| every head; "
+            "split: half the heads look only left, half only right, an odd last head "
+            "both ways; learned: per-layer left/right slopes, trained, kept negative)"
+        },
+    )
+    alibi_interpolation: str = field(
+        default="none",
+        metadata={
+            "help": "context extension applied to the ALiBi slopes: "
+            f"{' | '.join(alibi.INTERPOLATION_METHODS)} (linear: every slope / factor; "
+            "ntk: steepest head kept, flattest / factor, geometric in between)"
+        },
+    )
+    alibi_scale_factor: float = field(
+        default=0.0,
+        metadata={
+            "help": "interpolation factor: 0 = dynamic, max(1, length / alibi_train_length); "
+            "otherwise a static factor >= 1"
+        },
+    )
+    alibi_train_length: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "the length the model was trained at (masked LM: defaults to the "
+            "task's tokens_per_sample; translation: set it to use dynamic scaling)"
+        },
+    )
+    alibi_attention: str = field(
+        default="auto",
+        metadata={"help": f"attention kernel: {' | '.join(ATTENTION_PATHS)}"},
+    )
+
+
+def masked_value_for(dtype: torch.dtype) -> float:
+    """Finite stand-in for ``-inf`` on the side a split head does not see.
+
+    Finite so that a query whose whole visible side is padding (a padding
+    position itself) still has a defined softmax: with ``-inf`` its row would
+    be NaN, and NaN values poison every later layer through ``0 * NaN``.  Large
+    enough that ``exp`` of it is exactly 0 next to any real score (fairseq's
+    own convention for additive masks: -1e8, or -1e4 in 16-bit types).
+    """
+    return -1e8 if dtype in (torch.float32, torch.float64) else -1e4
+
+
+class BidirectionalBias:
+    """The fixed-slope bias of one encoder stack, shared by all its layers.
+
+    A plain object, like ``AlibiBias``: no parameters, nothing in the state
+    dict, caches keyed by device and dtype.  ``kernel`` is the ``AlibiBias``
+    handed to every layer's attention (it validates the options and carries
+    the kernel choice).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        mode: str = "symmetric",
+        interpolation: str = "none",
+        scale_factor: float = 0.0,
+        train_length: Optional[int] = None,
+        attention_path: str = "auto",
+    ):
+        if mode not in alibi.BIDIRECTIONAL_MODES:
+            raise ValueError(
+                f"alibi_bidirectional={mode!r} is not valid; "
+                f"allowed values: {', '.join(alibi.BIDIRECTIONAL_MODES)}"
+            )
+        self.kernel = AlibiBias(
+            num_heads,
+            interpolation=interpolation,
+            scale_factor=scale_factor,
+            train_length=train_length,
+            kind="symmetric",
+            attention_path=attention_path,
+        )
+        self.num_heads = num_heads
+        self.mode = mode
+        self.interpolation = interpolation
+        self.scale_factor = float(scale_factor)
+        self.train_length = train_length
+        self.base_slopes = alibi.split_slopes(num_heads) if mode == "split" else alibi.get_slopes(num_heads)
+        self._slopes_cache: Dict[tuple, Tensor] = {}
+        self._dense_key: Optional[tuple] = None
+        self._dense: Optional[Tensor] = None
+
+    def factor(self, seq_len: int) -> float:
+        return alibi.resolve_scale_factor(
+            self.interpolation, self.scale_factor, self.train_length, seq_len
+        )
+
+    def scale(self, slopes: Tensor, seq_len: int) -> Tensor:
+        """``slopes`` interpolated for a forward over ``seq_len`` keys (differentiable)."""
+        return alibi.scale_slopes(slopes, self.interpolation, self.factor(seq_len))
+
+    def slopes(self, seq_len: int, device=None) -> Tensor:
+        """float32 ``[H]`` fixed slopes for ``seq_len`` keys (symmetric / split)."""
+        key = (self.factor(seq_len), str(device))
+        if key not in self._slopes_cache:
+            if len(self._slopes_cache) > 64:
+                self._slopes_cache.clear()
+            self._slopes_cache[key] = self.scale(self.base_slopes, seq_len).to(device)
+        return self._slopes_cache[key]
+
+    def block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
+        slopes = self.slopes(k_len, device)
+        if self.mode == "split":
+            return alibi.split_bias(
+                slopes, q_len, k_len, dtype, device, q_start, masked_value_for(dtype)
+            )
+        if self.mode == "symmetric":
+            return alibi.symmetric_bias(slopes, q_len, k_len, dtype, device, q_start)
+        raise RuntimeError("learned slopes live in the attention modules, not the shared bias")
+
+    def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
+        """Whole-matrix bias, built by the first layer and reused by the others."""
+        key = (q_len, k_len, dtype, str(device), self.factor(k_len))
+        if self._dense_key != key:
+            self._dense = self.block(0, q_len, k_len, dtype, device)
+            self._dense_key = key
+        return self._dense
+
+    def attention(self, embed_dim: int, **kwargs) -> AlibiMultiheadAttention:
+        """A new self-attention module of this stack's mode."""
+        cls = LearnedAlibiAttention if self.mode == "learned" else BidirectionalAlibiAttention
+        return cls(embed_dim, self.num_heads, self, **kwargs)
+
+
+class BidirectionalAlibiAttention(AlibiMultiheadAttention):
+    """Unmasked ALiBi self-attention (symmetric or split) over a shared bias."""
+
+    def __init__(self, embed_dim: int, num_heads: int, stack: BidirectionalBias, **kwargs):
+        super().__init__(embed_dim, num_heads, stack.kernel, **kwargs)
+        self.stack = stack  # plain object: not a submodule, not in the state dict
+
+    @property
+    def causal(self) -> bool:
+        return False
+
+    def bias_block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
+        return self.stack.block(q_start, q_len, k_len, dtype, device)
+
+    def dense_bias(self, q_len: int, k_len: int, dtype, device) -> Tensor:
+        return self.stack.dense(q_len, k_len, dtype, device)
+
+
+class LearnedAlibiAttention(BidirectionalAlibiAttention):
+    """ALiBi self-attention with this layer's own learned left/right slopes."""
+
+    def __init__(self, embed_dim: int, num_heads: int, stack: BidirectionalBias, **kwargs):
+        super().__init__(embed_dim, num_heads, stack, **kwargs)
+        raw = alibi.learned_slopes_inverse(alibi.get_slopes(num_heads))
+        self.alibi_left = nn.Parameter(raw.clone())
+        self.alibi_right = nn.Parameter(raw.clone())
+
+    def slopes(self, seq_len: Optional[int] = None):
+        """(left, right) positive float32 ``[H]`` slopes, interpolated for ``seq_len``."""
+        left = alibi.learned_slopes(self.alibi_left)
+        right = alibi.learned_slopes(self.alibi_right)
+        if seq_len is None:
+            return left, right
+        both = self.stack.scale(torch.cat([left, right]), seq_len)
+        return both[: self.num_heads], both[self.num_heads :]
+
+    def bias_block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
+        left, right = self.slopes(k_len)
+        return alibi.asymmetric_bias(left, right, q_len, k_len, dtype, device, q_start)
+
+    def dense_bias(self, q_len: int, k_len: int, dtype, device) -> Tensor:
+        return self.bias_block(0, q_len, k_len, dtype, device)
+
+
+def build_bidirectional_bias(args) -> BidirectionalBias:
+    """The encoder stack's bias from (resolved) config fields; raises ValueError
+    naming the field for an invalid value."""
+    train_length = getattr(args, "alibi_train_length", None)
+    if train_length is not None:
+        train_length = int(train_length)
+    return BidirectionalBias(
+        num_heads=args.encoder_attention_heads,
+        mode=getattr(args, "alibi_bidirectional", "symmetric"),
+        interpolation=getattr(args, "alibi_interpolation", "none"),
+        scale_factor=getattr(args, "alibi_scale_factor", 0.0),
+        train_length=train_length,
+        attention_path=getattr(args, "alibi_attention", "auto"),
+    )
+
+
+class AlibiEncoderLayer(TransformerEncoderLayerBase):
+    """Stock encoder layer whose self-attention is bidirectional ALiBi."""
+
+    def __init__(self, cfg, stack: BidirectionalBias, return_fc=False):
+        self.alibi_stack = stack  # plain attribute, read by build_self_attention
+        super().__init__(cfg, return_fc=return_fc)
+
+    def build_self_attention(self, embed_dim, cfg):
+        if cfg.encoder.attention_heads != self.alibi_stack.num_heads:
+            raise ValueError("encoder_attention_heads differs from the ALiBi bias's head count")
+        return self.alibi_stack.attention(
+            embed_dim,
+            dropout=cfg.attention_dropout,
+            q_noise=self.quant_noise,
+            qn_block_size=self.quant_noise_block_size,
+        )
+
+
+class AlibiTransformerEncoder(TransformerEncoder):
+    """Stock encoder without position embeddings, built from ALiBi layers.
+
+    Used by both ``roberta_alibi`` and ``transformer_alibi``.
+    """
+
+    def __init__(self, args, dictionary, embed_tokens, return_fc=False):
+        args.no_token_positional_embeddings = True
+        self.alibi_bias = build_bidirectional_bias(args)  # before the layers are built
+        super().__init__(args, dictionary, embed_tokens, return_fc=return_fc)
+
+    def build_encoder_layer(self, cfg):
+        cfg = TransformerConfig.from_namespace(cfg)
+        layer = AlibiEncoderLayer(cfg, self.alibi_bias, return_fc=self.return_fc)
+        if cfg.checkpoint_activations:
+            layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+            return fsdp_wrap(layer, min_num_params=0)
+        return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap)
+
+    def max_positions(self):
+        """ALiBi has no position table: the input length is not capped."""
+        return UNBOUNDED_POSITIONS

@@ -1,0 +1,101 @@
+"""``transformer_alibi``: fairseq's encoder-decoder transformer with ALiBi.
+
+* encoder self-attention: bidirectional ALiBi (``--alibi-bidirectional``
+  ``symmetric`` | ``split`` | ``learned``), no position embeddings;
+* decoder self-attention: the core plugin's causal ALiBi (one shared
+  ``AlibiBias(kind="causal")`` per stack, KV cache exact), no position
+  embeddings;
+* encoder-decoder attention: stock ``MultiheadAttention``, no position
+  information at all;
+* neither side caps the input length (``max_source_positions`` /
+  ``max_target_positions`` stay as filters only if given explicitly).
+
+The interpolation fields apply to both stacks, each resolving its factor from
+its own key length.  With dynamic scaling (factor 0) the decoder's slopes
+change while it generates, so its KV cache is no longer exact; use a static
+factor when that matters (the LM has the same caveat).
+
+Every stock ``transformer*`` architecture of model ``transformer`` gets an
+``<arch>_alibi`` twin (``transformer`` -> ``transformer_alibi``).
+"""
+
+from fairseq.dataclass.utils import gen_parser_from_dataclass
+from fairseq.models import (
+    ARCH_CONFIG_REGISTRY,
+    ARCH_MODEL_NAME_REGISTRY,
+    register_model,
+    register_model_architecture,
+)
+from fairseq.models.transformer import TransformerModel
+
+from .bidirectional import (
+    UNBOUNDED_POSITIONS,
+    AlibiEncoderConfig,
+    AlibiTransformerEncoder,
+    build_bidirectional_bias,
+)
+from .transformer_lm import AlibiTransformerDecoder, build_alibi_bias
+
+
+@register_model("transformer_alibi")
+class AlibiTransformerModel(TransformerModel):
+    @classmethod
+    def hub_models(cls):
+        return {}
+
+    @classmethod
+    def add_args(cls, parser):
+        super().add_args(parser)
+        gen_parser_from_dataclass(parser, AlibiEncoderConfig())
+
+    @classmethod
+    def build_model(cls, args, task):
+        transformer_alibi_architecture(args)
+        for name in ("max_source_positions", "max_target_positions"):
+            if getattr(args, name, None) is None:
+                setattr(args, name, UNBOUNDED_POSITIONS)
+        # Fail at build time, naming the field, rather than mid-forward.
+        build_bidirectional_bias(args)
+        build_alibi_bias(args)
+        return super().build_model(args, task)
+
+    @classmethod
+    def build_encoder(cls, args, src_dict, embed_tokens):
+        return AlibiTransformerEncoder(args, src_dict, embed_tokens)
+
+    @classmethod
+    def build_decoder(cls, args, tgt_dict, embed_tokens):
+        return AlibiTransformerDecoder(
+            args, tgt_dict, embed_tokens, no_encoder_attn=getattr(args, "no_cross_attention", False)
+        )
+
+
+def _twin(stock_arch_fn):
+    def alibi_arch(args):
+        stock_arch_fn(args)
+        args.no_token_positional_embeddings = True
+        args.encoder_learned_pos = False
+        args.decoder_learned_pos = False
+        for name, value in AlibiEncoderConfig().__dict__.items():
+            if getattr(args, name, None) is None and value is not None:
+                setattr(args, name, value)
+
+    alibi_arch.__doc__ = f"ALiBi twin of {stock_arch_fn.__name__}."
+    return alibi_arch
+
+
+# "transformer" -> "transformer_alibi", "transformer_iwslt_de_en" ->
+# "transformer_iwslt_de_en_alibi", ... for every arch of the stock model.
+STOCK_ARCHS = sorted(
+    name
+    for name, model in ARCH_MODEL_NAME_REGISTRY.items()
+    if model == "transformer" and name.startswith("transformer")
+)
+transformer_alibi_architecture = register_model_architecture("transformer_alibi", "transformer_alibi")(
+    _twin(ARCH_CONFIG_REGISTRY["transformer"])
+)
+for _name in STOCK_ARCHS:
+    if _name != "transformer":
+        register_model_architecture("transformer_alibi", f"{_name}_alibi")(
+            _twin(ARCH_CONFIG_REGISTRY[_name])
+        )
