@@ -1,0 +1,486 @@
+"""Bidirectional ALiBi: bias maths, encoder attention modes, roberta_alibi and
+transformer_alibi (training, beam search against a full forward)."""
+
+import contextlib
+import importlib
+import io
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from fairseq import checkpoint_utils, options, tasks
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+import fairseq_alibi  # noqa: F401  (registers the models)
+from fairseq_alibi import alibi
+from fairseq_alibi.attention import AlibiMultiheadAttention
+from fairseq_alibi.models.bidirectional import (
+    UNBOUNDED_POSITIONS,
+    BidirectionalAlibiAttention,
+    BidirectionalBias,
+    LearnedAlibiAttention,
+)
+
+BIN = os.path.dirname(sys.executable)
+USER_DIR = os.path.dirname(os.path.abspath(fairseq_alibi.__file__))
+MODES = alibi.BIDIRECTIONAL_MODES
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared machine: one intra-op thread is many times faster
+    than two competing with other processes for the same cores."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# --------------------------------------------------------------------------
+# The maths against naive loops
+# --------------------------------------------------------------------------
+
+
+def naive_split(slopes, q_len, k_len, q_start, masked):
+    H = len(slopes)
+    half = H // 2
+    out = torch.empty(H, q_len, k_len)
+    for h in range(H):
+        side = "left" if h < half else ("right" if h < 2 * half else "both")
+        for a in range(q_len):
+            i = q_start + a
+            for j in range(k_len):
+                hidden = (side == "left" and j > i) or (side == "right" and j < i)
+                out[h, a, j] = masked if hidden else -slopes[h] * abs(i - j)
+    return out
+
+
+def naive_asymmetric(left, right, q_len, k_len, q_start):
+    out = torch.empty(len(left), q_len, k_len)
+    for h in range(len(left)):
+        for a in range(q_len):
+            i = q_start + a
+            for j in range(k_len):
+                out[h, a, j] = -left[h] * (i - j) if j <= i else -right[h] * (j - i)
+    return out
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 3, 5, 8, 12])
+@pytest.mark.parametrize("q_start,q_len,k_len", [(0, 7, 7), (3, 2, 9), (0, 1, 5), (6, 3, 9)])
+def test_split_bias_matches_loops(num_heads, q_start, q_len, k_len):
+    slopes = alibi.split_slopes(num_heads)
+    for masked in (float("-inf"), -1e4):
+        got = alibi.split_bias(slopes, q_len, k_len, q_start=q_start, masked_value=masked)
+        want = naive_split(slopes.tolist(), q_len, k_len, q_start, masked)
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 5, 8])
+@pytest.mark.parametrize("q_start,q_len,k_len", [(0, 6, 6), (2, 3, 8), (7, 1, 8)])
+def test_asymmetric_bias_matches_loops(num_heads, q_start, q_len, k_len):
+    left = torch.rand(num_heads) + 0.01
+    right = torch.rand(num_heads) + 0.01
+    got = alibi.asymmetric_bias(left, right, q_len, k_len, q_start=q_start)
+    want = naive_asymmetric(left.tolist(), right.tolist(), q_len, k_len, q_start)
+    torch.testing.assert_close(got, want)
+    # equal sides reduce to the symmetric bias
+    torch.testing.assert_close(
+        alibi.asymmetric_bias(left, left, q_len, k_len, q_start=q_start),
+        alibi.symmetric_bias(left, q_len, k_len, q_start=q_start),
+    )
+
+
+def test_split_layout_and_odd_heads():
+    assert alibi.split_directions(4).tolist() == [-1, -1, 1, 1]
+    assert alibi.split_directions(5).tolist() == [-1, -1, 1, 1, 0]
+    assert alibi.split_directions(1).tolist() == [0]
+    # even: both halves carry the paper's slopes for H/2 heads
+    torch.testing.assert_close(alibi.split_slopes(8), alibi.get_slopes(4).repeat(2))
+    # odd: ceil(H/2)-head slopes, the two-sided head takes the last one
+    torch.testing.assert_close(
+        alibi.split_slopes(5), torch.cat([alibi.get_slopes(3)[:2]] * 2 + [alibi.get_slopes(3)[2:]])
+    )
+    # left-looking heads are exactly the causal bias
+    slopes = alibi.split_slopes(6)
+    bias = alibi.split_bias(slopes, 5, 9, q_start=4)
+    torch.testing.assert_close(bias[:3], alibi.causal_bias(slopes[:3], 5, 9, q_start=4))
+    # right-looking heads are the mirror image of the left-looking ones
+    square = alibi.split_bias(slopes, 7, 7)
+    torch.testing.assert_close(square[3:], square[:3].transpose(1, 2))
+
+
+def test_learned_slope_parametrization():
+    slopes = alibi.get_slopes(12)
+    torch.testing.assert_close(alibi.learned_slopes(alibi.learned_slopes_inverse(slopes)), slopes)
+    extreme = torch.tensor([-1e4, -100.0, 0.0, 50.0, 1e4])
+    out = alibi.learned_slopes(extreme)
+    assert bool((out > 0).all()) and bool(torch.isfinite(out).all())
+    with pytest.raises(ValueError):
+        alibi.learned_slopes_inverse(torch.tensor([0.5, 0.0]))
+
+
+# --------------------------------------------------------------------------
+# Attention modules
+# --------------------------------------------------------------------------
+
+
+def attention(mode, heads=4, dim=32, path="reference", **options_):
+    torch.manual_seed(0)
+    stack = BidirectionalBias(heads, mode, attention_path=path, **options_)
+    return stack.attention(dim).eval(), stack
+
+
+@pytest.mark.parametrize("heads", [4, 5])
+@pytest.mark.parametrize("path", ["reference", "sdpa", "chunked"])
+def test_split_left_heads_ignore_the_right(heads, path):
+    """Per head: tokens right of i change nothing for left-looking heads at i,
+    tokens left of i nothing for right-looking heads; two-sided heads see both."""
+    dim = heads * 8
+    module, _ = attention("split", heads, dim, path)
+    with torch.no_grad():  # identity output projection: output = concatenated heads
+        module.out_proj.weight.copy_(torch.eye(dim))
+        module.out_proj.bias.zero_()
+    torch.manual_seed(1)
+    T, i = 12, 6
+    x = torch.randn(T, 2, dim)
+    y = x.clone()
+    y[i + 1 :] = torch.randn(T - i - 1, 2, dim)  # change only positions right of i
+    z = x.clone()
+    z[:i] = torch.randn(i, 2, dim)  # change only positions left of i
+    with torch.no_grad():
+        ox, oy, oz = (module(t, t, t, need_weights=False)[0].view(T, 2, heads, 8) for t in (x, y, z))
+    directions = alibi.split_directions(heads)
+    for h in range(heads):
+        same_right = torch.allclose(ox[i, :, h], oy[i, :, h], atol=1e-6)
+        same_left = torch.allclose(ox[i, :, h], oz[i, :, h], atol=1e-6)
+        assert same_right == (directions[h] == alibi.LOOK_LEFT), h
+        assert same_left == (directions[h] == alibi.LOOK_RIGHT), h
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kernel_paths_agree(mode):
+    """Same weights, the bias through dense_bias (reference, sdpa) or per block
+    (chunked, two blocks at 300 queries), with left padding in one row."""
+    x = torch.randn(300, 2, 32)
+    pad = torch.zeros(2, 300, dtype=torch.bool)
+    pad[1, :40] = True
+    outs = {}
+    for path in ("reference", "sdpa", "chunked"):
+        module, _ = attention(mode, 4, 32, path)
+        with torch.no_grad():
+            outs[path] = module(x, x, x, key_padding_mask=pad, need_weights=False)[0]
+    assert bool(torch.isfinite(outs["reference"]).all())
+    torch.testing.assert_close(outs["sdpa"], outs["reference"], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(outs["chunked"], outs["reference"], atol=1e-5, rtol=1e-4)
+
+
+def test_shared_modes_share_one_cached_bias():
+    _, stack = attention("split", 4, 32)
+    a = stack.dense(9, 9, torch.float32, "cpu")
+    assert stack.dense(9, 9, torch.float32, "cpu") is a
+    module = stack.attention(32)
+    assert isinstance(module, BidirectionalAlibiAttention) and not module.causal
+    assert all(k.split(".")[0] in ("q_proj", "k_proj", "v_proj", "out_proj") for k in module.state_dict())
+
+
+def test_encoder_interpolation_dynamic_and_learned():
+    stack = BidirectionalBias(8, "symmetric", interpolation="linear", train_length=64)
+    torch.testing.assert_close(stack.slopes(64), alibi.get_slopes(8))
+    torch.testing.assert_close(stack.slopes(256), alibi.get_slopes(8) / 4)
+    torch.testing.assert_close(
+        stack.dense(256, 256, torch.float32, "cpu"),
+        alibi.symmetric_bias(alibi.get_slopes(8) / 4, 256, 256),
+    )
+    ntk = BidirectionalBias(8, "split", interpolation="ntk", scale_factor=4.0)
+    torch.testing.assert_close(ntk.slopes(10), alibi.scale_slopes(alibi.split_slopes(8), "ntk", 4.0))
+    module, _ = attention("learned", 8, 32, interpolation="linear", train_length=16)
+    left, right = module.slopes(48)
+    torch.testing.assert_close(left, alibi.get_slopes(8) / 3)
+    torch.testing.assert_close(right, alibi.get_slopes(8) / 3)
+
+
+def test_learned_slopes_train_and_stay_negative():
+    module, _ = attention("learned", 4, 32, path="sdpa")
+    module.train()
+    x = torch.randn(10, 3, 32)
+    module(x, x, x, need_weights=False)[0].pow(2).sum().backward()
+    for p in (module.alibi_left, module.alibi_right):
+        assert p.grad is not None and bool(torch.isfinite(p.grad).all()) and p.grad.abs().sum() > 0
+    # A large learning rate pushing the bias up (towards positive) for many steps.
+    optimizer = torch.optim.Adam([module.alibi_left, module.alibi_right], lr=50.0)
+    for _ in range(20):
+        optimizer.zero_grad()
+        (-module.dense_bias(16, 16, torch.float32, "cpu")).sum().backward()
+        optimizer.step()
+    left, right = module.slopes()
+    assert float(module.alibi_left.max()) < -100  # really pushed, far into softplus underflow
+    assert bool((left > 0).all()) and bool((right > 0).all())
+    bias = module.dense_bias(16, 16, torch.float32, "cpu")
+    off_diagonal = ~torch.eye(16, dtype=torch.bool)
+    assert bool((bias[:, off_diagonal] < 0).all())
+
+
+# --------------------------------------------------------------------------
+# Models built in-process
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dict_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dicts")
+    entries = "".join(f"w{i} {100 - i}\n" for i in range(40))
+    for name in ("dict.txt", "dict.src.txt", "dict.tgt.txt"):
+        (path / name).write_text(entries)
+    return path
+
+
+def build(argv):
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    return task.build_model(cfg.model), cfg
+
+
+def build_roberta(dict_dir, mode, *extra, heads=4):
+    return build([
+        str(dict_dir), "--task", "masked_lm", "--arch", "roberta_alibi",
+        "--encoder-layers", "2", "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "48",
+        "--encoder-attention-heads", str(heads), "--tokens-per-sample", "32",
+        "--alibi-bidirectional", mode, *extra,
+    ])
+
+
+def build_transformer(dict_dir, mode, *extra):
+    return build([
+        str(dict_dir), "--task", "translation", "-s", "src", "-t", "tgt", "--arch", "transformer_alibi",
+        "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
+        "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "48", "--decoder-ffn-embed-dim", "48",
+        "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
+        "--alibi-bidirectional", mode, *extra,
+    ])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_roberta_structure(dict_dir, mode):
+    model, cfg = build_roberta(dict_dir, mode)
+    encoder = model.encoder.sentence_encoder
+    assert encoder.embed_positions is None
+    keys = list(model.state_dict())
+    assert not [k for k in keys if "pos" in k]
+    learned = [k for k in keys if "alibi" in k]
+    if mode == "learned":
+        assert len(learned) == 2 * 2  # left and right, per layer
+    else:
+        assert not learned
+        assert {id(layer.self_attn.stack) for layer in encoder.layers} == {id(encoder.alibi_bias)}
+    assert model.max_positions() == UNBOUNDED_POSITIONS
+    assert cfg.model.alibi_train_length == 32
+    # longer than tokens_per_sample: no position table caps it
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.randint(4, 40, (2, 100)))[0]
+    assert out.shape == (2, 100, len(model.encoder.dictionary)) and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("heads", [4, 8])
+def test_symmetric_encoder_is_reversal_equivariant(dict_dir, heads):
+    model, _ = build_roberta(dict_dir, "symmetric", heads=heads)
+    model.eval()
+    tokens = torch.randint(4, 40, (3, 23))
+    with torch.no_grad():
+        features = model(tokens, features_only=True)[0]
+        reversed_ = model(tokens.flip(1), features_only=True)[0]
+    torch.testing.assert_close(reversed_.flip(1), features, atol=1e-4, rtol=0)
+    # ... and the property is not vacuous: a causal-style split model breaks it
+    split, _ = build_roberta(dict_dir, "split", heads=heads)
+    split.eval()
+    with torch.no_grad():
+        a = split(tokens, features_only=True)[0]
+        b = split(tokens.flip(1), features_only=True)[0].flip(1)
+    assert (a - b).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_padding_leaves_real_positions_alone(dict_dir, mode):
+    """Left and right padding: finite everywhere, real positions as unpadded."""
+    model, _ = build_transformer(dict_dir, mode)
+    model.eval()
+    encoder, pad = model.encoder, model.encoder.padding_idx
+    tokens = torch.randint(4, 40, (1, 9))
+    left = torch.cat([torch.full((1, 4), pad), tokens], 1)
+    right = torch.cat([tokens, torch.full((1, 4), pad)], 1)
+    with torch.no_grad():
+        plain = encoder(tokens)["encoder_out"][0]
+        out_left = encoder(left)["encoder_out"][0]
+        out_right = encoder(right)["encoder_out"][0]
+    assert bool(torch.isfinite(out_left).all()) and bool(torch.isfinite(out_right).all())
+    torch.testing.assert_close(out_left[4:], plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_right[:9], plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_transformer_structure(dict_dir, mode):
+    model, _ = build_transformer(dict_dir, mode)
+    assert model.encoder.embed_positions is None and model.decoder.embed_positions is None
+    assert not [k for k in model.state_dict() if "pos" in k]
+    assert model.max_positions() == (UNBOUNDED_POSITIONS, UNBOUNDED_POSITIONS)
+    encoder_attn = model.encoder.layers[0].self_attn
+    assert isinstance(encoder_attn, LearnedAlibiAttention) == (mode == "learned")
+    decoder_self = model.decoder.layers[0].self_attn
+    assert isinstance(decoder_self, AlibiMultiheadAttention) and decoder_self.causal
+    cross = model.decoder.layers[0].encoder_attn
+    assert type(cross).__name__ == "MultiheadAttention"  # stock: no position information
+
+
+def test_arch_twins():
+    twins = {name: model for name, model in ARCH_MODEL_NAME_REGISTRY.items() if model == "transformer_alibi"}
+    stock = [n for n, m in ARCH_MODEL_NAME_REGISTRY.items() if m == "transformer" and n.startswith("transformer")]
+    assert {f"{n}_alibi" for n in stock} == set(twins)
+    assert {"transformer_alibi", "transformer_iwslt_de_en_alibi", "transformer_wmt_en_de_alibi"} <= set(twins)
+    for name in ("roberta_alibi", "roberta_alibi_base", "roberta_alibi_large"):
+        assert ARCH_MODEL_NAME_REGISTRY[name] == "roberta_alibi"
+
+
+def test_bad_mode_names_the_field(dict_dir):
+    with pytest.raises(ValueError, match="alibi_bidirectional"):
+        BidirectionalBias(4, "diagonal")
+    with pytest.raises(ValueError, match="alibi_train_length"):
+        build_transformer(dict_dir, "symmetric", "--alibi-interpolation", "linear")
+
+
+# --------------------------------------------------------------------------
+# The stock CLIs: masked-LM training, translation training and beam search
+# --------------------------------------------------------------------------
+
+
+def cli(module, *argv):
+    """A stock fairseq command in-process: its ``cli_main`` with ``sys.argv`` set
+    (the console scripts are exactly ``sys.exit(cli_main())``), stdout returned.
+    In-process saves an interpreter start and a torch import per command."""
+    entry = importlib.import_module(f"fairseq_cli.{module}").cli_main
+    saved, sys.argv = sys.argv, [f"fairseq-{module}", *map(str, argv)]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            entry()
+    finally:
+        sys.argv = saved
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def mlm_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlm")
+    rng = random.Random(0)
+    for split, n in (("train", 300), ("valid", 30)):
+        lines = (" ".join(f"w{rng.randrange(30)}" for _ in range(rng.randint(5, 30))) for _ in range(n))
+        (root / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    cli("preprocess", "--only-source", "--trainpref", root / "train.txt",
+        "--validpref", root / "valid.txt", "--destdir", root / "bin", "--workers", "1")
+    return root
+
+
+def mlm_train_args(data, mode, save):
+    return [
+        data, "--task", "masked_lm", "--arch", "roberta_alibi", "--alibi-bidirectional", mode,
+        "--cpu", "--encoder-layers", 2, "--encoder-embed-dim", 32, "--encoder-ffn-embed-dim", 48,
+        "--encoder-attention-heads", 4, "--tokens-per-sample", 32, "--sample-break-mode", "complete",
+        "--criterion", "masked_lm", "--optimizer", "adam", "--lr", 1e-3, "--batch-size", 8,
+        "--max-update", 3, "--save-dir", save, "--no-epoch-checkpoints", "--disable-validation",
+        "--num-workers", 0, "--log-format", "simple", "--log-interval", 1,
+    ]
+
+
+def check_mlm_checkpoint(path, mode):
+    state = checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    assert state["optimizer_history"][-1]["num_updates"] == 3
+    keys = list(state["model"])
+    assert not [k for k in keys if "pos" in k]
+    assert bool([k for k in keys if "alibi" in k]) == (mode == "learned")
+    model_cfg = state["cfg"]["model"]
+    assert model_cfg.alibi_bidirectional == mode and model_cfg.alibi_train_length == 32
+    init = alibi.learned_slopes_inverse(alibi.get_slopes(4))
+    for key in keys:  # learned slopes moved away from their init in training
+        if "alibi_" in key:
+            assert float((state["model"][key] - init).abs().min()) > 1e-4, key
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fairseq_train_masked_lm(mlm_data, mode, tmp_path):
+    """``fairseq-train --task masked_lm --arch roberta_alibi --user-dir ...``, 3 updates."""
+    cli("train", "--user-dir", USER_DIR, *mlm_train_args(mlm_data / "bin", mode, tmp_path))
+    check_mlm_checkpoint(tmp_path / "checkpoint_last.pt", mode)
+
+
+def test_fairseq_train_console_script(mlm_data, tmp_path):
+    """The literal shell command: stock console script, ``$(alibi-user-dir)``."""
+    argv = " ".join(f"'{a}'" for a in mlm_train_args(mlm_data / "bin", "split", tmp_path))
+    command = f'"{BIN}/fairseq-train" --user-dir "$("{BIN}/alibi-user-dir")" {argv}'
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    check_mlm_checkpoint(tmp_path / "checkpoint_last.pt", "split")
+
+
+@pytest.fixture(scope="module")
+def copy_model(tmp_path_factory):
+    """A tiny transformer_alibi (split encoder) trained for a few updates on copying."""
+    root = tmp_path_factory.mktemp("copy")
+    rng = random.Random(0)
+    for split, n in (("train", 400), ("valid", 20), ("test", 24)):
+        pairs = [[f"t{rng.randrange(12)}" for _ in range(rng.randint(3, 10))] for _ in range(n)]
+        (root / f"{split}.src").write_text("".join(" ".join(p) + "\n" for p in pairs))
+        (root / f"{split}.tgt").write_text("".join(" ".join(p) + "\n" for p in pairs))
+    cli("preprocess", "--source-lang", "src", "--target-lang", "tgt", "--joined-dictionary",
+        "--trainpref", root / "train", "--validpref", root / "valid", "--testpref", root / "test",
+        "--destdir", root / "bin", "--workers", "1")
+    cli("train", root / "bin", "--user-dir", USER_DIR, "--task", "translation",
+        "--arch", "transformer_alibi", "--alibi-bidirectional", "split", "--cpu",
+        "--encoder-layers", 2, "--decoder-layers", 2, "--encoder-embed-dim", 32, "--decoder-embed-dim", 32,
+        "--encoder-ffn-embed-dim", 64, "--decoder-ffn-embed-dim", 64,
+        "--encoder-attention-heads", 4, "--decoder-attention-heads", 4, "--share-all-embeddings",
+        "--optimizer", "adam", "--lr", 3e-3, "--max-tokens", 1000, "--max-update", 40,
+        "--save-dir", root / "ckpt", "--no-epoch-checkpoints", "--save-interval", 1000,
+        "--disable-validation", "--num-workers", 0, "--log-format", "simple", "--log-interval", 10)
+    return root
+
+
+def test_beam_search_matches_full_forward(copy_model):
+    """fairseq-generate (beam 4, KV cache, left-padded batches) scores each best
+    hypothesis exactly as a teacher-forced full forward of that hypothesis."""
+    out = cli("generate", copy_model / "bin", "--user-dir", USER_DIR, "--path",
+              copy_model / "ckpt" / "checkpoint_last.pt", "--beam", 4, "--batch-size", 8,
+              "--gen-subset", "test", "--max-len-b", 30, "--cpu")
+    sources, hypotheses = {}, {}
+    for line in out.splitlines():
+        tag, _, rest = line.partition("\t")
+        if tag.startswith("S-"):
+            sources[int(tag[2:])] = rest
+        elif tag.startswith("H-"):
+            score, _, text = rest.partition("\t")
+            hypotheses[int(tag[2:])] = (float(score) * math.log(2), text)
+    assert len(hypotheses) == 24
+
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(copy_model / "ckpt" / "checkpoint_last.pt")],
+        arg_overrides={"data": str(copy_model / "bin")},
+    )
+    model = models[0].eval()
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    compared = 0
+    for idx, (score, text) in hypotheses.items():
+        src = src_dict.encode_line(sources[idx], add_if_not_exist=False).long()[None]
+        hyp = tgt_dict.encode_line(text, add_if_not_exist=False).long()[None]  # ends with eos
+        prev = torch.cat([hyp.new_tensor([[tgt_dict.eos()]]), hyp[:, :-1]], 1)
+        with torch.no_grad():
+            net_output = model(src, torch.tensor([src.size(1)]), prev)
+            lprobs = model.get_normalized_probs(net_output, log_probs=True)
+        full = lprobs.gather(-1, hyp[..., None]).mean().item()  # lenpen 1: mean over tokens
+        assert abs(full - score) < 1e-4, (idx, full, score)
+        compared += 1
+    assert compared == 24
