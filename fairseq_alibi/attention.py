@@ -2,29 +2,34 @@
 
 ``AlibiBias`` is created once per layer stack and shared by all its layers: it
 turns the stack's configuration into (scaled) slopes for the current length and
-owns the one cached dense bias, so the bias is built once per forward, not per
-layer and never per batch row.
+owns the caches (the one dense bias, the merged padding mask, FlexAttention's
+block mask), so the bias is built once per forward, not per layer, and never per
+batch row.
 
 ``AlibiMultiheadAttention`` subclasses fairseq's ``MultiheadAttention`` and
 keeps its parameter names (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``) and
 its KV-cache layout, so checkpoints and beam-search reordering work unchanged.
 Only ``forward`` is replaced.
 
-Attention paths (``alibi_attention``):
+Attention paths (config field ``alibi_attention``):
 
-* ``reference``: explicit scores + bias + softmax; the ground truth, and the only
-  path that can return attention weights;
+* ``reference``: explicit scores + bias + softmax in fp32; the ground truth, and
+  the only path that can return attention weights;
 * ``sdpa``: ``F.scaled_dot_product_attention`` with one ``[1, H, T, S]`` bias
-  broadcast over the batch (fused kernels on CUDA; the training path on CPU);
+  broadcast over the batch, cached across layers and batches (CPU: the flash
+  kernel, the training path; CUDA: the memory-efficient kernel);
+* ``flex``: FlexAttention (CUDA, compiled) with ALiBi as a ``score_mod`` and a
+  cached causal block mask: nothing ``T x T`` is materialized, forward or backward;
 * ``chunked``: queries in blocks, the bias of each block built on the fly, so
-  memory grows linearly with the length (long-context evaluation);
-* ``auto``: ``reference`` when weights are requested, ``sdpa`` while training
-  or for short inputs, ``chunked`` for long inference.
+  memory grows linearly with the length (long evaluation without FlexAttention);
+* ``auto``: looked up in ``AUTO_PATHS`` from the device and the regime
+  (training, training with attention dropout, short or long inference);
+  ``reference`` whenever attention weights are requested.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +38,53 @@ from torch import Tensor
 
 from . import alibi
 
-ATTENTION_PATHS = ("auto", "reference", "sdpa", "chunked")
+ATTENTION_PATHS = ("auto", "reference", "sdpa", "flex", "chunked")
 BIAS_KINDS = ("causal", "symmetric")
 
-# Above this many query x key pairs, inference switches to the chunked path.
+# Inference with more query x key pairs than this is "long" (linear-memory path).
 CHUNK_THRESHOLD = 1024 * 1024
-# Queries per block on the chunked path: B x H x CHUNK x S scores live at once.
-CHUNK_SIZE = 256
+# Queries per block on the chunked path: B x H x CHUNK_SIZE x S scores live at
+# once (see docs/performance.md for the measurement behind the value).
+CHUNK_SIZE = 512
+
+REGIMES = ("train", "train_dropout", "decode", "short", "long")
+
+# The ``auto`` choice, as one table: device kind -> path per regime.
+#   train          gradients on, no attention dropout
+#   train_dropout  gradients on, attention dropout > 0 (FlexAttention has none)
+#   long           no gradients, more than CHUNK_THRESHOLD query x key pairs
+#   decode         no gradients, a (short) incremental step against a KV cache
+#   short          no gradients, any other short input
+AUTO_PATHS: Dict[str, Dict[str, str]] = {
+    #                              train   train_dropout decode  short   long
+    "cpu":       dict(zip(REGIMES, ("sdpa", "sdpa",      "sdpa", "sdpa", "chunked"))),
+    "cuda":      dict(zip(REGIMES, ("sdpa", "sdpa",      "sdpa", "sdpa", "chunked"))),
+    "cuda+flex": dict(zip(REGIMES, ("flex", "sdpa",      "sdpa", "flex", "flex"))),
+}
+
+
+def flex_available() -> bool:
+    """FlexAttention can be imported (torch >= 2.5)."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def regime(grad: bool, dropout_p: float, q_len: int, k_len: int, incremental: bool = False) -> str:
+    """The ``AUTO_PATHS`` column for one forward call."""
+    if grad:
+        return "train_dropout" if dropout_p > 0 else "train"
+    if q_len * k_len > CHUNK_THRESHOLD:
+        return "long"
+    return "decode" if incremental else "short"
+
+
+def device_kind(device: torch.device, flex_ok: bool) -> str:
+    if device.type == "cuda":
+        return "cuda+flex" if flex_ok and flex_available() else "cuda"
+    return "cpu"
 
 
 class AlibiBias:
@@ -47,7 +92,8 @@ class AlibiBias:
 
     A plain object rather than an ``nn.Module``: it has no parameters, nothing
     of it belongs in the state dict, and its caches are keyed by device and
-    dtype, so it needs no ``.to()``.
+    dtype, so it needs no ``.to()``.  Each cache holds one entry (the most recent
+    shape), so it never grows.
     """
 
     def __init__(
@@ -72,6 +118,8 @@ class AlibiBias:
         self._slopes_cache: Dict[tuple, Tensor] = {}
         self._dense_key: Optional[tuple] = None
         self._dense: Optional[Tensor] = None
+        self._merged: Optional[tuple] = None  # (bias, padding mask, its version, merged)
+        self._block_mask: Optional[tuple] = None  # (key, BlockMask)
 
     def slopes(self, seq_len: int, device=None) -> Tensor:
         """float32 ``[H]`` slopes for a sequence of ``seq_len`` keys."""
@@ -97,14 +145,44 @@ class AlibiBias:
         """The whole ``[H, q_len, k_len]`` bias, cached for the most recent shape.
 
         The first layer of a forward pass builds it, the others reuse it, and so
-        do later batches of the same length.
+        do later batches of the same length.  It is built directly in the
+        activation dtype, so no layer re-casts it.
         """
         key = (q_len, k_len, dtype, str(device), self.interpolation, self.scale_factor)
         if self._dense_key != key:
+            self._dense = self._dense_key = None  # free the old one before building
             q_start = k_len - q_len if self.kind == "causal" else 0
-            self._dense = self.block(q_start, q_len, k_len, dtype, device)
+            self._dense = _aligned(self.block(q_start, q_len, k_len, dtype, device))
             self._dense_key = key
         return self._dense
+
+    def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        """The additive mask for SDPA: ``[1, H, T, S]`` without padding (a view of
+        ``bias``, nothing copied), else ``[B, H, T, S]`` with ``-inf`` at padded
+        keys, built once per forward and shared by the layers (they all receive
+        the same padding-mask tensor)."""
+        if key_padding_mask is None:
+            return bias[None]
+        cached = self._merged
+        if (
+            cached is not None
+            and cached[0] is bias
+            and cached[1] is key_padding_mask
+            and cached[2] == key_padding_mask._version
+        ):
+            return cached[3]
+        self._merged = None
+        merged = bias[None] + _padding_mask(key_padding_mask, bias.dtype)
+        self._merged = (bias, key_padding_mask, key_padding_mask._version, merged)
+        return merged
+
+    def causal_block_mask(self, q_len: int, k_len: int, device):
+        """FlexAttention block mask of causal attention (queries the last ``q_len``
+        of ``k_len`` keys), cached for the most recent shape."""
+        key = (q_len, k_len, str(device))
+        if self._block_mask is None or self._block_mask[0] != key:
+            self._block_mask = (key, _causal_block_mask(q_len, k_len, device))
+        return self._block_mask[1]
 
 
 def validate_options(interpolation, scale_factor, train_length, attention_path) -> None:
@@ -148,21 +226,33 @@ def _padding_mask(key_padding_mask: Optional[Tensor], dtype) -> Optional[Tensor]
     return torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill(pad, float("-inf"))
 
 
+def _aligned(bias: Tensor) -> Tensor:
+    """On CUDA, give the bias a row stride that is a multiple of 8 elements (a
+    view into padded storage): the memory-efficient SDPA kernel needs aligned
+    mask rows and would otherwise copy the mask, or fall back to the math kernel."""
+    if bias.device.type != "cuda" or bias.size(-1) % 8 == 0:
+        return bias
+    rounded = (bias.size(-1) + 7) // 8 * 8
+    storage = bias.new_empty(*bias.shape[:-1], rounded)
+    storage[..., : bias.size(-1)].copy_(bias)
+    return storage[..., : bias.size(-1)]
+
+
 def reference_attention(q, k, v, bias, key_padding_mask=None, dropout_p=0.0):
     """Explicit softmax(q k^T / sqrt(d) + bias) v.  Shapes: q ``[B,H,T,D]``,
     k/v ``[B,H,S,D]``, bias ``[H,T,S]``.  Returns (output, probabilities)."""
-    scores = torch.matmul(q * q.size(-1) ** -0.5, k.transpose(-1, -2))
-    scores = scores.float() + bias.float()
+    scores = torch.matmul(q.float() * q.size(-1) ** -0.5, k.float().transpose(-1, -2))
+    scores = scores + bias.float()
     pad = _padding_mask(key_padding_mask, torch.float32)
     if pad is not None:
         scores = scores + pad
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1)
     dropped = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
-    return torch.matmul(dropped, v), probs
+    return torch.matmul(dropped, v.float()).to(q.dtype), probs.to(q.dtype)
 
 
 def sdpa_attention(q, k, v, bias, key_padding_mask=None, dropout_p=0.0):
-    """Fused attention with one bias broadcast over the batch."""
+    """Fused attention with one ``[H, T, S]`` bias broadcast over the batch."""
     mask = bias.to(q.dtype)[None]
     pad = _padding_mask(key_padding_mask, q.dtype)
     if pad is not None:
@@ -170,13 +260,14 @@ def sdpa_attention(q, k, v, bias, key_padding_mask=None, dropout_p=0.0):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
-def chunked_attention(q, k, v, bias_block, causal: bool, key_padding_mask=None, chunk_size=CHUNK_SIZE):
-    """Inference attention in query blocks of ``chunk_size``.
+def chunked_attention(q, k, v, bias_block, causal: bool, key_padding_mask=None, chunk_size=None):
+    """Inference attention in query blocks of ``chunk_size`` (default ``CHUNK_SIZE``).
 
     ``bias_block(q_start, q_len, k_len)`` returns the ``[H, q_len, k_len]`` bias
     of one block, built on the fly, so memory grows linearly with the length;
     causal blocks only read the keys they can see.
     """
+    chunk_size = chunk_size or CHUNK_SIZE
     q_len, k_len = q.size(2), k.size(2)
     offset = k_len - q_len if causal else 0
     pad = _padding_mask(key_padding_mask, q.dtype)
@@ -192,9 +283,93 @@ def chunked_attention(q, k, v, bias_block, causal: bool, key_padding_mask=None, 
                 q[:, :, start:stop], k[:, :, :visible], v[:, :, :visible], attn_mask=block
             )
         )
+        del block
     return torch.cat(outputs, dim=2)
 
 
+# ----------------------------------------------------------------- FlexAttention
+FLEX_BLOCK = 128
+_compiled_flex: Optional[Callable] = None
+
+
+def _flex_kernel(device: torch.device) -> Callable:
+    """Compiled FlexAttention on CUDA (fused, nothing T x T); elsewhere the eager
+    implementation, which materializes the scores and exists only so that the
+    score_mod can be checked against the reference without a GPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def _causal_mask_mod(offset: int):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    return mask_mod
+
+
+def _causal_block_mask(q_len: int, k_len: int, device):
+    """The causal ``BlockMask`` for queries that are the last ``q_len`` of
+    ``k_len`` keys.  For ``q_len == k_len`` (every full forward) it is written
+    down directly, block by block, in O((T / 128)^2) memory: query block ``i``
+    sees key blocks ``0 .. i-1`` in full and block ``i`` through the mask_mod.
+    Other shapes go through ``create_block_mask``."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    offset = k_len - q_len
+    mask_mod = _causal_mask_mod(offset)
+    if q_len != k_len:
+        return create_block_mask(mask_mod, None, None, q_len, k_len, device=device)
+    n = (q_len + FLEX_BLOCK - 1) // FLEX_BLOCK
+    rows = torch.arange(n, device=device, dtype=torch.int32)
+    cols = torch.arange(n, device=device, dtype=torch.int32)
+    kv_num_blocks = torch.ones(1, 1, n, device=device, dtype=torch.int32)
+    # Row i: its diagonal block first, the remaining entries are never read.
+    kv_indices = ((rows[:, None] + cols[None, :]) % n)[None, None].contiguous()
+    full_kv_num_blocks = rows[None, None].clone()
+    full_kv_indices = cols.expand(n, n)[None, None].contiguous()
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks,
+        kv_indices,
+        full_kv_num_blocks,
+        full_kv_indices,
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(q_len, k_len),
+    )
+
+
+def alibi_score_mod(slopes: Tensor, causal: bool, offset: int = 0, key_padding_mask: Optional[Tensor] = None):
+    """FlexAttention ``score_mod`` adding ``-slope[h] * distance`` (fp32, integer
+    distance, as ``alibi.causal_bias``); ``-inf`` at padded keys when a
+    ``[B, S]`` padding mask is given.  The causal ``-inf`` comes from the block mask."""
+    if causal:
+        def bias_mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx + offset - kv_idx)
+    else:
+        def bias_mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    if key_padding_mask is None:
+        return bias_mod
+    pad = key_padding_mask.to(torch.bool)
+
+    def padded_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(pad[b, kv_idx], float("-inf"), bias_mod(score, b, h, q_idx, kv_idx))
+
+    return padded_mod
+
+
+def flex_attention_alibi(q, k, v, score_mod, block_mask) -> Tensor:
+    return _flex_kernel(q.device)(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+
+# ----------------------------------------------------------------- the module
 class AlibiMultiheadAttention(MultiheadAttention):
     """Self-attention with ALiBi; a drop-in for fairseq's ``MultiheadAttention``."""
 
@@ -204,8 +379,10 @@ class AlibiMultiheadAttention(MultiheadAttention):
             raise ValueError(f"ALiBi bias has {bias.num_heads} heads, attention has {num_heads}")
         self.alibi = bias
 
-    # The two places the bias comes from; a subclass with another bias (for
-    # example learned slopes) overrides these and keeps every kernel path.
+    # The places the bias comes from; a subclass with another bias (for example
+    # learned slopes) overrides these and keeps every kernel path.  One that
+    # overrides bias_block/dense_bias but not flex_score_mod never gets ``flex``
+    # from ``auto`` (its bias would be ignored there).
     def bias_block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
         """``[H, q_len, k_len]`` bias for queries ``q_start ..`` (built on the fly)."""
         return self.alibi.block(q_start, q_len, k_len, dtype, device)
@@ -214,19 +391,37 @@ class AlibiMultiheadAttention(MultiheadAttention):
         """The whole ``[H, q_len, k_len]`` bias (shared and cached across layers)."""
         return self.alibi.dense(q_len, k_len, dtype, device)
 
+    def flex_score_mod(self, q_len: int, k_len: int, device, key_padding_mask: Optional[Tensor]):
+        """The FlexAttention ``score_mod`` equal to ``dense_bias`` (plus padding)."""
+        offset = k_len - q_len if self.causal else 0
+        return alibi_score_mod(self.alibi.slopes(k_len, device), self.causal, offset, key_padding_mask)
+
     @property
     def causal(self) -> bool:
         return self.alibi.kind == "causal"
 
-    def choose_path(self, q_len: int, k_len: int, need_weights: bool) -> str:
-        path = self.alibi.attention_path
+    def _flex_consistent(self) -> bool:
+        cls, base = type(self), AlibiMultiheadAttention
+        custom_bias = cls.dense_bias is not base.dense_bias or cls.bias_block is not base.bias_block
+        return not custom_bias or cls.flex_score_mod is not base.flex_score_mod
+
+    def choose_path(
+        self,
+        q_len: int,
+        k_len: int,
+        need_weights: bool,
+        incremental: bool = False,
+        dropout_p: float = 0.0,
+        device: Optional[torch.device] = None,
+    ) -> str:
+        """``reference`` if weights are wanted, the configured path if not
+        ``auto``, else the ``AUTO_PATHS`` entry for this device and regime."""
         if need_weights:
             return "reference"
-        if path != "auto":
-            return path
-        if torch.is_grad_enabled() or q_len * k_len <= CHUNK_THRESHOLD:
-            return "sdpa"
-        return "chunked"
+        if self.alibi.attention_path != "auto":
+            return self.alibi.attention_path
+        kind = device_kind(device or torch.device("cpu"), self._flex_consistent())
+        return AUTO_PATHS[kind][regime(torch.is_grad_enabled(), dropout_p, q_len, k_len, incremental)]
 
     def forward(
         self,
@@ -274,19 +469,30 @@ class AlibiMultiheadAttention(MultiheadAttention):
 
         src_len = k.size(2)
         dropout_p = self.dropout_module.p if self.training else 0.0
-        path = self.choose_path(tgt_len, src_len, need_weights)
+        path = self.choose_path(
+            tgt_len, src_len, need_weights, incremental_state is not None, dropout_p, q.device
+        )
         weights = None
         if path == "chunked":
             def block(q_start, q_len, k_len):
                 return self.bias_block(q_start, q_len, k_len, q.dtype, q.device)
 
             out = chunked_attention(q, k, v, block, self.causal, key_padding_mask)
+        elif path == "flex":
+            if dropout_p > 0:
+                raise ValueError("alibi_attention=flex has no attention dropout; use sdpa or auto")
+            block_mask = (
+                self.alibi.causal_block_mask(tgt_len, src_len, q.device) if self.causal else None
+            )
+            score_mod = self.flex_score_mod(tgt_len, src_len, q.device, key_padding_mask)
+            out = flex_attention_alibi(q, k, v, score_mod, block_mask)
         else:
             bias = self.dense_bias(tgt_len, src_len, q.dtype, q.device)
             if path == "reference":
                 out, weights = reference_attention(q, k, v, bias, key_padding_mask, dropout_p)
             else:
-                out = sdpa_attention(q, k, v, bias, key_padding_mask, dropout_p)
+                mask = self.alibi.merged_mask(bias.to(q.dtype), key_padding_mask)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
         out = self.out_proj(out)

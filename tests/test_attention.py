@@ -1,0 +1,369 @@
+"""Attention paths of fairseq_alibi.attention against the reference, and the
+shared-bias / linear-memory properties the model relies on.
+
+Fast (well under a minute on 2 CPU cores).  The CUDA-only paths (compiled
+FlexAttention, memory-efficient SDPA) have their own tests that skip without a
+GPU; FlexAttention's score_mod is also checked on CPU through its eager
+(no-grad) implementation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from unittest import mock
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fairseq_alibi  # noqa: F401  (registers the models)
+from fairseq_alibi import alibi
+from fairseq_alibi import attention as A
+from fairseq_alibi.attention import AlibiBias, AlibiMultiheadAttention
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA path; no GPU available")
+
+# fp32: elementwise (atol, rtol) against the fp32 reference.  bf16 (8-bit
+# mantissa; parameter gradients are sums of many rounded terms): whole-tensor
+# error ||actual - expected|| <= rel * ||expected|| + abs (the floor is for
+# gradients that are zero in exact arithmetic, such as k_proj.bias).
+TOL = {torch.float32: (2e-5, 1e-4)}
+BF16_REL, BF16_ABS = 5e-2, 5e-2
+
+
+# --------------------------------------------------------------------- helpers
+def make_attention(path, heads=4, embed_dim=32, seed=0, kind="causal", **bias_kwargs):
+    torch.manual_seed(seed)
+    bias = AlibiBias(heads, kind=kind, attention_path=path, **bias_kwargs)
+    return AlibiMultiheadAttention(embed_dim, heads, bias)
+
+
+def right_padding(lengths, total):
+    """[B, T] key padding mask as fairseq's LM task makes it (--sample-break-mode eos)."""
+    return torch.arange(total)[None, :] >= torch.tensor(lengths)[:, None]
+
+
+def run(module, x, pad=None, grad=False, dtype=torch.float32):
+    """Output (and input/parameter gradients) of one attention forward."""
+    module = module.to(dtype)
+    x = x.detach().to(dtype).requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        out, _ = module(x, x, x, key_padding_mask=pad, need_weights=False)
+    if not grad:
+        return out.float(), None
+    weight = torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype)
+    (out * weight).sum().backward()
+    grads = [x.grad] + [p.grad for p in module.parameters()]
+    return out.float(), [g.float() for g in grads]
+
+
+def real_rows(out, pad):
+    """Outputs at real (non-pad) positions only: [T, B, C] -> [N, C]."""
+    if pad is None:
+        return out
+    return out.transpose(0, 1)[~pad]
+
+
+def assert_close(actual, expected, dtype):
+    if dtype == torch.bfloat16:
+        err, size = (actual.float() - expected).norm(), expected.norm()
+        assert err <= BF16_REL * size + BF16_ABS, f"|error| {err:.4f} for |expected| {size:.4f}"
+    else:
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol)
+
+
+# --------------------------------------------------------------------- the bias
+@pytest.mark.parametrize("heads,q_len,k_len", [(4, 7, 7), (3, 5, 9), (6, 1, 11)])
+def test_causal_bias_matches_naive_loop(heads, q_len, k_len):
+    slopes = alibi.get_slopes(heads)
+    bias = alibi.causal_bias(slopes, q_len, k_len)
+    assert bias.shape == (heads, q_len, k_len)
+    for h in range(heads):
+        for qi in range(q_len):
+            i = k_len - q_len + qi  # queries are the last q_len positions
+            for j in range(k_len):
+                expected = float("-inf") if j > i else -float(slopes[h]) * (i - j)
+                assert float(bias[h, qi, j]) == pytest.approx(expected, rel=1e-6, abs=0)
+
+
+# --------------------------------------------------------------------- paths vs reference
+CPU_PATHS = ("sdpa", "chunked")
+
+
+@pytest.mark.parametrize(
+    "path,dtype,padded",
+    list(itertools.product(CPU_PATHS, (torch.float32, torch.bfloat16), (False, True))),
+)
+def test_path_matches_reference_forward_and_grad(path, dtype, padded, monkeypatch):
+    # 37 keys: not a multiple of the chunk (16) nor of any kernel block size.
+    monkeypatch.setattr(A, "CHUNK_SIZE", 16)
+    length, batch = 37, 3
+    x = torch.randn(length, batch, 32)
+    pad = right_padding([37, 20, 9], length) if padded else None
+    ref_out, ref_grads = run(make_attention("reference"), x, pad, grad=True)
+    out, grads = run(make_attention(path), x, pad, grad=True, dtype=dtype)
+    assert_close(real_rows(out, pad), real_rows(ref_out, pad), dtype)
+    for g, ref in zip(grads, ref_grads):
+        assert_close(g, ref, dtype)
+
+
+@pytest.mark.parametrize("kind", ["causal", "symmetric"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_chunked_without_grad_matches_reference(kind, padded, monkeypatch):
+    monkeypatch.setattr(A, "CHUNK_SIZE", 8)
+    x = torch.randn(29, 2, 32)
+    pad = right_padding([29, 13], 29) if padded else None
+    ref, _ = run(make_attention("reference", kind=kind), x, pad)
+    out, _ = run(make_attention("chunked", kind=kind), x, pad)
+    assert_close(real_rows(out, pad), real_rows(ref, pad), torch.float32)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", ["causal", "symmetric"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_flex_score_mod_matches_reference_eager_cpu(kind, padded):
+    """FlexAttention's score_mod and mask, through its eager (unfused) CPU
+    implementation: same maths as the compiled CUDA kernel."""
+    if not A.flex_available():
+        pytest.skip("no FlexAttention in this torch")
+    x = torch.randn(150, 2, 32)  # two 128-blocks, the second partial
+    pad = right_padding([150, 70], 150) if padded else None
+    ref, _ = run(make_attention("reference", kind=kind), x, pad)
+    out, _ = run(make_attention("flex", kind=kind), x, pad)
+    assert_close(real_rows(out, pad), real_rows(ref, pad), torch.float32)
+
+
+@pytest.mark.parametrize("length", [1, 127, 128, 300])
+def test_flex_causal_block_mask_is_causal(length):
+    if not A.flex_available():
+        pytest.skip("no FlexAttention in this torch")
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    direct = A._causal_block_mask(length, length, "cpu")
+    generic = create_block_mask(A._causal_mask_mod(0), None, None, length, length, device="cpu")
+    assert torch.equal(direct.to_dense(), generic.to_dense())
+    # and the element mask it applies is the causal one
+    q, k = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    assert torch.equal(direct.mask_mod(0, 0, q, k), k <= q)
+
+
+def test_reference_returns_weights_for_need_weights():
+    module = make_attention("sdpa")
+    x = torch.randn(6, 2, 32)
+    with torch.no_grad():
+        _, weights = module(x, x, x, need_weights=True)
+    assert weights.shape == (2, 6, 6)
+    assert torch.allclose(weights.sum(-1), torch.ones(2, 6))
+    assert torch.all(weights.triu(1) == 0)
+
+
+# --------------------------------------------------------------------- auto choice
+def _choice(module, q_len, k_len, grad=True, need_weights=False, incremental=False,
+            dropout=0.0, device="cpu", flex=True):
+    with torch.set_grad_enabled(grad), mock.patch.object(A, "flex_available", return_value=flex):
+        return module.choose_path(q_len, k_len, need_weights, incremental, dropout, torch.device(device))
+
+
+def test_auto_choice_table():
+    m = make_attention("auto")
+    big = 4096
+    assert _choice(m, 512, 512) == "sdpa"  # CPU training: cached dense bias
+    assert _choice(m, big, big) == "sdpa"
+    assert _choice(m, 512, 512, grad=False) == "sdpa"
+    assert _choice(m, big, big, grad=False) == "chunked"  # long evaluation
+    assert _choice(m, 1, 700, grad=False, incremental=True) == "sdpa"
+    assert _choice(m, 512, 512, need_weights=True) == "reference"
+    assert _choice(m, 512, 512, device="cuda") == "flex"
+    assert _choice(m, big, big, grad=False, device="cuda") == "flex"
+    assert _choice(m, 512, 512, dropout=0.1, device="cuda") == "sdpa"  # flex has no dropout
+    assert _choice(m, 1, 700, grad=False, incremental=True, device="cuda") == "sdpa"
+    assert _choice(m, 512, 512, device="cuda", flex=False) == "sdpa"
+    assert _choice(m, big, big, grad=False, device="cuda", flex=False) == "chunked"
+    for path in ("reference", "sdpa", "chunked", "flex"):
+        assert _choice(make_attention(path), big, big, grad=False) == path
+
+
+def test_auto_never_picks_flex_for_a_subclass_bias_it_cannot_see():
+    class Learned(AlibiMultiheadAttention):
+        def dense_bias(self, q_len, k_len, dtype, device):
+            return super().dense_bias(q_len, k_len, dtype, device) * 2
+
+    torch.manual_seed(0)
+    m = Learned(32, 4, AlibiBias(4))
+    assert _choice(m, 512, 512, device="cuda") == "sdpa"
+
+
+def test_every_regime_has_a_valid_path():
+    for kind, row in A.AUTO_PATHS.items():
+        assert set(row) == set(A.REGIMES), kind
+        assert set(row.values()) <= set(A.ATTENTION_PATHS) - {"auto"}
+
+
+# --------------------------------------------------------------------- tiny real models
+VOCAB = 60
+
+
+@pytest.fixture(scope="module")
+def dict_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dict")
+    (path / "dict.txt").write_text("".join(f"w{i} {1000 - i}\n" for i in range(VOCAB - 4)))
+    return str(path)
+
+
+def build_lm(dict_dir, *extra, heads=4, layers=3, arch="transformer_lm_alibi"):
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [
+        dict_dir, "--task", "language_modeling", "--arch", arch, "--cpu",
+        "--tokens-per-sample", "16", "--decoder-layers", str(layers),
+        "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+        "--decoder-attention-heads", str(heads), "--dropout", "0.0", *extra,
+    ])
+    cfg = convert_namespace_to_omegaconf(args)  # as fairseq-train does
+    task = tasks.setup_task(cfg.task)
+    torch.manual_seed(0)
+    return task, task.build_model(cfg.model).eval()
+
+
+def log_probs(model, tokens):
+    with torch.no_grad():
+        net_output = model(tokens)
+        return model.get_normalized_probs(net_output, log_probs=True)
+
+
+@pytest.mark.parametrize("method", ["none", "linear", "ntk"])
+def test_incremental_decoding_equals_full_forward(dict_dir, method):
+    _, model = build_lm(dict_dir, "--alibi-interpolation", method, "--alibi-scale-factor",
+                        "1" if method == "none" else "2")
+    tokens = torch.randint(4, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    full = log_probs(model, tokens)
+    state = {}
+    steps = []
+    with torch.no_grad():
+        for t in range(tokens.size(1)):
+            out = model.decoder(tokens[:, : t + 1], incremental_state=state)
+            steps.append(model.get_normalized_probs(out, log_probs=True)[:, -1])
+    step = torch.stack(steps, dim=1)
+    assert (step - full).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("path", ["auto", "reference", "sdpa", "chunked"])
+def test_right_padded_batch_equals_rows_alone(dict_dir, path, monkeypatch):
+    """Right padding (LM task, --sample-break-mode eos): every real token's
+    log-probs equal those of its sequence run alone."""
+    monkeypatch.setattr(A, "CHUNK_SIZE", 8)
+    task, model = build_lm(dict_dir, "--alibi-attention", path)
+    d = task.source_dictionary
+    gen = torch.Generator().manual_seed(2)
+    rows = [torch.randint(4, VOCAB, (n,), generator=gen) for n in (23, 11, 17)]
+    batch = torch.full((3, 23), d.pad())
+    for i, row in enumerate(rows):
+        batch[i, : len(row)] = row
+    padded = log_probs(model, batch)
+    for i, row in enumerate(rows):
+        alone = log_probs(model, row[None])
+        assert (padded[i, : len(row)] - alone[0]).abs().max() < 1e-4
+
+
+class CountingCausalBias:
+    def __init__(self):
+        self.calls = []
+        self.original = alibi.causal_bias
+
+    def __call__(self, slopes, q_len, k_len, *args, **kwargs):
+        out = self.original(slopes, q_len, k_len, *args, **kwargs)
+        self.calls.append(tuple(out.shape))
+        return out
+
+
+def test_shared_bias_built_once_per_forward_without_batch_dim(dict_dir):
+    _, model = build_lm(dict_dir, "--alibi-attention", "auto", heads=4, layers=3)
+    model.train()
+    tokens = torch.randint(4, VOCAB, (5, 24))
+    counter = CountingCausalBias()
+    with mock.patch.object(alibi, "causal_bias", counter):
+        model(tokens)[0].sum().backward()
+        assert counter.calls == [(4, 24, 24)]  # one [H, T, T] bias for 3 layers, 5 rows
+        model(tokens.flip(0))[0].sum().backward()
+        assert len(counter.calls) == 1  # next batch of the same length reuses it
+        model(tokens[:, :20])[0].sum().backward()
+        assert counter.calls[1:] == [(4, 20, 20)]
+    layers = model.decoder.layers
+    assert all(layer.self_attn.alibi is layers[0].self_attn.alibi for layer in layers)
+
+
+def test_padding_mask_merged_once_per_forward(dict_dir):
+    task, model = build_lm(dict_dir, layers=3)
+    model.train()
+    tokens = torch.randint(4, VOCAB, (2, 12))
+    tokens[1, 7:] = task.source_dictionary.pad()
+    with mock.patch.object(A, "_padding_mask", wraps=A._padding_mask) as spy:
+        model(tokens)[0].sum().backward()
+    assert spy.call_count == 1
+
+
+class LargestTensors(TorchDispatchMode):
+    """Records the shape of every tensor any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def test_long_inference_builds_nothing_quadratic(dict_dir):
+    """A whole-model no-grad forward past the chunking threshold: no tensor with
+    two dimensions >= T anywhere (decoder mask included), and the result equals
+    the reference path."""
+    length = 1100  # 1100^2 > CHUNK_THRESHOLD; not a multiple of CHUNK_SIZE
+    _, model = build_lm(dict_dir, heads=2, layers=2)
+    tokens = torch.randint(4, VOCAB, (1, length))
+    with LargestTensors() as spy:
+        fast = log_probs(model, tokens)
+    quadratic = [s for s in spy.shapes if sum(d >= length for d in s) >= 2]
+    assert not quadratic, quadratic[:5]
+    for layer in model.decoder.layers:
+        layer.self_attn.alibi.attention_path = "reference"
+    slow = log_probs(model, tokens)
+    assert (fast - slow).abs().max() < 1e-4
+
+
+def test_sinusoidal_twin_has_same_parameter_count(dict_dir):
+    _, alibi_model = build_lm(dict_dir, "--decoder-input-dim", "32", "--decoder-output-dim", "32")
+    _, stock = build_lm(dict_dir, "--decoder-input-dim", "32", "--decoder-output-dim", "32",
+                        arch="transformer_lm")
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(alibi_model) == count(stock)
+
+
+# --------------------------------------------------------------------- CUDA only
+@needs_cuda
+@pytest.mark.parametrize("path", ["flex", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_cuda_path_matches_reference(path, dtype, padded):
+    length, batch = 300, 2  # not a multiple of 128 (flex blocks) nor of 8 (mask alignment)
+    x = torch.randn(length, batch, 64)
+    pad = right_padding([300, 170], length).cuda() if padded else None
+    ref_out, ref_grads = run(make_attention("reference", embed_dim=64).cuda(), x.cuda(), pad, grad=True)
+    out, grads = run(make_attention(path, embed_dim=64).cuda(), x.cuda(), pad, grad=True, dtype=dtype)
+    assert_close(real_rows(out, pad), real_rows(ref_out, pad), dtype)
+    for g, ref in zip(grads, ref_grads):
+        assert_close(g, ref, dtype)
+
+
+@needs_cuda
+def test_cuda_dense_bias_rows_are_aligned():
+    bias = AlibiBias(4).dense(301, 301, torch.bfloat16, torch.device("cuda"))
+    assert bias.shape == (4, 301, 301) and bias.stride(1) % 8 == 0
