@@ -7,3 +7,4 @@ Importing this package registers the models and architectures with fairseq;
 __version__ = "0.1.0"
 
 from . import models  # noqa: F401,E402  (registers with fairseq)
+from . import checkpoints  # noqa: F401,E402  (safe, allowlisted loading and the fork check in fairseq's loader)

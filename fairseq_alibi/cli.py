@@ -9,7 +9,36 @@ import fairseq_alibi
 def _run(module_name: str) -> None:
     import importlib
 
-    importlib.import_module(module_name).cli_main()
+    with report_errors():
+        importlib.import_module(module_name).cli_main()
+
+
+# Errors whose message is the whole story: printed as one `error: ...` line on
+# stderr with exit status 1 instead of a traceback.  FAIRSEQ_ALIBI_TRACEBACK=1
+# shows the traceback as well.
+def _known_errors():
+    from .safe_load import CheckpointError
+
+    return (CheckpointError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+class report_errors:
+    """Context manager for console scripts: known errors -> one line, exit 1."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None or not isinstance(exc, _known_errors()):
+            return False
+        if os.environ.get("FAIRSEQ_ALIBI_TRACEBACK"):
+            import traceback
+
+            traceback.print_exception(exc_type, exc, tb)
+        message = " ".join(str(exc).split()) or exc_type.__name__
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+        raise SystemExit(1)
 
 
 def train():
@@ -39,3 +68,10 @@ def preprocess():
 def user_dir():
     """Print the path to pass to stock fairseq CLIs as ``--user-dir``."""
     sys.stdout.write(os.path.dirname(os.path.abspath(fairseq_alibi.__file__)) + "\n")
+
+
+def convert_checkpoint():
+    """``alibi-convert-checkpoint IN OUT``: the fork's format -> this plugin's."""
+    from .checkpoints import main
+
+    sys.exit(main())

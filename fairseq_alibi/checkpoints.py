@@ -1,0 +1,372 @@
+"""Checkpoints: the ALiBi fork's format, its conversion, and the loader hooks.
+
+The reference fork (ofirpress/attention_with_linear_biases, fairseq 1.0.0a0)
+saved its models as the *stock* ``transformer_lm`` family: arch
+``transformer_lm_wiki103``, sinusoidal positions switched on in the config and
+a ``decoder.embed_positions._float_tensor`` buffer in the weights, although its
+patched decoder never added positions and applied ALiBi instead.  Loaded by an
+unpatched fairseq, such a file silently runs as a sinusoidal model and gives
+wrong numbers.  ``alibi-convert-checkpoint IN OUT`` rewrites it as this
+plugin's ``transformer_lm_alibi`` (same weights; ``+m*j`` and ``-m*(i-j)`` give
+the same softmax).
+
+How a fork checkpoint is recognised (:func:`fork_signature`): its model config
+names a stock ``transformer_lm`` architecture *and* has a ``max_tokens`` field.
+That field exists only in the fork's ``TransformerLanguageModelConfig`` (its
+bias was sized from it); no fairseq release has it, so a genuine stock
+sinusoidal checkpoint is never mistaken for a fork one.  The position buffer is
+not used as evidence: upstream fairseq <= 0.12.2 saves that buffer for every
+sinusoidal model too.
+
+Importing this module (the package does) changes four module-level names in
+``fairseq.checkpoint_utils`` and ``fairseq.distributed.utils`` and nothing
+else; see :func:`install`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import os
+import re
+import shutil
+import sys
+from typing import Any, Dict, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from . import safe_load
+from .safe_load import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError  # noqa: F401
+
+ALIBI_MODEL = "transformer_lm_alibi"
+FORK_ONLY_MODEL_FIELDS = ("max_tokens",)
+_INTERPOLATION = re.compile(r"^\$\{([A-Za-z_][\w.]*)\}$")
+
+
+class ForkCheckpointError(CheckpointError):
+    """An unconverted checkpoint of the ALiBi fork reached fairseq's loader."""
+
+
+# --------------------------------------------------------------- inspection
+
+
+def _plain(obj: Any) -> Any:
+    """A config section as plain Python data, interpolations left as strings."""
+    if isinstance(obj, DictConfig) or OmegaConf.is_config(obj):
+        return OmegaConf.to_container(obj, resolve=False)
+    if isinstance(obj, argparse.Namespace):
+        return dict(vars(obj))
+    if isinstance(obj, dict):
+        return {key: _plain(value) for key, value in obj.items()}
+    if isinstance(obj, list):
+        return [_plain(value) for value in obj]
+    return obj
+
+
+def _model_section(state: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    cfg = state.get("cfg") if isinstance(state, dict) else None
+    if cfg is not None:
+        model = cfg.get("model") if hasattr(cfg, "get") else None
+        return _plain(model) if model is not None else None
+    args = state.get("args") if isinstance(state, dict) else None
+    if args is not None:
+        return _plain(args)
+    return None
+
+
+def model_name(state: Dict[str, Any]) -> Optional[str]:
+    """The architecture a checkpoint was saved with (``cfg.model._name`` or ``args.arch``)."""
+    section = _model_section(state)
+    if not isinstance(section, dict):
+        return None
+    return section.get("_name") or section.get("arch")
+
+
+def _stock_lm_archs():
+    from .models.transformer_lm import STOCK_ARCHS
+
+    return set(STOCK_ARCHS)
+
+
+def alibi_twin(arch: str) -> str:
+    """``transformer_lm`` -> ``transformer_lm_alibi``; ``X`` -> ``X_alibi``."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    twin = ALIBI_MODEL if arch == "transformer_lm" else f"{arch}_alibi"
+    if ARCH_MODEL_NAME_REGISTRY.get(twin) != ALIBI_MODEL:
+        raise CheckpointError(f"architecture {arch!r} has no ALiBi twin in this plugin")
+    return twin
+
+
+def fork_signature(state: Dict[str, Any]) -> Optional[str]:
+    """Why ``state`` is an unconverted fork checkpoint, or None if it is not one."""
+    if not isinstance(state, dict) or state.get("cfg") is None:
+        return None  # the fork always saved a cfg (and ``args: None``)
+    section = _model_section(state)
+    if not isinstance(section, dict):
+        return None
+    arch = section.get("_name") or section.get("arch")
+    fork_fields = [name for name in FORK_ONLY_MODEL_FIELDS if name in section]
+    if arch in _stock_lm_archs() and fork_fields:
+        return (
+            f"stock architecture {arch!r} with the fork-only model field "
+            f"{', '.join(fork_fields)!s}"
+        )
+    return None
+
+
+# --------------------------------------------------------------- conversion
+
+
+def _lookup(tree: Dict[str, Any], dotted: str):
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(dotted)
+        node = node[part]
+    return node
+
+
+def _resolve(tree: Dict[str, Any], value: Any, seen=()) -> Any:
+    """Follow ``${a.b}`` references through the plain config tree."""
+    match = _INTERPOLATION.match(value) if isinstance(value, str) else None
+    if not match:
+        return value
+    target = match.group(1)
+    if target in seen:
+        raise KeyError(target)
+    return _resolve(tree, _lookup(tree, target), seen + (target,))
+
+
+def _resolve_all(tree: Dict[str, Any], node: Any) -> Any:
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            try:
+                out[key] = _resolve_all(tree, _resolve(tree, value))
+            except KeyError:
+                out[key] = value  # left for fairseq; only fork-only fields are known to dangle
+        return out
+    if isinstance(node, list):
+        return [_resolve_all(tree, item) for item in node]
+    return node
+
+
+def convert_fork_state(state: Dict[str, Any], train_length: Optional[int] = None) -> Dict[str, Any]:
+    """This plugin's checkpoint dict for a fork checkpoint dict (input untouched)."""
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError("not a fairseq checkpoint: it has no 'model' weights")
+    reason = fork_signature(state)
+    if reason is None:
+        arch = model_name(state)
+        from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+        family = ARCH_MODEL_NAME_REGISTRY.get(arch) if arch else None
+        if family == ALIBI_MODEL:
+            raise CheckpointError(f"already a {ALIBI_MODEL} checkpoint (arch {arch}); nothing to convert")
+        if arch in _stock_lm_archs():
+            raise CheckpointError(
+                f"a stock fairseq {arch} checkpoint, not one of the ALiBi fork (its model config "
+                "has no fork-only 'max_tokens' field): its positions are real, so converting it "
+                "to ALiBi would change what it computes"
+            )
+        raise CheckpointError(
+            f"a checkpoint of {'arch ' + repr(arch) if arch else 'an unknown model'}"
+            f"{' (model family ' + repr(family) + ')' if family else ''}, not of the ALiBi "
+            "fork's transformer_lm: only transformer_lm checkpoints can be converted"
+        )
+
+    cfg = _plain(state["cfg"])
+    cfg = _resolve_all(cfg, cfg)
+    model = cfg["model"]
+    arch = model.get("_name") or model.get("arch")
+    if model.get("decoder_learned_pos"):
+        raise CheckpointError(
+            "this checkpoint has learned position embeddings; the ALiBi fork never trained those"
+        )
+    if train_length is None:
+        train_length = model.get("tokens_per_sample")
+        if train_length is None or isinstance(train_length, str):
+            task = cfg.get("task") or {}
+            train_length = task.get("tokens_per_sample")
+    if train_length is None or isinstance(train_length, str) or int(train_length) < 1:
+        raise CheckpointError(
+            "cannot tell the training length: tokens_per_sample is missing or unresolved "
+            f"({train_length!r}); pass --train-length"
+        )
+    twin = alibi_twin(arch)
+    for name in FORK_ONLY_MODEL_FIELDS:
+        model.pop(name, None)
+    model["_name"] = twin
+    if "arch" in model:
+        model["arch"] = twin
+    model["no_token_positional_embeddings"] = True
+    model["alibi_train_length"] = int(train_length)
+    model.setdefault("alibi_interpolation", "none")
+    model.setdefault("alibi_scale_factor", 0.0)
+    model.setdefault("alibi_attention", "auto")
+
+    weights = collections.OrderedDict()
+    for key, value in state["model"].items():
+        if ".embed_positions." in key:
+            if not key.endswith("._float_tensor"):
+                raise CheckpointError(f"unexpected position weights {key!r}; not a fork checkpoint")
+            continue
+        weights[key] = value
+
+    out = {key: value for key, value in state.items() if key not in ("cfg", "model", "args")}
+    out["args"] = None
+    out["cfg"] = cfg
+    out["model"] = weights
+    return out
+
+
+def convert(in_path: str, out_path: str, train_length: Optional[int] = None) -> Dict[str, Any]:
+    """Read a fork checkpoint safely, write the converted one atomically; returns its cfg."""
+    state = safe_load.load(in_path)
+    converted = convert_fork_state(state, train_length)
+    tmp = f"{out_path}.tmp{os.getpid()}"
+    try:
+        torch.save(converted, tmp)
+        os.replace(tmp, out_path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {out_path}: {exc.strerror or exc}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return converted["cfg"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="alibi-convert-checkpoint",
+        description="Convert a checkpoint of the ALiBi fork (ofirpress/attention_with_linear_biases) "
+        "into a transformer_lm_alibi checkpoint for this plugin. The input is read with "
+        "allowlisted unpickling only.",
+    )
+    parser.add_argument("input", help="checkpoint saved by the fork (e.g. alibi_wt103_L512.pt)")
+    parser.add_argument("output", help="where to write the converted checkpoint")
+    parser.add_argument(
+        "--train-length",
+        type=int,
+        default=None,
+        help="training length (tokens_per_sample) if the checkpoint does not record it",
+    )
+    args = parser.parse_args(argv)
+    from .cli import report_errors
+
+    with report_errors():
+        cfg = convert(args.input, args.output, args.train_length)
+        model = cfg["model"]
+        sys.stdout.write(
+            f"wrote {args.output}: arch {model['_name']}, alibi_train_length "
+            f"{model['alibi_train_length']}\n"
+        )
+    return 0
+
+
+# ------------------------------------------------------- the fairseq hooks
+
+
+class _SafeTorch:
+    """Stands in for ``torch`` inside ``fairseq.checkpoint_utils``: same module,
+    except that ``load`` is :func:`safe_load.load`."""
+
+    def __init__(self, module, extra_globals=()):
+        self._module = module
+        self._extra_globals = tuple(extra_globals)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def load(self, f, map_location=None, **_ignored):
+        # ``weights_only`` and ``pickle_module`` from a caller are ignored on
+        # purpose: there is no unrestricted load through this object.
+        name = getattr(f, "name", None)
+        source = name if isinstance(name, str) and os.path.isfile(name) else f
+        return safe_load.load(source, map_location=map_location or "cpu", extra_globals=self._extra_globals)
+
+
+def _refuse_fork(load_checkpoint_to_cpu):
+    def load_checkpoint_to_cpu_checked(path, *args, **kwargs):
+        state = load_checkpoint_to_cpu(path, *args, **kwargs)
+        reason = fork_signature(state)
+        if reason is not None:
+            raise ForkCheckpointError(
+                f"{path} is an unconverted checkpoint of the ALiBi fork ({reason}); run "
+                f"`alibi-convert-checkpoint {path} CONVERTED.pt` and use CONVERTED.pt "
+                "(loaded as is it would run as a sinusoidal model)"
+            )
+        return state
+
+    load_checkpoint_to_cpu_checked.__wrapped__ = load_checkpoint_to_cpu
+    return load_checkpoint_to_cpu_checked
+
+
+class _AtomicCopyPathManager:
+    """Stands in for ``PathManager`` inside ``fairseq.checkpoint_utils``: same
+    class, except that a local ``copy`` writes a temporary file and renames it.
+
+    fairseq saves each checkpoint once (atomically) and then *copies* it to the
+    other names, ``checkpoint_last.pt`` among them, with a plain file copy: a
+    crash during that copy would leave a truncated ``checkpoint_last.pt`` and
+    resuming would fail.
+    """
+
+    def __init__(self, path_manager):
+        self._path_manager = path_manager
+
+    def __getattr__(self, name):
+        return getattr(self._path_manager, name)
+
+    def copy(self, src_path, dst_path, overwrite=False):
+        local = not any(
+            self._path_manager.path_requires_pathmanager(p) for p in (src_path, dst_path)
+        )
+        if not (local and os.path.isfile(src_path)):
+            return self._path_manager.copy(src_path, dst_path, overwrite)
+        if os.path.exists(dst_path) and not overwrite:
+            return False
+        tmp = f"{dst_path}.tmp{os.getpid()}"
+        shutil.copyfile(src_path, tmp)
+        os.replace(tmp, dst_path)
+        return True
+
+
+def install() -> None:
+    """Patch fairseq's checkpoint loading (idempotent).  Four module-level names
+    change, three in ``fairseq.checkpoint_utils`` and one in
+    ``fairseq.distributed.utils``, and nothing else:
+
+    * ``torch``: a stand-in whose ``load`` is :func:`safe_load.load`, so every
+      checkpoint fairseq reads (``load_checkpoint_to_cpu``: eval, generation,
+      ``--restore-file`` and resuming, the hub interface) is unpickled with the
+      allowlist, for this package's console scripts and for stock fairseq CLIs
+      run with ``--user-dir``;
+    * ``load_checkpoint_to_cpu``: refuses an unconverted fork checkpoint with a
+      message naming the converter;
+    * ``PathManager``: copies checkpoints to their other names atomically;
+    * ``fairseq.distributed.utils.torch``: the same stand-in, for
+      ``broadcast_object``, which sends the state rank 0 loaded to the other
+      ranks when resuming a multi-process run as a pickle read back with
+      ``torch.load``; with torch's default allowlist that fails on the
+      checkpoint's OmegaConf cfg, so without this, resuming under torchrun fails
+      (the allowlist there also admits fairseq's ``_TensorPlaceholder``, a
+      one-int record that broadcast puts where each tensor was).
+    """
+    from fairseq import checkpoint_utils
+    from fairseq.distributed import utils as distributed_utils
+
+    if isinstance(checkpoint_utils.torch, _SafeTorch):
+        return
+    checkpoint_utils.torch = _SafeTorch(checkpoint_utils.torch)
+    # fairseq's own marker for tensors sent separately: a record of one int
+    placeholder = distributed_utils._TensorPlaceholder
+    distributed_utils.torch = _SafeTorch(distributed_utils.torch, extra_globals=[placeholder])
+    checkpoint_utils.load_checkpoint_to_cpu = _refuse_fork(checkpoint_utils.load_checkpoint_to_cpu)
+    checkpoint_utils.PathManager = _AtomicCopyPathManager(checkpoint_utils.PathManager)
+
+
+install()
