@@ -18,7 +18,7 @@ sinusoidal checkpoint is never mistaken for a fork one.  The position buffer is
 not used as evidence: upstream fairseq <= 0.12.2 saves that buffer for every
 sinusoidal model too.
 
-Importing this module (the package does) changes four module-level names in
+Importing this module (the package does) changes three module-level names in
 ``fairseq.checkpoint_utils`` and ``fairseq.distributed.utils`` and nothing
 else; see :func:`install`.
 """
@@ -271,12 +271,13 @@ def main(argv=None) -> int:
 
 
 class _SafeTorch:
-    """Stands in for ``torch`` inside ``fairseq.checkpoint_utils``: same module,
-    except that ``load`` is :func:`safe_load.load`."""
+    """Stands in for ``torch`` inside one fairseq module: the same module,
+    except that ``load`` is :func:`safe_load.load` followed by ``inspect``."""
 
-    def __init__(self, module, extra_globals=()):
+    def __init__(self, module, extra_globals=(), inspect=None):
         self._module = module
         self._extra_globals = tuple(extra_globals)
+        self._inspect = inspect
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -286,23 +287,25 @@ class _SafeTorch:
         # purpose: there is no unrestricted load through this object.
         name = getattr(f, "name", None)
         source = name if isinstance(name, str) and os.path.isfile(name) else f
-        return safe_load.load(source, map_location=map_location or "cpu", extra_globals=self._extra_globals)
+        obj = safe_load.load(source, map_location=map_location or "cpu", extra_globals=self._extra_globals)
+        if self._inspect is not None:
+            self._inspect(name if isinstance(name, str) else "<stream>", obj)
+        return obj
 
 
-def _refuse_fork(load_checkpoint_to_cpu):
-    def load_checkpoint_to_cpu_checked(path, *args, **kwargs):
-        state = load_checkpoint_to_cpu(path, *args, **kwargs)
-        reason = fork_signature(state)
-        if reason is not None:
-            raise ForkCheckpointError(
-                f"{path} is an unconverted checkpoint of the ALiBi fork ({reason}); run "
-                f"`alibi-convert-checkpoint {path} CONVERTED.pt` and use CONVERTED.pt "
-                "(loaded as is it would run as a sinusoidal model)"
-            )
-        return state
+def refuse_fork(path: str, state: Any) -> None:
+    """Raise :class:`ForkCheckpointError` if ``state`` is an unconverted fork checkpoint.
 
-    load_checkpoint_to_cpu_checked.__wrapped__ = load_checkpoint_to_cpu
-    return load_checkpoint_to_cpu_checked
+    Runs on the state as unpickled, before fairseq upgrades or resolves its
+    config (the fork's dangling ``${task.max_tokens}`` would fail there first).
+    """
+    reason = fork_signature(state)
+    if reason is not None:
+        raise ForkCheckpointError(
+            f"{path} is an unconverted checkpoint of the ALiBi fork ({reason}); run "
+            f"`alibi-convert-checkpoint {path} CONVERTED.pt` and use CONVERTED.pt "
+            "(loaded as is it would run as a sinusoidal model)"
+        )
 
 
 class _AtomicCopyPathManager:
@@ -336,37 +339,37 @@ class _AtomicCopyPathManager:
 
 
 def install() -> None:
-    """Patch fairseq's checkpoint loading (idempotent).  Four module-level names
-    change, three in ``fairseq.checkpoint_utils`` and one in
+    """Patch fairseq's checkpoint loading (idempotent).  Three module-level
+    names change, two in ``fairseq.checkpoint_utils`` and one in
     ``fairseq.distributed.utils``, and nothing else:
 
-    * ``torch``: a stand-in whose ``load`` is :func:`safe_load.load`, so every
-      checkpoint fairseq reads (``load_checkpoint_to_cpu``: eval, generation,
-      ``--restore-file`` and resuming, the hub interface) is unpickled with the
-      allowlist, for this package's console scripts and for stock fairseq CLIs
-      run with ``--user-dir``;
-    * ``load_checkpoint_to_cpu``: refuses an unconverted fork checkpoint with a
-      message naming the converter;
-    * ``PathManager``: copies checkpoints to their other names atomically;
-    * ``fairseq.distributed.utils.torch``: the same stand-in, for
-      ``broadcast_object``, which sends the state rank 0 loaded to the other
-      ranks when resuming a multi-process run as a pickle read back with
-      ``torch.load``; with torch's default allowlist that fails on the
-      checkpoint's OmegaConf cfg, so without this, resuming under torchrun fails
-      (the allowlist there also admits fairseq's ``_TensorPlaceholder``, a
-      one-int record that broadcast puts where each tensor was).
+    * ``checkpoint_utils.torch``: a stand-in whose ``load`` is
+      :func:`safe_load.load` followed by :func:`refuse_fork`, so every
+      checkpoint fairseq reads (``load_checkpoint_to_cpu``: evaluation,
+      generation, ``--restore-file`` and resuming, the hub interface) is
+      unpickled with the allowlist and an unconverted fork checkpoint is
+      refused with a message naming the converter.  This holds for this
+      package's console scripts and for stock fairseq CLIs run with
+      ``--user-dir``;
+    * ``checkpoint_utils.PathManager``: copies checkpoints to their other
+      names (``checkpoint_last.pt``, ``checkpoint_best.pt``) atomically;
+    * ``distributed.utils.torch``: the safe loader, for ``broadcast_object``,
+      which sends the state rank 0 loaded to the other ranks when resuming a
+      multi-process run, as a pickle read back with ``torch.load``.  With
+      torch's default allowlist that fails on the checkpoint's OmegaConf cfg,
+      so without this, resuming under torchrun fails.  The allowlist there also
+      admits fairseq's ``_TensorPlaceholder``, the one-int record broadcast
+      puts where each tensor was.
     """
     from fairseq import checkpoint_utils
     from fairseq.distributed import utils as distributed_utils
 
     if isinstance(checkpoint_utils.torch, _SafeTorch):
         return
-    checkpoint_utils.torch = _SafeTorch(checkpoint_utils.torch)
-    # fairseq's own marker for tensors sent separately: a record of one int
+    checkpoint_utils.torch = _SafeTorch(checkpoint_utils.torch, inspect=refuse_fork)
+    checkpoint_utils.PathManager = _AtomicCopyPathManager(checkpoint_utils.PathManager)
     placeholder = distributed_utils._TensorPlaceholder
     distributed_utils.torch = _SafeTorch(distributed_utils.torch, extra_globals=[placeholder])
-    checkpoint_utils.load_checkpoint_to_cpu = _refuse_fork(checkpoint_utils.load_checkpoint_to_cpu)
-    checkpoint_utils.PathManager = _AtomicCopyPathManager(checkpoint_utils.PathManager)
 
 
 install()
