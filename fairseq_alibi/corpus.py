@@ -1,0 +1,421 @@
+"""An offline English corpus built from the documentation inside CPython itself.
+
+Every CPython install carries a fair amount of English prose: the interactive
+help text in ``pydoc_data.topics`` (the language reference, ~465K characters)
+and the docstrings and comments of the standard library.  Together they give
+about a million WikiText-style tokens, enough to train and compare small
+language models without downloading anything.
+
+Pipeline (``python -m fairseq_alibi.corpus``, or
+``examples/language_model/prepare-embedded-corpus.sh``):
+
+1. collect *documents*: one per help topic, one per stdlib module (its
+   docstrings and comment blocks, in source order); ``test``/``tests``
+   packages and ``site-packages`` are left out, since distributions often ship
+   them separately or not at all;
+2. tokenize word-level the way WikiText-103 is: Moses (sacremoses) with
+   aggressive hyphen splitting (``well @-@ known``), no HTML escaping, and
+   WikiText's number separators (``1 @,@ 000 @.@ 5``).  Case is kept, as in
+   WikiText (``--lowercase`` to fold it);
+3. split into train/valid/test *by document*: documents are ordered by a hash
+   of their name (so the split does not depend on the order the filesystem
+   lists them in), the first ones go to valid until it holds
+   ``valid_fraction`` of all tokens, the next ones to test, the rest to train;
+4. close the vocabulary like WikiText: words seen fewer than ``min_count``
+   times in train become ``<unk>`` in every split;
+5. write ``wiki.{train,valid,test}.tokens`` and binarize them with
+   ``fairseq-preprocess --only-source``.
+
+The result depends only on the Python version's stdlib (a different CPython
+release gives a slightly different corpus); ``corpus.json`` next to the binary
+data records the Python version, the settings and the token counts.  Running
+again with the same settings and an intact output does nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tokenize
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+logger = logging.getLogger("fairseq_alibi.corpus")
+
+SPLITS = ("train", "valid", "test")
+SOURCES = ("topics", "docstrings", "comments")
+# Directories of the stdlib that are not documentation of the library itself,
+# or that distributions commonly split off.
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
+UNK = "<unk>"
+MANIFEST = "corpus.json"
+BINARY_FILES = ("dict.txt",) + tuple(f"{s}.{ext}" for s in SPLITS for ext in ("bin", "idx"))
+
+
+class CorpusError(RuntimeError):
+    """A problem with the corpus inputs or outputs, explained for the user."""
+
+
+@dataclass
+class Document:
+    name: str  # stable identifier, e.g. "topic:assert" or "module:json/decoder.py"
+    title: str
+    paragraphs: List[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _paragraphs(text: str) -> List[str]:
+    """Blank-line separated paragraphs, each with its whitespace collapsed."""
+    out = []
+    for block in re.split(r"\n\s*\n", text):
+        block = " ".join(block.split())
+        if block:
+            out.append(block)
+    return out
+
+
+def topic_documents() -> List[Document]:
+    """One document per help topic of ``pydoc_data.topics``."""
+    try:
+        from pydoc_data import topics
+    except ImportError as exc:  # some minimal Python builds drop it
+        raise CorpusError(
+            "pydoc_data.topics is not available in this Python "
+            f"({sys.executable}); use --sources docstrings,comments or a full CPython install"
+        ) from exc
+    docs = []
+    for name in sorted(topics.topics):
+        paras = _paragraphs(topics.topics[name])
+        if paras:
+            docs.append(Document(f"topic:{name}", name, paras))
+    return docs
+
+
+def _module_blocks(source: str, docstrings: bool, comments: bool) -> List[Tuple[int, str]]:
+    """(line, text) of the docstrings and comment blocks of one source file."""
+    blocks: List[Tuple[int, str]] = []
+    if docstrings:
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node, clean=True)
+                if doc:
+                    line = node.body[0].lineno if node.body else 0
+                    blocks.append((line, doc))
+    if comments:
+        current: List[str] = []
+        start = last = -10
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type != tokenize.COMMENT:
+                continue
+            text = tok.string.lstrip("#").strip()
+            row = tok.start[0]
+            if text.startswith("!") or "coding" in text and row <= 2:
+                continue  # shebang / encoding line
+            if row != last + 1 and current:
+                blocks.append((start, " ".join(current)))
+                current = []
+            if not current:
+                start = row
+            if text:
+                current.append(text)
+            last = row
+        if current:
+            blocks.append((start, " ".join(current)))
+    blocks.sort(key=lambda b: b[0])
+    return blocks
+
+
+def stdlib_documents(
+    stdlib_dir: Optional[str] = None, docstrings: bool = True, comments: bool = True
+) -> List[Document]:
+    """One document per stdlib module with any docstring or comment text."""
+    root = stdlib_dir or sysconfig.get_paths()["stdlib"]
+    if not os.path.isdir(root):
+        raise CorpusError(f"standard library directory not found: {root}")
+    docs = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+        for filename in sorted(filenames):
+            if not filename.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, filename)
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    source = f.read()
+                blocks = _module_blocks(source, docstrings, comments)
+            except (SyntaxError, UnicodeDecodeError, tokenize.TokenError, ValueError):
+                continue  # e.g. deliberately broken files: not documentation
+            paras = [p for _, text in blocks for p in _paragraphs(text)]
+            if paras:
+                docs.append(Document(f"module:{rel}", rel[:-3].replace("/", "."), paras))
+    if not docs:
+        raise CorpusError(f"no Python sources with documentation found under {root}")
+    return docs
+
+
+def collect_documents(sources: Sequence[str], stdlib_dir: Optional[str] = None) -> List[Document]:
+    bad = [s for s in sources if s not in SOURCES]
+    if bad or not sources:
+        raise CorpusError(f"unknown corpus source(s) {bad or sources!r}; choose from {', '.join(SOURCES)}")
+    docs = []
+    if "topics" in sources:
+        docs += topic_documents()
+    if "docstrings" in sources or "comments" in sources:
+        docs += stdlib_documents(stdlib_dir, "docstrings" in sources, "comments" in sources)
+    return docs
+
+
+# --------------------------------------------------------------------------- tokenization
+
+_NUMBER_SEPARATOR = re.compile(r"(?<=\d)([,.])(?=\d)")
+
+
+class WikiTextTokenizer:
+    """Moses tokenization with WikiText-103's conventions."""
+
+    def __init__(self, lowercase: bool = False):
+        from sacremoses import MosesTokenizer
+
+        self.moses = MosesTokenizer(lang="en")
+        self.lowercase = lowercase
+
+    def __call__(self, text: str) -> str:
+        text = self.moses.tokenize(text, aggressive_dash_splits=True, escape=False, return_str=True)
+        text = _NUMBER_SEPARATOR.sub(r" @\1@ ", text)
+        # A literal "<unk>" in the source must not collide with the unknown word.
+        text = text.replace(UNK, "< unk >")
+        text = " ".join(text.split())
+        return text.lower() if self.lowercase else text
+
+
+def tokenize_document(doc: Document, tokenizer: WikiTextTokenizer) -> List[str]:
+    """WikiText layout: a ``= title =`` heading line, then one line per paragraph."""
+    lines = [f"= {tokenizer(doc.title)} ="]
+    lines += [t for t in (tokenizer(p) for p in doc.paragraphs) if t]
+    return lines
+
+
+# --------------------------------------------------------------------------- split
+
+
+def _doc_key(name: str) -> str:
+    return hashlib.sha1(name.encode("utf-8")).hexdigest()
+
+
+def count_tokens(lines: Iterable[str]) -> int:
+    """Tokens as WikiText counts them: whitespace-separated words plus one per line end."""
+    return sum(len(line.split()) + 1 for line in lines)
+
+
+def split_documents(
+    docs: Sequence[Tuple[str, List[str]]], valid_fraction: float, test_fraction: float
+) -> Dict[str, List[Tuple[str, List[str]]]]:
+    """Assign whole documents to splits (deterministic; see the module docstring)."""
+    if not (0 < valid_fraction < 1 and 0 < test_fraction < 1 and valid_fraction + test_fraction < 1):
+        raise CorpusError("valid and test fractions must be in (0, 1) and sum to less than 1")
+    total = sum(count_tokens(lines) for _, lines in docs)
+    targets = {"valid": valid_fraction * total, "test": test_fraction * total}
+    splits: Dict[str, List[Tuple[str, List[str]]]] = {s: [] for s in SPLITS}
+    filled = {"valid": 0, "test": 0}
+    for name, lines in sorted(docs, key=lambda d: _doc_key(d[0])):
+        for split in ("valid", "test"):
+            if filled[split] < targets[split]:
+                break
+        else:
+            split = "train"
+        splits[split].append((name, lines))
+        if split != "train":
+            filled[split] += count_tokens(lines)
+    for split in SPLITS:
+        if not splits[split]:
+            raise CorpusError(f"the {split} split is empty: too few documents for these fractions")
+    # Within a split, keep a readable order (by document name).
+    for split in SPLITS:
+        splits[split].sort(key=lambda d: d[0])
+    return splits
+
+
+def close_vocabulary(splits: Dict[str, List[Tuple[str, List[str]]]], min_count: int) -> int:
+    """Replace words seen fewer than ``min_count`` times in train by ``<unk>``, in place.
+
+    Returns the resulting vocabulary size (``<unk>`` included)."""
+    counts = collections.Counter(
+        w for _, lines in splits["train"] for line in lines for w in line.split()
+    )
+    vocab = {w for w, c in counts.items() if c >= min_count}
+    for split in SPLITS:
+        for i, (name, lines) in enumerate(splits[split]):
+            new = [" ".join(w if w in vocab else UNK for w in line.split()) for line in lines]
+            splits[split][i] = (name, new)
+    return len(vocab | {UNK})
+
+
+# --------------------------------------------------------------------------- driver
+
+
+@dataclass
+class CorpusConfig:
+    destdir: str = "data-bin/embedded"
+    rawdir: Optional[str] = None  # default: <destdir>/raw
+    sources: Tuple[str, ...] = SOURCES
+    stdlib_dir: Optional[str] = None
+    lowercase: bool = False
+    min_count: int = 3
+    valid_fraction: float = 0.05
+    test_fraction: float = 0.05
+    workers: int = 2
+
+    def settings(self) -> dict:
+        """What determines the corpus content (the manifest is compared on this)."""
+        d = asdict(self)
+        d["sources"] = list(self.sources)
+        d["stdlib_dir"] = os.path.abspath(self.stdlib_dir or sysconfig.get_paths()["stdlib"])
+        d["python"] = sys.version.split()[0]
+        for key in ("destdir", "rawdir", "workers"):
+            d.pop(key)
+        return d
+
+
+def _raw_path(rawdir: str, split: str) -> str:
+    return os.path.join(rawdir, f"wiki.{split}.tokens")
+
+
+def is_prepared(cfg: CorpusConfig) -> bool:
+    manifest = os.path.join(cfg.destdir, MANIFEST)
+    if not os.path.isfile(manifest):
+        return False
+    if not all(os.path.isfile(os.path.join(cfg.destdir, f)) for f in BINARY_FILES):
+        return False
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            return json.load(f).get("settings") == cfg.settings()
+    except (OSError, ValueError):
+        return False
+
+
+def binarize(rawdir: str, destdir: str, workers: int = 1) -> None:
+    """``fairseq-preprocess --only-source`` on the three raw splits."""
+    for split in SPLITS:
+        if not os.path.isfile(_raw_path(rawdir, split)):
+            raise CorpusError(f"missing tokenized split {_raw_path(rawdir, split)}")
+    cmd = [
+        sys.executable, "-m", "fairseq_cli.preprocess", "--only-source",
+        "--trainpref", _raw_path(rawdir, "train"),
+        "--validpref", _raw_path(rawdir, "valid"),
+        "--testpref", _raw_path(rawdir, "test"),
+        "--destdir", destdir, "--workers", str(max(1, workers)),
+    ]
+    logger.info("binarizing: %s", " ".join(cmd))
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0:
+        raise CorpusError(f"fairseq-preprocess failed ({result.returncode}):\n{result.stdout[-4000:]}")
+
+
+def prepare(cfg: CorpusConfig, force: bool = False) -> dict:
+    """Build (or find already built) the corpus; returns the manifest."""
+    manifest_path = os.path.join(cfg.destdir, MANIFEST)
+    if not force and is_prepared(cfg):
+        logger.info("corpus already prepared in %s (delete it or pass --force to rebuild)", cfg.destdir)
+        with open(manifest_path, encoding="utf-8") as f:
+            return json.load(f)
+    rawdir = cfg.rawdir or os.path.join(cfg.destdir, "raw")
+    os.makedirs(rawdir, exist_ok=True)
+
+    docs = collect_documents(cfg.sources, cfg.stdlib_dir)
+    logger.info("tokenizing %d documents", len(docs))
+    tokenizer = WikiTextTokenizer(lowercase=cfg.lowercase)
+    tokenized = [(d.name, tokenize_document(d, tokenizer)) for d in docs]
+    splits = split_documents(tokenized, cfg.valid_fraction, cfg.test_fraction)
+    vocab_size = close_vocabulary(splits, cfg.min_count)
+
+    stats = {}
+    for split in SPLITS:
+        lines = [line for _, doc_lines in splits[split] for line in doc_lines]
+        tmp = _raw_path(rawdir, split) + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for line in lines:
+                f.write(line + "\n")
+        os.replace(tmp, _raw_path(rawdir, split))
+        stats[split] = {
+            "documents": len(splits[split]),
+            "lines": len(lines),
+            "tokens": count_tokens(lines),
+            "unk": sum(line.split().count(UNK) for line in lines),
+        }
+        logger.info("%s: %d documents, %d tokens", split, stats[split]["documents"], stats[split]["tokens"])
+
+    if os.path.exists(manifest_path):
+        os.remove(manifest_path)  # invalid until binarization succeeds
+    binarize(rawdir, cfg.destdir, cfg.workers)
+    manifest = {
+        "settings": cfg.settings(),
+        "splits": stats,
+        "vocabulary": vocab_size,
+        "documents": {s: [name for name, _ in splits[s]] for s in ("valid", "test")},
+    }
+    with open(manifest_path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(manifest_path + ".tmp", manifest_path)
+    return manifest
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m fairseq_alibi.corpus",
+        description="Build an offline WikiText-style corpus from CPython's own documentation "
+        "and binarize it for fairseq.",
+    )
+    p.add_argument("--destdir", default=CorpusConfig.destdir, help="binarized output (default: %(default)s)")
+    p.add_argument("--rawdir", default=None, help="tokenized text output (default: DESTDIR/raw)")
+    p.add_argument("--sources", default=",".join(SOURCES),
+                   help=f"comma-separated subset of {','.join(SOURCES)} (default: all)")
+    p.add_argument("--stdlib-dir", default=None, help="standard library to read (default: this Python's)")
+    p.add_argument("--lowercase", action="store_true", help="fold case (WikiText keeps it; default: keep)")
+    p.add_argument("--min-count", type=int, default=CorpusConfig.min_count,
+                   help="train count below which a word becomes <unk> (default: %(default)s)")
+    p.add_argument("--valid-fraction", type=float, default=CorpusConfig.valid_fraction)
+    p.add_argument("--test-fraction", type=float, default=CorpusConfig.test_fraction)
+    p.add_argument("--workers", type=int, default=CorpusConfig.workers, help="fairseq-preprocess workers")
+    p.add_argument("--force", action="store_true", help="rebuild even if an identical corpus exists")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
+                        level=logging.INFO, stream=sys.stdout)
+    args = get_parser().parse_args(argv)
+    cfg = CorpusConfig(
+        destdir=args.destdir, rawdir=args.rawdir,
+        sources=tuple(s.strip() for s in args.sources.split(",") if s.strip()),
+        stdlib_dir=args.stdlib_dir, lowercase=args.lowercase, min_count=args.min_count,
+        valid_fraction=args.valid_fraction, test_fraction=args.test_fraction, workers=args.workers,
+    )
+    try:
+        manifest = prepare(cfg, force=args.force)
+    except CorpusError as exc:
+        sys.stderr.write(f"fairseq_alibi.corpus: error: {exc}\n")
+        return 2
+    splits = manifest["splits"]
+    print(
+        f"corpus in {cfg.destdir}: vocabulary {manifest['vocabulary']:,}; "
+        + ", ".join(f"{s} {splits[s]['tokens']:,} tokens ({splits[s]['documents']} docs)" for s in SPLITS)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
