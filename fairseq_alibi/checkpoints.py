@@ -267,6 +267,70 @@ def main(argv=None) -> int:
     return 0
 
 
+# ------------------------------------------------------------ error messages
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _loading_frame(tb):
+    """Locals of fairseq's ``load_model_ensemble_and_task`` if ``tb`` passes through it."""
+    found = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "load_model_ensemble_and_task":
+            found = tb.tb_frame.f_locals
+        tb = tb.tb_next
+    return found
+
+
+def _describe_model_mismatch(exc: BaseException, frame) -> str:
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    filename = frame.get("filename", "the checkpoint")
+    cfg = frame.get("cfg")
+    arch = None
+    try:
+        arch = cfg.model.get("_name") if cfg is not None and cfg.model is not None else None
+    except Exception:  # a config too broken to read: keep the original error only
+        pass
+    family = ARCH_MODEL_NAME_REGISTRY.get(arch) if arch else None
+    what = f"arch {arch!r}" + (f", model family {family!r}" if family else "") if arch else "its model"
+    detail = _one_line(exc)
+    if detail.startswith("Error(s) in loading state_dict"):
+        missing = len(re.findall(r'"[^"]+"', detail.split("Unexpected key(s)")[0]))
+        detail = f"its weights do not fit the model built from its config ({missing} missing or mismatched names)"
+    elif len(detail) > 300:
+        detail = detail[:300] + "..."
+    return (
+        f"cannot use {filename} ({what}) here: {type(exc).__name__}: {detail}. "
+        "Is it a checkpoint of another model family or task?"
+    )
+
+
+def describe_error(exc: BaseException) -> Optional[str]:
+    """A one-line message for an error a user can fix, or None (a bug: show it all)."""
+    if isinstance(exc, CheckpointError):
+        return _one_line(exc)
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        name = os.fsdecode(exc.filename)
+        base = os.path.basename(name)
+        if base.startswith("dict") and base.endswith(".txt"):
+            return (
+                f"dictionary not found: {name} (the data directory must hold the dict.txt "
+                "written by alibi-preprocess)"
+            )
+        return f"file not found: {name}"
+    if isinstance(exc, (IsADirectoryError, PermissionError)):
+        return _one_line(exc)
+    if isinstance(exc, OSError) and str(exc).startswith("Model file not found"):
+        return "checkpoint file not found: " + str(exc).split(":", 1)[1].strip()
+    frame = _loading_frame(exc.__traceback__)
+    if frame is not None and isinstance(exc, (AttributeError, KeyError, ValueError, TypeError, RuntimeError, AssertionError)):
+        return _describe_model_mismatch(exc, frame)
+    return None
+
+
 # ------------------------------------------------------- the fairseq hooks
 
 

@@ -13,15 +13,11 @@ def _run(module_name: str) -> None:
         importlib.import_module(module_name).cli_main()
 
 
-# Errors whose message is the whole story: printed as one `error: ...` line on
-# stderr with exit status 1 instead of a traceback.  FAIRSEQ_ALIBI_TRACEBACK=1
-# shows the traceback as well.
-def _known_errors():
-    from .safe_load import CheckpointError
-
-    return (CheckpointError, FileNotFoundError, IsADirectoryError, PermissionError)
-
-
+# Errors a user can fix (bad or missing files, unsafe or unconverted
+# checkpoints, a checkpoint of another model family) are printed as one
+# `error: ...` line on stderr with exit status 1 instead of a traceback;
+# fairseq_alibi.checkpoints.describe_error decides which.
+# FAIRSEQ_ALIBI_TRACEBACK=1 shows the traceback as well.
 class report_errors:
     """Context manager for console scripts: known errors -> one line, exit 1."""
 
@@ -29,13 +25,17 @@ class report_errors:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc is None or not isinstance(exc, _known_errors()):
+        if exc is None or not isinstance(exc, Exception):
+            return False
+        from .checkpoints import describe_error
+
+        message = describe_error(exc)
+        if message is None:
             return False
         if os.environ.get("FAIRSEQ_ALIBI_TRACEBACK"):
             import traceback
 
             traceback.print_exception(exc_type, exc, tb)
-        message = " ".join(str(exc).split()) or exc_type.__name__
         sys.stderr.write(f"error: {message}\n")
         sys.stderr.flush()
         raise SystemExit(1)

@@ -266,3 +266,14 @@ def test_stock_sinusoidal_checkpoint_still_evaluates(stock_ckpt, data_bin):
     result = _run([_tool("alibi-eval-lm"), data_bin, "--path", stock_ckpt, "--cpu",
                    "--gen-subset", "valid", "--tokens-per-sample", str(TRAIN_LENGTH)])
     assert 0 < _loss(result) < 10
+
+
+def test_eval_of_another_model_family_is_one_line(stock_ckpt, data_bin, tmp_path):
+    state = copy.deepcopy(safe_load.load(stock_ckpt))
+    state["cfg"]["model"]["_name"] = "roberta_base"
+    path = str(tmp_path / "roberta.pt")
+    torch.save(state, path)
+    result = _run([_tool("alibi-eval-lm"), data_bin, "--path", path, "--cpu", "--gen-subset", "valid"], ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model family 'roberta'" in errors[0], result.stderr[-2000:]
