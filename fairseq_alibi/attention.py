@@ -45,7 +45,7 @@ BIAS_KINDS = ("causal", "symmetric")
 CHUNK_THRESHOLD = 1024 * 1024
 # Queries per block on the chunked path: B x H x CHUNK_SIZE x S scores live at
 # once (see docs/performance.md for the measurement behind the value).
-CHUNK_SIZE = 512
+CHUNK_SIZE = 256
 
 REGIMES = ("train", "train_dropout", "decode", "short", "long")
 
@@ -135,10 +135,15 @@ class AlibiBias:
         return self._slopes_cache[key]
 
     def block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
-        """``[H, q_len, k_len]`` bias for queries ``q_start ..`` over ``k_len`` keys."""
+        """``[H, q_len, k_len]`` bias for queries ``q_start ..`` over ``k_len`` keys.
+
+        The causal block is built with one ``[H, q_len, k_len]`` allocation (in
+        place ``-inf``, float32 distances: exact below 2^24 positions), which is
+        what the chunked path calls once per block and layer; it equals
+        ``alibi.causal_bias`` exactly (tested)."""
         slopes = self.slopes(k_len, device)
         if self.kind == "causal":
-            return alibi.causal_bias(slopes, q_len, k_len, dtype, device, q_start)
+            return _causal_block(slopes, q_start, q_len, k_len, dtype, device)
         return alibi.symmetric_bias(slopes, q_len, k_len, dtype, device, q_start)
 
     def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
@@ -151,8 +156,12 @@ class AlibiBias:
         key = (q_len, k_len, dtype, str(device), self.interpolation, self.scale_factor)
         if self._dense_key != key:
             self._dense = self._dense_key = None  # free the old one before building
-            q_start = k_len - q_len if self.kind == "causal" else 0
-            self._dense = _aligned(self.block(q_start, q_len, k_len, dtype, device))
+            if self.kind == "causal":
+                slopes = self.slopes(k_len, device)
+                dense = alibi.causal_bias(slopes, q_len, k_len, dtype, device, k_len - q_len)
+            else:
+                dense = self.block(0, q_len, k_len, dtype, device)
+            self._dense = _aligned(dense)
             self._dense_key = key
         return self._dense
 
@@ -163,6 +172,8 @@ class AlibiBias:
         the same padding-mask tensor)."""
         if key_padding_mask is None:
             return bias[None]
+        if bias.requires_grad:  # a learned bias: per layer, nothing to share
+            return bias[None] + _padding_mask(key_padding_mask, bias.dtype)
         cached = self._merged
         if (
             cached is not None
@@ -224,6 +235,16 @@ def _padding_mask(key_padding_mask: Optional[Tensor], dtype) -> Optional[Tensor]
         return None
     pad = key_padding_mask.to(torch.bool)[:, None, None, :]
     return torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill(pad, float("-inf"))
+
+
+def _causal_block(slopes: Tensor, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
+    """``alibi.causal_bias`` with fewer and smaller temporaries (see ``AlibiBias.block``)."""
+    query = torch.arange(q_start, q_start + q_len, device=device, dtype=torch.float32)
+    keys = torch.arange(k_len, device=device, dtype=torch.float32)
+    distance = query[:, None] - keys[None, :]
+    bias = torch.mul(distance, -slopes.to(device=device, dtype=torch.float32)[:, None, None])
+    bias.masked_fill_(distance < 0, float("-inf"))
+    return bias if dtype == torch.float32 else bias.to(dtype)
 
 
 def _aligned(bias: Tensor) -> Tensor:
@@ -479,6 +500,11 @@ class AlibiMultiheadAttention(MultiheadAttention):
 
             out = chunked_attention(q, k, v, block, self.causal, key_padding_mask)
         elif path == "flex":
+            if not self._flex_consistent():
+                raise ValueError(
+                    f"alibi_attention=flex: {type(self).__name__} overrides the bias hooks "
+                    "but not flex_score_mod, so FlexAttention would ignore its bias"
+                )
             if dropout_p > 0:
                 raise ValueError("alibi_attention=flex has no attention dropout; use sdpa or auto")
             block_mask = (

@@ -89,6 +89,16 @@ def test_causal_bias_matches_naive_loop(heads, q_len, k_len):
                 assert float(bias[h, qi, j]) == pytest.approx(expected, rel=1e-6, abs=0)
 
 
+@pytest.mark.parametrize("q_start,q_len,k_len", [(0, 7, 7), (5, 3, 9), (10, 1, 11), (256, 256, 700)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_block_equals_causal_bias(q_start, q_len, k_len, dtype):
+    shared = AlibiBias(6, interpolation="ntk", scale_factor=2.0)
+    slopes = shared.slopes(k_len)
+    block = shared.block(q_start, q_len, k_len, dtype, "cpu")
+    assert block.dtype == dtype
+    assert torch.equal(block, alibi.causal_bias(slopes, q_len, k_len, dtype, "cpu", q_start))
+
+
 # --------------------------------------------------------------------- paths vs reference
 CPU_PATHS = ("sdpa", "chunked")
 

@@ -1,0 +1,86 @@
+"""Shared helpers for the benchmarks: build real fairseq LMs in-process.
+
+Models are built exactly as ``fairseq-train`` builds them (argument parser,
+architecture defaults, ``task.build_model``), from a throw-away data directory
+that only holds a dictionary of the requested size.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import tempfile
+
+import torch
+
+
+def make_dict_dir(vocab_size: int) -> str:
+    """A directory with a ``dict.txt`` of ``vocab_size`` symbols (plus fairseq's 4 specials)."""
+    path = os.path.join(tempfile.gettempdir(), f"alibi_bench_dict_{vocab_size}_{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "dict.txt"), "w") as f:
+        for i in range(vocab_size - 4):
+            f.write(f"w{i} {vocab_size - i}\n")
+    return path
+
+
+def build_lm(arch: str, data_dir: str, extra_args=(), tokens_per_sample: int = 512):
+    """(task, model, criterion, cfg) for ``arch`` as fairseq-train would build it."""
+    import fairseq_alibi  # noqa: F401  (registers the ALiBi models)
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_training_parser()
+    argv = [
+        data_dir,
+        "--task", "language_modeling",
+        "--arch", arch,
+        "--tokens-per-sample", str(tokens_per_sample),
+        "--max-target-positions", str(tokens_per_sample),
+        "--criterion", "cross_entropy",
+        "--cpu",
+        *extra_args,
+    ]
+    args = options.parse_args_and_arch(parser, argv)
+    cfg = convert_namespace_to_omegaconf(args)  # as fairseq_cli/train.py does
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    criterion = task.build_criterion(cfg.criterion)
+    return task, model, criterion, cfg
+
+
+def model_args(embed_dim: int, layers: int, heads: int, ffn: int, dropout: float = 0.1):
+    """The size flags, identical for both models (input/output dims pinned to the embed dim)."""
+    return [
+        "--decoder-embed-dim", str(embed_dim),
+        "--decoder-input-dim", str(embed_dim),
+        "--decoder-output-dim", str(embed_dim),
+        "--decoder-layers", str(layers),
+        "--decoder-attention-heads", str(heads),
+        "--decoder-ffn-embed-dim", str(ffn),
+        "--dropout", str(dropout),
+        "--share-decoder-input-output-embed",
+    ]
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                cpu = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"{cpu}; {os.cpu_count()} cores; {mem_gb:.0f} GiB RAM; torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads); python {platform.python_version()}"
+    )
+
+
+def median(values):
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
