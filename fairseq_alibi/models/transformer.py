@@ -7,8 +7,9 @@
   embeddings;
 * encoder-decoder attention: stock ``MultiheadAttention``, no position
   information at all;
-* neither side caps the input length (``max_source_positions`` /
-  ``max_target_positions`` stay as filters only if given explicitly).
+* the model caps neither length (its ``max_positions`` is unbounded); the
+  translation task's own ``--max-source-positions`` / ``--max-target-positions``
+  (default 1024) still filter the data, raise them to evaluate longer inputs.
 
 The interpolation fields apply to both stacks, each resolving its factor from
 its own key length.  With dynamic scaling (factor 0) the decoder's slopes
