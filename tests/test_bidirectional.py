@@ -18,7 +18,7 @@ from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
 import fairseq_alibi  # noqa: F401  (registers the models)
 from fairseq_alibi import alibi
-from fairseq_alibi.attention import AlibiMultiheadAttention
+from fairseq_alibi.attention import AlibiMultiheadAttention, flex_available
 from fairseq_alibi.models.bidirectional import (
     UNBOUNDED_POSITIONS,
     BidirectionalAlibiAttention,
@@ -164,19 +164,27 @@ def test_split_left_heads_ignore_the_right(heads, path):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_paths_agree(mode):
-    """Same weights, the bias through dense_bias (reference, sdpa) or per block
-    (chunked, two blocks at 300 queries), with left padding in one row."""
+    """Same weights, the bias through dense_bias (reference, sdpa), per block
+    (chunked, two blocks at 300 queries) or as a FlexAttention score_mod (eager
+    on CPU), with left padding in one row."""
     x = torch.randn(300, 2, 32)
     pad = torch.zeros(2, 300, dtype=torch.bool)
     pad[1, :40] = True
+    paths = ["reference", "sdpa", "chunked"]
+    if mode != "learned" and flex_available():
+        paths.append("flex")
     outs = {}
-    for path in ("reference", "sdpa", "chunked"):
+    for path in paths:
         module, _ = attention(mode, 4, 32, path)
         with torch.no_grad():
             outs[path] = module(x, x, x, key_padding_mask=pad, need_weights=False)[0]
     assert bool(torch.isfinite(outs["reference"]).all())
-    torch.testing.assert_close(outs["sdpa"], outs["reference"], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(outs["chunked"], outs["reference"], atol=1e-5, rtol=1e-4)
+    for path in paths[1:]:
+        torch.testing.assert_close(outs[path], outs["reference"], atol=1e-5, rtol=1e-4, msg=path)
+    if mode == "learned":  # no score_mod for trained slopes: refused, not ignored
+        module, _ = attention(mode, 4, 32, "flex")
+        with pytest.raises(ValueError, match="flex"), torch.no_grad():
+            module(x, x, x, need_weights=False)
 
 
 def test_shared_modes_share_one_cached_bias():

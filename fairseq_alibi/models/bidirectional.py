@@ -25,8 +25,9 @@ factor is resolved from the key length of the forward pass; the learned mode
 scales its left and right slopes together (NTK spreads over all ``2H``).
 
 All modes plug into ``AlibiMultiheadAttention`` through its ``bias_block`` /
-``dense_bias`` / ``causal`` hooks, so every kernel path (reference, sdpa,
-chunked) applies unchanged.
+``dense_bias`` / ``causal`` hooks, so the reference, sdpa and chunked paths
+apply unchanged; ``symmetric`` and ``split`` also give a ``flex_score_mod``
+(FlexAttention on CUDA), ``learned`` does not (``auto`` keeps it off flex).
 """
 
 from dataclasses import dataclass, field
@@ -178,6 +179,31 @@ class BidirectionalBias:
             self._dense_key = key
         return self._dense
 
+    def score_mod(self, k_len: int, device, key_padding_mask: Optional[Tensor] = None):
+        """FlexAttention ``score_mod`` of ``block`` (symmetric / split), with
+        ``-inf`` at padded keys when a ``[B, S]`` padding mask is given."""
+        slopes = self.slopes(k_len, device)
+        if self.mode == "symmetric":
+            def bias_mod(score, b, h, q_idx, kv_idx):
+                return score - slopes[h] * (q_idx - kv_idx).abs()
+        elif self.mode == "split":
+            directions = alibi.split_directions(self.num_heads).to(device)
+            masked = masked_value_for(torch.float32)
+
+            def bias_mod(score, b, h, q_idx, kv_idx):
+                hidden = directions[h] * (kv_idx - q_idx) < 0
+                return torch.where(hidden, masked, score - slopes[h] * (q_idx - kv_idx).abs())
+        else:
+            raise RuntimeError("learned slopes live in the attention modules, not the shared bias")
+        if key_padding_mask is None:
+            return bias_mod
+        pad = key_padding_mask.to(torch.bool)
+
+        def padded_mod(score, b, h, q_idx, kv_idx):
+            return torch.where(pad[b, kv_idx], float("-inf"), bias_mod(score, b, h, q_idx, kv_idx))
+
+        return padded_mod
+
     def attention(self, embed_dim: int, **kwargs) -> AlibiMultiheadAttention:
         """A new self-attention module of this stack's mode."""
         cls = LearnedAlibiAttention if self.mode == "learned" else BidirectionalAlibiAttention
@@ -200,6 +226,10 @@ class BidirectionalAlibiAttention(AlibiMultiheadAttention):
 
     def dense_bias(self, q_len: int, k_len: int, dtype, device) -> Tensor:
         return self.stack.dense(q_len, k_len, dtype, device)
+
+    def flex_score_mod(self, q_len: int, k_len: int, device, key_padding_mask: Optional[Tensor]):
+        """FlexAttention ``score_mod`` equal to ``dense_bias`` plus padding."""
+        return self.stack.score_mod(k_len, device, key_padding_mask)
 
 
 class LearnedAlibiAttention(BidirectionalAlibiAttention):
@@ -226,6 +256,11 @@ class LearnedAlibiAttention(BidirectionalAlibiAttention):
 
     def dense_bias(self, q_len: int, k_len: int, dtype, device) -> Tensor:
         return self.bias_block(0, q_len, k_len, dtype, device)
+
+    # No FlexAttention score_mod for trained slopes (its backward through
+    # captured tensors is untested here): the base hook makes ``auto`` keep this
+    # module on sdpa / chunked, and an explicit ``flex`` fail with a clear error.
+    flex_score_mod = AlibiMultiheadAttention.flex_score_mod
 
 
 def build_bidirectional_bias(args) -> BidirectionalBias:
