@@ -17,7 +17,7 @@ BASE_URL=${ALIBI_CHECKPOINT_URL:-https://dl.fbaipublicfiles.com/train_short_test
 HERE="$(cd "$(dirname "$0")" && pwd)"
 
 die() { echo "download.sh: error: $1" >&2; exit "${2:-1}"; }
-usage() { echo "usage: $0 L [DESTDIR]   (L one of: $LENGTHS)" >&2; exit 2; }
+usage() { echo "usage: download.sh L [DESTDIR]   (L one of: $LENGTHS)" >&2; exit 2; }
 
 [ $# -ge 1 ] && [ $# -le 2 ] || usage
 L=$1

@@ -225,14 +225,17 @@ def convert_fork_state(state: Dict[str, Any], train_length: Optional[int] = None
 
 def convert(in_path: str, out_path: str, train_length: Optional[int] = None) -> Dict[str, Any]:
     """Read a fork checkpoint safely, write the converted one atomically; returns its cfg."""
+    parent = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"cannot write {out_path}: directory {os.path.dirname(out_path)} does not exist")
     state = safe_load.load(in_path)
     converted = convert_fork_state(state, train_length)
     tmp = f"{out_path}.tmp{os.getpid()}"
     try:
         torch.save(converted, tmp)
         os.replace(tmp, out_path)
-    except OSError as exc:
-        raise CheckpointError(f"cannot write {out_path}: {exc.strerror or exc}") from None
+    except (OSError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot write {out_path}: {_one_line(getattr(exc, 'strerror', None) or exc)}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -138,9 +138,9 @@ def load(path, map_location="cpu", extra_globals=()) -> Any:
         needed = (_unsafe_globals(path) if source is path else []) or _GLOBAL_RE.findall(text)
         if needed:
             raise UnsafeCheckpointError(
-                f"refusing to load {path}: it needs {', '.join(sorted(set(needed)))}, which is "
-                "not on fairseq-alibi's allowlist of types a checkpoint may contain; nothing "
-                "in the file was run (see fairseq_alibi/safe_load.py)"
+                f"refusing to load {path}: it needs {', '.join(sorted(set(needed)))}, outside "
+                "fairseq-alibi's allowlist of types a checkpoint may contain; nothing in the "
+                "file was run (see fairseq_alibi/safe_load.py)"
             ) from None
         raise CorruptCheckpointError(
             f"{path} is not a readable PyTorch checkpoint (corrupt pickle data: {_cause(text)})"
