@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import os
 import re
 import shutil

@@ -20,8 +20,12 @@ What fairseq checkpoints contain, found by scanning real files with
   ``DictConfig``, which brings the OmegaConf container classes and the type
   objects its node metadata records (``typing.Any``, ``dict``, ``list``,
   ``int``) and a ``collections.defaultdict``.
-* pre-hydra fairseq (< 0.10): the model configuration is an
-  ``argparse.Namespace`` under ``args``.
+* pre-hydra fairseq (up to 0.10): the options are an ``argparse.Namespace``
+  under ``args`` (fairseq 1.0-era configs may embed one too).
+
+The published fork files could not be scanned here (no network); the fork
+layout is reproduced in tests/test_checkpoints.py from what is known of it.
+If a real file needs one more harmless type, the refusal names it.
 
 Nothing else is allowed: no numpy scalars (fairseq 0.12 does not write them),
 no enums (fairseq converts them to strings before saving) and no fairseq
