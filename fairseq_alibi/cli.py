@@ -13,9 +13,10 @@ def _run(module_name: str) -> None:
         importlib.import_module(module_name).cli_main()
 
 
-# Errors a user can fix (bad or missing files, unsafe or unconverted
-# checkpoints, a checkpoint of another model family) are printed as one
-# `error: ...` line on stderr with exit status 1 instead of a traceback;
+# Errors a user can fix (bad ALiBi config values, bad or missing files,
+# unsafe or unconverted checkpoints, a checkpoint of another model family) are
+# printed as one `error: ...` line on stderr with exit status 1 instead of a
+# traceback;
 # fairseq_alibi.checkpoints.describe_error decides which.
 # FAIRSEQ_ALIBI_TRACEBACK=1 shows the traceback as well.
 class report_errors:
@@ -28,8 +29,12 @@ class report_errors:
         if exc is None or not isinstance(exc, Exception):
             return False
         from .checkpoints import describe_error
+        from .models.transformer_lm import AlibiConfigError
 
-        message = describe_error(exc)
+        if isinstance(exc, AlibiConfigError):  # names the field and the allowed values
+            message = " ".join(str(exc).split())
+        else:
+            message = describe_error(exc)
         if message is None:
             return False
         if os.environ.get("FAIRSEQ_ALIBI_TRACEBACK"):

@@ -27,6 +27,7 @@ from fairseq.modules import TransformerDecoderLayer
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import II
 
+from .. import compat  # noqa: F401  (fairseq 0.12 fixes: NumPy 2, torchrun on CPU)
 from ..attention import ATTENTION_PATHS, AlibiBias, AlibiMultiheadAttention
 from ..alibi import INTERPOLATION_METHODS
 
@@ -70,6 +71,12 @@ class AlibiLanguageModelConfig(stock.TransformerLanguageModelConfig):
     decoder_output_dim: Optional[int] = field(
         default=None, metadata={"help": "decoder output dimension (default: decoder_embed_dim)"}
     )
+
+
+class AlibiConfigError(ValueError):
+    """An invalid ALiBi config value; the message names the field and what is allowed.
+
+    The ``alibi-*`` console scripts print it as one ``error:`` line."""
 
 
 def build_alibi_bias(args) -> AlibiBias:
@@ -139,10 +146,16 @@ class AlibiTransformerLanguageModel(stock.TransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
+        # Again here: the arch function runs before the dataclass defaults are
+        # filled in, so with no --decoder-embed-dim it could not set these.
+        _default_io_dims(args)
         if getattr(args, "alibi_train_length", None) in (None, "", 0):
             args.alibi_train_length = getattr(args, "tokens_per_sample", None)
         # Fail at build time, naming the field, rather than mid-forward.
-        build_alibi_bias(args)
+        try:
+            build_alibi_bias(args)
+        except ValueError as err:
+            raise AlibiConfigError(str(err)) from None
         # The stock builder makes the embeddings (plain, adaptive or character)
         # and then the decoder; only the decoder class differs.
         with mock.patch.object(stock, "TransformerDecoder", AlibiTransformerDecoder):
@@ -150,9 +163,12 @@ class AlibiTransformerLanguageModel(stock.TransformerLanguageModel):
 
 
 def _default_io_dims(args) -> None:
+    embed_dim = getattr(args, "decoder_embed_dim", None)
+    if embed_dim is None:  # not given and not yet defaulted: build_model sets them
+        return
     for name in ("decoder_input_dim", "decoder_output_dim"):
         if getattr(args, name, None) is None:
-            setattr(args, name, args.decoder_embed_dim)
+            setattr(args, name, embed_dim)
 
 
 def _twin(stock_arch_fn):

@@ -1,0 +1,611 @@
+"""End to end: the real command-line tools, run as subprocesses, with the plugin.
+
+Stock fairseq scripts with ``--user-dir "$(alibi-user-dir)"`` and the ``alibi-*``
+console scripts: training (single process, hydra, torchrun data-parallel),
+evaluation at 8x the training length (nonoverlapping, sliding window, every
+interpolation override), generation, the hub interface, and build-time errors
+for bad configuration values.  The model is the session fixture from
+conftest.py: 6 heads, trained at 32 tokens.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from conftest import HEADS, TRAIN_LENGTH, run_cli, tool, train_args
+
+EVAL_LENGTH = 8 * TRAIN_LENGTH  # 256
+
+
+def load_state(path) -> dict:
+    return torch.load(str(path), map_location="cpu", weights_only=True)
+
+
+def assert_alibi_checkpoint(path) -> dict:
+    state = load_state(path)
+    keys = list(state["model"])
+    assert keys, "empty state dict"
+    assert not [k for k in keys if "embed_positions" in k], keys
+    assert any(k.endswith("self_attn.k_proj.weight") for k in keys)  # stock parameter names
+    model_cfg = state["cfg"]["model"]
+    assert model_cfg["_name"] == "transformer_lm_alibi"
+    assert model_cfg["alibi_train_length"] == TRAIN_LENGTH
+    assert model_cfg["decoder_attention_heads"] == HEADS
+    assert model_cfg["decoder_input_dim"] == model_cfg["decoder_embed_dim"]
+    return state
+
+
+def num_updates(state) -> int:
+    return state["optimizer_history"][-1]["num_updates"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- training
+
+
+def test_fairseq_train_with_user_dir(alibi_train_run, alibi_checkpoint):
+    """The session fixture is itself stock fairseq-train --user-dir."""
+    _, result = alibi_train_run
+    assert "done training" in result.output
+    state = assert_alibi_checkpoint(alibi_checkpoint)
+    assert num_updates(state) > 0
+    # The 6 heads are real: q_proj maps 48 -> 48 = 6 heads x 8.
+    assert state["model"]["decoder.layers.0.self_attn.q_proj.weight"].shape == (48, 48)
+
+
+def test_alibi_train_console_script(lm_data_bin, alibi_checkpoint, tmp_path):
+    result = run_cli([tool("alibi-train"), *train_args(lm_data_bin, tmp_path, max_update=4)])
+    assert "done training" in result.output
+    state = assert_alibi_checkpoint(tmp_path / "checkpoint_best.pt")
+    assert num_updates(state) == 4
+    reference = load_state(alibi_checkpoint)["model"]
+    assert {k: v.shape for k, v in state["model"].items()} == {
+        k: v.shape for k, v in reference.items()
+    }
+
+
+# --------------------------------------------------------------------------- eval-lm
+
+LOSS_RE = re.compile(r"Loss \(base 2\): (\S+), Perplexity: (\S+)")
+TOKENS_RE = re.compile(r"Evaluated ([\d,]+) tokens")
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    ppl: float
+    tokens: int
+    text: str  # the loss line, exactly as printed
+
+
+def parse_eval(output: str) -> EvalResult:
+    losses = LOSS_RE.findall(output)
+    tokens = TOKENS_RE.findall(output)
+    assert losses and tokens, output[-3000:]
+    loss, ppl = losses[-1]
+    line = f"Loss (base 2): {loss}, Perplexity: {ppl}"
+    return EvalResult(float(loss), float(ppl), int(tokens[-1].replace(",", "")), line)
+
+
+def linear(factor):
+    return {"alibi_interpolation": "linear", "alibi_scale_factor": factor}
+
+
+def ntk(factor):
+    return {"alibi_interpolation": "ntk", "alibi_scale_factor": factor}
+
+
+def chunked_test_length() -> int:
+    from fairseq_alibi import attention
+
+    return 2 * attention.CHUNK_SIZE
+
+
+@dataclass(frozen=True)
+class Eval:
+    """One eval-lm run on the valid split."""
+
+    tokens_per_sample: int
+    overrides: Optional[dict] = None
+    context_window: int = 0
+    script: str = "fairseq-eval-lm"
+    batch: tuple = ("--max-tokens", "2048")  # several blocks per batch
+
+    def __hash__(self):
+        return hash(repr(self))
+
+
+def eval_runs():
+    """Every eval-lm run the tests below need; they start together (two at a
+    time) the first time one is asked for, and each test waits for its own."""
+    long, short = EVAL_LENGTH, TRAIN_LENGTH
+    runs = [
+        Eval(long),
+        Eval(long, linear(1), script="alibi-eval-lm"),
+        Eval(short),
+        Eval(short, context_window=24),
+        Eval(long, linear(2)),
+        Eval(long, ntk(2)),
+        Eval(short, linear(0)),
+        Eval(long, linear(0)),
+        Eval(long, linear(8)),
+        Eval(long, ntk(0)),
+    ]
+    runs += [
+        Eval(chunked_test_length(), {**linear(0), "alibi_attention": path}, batch=("--batch-size", "1"))
+        for path in ("reference", "chunked")
+    ]
+    return runs
+
+
+@pytest.fixture(scope="session")
+def eval_lm(lm_data_bin, alibi_checkpoint, alibi_user_dir):
+    def run(spec: Eval) -> EvalResult:
+        args = [
+            tool(spec.script), lm_data_bin, "--path", alibi_checkpoint, "--cpu",
+            "--gen-subset", "valid", "--tokens-per-sample", str(spec.tokens_per_sample),
+            "--sample-break-mode", "none", "--num-workers", "0", *spec.batch,
+        ]
+        if spec.script.startswith("fairseq-"):
+            args += ["--user-dir", alibi_user_dir]
+        if spec.context_window:
+            args += ["--context-window", str(spec.context_window)]
+        if spec.overrides is not None:
+            args += ["--model-overrides", repr(spec.overrides)]
+        return parse_eval(run_cli(args).output)
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {spec: pool.submit(run, spec) for spec in eval_runs()}
+
+    def get(*args, **kwargs) -> EvalResult:
+        spec = Eval(*args, **kwargs)
+        result = (futures[spec] if spec in futures else pool.submit(run, spec)).result()
+        assert math.isfinite(result.loss) and math.isfinite(result.ppl), result
+        assert result.ppl == pytest.approx(2**result.loss, rel=5e-3)
+        return result
+
+    yield get
+    pool.shutdown(cancel_futures=True)
+
+
+def test_eval_8x_training_length_without_overrides(eval_lm):
+    """Nonoverlapping at 8x the training length, several blocks per batch, no
+    --model-overrides: finite, every valid token scored, and ALiBi
+    extrapolates (no blow-up against evaluation at the training length)."""
+    long = eval_lm(EVAL_LENGTH)
+    short = eval_lm(TRAIN_LENGTH)
+    assert long.tokens == short.tokens > 4 * EVAL_LENGTH  # >= 5 blocks in one 2048-token batch
+    assert long.loss < short.loss + 0.05, (long, short)
+    assert long.loss < 2.5  # far below uniform over the vocabulary (log2 ~ 5)
+
+
+def test_none_equals_linear_factor_one_and_scripts_agree(eval_lm):
+    """alibi-eval-lm with linear factor 1 reports exactly what stock
+    fairseq-eval-lm --user-dir reports with no override."""
+    assert eval_lm(EVAL_LENGTH, linear(1), script="alibi-eval-lm").text == eval_lm(EVAL_LENGTH).text
+
+
+def test_sliding_window_scores_every_token_once_with_more_context(eval_lm):
+    nonoverlapping = eval_lm(TRAIN_LENGTH)
+    sliding = eval_lm(TRAIN_LENGTH, context_window=24)
+    assert sliding.tokens == nonoverlapping.tokens
+    # Clause subjects repeat within a line: context before each block helps.
+    assert sliding.loss < nonoverlapping.loss, (sliding, nonoverlapping)
+
+
+@pytest.mark.parametrize("method", [linear, ntk])
+def test_static_factor_changes_the_loss(eval_lm, method):
+    plain = eval_lm(EVAL_LENGTH)
+    scaled = eval_lm(EVAL_LENGTH, method(2))
+    assert scaled.loss != plain.loss, (scaled, plain)
+
+
+def test_ntk_and_linear_differ(eval_lm):
+    """NTK keeps the steepest head, linear does not: different slopes, different loss."""
+    assert eval_lm(EVAL_LENGTH, ntk(2)).loss != eval_lm(EVAL_LENGTH, linear(2)).loss
+
+
+def test_dynamic_scaling_is_a_no_op_at_training_length(eval_lm):
+    assert eval_lm(TRAIN_LENGTH, linear(0)).text == eval_lm(TRAIN_LENGTH).text
+
+
+def test_dynamic_scaling_at_8x_is_static_factor_8(eval_lm):
+    """Dynamic factor = length / alibi_train_length with the train length read
+    from the checkpoint (32), not from eval's --tokens-per-sample (256): every
+    batch is padded to 256, so it is exactly the static factor 8."""
+    dynamic = eval_lm(EVAL_LENGTH, linear(0))
+    assert dynamic.text == eval_lm(EVAL_LENGTH, linear(8)).text
+    assert dynamic.loss != eval_lm(EVAL_LENGTH).loss
+
+
+def test_ntk_dynamic_at_8x_changes_the_loss(eval_lm):
+    ntk_dynamic = eval_lm(EVAL_LENGTH, ntk(0))
+    assert ntk_dynamic.loss not in (eval_lm(EVAL_LENGTH).loss, eval_lm(EVAL_LENGTH, linear(0)).loss)
+
+
+def test_dynamic_scaling_same_on_chunked_attention_path(eval_lm):
+    """Past the chunked path's block size, dynamic slopes must still be those of
+    the whole sequence (not of each query block's visible keys)."""
+    results = {
+        path: eval_lm(chunked_test_length(), {**linear(0), "alibi_attention": path},
+                      batch=("--batch-size", "1"))
+        for path in ("reference", "chunked")
+    }
+    assert results["chunked"].text == results["reference"].text, results
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def test_generate_with_prefix(lm_data_bin, alibi_checkpoint):
+    # --required-batch-size-multiple 1: fairseq 0.12 drops a last batch that is
+    # not a multiple of it (default 8), i.e. up to 7 sentences.
+    result = run_cli([
+        tool("alibi-generate"), lm_data_bin, "--path", alibi_checkpoint, "--task",
+        "language_modeling", "--cpu", "--gen-subset", "valid", "--sample-break-mode", "eos",
+        "--tokens-per-sample", "512", "--prefix-size", "2", "--beam", "2",
+        "--max-len-b", str(2 * TRAIN_LENGTH), "--batch-size", "16",
+        "--required-batch-size-multiple", "1",
+    ])
+    hypos = re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", result.stdout, re.M)
+    sources = dict(re.findall(r"^S-(\d+)\t(.*)$", result.stdout, re.M))
+    assert len(hypos) == 60 == len(sources)  # one per valid line
+    for index, score, text in hypos:
+        assert math.isfinite(float(score))
+        # The hypothesis continues the forced two-token prefix of its source.
+        assert text.split()[:2] == sources[index].split()[:2]
+        assert len(text.split()) > 2
+
+
+def test_interactive_stdin(lm_data_bin, alibi_checkpoint, alibi_user_dir):
+    prompts = "one the cat\ntwo a dog sees\n"
+    result = run_cli([
+        tool("fairseq-interactive"), lm_data_bin, "--path", alibi_checkpoint,
+        "--user-dir", alibi_user_dir, "--task", "language_modeling", "--cpu",
+        "--beam", "1", "--max-len-b", "40",
+    ], stdin=prompts)
+    hypos = re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", result.stdout, re.M)
+    assert [int(i) for i, _, _ in hypos] == [0, 1]
+    for (_, score, text), prompt in zip(hypos, prompts.splitlines()):
+        assert text.startswith(prompt + " ")
+        assert math.isfinite(float(score))
+
+
+@pytest.fixture(scope="module")
+def hub_factory(alibi_checkpoint, lm_data_bin):
+    from fairseq_alibi.models.transformer_lm import AlibiTransformerLanguageModel
+
+    loaded = {}
+
+    def load(**overrides):
+        key = repr(sorted(overrides.items()))
+        if key not in loaded:
+            loaded[key] = AlibiTransformerLanguageModel.from_pretrained(
+                str(alibi_checkpoint.parent), alibi_checkpoint.name,
+                data_name_or_path=str(lm_data_bin), **overrides,
+            ).eval()
+        return loaded[key]
+
+    return load
+
+
+def valid_text(lm_corpus, words: int) -> str:
+    return " ".join((lm_corpus / "valid.txt").read_text().split()[:words])
+
+
+def test_hub_score_equals_full_forward(hub_factory, lm_corpus):
+    lm = hub_factory()
+    assert lm.cfg.model.alibi_train_length == TRAIN_LENGTH
+    sentence = valid_text(lm_corpus, 3 * TRAIN_LENGTH)
+    scored = lm.score(sentence)
+    tokens = lm.encode(sentence)  # ends with eos
+    model = lm.models[0]
+    eos = lm.task.source_dictionary.eos()
+    with torch.no_grad():
+        inputs = torch.cat([tokens.new_tensor([eos]), tokens[:-1]])[None]
+        lprobs = model.get_normalized_probs(model(inputs), log_probs=True)[0]
+    direct = lprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    n = len(scored["positional_scores"])
+    assert n == len(tokens) - 1 > 2 * TRAIN_LENGTH
+    assert torch.equal(scored["positional_scores"], direct[:n])
+
+
+def test_stock_hub_class_loads_the_checkpoint(hub_factory, alibi_checkpoint, lm_data_bin):
+    from fairseq.models.transformer_lm import TransformerLanguageModel
+
+    from fairseq_alibi.models.transformer_lm import AlibiTransformerLanguageModel
+
+    stock = TransformerLanguageModel.from_pretrained(
+        str(alibi_checkpoint.parent), alibi_checkpoint.name, data_name_or_path=str(lm_data_bin)
+    ).eval()
+    assert isinstance(stock.models[0], AlibiTransformerLanguageModel)
+    sentence = "one the cat sees a tree . two the cat likes the ball ."
+    assert torch.equal(
+        stock.score(sentence)["positional_scores"],
+        hub_factory().score(sentence)["positional_scores"],
+    )
+
+
+def test_hub_sample(hub_factory):
+    lm = hub_factory()
+    greedy = lm.sample("one the cat", beam=1, max_len_b=3 * TRAIN_LENGTH)
+    assert greedy.startswith("one the cat ") and len(greedy.split()) > 4
+    sampled = lm.sample("two a dog", beam=1, sampling=True, sampling_topk=4, seed=3)
+    assert sampled.startswith("two a dog ")
+    assert set(sampled.split()) <= set(lm.task.source_dictionary.symbols)
+
+
+def incremental_vs_full(lm, text) -> float:
+    """Max |difference| between the log-probs of ``text``'s tokens from the
+    incremental decoder (the generator forced through ``text`` as its prefix)
+    and from one full forward (``score``)."""
+    full = lm.score(text)["positional_scores"]
+    tokens = lm.encode(text)
+    hypo = lm.generate([tokens], beam=1, max_len_a=0, max_len_b=len(tokens) + 1)[0][0]
+    assert torch.equal(hypo["tokens"][: len(full)], tokens[: len(full)])
+    return (hypo["positional_scores"][: len(full)] - full).abs().max().item()
+
+
+@pytest.mark.parametrize("overrides", [{}, linear(2), ntk(3)], ids=["none", "linear2", "ntk3"])
+def test_kv_cache_exact_without_dynamic_scaling(hub_factory, lm_corpus, overrides):
+    lm = hub_factory(**overrides)
+    assert incremental_vs_full(lm, valid_text(lm_corpus, 2 * TRAIN_LENGTH)) < 1e-4
+
+
+@pytest.mark.parametrize("method", [linear, ntk])
+def test_kv_cache_with_dynamic_scaling_differs_past_train_length(hub_factory, lm_corpus, method):
+    """Documented behaviour (docs/usage.md): exact up to alibi_train_length; past
+    it every step rescales the slopes but deeper layers' cached keys/values were
+    computed under older slopes, so generation differs from a full forward."""
+    lm = hub_factory(**method(0))
+    assert incremental_vs_full(lm, valid_text(lm_corpus, TRAIN_LENGTH - 4)) < 1e-4
+    assert incremental_vs_full(lm, valid_text(lm_corpus, 2 * TRAIN_LENGTH)) > 1e-3
+
+
+# --------------------------------------------------------------------------- hydra
+
+HYDRA_CONFIG = """\
+common:
+  cpu: true
+  seed: 1
+  log_format: simple
+  log_interval: 5
+  user_dir: {user_dir}
+checkpoint:
+  save_dir: {save_dir}
+  no_epoch_checkpoints: true
+task:
+  _name: language_modeling
+  data: {data}
+  tokens_per_sample: {length}
+  sample_break_mode: none
+dataset:
+  batch_size: 8
+  num_workers: 0
+optimization:
+  max_update: 6
+  lr: [0.01]
+optimizer:
+  _name: adam
+lr_scheduler:
+  _name: inverse_sqrt
+  warmup_updates: 5
+criterion: cross_entropy
+model:
+  _name: transformer_lm_alibi
+  decoder_layers: 2
+  decoder_embed_dim: 48
+  decoder_input_dim: 48
+  decoder_output_dim: 48
+  decoder_ffn_embed_dim: 96
+  decoder_attention_heads: {heads}
+  dropout: 0.0
+"""
+
+
+def write_hydra_config(tmp_path, data, user_dir, extra_model="") -> Path:
+    config_dir = tmp_path / "config"
+    config_dir.mkdir()
+    text = HYDRA_CONFIG.format(
+        user_dir=user_dir, save_dir=tmp_path / "ckpt", data=data, length=TRAIN_LENGTH, heads=HEADS
+    )
+    (config_dir / "tiny_lm.yaml").write_text(text + extra_model)
+    return config_dir
+
+
+def test_fairseq_hydra_train(lm_data_bin, alibi_user_dir, tmp_path):
+    """Stock fairseq-hydra-train, the plugin named by common.user_dir in the yaml
+    (alibi-hydra-train runs in test_bad_value_in_hydra_config)."""
+    config_dir = write_hydra_config(tmp_path, lm_data_bin, alibi_user_dir)
+    result = run_cli([
+        tool("fairseq-hydra-train"), "--config-dir", config_dir, "--config-name", "tiny_lm",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    ])
+    assert "done training" in result.output
+    state = assert_alibi_checkpoint(tmp_path / "ckpt" / "checkpoint_best.pt")
+    assert num_updates(state) == 6
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def test_torchrun_two_process_data_parallel(lm_data_bin, alibi_user_dir, tmp_path):
+    """torchrun, 2 CPU processes, gloo: really data-parallel (world size 2, the
+    batch of 4 per worker aggregated to 8, half the updates per epoch of one
+    process), and one checkpoint written."""
+    save_dir = tmp_path / "ckpt"
+    result = run_cli([
+        tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+        tool("fairseq-train"), *train_args(lm_data_bin, save_dir, max_update=6, batch_size=4),
+        "--user-dir", alibi_user_dir, "--distributed-backend", "gloo",
+    ], timeout=400)
+    assert "distributed init (rank 1)" in result.output
+    assert "training on 2 devices" in result.output
+    train_line = [line for line in result.output.splitlines() if "| train |" in line][-1]
+    assert "bsz 8 " in train_line, train_line
+    assert "num_updates 6 " in train_line, train_line
+    state = assert_alibi_checkpoint(save_dir / "checkpoint_last.pt")
+    assert num_updates(state) == 6
+    assert state["cfg"]["distributed_training"]["distributed_world_size"] == 2
+
+
+# --------------------------------------------------------------------------- errors
+
+BAD_TRAIN_FLAGS = [
+    ("alibi-train", ["--alibi-interpolation", "cubic"],
+     ["alibi_interpolation='cubic'", "none, linear, ntk"]),
+    ("fairseq-train", ["--alibi-scale-factor", "0.5"],
+     ["alibi_scale_factor=0.5", "static factor >= 1"]),
+    ("alibi-train", ["--alibi-attention", "foo"], ["alibi_attention='foo'", "auto, reference"]),
+]
+
+
+def assert_reports(result, messages, script):
+    """Non-zero exit, each message on stderr; the alibi-* scripts say it in one
+    ``error:`` line (no traceback), stock scripts end their traceback with it."""
+    assert result.returncode != 0
+    for message in messages:
+        assert message in result.stderr, result.stderr[-3000:]
+    if script.startswith("alibi-"):
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and all(m in errors[0] for m in messages), errors
+
+
+@pytest.mark.parametrize("script,flags,messages", BAD_TRAIN_FLAGS, ids=lambda v: str(v)[:24])
+def test_bad_value_fails_at_build_naming_the_field(
+    lm_data_bin, alibi_user_dir, tmp_path, script, flags, messages
+):
+    args = [tool(script), *train_args(lm_data_bin, tmp_path / "ckpt", max_update=1), *flags]
+    if script.startswith("fairseq-"):
+        args += ["--user-dir", alibi_user_dir]
+    result = run_cli(args, expect_ok=False)
+    assert_reports(result, messages, script)
+    assert "done training" not in result.output
+    assert not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
+
+
+def test_dynamic_scaling_without_train_length_fails_eval(lm_data_bin, alibi_checkpoint):
+    """An override that leaves dynamic scaling with no training length to divide by."""
+    overrides = {**linear(0), "alibi_train_length": 0, "tokens_per_sample": 0}
+    result = run_cli([
+        tool("alibi-eval-lm"), lm_data_bin, "--path", alibi_checkpoint, "--cpu",
+        "--gen-subset", "valid", "--tokens-per-sample", str(EVAL_LENGTH),
+        "--model-overrides", repr(overrides),
+    ], expect_ok=False)
+    assert_reports(result, ["alibi_train_length=0", "positive integer"], "alibi-eval-lm")
+    assert "Loss (base 2)" not in result.output
+
+
+def test_bad_value_in_hydra_config(lm_data_bin, alibi_user_dir, tmp_path):
+    config_dir = write_hydra_config(
+        tmp_path, lm_data_bin, alibi_user_dir, extra_model="  alibi_interpolation: cubic\n"
+    )
+    result = run_cli([
+        tool("alibi-hydra-train"), "--config-dir", config_dir, "--config-name", "tiny_lm",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    ], expect_ok=False)
+    assert result.returncode != 0
+    assert "alibi_interpolation='cubic'" in result.output
+    assert "none, linear, ntk" in result.output
+
+
+# --------------------------------------------------------------------------- architectures
+
+
+def parse_arch(arch, data_dir="unused-data-dir"):
+    from fairseq import options
+
+    import fairseq_alibi  # noqa: F401
+
+    argv = [str(data_dir), "--task", "language_modeling", "--arch", arch,
+            "--tokens-per-sample", "512"]
+    return options.parse_args_and_arch(options.get_training_parser(), argv)
+
+
+def twin_name(arch):
+    return "transformer_lm_alibi" if arch == "transformer_lm" else f"{arch}_alibi"
+
+
+def test_every_stock_lm_arch_has_an_alibi_twin():
+    """Each twin parses to exactly the stock arch's settings, positions off."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    import fairseq_alibi  # noqa: F401  (registers the twins)
+
+    stock = sorted(a for a, m in ARCH_MODEL_NAME_REGISTRY.items() if m == "transformer_lm")
+    assert "transformer_lm_wiki103" in stock and len(stock) > 5
+    for arch in stock:
+        assert ARCH_MODEL_NAME_REGISTRY.get(twin_name(arch)) == "transformer_lm_alibi", arch
+        stock_args, twin_args = vars(parse_arch(arch)), vars(parse_arch(twin_name(arch)))
+        assert twin_args["no_token_positional_embeddings"] is True
+        differing = {
+            k for k in set(stock_args) | set(twin_args)
+            if stock_args.get(k) != twin_args.get(k)
+            and k not in ("arch", "no_token_positional_embeddings") and not k.startswith("alibi_")
+        }
+        assert not differing, (arch, {k: (stock_args.get(k), twin_args.get(k)) for k in differing})
+
+
+@pytest.fixture(scope="module")
+def wiki103_dict(tmp_path_factory):
+    """A dictionary just past the adaptive cutoffs (20000, 60000) of wiki103."""
+    path = tmp_path_factory.mktemp("wiki103_dict")
+    (path / "dict.txt").write_text("".join(f"w{i} {70000 - i}\n" for i in range(60100)))
+    return path
+
+
+def build_on_meta(data_dir, arch):
+    from fairseq import tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    cfg = convert_namespace_to_omegaconf(parse_arch(arch, data_dir))
+    task = tasks.setup_task(cfg.task)
+    with torch.device("meta"):  # shapes only: no memory for the parameters
+        return task.build_model(cfg.model), cfg
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_wiki103_twin_is_the_paper_model_with_stock_parameter_count(wiki103_dict):
+    from fairseq_alibi.attention import AlibiMultiheadAttention
+
+    stock, _ = build_on_meta(wiki103_dict, "transformer_lm_wiki103")
+    twin, cfg = build_on_meta(wiki103_dict, "transformer_lm_wiki103_alibi")
+    # ALiBi adds no parameters; the stock sinusoidal positions have none.
+    assert n_params(twin) == n_params(stock) > 200_000_000
+    assert stock.decoder.embed_positions is not None and twin.decoder.embed_positions is None
+    assert len(twin.decoder.layers) == 16
+    assert cfg.model.decoder_embed_dim == 1024 == cfg.model.decoder_input_dim
+    assert cfg.model.decoder_attention_heads == 8
+    assert cfg.model.adaptive_input and cfg.model.alibi_train_length == 512
+    attn = twin.decoder.layers[0].self_attn
+    assert isinstance(attn, AlibiMultiheadAttention) and attn.num_heads == 8
+
+
+def test_base_arch_builds_without_any_dimension_flags(wiki103_dict):
+    """--arch transformer_lm_alibi with no --decoder-embed-dim: the arch function
+    runs before the dataclass defaults exist, so the io dims are defaulted again
+    at build time (this used to crash with AttributeError)."""
+    stock, _ = build_on_meta(wiki103_dict, "transformer_lm")
+    twin, _ = build_on_meta(wiki103_dict, "transformer_lm_alibi")
+    assert twin.decoder.project_in_dim is None and twin.decoder.project_out_dim is None
+    assert twin.decoder.embed_tokens.embedding_dim == 512
+    assert n_params(twin) == n_params(stock)
