@@ -45,7 +45,7 @@ BIAS_KINDS = ("causal", "symmetric")
 CHUNK_THRESHOLD = 1024 * 1024
 # Queries per block on the chunked path: B x H x CHUNK_SIZE x S scores live at
 # once (see docs/performance.md for the measurement behind the value).
-CHUNK_SIZE = 256
+CHUNK_SIZE = 512
 
 REGIMES = ("train", "train_dropout", "decode", "short", "long")
 
@@ -120,6 +120,7 @@ class AlibiBias:
         self._dense: Optional[Tensor] = None
         self._merged: Optional[tuple] = None  # (bias, padding mask, its version, merged)
         self._block_mask: Optional[tuple] = None  # (key, BlockMask)
+        self._ramp: Optional[tuple] = None  # (key, ramp of the chunked path)
 
     def slopes(self, seq_len: int, device=None) -> Tensor:
         """float32 ``[H]`` slopes for a sequence of ``seq_len`` keys."""
@@ -145,6 +146,28 @@ class AlibiBias:
         if self.kind == "causal":
             return _causal_block(slopes, q_start, q_len, k_len, dtype, device)
         return alibi.symmetric_bias(slopes, q_len, k_len, dtype, device, q_start)
+
+    def causal_window(self, q_start: int, q_len: int, visible: int, k_len: int, dtype, device) -> Tensor:
+        """``[H, q_len, visible]`` causal bias of queries ``q_start ..`` over the
+        first ``visible`` keys, with the slopes of a ``k_len``-key forward: a
+        view, no copy.
+
+        The bias only depends on ``query - key``, so every block of the chunked
+        path is a window of one ramp ``R[h, i, j] = -m_h * (P + i - j)``
+        (``P = k_len - 1``, ``chunk`` rows, ``P + chunk`` columns): block
+        ``(s, rows)`` is ``R[:, :rows, P - s : P - s + visible]``.  The ramp is
+        built once per forward (shared by all layers and blocks) and is linear
+        in the length: ``H x chunk x (T + chunk)``."""
+        rows = max(CHUNK_SIZE, q_len)
+        top = k_len - 1
+        width = (top + rows + 7) // 8 * 8  # aligned rows for CUDA kernels
+        key = (k_len, rows, dtype, str(device), self.interpolation, self.scale_factor)
+        if self._ramp is None or self._ramp[0] != key:
+            self._ramp = None
+            ramp = _causal_block(self.slopes(k_len, device), top, rows, width, dtype, device)
+            self._ramp = (key, ramp)
+        offset = top - q_start
+        return self._ramp[1][:, :q_len, offset : offset + visible]
 
     def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
         """The whole ``[H, q_len, k_len]`` bias, cached for the most recent shape.
@@ -284,9 +307,9 @@ def sdpa_attention(q, k, v, bias, key_padding_mask=None, dropout_p=0.0):
 def chunked_attention(q, k, v, bias_block, causal: bool, key_padding_mask=None, chunk_size=None):
     """Inference attention in query blocks of ``chunk_size`` (default ``CHUNK_SIZE``).
 
-    ``bias_block(q_start, q_len, k_len)`` returns the ``[H, q_len, k_len]`` bias
-    of one block, built on the fly, so memory grows linearly with the length;
-    causal blocks only read the keys they can see.
+    ``bias_block(q_start, q_len, visible)`` returns the ``[H, q_len, visible]``
+    bias of one block (built on the fly, or a view of a shared ramp), so memory
+    grows linearly with the length; causal blocks only read the keys they can see.
     """
     chunk_size = chunk_size or CHUNK_SIZE
     q_len, k_len = q.size(2), k.size(2)
@@ -495,8 +518,14 @@ class AlibiMultiheadAttention(MultiheadAttention):
         )
         weights = None
         if path == "chunked":
-            def block(q_start, q_len, k_len):
-                return self.bias_block(q_start, q_len, k_len, q.dtype, q.device)
+            # Blocks see ``visible`` keys but take the slopes of all ``src_len``
+            # (as the dense path does, so dynamic scaling agrees across paths).
+            if self.causal and type(self).bias_block is AlibiMultiheadAttention.bias_block:
+                def block(q_start, q_len, visible):
+                    return self.alibi.causal_window(q_start, q_len, visible, src_len, q.dtype, q.device)
+            else:
+                def block(q_start, q_len, visible):
+                    return self.bias_block(q_start, q_len, src_len, q.dtype, q.device)[..., :visible]
 
             out = chunked_attention(q, k, v, block, self.causal, key_padding_mask)
         elif path == "flex":

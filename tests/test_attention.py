@@ -99,6 +99,29 @@ def test_chunk_block_equals_causal_bias(q_start, q_len, k_len, dtype):
     assert torch.equal(block, alibi.causal_bias(slopes, q_len, k_len, dtype, "cpu", q_start))
 
 
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_chunk_windows_equal_causal_bias(chunk, monkeypatch):
+    """The chunked path's blocks (views of one shared ramp) against
+    ``alibi.causal_bias``, with the slopes of the whole length (dynamic scaling)."""
+    monkeypatch.setattr(A, "CHUNK_SIZE", chunk)
+    shared = AlibiBias(3, interpolation="linear", scale_factor=0.0, train_length=8)
+    k_len = 37
+    full = alibi.causal_bias(shared.slopes(k_len), k_len, k_len)
+    for start in range(0, k_len, chunk):
+        rows = min(chunk, k_len - start)
+        window = shared.causal_window(start, rows, start + rows, k_len, torch.float32, "cpu")
+        assert torch.equal(window, full[:, start : start + rows, : start + rows])
+
+
+def test_chunked_dynamic_scaling_matches_reference(monkeypatch):
+    monkeypatch.setattr(A, "CHUNK_SIZE", 8)
+    x = torch.randn(40, 1, 32)
+    options = dict(interpolation="ntk", scale_factor=0.0, train_length=10)
+    ref, _ = run(make_attention("reference", **options), x)
+    out, _ = run(make_attention("chunked", **options), x)
+    assert_close(out, ref, torch.float32)
+
+
 # --------------------------------------------------------------------- paths vs reference
 CPU_PATHS = ("sdpa", "chunked")
 
