@@ -10,7 +10,6 @@ conftest.py: 6 heads, trained at 32 tokens.
 
 from __future__ import annotations
 
-import ast
 import math
 import re
 import socket
@@ -137,6 +136,7 @@ def eval_runs():
     runs = [
         Eval(long),
         Eval(long, linear(1), script="alibi-eval-lm"),
+        Eval(long, batch=("--batch-size", "1")),
         Eval(short),
         Eval(short, context_window=24),
         Eval(long, linear(2)),
@@ -198,6 +198,12 @@ def test_none_equals_linear_factor_one_and_scripts_agree(eval_lm):
     """alibi-eval-lm with linear factor 1 reports exactly what stock
     fairseq-eval-lm --user-dir reports with no override."""
     assert eval_lm(EVAL_LENGTH, linear(1), script="alibi-eval-lm").text == eval_lm(EVAL_LENGTH).text
+
+
+def test_padding_in_a_batch_changes_nothing(eval_lm):
+    """The last, short block padded into a batch of several scores exactly as
+    it does alone."""
+    assert eval_lm(EVAL_LENGTH, batch=("--batch-size", "1")).text == eval_lm(EVAL_LENGTH).text
 
 
 def test_sliding_window_scores_every_token_once_with_more_context(eval_lm):
