@@ -20,6 +20,7 @@ final validation loss equal):
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,9 +80,15 @@ def _single(data_bin, save_dir):
     return [_tool("alibi-train")] + _train_args(data_bin, save_dir)
 
 
-def _torchrun(data_bin, save_dir, port):
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun(data_bin, save_dir):
     return [
-        _tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(port),
+        _tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()),
         _tool("alibi-train"),
     ] + _train_args(data_bin, save_dir) + ["--distributed-backend", "gloo"]
 
@@ -196,10 +203,10 @@ def test_torchrun_gloo_sigkill_then_resume(data_bin, tmp_path):
     """Two processes (torchrun, gloo): killed after the first checkpoint, the
     resumed run finishes and ends where an uninterrupted two-process run does."""
     reference_dir, crashed_dir = str(tmp_path / "reference"), str(tmp_path / "crashed")
-    _run(_torchrun(data_bin, reference_dir, 29611))
-    last = _kill_after_first_checkpoint(_torchrun(data_bin, crashed_dir, 29612), crashed_dir)
+    _run(_torchrun(data_bin, reference_dir))
+    last = _kill_after_first_checkpoint(_torchrun(data_bin, crashed_dir), crashed_dir)
     assert SAVE_EVERY <= _updates(_state(last)) < MAX_UPDATE
-    _run(_torchrun(data_bin, crashed_dir, 29613))
+    _run(_torchrun(data_bin, crashed_dir))
     _assert_same_final(
         _state(os.path.join(crashed_dir, "checkpoint_last.pt")),
         _state(os.path.join(reference_dir, "checkpoint_last.pt")),
