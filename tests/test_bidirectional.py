@@ -1,6 +1,7 @@
 """Bidirectional ALiBi: bias maths, encoder attention modes, roberta_alibi and
 transformer_alibi (training, beam search against a full forward)."""
 
+import argparse
 import contextlib
 import importlib
 import io
@@ -14,7 +15,7 @@ import pytest
 import torch
 from fairseq import checkpoint_utils, options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_NAME_REGISTRY
 
 import fairseq_alibi  # noqa: F401  (registers the models)
 from fairseq_alibi import alibi
@@ -352,6 +353,15 @@ def test_arch_twins():
     assert {"transformer_alibi", "transformer_iwslt_de_en_alibi", "transformer_wmt_en_de_alibi"} <= set(twins)
     for name in ("roberta_alibi", "roberta_alibi_base", "roberta_alibi_large"):
         assert ARCH_MODEL_NAME_REGISTRY[name] == "roberta_alibi"
+    sizes = {}
+    for name in ("roberta_alibi", "roberta_alibi_base", "roberta_alibi_large", "transformer_wmt_en_de_big_alibi"):
+        args = argparse.Namespace()
+        ARCH_CONFIG_REGISTRY[name](args)
+        assert args.no_token_positional_embeddings and args.alibi_bidirectional == "symmetric"
+        sizes[name] = (args.encoder_layers, args.encoder_embed_dim, args.encoder_attention_heads)
+    assert sizes["roberta_alibi"] == sizes["roberta_alibi_base"] == (12, 768, 12)
+    assert sizes["roberta_alibi_large"] == (24, 1024, 16)
+    assert sizes["transformer_wmt_en_de_big_alibi"] == (6, 1024, 16)
 
 
 def test_bad_mode_names_the_field(dict_dir):
