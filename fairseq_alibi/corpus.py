@@ -358,14 +358,18 @@ def prepare(cfg: CorpusConfig, force: bool = False) -> dict:
         }
         logger.info("%s: %d documents, %d tokens", split, stats[split]["documents"], stats[split]["tokens"])
 
-    if os.path.exists(manifest_path):
-        os.remove(manifest_path)  # invalid until binarization succeeds
+    # A rebuild replaces the old binaries (fairseq-preprocess will not
+    # overwrite a dict.txt); the manifest goes first, so an interrupted
+    # rebuild is never mistaken for a finished one.
+    for name in (MANIFEST,) + BINARY_FILES:
+        if os.path.exists(os.path.join(cfg.destdir, name)):
+            os.remove(os.path.join(cfg.destdir, name))
     binarize(rawdir, cfg.destdir, cfg.workers)
     manifest = {
         "settings": cfg.settings(),
         "splits": stats,
         "vocabulary": vocab_size,
-        "documents": {s: [name for name, _ in splits[s]] for s in ("valid", "test")},
+        "documents": {s: [name for name, _ in splits[s]] for s in SPLITS},
     }
     with open(manifest_path + ".tmp", "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)

@@ -674,8 +674,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = get_parser().parse_args(argv)
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
                         level=logging.INFO, stream=sys.stderr)
+    for name in ("matplotlib", "PIL"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     if not args.verbose:
-        for name in ("fairseq", "fairseq_cli", "fairseq.tasks.text_to_speech"):
+        for name in ("fairseq", "fairseq_cli"):
             logging.getLogger(name).setLevel(logging.WARNING)
     try:
         cells = run(args)

@@ -65,7 +65,7 @@ train() {  # train NAME ARCH
     --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-7 \
     --dropout "$DROPOUT" --max-update "$UPDATES" --seed "$SEED" \
     --save-dir "$dir" --save-interval-updates 100 --keep-interval-updates 1 --no-epoch-checkpoints \
-    --validate-interval 1000 --validate-interval-updates "$UPDATES" \
+    --validate-after-updates "$UPDATES" \
     --log-format simple --log-interval 25 --num-workers 0 --cpu \
     >> "$dir/train.log" 2>&1
   touch "$dir/trained.ok"

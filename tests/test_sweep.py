@@ -1,0 +1,212 @@
+"""``alibi-sweep``: the grid, its outputs, resuming, per-position losses, and
+agreement with a direct ``fairseq-eval-lm`` run.
+
+Checkpoints: the session ALiBi fixture from conftest.py (6 heads, trained at
+32 tokens) and a tiny stock sinusoidal ``transformer_lm`` trained here on the
+same data (module fixture).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+
+import pytest
+
+from conftest import TRAIN_LENGTH, run_cli, tool, train_args
+
+from fairseq_alibi import sweep
+
+STRIDE = 16
+METHODS = "none,linear:2,ntk"  # none, a static and a dynamic method
+LENGTHS = "1x,2x"  # 32, 64
+
+
+@pytest.fixture(scope="module")
+def sinusoidal_checkpoint(lm_data_bin, tmp_path_factory):
+    """A stock transformer_lm (sinusoidal positions) trained at 32 tokens."""
+    save_dir = tmp_path_factory.mktemp("sinusoidal")
+    args = train_args(lm_data_bin, save_dir, max_update=20)
+    args[args.index("transformer_lm_alibi")] = "transformer_lm"
+    run_cli([tool("alibi-train"), *args])
+    path = save_dir / "checkpoint_last.pt"
+    assert path.exists()
+    return path
+
+
+def sweep_argv(data, out, alibi, sinusoidal, *extra):
+    return [
+        str(data), "-c", f"alibi={alibi}", "-c", f"sin={sinusoidal}",
+        "--lengths", LENGTHS, "--methods", METHODS, "--modes", "nonoverlapping,sliding",
+        "--stride", str(STRIDE), "--max-tokens", "256", "--output-dir", str(out),
+        "--cpu", "--no-progress", *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def sweep_run(lm_data_bin, alibi_checkpoint, sinusoidal_checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    rc = sweep.main(sweep_argv(lm_data_bin, out, alibi_checkpoint, sinusoidal_checkpoint, "--per-position"))
+    assert rc == 0
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    return out, cells
+
+
+def expected_keys():
+    keys = set()
+    lengths = (TRAIN_LENGTH, 2 * TRAIN_LENGTH)
+    for name, methods in (("alibi", [("none", 1.0), ("linear", 2.0), ("ntk", 0.0)]), ("sin", [("none", 1.0)])):
+        for method, factor in methods:
+            for length in lengths:
+                keys.add((name, method, factor, "nonoverlapping", length, length))
+                keys.add((name, method, factor, "sliding", length, STRIDE))
+    return keys
+
+
+def test_outputs_have_every_cell(sweep_run):
+    out, cells = sweep_run
+    for name in ("results.json", "results.csv", "results.md", "perplexity.png",
+                 "per_position.csv", "per_position.png"):
+        assert (out / name).stat().st_size > 0, name
+    got = {(c["checkpoint"], c["method"], c["factor"], c["mode"], c["length"], c["stride"]) for c in cells}
+    assert got == expected_keys()  # the sinusoidal model only with "none"
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(cells)
+    assert set(sweep.RESULT_FIELDS) <= set(rows[0])
+    for row in rows:
+        loss, ppl = float(row["loss"]), float(row["ppl"])
+        assert loss > 0 and math.isclose(ppl, 2 ** loss, rel_tol=1e-4)
+        assert int(row["tokens"]) > 0 and float(row["seconds"]) >= 0
+    # Every token of the split is scored once in every cell, also for the
+    # sinusoidal model at twice its training length (not silently skipped).
+    assert len({c["tokens"] for c in cells}) == 1
+    table = (out / "results.md").read_text()
+    assert "### nonoverlapping" in table and f"### sliding, stride {STRIDE}" in table
+    assert "| sin | none |" in table and "| alibi | linear x2 |" in table and "| alibi | ntk dynamic |" in table
+
+
+def test_dynamic_scaling_is_identity_up_to_training_length(sweep_run):
+    _, cells = sweep_run
+    by = {(c["checkpoint"], c["label"], c["mode"], c["length"]): c["loss"] for c in cells}
+    for mode in ("nonoverlapping", "sliding"):
+        assert by[("alibi", "ntk dynamic", mode, TRAIN_LENGTH)] == pytest.approx(
+            by[("alibi", "none", mode, TRAIN_LENGTH)], abs=1e-6)
+        # ...but not beyond it, nor for a static factor at the training length.
+        assert by[("alibi", "ntk dynamic", mode, 2 * TRAIN_LENGTH)] != pytest.approx(
+            by[("alibi", "none", mode, 2 * TRAIN_LENGTH)], abs=1e-6)
+    assert by[("alibi", "linear x2", "nonoverlapping", TRAIN_LENGTH)] != pytest.approx(
+        by[("alibi", "none", "nonoverlapping", TRAIN_LENGTH)], abs=1e-6)
+
+
+def test_per_position_losses_average_to_the_loss(sweep_run):
+    out, cells = sweep_run
+    for c in cells:
+        losses, counts = c["per_position"], c["per_position_count"]
+        assert len(losses) == c["length"]
+        assert sum(counts) == c["tokens"]
+        mean = sum(l * n for l, n in zip(losses, counts) if n) / sum(counts)
+        assert mean == pytest.approx(c["loss"], abs=1e-5)
+        if c["mode"] == "sliding":
+            # Only the last `stride` positions are scored, except in the first window.
+            scored = [i for i, n in enumerate(counts) if n]
+            assert counts[c["length"] - STRIDE] > counts[0]
+            assert scored[-1] == c["length"] - 1
+    with open(out / "per_position.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == sum(sum(1 for n in c["per_position_count"] if n) for c in cells)
+
+
+def test_resume_skips_done_cells(sweep_run, lm_data_bin, alibi_checkpoint, sinusoidal_checkpoint,
+                                 tmp_path, monkeypatch):
+    out, cells = sweep_run
+    resumed = tmp_path / "resume"
+    resumed.mkdir()
+    (resumed / "results.json").write_text((out / "results.json").read_text())
+
+    built = []
+    real = sweep.Evaluator
+
+    class Counting(real):
+        def __init__(self, info, method, *args, **kwargs):
+            built.append((info.name, method.label))
+            super().__init__(info, method, *args, **kwargs)
+
+        def evaluate(self, length, stride, per_position=False):
+            built.append(("cell", length, stride))
+            return super().evaluate(length, stride, per_position)
+
+    monkeypatch.setattr(sweep, "Evaluator", Counting)
+    argv = sweep_argv(lm_data_bin, resumed, alibi_checkpoint, sinusoidal_checkpoint, "--per-position")
+    assert sweep.main(argv) == 0
+    assert built == []  # nothing left to do
+    assert len(json.loads((resumed / "results.json").read_text())["cells"]) == len(cells)
+    assert (resumed / "perplexity.png").exists()  # outputs rebuilt from the saved cells
+
+    # A larger grid runs only the new cells.
+    argv[argv.index("--lengths") + 1] = "1x,2x,3x"
+    argv[argv.index("--methods") + 1] = "none"
+    assert sweep.main(argv) == 0
+    cells_run = [b for b in built if b[0] == "cell"]
+    assert sorted(cells_run) == sorted([("cell", 96, 96), ("cell", 96, STRIDE)] * 2)  # alibi + sin
+    after = json.loads((resumed / "results.json").read_text())["cells"]
+    assert len(after) == len(cells) + 4
+
+
+EVAL_RE = re.compile(r"Loss \(base 2\): ([0-9.]+), Perplexity: ([0-9.]+)")
+COUNT_RE = re.compile(r"Evaluated ([0-9,]+) tokens")
+
+
+@pytest.mark.parametrize("checkpoint,label", [("alibi", "linear x2"), ("alibi", "ntk dynamic"), ("sin", "none")])
+def test_sliding_window_matches_fairseq_eval_lm(sweep_run, lm_data_bin, alibi_checkpoint,
+                                                sinusoidal_checkpoint, alibi_user_dir, checkpoint, label):
+    _, cells = sweep_run
+    cell = next(c for c in cells if c["checkpoint"] == checkpoint and c["label"] == label
+                and c["mode"] == "sliding" and c["length"] == 2 * TRAIN_LENGTH)
+    path = alibi_checkpoint if checkpoint == "alibi" else sinusoidal_checkpoint
+    overrides = cell["command"].split("--model-overrides ", 1)[1].strip('"')
+    result = run_cli([
+        tool("fairseq-eval-lm"), lm_data_bin, "--user-dir", alibi_user_dir, "--path", path,
+        "--gen-subset", "valid", "--tokens-per-sample", cell["length"],
+        "--context-window", cell["length"] - STRIDE, "--max-tokens", 256, "--cpu",
+        "--model-overrides", overrides,
+    ])
+    loss, ppl = map(float, EVAL_RE.search(result.output).groups())
+    tokens = int(COUNT_RE.search(result.output).group(1).replace(",", ""))
+    assert tokens == cell["tokens"]
+    assert round(cell["loss"], 4) == pytest.approx(loss, abs=1.5e-4)
+    assert round(cell["ppl"], 2) == pytest.approx(ppl, abs=0.011)
+
+
+def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, tmp_path, capsys):
+    out = tmp_path / "o"
+
+    def fails(argv, message):
+        assert sweep.main([str(a) for a in argv]) == 2
+        assert message in capsys.readouterr().err
+
+    base = ["--output-dir", out, "--cpu", "--no-progress"]
+    fails([lm_data_bin, "-c", tmp_path / "missing.pt", *base], "checkpoint not found")
+    fails([tmp_path / "nodata", "-c", alibi_checkpoint, *base], "data directory not found")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--subset", "dev", *base], "subset 'dev' not found")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--methods", "none,cubic", *base], "unknown method 'cubic'")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--methods", "linear:0.5", *base], "must be >= 1")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--modes", "sliding", *base], "needs --stride")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--modes", "overlapping", *base], "unknown mode")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--lengths", "abc", *base], "bad length 'abc'")
+    fails([lm_data_bin, *base], "no checkpoints given")
+    assert not (out / "results.json").exists()
+
+
+def test_console_script(lm_data_bin, alibi_checkpoint, tmp_path):
+    result = run_cli([
+        tool("alibi-sweep"), lm_data_bin, "-c", alibi_checkpoint, "--lengths", "1x",
+        "--methods", "none", "--output-dir", tmp_path, "--cpu",
+    ])
+    assert "| none |" in result.stdout
+    assert (tmp_path / "results.csv").exists()
+    bad = run_cli([tool("alibi-sweep"), lm_data_bin, "-c", alibi_checkpoint, "--methods", "cubic"],
+                  expect_ok=False)
+    assert bad.returncode == 2 and "unknown method" in bad.output and "Traceback" not in bad.output
