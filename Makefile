@@ -18,6 +18,12 @@ $(STAMP): requirements.txt setup.py
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# Offline "train short, test long": corpus, two small LMs (ALiBi, sinusoidal)
+# trained at 64 tokens, perplexity sweep to 16x; outputs in outputs/demo/.
+# Settings: environment variables of examples/language_model/demo.sh.
+demo: install
+	VENV_BIN=$(BIN) examples/language_model/demo.sh
+
 test: install
 	$(BIN)/python -m pytest -q tests
 
