@@ -400,7 +400,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
-                        level=logging.INFO, stream=sys.stdout)
+                        level=logging.INFO, stream=sys.stdout, force=True)
     args = get_parser().parse_args(argv)
     cfg = CorpusConfig(
         destdir=args.destdir, rawdir=args.rawdir,

@@ -673,8 +673,8 @@ def run(args: argparse.Namespace) -> List[dict]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = get_parser().parse_args(argv)
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
-                        level=logging.INFO, stream=sys.stderr)
-    for name in ("matplotlib", "PIL"):
+                        level=logging.INFO, stream=sys.stderr, force=True)
+    for name in ("matplotlib", "PIL", "hydra"):
         logging.getLogger(name).setLevel(logging.WARNING)
     if not args.verbose:
         for name in ("fairseq", "fairseq_cli"):
