@@ -17,6 +17,7 @@ import copy
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 
@@ -277,3 +278,25 @@ def test_eval_of_another_model_family_is_one_line(stock_ckpt, data_bin, tmp_path
     assert result.returncode == 1 and "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "model family 'roberta'" in errors[0], result.stderr[-2000:]
+
+
+@pytest.mark.skipif(not (shutil.which("curl") or shutil.which("wget")), reason="needs curl or wget")
+def test_download_script(fork_ckpt, tmp_path):
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "download.sh")
+    env = _env()
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    bad = subprocess.run([script, "100"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "no published model for training length '100'" in bad.stderr
+    env["ALIBI_CHECKPOINT_URL"] = "http://127.0.0.1:9"  # nothing listens there: as if offline
+    offline = subprocess.run([script, "64", str(tmp_path / "offline")], capture_output=True, text=True, env=env)
+    assert offline.returncode == 1 and "download.sh: error: could not download" in offline.stderr
+    assert not list((tmp_path / "offline").iterdir())
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    shutil.copy(fork_ckpt, mirror / "alibi_wt103_L64.pt")
+    env["ALIBI_CHECKPOINT_URL"] = f"file://{mirror}"
+    ok = subprocess.run([script, "64", str(tmp_path / "dest")], capture_output=True, text=True, env=env)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    converted = torch.load(tmp_path / "dest" / "alibi_wt103_L64.pt", weights_only=True)
+    assert converted["cfg"]["model"]["_name"] == "transformer_lm_wiki103_alibi"
+    assert (tmp_path / "dest" / "alibi_wt103_L64.fork.pt").exists()
