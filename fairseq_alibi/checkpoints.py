@@ -266,6 +266,13 @@ def main(argv=None) -> int:
             f"wrote {args.output}: arch {model['_name']}, alibi_train_length "
             f"{model['alibi_train_length']}\n"
         )
+        dangling = sorted(k for k, v in model.items() if isinstance(v, str) and _INTERPOLATION.match(v))
+        if dangling:
+            sys.stderr.write(
+                "warning: model fields left as unresolved references (their targets are not "
+                f"in the file's config): {', '.join(dangling)}; fairseq resolves them at load "
+                "time or fails naming them\n"
+            )
     return 0
 
 
