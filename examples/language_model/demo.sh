@@ -31,6 +31,7 @@ LR=${LR:-0.002}
 WARMUP=${WARMUP:-100}
 DROPOUT=${DROPOUT:-0.1}
 SEED=${SEED:-1}
+EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}   # more fairseq-train flags, for both models
 LENGTHS=${LENGTHS:-1x,2x,4x,8x,16x}
 METHODS=${METHODS:-none,linear:2,linear,ntk:2,ntk}
 # The two models train side by side, one thread each (small matrices: two
@@ -66,7 +67,7 @@ train() {  # train NAME ARCH
     --dropout "$DROPOUT" --max-update "$UPDATES" --seed "$SEED" \
     --save-dir "$dir" --save-interval-updates 100 --keep-interval-updates 1 --no-epoch-checkpoints \
     --validate-after-updates "$UPDATES" \
-    --log-format simple --log-interval 25 --num-workers 0 --cpu \
+    --log-format simple --log-interval 25 --num-workers 0 --cpu $EXTRA_TRAIN_ARGS \
     >> "$dir/train.log" 2>&1
   touch "$dir/trained.ok"
   stamp "$name: trained"
