@@ -108,7 +108,7 @@ def run_cell(opts) -> dict:
     def forward(s):
         if opts.features:
             with torch.no_grad():
-                return model.decoder.extract_features(s["net_input"]["src_tokens"])[0].sum()
+                return model.decoder.extract_features(s["net_input"]["src_tokens"], None)[0].sum()
         return scorer.generate([model], s)[0][0]["positional_scores"].sum()
 
     forward(sample(64))  # lazy initialisation, allocator warm-up

@@ -43,8 +43,8 @@ BIAS_KINDS = ("causal", "symmetric")
 
 # Inference with more query x key pairs than this is "long" (linear-memory path).
 CHUNK_THRESHOLD = 1024 * 1024
-# Queries per block on the chunked path: B x H x CHUNK_SIZE x S scores live at
-# once (see docs/performance.md for the measurement behind the value).
+# Queries per block on the chunked path; its bias ramp is H x CHUNK_SIZE x
+# (T + CHUNK_SIZE) values (docs/performance.md has the measurement behind it).
 CHUNK_SIZE = 512
 
 REGIMES = ("train", "train_dropout", "decode", "short", "long")
