@@ -92,3 +92,15 @@ def test_twin_has_stock_parameter_count(data_dir, stock_arch):
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(twin) == count(stock)
     assert twin.decoder.layers[0].normalize_before == stock.decoder.layers[0].normalize_before
+
+
+def test_builds_from_argparse_namespace(data_dir):
+    """Without the hydra conversion the train length default is an unresolved
+    "${task.tokens_per_sample}" string; the model takes tokens_per_sample."""
+    argv = [str(data_dir), "--task", "language_modeling", "--arch", "transformer_lm_alibi",
+            "--tokens-per-sample", "96", "--decoder-layers", "1", "--decoder-embed-dim", "32",
+            "--decoder-attention-heads", "4"]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    task = tasks.setup_task(args)
+    model = task.build_model(args)
+    assert model.decoder.alibi_bias.train_length == 96

@@ -149,7 +149,10 @@ class AlibiTransformerLanguageModel(stock.TransformerLanguageModel):
         # Again here: the arch function runs before the dataclass defaults are
         # filled in, so with no --decoder-embed-dim it could not set these.
         _default_io_dims(args)
-        if getattr(args, "alibi_train_length", None) in (None, "", 0):
+        train_length = getattr(args, "alibi_train_length", None)
+        # Unset, or (when built from an argparse Namespace rather than the
+        # hydra config) the dataclass default's unresolved "${task...}" string.
+        if train_length in (None, "", 0) or str(train_length).startswith("${"):
             args.alibi_train_length = getattr(args, "tokens_per_sample", None)
         # Fail at build time, naming the field, rather than mid-forward.
         try:
