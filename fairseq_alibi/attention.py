@@ -219,6 +219,19 @@ class AlibiBias:
         return self._block_mask[1]
 
 
+def alibi_options(args) -> dict:
+    """The ALiBi config fields every stack shares (``alibi_interpolation``,
+    ``alibi_scale_factor``, ``alibi_train_length``, ``alibi_attention``), read
+    from a fairseq config as ``AlibiBias`` keyword arguments."""
+    train_length = getattr(args, "alibi_train_length", None)
+    return dict(
+        interpolation=getattr(args, "alibi_interpolation", "none"),
+        scale_factor=getattr(args, "alibi_scale_factor", 0.0),
+        train_length=int(train_length) if train_length is not None else None,
+        attention_path=getattr(args, "alibi_attention", "auto"),
+    )
+
+
 def validate_options(interpolation, scale_factor, train_length, attention_path) -> None:
     """Raise ``ValueError`` naming the config field for any invalid ALiBi option."""
     if interpolation not in alibi.INTERPOLATION_METHODS:
@@ -399,12 +412,17 @@ def alibi_score_mod(slopes: Tensor, causal: bool, offset: int = 0, key_padding_m
         def bias_mod(score, b, h, q_idx, kv_idx):
             return score - slopes[h] * (q_idx - kv_idx).abs()
 
+    return with_key_padding(bias_mod, key_padding_mask)
+
+
+def with_key_padding(score_mod, key_padding_mask: Optional[Tensor]):
+    """``score_mod`` with ``-inf`` at the keys a ``[B, S]`` padding mask marks."""
     if key_padding_mask is None:
-        return bias_mod
+        return score_mod
     pad = key_padding_mask.to(torch.bool)
 
     def padded_mod(score, b, h, q_idx, kv_idx):
-        return torch.where(pad[b, kv_idx], float("-inf"), bias_mod(score, b, h, q_idx, kv_idx))
+        return torch.where(pad[b, kv_idx], float("-inf"), score_mod(score, b, h, q_idx, kv_idx))
 
     return padded_mod
 

@@ -43,7 +43,13 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from .. import alibi
-from ..attention import ATTENTION_PATHS, AlibiBias, AlibiMultiheadAttention
+from ..attention import (
+    ATTENTION_PATHS,
+    AlibiBias,
+    AlibiMultiheadAttention,
+    alibi_options,
+    with_key_padding,
+)
 
 # Same value as the LM: no position table, so no cap on the input length.
 UNBOUNDED_POSITIONS = 1 << 30
@@ -195,14 +201,7 @@ class BidirectionalBias:
                 return torch.where(hidden, masked, score - slopes[h] * (q_idx - kv_idx).abs())
         else:
             raise RuntimeError("learned slopes live in the attention modules, not the shared bias")
-        if key_padding_mask is None:
-            return bias_mod
-        pad = key_padding_mask.to(torch.bool)
-
-        def padded_mod(score, b, h, q_idx, kv_idx):
-            return torch.where(pad[b, kv_idx], float("-inf"), bias_mod(score, b, h, q_idx, kv_idx))
-
-        return padded_mod
+        return with_key_padding(bias_mod, key_padding_mask)
 
     def attention(self, embed_dim: int, **kwargs) -> AlibiMultiheadAttention:
         """A new self-attention module of this stack's mode."""
@@ -266,16 +265,10 @@ class LearnedAlibiAttention(BidirectionalAlibiAttention):
 def build_bidirectional_bias(args) -> BidirectionalBias:
     """The encoder stack's bias from (resolved) config fields; raises ValueError
     naming the field for an invalid value."""
-    train_length = getattr(args, "alibi_train_length", None)
-    if train_length is not None:
-        train_length = int(train_length)
     return BidirectionalBias(
         num_heads=args.encoder_attention_heads,
         mode=getattr(args, "alibi_bidirectional", "symmetric"),
-        interpolation=getattr(args, "alibi_interpolation", "none"),
-        scale_factor=getattr(args, "alibi_scale_factor", 0.0),
-        train_length=train_length,
-        attention_path=getattr(args, "alibi_attention", "auto"),
+        **alibi_options(args),
     )
 
 

@@ -28,7 +28,7 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import II
 
 from .. import compat  # noqa: F401  (fairseq 0.12 fixes: NumPy 2, torchrun on CPU)
-from ..attention import ATTENTION_PATHS, AlibiBias, AlibiMultiheadAttention
+from ..attention import ATTENTION_PATHS, AlibiBias, AlibiMultiheadAttention, alibi_options
 from ..alibi import INTERPOLATION_METHODS
 
 # Long enough for any evaluation; fairseq takes the minimum over task and model.
@@ -81,16 +81,7 @@ class AlibiConfigError(ValueError):
 
 def build_alibi_bias(args) -> AlibiBias:
     """The shared bias of a decoder stack, from (already resolved) config fields."""
-    train_length = getattr(args, "alibi_train_length", None)
-    if train_length is not None:
-        train_length = int(train_length)
-    return AlibiBias(
-        num_heads=args.decoder_attention_heads,
-        interpolation=getattr(args, "alibi_interpolation", "none"),
-        scale_factor=getattr(args, "alibi_scale_factor", 0.0),
-        train_length=train_length,
-        attention_path=getattr(args, "alibi_attention", "auto"),
-    )
+    return AlibiBias(num_heads=args.decoder_attention_heads, **alibi_options(args))
 
 
 class AlibiDecoderLayer(TransformerDecoderLayer):
