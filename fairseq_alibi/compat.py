@@ -20,6 +20,7 @@ where stock fairseq 0.12 would crash or silently do the wrong thing.
   dropped (the CPU form of the same call).
 """
 
+import atexit
 import os
 import types
 
@@ -34,6 +35,16 @@ def patch_numpy() -> None:
         np.compat.long  # noqa: B018  (NumPy 1.x: present, nothing to do)
     except AttributeError:
         np.compat = types.SimpleNamespace(long=np.int64)
+
+
+def _destroy_process_group() -> None:
+    """fairseq never tears its process group down; a gloo group left to the
+    interpreter's exit can abort a worker ("terminate called without an active
+    exception"), which torchrun then reports as a failed run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def patch_cpu_torchrun() -> None:
@@ -59,6 +70,7 @@ def patch_cpu_torchrun() -> None:
                 cfg.distributed_rank = int(os.environ["RANK"])
                 cfg.device_id = int(os.environ.get("LOCAL_RANK", 0))
                 cfg.distributed_no_spawn = True  # torchrun made the processes
+            atexit.register(_destroy_process_group)
             return
         return stock(cfg, force_distributed)
 
