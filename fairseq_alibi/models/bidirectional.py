@@ -312,3 +312,21 @@ class AlibiTransformerEncoder(TransformerEncoder):
     def max_positions(self):
         """ALiBi has no position table: the input length is not capped."""
         return UNBOUNDED_POSITIONS
+
+
+def encoder_twin(stock_arch_fn, *learned_pos_flags: str):
+    """The ``_alibi`` twin of a stock arch with an encoder: the stock settings,
+    positions off (``learned_pos_flags`` forced False), and the ALiBi encoder
+    fields' defaults wherever the stock arch left them unset."""
+
+    def alibi_arch(args):
+        stock_arch_fn(args)
+        args.no_token_positional_embeddings = True
+        for flag in learned_pos_flags:
+            setattr(args, flag, False)
+        for name, value in AlibiEncoderConfig().__dict__.items():
+            if getattr(args, name, None) is None and value is not None:
+                setattr(args, name, value)
+
+    alibi_arch.__doc__ = f"ALiBi twin of {stock_arch_fn.__name__}."
+    return alibi_arch

@@ -26,6 +26,7 @@ from .bidirectional import (
     AlibiEncoderConfig,
     AlibiTransformerEncoder,
     build_bidirectional_bias,
+    encoder_twin,
 )
 
 
@@ -70,16 +71,7 @@ class AlibiRobertaModel(stock.RobertaModel):
 
 
 def _twin(stock_arch_fn):
-    def alibi_arch(args):
-        stock_arch_fn(args)
-        args.no_token_positional_embeddings = True
-        args.encoder_learned_pos = False
-        for name, value in AlibiEncoderConfig().__dict__.items():
-            if getattr(args, name, None) is None and value is not None:
-                setattr(args, name, value)
-
-    alibi_arch.__doc__ = f"ALiBi twin of {stock_arch_fn.__name__}."
-    return alibi_arch
+    return encoder_twin(stock_arch_fn, "encoder_learned_pos")
 
 
 roberta_alibi_architecture = register_model_architecture("roberta_alibi", "roberta_alibi")(

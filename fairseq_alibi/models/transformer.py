@@ -34,6 +34,7 @@ from .bidirectional import (
     AlibiEncoderConfig,
     AlibiTransformerEncoder,
     build_bidirectional_bias,
+    encoder_twin,
 )
 from .transformer_lm import AlibiTransformerDecoder, build_alibi_bias
 
@@ -72,17 +73,7 @@ class AlibiTransformerModel(TransformerModel):
 
 
 def _twin(stock_arch_fn):
-    def alibi_arch(args):
-        stock_arch_fn(args)
-        args.no_token_positional_embeddings = True
-        args.encoder_learned_pos = False
-        args.decoder_learned_pos = False
-        for name, value in AlibiEncoderConfig().__dict__.items():
-            if getattr(args, name, None) is None and value is not None:
-                setattr(args, name, value)
-
-    alibi_arch.__doc__ = f"ALiBi twin of {stock_arch_fn.__name__}."
-    return alibi_arch
+    return encoder_twin(stock_arch_fn, "encoder_learned_pos", "decoder_learned_pos")
 
 
 # "transformer" -> "transformer_alibi", "transformer_iwslt_de_en" ->
