@@ -36,7 +36,6 @@ from typing import Dict, Optional
 import torch
 from torch import Tensor, nn
 
-from fairseq.dataclass import FairseqDataclass
 from fairseq.distributed import fsdp_wrap
 from fairseq.models.transformer import TransformerConfig, TransformerEncoder
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
@@ -44,19 +43,19 @@ from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from .. import alibi
 from ..attention import (
-    ATTENTION_PATHS,
     AlibiBias,
     AlibiMultiheadAttention,
     alibi_options,
     with_key_padding,
 )
+from .config import AlibiSlopeConfig
 
 # Same value as the LM: no position table, so no cap on the input length.
 UNBOUNDED_POSITIONS = 1 << 30
 
 
 @dataclass
-class AlibiEncoderConfig(FairseqDataclass):
+class AlibiEncoderConfig(AlibiSlopeConfig):
     """ALiBi fields of the encoder models (added to their argparse options)."""
 
     alibi_bidirectional: str = field(
@@ -68,31 +67,12 @@ class AlibiEncoderConfig(FairseqDataclass):
             "both ways; learned: per-layer left/right slopes, trained, kept negative)"
         },
     )
-    alibi_interpolation: str = field(
-        default="none",
-        metadata={
-            "help": "context extension applied to the ALiBi slopes: "
-            f"{' | '.join(alibi.INTERPOLATION_METHODS)} (linear: every slope / factor; "
-            "ntk: steepest head kept, flattest / factor, geometric in between)"
-        },
-    )
-    alibi_scale_factor: float = field(
-        default=0.0,
-        metadata={
-            "help": "interpolation factor: 0 = dynamic, max(1, length / alibi_train_length); "
-            "otherwise a static factor >= 1"
-        },
-    )
     alibi_train_length: Optional[int] = field(
         default=None,
         metadata={
             "help": "the length the model was trained at (masked LM: defaults to the "
             "task's tokens_per_sample; translation: set it to use dynamic scaling)"
         },
-    )
-    alibi_attention: str = field(
-        default="auto",
-        metadata={"help": f"attention kernel: {' | '.join(ATTENTION_PATHS)}"},
     )
 
 

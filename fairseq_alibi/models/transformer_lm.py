@@ -28,40 +28,21 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import II
 
 from .. import compat  # noqa: F401  (fairseq 0.12 fixes: NumPy 2, torchrun on CPU)
-from ..attention import ATTENTION_PATHS, AlibiBias, AlibiMultiheadAttention, alibi_options
-from ..alibi import INTERPOLATION_METHODS
+from ..attention import AlibiBias, AlibiMultiheadAttention, alibi_options
+from .config import AlibiSlopeConfig
 
 # Long enough for any evaluation; fairseq takes the minimum over task and model.
 UNBOUNDED_POSITIONS = 1 << 30
 
 
 @dataclass
-class AlibiLanguageModelConfig(stock.TransformerLanguageModelConfig):
-    alibi_interpolation: str = field(
-        default="none",
-        metadata={
-            "help": "context extension applied to the ALiBi slopes at evaluation: "
-            f"{' | '.join(INTERPOLATION_METHODS)} (linear: every slope / factor; "
-            "ntk: steepest head kept, flattest / factor, geometric in between)"
-        },
-    )
-    alibi_scale_factor: float = field(
-        default=0.0,
-        metadata={
-            "help": "interpolation factor: 0 = dynamic, max(1, length / alibi_train_length); "
-            "otherwise a static factor >= 1"
-        },
-    )
+class AlibiLanguageModelConfig(stock.TransformerLanguageModelConfig, AlibiSlopeConfig):
     alibi_train_length: Optional[int] = field(
         default=II("task.tokens_per_sample"),
         metadata={
             "help": "the length the model was trained at (defaults to the task's "
             "tokens_per_sample when training; stored resolved in the checkpoint)"
         },
-    )
-    alibi_attention: str = field(
-        default="auto",
-        metadata={"help": f"attention kernel: {' | '.join(ATTENTION_PATHS)}"},
     )
     # Unset means "same as decoder_embed_dim": avoids the stock 512-wide default
     # that silently adds projections to smaller or larger models.
