@@ -21,7 +21,7 @@ setup(
             "alibi-hydra-train = fairseq_alibi.cli:hydra_train",
             "alibi-preprocess = fairseq_alibi.cli:preprocess",
             "alibi-user-dir = fairseq_alibi.cli:user_dir",
-            "alibi-sweep = fairseq_alibi.sweep:main",
+            "alibi-sweep = fairseq_alibi.evaluation.perplexity:main",
             "alibi-convert-checkpoint = fairseq_alibi.cli:convert_checkpoint",
         ]
     },

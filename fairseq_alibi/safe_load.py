@@ -48,17 +48,7 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.base import ContainerMetadata, Metadata
 from omegaconf.nodes import AnyNode
 
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used; the message says why and what to do."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """The file needs types outside the allowlist; nothing of it was built."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """The file is missing, truncated, or not a PyTorch checkpoint at all."""
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError  # noqa: F401
 
 
 # Each entry is a type a fairseq checkpoint is known to reference (see the
@@ -124,7 +114,7 @@ def load(path, map_location="cpu", extra_globals=()) -> Any:
     """``torch.load`` of ``path`` restricted to tensors and :data:`SAFE_GLOBALS`.
 
     ``path`` is a file name (or an open binary file); ``extra_globals`` adds
-    types for one caller's own non-checkpoint data (see ``checkpoints.install``).  Raises
+    types for one caller's own non-checkpoint data (see ``patches.safe_checkpoint_io``).  Raises
     :class:`UnsafeCheckpointError` for a file that needs other types and
     :class:`CorruptCheckpointError` for a missing, truncated or foreign file.
     """

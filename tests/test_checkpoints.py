@@ -25,7 +25,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from fairseq_alibi import checkpoints, safe_load
+from fairseq_alibi import errors, fork, safe_load
 
 BIN = os.path.dirname(sys.executable)
 TRAIN_LENGTH = 32
@@ -147,20 +147,20 @@ def test_fork_fixture_needs_the_omegaconf_allowlist(fork_ckpt):
 
 
 def test_signature_fork_vs_genuine_checkpoints(fork_ckpt, alibi_ckpt, stock_ckpt):
-    assert "max_tokens" in checkpoints.fork_signature(safe_load.load(fork_ckpt))
-    assert checkpoints.fork_signature(safe_load.load(alibi_ckpt)) is None
+    assert "max_tokens" in fork.fork_signature(safe_load.load(fork_ckpt))
+    assert fork.fork_signature(safe_load.load(alibi_ckpt)) is None
     stock = safe_load.load(stock_ckpt)
-    assert checkpoints.fork_signature(stock) is None
+    assert fork.fork_signature(stock) is None
     # what upstream fairseq <= 0.12.2 writes for the same stock model: the same
     # position buffer as the fork, and a DictConfig cfg; still not the fork
     upstream = copy.deepcopy(stock)
     upstream["model"]["decoder.embed_positions._float_tensor"] = torch.FloatTensor(1)
     upstream["cfg"] = OmegaConf.create(upstream["cfg"])
-    assert checkpoints.fork_signature(upstream) is None
+    assert fork.fork_signature(upstream) is None
     # a pre-hydra checkpoint whose args carry max_tokens (all options were saved)
     legacy = {"args": __import__("argparse").Namespace(arch="transformer_lm", max_tokens=1024),
               "model": {}}
-    assert checkpoints.fork_signature(legacy) is None
+    assert fork.fork_signature(legacy) is None
 
 
 # ----------------------------------------------------------------- conversion
@@ -187,7 +187,7 @@ def test_converted_format(converted_ckpt, alibi_ckpt):
 def test_plain_dict_cfg_variant_converts(alibi_ckpt):
     """The fork's cfg as a plain dict with ``${...}`` strings converts the same way."""
     state = fork_state(safe_load.load(alibi_ckpt), dictconfig=False)
-    out = checkpoints.convert_fork_state(state)
+    out = fork.convert_fork_state(state)
     assert out["cfg"]["model"]["alibi_train_length"] == TRAIN_LENGTH
     assert out["cfg"]["model"]["_name"] == "transformer_lm_wiki103_alibi"
 
@@ -195,9 +195,9 @@ def test_plain_dict_cfg_variant_converts(alibi_ckpt):
 def test_missing_training_length_needs_flag(alibi_ckpt):
     state = fork_state(safe_load.load(alibi_ckpt), dictconfig=False)
     del state["cfg"]["task"]["tokens_per_sample"]
-    with pytest.raises(checkpoints.CheckpointError, match="--train-length"):
-        checkpoints.convert_fork_state(state)
-    assert checkpoints.convert_fork_state(state, train_length=64)["cfg"]["model"]["alibi_train_length"] == 64
+    with pytest.raises(errors.CheckpointError, match="--train-length"):
+        fork.convert_fork_state(state)
+    assert fork.convert_fork_state(state, train_length=64)["cfg"]["model"]["alibi_train_length"] == 64
 
 
 def test_converted_model_computes_what_the_alibi_model_did(converted_ckpt, alibi_ckpt, data_bin):
@@ -227,7 +227,7 @@ def test_converter_refusals(stock_ckpt, alibi_ckpt, converted_ckpt, tmp_path, ca
         (converted_ckpt, "already a transformer_lm_alibi checkpoint"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
-            checkpoints.main([path, out])
+            fork.main([path, out])
         assert exit_info.value.code == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and expected in err and err.count("\n") == 1
@@ -238,9 +238,9 @@ def test_other_model_family_is_refused(stock_ckpt):
     state = copy.deepcopy(safe_load.load(stock_ckpt))
     state["cfg"]["model"]["_name"] = "transformer_iwslt_de_en"
     state["cfg"]["model"]["max_tokens"] = 4096  # even with the fork-only field name
-    assert checkpoints.fork_signature(state) is None
-    with pytest.raises(checkpoints.CheckpointError, match="model family 'transformer'"):
-        checkpoints.convert_fork_state(state)
+    assert fork.fork_signature(state) is None
+    with pytest.raises(errors.CheckpointError, match="model family 'transformer'"):
+        fork.convert_fork_state(state)
 
 
 # ------------------------------------------------------ refusal at load time

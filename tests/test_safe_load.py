@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 import fairseq_alibi  # noqa: F401  (installs the loader hooks)
-from fairseq_alibi import checkpoints, safe_load
+from fairseq_alibi import errors, fork, safe_load
 from fairseq_alibi.safe_load import CorruptCheckpointError, UnsafeCheckpointError
 
 BIN = os.path.dirname(sys.executable)
@@ -241,6 +241,6 @@ def test_eval_of_truncated_checkpoint_is_one_line(trained, tmp_path):
 
 
 def test_describe_error_leaves_bugs_alone():
-    assert checkpoints.describe_error(ZeroDivisionError("x")) is None
-    assert checkpoints.describe_error(FileNotFoundError(2, "No such file", "data/dict.txt")).startswith(
+    assert errors.describe(ZeroDivisionError("x")) is None
+    assert errors.describe(FileNotFoundError(2, "No such file", "data/dict.txt")).startswith(
         "dictionary not found: data/dict.txt")

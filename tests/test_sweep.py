@@ -17,7 +17,7 @@ import pytest
 
 from conftest import TRAIN_LENGTH, run_cli, tool, train_args
 
-from fairseq_alibi import sweep
+from fairseq_alibi.evaluation import perplexity as sweep
 
 STRIDE = 16
 METHODS = "none,linear:2,ntk"  # none, a static and a dynamic method
@@ -184,8 +184,11 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, tmp_path, capsys
     out = tmp_path / "o"
 
     def fails(argv, message):
-        assert sweep.main([str(a) for a in argv]) == 2
-        assert message in capsys.readouterr().err
+        with pytest.raises(SystemExit) as exit_info:
+            sweep.main([str(a) for a in argv])
+        assert exit_info.value.code == 1
+        err = capsys.readouterr().err
+        assert message in err and err.startswith("error: ") and err.count("\n") == 1, err
 
     base = ["--output-dir", out, "--cpu", "--no-progress"]
     fails([lm_data_bin, "-c", tmp_path / "missing.pt", *base], "checkpoint not found")
@@ -197,7 +200,42 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, tmp_path, capsys
     fails([lm_data_bin, "-c", alibi_checkpoint, "--modes", "overlapping", *base], "unknown mode")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--lengths", "abc", *base], "bad length 'abc'")
     fails([lm_data_bin, *base], "no checkpoints given")
+    fails([lm_data_bin, "-c", alibi_checkpoint.parent, *base], "is a directory; give a checkpoint file in it")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--modes", "sliding", "--stride", 2 * TRAIN_LENGTH,
+           "--lengths", "1x", *base], "is not below every evaluation length")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--lengths", "4x", "--max-tokens", 64, *base],
+          "is smaller than the longest evaluation length")
     assert not (out / "results.json").exists()
+
+
+def test_stale_cells_are_recomputed(sweep_run, lm_data_bin, alibi_checkpoint, tmp_path):
+    """Same NAME= and output directory, another checkpoint file: new numbers, not the stored ones."""
+    out, _ = sweep_run
+    rerun = tmp_path / "rerun"
+    rerun.mkdir()
+    (rerun / "results.json").write_text((out / "results.json").read_text())
+    other = tmp_path / "other.pt"
+    other.write_bytes(alibi_checkpoint.read_bytes())
+    stored = {c["label"]: c["ppl"] for c in json.loads((out / "results.json").read_text())["cells"]
+              if c["checkpoint"] == "alibi" and c["mode"] == "nonoverlapping" and c["length"] == TRAIN_LENGTH}
+    # Same weights, other file: recomputed (identity changed), equal numbers.
+    argv = [lm_data_bin, "-c", f"alibi={other}", "--lengths", "1x", "--methods", "none", "--max-tokens", "256",
+            "--output-dir", rerun, "--cpu", "--no-progress"]
+    calls = []
+    real = sweep.Evaluator.evaluate
+
+    def counting(self, *a, **k):
+        calls.append(a)
+        return real(self, *a, **k)
+
+    sweep.Evaluator.evaluate = counting
+    try:
+        assert sweep.main([str(a) for a in argv]) == 0
+    finally:
+        sweep.Evaluator.evaluate = real
+    assert len(calls) == 1
+    cell = next(c for c in json.loads((rerun / "results.json").read_text())["cells"] if c["checkpoint"] == "alibi")
+    assert cell["path"] == str(other) and cell["ppl"] == pytest.approx(stored["none"], rel=1e-9)
 
 
 def test_console_script(lm_data_bin, alibi_checkpoint, tmp_path):
@@ -209,4 +247,4 @@ def test_console_script(lm_data_bin, alibi_checkpoint, tmp_path):
     assert (tmp_path / "results.csv").exists()
     bad = run_cli([tool("alibi-sweep"), lm_data_bin, "-c", alibi_checkpoint, "--methods", "cubic"],
                   expect_ok=False)
-    assert bad.returncode == 2 and "unknown method" in bad.output and "Traceback" not in bad.output
+    assert bad.returncode == 1 and bad.output.startswith("error: unknown method") and "Traceback" not in bad.output

@@ -12,7 +12,6 @@ Every stock ``transformer_lm*`` architecture gets an ``<arch>_alibi`` twin.
 
 from dataclasses import dataclass, field
 from typing import Optional
-from unittest import mock
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.models import (
@@ -27,7 +26,7 @@ from fairseq.modules import TransformerDecoderLayer
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import II
 
-from .. import compat  # noqa: F401  (fairseq 0.12 fixes: NumPy 2, torchrun on CPU)
+from .. import patches
 from ..attention import AlibiBias, AlibiMultiheadAttention, alibi_options
 from .config import AlibiSlopeConfig
 
@@ -52,12 +51,6 @@ class AlibiLanguageModelConfig(stock.TransformerLanguageModelConfig, AlibiSlopeC
     decoder_output_dim: Optional[int] = field(
         default=None, metadata={"help": "decoder output dimension (default: decoder_embed_dim)"}
     )
-
-
-class AlibiConfigError(ValueError):
-    """An invalid ALiBi config value; the message names the field and what is allowed.
-
-    The ``alibi-*`` console scripts print it as one ``error:`` line."""
 
 
 def build_alibi_bias(args) -> AlibiBias:
@@ -127,13 +120,8 @@ class AlibiTransformerLanguageModel(stock.TransformerLanguageModel):
         if train_length in (None, "", 0) or str(train_length).startswith("${"):
             args.alibi_train_length = getattr(args, "tokens_per_sample", None)
         # Fail at build time, naming the field, rather than mid-forward.
-        try:
-            build_alibi_bias(args)
-        except ValueError as err:
-            raise AlibiConfigError(str(err)) from None
-        # The stock builder makes the embeddings (plain, adaptive or character)
-        # and then the decoder; only the decoder class differs.
-        with mock.patch.object(stock, "TransformerDecoder", AlibiTransformerDecoder):
+        build_alibi_bias(args)
+        with patches.decoder_class(stock, AlibiTransformerDecoder):
             return super().build_model(args, task)
 
 

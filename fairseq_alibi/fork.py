@@ -1,4 +1,4 @@
-"""Checkpoints: the ALiBi fork's format, its conversion, and the loader hooks.
+"""The 2021 ALiBi fork's checkpoints: recognise them, convert them.
 
 The reference fork (ofirpress/attention_with_linear_biases, fairseq 1.0.0a0)
 saved its models as the *stock* ``transformer_lm`` family: arch
@@ -8,7 +8,8 @@ patched decoder never added positions and applied ALiBi instead.  Loaded by an
 unpatched fairseq, such a file silently runs as a sinusoidal model and gives
 wrong numbers.  ``alibi-convert-checkpoint IN OUT`` rewrites it as this
 plugin's ``transformer_lm_alibi`` (same weights; ``+m*j`` and ``-m*(i-j)`` give
-the same softmax).
+the same softmax).  fairseq's own loader refuses an unconverted file
+(``patches.py`` hooks :func:`refuse_fork` into it).
 
 How a fork checkpoint is recognised (:func:`fork_signature`): its model config
 names a stock ``transformer_lm`` architecture *and* has a ``max_tokens`` field.
@@ -17,10 +18,6 @@ bias was sized from it); no fairseq release has it, so a genuine stock
 sinusoidal checkpoint is never mistaken for a fork one.  The position buffer is
 not used as evidence: upstream fairseq <= 0.12.2 saves that buffer for every
 sinusoidal model too.
-
-Importing this module (the package does) changes three module-level names in
-``fairseq.checkpoint_utils`` and ``fairseq.distributed.utils`` and nothing
-else; see :func:`install`.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import argparse
 import collections
 import os
 import re
-import shutil
 import sys
 from typing import Any, Dict, Optional
 
@@ -37,18 +33,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import safe_load
-from .safe_load import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError  # noqa: F401
+from .errors import CheckpointError, ForkCheckpointError, one_line, report_errors
 
 ALIBI_MODEL = "transformer_lm_alibi"
 FORK_ONLY_MODEL_FIELDS = ("max_tokens",)
 _INTERPOLATION = re.compile(r"^\$\{([A-Za-z_][\w.]*)\}$")
-
-
-class ForkCheckpointError(CheckpointError):
-    """An unconverted checkpoint of the ALiBi fork reached fairseq's loader."""
-
-
-# --------------------------------------------------------------- inspection
 
 
 def _plain(obj: Any) -> Any:
@@ -234,7 +223,7 @@ def convert(in_path: str, out_path: str, train_length: Optional[int] = None) -> 
         torch.save(converted, tmp)
         os.replace(tmp, out_path)
     except (OSError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot write {out_path}: {_one_line(getattr(exc, 'strerror', None) or exc)}") from None
+        raise CheckpointError(f"cannot write {out_path}: {one_line(getattr(exc, 'strerror', None) or exc)}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -257,8 +246,6 @@ def main(argv=None) -> int:
         help="training length (tokens_per_sample) if the checkpoint does not record it",
     )
     args = parser.parse_args(argv)
-    from .cli import report_errors
-
     with report_errors():
         cfg = convert(args.input, args.output, args.train_length)
         model = cfg["model"]
@@ -276,96 +263,6 @@ def main(argv=None) -> int:
     return 0
 
 
-# ------------------------------------------------------------ error messages
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
-def _loading_frame(tb):
-    """Locals of fairseq's ``load_model_ensemble_and_task`` if ``tb`` passes through it."""
-    found = None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == "load_model_ensemble_and_task":
-            found = tb.tb_frame.f_locals
-        tb = tb.tb_next
-    return found
-
-
-def _describe_model_mismatch(exc: BaseException, frame) -> str:
-    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
-
-    filename = frame.get("filename", "the checkpoint")
-    cfg = frame.get("cfg")
-    arch = None
-    try:
-        arch = cfg.model.get("_name") if cfg is not None and cfg.model is not None else None
-    except Exception:  # a config too broken to read: keep the original error only
-        pass
-    family = ARCH_MODEL_NAME_REGISTRY.get(arch) if arch else None
-    what = f"arch {arch!r}" + (f", model family {family!r}" if family else "") if arch else "its model"
-    detail = _one_line(exc)
-    if detail.startswith("Error(s) in loading state_dict"):
-        missing = len(re.findall(r'"[^"]+"', detail.split("Unexpected key(s)")[0]))
-        detail = f"its weights do not fit the model built from its config ({missing} missing or mismatched names)"
-    elif len(detail) > 300:
-        detail = detail[:300] + "..."
-    return (
-        f"cannot use {filename} ({what}) here: {type(exc).__name__}: {detail}. "
-        "Is it a checkpoint of another model family or task?"
-    )
-
-
-def describe_error(exc: BaseException) -> Optional[str]:
-    """A one-line message for an error a user can fix, or None (a bug: show it all)."""
-    if isinstance(exc, CheckpointError):
-        return _one_line(exc)
-    if isinstance(exc, FileNotFoundError) and exc.filename:
-        name = os.fsdecode(exc.filename)
-        base = os.path.basename(name)
-        if base.startswith("dict") and base.endswith(".txt"):
-            return (
-                f"dictionary not found: {name} (the data directory must hold the dict.txt "
-                "written by alibi-preprocess)"
-            )
-        return f"file not found: {name}"
-    if isinstance(exc, (IsADirectoryError, PermissionError)):
-        return _one_line(exc)
-    if isinstance(exc, OSError) and str(exc).startswith("Model file not found"):
-        return "checkpoint file not found: " + str(exc).split(":", 1)[1].strip()
-    frame = _loading_frame(exc.__traceback__)
-    if frame is not None and isinstance(exc, (AttributeError, KeyError, ValueError, TypeError, RuntimeError, AssertionError)):
-        return _describe_model_mismatch(exc, frame)
-    return None
-
-
-# ------------------------------------------------------- the fairseq hooks
-
-
-class _SafeTorch:
-    """Stands in for ``torch`` inside one fairseq module: the same module,
-    except that ``load`` is :func:`safe_load.load` followed by ``inspect``."""
-
-    def __init__(self, module, extra_globals=(), inspect=None):
-        self._module = module
-        self._extra_globals = tuple(extra_globals)
-        self._inspect = inspect
-
-    def __getattr__(self, name):
-        return getattr(self._module, name)
-
-    def load(self, f, map_location=None, **_ignored):
-        # ``weights_only`` and ``pickle_module`` from a caller are ignored on
-        # purpose: there is no unrestricted load through this object.
-        name = getattr(f, "name", None)
-        source = name if isinstance(name, str) and os.path.isfile(name) else f
-        obj = safe_load.load(source, map_location=map_location or "cpu", extra_globals=self._extra_globals)
-        if self._inspect is not None:
-            self._inspect(name if isinstance(name, str) else "<stream>", obj)
-        return obj
-
-
 def refuse_fork(path: str, state: Any) -> None:
     """Raise :class:`ForkCheckpointError` if ``state`` is an unconverted fork checkpoint.
 
@@ -379,70 +276,3 @@ def refuse_fork(path: str, state: Any) -> None:
             f"`alibi-convert-checkpoint {path} CONVERTED.pt` and use CONVERTED.pt "
             "(loaded as is it would run as a sinusoidal model)"
         )
-
-
-class _AtomicCopyPathManager:
-    """Stands in for ``PathManager`` inside ``fairseq.checkpoint_utils``: same
-    class, except that a local ``copy`` writes a temporary file and renames it.
-
-    fairseq saves each checkpoint once (atomically) and then *copies* it to the
-    other names, ``checkpoint_last.pt`` among them, with a plain file copy: a
-    crash during that copy would leave a truncated ``checkpoint_last.pt`` and
-    resuming would fail.
-    """
-
-    def __init__(self, path_manager):
-        self._path_manager = path_manager
-
-    def __getattr__(self, name):
-        return getattr(self._path_manager, name)
-
-    def copy(self, src_path, dst_path, overwrite=False):
-        local = not any(
-            self._path_manager.path_requires_pathmanager(p) for p in (src_path, dst_path)
-        )
-        if not (local and os.path.isfile(src_path)):
-            return self._path_manager.copy(src_path, dst_path, overwrite)
-        if os.path.exists(dst_path) and not overwrite:
-            return False
-        tmp = f"{dst_path}.tmp{os.getpid()}"
-        shutil.copyfile(src_path, tmp)
-        os.replace(tmp, dst_path)
-        return True
-
-
-def install() -> None:
-    """Patch fairseq's checkpoint loading (idempotent).  Three module-level
-    names change, two in ``fairseq.checkpoint_utils`` and one in
-    ``fairseq.distributed.utils``, and nothing else:
-
-    * ``checkpoint_utils.torch``: a stand-in whose ``load`` is
-      :func:`safe_load.load` followed by :func:`refuse_fork`, so every
-      checkpoint fairseq reads (``load_checkpoint_to_cpu``: evaluation,
-      generation, ``--restore-file`` and resuming, the hub interface) is
-      unpickled with the allowlist and an unconverted fork checkpoint is
-      refused with a message naming the converter.  This holds for this
-      package's console scripts and for stock fairseq CLIs run with
-      ``--user-dir``;
-    * ``checkpoint_utils.PathManager``: copies checkpoints to their other
-      names (``checkpoint_last.pt``, ``checkpoint_best.pt``) atomically;
-    * ``distributed.utils.torch``: the safe loader, for ``broadcast_object``,
-      which sends the state rank 0 loaded to the other ranks when resuming a
-      multi-process run, as a pickle read back with ``torch.load``.  With
-      torch's default allowlist that fails on the checkpoint's OmegaConf cfg,
-      so without this, resuming under torchrun fails.  The allowlist there also
-      admits fairseq's ``_TensorPlaceholder``, the one-int record broadcast
-      puts where each tensor was.
-    """
-    from fairseq import checkpoint_utils
-    from fairseq.distributed import utils as distributed_utils
-
-    if isinstance(checkpoint_utils.torch, _SafeTorch):
-        return
-    checkpoint_utils.torch = _SafeTorch(checkpoint_utils.torch, inspect=refuse_fork)
-    checkpoint_utils.PathManager = _AtomicCopyPathManager(checkpoint_utils.PathManager)
-    placeholder = distributed_utils._TensorPlaceholder
-    distributed_utils.torch = _SafeTorch(distributed_utils.torch, extra_globals=[placeholder])
-
-
-install()

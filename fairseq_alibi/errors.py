@@ -1,0 +1,199 @@
+"""Every error a user can fix, and the one way the console scripts report them.
+
+* :class:`UserError` and its subclasses carry a message that says what was
+  wrong, what is allowed and what to do.  Models, tools and CLIs raise them.
+* :func:`describe` turns a known foreign exception (a missing file, a
+  checkpoint whose weights do not fit its model, ...) into such a message, or
+  returns None for a bug, whose traceback must be seen.
+* :func:`report_errors` wraps every console script: a user-fixable error
+  becomes one ``error: ...`` line on stderr and exit status 1
+  (``FAIRSEQ_ALIBI_TRACEBACK=1`` prints the traceback too); Ctrl-C becomes one
+  line and exit status 130.
+
+No fairseq import at module level: this module is imported by every other.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import re
+import sys
+from typing import Iterable, Optional
+
+
+class UserError(Exception):
+    """Bad input a user can fix; ``str(exc)`` is the whole explanation."""
+
+
+class ConfigError(UserError, ValueError):
+    """An invalid ALiBi config value; the message names the field and the allowed values."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used; the message says why and what to do."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """The file needs types outside the allowlist; nothing of it was built."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The file is missing, truncated, or not a PyTorch checkpoint at all."""
+
+
+class ForkCheckpointError(CheckpointError):
+    """An unconverted checkpoint of the ALiBi fork reached fairseq's loader."""
+
+
+class EvaluationError(UserError):
+    """Bad input to an evaluation tool (sweep, retrieval): files, names, grid."""
+
+
+def one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+def closest(word: str, choices: Iterable[str], n: int = 3) -> str:
+    """``"; did you mean a, b?"`` for the nearest choices, or ``""``."""
+    near = difflib.get_close_matches(word, list(choices), n=n, cutoff=0.6)
+    return f"; did you mean {', '.join(near)}?" if near else ""
+
+
+def checkpoint_files(directory: str) -> str:
+    """The ``.pt`` files of a directory, for a message about a directory given as a checkpoint."""
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".pt"))
+    except OSError:
+        names = []
+    if not names:
+        return f"{directory} is a directory, not a file (and holds no .pt checkpoint)"
+    shown = ", ".join(os.path.join(directory, n) for n in names[:4])
+    return f"{directory} is a directory; give a checkpoint file in it, e.g. {shown}"
+
+
+# ------------------------------------------------------------ foreign errors
+
+
+def _loading_frame(tb):
+    """Locals of fairseq's ``load_model_ensemble_and_task`` if ``tb`` passes through it."""
+    found = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "load_model_ensemble_and_task":
+            found = tb.tb_frame.f_locals
+        tb = tb.tb_next
+    return found
+
+
+def _state_dict_sizes(detail: str) -> Optional[str]:
+    """``size mismatch for X: ... [A, d] ... [B, d]`` -> a message about dictionary sizes."""
+    match = re.search(
+        r"size mismatch for ([\w.]*embed_tokens\.weight|[\w.]*output_projection\.weight): "
+        r"copying a param with shape torch\.Size\(\[(\d+), \d+\]\) from checkpoint, the shape "
+        r"in current model is torch\.Size\(\[(\d+), \d+\]\)",
+        detail,
+    )
+    if not match:
+        return None
+    saved, built = int(match.group(2)), int(match.group(3))
+    return (
+        f"the checkpoint was trained with a dictionary of {saved} symbols, the data directory's "
+        f"dict.txt gives {built}: evaluate with the data directory the model was trained on "
+        "(its dict.txt)"
+    )
+
+
+def _describe_model_mismatch(exc: BaseException, frame) -> str:
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+
+    filename = frame.get("filename", "the checkpoint")
+    cfg = frame.get("cfg")
+    arch = None
+    try:
+        arch = cfg.model.get("_name") if cfg is not None and cfg.model is not None else None
+    except Exception:  # a config too broken to read: keep the original error only
+        pass
+    detail = one_line(exc)
+    sizes = _state_dict_sizes(detail)
+    if sizes:
+        return f"cannot use {filename}: {sizes}"
+    family = ARCH_MODEL_NAME_REGISTRY.get(arch) if arch else None
+    what = f"arch {arch!r}" + (f", model family {family!r}" if family else "") if arch else "its model"
+    if detail.startswith("Error(s) in loading state_dict"):
+        missing = len(re.findall(r'"[^"]+"', detail.split("Unexpected key(s)")[0]))
+        detail = f"its weights do not fit the model built from its config ({missing} missing or mismatched names)"
+    elif len(detail) > 300:
+        detail = detail[:300] + "..."
+    return (
+        f"cannot use {filename} ({what}) here: {type(exc).__name__}: {detail}. "
+        "Is it a checkpoint of another model family or task?"
+    )
+
+
+def describe(exc: BaseException) -> Optional[str]:
+    """A one-line message for an error a user can fix, or None (a bug: show it all)."""
+    if isinstance(exc, UserError):
+        return one_line(exc)
+    if isinstance(exc, IsADirectoryError) and exc.filename:
+        return checkpoint_files(os.fsdecode(exc.filename))
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        name = os.fsdecode(exc.filename)
+        base = os.path.basename(name)
+        if base.startswith("dict") and base.endswith(".txt"):
+            return (
+                f"dictionary not found: {name} (the data directory must hold the dict.txt "
+                "written by alibi-preprocess)"
+            )
+        return f"file not found: {name}"
+    if isinstance(exc, PermissionError):
+        where = os.fsdecode(exc.filename) if exc.filename else "a file"
+        return f"permission denied: {where} (choose a directory you can write to, or fix its permissions)"
+    if isinstance(exc, OSError) and str(exc).startswith("Model file not found"):
+        path = str(exc).split(":", 1)[1].strip()
+        if os.path.isdir(path):
+            return checkpoint_files(path)
+        return "checkpoint file not found: " + path
+    frame = _loading_frame(exc.__traceback__)
+    if frame is not None and isinstance(exc, (AttributeError, KeyError, ValueError, TypeError, RuntimeError, AssertionError)):
+        return _describe_model_mismatch(exc, frame)
+    return None
+
+
+class report_errors:
+    """Context manager (and decorator) for console scripts: user-fixable errors
+    -> one ``error:`` line and exit 1; Ctrl-C -> one line and exit 130."""
+
+    def __init__(self, interrupted: str = "interrupted"):
+        self.interrupted = interrupted
+
+    def __enter__(self):
+        return self
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapped
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None:
+            return False
+        if isinstance(exc, KeyboardInterrupt):
+            sys.stderr.write(f"\n{self.interrupted}\n")
+            sys.stderr.flush()
+            raise SystemExit(130)
+        if not isinstance(exc, Exception):
+            return False
+        message = describe(exc)
+        if message is None:
+            return False
+        if os.environ.get("FAIRSEQ_ALIBI_TRACEBACK"):
+            import traceback
+
+            traceback.print_exception(exc_type, exc, tb)
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+        raise SystemExit(1)
