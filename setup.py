@@ -7,6 +7,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["fairseq_alibi", "fairseq_alibi.*"]),
+    py_modules=["alibi_user_dir"],
     python_requires=">=3.9",
     # fairseq itself (fairseq-fixed on Python 3.11) and torch are installed by
     # `make install`: fairseq's pinned torchaudio would replace a CPU torch.
@@ -20,7 +21,7 @@ setup(
             "alibi-interactive = fairseq_alibi.cli:interactive",
             "alibi-hydra-train = fairseq_alibi.cli:hydra_train",
             "alibi-preprocess = fairseq_alibi.cli:preprocess",
-            "alibi-user-dir = fairseq_alibi.cli:user_dir",
+            "alibi-user-dir = alibi_user_dir:main",
             "alibi-sweep = fairseq_alibi.evaluation.perplexity:main",
             "alibi-convert-checkpoint = fairseq_alibi.cli:convert_checkpoint",
         ]

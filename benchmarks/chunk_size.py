@@ -36,7 +36,7 @@ def main():
 
     torch.manual_seed(0)
     module = A.AlibiMultiheadAttention(
-        opts.embed_dim, opts.heads, A.AlibiBias(opts.heads, attention_path="chunked")
+        opts.embed_dim, opts.heads, A.AlibiBias(opts.heads, kernel="chunked")
     ).eval()
     print(machine_description())
     print("| tokens | chunk | wall s (median) | cpu s (median) | bias ramp MiB |")

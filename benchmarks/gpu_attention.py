@@ -76,8 +76,8 @@ def kernels(opts, device):
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
         def flex():
-            score_mod = A.alibi_score_mod(shared.slopes(length, device), causal=True)
-            block_mask = shared.causal_block_mask(length, length, device)
+            score_mod = shared.score_mod(length, length, device)
+            block_mask = shared.block_mask(length, length, device)
             A.flex_attention_alibi(q, k, v, score_mod, block_mask).backward(grad)
 
         def sdpa():

@@ -18,11 +18,12 @@ adjacent values of ``slope * j`` apart.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 INTERPOLATION_METHODS = ("none", "linear", "ntk")
+BIAS_MODES = ("causal", "symmetric", "split", "learned")
 BIDIRECTIONAL_MODES = ("symmetric", "split", "learned")
 
 
@@ -32,6 +33,11 @@ def _power_of_two_slopes(n: int) -> list:
     return [start ** (i + 1) for i in range(n)]
 
 
+def _check_heads(num_heads) -> None:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be an integer >= 1, got {num_heads!r}")
+
+
 def get_slopes(num_heads: int) -> torch.Tensor:
     """The paper's per-head slopes, in the paper's head order, as float32 ``[H]``.
 
@@ -39,8 +45,7 @@ def get_slopes(num_heads: int) -> torch.Tensor:
     ``c``, then every other slope of the ``2c`` sequence, first ``H - c`` of them
     (so the sequence is not monotonic, exactly as in the reference code).
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be an integer >= 1, got {num_heads!r}")
+    _check_heads(num_heads)
     closest = 2 ** int(math.floor(math.log2(num_heads)))
     slopes = _power_of_two_slopes(closest)
     if closest < num_heads:
@@ -107,67 +112,13 @@ def resolve_scale_factor(
     return max(1.0, seq_len / float(train_length))
 
 
-def relative_distance(
-    q_len: int, k_len: int, device=None, q_start: Optional[int] = None
-) -> torch.Tensor:
-    """``[q_len, k_len]`` int64 tensor of ``i - j`` (query minus key position).
-
-    Queries are positions ``q_start .. q_start + q_len - 1`` (default: the last
-    ``q_len`` of the ``k_len`` keys, as with a KV cache).
-    """
-    if q_start is None:
-        q_start = k_len - q_len
-    query_pos = torch.arange(q_start, q_start + q_len, device=device)
-    key_pos = torch.arange(k_len, device=device)
-    return query_pos[:, None] - key_pos[None, :]
-
-
-def causal_bias(
-    slopes: torch.Tensor,
-    q_len: int,
-    k_len: int,
-    dtype: torch.dtype = torch.float32,
-    device=None,
-    q_start: Optional[int] = None,
-) -> torch.Tensor:
-    """``[H, q_len, k_len]``: ``-slope * (i - j)`` for ``j <= i``, ``-inf`` above."""
-    distance = relative_distance(q_len, k_len, device, q_start)
-    bias = -slopes.to(device=device, dtype=torch.float32)[:, None, None] * distance
-    bias = bias.masked_fill(distance < 0, float("-inf"))
-    return bias.to(dtype)
-
-
-def symmetric_bias(
-    slopes: torch.Tensor, q_len: int, k_len: int, dtype=torch.float32, device=None,
-    q_start: Optional[int] = 0,
-) -> torch.Tensor:
-    """``[H, q_len, k_len]``: ``-slope * |i - j|`` (bidirectional attention)."""
-    distance = relative_distance(q_len, k_len, device, q_start).abs()
-    bias = -slopes.to(device=device, dtype=torch.float32)[:, None, None] * distance
-    return bias.to(dtype)
-
-
-def fork_causal_bias(
-    slopes: torch.Tensor, length: int, dtype=torch.float32, device=None
-) -> torch.Tensor:
-    """The reference fork's ``+slope * j`` form, kept only to pin its fp16 defect.
-
-    Softmax ignores per-row constants, so below the diagonal this equals
-    ``causal_bias`` in exact arithmetic; in low precision it does not.
-    """
-    key_pos = torch.arange(length, device=device, dtype=torch.float32)
-    bias = slopes.to(device=device, dtype=torch.float32)[:, None, None] * key_pos
-    bias = bias.expand(-1, length, -1).to(dtype)
-    upper = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
-    return bias.masked_fill(upper, float("-inf"))
-
-
 # ---------------------------------------------------------------------------
-# Bidirectional (encoder) variants.  ``relative_distance`` is ``i - j``, so a
-# key to the *left* of its query has a positive distance.
+# Bias builders.  Every head looks left (keys j <= i: the causal LM), right
+# (j >= i) or both ways; the bias is ``-slope * |i - j|`` on the side a head
+# sees and ``masked_value`` on the other.
 # ---------------------------------------------------------------------------
 
-#: Head directions returned by ``split_directions``.
+#: Head directions: keys to the left of the query, both sides, to the right.
 LOOK_LEFT, LOOK_BOTH, LOOK_RIGHT = -1, 0, 1
 
 #: Smallest learned slope: the softplus parametrization adds it, so a learned
@@ -176,21 +127,28 @@ LOOK_LEFT, LOOK_BOTH, LOOK_RIGHT = -1, 0, 1
 MIN_LEARNED_SLOPE = 1e-6
 
 
-def split_directions(num_heads: int) -> torch.Tensor:
-    """int64 ``[H]`` direction of every head in ``split`` mode.
+def split_directions(num_heads: int) -> Tuple[int, ...]:
+    """Direction of every head in ``split`` mode.
 
     The first ``H // 2`` heads look left (keys ``j <= i``), the next ``H // 2``
     look right (``j >= i``).  With an odd head count the last head looks both
     ways with the symmetric bias, so that mirroring the input maps the set of
     heads onto itself (left <-> right, the middle head to itself).
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be an integer >= 1, got {num_heads!r}")
+    _check_heads(num_heads)
     half = num_heads // 2
-    directions = [LOOK_LEFT] * half + [LOOK_RIGHT] * half
-    if num_heads % 2:
-        directions.append(LOOK_BOTH)
-    return torch.tensor(directions, dtype=torch.int64)
+    return (LOOK_LEFT,) * half + (LOOK_RIGHT,) * half + ((LOOK_BOTH,) if num_heads % 2 else ())
+
+
+def head_directions(mode: str, num_heads: int) -> Tuple[int, ...]:
+    """Direction of every head of a bias ``mode`` (``learned`` looks both ways)."""
+    if mode == "causal":
+        return (LOOK_LEFT,) * num_heads
+    if mode == "split":
+        return split_directions(num_heads)
+    if mode in ("symmetric", "learned"):
+        return (LOOK_BOTH,) * num_heads
+    raise ValueError(f"unknown ALiBi bias mode {mode!r}; allowed: {', '.join(BIAS_MODES)}")
 
 
 def split_slopes(num_heads: int) -> torch.Tensor:
@@ -200,40 +158,70 @@ def split_slopes(num_heads: int) -> torch.Tensor:
     and right halves are mirror images with identical slopes); with an odd
     head count the two-sided middle head takes the last slope of that sequence.
     """
-    directions = split_directions(num_heads)
+    _check_heads(num_heads)
     half = num_heads // 2
     per_side = get_slopes(num_heads - half)  # ceil(H / 2)
     slopes = torch.cat([per_side[:half], per_side[:half]])
     if num_heads % 2:
         slopes = torch.cat([slopes, per_side[half:]])
-    assert slopes.numel() == directions.numel()
     return slopes
 
 
-def split_bias(
+def mode_slopes(mode: str, num_heads: int) -> torch.Tensor:
+    """The unscaled slopes of a bias mode (``split`` shares them between sides)."""
+    return split_slopes(num_heads) if mode == "split" else get_slopes(num_heads)
+
+
+def _distance(q_len: int, k_len: int, q_start: Optional[int], device) -> torch.Tensor:
+    """float32 ``[q_len, k_len]`` of ``i - j`` (exact below 2^24 positions).
+
+    Queries are positions ``q_start .. q_start + q_len - 1``; by default the
+    last ``q_len`` of the ``k_len`` keys (a KV cache; 0 for a full forward).
+    """
+    if q_start is None:
+        q_start = k_len - q_len
+    query = torch.arange(q_start, q_start + q_len, device=device, dtype=torch.float32)
+    keys = torch.arange(k_len, device=device, dtype=torch.float32)
+    return query[:, None] - keys[None, :]
+
+
+def alibi_bias(
     slopes: torch.Tensor,
     q_len: int,
     k_len: int,
+    directions: Sequence[int],
+    q_start: Optional[int] = None,
     dtype: torch.dtype = torch.float32,
     device=None,
-    q_start: Optional[int] = 0,
     masked_value: float = float("-inf"),
 ) -> torch.Tensor:
-    """``[H, q_len, k_len]`` bias of ``split`` mode.
+    """``[H, q_len, k_len]``: ``-slope * |i - j|`` where head ``h`` looks
+    (``directions[h]``: ``LOOK_LEFT``, ``LOOK_BOTH`` or ``LOOK_RIGHT``),
+    ``masked_value`` elsewhere.
 
-    ``-slope * |i - j|`` on the side a head looks at, ``masked_value`` on the
-    other side; head directions as in ``split_directions(H)``.  Left-looking
-    heads get exactly ``causal_bias`` (with ``q_start`` explicit).  Pass a
-    finite ``masked_value`` when whole query rows may otherwise be masked
-    (padding on the one side a head sees) and produce NaN.
+    All heads ``LOOK_LEFT`` is the causal LM's bias.  Formed in float32 with
+    one ``[H, q_len, k_len]`` allocation and cast once, so nearby keys keep full
+    relative precision in fp16/bf16 at any length.  Pass a finite
+    ``masked_value`` when a whole query row may otherwise be masked (padding
+    on the one side a head sees) and produce NaN.
     """
-    directions = split_directions(slopes.numel()).to(device)
-    distance = relative_distance(q_len, k_len, device, q_start)
-    bias = -slopes.to(device=device, dtype=torch.float32)[:, None, None] * distance.abs()
-    hidden = ((directions == LOOK_LEFT)[:, None, None] & (distance < 0)) | (
-        (directions == LOOK_RIGHT)[:, None, None] & (distance > 0)
-    )
-    return bias.masked_fill(hidden, masked_value).to(dtype)
+    directions = tuple(int(d) for d in directions)
+    if len(directions) != slopes.numel():
+        raise ValueError(f"{slopes.numel()} slopes but {len(directions)} head directions")
+    distance = _distance(q_len, k_len, q_start, device)
+    slopes = slopes.to(device=device, dtype=torch.float32)[:, None, None]
+    if all(d == LOOK_LEFT for d in directions):
+        bias = torch.mul(distance, -slopes)
+        bias.masked_fill_(distance < 0, masked_value)
+    elif all(d == LOOK_RIGHT for d in directions):
+        bias = torch.mul(distance, slopes)
+        bias.masked_fill_(distance > 0, masked_value)
+    else:
+        bias = torch.mul(distance.abs(), -slopes)
+        heads = torch.tensor(directions, device=device)[:, None, None]
+        hidden = ((heads == LOOK_LEFT) & (distance < 0)) | ((heads == LOOK_RIGHT) & (distance > 0))
+        bias.masked_fill_(hidden, masked_value)
+    return bias if dtype == torch.float32 else bias.to(dtype)
 
 
 def asymmetric_bias(
@@ -241,9 +229,9 @@ def asymmetric_bias(
     right_slopes: torch.Tensor,
     q_len: int,
     k_len: int,
+    q_start: Optional[int] = None,
     dtype: torch.dtype = torch.float32,
     device=None,
-    q_start: Optional[int] = 0,
 ) -> torch.Tensor:
     """``[H, q_len, k_len]``: ``-left * (i - j)`` for keys left of the query,
     ``-right * (j - i)`` for keys right of it, ``0`` on the diagonal.
@@ -255,7 +243,7 @@ def asymmetric_bias(
             f"left and right slopes must both be [H], got {tuple(left_slopes.shape)} "
             f"and {tuple(right_slopes.shape)}"
         )
-    distance = relative_distance(q_len, k_len, device, q_start).to(torch.float32)
+    distance = _distance(q_len, k_len, q_start, device)
     left = left_slopes.to(device=device, dtype=torch.float32)[:, None, None]
     right = right_slopes.to(device=device, dtype=torch.float32)[:, None, None]
     bias = -left * distance.clamp(min=0) - right * (-distance).clamp(min=0)

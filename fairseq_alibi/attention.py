@@ -1,30 +1,31 @@
-"""ALiBi self-attention for fairseq, with several interchangeable kernels.
+"""ALiBi self-attention for fairseq: the shared bias of a layer stack and the kernels.
 
 ``AlibiBias`` is created once per layer stack and shared by all its layers: it
 turns the stack's configuration into (scaled) slopes for the current length and
 owns the caches (the one dense bias, the merged padding mask, FlexAttention's
-block mask), so the bias is built once per forward, not per layer, and never per
-batch row.
+block mask, the chunked path's ramp), so the bias is built once per forward,
+not per layer, and never per batch row.  Its ``mode`` says where each head
+looks: ``causal`` (the LM), ``symmetric`` or ``split`` (encoders).
+``LearnedAlibiBias`` (mode ``learned``) is the one subclass with parameters:
+each encoder layer trains its own left/right slopes.
 
 ``AlibiMultiheadAttention`` subclasses fairseq's ``MultiheadAttention`` and
 keeps its parameter names (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``) and
 its KV-cache layout, so checkpoints and beam-search reordering work unchanged.
-Only ``forward`` is replaced.
+Only ``forward`` is replaced; the bias comes from its ``alibi`` object.
 
-Attention paths (config field ``alibi_attention``):
+Kernels (config field ``alibi_attention``):
 
 * ``reference``: explicit scores + bias + softmax in fp32; the ground truth, and
-  the only path that can return attention weights;
+  the only kernel that can return attention weights;
 * ``sdpa``: ``F.scaled_dot_product_attention`` with one ``[1, H, T, S]`` bias
-  broadcast over the batch, cached across layers and batches (CPU: the flash
-  kernel, the training path; CUDA: the memory-efficient kernel);
+  broadcast over the batch, cached across layers and batches;
 * ``flex``: FlexAttention (CUDA, compiled) with ALiBi as a ``score_mod`` and a
-  cached causal block mask: nothing ``T x T`` is materialized, forward or backward;
+  cached causal block mask: nothing ``T x T`` is materialized, forward or
+  backward; no attention dropout, and only for biases with ``supports_flex``;
 * ``chunked``: queries in blocks, the bias of each block built on the fly, so
   memory grows linearly with the length (long evaluation without FlexAttention);
-* ``auto``: looked up in ``AUTO_PATHS`` from the device and the regime
-  (training, training with attention dropout, short or long inference);
-  ``reference`` whenever attention weights are requested.
+* ``auto``: :func:`choose_kernel`.
 """
 
 from __future__ import annotations
@@ -34,33 +35,18 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from fairseq.modules import MultiheadAttention
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import alibi
+from .errors import ConfigError, warn_once
 
-ATTENTION_PATHS = ("auto", "reference", "sdpa", "flex", "chunked")
-BIAS_KINDS = ("causal", "symmetric")
+KERNELS = ("auto", "reference", "sdpa", "flex", "chunked")
 
 # Inference with more query x key pairs than this is "long" (linear-memory path).
 CHUNK_THRESHOLD = 1024 * 1024
 # Queries per block on the chunked path; its bias ramp is H x CHUNK_SIZE x
 # (T + CHUNK_SIZE) values (docs/performance.md has the measurement behind it).
 CHUNK_SIZE = 512
-
-REGIMES = ("train", "train_dropout", "decode", "short", "long")
-
-# The ``auto`` choice, as one table: device kind -> path per regime.
-#   train          gradients on, no attention dropout
-#   train_dropout  gradients on, attention dropout > 0 (FlexAttention has none)
-#   long           no gradients, more than CHUNK_THRESHOLD query x key pairs
-#   decode         no gradients, a (short) incremental step against a KV cache
-#   short          no gradients, any other short input
-AUTO_PATHS: Dict[str, Dict[str, str]] = {
-    #                              train   train_dropout decode  short   long
-    "cpu":       dict(zip(REGIMES, ("sdpa", "sdpa",      "sdpa", "sdpa", "chunked"))),
-    "cuda":      dict(zip(REGIMES, ("sdpa", "sdpa",      "sdpa", "sdpa", "chunked"))),
-    "cuda+flex": dict(zip(REGIMES, ("flex", "sdpa",      "sdpa", "flex", "flex"))),
-}
 
 
 def flex_available() -> bool:
@@ -72,19 +58,48 @@ def flex_available() -> bool:
     return True
 
 
-def regime(grad: bool, dropout_p: float, q_len: int, k_len: int, incremental: bool = False) -> str:
-    """The ``AUTO_PATHS`` column for one forward call."""
-    if grad:
-        return "train_dropout" if dropout_p > 0 else "train"
-    if q_len * k_len > CHUNK_THRESHOLD:
-        return "long"
-    return "decode" if incremental else "short"
+def choose_kernel(
+    bias: "AlibiBias",
+    need_weights: bool,
+    q_len: int,
+    k_len: int,
+    dropout_p: float = 0.0,
+    incremental: bool = False,
+    device: Optional[torch.device] = None,
+) -> str:
+    """The kernel of one forward call.
+
+    Weights wanted: ``reference`` (the only kernel that returns them).  An
+    explicit ``alibi_attention``: that kernel.  ``auto``: FlexAttention on CUDA
+    for full forwards without attention dropout when the bias supports it;
+    otherwise ``chunked`` for long inference (linear memory) and ``sdpa`` for
+    everything else (training, short inference, KV-cache steps).
+    """
+    if need_weights:
+        return "reference"
+    if bias.kernel != "auto":
+        return bias.kernel
+    device = device or torch.device("cpu")
+    if device.type == "cuda" and bias.supports_flex and dropout_p == 0 and not incremental and flex_available():
+        return "flex"
+    if not torch.is_grad_enabled() and q_len * k_len > CHUNK_THRESHOLD:
+        return "chunked"
+    return "sdpa"
 
 
-def device_kind(device: torch.device, flex_ok: bool) -> str:
-    if device.type == "cuda":
-        return "cuda+flex" if flex_ok and flex_available() else "cuda"
-    return "cpu"
+def masked_value_for(mode: str, dtype: torch.dtype) -> float:
+    """What the bias puts on the side a head does not see.
+
+    ``-inf`` for the causal LM (every query sees at least itself).  For
+    ``split`` a finite stand-in, so that a query whose whole visible side is
+    padding (a padding position itself) still has a defined softmax: with
+    ``-inf`` its row would be NaN, and NaN poisons every later layer through
+    ``0 * NaN``.  Large enough that ``exp`` of it is exactly 0 next to any real
+    score (fairseq's own convention: -1e8, or -1e4 in 16-bit types).
+    """
+    if mode != "split":
+        return float("-inf")
+    return -1e8 if dtype in (torch.float32, torch.float64) else -1e4
 
 
 class AlibiBias:
@@ -93,100 +108,111 @@ class AlibiBias:
     A plain object rather than an ``nn.Module``: it has no parameters, nothing
     of it belongs in the state dict, and its caches are keyed by device and
     dtype, so it needs no ``.to()``.  Each cache holds one entry (the most recent
-    shape), so it never grows.
+    shape), so it never grows.  For mode ``learned`` it is the stack's config:
+    :meth:`for_layer` makes each layer its own :class:`LearnedAlibiBias`.
     """
+
+    #: FlexAttention can express this bias as a ``score_mod`` (``choose_kernel``).
+    supports_flex = True
 
     def __init__(
         self,
         num_heads: int,
+        mode: str = "causal",
         interpolation: str = "none",
         scale_factor: float = 0.0,
         train_length: Optional[int] = None,
-        kind: str = "causal",
-        attention_path: str = "auto",
+        kernel: str = "auto",
     ):
-        validate_options(interpolation, scale_factor, train_length, attention_path)
-        if kind not in BIAS_KINDS:
-            raise ValueError(f"unknown ALiBi bias kind {kind!r}; allowed: {', '.join(BIAS_KINDS)}")
+        validate_options(interpolation, scale_factor, train_length, kernel)
+        if mode not in alibi.BIAS_MODES:
+            raise ConfigError(
+                f"alibi_bidirectional={mode!r} is not valid; allowed values: "
+                f"{', '.join(alibi.BIDIRECTIONAL_MODES)} (causal for decoders)"
+            )
         self.num_heads = num_heads
-        self.base_slopes = alibi.get_slopes(num_heads)
+        self.mode = mode
         self.interpolation = interpolation
         self.scale_factor = float(scale_factor)
         self.train_length = train_length
-        self.kind = kind
-        self.attention_path = attention_path
+        self.kernel = kernel
+        self.directions = alibi.head_directions(mode, num_heads)
+        self.base_slopes = alibi.mode_slopes(mode, num_heads)
         self._slopes_cache: Dict[tuple, Tensor] = {}
-        self._dense_key: Optional[tuple] = None
-        self._dense: Optional[Tensor] = None
+        self._dense: Optional[tuple] = None  # (key, bias)
         self._merged: Optional[tuple] = None  # (bias, padding mask, its version, merged)
         self._block_mask: Optional[tuple] = None  # (key, BlockMask)
         self._ramp: Optional[tuple] = None  # (key, ramp of the chunked path)
 
-    def slopes(self, seq_len: int, device=None) -> Tensor:
-        """float32 ``[H]`` slopes for a sequence of ``seq_len`` keys."""
-        factor = alibi.resolve_scale_factor(
-            self.interpolation, self.scale_factor, self.train_length, seq_len
-        )
-        key = (factor, str(device))
+    @property
+    def causal(self) -> bool:
+        return self.mode == "causal"
+
+    def options(self) -> dict:
+        return dict(interpolation=self.interpolation, scale_factor=self.scale_factor,
+                    train_length=self.train_length, kernel=self.kernel)
+
+    def for_layer(self) -> "AlibiBias":
+        """The bias one layer's attention uses: this shared object, or for
+        mode ``learned`` a new one with that layer's own trained slopes."""
+        if self.mode == "learned":
+            return LearnedAlibiBias(self.num_heads, **self.options())
+        return self
+
+    def factor(self, k_len: int) -> float:
+        return alibi.resolve_scale_factor(self.interpolation, self.scale_factor, self.train_length, k_len)
+
+    def slopes(self, k_len: int, device=None) -> Tensor:
+        """float32 ``[H]`` slopes for a forward pass over ``k_len`` keys."""
+        key = (self.factor(k_len), str(device))
         if key not in self._slopes_cache:
             if len(self._slopes_cache) > 64:
                 self._slopes_cache.clear()
-            scaled = alibi.scale_slopes(self.base_slopes, self.interpolation, factor)
+            scaled = alibi.scale_slopes(self.base_slopes, self.interpolation, key[0])
             self._slopes_cache[key] = scaled.to(device)
         return self._slopes_cache[key]
 
     def block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
-        """``[H, q_len, k_len]`` bias for queries ``q_start ..`` over ``k_len`` keys.
+        """``[H, q_len, k_len]`` bias for queries ``q_start ..`` over ``k_len`` keys."""
+        return alibi.alibi_bias(
+            self.slopes(k_len, device), q_len, k_len, self.directions, q_start, dtype, device,
+            masked_value_for(self.mode, dtype),
+        )
 
-        The causal block is built with one ``[H, q_len, k_len]`` allocation (in
-        place ``-inf``, float32 distances: exact below 2^24 positions), which is
-        what the chunked path calls once per block and layer; it equals
-        ``alibi.causal_bias`` exactly (tested)."""
-        slopes = self.slopes(k_len, device)
-        if self.kind == "causal":
-            return _causal_block(slopes, q_start, q_len, k_len, dtype, device)
-        return alibi.symmetric_bias(slopes, q_len, k_len, dtype, device, q_start)
+    def window(self, q_start: int, q_len: int, visible: int, k_len: int, dtype, device) -> Tensor:
+        """``[H, q_len, visible]`` bias of queries ``q_start ..`` over the first
+        ``visible`` keys, with the slopes of a ``k_len``-key forward (the chunked path).
 
-    def causal_window(self, q_start: int, q_len: int, visible: int, k_len: int, dtype, device) -> Tensor:
-        """``[H, q_len, visible]`` causal bias of queries ``q_start ..`` over the
-        first ``visible`` keys, with the slopes of a ``k_len``-key forward: a
-        view, no copy.
-
-        The bias only depends on ``query - key``, so every block of the chunked
-        path is a window of one ramp ``R[h, i, j] = -m_h * (P + i - j)``
+        Causal: a view, no copy.  The bias only depends on ``query - key``, so
+        every block is a window of one ramp ``R[h, i, j] = -m_h * (P + i - j)``
         (``P = k_len - 1``, ``chunk`` rows, ``P + chunk`` columns): block
         ``(s, rows)`` is ``R[:, :rows, P - s : P - s + visible]``.  The ramp is
         built once per forward (shared by all layers and blocks) and is linear
-        in the length: ``H x chunk x (T + chunk)``."""
+        in the length: ``H x chunk x (T + chunk)``.
+        """
+        if not self.causal:
+            return self.block(q_start, q_len, k_len, dtype, device)[..., :visible]
         rows = max(CHUNK_SIZE, q_len)
         top = k_len - 1
         width = (top + rows + 7) // 8 * 8  # aligned rows for CUDA kernels
         key = (k_len, rows, dtype, str(device), self.interpolation, self.scale_factor)
         if self._ramp is None or self._ramp[0] != key:
             self._ramp = None
-            ramp = _causal_block(self.slopes(k_len, device), top, rows, width, dtype, device)
-            self._ramp = (key, ramp)
+            slopes = self.slopes(k_len, device)
+            self._ramp = (key, alibi.alibi_bias(slopes, rows, width, self.directions, top, dtype, device))
         offset = top - q_start
         return self._ramp[1][:, :q_len, offset : offset + visible]
 
     def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
-        """The whole ``[H, q_len, k_len]`` bias, cached for the most recent shape.
-
-        The first layer of a forward pass builds it, the others reuse it, and so
-        do later batches of the same length.  It is built directly in the
-        activation dtype, so no layer re-casts it.
-        """
+        """The whole ``[H, q_len, k_len]`` bias (queries the last ``q_len`` of
+        the keys), cached for the most recent shape: the first layer of a
+        forward builds it, the others and later batches of the same length
+        reuse it.  Built directly in the activation dtype."""
         key = (q_len, k_len, dtype, str(device), self.interpolation, self.scale_factor)
-        if self._dense_key != key:
-            self._dense = self._dense_key = None  # free the old one before building
-            if self.kind == "causal":
-                slopes = self.slopes(k_len, device)
-                dense = alibi.causal_bias(slopes, q_len, k_len, dtype, device, k_len - q_len)
-            else:
-                dense = self.block(0, q_len, k_len, dtype, device)
-            self._dense = _aligned(dense)
-            self._dense_key = key
-        return self._dense
+        if self._dense is None or self._dense[0] != key:
+            self._dense = None  # free the old one before building
+            self._dense = (key, _aligned(self.block(k_len - q_len, q_len, k_len, dtype, device)))
+        return self._dense[1]
 
     def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         """The additive mask for SDPA: ``[1, H, T, S]`` without padding (a view of
@@ -195,8 +221,6 @@ class AlibiBias:
         the same padding-mask tensor)."""
         if key_padding_mask is None:
             return bias[None]
-        if bias.requires_grad:  # a learned bias: per layer, nothing to share
-            return bias[None] + _padding_mask(key_padding_mask, bias.dtype)
         cached = self._merged
         if (
             cached is not None
@@ -210,13 +234,82 @@ class AlibiBias:
         self._merged = (bias, key_padding_mask, key_padding_mask._version, merged)
         return merged
 
-    def causal_block_mask(self, q_len: int, k_len: int, device):
-        """FlexAttention block mask of causal attention (queries the last ``q_len``
-        of ``k_len`` keys), cached for the most recent shape."""
+    def score_mod(self, q_len: int, k_len: int, device, key_padding_mask: Optional[Tensor] = None):
+        """FlexAttention ``score_mod`` equal to :meth:`dense` (fp32, from the
+        integer distance), with ``-inf`` at the keys a ``[B, S]`` padding mask
+        marks.  The causal ``-inf`` comes from :meth:`block_mask`."""
+        slopes = self.slopes(k_len, device)
+        offset = k_len - q_len
+        if self.causal:
+            def bias_mod(score, b, h, q_idx, kv_idx):
+                return score - slopes[h] * (q_idx + offset - kv_idx)
+        elif self.mode == "split":
+            directions = torch.tensor(self.directions, device=device)
+            masked = masked_value_for("split", torch.float32)
+
+            def bias_mod(score, b, h, q_idx, kv_idx):
+                distance = q_idx + offset - kv_idx
+                hidden = directions[h] * distance > 0  # left heads hide j > i, right heads j < i
+                return torch.where(hidden, masked, score - slopes[h] * distance.abs())
+        else:
+            def bias_mod(score, b, h, q_idx, kv_idx):
+                return score - slopes[h] * (q_idx + offset - kv_idx).abs()
+
+        return with_key_padding(bias_mod, key_padding_mask)
+
+    def block_mask(self, q_len: int, k_len: int, device):
+        """FlexAttention block mask: causal attention (queries the last ``q_len``
+        of ``k_len`` keys), cached for the most recent shape; None otherwise."""
+        if not self.causal:
+            return None
         key = (q_len, k_len, str(device))
         if self._block_mask is None or self._block_mask[0] != key:
             self._block_mask = (key, _causal_block_mask(q_len, k_len, device))
         return self._block_mask[1]
+
+
+class LearnedAlibiBias(nn.Module, AlibiBias):
+    """One layer's trained left/right slopes (encoder mode ``learned``).
+
+    Parametrized as ``softplus(raw) + 1e-6`` so the bias stays negative,
+    initialised to the paper's slopes on both sides; interpolation scales the
+    two sides together (NTK spreads over all ``2H``).  The bias carries
+    gradients, so it is built per layer and forward, never cached or shared.
+    """
+
+    supports_flex = False  # no score_mod for trained slopes: auto keeps it off flex
+
+    def __init__(self, num_heads: int, **options):
+        nn.Module.__init__(self)
+        AlibiBias.__init__(self, num_heads, mode="learned", **options)
+        raw = alibi.learned_slopes_inverse(alibi.get_slopes(num_heads))
+        self.left = nn.Parameter(raw.clone())
+        self.right = nn.Parameter(raw.clone())
+
+    def for_layer(self) -> "LearnedAlibiBias":
+        return self
+
+    def slopes(self, k_len: Optional[int] = None, device=None):
+        """(left, right) positive float32 ``[H]`` slopes, interpolated for ``k_len`` keys."""
+        left, right = alibi.learned_slopes(self.left), alibi.learned_slopes(self.right)
+        if k_len is None:
+            return left, right
+        both = alibi.scale_slopes(torch.cat([left, right]), self.interpolation, self.factor(k_len))
+        return both[: self.num_heads], both[self.num_heads :]
+
+    def block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
+        left, right = self.slopes(k_len)
+        return alibi.asymmetric_bias(left, right, q_len, k_len, q_start, dtype, device)
+
+    def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
+        return self.block(k_len - q_len, q_len, k_len, dtype, device)
+
+    def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        pad = _padding_mask(key_padding_mask, bias.dtype)
+        return bias[None] if pad is None else bias[None] + pad
+
+    def score_mod(self, *args, **kwargs):
+        raise ConfigError("alibi_attention=flex does not support learned slopes; use auto, sdpa or chunked")
 
 
 def alibi_options(args) -> dict:
@@ -228,14 +321,14 @@ def alibi_options(args) -> dict:
         interpolation=getattr(args, "alibi_interpolation", "none"),
         scale_factor=getattr(args, "alibi_scale_factor", 0.0),
         train_length=int(train_length) if train_length is not None else None,
-        attention_path=getattr(args, "alibi_attention", "auto"),
+        kernel=getattr(args, "alibi_attention", "auto"),
     )
 
 
-def validate_options(interpolation, scale_factor, train_length, attention_path) -> None:
-    """Raise ``ValueError`` naming the config field for any invalid ALiBi option."""
+def validate_options(interpolation, scale_factor, train_length, kernel) -> None:
+    """Raise ``ConfigError`` naming the config field for any invalid ALiBi option."""
     if interpolation not in alibi.INTERPOLATION_METHODS:
-        raise ValueError(
+        raise ConfigError(
             f"alibi_interpolation={interpolation!r} is not valid; "
             f"allowed values: {', '.join(alibi.INTERPOLATION_METHODS)}"
         )
@@ -244,24 +337,29 @@ def validate_options(interpolation, scale_factor, train_length, attention_path) 
     except (TypeError, ValueError):
         factor = float("nan")
     if not (factor == 0.0 or factor >= 1.0) or factor == float("inf"):
-        raise ValueError(
+        raise ConfigError(
             f"alibi_scale_factor={scale_factor!r} is not valid; use 0 for dynamic "
             "scaling (max(1, length / alibi_train_length)) or a static factor >= 1"
         )
     if train_length is not None and (not isinstance(train_length, int) or train_length < 1):
-        raise ValueError(
+        raise ConfigError(
             f"alibi_train_length={train_length!r} is not valid; "
             "it must be a positive integer (the tokens_per_sample used in training)"
         )
     if interpolation != "none" and factor == 0.0 and not train_length:
-        raise ValueError(
+        raise ConfigError(
             "dynamic ALiBi scaling (alibi_scale_factor=0) needs alibi_train_length; "
             "set it to the training tokens_per_sample, or give a static factor >= 1"
         )
-    if attention_path not in ATTENTION_PATHS:
-        raise ValueError(
-            f"alibi_attention={attention_path!r} is not valid; "
-            f"allowed values: {', '.join(ATTENTION_PATHS)}"
+    if interpolation == "none" and factor not in (0.0, 1.0):
+        warn_once(
+            f"alibi_scale_factor={scale_factor!r} has no effect with alibi_interpolation='none'; "
+            "set alibi_interpolation to linear or ntk to scale the slopes"
+        )
+    if kernel not in KERNELS:
+        raise ConfigError(
+            f"alibi_attention={kernel!r} is not valid; "
+            f"allowed values: {', '.join(KERNELS)}"
         )
 
 
@@ -271,16 +369,6 @@ def _padding_mask(key_padding_mask: Optional[Tensor], dtype) -> Optional[Tensor]
         return None
     pad = key_padding_mask.to(torch.bool)[:, None, None, :]
     return torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill(pad, float("-inf"))
-
-
-def _causal_block(slopes: Tensor, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
-    """``alibi.causal_bias`` with fewer and smaller temporaries (see ``AlibiBias.block``)."""
-    query = torch.arange(q_start, q_start + q_len, device=device, dtype=torch.float32)
-    keys = torch.arange(k_len, device=device, dtype=torch.float32)
-    distance = query[:, None] - keys[None, :]
-    bias = torch.mul(distance, -slopes.to(device=device, dtype=torch.float32)[:, None, None])
-    bias.masked_fill_(distance < 0, float("-inf"))
-    return bias if dtype == torch.float32 else bias.to(dtype)
 
 
 def _aligned(bias: Tensor) -> Tensor:
@@ -306,15 +394,6 @@ def reference_attention(q, k, v, bias, key_padding_mask=None, dropout_p=0.0):
     probs = torch.softmax(scores, dim=-1)
     dropped = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
     return torch.matmul(dropped, v.float()).to(q.dtype), probs.to(q.dtype)
-
-
-def sdpa_attention(q, k, v, bias, key_padding_mask=None, dropout_p=0.0):
-    """Fused attention with one ``[H, T, S]`` bias broadcast over the batch."""
-    mask = bias.to(q.dtype)[None]
-    pad = _padding_mask(key_padding_mask, q.dtype)
-    if pad is not None:
-        mask = mask + pad
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
 def chunked_attention(q, k, v, bias_block, causal: bool, key_padding_mask=None, chunk_size=None):
@@ -401,20 +480,6 @@ def _causal_block_mask(q_len: int, k_len: int, device):
     )
 
 
-def alibi_score_mod(slopes: Tensor, causal: bool, offset: int = 0, key_padding_mask: Optional[Tensor] = None):
-    """FlexAttention ``score_mod`` adding ``-slope[h] * distance`` (fp32, integer
-    distance, as ``alibi.causal_bias``); ``-inf`` at padded keys when a
-    ``[B, S]`` padding mask is given.  The causal ``-inf`` comes from the block mask."""
-    if causal:
-        def bias_mod(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx + offset - kv_idx)
-    else:
-        def bias_mod(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx - kv_idx).abs()
-
-    return with_key_padding(bias_mod, key_padding_mask)
-
-
 def with_key_padding(score_mod, key_padding_mask: Optional[Tensor]):
     """``score_mod`` with ``-inf`` at the keys a ``[B, S]`` padding mask marks."""
     if key_padding_mask is None:
@@ -435,55 +500,11 @@ def flex_attention_alibi(q, k, v, score_mod, block_mask) -> Tensor:
 class AlibiMultiheadAttention(MultiheadAttention):
     """Self-attention with ALiBi; a drop-in for fairseq's ``MultiheadAttention``."""
 
-    def __init__(self, embed_dim: int, num_heads: int, bias: AlibiBias, **kwargs):
+    def __init__(self, embed_dim: int, num_heads: int, alibi_bias: AlibiBias, **kwargs):
         super().__init__(embed_dim, num_heads, self_attention=True, **kwargs)
-        if bias.num_heads != num_heads:
-            raise ValueError(f"ALiBi bias has {bias.num_heads} heads, attention has {num_heads}")
-        self.alibi = bias
-
-    # The places the bias comes from; a subclass with another bias (for example
-    # learned slopes) overrides these and keeps every kernel path.  One that
-    # overrides bias_block/dense_bias but not flex_score_mod never gets ``flex``
-    # from ``auto`` (its bias would be ignored there).
-    def bias_block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
-        """``[H, q_len, k_len]`` bias for queries ``q_start ..`` (built on the fly)."""
-        return self.alibi.block(q_start, q_len, k_len, dtype, device)
-
-    def dense_bias(self, q_len: int, k_len: int, dtype, device) -> Tensor:
-        """The whole ``[H, q_len, k_len]`` bias (shared and cached across layers)."""
-        return self.alibi.dense(q_len, k_len, dtype, device)
-
-    def flex_score_mod(self, q_len: int, k_len: int, device, key_padding_mask: Optional[Tensor]):
-        """The FlexAttention ``score_mod`` equal to ``dense_bias`` (plus padding)."""
-        offset = k_len - q_len if self.causal else 0
-        return alibi_score_mod(self.alibi.slopes(k_len, device), self.causal, offset, key_padding_mask)
-
-    @property
-    def causal(self) -> bool:
-        return self.alibi.kind == "causal"
-
-    def _flex_consistent(self) -> bool:
-        cls, base = type(self), AlibiMultiheadAttention
-        custom_bias = cls.dense_bias is not base.dense_bias or cls.bias_block is not base.bias_block
-        return not custom_bias or cls.flex_score_mod is not base.flex_score_mod
-
-    def choose_path(
-        self,
-        q_len: int,
-        k_len: int,
-        need_weights: bool,
-        incremental: bool = False,
-        dropout_p: float = 0.0,
-        device: Optional[torch.device] = None,
-    ) -> str:
-        """``reference`` if weights are wanted, the configured path if not
-        ``auto``, else the ``AUTO_PATHS`` entry for this device and regime."""
-        if need_weights:
-            return "reference"
-        if self.alibi.attention_path != "auto":
-            return self.alibi.attention_path
-        kind = device_kind(device or torch.device("cpu"), self._flex_consistent())
-        return AUTO_PATHS[kind][regime(torch.is_grad_enabled(), dropout_p, q_len, k_len, incremental)]
+        if alibi_bias.num_heads != num_heads:
+            raise ValueError(f"ALiBi bias has {alibi_bias.num_heads} heads, attention has {num_heads}")
+        self.alibi = alibi_bias.for_layer()  # a submodule only when it has parameters
 
     def forward(
         self,
@@ -531,40 +552,29 @@ class AlibiMultiheadAttention(MultiheadAttention):
 
         src_len = k.size(2)
         dropout_p = self.dropout_module.p if self.training else 0.0
-        path = self.choose_path(
-            tgt_len, src_len, need_weights, incremental_state is not None, dropout_p, q.device
+        kernel = choose_kernel(
+            self.alibi, need_weights, tgt_len, src_len, dropout_p, incremental_state is not None, q.device
         )
         weights = None
-        if path == "chunked":
+        if kernel == "chunked":
             # Blocks see ``visible`` keys but take the slopes of all ``src_len``
-            # (as the dense path does, so dynamic scaling agrees across paths).
-            if self.causal and type(self).bias_block is AlibiMultiheadAttention.bias_block:
-                def block(q_start, q_len, visible):
-                    return self.alibi.causal_window(q_start, q_len, visible, src_len, q.dtype, q.device)
-            else:
-                def block(q_start, q_len, visible):
-                    return self.bias_block(q_start, q_len, src_len, q.dtype, q.device)[..., :visible]
+            # (as the dense kernels do, so dynamic scaling agrees across kernels).
+            def block(q_start, q_len, visible):
+                return self.alibi.window(q_start, q_len, visible, src_len, q.dtype, q.device)
 
-            out = chunked_attention(q, k, v, block, self.causal, key_padding_mask)
-        elif path == "flex":
-            if not self._flex_consistent():
-                raise ValueError(
-                    f"alibi_attention=flex: {type(self).__name__} overrides the bias hooks "
-                    "but not flex_score_mod, so FlexAttention would ignore its bias"
-                )
+            out = chunked_attention(q, k, v, block, self.alibi.causal, key_padding_mask)
+        elif kernel == "flex":
             if dropout_p > 0:
-                raise ValueError("alibi_attention=flex has no attention dropout; use sdpa or auto")
-            block_mask = (
-                self.alibi.causal_block_mask(tgt_len, src_len, q.device) if self.causal else None
-            )
-            score_mod = self.flex_score_mod(tgt_len, src_len, q.device, key_padding_mask)
+                raise ConfigError("alibi_attention=flex has no attention dropout; use sdpa or auto")
+            score_mod = self.alibi.score_mod(tgt_len, src_len, q.device, key_padding_mask)
+            block_mask = self.alibi.block_mask(tgt_len, src_len, q.device)
             out = flex_attention_alibi(q, k, v, score_mod, block_mask)
         else:
-            bias = self.dense_bias(tgt_len, src_len, q.dtype, q.device)
-            if path == "reference":
+            bias = self.alibi.dense(tgt_len, src_len, q.dtype, q.device)
+            if kernel == "reference":
                 out, weights = reference_attention(q, k, v, bias, key_padding_mask, dropout_p)
             else:
-                mask = self.alibi.merged_mask(bias.to(q.dtype), key_padding_mask)
+                mask = self.alibi.merged_mask(bias, key_padding_mask)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)

@@ -16,7 +16,9 @@ No fairseq import at module level: this module is imported by every other.
 from __future__ import annotations
 
 import difflib
+import errno
 import functools
+import logging
 import os
 import re
 import sys
@@ -51,6 +53,32 @@ class EvaluationError(UserError):
     """Bad input to an evaluation tool (sweep, retrieval): files, names, grid."""
 
 
+#: Every ``alibi_*`` config field of the plugin's models (override keys, hub keywords).
+ALIBI_FIELDS = (
+    "alibi_interpolation", "alibi_scale_factor", "alibi_train_length", "alibi_attention",
+    "alibi_bidirectional",
+)
+
+_warned = set()
+
+
+def warn_once(message: str) -> None:
+    """A warning a user should act on, logged once per process."""
+    if message not in _warned:
+        _warned.add(message)
+        logging.getLogger("fairseq_alibi").warning(message)
+
+
+def check_override_keys(overrides) -> None:
+    """Warn about ``alibi*`` keys no model has (a typo would change nothing, silently)."""
+    for key in overrides or {}:
+        if isinstance(key, str) and key.startswith("alibi") and key not in ALIBI_FIELDS:
+            warn_once(
+                f"ignored model override {key!r}: no such ALiBi field{closest(key, ALIBI_FIELDS)} "
+                f"(valid: {', '.join(ALIBI_FIELDS)})"
+            )
+
+
 def one_line(text) -> str:
     return " ".join(str(text).split())
 
@@ -74,6 +102,23 @@ def checkpoint_files(directory: str) -> str:
 
 
 # ------------------------------------------------------------ foreign errors
+
+
+def _missing_split(message: str) -> str:
+    """fairseq's ``Dataset not found: SPLIT (PATH)`` -> the splits that exist there."""
+    match = re.match(r"Dataset not found: (\S+) \((.*)\)$", message)
+    if not match:
+        return one_line(message)
+    split, prefix = match.groups()
+    directory = os.path.dirname(prefix) or "."
+    try:
+        found = sorted({n.split(".")[0] for n in os.listdir(directory) if n.endswith(".bin")})
+    except OSError:
+        found = []
+    return (
+        f"split {split!r} not found in {directory} (no {split}.bin/.idx); splits there: "
+        f"{', '.join(found) or 'none (run alibi-preprocess first)'}; check --gen-subset / --valid-subset"
+    )
 
 
 def _loading_frame(tb):
@@ -137,6 +182,8 @@ def describe(exc: BaseException) -> Optional[str]:
         return one_line(exc)
     if isinstance(exc, IsADirectoryError) and exc.filename:
         return checkpoint_files(os.fsdecode(exc.filename))
+    if isinstance(exc, FileNotFoundError) and str(exc).startswith("Dataset not found"):
+        return _missing_split(str(exc))
     if isinstance(exc, FileNotFoundError) and exc.filename:
         name = os.fsdecode(exc.filename)
         base = os.path.basename(name)
@@ -146,9 +193,9 @@ def describe(exc: BaseException) -> Optional[str]:
                 "written by alibi-preprocess)"
             )
         return f"file not found: {name}"
-    if isinstance(exc, PermissionError):
+    if isinstance(exc, PermissionError) or (isinstance(exc, OSError) and exc.errno == errno.EROFS):
         where = os.fsdecode(exc.filename) if exc.filename else "a file"
-        return f"permission denied: {where} (choose a directory you can write to, or fix its permissions)"
+        return f"cannot access {where}: {exc.strerror or exc} (check its permissions, or choose another directory)"
     if isinstance(exc, OSError) and str(exc).startswith("Model file not found"):
         path = str(exc).split(":", 1)[1].strip()
         if os.path.isdir(path):

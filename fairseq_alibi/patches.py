@@ -17,11 +17,16 @@ would crash or silently do the wrong thing:
   :func:`safe_load.load` (allowlisted unpickling, never arbitrary code), and an
   unconverted checkpoint of the 2021 fork is refused (it would silently run as
   a sinusoidal model).
+* ``--model-overrides`` / hub keywords: fairseq silently drops a key no
+  config has, so an ``alibi*`` typo is warned about (``errors.check_override_keys``).
 * checkpoint copies (``checkpoint_last.pt``, ``checkpoint_best.pt``) are
   written atomically, so a crash never leaves a truncated one.
 * ``fairseq.distributed.utils.torch``: resuming under torchrun broadcasts the
   state as a pickle read back with ``torch.load``; the safe loader reads it
   (torch's default allowlist refuses the OmegaConf cfg).
+
+* third-party warnings known to be harmless here (hydra deprecations, CPU-only
+  torch notices) are filtered; ``FAIRSEQ_ALIBI_WARNINGS=1`` shows them.
 
 One scoped change is not applied globally: :func:`decoder_class` swaps the
 decoder class the stock LM builder instantiates, for the duration of one
@@ -35,6 +40,7 @@ import contextlib
 import os
 import shutil
 import types
+import warnings
 
 import numpy as np
 import torch
@@ -159,19 +165,50 @@ class _AtomicCopyPathManager:
 
 
 def safe_checkpoint_io() -> None:
-    """Safe loading + fork refusal, atomic copies, safe broadcast (see the module docstring)."""
+    """Safe loading + fork refusal, atomic copies, safe broadcast, checked
+    override keys (see the module docstring)."""
     from fairseq import checkpoint_utils
     from fairseq.distributed import utils as distributed_utils
 
+    from .errors import check_override_keys
     from .fork import refuse_fork
 
     if isinstance(checkpoint_utils.torch, _SafeTorch):
         return
     checkpoint_utils.torch = _SafeTorch(checkpoint_utils.torch, inspect=refuse_fork)
     checkpoint_utils.PathManager = _AtomicCopyPathManager(checkpoint_utils.PathManager)
+    stock_overwrite = checkpoint_utils.overwrite_args_by_name
+
+    def overwrite_args_by_name(cfg, overrides):
+        check_override_keys(overrides)
+        return stock_overwrite(cfg, overrides)
+
+    checkpoint_utils.overwrite_args_by_name = overwrite_args_by_name
     # broadcast_object puts fairseq's one-int _TensorPlaceholder where each tensor was.
     placeholder = distributed_utils._TensorPlaceholder
     distributed_utils.torch = _SafeTorch(distributed_utils.torch, extra_globals=[placeholder])
+
+
+#: Third-party warnings known to be harmless here, shown on every command
+#: otherwise (message regexes).  FAIRSEQ_ALIBI_WARNINGS=1 shows them again.
+HARMLESS_WARNINGS = (
+    r"\s*'config' is validated against ConfigStore schema",  # hydra 1.1 deprecation (fairseq's configs)
+    r"\s*The version_base parameter is not specified",  # hydra, fairseq's hydra_main
+    r"\s*Future Hydra versions will no longer change working directory",  # hydra
+    r"'pin_memory' argument is set as true but no accelerator",  # torch DataLoader on CPU
+    r"Support for mismatched key_padding_mask and attn_mask is deprecated",  # torch, stock fairseq MHA
+    r"`torch.cuda.amp.\w+\(args...\)` is deprecated",  # torch, fairseq's fp16 code
+    r".*torch.cuda.amp.\w+ is deprecated",  # torch, fairseq's fp16 code
+    r"The `broadcast_buffers`",  # torch DDP, fairseq's wrapper
+)
+
+
+def quiet_harmless_warnings() -> None:
+    """Keep the known-harmless third-party warnings above out of every command."""
+    if os.environ.get("FAIRSEQ_ALIBI_WARNINGS"):
+        return
+    for message in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
 
 
 @contextlib.contextmanager
@@ -190,6 +227,7 @@ def decoder_class(module, cls):
 def apply() -> None:
     """Apply every global change above (idempotent)."""
     restore_numpy_compat_long()
+    quiet_harmless_warnings()
     torchrun_on_cpu()
     cpu_ddp()
     safe_checkpoint_io()

@@ -48,7 +48,7 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.base import ContainerMetadata, Metadata
 from omegaconf.nodes import AnyNode
 
-from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError  # noqa: F401
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, checkpoint_files  # noqa: F401
 
 
 # Each entry is a type a fairseq checkpoint is known to reference (see the
@@ -87,7 +87,7 @@ def _check_container(path: str) -> None:
     if not os.path.exists(path):
         raise CorruptCheckpointError(f"checkpoint file not found: {path}")
     if os.path.isdir(path):
-        raise CorruptCheckpointError(f"{path} is a directory, not a checkpoint file")
+        raise CorruptCheckpointError(checkpoint_files(path))
     if zipfile.is_zipfile(path):
         return
     with open(path, "rb") as handle:

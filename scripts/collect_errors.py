@@ -13,11 +13,9 @@ Takes a few minutes on a CPU.
 """
 
 import argparse
-import collections
 import copy
 import io
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -25,52 +23,26 @@ import zipfile
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
-BIN = os.path.dirname(sys.executable)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = [
-    "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-    "--decoder-attention-heads", "4",
-]
-
-
-def tool(name):
-    return os.path.join(BIN, name)
-
-
-def env():
-    out = dict(os.environ)
-    out.setdefault("OMP_NUM_THREADS", "1")
-    out.pop("FAIRSEQ_ALIBI_TRACEBACK", None)
-    return out
-
-
-class Payload:
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from conftest import Payload, cli_env, fork_layout, tool, train_args, write_corpus  # noqa: E402
 
 
 def build_fixtures(work):
     """Everything the cases below refer to, by relative path inside ``work``."""
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(60)]
-    with open(os.path.join(work, "train.txt"), "w") as handle:
-        for _ in range(200):
-            handle.write(" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) + "\n")
-    run = dict(cwd=work, env=env(), check=True, capture_output=True)
+    from pathlib import Path
+
+    write_corpus(Path(work))
+    run = dict(cwd=work, env=cli_env(), check=True, capture_output=True)
     subprocess.run([tool("alibi-preprocess"), "--only-source", "--trainpref", "train.txt",
-                    "--validpref", "train.txt", "--destdir", "data", "--workers", "1"], **run)
-    common = ["--task", "language_modeling", "--tokens-per-sample", "32", "--batch-size", "8",
-              "--max-update", "4", "--optimizer", "adam", "--lr", "1e-3", "--cpu", "--num-workers", "0",
-              "--no-progress-bar", "--disable-validation"]
-    subprocess.run([tool("alibi-train"), "data", "--arch", "transformer_lm_alibi", "--save-dir", "alibi"]
-                   + MODEL + common, **run)
-    subprocess.run([tool("alibi-train"), "data", "--arch", "transformer_lm", "--save-dir", "stock"]
-                   + MODEL + common, **run)
+                    "--validpref", "valid.txt", "--destdir", "data", "--workers", "1"], **run)
+    subprocess.run([tool("alibi-train"), *train_args("data", "alibi", max_update=4)], **run)
+    stock_args = train_args("data", "stock", max_update=4)
+    stock_args[stock_args.index("transformer_lm_alibi")] = "transformer_lm"
+    subprocess.run([tool("alibi-train"), *stock_args], **run)
+    subprocess.run([tool("alibi-preprocess"), "--only-source", "--trainpref", "train.txt",
+                    "--destdir", "small_dict_data", "--nwordssrc", "12", "--workers", "1"], **run)
 
     def path(name):
         return os.path.join(work, name)
@@ -78,19 +50,12 @@ def build_fixtures(work):
     alibi = torch.load(path("alibi/checkpoint_last.pt"), weights_only=True)
     stock = torch.load(path("stock/checkpoint_last.pt"), weights_only=True)
 
-    fork = copy.deepcopy(alibi)
-    model = fork["cfg"]["model"]
-    for key in [k for k in model if k.startswith("alibi_")]:
-        del model[key]
-    model.update(_name="transformer_lm", no_token_positional_embeddings=False,
-                 tokens_per_sample="${task.tokens_per_sample}", max_tokens="${task.max_tokens}")
-    fork["model"] = collections.OrderedDict(fork["model"])
-    fork["model"]["decoder.embed_positions._float_tensor"] = torch.zeros(1)
-    no_length = copy.deepcopy(fork)
-    fork["cfg"] = OmegaConf.create(fork["cfg"])
+    fork = fork_layout(alibi, 32, stock_arch="transformer_lm")
     os.makedirs(path("fork"))
     torch.save(fork, path("fork/alibi_wt103_L32.pt"))
+    no_length = copy.deepcopy(fork)
     del no_length["cfg"]["task"]["tokens_per_sample"]
+    del no_length["cfg"]["model"]["tokens_per_sample"]
     torch.save(no_length, path("fork/no_train_length.pt"))
 
     other = copy.deepcopy(stock)
@@ -114,15 +79,28 @@ def build_fixtures(work):
     for name in os.listdir(path("data")):
         if name.startswith("train."):
             os.link(path(f"data/{name}"), path(f"no_dict/{name}"))
+    os.makedirs(path("only_dict"))
+    os.link(path("data/dict.txt"), path("only_dict/dict.txt"))
     os.makedirs(path("resume"))
     open(path("resume/checkpoint_last.pt"), "wb").write(data[:20000])
+    subprocess.run([tool("alibi-sweep"), "data", "-c", "alibi=alibi/checkpoint_last.pt", "--lengths", "1x",
+                    "--methods", "none", "--output-dir", "sweep_out", "--cpu", "--no-progress"], **run)
 
 
 CONVERT = "alibi-convert-checkpoint"
+READ_ONLY = "/sys/alibi-readonly"  # sysfs refuses new directories, even to root
 EVAL = ["alibi-eval-lm", "data", "--cpu", "--gen-subset", "train"]
-TRAIN = ["alibi-train", "data", "--task", "language_modeling", "--arch", "transformer_lm_alibi",
-         "--tokens-per-sample", "32", "--batch-size", "8", "--max-update", "2", "--optimizer", "adam",
-         "--lr", "1e-3", "--cpu", "--num-workers", "0", "--no-progress-bar"] + MODEL
+TRAIN = ["alibi-train", *train_args("data", "SAVE", max_update=2)]
+SWEEP = ["alibi-sweep", "data", "--cpu", "--no-progress", "--output-dir", "sweep_bad"]
+MLM = ["alibi-train", "data", "--task", "masked_lm", "--arch", "roberta_alibi", "--encoder-layers", "1",
+       "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64", "--encoder-attention-heads", "4",
+       "--tokens-per-sample", "32", "--batch-size", "4", "--max-update", "1", "--optimizer", "adam",
+       "--lr", "1e-3", "--cpu", "--num-workers", "0", "--save-dir", "mlm"]
+
+
+def train(save_dir, *extra):
+    """TRAIN with its save directory and extra flags (later flags win in argparse)."""
+    return [save_dir if a == "SAVE" else a for a in TRAIN] + list(extra)
 
 CASES = [
     ("alibi-convert-checkpoint", [
@@ -152,15 +130,59 @@ CASES = [
         ("config and weights disagree (3 layers in the config, 2 in the weights)", EVAL + ["--path", "three_layers.pt"]),
     ]),
     ("alibi-train", [
-        ("`--restore-file` an unconverted fork checkpoint", TRAIN + ["--save-dir", "restore_fork",
-                                                                  "--restore-file", "fork/alibi_wt103_L32.pt"]),
-        ("resuming from a truncated `checkpoint_last.pt`", TRAIN + ["--save-dir", "resume"]),
+        ("`--restore-file` an unconverted fork checkpoint",
+         train("restore_fork", "--restore-file", "fork/alibi_wt103_L32.pt")),
+        ("resuming from a truncated `checkpoint_last.pt`", train("resume")),
+        ("a typo in `--arch`", train("typo", "--arch", "transformer_lm_alibbi")),
+        ("a bad ALiBi value", train("bad_value", "--alibi-interpolation", "bogus")),
+        ("a bad ALiBi value in a masked-LM encoder (`roberta_alibi`)", MLM + ["--alibi-interpolation", "bogus"]),
+        ("a bad bidirectional mode", MLM + ["--alibi-bidirectional", "diagonal"]),
+        ("`--valid-subset` that does not exist", train("no_split", "--valid-subset", "vaild")),
+        ("a save directory that cannot be written (here under /sys, read-only even for root)",
+         train(READ_ONLY)),
+    ]),
+    ("alibi-eval-lm, more", [
+        ("`--context-window` not below `--tokens-per-sample`",
+         EVAL + ["--path", "alibi/checkpoint_last.pt", "--tokens-per-sample", "64", "--context-window", "64"]),
+        ("`--gen-subset` that does not exist", ["alibi-eval-lm", "data", "--cpu", "--gen-subset", "vaild",
+                                                "--path", "alibi/checkpoint_last.pt"]),
+        ("a data directory with only dict.txt", ["alibi-eval-lm", "only_dict", "--cpu",
+                                                 "--path", "alibi/checkpoint_last.pt"]),
+        ("a dictionary of another size than the checkpoint's", ["alibi-eval-lm", "small_dict_data", "--cpu",
+                                                                "--gen-subset", "train",
+                                                                "--path", "alibi/checkpoint_last.pt"]),
+        ("a checkpoint path that is a directory", EVAL + ["--path", "alibi"]),
+    ]),
+    ("alibi-sweep", [
+        ("a checkpoint of another model family (a masked LM)", SWEEP + ["-c", "mlm=roberta.pt"]),
+        ("a checkpoint path that is a directory", SWEEP + ["-c", "alibi"]),
+        ("a sliding stride not below the evaluation length",
+         SWEEP + ["-c", "alibi/checkpoint_last.pt", "--lengths", "32", "--modes", "sliding", "--stride", "64"]),
+        ("`--max-tokens` below the longest length", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--lengths", "4x",
+                                                             "--max-tokens", "64"]),
+        ("an unknown method", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--methods", "cubic"]),
+        ("an output directory that cannot be written", ["alibi-sweep", "data", "-c", "alibi/checkpoint_last.pt",
+                                                        "--output-dir", READ_ONLY, "--cpu"]),
+    ]),
+    ("warnings (the command runs; the warning is on its output)", [
+        ("a typo in an ALiBi `--model-overrides` key",
+         EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'alibi_interpolaton': 'linear'}"]),
+        ("a scale factor without an interpolation method",
+         EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'alibi_scale_factor': 8}"]),
+        ("the 2021 fork's `--arch transformer_lm_wiki103` (here the stock sinusoidal model)",
+         train("fork_arch", "--arch", "transformer_lm_wiki103", "--adaptive-input-cutoff", "10,20",
+               "--adaptive-softmax-cutoff", "10,20", "--criterion", "adaptive_loss", "--ddp-backend", "legacy_ddp")),
     ]),
     ("stock `fairseq-eval-lm --user-dir \"$(alibi-user-dir)\"` (no one-line wrapper: last line of its traceback)", [
         ("unconverted fork checkpoint", ["fairseq-eval-lm", "data", "--cpu", "--gen-subset", "train",
                                          "--path", "fork/alibi_wt103_L32.pt", "--user-dir", "USER_DIR"]),
         ("hostile pickle", ["fairseq-eval-lm", "data", "--cpu", "--gen-subset", "train",
                             "--path", "hostile.pt", "--user-dir", "USER_DIR"]),
+    ]),
+    ("stock `fairseq-eval-lm` without `--user-dir` (fairseq's own message; the fix: add the plugin)", [
+        ("an ALiBi checkpoint: fairseq does not know `transformer_lm_alibi` and fails with "
+         "`KeyError: \"'_name'\"`; run `alibi-eval-lm`, or add `--user-dir \"$(alibi-user-dir)\"`",
+         ["fairseq-eval-lm", "data", "--cpu", "--gen-subset", "train", "--path", "alibi/checkpoint_last.pt"]),
     ]),
     ("checkpoints/download.sh", [
         ("no argument", ["DOWNLOAD"]),
@@ -177,12 +199,13 @@ def run_case(cmd, work, user_dir):
     real = [os.path.join(ROOT, "checkpoints", "download.sh") if a == "DOWNLOAD" else a for a in real]
     if real[0] not in ("env",) and not os.path.isabs(real[0]):
         real[0] = tool(real[0])
-    result = subprocess.run(real, cwd=work, env=env(), capture_output=True, text=True, timeout=600)
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if "error:" in line or line.startswith("usage:")]
+    result = subprocess.run(real, cwd=work, env=cli_env(), capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    lines = [line for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line or line.startswith("usage:") or "| WARNING |" in line]
     if result.returncode != 0 and not errors and lines:
         errors = [lines[-1]]
-    return shown, result.returncode, errors, "Traceback" in result.stderr
+    return shown, result.returncode, errors, "Traceback" in output
 
 
 def main(argv=None):

@@ -7,11 +7,16 @@ Reusable by any test module:
 * ``alibi_checkpoint``: ``checkpoint_best.pt`` of a tiny ALiBi LM trained on it
   by stock ``fairseq-train --user-dir "$(alibi-user-dir)"``: 2 layers, d=48,
   **6 heads** (not a power of two), ``--tokens-per-sample 32``;
+* ``sinusoidal_checkpoint``: a stock ``transformer_lm`` with the same settings;
 * ``alibi_user_dir``: what ``alibi-user-dir`` prints.
 
-Helpers (``from conftest import run_cli, tool, ...``): ``tool`` finds a console
+Helpers (``from conftest import run_cli, tool, ...``), the only copies in the
+suite (``scripts/collect_errors.py`` imports them too): ``tool`` finds a console
 script next to the running Python, ``run_cli`` runs one with single-threaded
-BLAS and fails the test with the output's tail if it exits non-zero.
+BLAS and fails the test with the output's tail if it exits non-zero,
+``preprocess`` binarizes a corpus, ``parse_eval`` reads an eval-lm result,
+``free_port`` gives torchrun a port, ``error_lines`` the ``error:`` lines of
+a run, and the bias forms name ``alibi.alibi_bias`` per mode.
 
 The corpus: each line picks one subject and repeats it in 1-4 numbered clauses
 (``one the cat sees a tree . two the cat likes the ball .``), so a model learns
@@ -23,12 +28,18 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
 
 import pytest
+import torch
+
+from fairseq_alibi import alibi
 
 BIN = Path(sys.executable).parent
 
@@ -82,6 +93,50 @@ def run_cli(
     return result
 
 
+def error_lines(result: subprocess.CompletedProcess) -> List[str]:
+    """The ``error:`` lines of a run (a user-facing failure has exactly one)."""
+    return [line for line in result.output.splitlines() if line.startswith("error:")]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+LOSS_RE = re.compile(r"Loss \(base 2\): (\S+), Perplexity: (\S+)")
+TOKENS_RE = re.compile(r"Evaluated ([\d,]+) tokens")
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    ppl: float
+    tokens: int
+    text: str  # the loss line, exactly as printed
+
+
+def parse_eval(output: str) -> EvalResult:
+    """The last result ``fairseq-eval-lm`` printed."""
+    losses = LOSS_RE.findall(output)
+    tokens = TOKENS_RE.findall(output)
+    assert losses and tokens, output[-3000:]
+    loss, ppl = losses[-1]
+    line = f"Loss (base 2): {loss}, Perplexity: {ppl}"
+    return EvalResult(float(loss), float(ppl), int(tokens[-1].replace(",", "")), line)
+
+
+def preprocess(raw_dir: Path, dest: Path, splits=("train", "valid", "test")) -> Path:
+    """``fairseq-preprocess --only-source`` of ``raw_dir/{split}.txt``."""
+    prefs = []
+    for split in splits:
+        prefs += [f"--{split}pref", raw_dir / f"{split}.txt"]
+    run_cli([tool("fairseq-preprocess"), "--only-source", *prefs, "--destdir", dest, "--workers", "1"])
+    for split in splits:
+        assert (dest / f"{split}.bin").exists(), split
+    return dest
+
+
 def tiny_model_args(heads: int = HEADS, dim: int = EMBED_DIM) -> List[str]:
     """A tiny ALiBi LM; the io dims are given explicitly (fairseq's 512 default trap)."""
     return [
@@ -103,6 +158,83 @@ def train_args(data_bin, save_dir, max_update: int = 10, batch_size: int = 8) ->
         "--cpu", "--num-workers", "0", "--save-dir", str(save_dir),
         "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "20",
     ]
+
+
+# ---------------------------------------------------------------- bias forms
+# Thin names over ``alibi.alibi_bias`` for the three fixed modes, and the
+# fork's ``+m*j`` form (test-only: kept to pin its fp16 defect).
+
+
+def causal_bias(slopes, q_len, k_len, dtype=torch.float32, device=None, q_start=None):
+    """``[H, q_len, k_len]``: ``-m (i - j)`` for ``j <= i``, ``-inf`` above."""
+    return alibi.alibi_bias(slopes, q_len, k_len, alibi.head_directions("causal", slopes.numel()),
+                            q_start, dtype, device)
+
+
+def symmetric_bias(slopes, q_len, k_len, dtype=torch.float32, device=None, q_start=None):
+    return alibi.alibi_bias(slopes, q_len, k_len, alibi.head_directions("symmetric", slopes.numel()),
+                            q_start, dtype, device)
+
+
+def split_bias(slopes, q_len, k_len, dtype=torch.float32, device=None, q_start=None,
+               masked_value=float("-inf")):
+    return alibi.alibi_bias(slopes, q_len, k_len, alibi.split_directions(slopes.numel()),
+                            q_start, dtype, device, masked_value)
+
+
+def fork_causal_bias(slopes, length, dtype=torch.float32):
+    """The 2021 fork's ``+m * j`` bias (key position only), ``-inf`` above the
+    diagonal: equal to the causal bias under softmax in exact arithmetic, not
+    in fp16."""
+    key_pos = torch.arange(length, dtype=torch.float32)
+    bias = (slopes.float()[:, None, None] * key_pos).expand(-1, length, -1).to(dtype)
+    upper = torch.ones(length, length, dtype=torch.bool).triu(1)
+    return bias.masked_fill(upper, float("-inf"))
+
+
+# ---------------------------------------------------------------- hostile and fork files
+FORK_MAX_TOKENS = 9216  # the fork README's --max-tokens
+FIELDS_NEWER_THAN_THE_FORK = ("decoder_xformers_att_config",)
+
+
+class Payload:
+    """Unpickles as ``open(path, "w")``: creates a file (a hostile checkpoint's code)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def fork_layout(alibi_state: dict, train_length: int, stock_arch: str = "transformer_lm_wiki103") -> dict:
+    """An ALiBi checkpoint of this plugin rewritten the way the 2021 fork saved its
+    models (REFERENCE.md, read from the fork's trainer and checkpoint_utils):
+    ``args: None``; ``cfg`` a plain dict of *resolved* values, without the
+    sections and fields fairseq 0.12 added later (``ema``, ``scale_*``,
+    ``decoder_xformers_att_config``); the stock arch name with positions on in
+    the config, ``tokens_per_sample = max_target_positions = L`` and the
+    fork-only ``max_tokens``; a persistent ``embed_positions._float_tensor``."""
+    import copy
+    import collections
+
+    state = copy.deepcopy(alibi_state)
+    cfg = state["cfg"]
+    assert isinstance(cfg, dict)  # fairseq 0.12 saves a plain dict too
+    cfg.pop("ema", None)
+    model = cfg["model"]
+    assert model["_name"].endswith("_alibi"), model["_name"]
+    for name in [k for k in model if k.startswith(("alibi_", "scale_")) or k in FIELDS_NEWER_THAN_THE_FORK]:
+        del model[name]
+    model.update(
+        _name=stock_arch, no_token_positional_embeddings=False, tokens_per_sample=train_length,
+        max_target_positions=train_length, add_bos_token=False, tpu=False, max_tokens=FORK_MAX_TOKENS,
+    )
+    weights = collections.OrderedDict(state["model"])
+    weights["decoder.embed_positions._float_tensor"] = torch.FloatTensor(1).zero_()
+    state["model"] = weights
+    state["args"] = None
+    return state
 
 
 def corpus_line(rng: random.Random) -> str:
@@ -140,15 +272,7 @@ def lm_corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def lm_data_bin(lm_corpus) -> Path:
     """Binarized corpus (``fairseq-preprocess --only-source``)."""
-    dest = lm_corpus / "data-bin"
-    run_cli([
-        tool("fairseq-preprocess"), "--only-source",
-        "--trainpref", lm_corpus / "train.txt", "--validpref", lm_corpus / "valid.txt",
-        "--testpref", lm_corpus / "test.txt", "--destdir", dest, "--workers", "1",
-    ])
-    for name in ("dict.txt", "train.bin", "valid.bin", "test.bin"):
-        assert (dest / name).exists(), name
-    return dest
+    return preprocess(lm_corpus, lm_corpus / "data-bin")
 
 
 @pytest.fixture(scope="session")
@@ -166,5 +290,18 @@ def alibi_train_run(lm_data_bin, alibi_user_dir, tmp_path_factory):
 def alibi_checkpoint(alibi_train_run) -> Path:
     """Path to checkpoint_best.pt of the tiny 6-head ALiBi LM (trained at 32 tokens)."""
     path = alibi_train_run[0] / "checkpoint_best.pt"
+    assert path.exists()
+    return path
+
+
+@pytest.fixture(scope="session")
+def sinusoidal_checkpoint(lm_data_bin, tmp_path_factory) -> Path:
+    """A stock sinusoidal ``transformer_lm`` with the fixture's settings, trained
+    at 32 tokens (20 updates): the baseline and a genuine stock checkpoint."""
+    save_dir = tmp_path_factory.mktemp("sinusoidal")
+    args = train_args(lm_data_bin, save_dir, max_update=20)
+    args[args.index("transformer_lm_alibi")] = "transformer_lm"
+    run_cli([tool("alibi-train"), *args])
+    path = save_dir / "checkpoint_last.pt"
     assert path.exists()
     return path

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from conftest import causal_bias, fork_causal_bias, symmetric_bias
+
 from fairseq_alibi import alibi
 
 
@@ -102,12 +104,12 @@ def naive_causal_bias(slopes, q_len, k_len):
 def test_causal_bias_against_loop(heads, q_len, k_len):
     slopes = alibi.get_slopes(heads)
     expected = naive_causal_bias(slopes.tolist(), q_len, k_len)
-    torch.testing.assert_close(alibi.causal_bias(slopes, q_len, k_len), expected)
+    torch.testing.assert_close(causal_bias(slopes, q_len, k_len), expected)
 
 
 def test_symmetric_bias_against_loop():
     slopes = alibi.get_slopes(5)
-    got = alibi.symmetric_bias(slopes, 7, 7)
+    got = symmetric_bias(slopes, 7, 7)
     for h in range(5):
         for i in range(7):
             for j in range(7):
@@ -120,9 +122,9 @@ def test_low_precision_bias_is_accurate_at_16k(dtype, rel):
     differences between neighbouring keys (what softmax sees) survive."""
     slopes = alibi.get_slopes(8)
     length, rows = 16384, torch.tensor([0, 1, 2047, 8191, 16383])
-    exact = torch.stack([alibi.causal_bias(slopes, 1, length, q_start=int(r))[:, 0] for r in rows], 1)
+    exact = torch.stack([causal_bias(slopes, 1, length, q_start=int(r))[:, 0] for r in rows], 1)
     low = torch.stack(
-        [alibi.causal_bias(slopes, 1, length, dtype, q_start=int(r))[:, 0] for r in rows], 1
+        [causal_bias(slopes, 1, length, dtype, q_start=int(r))[:, 0] for r in rows], 1
     ).float()
     finite = torch.isfinite(exact)
     assert torch.equal(finite, torch.isfinite(low))
@@ -137,8 +139,8 @@ def test_fork_form_loses_neighbour_differences_in_fp16():
     """The fork's +m*j bias cannot tell adjacent far keys apart in fp16."""
     slopes = alibi.get_slopes(8)
     length = 16384
-    fork = alibi.fork_causal_bias(slopes[:1], length, torch.float16)[0, -1].float()
-    ours = alibi.causal_bias(slopes[:1], 1, length, torch.float16)[0, 0].float()
+    fork = fork_causal_bias(slopes[:1], length, torch.float16)[0, -1].float()
+    ours = causal_bias(slopes[:1], 1, length, torch.float16)[0, 0].float()
     # slope 1/2: exact neighbour difference 0.5; fp16 of 0.5 * 16383 rounds to steps of 4
     assert (fork[-8:].diff() == 0).any()
     assert torch.equal(ours[-8:].diff(), torch.full((7,), 0.5))

@@ -18,6 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fairseq_alibi  # noqa: F401  (registers the models)
+from conftest import causal_bias
+
 from fairseq_alibi import alibi
 from fairseq_alibi import attention as A
 from fairseq_alibi.attention import AlibiBias, AlibiMultiheadAttention
@@ -34,9 +36,9 @@ BF16_REL, BF16_ABS = 5e-2, 5e-2
 
 
 # --------------------------------------------------------------------- helpers
-def make_attention(path, heads=4, embed_dim=32, seed=0, kind="causal", **bias_kwargs):
+def make_attention(kernel, heads=4, embed_dim=32, seed=0, mode="causal", **bias_kwargs):
     torch.manual_seed(seed)
-    bias = AlibiBias(heads, kind=kind, attention_path=path, **bias_kwargs)
+    bias = AlibiBias(heads, mode, kernel=kernel, **bias_kwargs)
     return AlibiMultiheadAttention(embed_dim, heads, bias)
 
 
@@ -76,19 +78,6 @@ def assert_close(actual, expected, dtype):
 
 
 # --------------------------------------------------------------------- the bias
-@pytest.mark.parametrize("heads,q_len,k_len", [(4, 7, 7), (3, 5, 9), (6, 1, 11)])
-def test_causal_bias_matches_naive_loop(heads, q_len, k_len):
-    slopes = alibi.get_slopes(heads)
-    bias = alibi.causal_bias(slopes, q_len, k_len)
-    assert bias.shape == (heads, q_len, k_len)
-    for h in range(heads):
-        for qi in range(q_len):
-            i = k_len - q_len + qi  # queries are the last q_len positions
-            for j in range(k_len):
-                expected = float("-inf") if j > i else -float(slopes[h]) * (i - j)
-                assert float(bias[h, qi, j]) == pytest.approx(expected, rel=1e-6, abs=0)
-
-
 @pytest.mark.parametrize("q_start,q_len,k_len", [(0, 7, 7), (5, 3, 9), (10, 1, 11), (256, 256, 700)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_block_equals_causal_bias(q_start, q_len, k_len, dtype):
@@ -96,20 +85,20 @@ def test_chunk_block_equals_causal_bias(q_start, q_len, k_len, dtype):
     slopes = shared.slopes(k_len)
     block = shared.block(q_start, q_len, k_len, dtype, "cpu")
     assert block.dtype == dtype
-    assert torch.equal(block, alibi.causal_bias(slopes, q_len, k_len, dtype, "cpu", q_start))
+    assert torch.equal(block, causal_bias(slopes, q_len, k_len, dtype, "cpu", q_start))
 
 
 @pytest.mark.parametrize("chunk", [4, 16])
 def test_chunk_windows_equal_causal_bias(chunk, monkeypatch):
     """The chunked path's blocks (views of one shared ramp) against
-    ``alibi.causal_bias``, with the slopes of the whole length (dynamic scaling)."""
+    ``causal_bias``, with the slopes of the whole length (dynamic scaling)."""
     monkeypatch.setattr(A, "CHUNK_SIZE", chunk)
     shared = AlibiBias(3, interpolation="linear", scale_factor=0.0, train_length=8)
     k_len = 37
-    full = alibi.causal_bias(shared.slopes(k_len), k_len, k_len)
+    full = causal_bias(shared.slopes(k_len), k_len, k_len)
     for start in range(0, k_len, chunk):
         rows = min(chunk, k_len - start)
-        window = shared.causal_window(start, rows, start + rows, k_len, torch.float32, "cpu")
+        window = shared.window(start, rows, start + rows, k_len, torch.float32, "cpu")
         assert torch.equal(window, full[:, start : start + rows, : start + rows])
 
 
@@ -122,50 +111,50 @@ def test_chunked_dynamic_scaling_matches_reference(monkeypatch):
     assert_close(out, ref, torch.float32)
 
 
-# --------------------------------------------------------------------- paths vs reference
-CPU_PATHS = ("sdpa", "chunked")
+# --------------------------------------------------------------------- kernels vs reference
+CPU_KERNELS = ("sdpa", "chunked")
 
 
 @pytest.mark.parametrize(
-    "path,dtype,padded",
-    list(itertools.product(CPU_PATHS, (torch.float32, torch.bfloat16), (False, True))),
+    "kernel,dtype,padded",
+    list(itertools.product(CPU_KERNELS, (torch.float32, torch.bfloat16), (False, True))),
 )
-def test_path_matches_reference_forward_and_grad(path, dtype, padded, monkeypatch):
+def test_kernel_matches_reference_forward_and_grad(kernel, dtype, padded, monkeypatch):
     # 37 keys: not a multiple of the chunk (16) nor of any kernel block size.
     monkeypatch.setattr(A, "CHUNK_SIZE", 16)
     length, batch = 37, 3
     x = torch.randn(length, batch, 32)
     pad = right_padding([37, 20, 9], length) if padded else None
     ref_out, ref_grads = run(make_attention("reference"), x, pad, grad=True)
-    out, grads = run(make_attention(path), x, pad, grad=True, dtype=dtype)
+    out, grads = run(make_attention(kernel), x, pad, grad=True, dtype=dtype)
     assert_close(real_rows(out, pad), real_rows(ref_out, pad), dtype)
     for g, ref in zip(grads, ref_grads):
         assert_close(g, ref, dtype)
 
 
-@pytest.mark.parametrize("kind", ["causal", "symmetric"])
+@pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_chunked_without_grad_matches_reference(kind, padded, monkeypatch):
+def test_chunked_without_grad_matches_reference(mode, padded, monkeypatch):
     monkeypatch.setattr(A, "CHUNK_SIZE", 8)
     x = torch.randn(29, 2, 32)
     pad = right_padding([29, 13], 29) if padded else None
-    ref, _ = run(make_attention("reference", kind=kind), x, pad)
-    out, _ = run(make_attention("chunked", kind=kind), x, pad)
+    ref, _ = run(make_attention("reference", mode=mode), x, pad)
+    out, _ = run(make_attention("chunked", mode=mode), x, pad)
     assert_close(real_rows(out, pad), real_rows(ref, pad), torch.float32)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("kind", ["causal", "symmetric"])
+@pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_flex_score_mod_matches_reference_eager_cpu(kind, padded):
+def test_flex_score_mod_matches_reference_eager_cpu(mode, padded):
     """FlexAttention's score_mod and mask, through its eager (unfused) CPU
     implementation: same maths as the compiled CUDA kernel."""
     if not A.flex_available():
         pytest.skip("no FlexAttention in this torch")
     x = torch.randn(150, 2, 32)  # two 128-blocks, the second partial
     pad = right_padding([150, 70], 150) if padded else None
-    ref, _ = run(make_attention("reference", kind=kind), x, pad)
-    out, _ = run(make_attention("flex", kind=kind), x, pad)
+    ref, _ = run(make_attention("reference", mode=mode), x, pad)
+    out, _ = run(make_attention("flex", mode=mode), x, pad)
     assert_close(real_rows(out, pad), real_rows(ref, pad), torch.float32)
 
 
@@ -194,45 +183,36 @@ def test_reference_returns_weights_for_need_weights():
 
 
 # --------------------------------------------------------------------- auto choice
-def _choice(module, q_len, k_len, grad=True, need_weights=False, incremental=False,
+def _choice(bias, q_len, k_len, grad=True, need_weights=False, incremental=False,
             dropout=0.0, device="cpu", flex=True):
     with torch.set_grad_enabled(grad), mock.patch.object(A, "flex_available", return_value=flex):
-        return module.choose_path(q_len, k_len, need_weights, incremental, dropout, torch.device(device))
+        return A.choose_kernel(bias, need_weights, q_len, k_len, dropout, incremental, torch.device(device))
 
 
-def test_auto_choice_table():
-    m = make_attention("auto")
+def test_auto_choice():
+    b = AlibiBias(4)
     big = 4096
-    assert _choice(m, 512, 512) == "sdpa"  # CPU training: cached dense bias
-    assert _choice(m, big, big) == "sdpa"
-    assert _choice(m, 512, 512, grad=False) == "sdpa"
-    assert _choice(m, big, big, grad=False) == "chunked"  # long evaluation
-    assert _choice(m, 1, 700, grad=False, incremental=True) == "sdpa"
-    assert _choice(m, 512, 512, need_weights=True) == "reference"
-    assert _choice(m, 512, 512, device="cuda") == "flex"
-    assert _choice(m, big, big, grad=False, device="cuda") == "flex"
-    assert _choice(m, 512, 512, dropout=0.1, device="cuda") == "sdpa"  # flex has no dropout
-    assert _choice(m, 1, 700, grad=False, incremental=True, device="cuda") == "sdpa"
-    assert _choice(m, 512, 512, device="cuda", flex=False) == "sdpa"
-    assert _choice(m, big, big, grad=False, device="cuda", flex=False) == "chunked"
-    for path in ("reference", "sdpa", "chunked", "flex"):
-        assert _choice(make_attention(path), big, big, grad=False) == path
+    assert _choice(b, 512, 512) == "sdpa"  # CPU training: cached dense bias
+    assert _choice(b, big, big) == "sdpa"
+    assert _choice(b, 512, 512, grad=False) == "sdpa"
+    assert _choice(b, big, big, grad=False) == "chunked"  # long evaluation
+    assert _choice(b, 1, 700, grad=False, incremental=True) == "sdpa"
+    assert _choice(b, 512, 512, need_weights=True) == "reference"
+    assert _choice(b, 512, 512, device="cuda") == "flex"
+    assert _choice(b, big, big, grad=False, device="cuda") == "flex"
+    assert _choice(b, 512, 512, dropout=0.1, device="cuda") == "sdpa"  # flex has no dropout
+    assert _choice(b, 1, 700, grad=False, incremental=True, device="cuda") == "sdpa"
+    assert _choice(b, 512, 512, device="cuda", flex=False) == "sdpa"
+    assert _choice(b, big, big, grad=False, device="cuda", flex=False) == "chunked"
+    for kernel in ("reference", "sdpa", "chunked", "flex"):
+        assert _choice(AlibiBias(4, kernel=kernel), big, big, grad=False) == kernel
 
 
-def test_auto_never_picks_flex_for_a_subclass_bias_it_cannot_see():
-    class Learned(AlibiMultiheadAttention):
-        def dense_bias(self, q_len, k_len, dtype, device):
-            return super().dense_bias(q_len, k_len, dtype, device) * 2
-
-    torch.manual_seed(0)
-    m = Learned(32, 4, AlibiBias(4))
-    assert _choice(m, 512, 512, device="cuda") == "sdpa"
-
-
-def test_every_regime_has_a_valid_path():
-    for kind, row in A.AUTO_PATHS.items():
-        assert set(row) == set(A.REGIMES), kind
-        assert set(row.values()) <= set(A.ATTENTION_PATHS) - {"auto"}
+def test_auto_never_picks_flex_for_learned_slopes():
+    learned = AlibiBias(4, "learned").for_layer()
+    assert isinstance(learned, A.LearnedAlibiBias) and not learned.supports_flex
+    assert _choice(learned, 512, 512, device="cuda") == "sdpa"
+    assert _choice(learned, 4096, 4096, grad=False, device="cuda") == "chunked"
 
 
 # --------------------------------------------------------------------- tiny real models
@@ -285,12 +265,12 @@ def test_incremental_decoding_equals_full_forward(dict_dir, method):
     assert (step - full).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("path", ["auto", "reference", "sdpa", "chunked"])
-def test_right_padded_batch_equals_rows_alone(dict_dir, path, monkeypatch):
+@pytest.mark.parametrize("kernel", ["auto", "reference", "sdpa", "chunked"])
+def test_right_padded_batch_equals_rows_alone(dict_dir, kernel, monkeypatch):
     """Right padding (LM task, --sample-break-mode eos): every real token's
     log-probs equal those of its sequence run alone."""
     monkeypatch.setattr(A, "CHUNK_SIZE", 8)
-    task, model = build_lm(dict_dir, "--alibi-attention", path)
+    task, model = build_lm(dict_dir, "--alibi-attention", kernel)
     d = task.source_dictionary
     gen = torch.Generator().manual_seed(2)
     rows = [torch.randint(4, VOCAB, (n,), generator=gen) for n in (23, 11, 17)]
@@ -303,10 +283,10 @@ def test_right_padded_batch_equals_rows_alone(dict_dir, path, monkeypatch):
         assert (padded[i, : len(row)] - alone[0]).abs().max() < 1e-4
 
 
-class CountingCausalBias:
+class CountingBias:
     def __init__(self):
         self.calls = []
-        self.original = alibi.causal_bias
+        self.original = alibi.alibi_bias
 
     def __call__(self, slopes, q_len, k_len, *args, **kwargs):
         out = self.original(slopes, q_len, k_len, *args, **kwargs)
@@ -318,8 +298,8 @@ def test_shared_bias_built_once_per_forward_without_batch_dim(dict_dir):
     _, model = build_lm(dict_dir, "--alibi-attention", "auto", heads=4, layers=3)
     model.train()
     tokens = torch.randint(4, VOCAB, (5, 24))
-    counter = CountingCausalBias()
-    with mock.patch.object(alibi, "causal_bias", counter):
+    counter = CountingBias()
+    with mock.patch.object(alibi, "alibi_bias", counter):
         model(tokens)[0].sum().backward()
         assert counter.calls == [(4, 24, 24)]  # one [H, T, T] bias for 3 layers, 5 rows
         model(tokens.flip(0))[0].sum().backward()
@@ -367,7 +347,7 @@ def test_long_inference_builds_nothing_quadratic(dict_dir):
     quadratic = [s for s in spy.shapes if sum(d >= length for d in s) >= 2]
     assert not quadratic, quadratic[:5]
     for layer in model.decoder.layers:
-        layer.self_attn.alibi.attention_path = "reference"
+        layer.self_attn.alibi.kernel = "reference"
     slow = log_probs(model, tokens)
     assert (fast - slow).abs().max() < 1e-4
 
@@ -382,15 +362,15 @@ def test_sinusoidal_twin_has_same_parameter_count(dict_dir):
 
 # --------------------------------------------------------------------- CUDA only
 @needs_cuda
-@pytest.mark.parametrize("path", ["flex", "sdpa"])
+@pytest.mark.parametrize("kernel", ["flex", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_cuda_path_matches_reference(path, dtype, padded):
+def test_cuda_kernel_matches_reference(kernel, dtype, padded):
     length, batch = 300, 2  # not a multiple of 128 (flex blocks) nor of 8 (mask alignment)
     x = torch.randn(length, batch, 64)
     pad = right_padding([300, 170], length).cuda() if padded else None
     ref_out, ref_grads = run(make_attention("reference", embed_dim=64).cuda(), x.cuda(), pad, grad=True)
-    out, grads = run(make_attention(path, embed_dim=64).cuda(), x.cuda(), pad, grad=True, dtype=dtype)
+    out, grads = run(make_attention(kernel, embed_dim=64).cuda(), x.cuda(), pad, grad=True, dtype=dtype)
     assert_close(real_rows(out, pad), real_rows(ref_out, pad), dtype)
     for g, ref in zip(grads, ref_grads):
         assert_close(g, ref, dtype)

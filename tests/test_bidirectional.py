@@ -18,14 +18,12 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_NAME_REGISTRY
 
 import fairseq_alibi  # noqa: F401  (registers the models)
+from conftest import causal_bias, split_bias, symmetric_bias
+
 from fairseq_alibi import alibi
-from fairseq_alibi.attention import AlibiMultiheadAttention, flex_available
-from fairseq_alibi.models.bidirectional import (
-    UNBOUNDED_POSITIONS,
-    BidirectionalAlibiAttention,
-    BidirectionalBias,
-    LearnedAlibiAttention,
-)
+from fairseq_alibi.attention import AlibiBias, AlibiMultiheadAttention, LearnedAlibiBias, flex_available
+from fairseq_alibi.errors import ConfigError
+from fairseq_alibi.models.bidirectional import UNBOUNDED_POSITIONS, build_bidirectional_bias
 
 BIN = os.path.dirname(sys.executable)
 USER_DIR = os.path.dirname(os.path.abspath(fairseq_alibi.__file__))
@@ -76,7 +74,7 @@ def naive_asymmetric(left, right, q_len, k_len, q_start):
 def test_split_bias_matches_loops(num_heads, q_start, q_len, k_len):
     slopes = alibi.split_slopes(num_heads)
     for masked in (float("-inf"), -1e4):
-        got = alibi.split_bias(slopes, q_len, k_len, q_start=q_start, masked_value=masked)
+        got = split_bias(slopes, q_len, k_len, q_start=q_start, masked_value=masked)
         want = naive_split(slopes.tolist(), q_len, k_len, q_start, masked)
         torch.testing.assert_close(got, want)
 
@@ -92,14 +90,14 @@ def test_asymmetric_bias_matches_loops(num_heads, q_start, q_len, k_len):
     # equal sides reduce to the symmetric bias
     torch.testing.assert_close(
         alibi.asymmetric_bias(left, left, q_len, k_len, q_start=q_start),
-        alibi.symmetric_bias(left, q_len, k_len, q_start=q_start),
+        symmetric_bias(left, q_len, k_len, q_start=q_start),
     )
 
 
 def test_split_layout_and_odd_heads():
-    assert alibi.split_directions(4).tolist() == [-1, -1, 1, 1]
-    assert alibi.split_directions(5).tolist() == [-1, -1, 1, 1, 0]
-    assert alibi.split_directions(1).tolist() == [0]
+    assert alibi.split_directions(4) == (-1, -1, 1, 1)
+    assert alibi.split_directions(5) == (-1, -1, 1, 1, 0)
+    assert alibi.split_directions(1) == (0,)
     # even: both halves carry the paper's slopes for H/2 heads
     torch.testing.assert_close(alibi.split_slopes(8), alibi.get_slopes(4).repeat(2))
     # odd: ceil(H/2)-head slopes, the two-sided head takes the last one
@@ -108,10 +106,10 @@ def test_split_layout_and_odd_heads():
     )
     # left-looking heads are exactly the causal bias
     slopes = alibi.split_slopes(6)
-    bias = alibi.split_bias(slopes, 5, 9, q_start=4)
-    torch.testing.assert_close(bias[:3], alibi.causal_bias(slopes[:3], 5, 9, q_start=4))
+    bias = split_bias(slopes, 5, 9, q_start=4)
+    torch.testing.assert_close(bias[:3], causal_bias(slopes[:3], 5, 9, q_start=4))
     # right-looking heads are the mirror image of the left-looking ones
-    square = alibi.split_bias(slopes, 7, 7)
+    square = split_bias(slopes, 7, 7)
     torch.testing.assert_close(square[3:], square[:3].transpose(1, 2))
 
 
@@ -130,19 +128,19 @@ def test_learned_slope_parametrization():
 # --------------------------------------------------------------------------
 
 
-def attention(mode, heads=4, dim=32, path="reference", **options_):
+def attention(mode, heads=4, dim=32, kernel="reference", **options_):
     torch.manual_seed(0)
-    stack = BidirectionalBias(heads, mode, attention_path=path, **options_)
-    return stack.attention(dim).eval(), stack
+    shared = AlibiBias(heads, mode, kernel=kernel, **options_)
+    return AlibiMultiheadAttention(dim, heads, shared).eval(), shared
 
 
 @pytest.mark.parametrize("heads", [4, 5])
-@pytest.mark.parametrize("path", ["reference", "sdpa", "chunked"])
-def test_split_left_heads_ignore_the_right(heads, path):
+@pytest.mark.parametrize("kernel", ["reference", "sdpa", "chunked"])
+def test_split_left_heads_ignore_the_right(heads, kernel):
     """Per head: tokens right of i change nothing for left-looking heads at i,
     tokens left of i nothing for right-looking heads; two-sided heads see both."""
     dim = heads * 8
-    module, _ = attention("split", heads, dim, path)
+    module, _ = attention("split", heads, dim, kernel)
     with torch.no_grad():  # identity output projection: output = concatenated heads
         module.out_proj.weight.copy_(torch.eye(dim))
         module.out_proj.bias.zero_()
@@ -165,7 +163,7 @@ def test_split_left_heads_ignore_the_right(heads, path):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_paths_agree(mode):
-    """Same weights, the bias through dense_bias (reference, sdpa), per block
+    """Same weights, the bias dense (reference, sdpa), per block
     (chunked, two blocks at 300 queries) or as a FlexAttention score_mod (eager
     on CPU), with left padding in one row."""
     x = torch.randn(300, 2, 32)
@@ -175,13 +173,13 @@ def test_kernel_paths_agree(mode):
     if mode != "learned" and flex_available():
         paths.append("flex")
     outs = {}
-    for path in paths:
-        module, _ = attention(mode, 4, 32, path)
+    for kernel in paths:
+        module, _ = attention(mode, 4, 32, kernel)
         with torch.no_grad():
-            outs[path] = module(x, x, x, key_padding_mask=pad, need_weights=False)[0]
+            outs[kernel] = module(x, x, x, key_padding_mask=pad, need_weights=False)[0]
     assert bool(torch.isfinite(outs["reference"]).all())
-    for path in paths[1:]:
-        torch.testing.assert_close(outs[path], outs["reference"], atol=1e-5, rtol=1e-4, msg=path)
+    for kernel in paths[1:]:
+        torch.testing.assert_close(outs[kernel], outs["reference"], atol=1e-5, rtol=1e-4, msg=kernel)
     if mode == "learned":  # no score_mod for trained slopes: refused, not ignored
         module, _ = attention(mode, 4, 32, "flex")
         with pytest.raises(ValueError, match="flex"), torch.no_grad():
@@ -189,47 +187,49 @@ def test_kernel_paths_agree(mode):
 
 
 def test_shared_modes_share_one_cached_bias():
-    _, stack = attention("split", 4, 32)
-    a = stack.dense(9, 9, torch.float32, "cpu")
-    assert stack.dense(9, 9, torch.float32, "cpu") is a
-    module = stack.attention(32)
-    assert isinstance(module, BidirectionalAlibiAttention) and not module.causal
+    _, shared = attention("split", 4, 32)
+    a = shared.dense(9, 9, torch.float32, "cpu")
+    assert shared.dense(9, 9, torch.float32, "cpu") is a
+    module = AlibiMultiheadAttention(32, 4, shared)
+    assert module.alibi is shared and not module.alibi.causal
     assert all(k.split(".")[0] in ("q_proj", "k_proj", "v_proj", "out_proj") for k in module.state_dict())
 
 
 def test_encoder_interpolation_dynamic_and_learned():
-    stack = BidirectionalBias(8, "symmetric", interpolation="linear", train_length=64)
-    torch.testing.assert_close(stack.slopes(64), alibi.get_slopes(8))
-    torch.testing.assert_close(stack.slopes(256), alibi.get_slopes(8) / 4)
+    shared = AlibiBias(8, "symmetric", interpolation="linear", train_length=64)
+    torch.testing.assert_close(shared.slopes(64), alibi.get_slopes(8))
+    torch.testing.assert_close(shared.slopes(256), alibi.get_slopes(8) / 4)
     torch.testing.assert_close(
-        stack.dense(256, 256, torch.float32, "cpu"),
-        alibi.symmetric_bias(alibi.get_slopes(8) / 4, 256, 256),
+        shared.dense(256, 256, torch.float32, "cpu"),
+        symmetric_bias(alibi.get_slopes(8) / 4, 256, 256),
     )
-    ntk = BidirectionalBias(8, "split", interpolation="ntk", scale_factor=4.0)
+    ntk = AlibiBias(8, "split", interpolation="ntk", scale_factor=4.0)
     torch.testing.assert_close(ntk.slopes(10), alibi.scale_slopes(alibi.split_slopes(8), "ntk", 4.0))
     module, _ = attention("learned", 8, 32, interpolation="linear", train_length=16)
-    left, right = module.slopes(48)
+    left, right = module.alibi.slopes(48)
     torch.testing.assert_close(left, alibi.get_slopes(8) / 3)
     torch.testing.assert_close(right, alibi.get_slopes(8) / 3)
 
 
 def test_learned_slopes_train_and_stay_negative():
-    module, _ = attention("learned", 4, 32, path="sdpa")
+    module, _ = attention("learned", 4, 32, kernel="sdpa")
     module.train()
+    learned = module.alibi
+    assert {"alibi.left", "alibi.right"} <= set(module.state_dict())
     x = torch.randn(10, 3, 32)
     module(x, x, x, need_weights=False)[0].pow(2).sum().backward()
-    for p in (module.alibi_left, module.alibi_right):
+    for p in (learned.left, learned.right):
         assert p.grad is not None and bool(torch.isfinite(p.grad).all()) and p.grad.abs().sum() > 0
     # A large learning rate pushing the bias up (towards positive) for many steps.
-    optimizer = torch.optim.Adam([module.alibi_left, module.alibi_right], lr=50.0)
+    optimizer = torch.optim.Adam([learned.left, learned.right], lr=50.0)
     for _ in range(20):
         optimizer.zero_grad()
-        (-module.dense_bias(16, 16, torch.float32, "cpu")).sum().backward()
+        (-learned.dense(16, 16, torch.float32, "cpu")).sum().backward()
         optimizer.step()
-    left, right = module.slopes()
-    assert float(module.alibi_left.max()) < -100  # really pushed, far into softplus underflow
+    left, right = learned.slopes()
+    assert float(learned.left.max()) < -100  # really pushed, far into softplus underflow
     assert bool((left > 0).all()) and bool((right > 0).all())
-    bias = module.dense_bias(16, 16, torch.float32, "cpu")
+    bias = learned.dense(16, 16, torch.float32, "cpu")
     off_diagonal = ~torch.eye(16, dtype=torch.bool)
     assert bool((bias[:, off_diagonal] < 0).all())
 
@@ -286,7 +286,7 @@ def test_roberta_structure(dict_dir, mode):
         assert len(learned) == 2 * 2  # left and right, per layer
     else:
         assert not learned
-        assert {id(layer.self_attn.stack) for layer in encoder.layers} == {id(encoder.alibi_bias)}
+        assert {id(layer.self_attn.alibi) for layer in encoder.layers} == {id(encoder.alibi)}
     assert model.max_positions() == UNBOUNDED_POSITIONS
     assert cfg.model.alibi_train_length == 32
     # longer than tokens_per_sample: no position table caps it
@@ -339,9 +339,9 @@ def test_transformer_structure(dict_dir, mode):
     assert not [k for k in model.state_dict() if "pos" in k]
     assert model.max_positions() == (UNBOUNDED_POSITIONS, UNBOUNDED_POSITIONS)
     encoder_attn = model.encoder.layers[0].self_attn
-    assert isinstance(encoder_attn, LearnedAlibiAttention) == (mode == "learned")
+    assert isinstance(encoder_attn.alibi, LearnedAlibiBias) == (mode == "learned")
     decoder_self = model.decoder.layers[0].self_attn
-    assert isinstance(decoder_self, AlibiMultiheadAttention) and decoder_self.causal
+    assert isinstance(decoder_self, AlibiMultiheadAttention) and decoder_self.alibi.causal
     cross = model.decoder.layers[0].encoder_attn
     assert type(cross).__name__ == "MultiheadAttention"  # stock: no position information
 
@@ -365,9 +365,9 @@ def test_arch_twins():
 
 
 def test_bad_mode_names_the_field(dict_dir):
-    with pytest.raises(ValueError, match="alibi_bidirectional"):
-        BidirectionalBias(4, "diagonal")
-    with pytest.raises(ValueError, match="alibi_train_length"):
+    with pytest.raises(ConfigError, match="alibi_bidirectional"):
+        build_bidirectional_bias(argparse.Namespace(encoder_attention_heads=4, alibi_bidirectional="diagonal"))
+    with pytest.raises(ConfigError, match="alibi_train_length"):
         build_transformer(dict_dir, "symmetric", "--alibi-interpolation", "linear")
 
 

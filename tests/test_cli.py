@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import re
-import socket
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +21,7 @@ from typing import Optional
 import pytest
 import torch
 
-from conftest import HEADS, TRAIN_LENGTH, run_cli, tool, train_args
+from conftest import HEADS, TRAIN_LENGTH, EvalResult, error_lines, free_port, parse_eval, run_cli, tool, train_args
 
 EVAL_LENGTH = 8 * TRAIN_LENGTH  # 256
 
@@ -46,12 +46,6 @@ def assert_alibi_checkpoint(path) -> dict:
 
 def num_updates(state) -> int:
     return state["optimizer_history"][-1]["num_updates"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- training
@@ -79,27 +73,6 @@ def test_alibi_train_console_script(lm_data_bin, alibi_checkpoint, tmp_path):
 
 
 # --------------------------------------------------------------------------- eval-lm
-
-LOSS_RE = re.compile(r"Loss \(base 2\): (\S+), Perplexity: (\S+)")
-TOKENS_RE = re.compile(r"Evaluated ([\d,]+) tokens")
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    loss: float
-    ppl: float
-    tokens: int
-    text: str  # the loss line, exactly as printed
-
-
-def parse_eval(output: str) -> EvalResult:
-    losses = LOSS_RE.findall(output)
-    tokens = TOKENS_RE.findall(output)
-    assert losses and tokens, output[-3000:]
-    loss, ppl = losses[-1]
-    line = f"Loss (base 2): {loss}, Perplexity: {ppl}"
-    return EvalResult(float(loss), float(ppl), int(tokens[-1].replace(",", "")), line)
-
 
 def linear(factor):
     return {"alibi_interpolation": "linear", "alibi_scale_factor": factor}
@@ -451,14 +424,15 @@ def test_fairseq_hydra_train(lm_data_bin, alibi_user_dir, tmp_path):
 
 
 def test_torchrun_two_process_data_parallel(lm_data_bin, alibi_user_dir, tmp_path):
-    """torchrun, 2 CPU processes, gloo: really data-parallel (world size 2, the
+    """torchrun, 2 CPU processes, gloo chosen without being asked (nccl needs
+    CUDA): really data-parallel (world size 2, the
     batch of 4 per worker aggregated to 8, half the updates per epoch of one
     process), and one checkpoint written."""
     save_dir = tmp_path / "ckpt"
     result = run_cli([
         tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
         tool("fairseq-train"), *train_args(lm_data_bin, save_dir, max_update=6, batch_size=4),
-        "--user-dir", alibi_user_dir, "--distributed-backend", "gloo",
+        "--user-dir", alibi_user_dir,  # no --distributed-backend: gloo is picked on CPU
     ], timeout=400)
     assert "distributed init (rank 1)" in result.output
     assert "training on 2 devices" in result.output
@@ -615,3 +589,118 @@ def test_base_arch_builds_without_any_dimension_flags(wiki103_dict):
     assert twin.decoder.project_in_dim is None and twin.decoder.project_out_dim is None
     assert twin.decoder.embed_tokens.embedding_dim == 512
     assert n_params(twin) == n_params(stock)
+
+
+def test_shipped_hydra_configs_take_overrides_without_plus():
+    """docs/usage.md: ``model.alibi_scale_factor=2`` works on the shipped
+    configs, ``+model.alibi_scale_factor=2`` is refused (the key is there)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
+
+    config_dir = str(Path(__file__).resolve().parents[1] / "examples" / "language_model" / "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = compose("wikitext103_alibi_L512", overrides=["model.alibi_scale_factor=2"])
+        assert cfg.model.alibi_scale_factor == 2
+        with pytest.raises(ConfigCompositionException, match="already at"):
+            compose("wikitext103_alibi_L512", overrides=["+model.alibi_scale_factor=2"])
+
+
+# --------------------------------------------------------------------------- what users see
+
+BAD_INPUTS = [
+    # (what, script, arguments after the script, a phrase of the one error line)
+    ("arch typo", "alibi-train", ["--arch", "transformer_lm_alibbi"], "did you mean transformer_lm_alibi"),
+    ("context window", "alibi-eval-lm", ["--tokens-per-sample", "64", "--context-window", "64"],
+     "--context-window 64 must be at least 0 and smaller than --tokens-per-sample 64"),
+    ("missing split", "alibi-eval-lm", ["--gen-subset", "vaild"], "split 'vaild' not found"),
+    ("checkpoint directory", "alibi-eval-lm", ["--path", "DIR"], "is a directory; give a checkpoint file in it"),
+    ("unwritable save dir", "alibi-train", ["--save-dir", "/sys/alibi-readonly"], "cannot access /sys/alibi-readonly"),
+]
+
+
+@pytest.mark.parametrize("what,script,extra,phrase", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_one_line(what, script, extra, phrase, lm_data_bin, alibi_checkpoint, tmp_path):
+    extra = [str(alibi_checkpoint.parent) if a == "DIR" else a for a in extra]
+    if script == "alibi-train":
+        args = [*train_args(lm_data_bin, tmp_path / "ckpt", max_update=1), *extra]
+    else:
+        args = [lm_data_bin, "--path", alibi_checkpoint, "--cpu", *extra]
+    result = run_cli([tool(script), *args], expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.output, result.output[-2000:]
+    lines = error_lines(result)
+    assert len(lines) == 1 and phrase in lines[0], result.output[-2000:]
+
+
+def test_dictionary_of_another_size_names_both_sizes(lm_corpus, alibi_checkpoint, tmp_path):
+    small = tmp_path / "small"
+    run_cli([tool("alibi-preprocess"), "--only-source", "--trainpref", lm_corpus / "train.txt",
+             "--validpref", lm_corpus / "valid.txt", "--nwordssrc", "12", "--destdir", small, "--workers", "1"])
+    result = run_cli([tool("alibi-eval-lm"), small, "--path", alibi_checkpoint, "--cpu", "--gen-subset", "valid"],
+                     expect_ok=False)
+    lines = error_lines(result)
+    assert result.returncode == 1 and len(lines) == 1, result.output[-2000:]
+    assert "dictionary of 32 symbols" in lines[0] and "gives 16" in lines[0], lines
+
+
+@pytest.mark.parametrize("overrides,phrase", [
+    ("{'alibi_interpolaton': 'linear'}", "ignored model override 'alibi_interpolaton'"),
+    ("{'alibi_scale_factor': 8}", "has no effect with alibi_interpolation='none'"),
+])
+def test_silent_no_ops_are_warned(overrides, phrase, lm_data_bin, alibi_checkpoint):
+    result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", alibi_checkpoint, "--cpu",
+                      "--gen-subset", "valid", "--model-overrides", overrides])
+    warnings = [line for line in result.output.splitlines() if "| WARNING | fairseq_alibi |" in line]
+    assert len(warnings) == 1 and phrase in warnings[0], result.output[-2000:]
+
+
+def test_hub_keyword_typo_is_warned(hub_factory, caplog):
+    with caplog.at_level("WARNING", logger="fairseq_alibi"):
+        hub_factory(alibi_interpolaton="linear")
+    assert any("alibi_interpolaton" in r.getMessage() and "alibi_interpolation" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
+def test_train_logs_like_stock_fairseq_train(lm_data_bin, alibi_user_dir, tmp_path):
+    """Same format and streams as stock fairseq-train (timestamped INFO lines on
+    stdout, nothing on stderr), and none of the known third-party noise."""
+    outputs = {}
+    for script in ("alibi-train", "fairseq-train"):
+        args = [tool(script), *train_args(lm_data_bin, tmp_path / script, max_update=2)]
+        args[args.index("--log-format") + 1] = "json"
+        if script == "fairseq-train":
+            args += ["--user-dir", alibi_user_dir]
+        outputs[script] = run_cli(args)
+    timestamped = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \| INFO \| fairseq")
+    for script, result in outputs.items():
+        lines = result.stdout.splitlines()
+        assert sum(bool(timestamped.match(line)) for line in lines) > 10, (script, result.stdout[-1500:])
+        assert not [line for line in lines if line.startswith(("DEBUG:", "INFO:"))], script
+        assert result.stderr.strip() == "", (script, result.stderr[-1500:])
+        for noise in ("ConfigStore schema", "Please install tensorboardX", "pin_memory", "torch.cuda.amp"):
+            assert noise not in result.output, (script, noise)
+
+
+def test_fork_training_command_warns(lm_data_bin, tmp_path):
+    """The fork's ``--arch transformer_lm_wiki103`` is the stock sinusoidal model here."""
+    args = train_args(lm_data_bin, tmp_path / "ckpt", max_update=1)
+    args[args.index("transformer_lm_alibi")] = "transformer_lm_wiki103"
+    args += ["--adaptive-input-cutoff", "10,20", "--adaptive-softmax-cutoff", "10,20",
+             "--criterion", "adaptive_loss", "--ddp-backend", "legacy_ddp"]
+    result = run_cli([tool("alibi-train"), *args])
+    warnings = [line for line in result.output.splitlines() if "| WARNING | fairseq_alibi |" in line]
+    assert len(warnings) == 1 and "--arch transformer_lm_wiki103_alibi" in warnings[0], result.output[-2000:]
+    assert "not ALiBi" in warnings[0]
+
+
+def test_help_lists_the_alibi_options():
+    train_help = run_cli([tool("alibi-train"), "--help"]).stdout
+    for flag in ("--alibi-interpolation", "--alibi-scale-factor", "--alibi-attention"):
+        assert flag in train_help
+    assert "'alibi_interpolation'" in run_cli([tool("alibi-eval-lm"), "--help"]).stdout
+
+
+def test_user_dir_imports_neither_fairseq_nor_torch():
+    code = ("import sys, alibi_user_dir; alibi_user_dir.main(); "
+            "assert not {'fairseq', 'torch'} & set(sys.modules), sorted(sys.modules)")
+    result = run_cli([sys.executable, "-c", code])
+    assert result.stdout.strip().endswith("fairseq_alibi")

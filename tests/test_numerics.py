@@ -27,6 +27,8 @@ checks fail by orders of magnitude.
 import pytest
 import torch
 
+from conftest import causal_bias, fork_causal_bias
+
 from fairseq_alibi import alibi
 
 LENGTH = 16384
@@ -40,7 +42,7 @@ Q_START = LENGTH - QUERIES
 
 
 def _fork_rows(slopes, q_start, q_len, length, dtype):
-    """Rows ``q_start ..`` of ``alibi.fork_causal_bias`` without its ``[H, N, N]``
+    """Rows ``q_start ..`` of ``fork_causal_bias`` without its ``[H, N, N]``
     allocation (same formula; pinned to it at a small length below)."""
     key_pos = torch.arange(length, dtype=torch.float32)
     rows = (slopes.float()[:, None] * key_pos).to(dtype)[:, None, :].expand(-1, q_len, -1).clone()
@@ -52,7 +54,7 @@ def _fork_rows(slopes, q_start, q_len, length, dtype):
 def _bias(form, dtype):
     slopes = alibi.get_slopes(HEADS)
     if form == "ours":
-        return alibi.causal_bias(slopes, QUERIES, LENGTH, dtype, q_start=Q_START)
+        return causal_bias(slopes, QUERIES, LENGTH, dtype, q_start=Q_START)
     return _fork_rows(slopes, Q_START, QUERIES, LENGTH, dtype)
 
 
@@ -60,7 +62,7 @@ def _bias(form, dtype):
 def exact():
     """fp64 ``-m (i - j)`` for the compared rows, ``-inf`` above the diagonal."""
     slopes = alibi.get_slopes(HEADS).double()
-    distance = alibi.relative_distance(QUERIES, LENGTH, q_start=Q_START)
+    distance = (torch.arange(Q_START, LENGTH)[:, None] - torch.arange(LENGTH)[None, :]).double()
     bias = -slopes[:, None, None] * distance
     return bias.masked_fill(distance < 0, float("-inf"))
 
@@ -107,7 +109,7 @@ def _shifted_error(bias, exact):
 
 def test_fork_rows_helper_matches_fork_causal_bias():
     slopes = alibi.get_slopes(HEADS)
-    full = alibi.fork_causal_bias(slopes, 512, torch.float16)
+    full = fork_causal_bias(slopes, 512, torch.float16)
     assert torch.equal(_fork_rows(slopes, 448, 64, 512, torch.float16), full[:, 448:])
 
 

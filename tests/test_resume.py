@@ -18,53 +18,22 @@ final validation loss equal):
 """
 
 import os
-import random
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-BIN = os.path.dirname(sys.executable)
-MAX_UPDATE = 24  # 21 batches per epoch: the run crosses an epoch boundary
+from conftest import cli_env, free_port, run_cli, tool
+
+MAX_UPDATE = 32  # about 24 batches per epoch: the run crosses an epoch boundary
 SAVE_EVERY = 8
-
-
-def _tool(name):
-    return os.path.join(BIN, name)
-
-
-def _env():
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("MKL_NUM_THREADS", "1")
-    return env
-
-
-@pytest.fixture(scope="module")
-def data_bin(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume_data")
-    rng = random.Random(0)
-    words = [f"w{i}" for i in range(60)]
-    for split, lines in (("train", 400), ("valid", 40)):
-        with open(root / f"{split}.txt", "w") as handle:
-            for _ in range(lines):
-                handle.write(" ".join(rng.choice(words) for _ in range(rng.randint(5, 20))) + "\n")
-    dest = root / "bin"
-    subprocess.run(
-        [_tool("alibi-preprocess"), "--only-source", "--trainpref", str(root / "train.txt"),
-         "--validpref", str(root / "valid.txt"), "--destdir", str(dest), "--workers", "1"],
-        check=True, capture_output=True, env=_env(),
-    )
-    return str(dest)
 
 
 def _train_args(data_bin, save_dir):
     return [
-        data_bin, "--task", "language_modeling", "--arch", "transformer_lm_alibi",
+        str(data_bin), "--task", "language_modeling", "--arch", "transformer_lm_alibi",
         "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
         "--decoder-attention-heads", "4", "--dropout", "0.1", "--attention-dropout", "0.1",
         "--tokens-per-sample", "32", "--sample-break-mode", "none", "--batch-size", "8",
@@ -77,26 +46,14 @@ def _train_args(data_bin, save_dir):
 
 
 def _single(data_bin, save_dir):
-    return [_tool("alibi-train")] + _train_args(data_bin, save_dir)
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return [tool("alibi-train")] + _train_args(data_bin, save_dir)
 
 
 def _torchrun(data_bin, save_dir):
     return [
-        _tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()),
-        _tool("alibi-train"),
+        tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+        tool("alibi-train"),
     ] + _train_args(data_bin, save_dir) + ["--distributed-backend", "gloo"]
-
-
-def _run(cmd):
-    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def _descendants(pid):
@@ -133,7 +90,7 @@ def _kill_after_first_checkpoint(cmd, save_dir):
     """Start ``cmd``; SIGKILL it and its children once checkpoint_last.pt exists."""
     last = os.path.join(save_dir, "checkpoint_last.pt")
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(), start_new_session=True
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=cli_env(), start_new_session=True
     )
     deadline = time.time() + 240
     try:
@@ -183,15 +140,15 @@ def _assert_same_final(resumed, reference):
     assert resumed["extra_state"]["val_loss"] == reference["extra_state"]["val_loss"]
 
 
-def test_sigkill_then_resume_is_exact(data_bin, tmp_path):
+def test_sigkill_then_resume_is_exact(lm_data_bin, tmp_path):
     reference_dir, crashed_dir = str(tmp_path / "reference"), str(tmp_path / "crashed")
-    _run(_single(data_bin, reference_dir))
+    run_cli(_single(lm_data_bin, reference_dir))
 
-    last = _kill_after_first_checkpoint(_single(data_bin, crashed_dir), crashed_dir)
+    last = _kill_after_first_checkpoint(_single(lm_data_bin, crashed_dir), crashed_dir)
     killed_at = _updates(_state(last))
     assert SAVE_EVERY <= killed_at < MAX_UPDATE, killed_at
-    resumed = _run(_single(data_bin, crashed_dir))
-    assert f"Loaded checkpoint {last}" in resumed.stdout + resumed.stderr
+    resumed = run_cli(_single(lm_data_bin, crashed_dir))
+    assert f"Loaded checkpoint {last}" in resumed.output
 
     _assert_same_final(
         _state(os.path.join(crashed_dir, "checkpoint_last.pt")),
@@ -199,14 +156,14 @@ def test_sigkill_then_resume_is_exact(data_bin, tmp_path):
     )
 
 
-def test_torchrun_gloo_sigkill_then_resume(data_bin, tmp_path):
+def test_torchrun_gloo_sigkill_then_resume(lm_data_bin, tmp_path):
     """Two processes (torchrun, gloo): killed after the first checkpoint, the
     resumed run finishes and ends where an uninterrupted two-process run does."""
     reference_dir, crashed_dir = str(tmp_path / "reference"), str(tmp_path / "crashed")
-    _run(_torchrun(data_bin, reference_dir))
-    last = _kill_after_first_checkpoint(_torchrun(data_bin, crashed_dir), crashed_dir)
+    run_cli(_torchrun(lm_data_bin, reference_dir))
+    last = _kill_after_first_checkpoint(_torchrun(lm_data_bin, crashed_dir), crashed_dir)
     assert SAVE_EVERY <= _updates(_state(last)) < MAX_UPDATE
-    _run(_torchrun(data_bin, crashed_dir))
+    run_cli(_torchrun(lm_data_bin, crashed_dir))
     _assert_same_final(
         _state(os.path.join(crashed_dir, "checkpoint_last.pt")),
         _state(os.path.join(reference_dir, "checkpoint_last.pt")),

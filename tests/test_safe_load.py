@@ -10,8 +10,6 @@ import argparse
 import collections
 import io
 import os
-import subprocess
-import sys
 import zipfile
 
 import numpy as np
@@ -20,35 +18,14 @@ import torch
 from omegaconf import OmegaConf
 
 import fairseq_alibi  # noqa: F401  (installs the loader hooks)
+from conftest import Payload, error_lines, preprocess, run_cli, tool
 from fairseq_alibi import errors, fork, safe_load
 from fairseq_alibi.safe_load import CorruptCheckpointError, UnsafeCheckpointError
 
-BIN = os.path.dirname(sys.executable)
 MODEL_ARGS = [
     "--arch", "transformer_lm_alibi", "--decoder-layers", "2", "--decoder-embed-dim", "32",
     "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4",
 ]
-
-
-def _tool(name):
-    return os.path.join(BIN, name)
-
-
-def _env():
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop("FAIRSEQ_ALIBI_TRACEBACK", None)
-    return env
-
-
-class _Payload:
-    """Unpickles as ``open(path, "w")``: creates a file."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
 
 
 def _hostile_checkpoint(path, marker):
@@ -56,7 +33,7 @@ def _hostile_checkpoint(path, marker):
         "args": None,
         "cfg": {"model": {"_name": "transformer_lm_alibi"}},
         "model": collections.OrderedDict(w=torch.zeros(2)),
-        "extra_state": _Payload(marker),
+        "extra_state": Payload(marker),
     }
     torch.save(state, path)
     return path
@@ -76,20 +53,15 @@ def trained(tmp_path_factory):
     with open(root / "train.txt", "w") as handle:
         for i in range(120):
             handle.write(" ".join(f"w{(i * 7 + j) % 50}" for j in range(12)) + "\n")
-    subprocess.run(
-        [_tool("alibi-preprocess"), "--only-source", "--trainpref", str(root / "train.txt"),
-         "--validpref", str(root / "train.txt"), "--destdir", str(root / "bin"), "--workers", "1"],
-        check=True, capture_output=True, env=_env(),
-    )
-    result = subprocess.run(
-        [_tool("alibi-train"), str(root / "bin"), "--task", "language_modeling",
-         "--tokens-per-sample", "32", "--batch-size", "8", "--optimizer", "adam", "--lr", "1e-3",
-         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "2", "--max-update", "6",
-         "--save-interval-updates", "3", "--cpu", "--num-workers", "0", "--no-progress-bar",
-         "--save-dir", str(root / "ckpt")] + MODEL_ARGS,
-        capture_output=True, text=True, env=_env(),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    (root / "valid.txt").write_text((root / "train.txt").read_text())
+    preprocess(root, root / "bin", splits=("train", "valid"))
+    run_cli([
+        tool("alibi-train"), root / "bin", "--task", "language_modeling",
+        "--tokens-per-sample", "32", "--batch-size", "8", "--optimizer", "adam", "--lr", "1e-3",
+        "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "2", "--max-update", "6",
+        "--save-interval-updates", "3", "--cpu", "--num-workers", "0", "--no-progress-bar",
+        "--save-dir", root / "ckpt", *MODEL_ARGS,
+    ])
     return str(root / "bin"), str(root / "ckpt" / "checkpoint_last.pt")
 
 
@@ -175,23 +147,20 @@ def test_fairseq_loader_and_hub_refuse_payload(hostile):
 
 
 def _one_error_line(result):
-    assert result.returncode == 1, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, result.stderr[-2000:]
-    return errors[0]
+    assert result.returncode == 1, result.output[-2000:]
+    assert "Traceback" not in result.output
+    lines = error_lines(result)
+    assert len(lines) == 1, result.output[-2000:]
+    return lines[0]
 
 
 def test_console_scripts_refuse_payload(hostile, trained, tmp_path):
     path, marker = hostile
     data_bin, _ = trained
-    line = _one_error_line(subprocess.run(
-        [_tool("alibi-convert-checkpoint"), path, str(tmp_path / "out.pt")],
-        capture_output=True, text=True, env=_env()))
+    line = _one_error_line(run_cli(
+        [tool("alibi-convert-checkpoint"), path, tmp_path / "out.pt"], expect_ok=False))
     assert "refusing to load" in line and "open" in line
-    line = _one_error_line(subprocess.run(
-        [_tool("alibi-eval-lm"), data_bin, "--path", path, "--cpu"],
-        capture_output=True, text=True, env=_env()))
+    line = _one_error_line(run_cli([tool("alibi-eval-lm"), data_bin, "--path", path, "--cpu"], expect_ok=False))
     assert "refusing to load" in line
     assert not os.path.exists(marker)
     assert not os.path.exists(tmp_path / "out.pt")
@@ -234,9 +203,8 @@ def test_eval_of_truncated_checkpoint_is_one_line(trained, tmp_path):
     data_bin, last = trained
     truncated = tmp_path / "checkpoint_last.pt"
     truncated.write_bytes(open(last, "rb").read()[:20000])
-    line = _one_error_line(subprocess.run(
-        [_tool("alibi-eval-lm"), data_bin, "--path", str(truncated), "--cpu"],
-        capture_output=True, text=True, env=_env()))
+    line = _one_error_line(run_cli([tool("alibi-eval-lm"), data_bin, "--path", truncated, "--cpu"],
+                                   expect_ok=False))
     assert "not a readable PyTorch checkpoint" in line
 
 

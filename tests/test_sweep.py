@@ -2,38 +2,30 @@
 agreement with a direct ``fairseq-eval-lm`` run.
 
 Checkpoints: the session ALiBi fixture from conftest.py (6 heads, trained at
-32 tokens) and a tiny stock sinusoidal ``transformer_lm`` trained here on the
+32 tokens) and the stock sinusoidal ``transformer_lm`` fixture trained on the
 same data (module fixture).
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
-import re
+import signal
+import subprocess
+import time
 
 import pytest
+import torch
 
-from conftest import TRAIN_LENGTH, run_cli, tool, train_args
+from conftest import TRAIN_LENGTH, cli_env, parse_eval, run_cli, tool
 
 from fairseq_alibi.evaluation import perplexity as sweep
 
 STRIDE = 16
 METHODS = "none,linear:2,ntk"  # none, a static and a dynamic method
 LENGTHS = "1x,2x"  # 32, 64
-
-
-@pytest.fixture(scope="module")
-def sinusoidal_checkpoint(lm_data_bin, tmp_path_factory):
-    """A stock transformer_lm (sinusoidal positions) trained at 32 tokens."""
-    save_dir = tmp_path_factory.mktemp("sinusoidal")
-    args = train_args(lm_data_bin, save_dir, max_update=20)
-    args[args.index("transformer_lm_alibi")] = "transformer_lm"
-    run_cli([tool("alibi-train"), *args])
-    path = save_dir / "checkpoint_last.pt"
-    assert path.exists()
-    return path
 
 
 def sweep_argv(data, out, alibi, sinusoidal, *extra):
@@ -155,10 +147,6 @@ def test_resume_skips_done_cells(sweep_run, lm_data_bin, alibi_checkpoint, sinus
     assert len(after) == len(cells) + 4
 
 
-EVAL_RE = re.compile(r"Loss \(base 2\): ([0-9.]+), Perplexity: ([0-9.]+)")
-COUNT_RE = re.compile(r"Evaluated ([0-9,]+) tokens")
-
-
 @pytest.mark.parametrize("checkpoint,label", [("alibi", "linear x2"), ("alibi", "ntk dynamic"), ("sin", "none")])
 def test_sliding_window_matches_fairseq_eval_lm(sweep_run, lm_data_bin, alibi_checkpoint,
                                                 sinusoidal_checkpoint, alibi_user_dir, checkpoint, label):
@@ -173,11 +161,10 @@ def test_sliding_window_matches_fairseq_eval_lm(sweep_run, lm_data_bin, alibi_ch
         "--context-window", cell["length"] - STRIDE, "--max-tokens", 256, "--cpu",
         "--model-overrides", overrides,
     ])
-    loss, ppl = map(float, EVAL_RE.search(result.output).groups())
-    tokens = int(COUNT_RE.search(result.output).group(1).replace(",", ""))
-    assert tokens == cell["tokens"]
-    assert round(cell["loss"], 4) == pytest.approx(loss, abs=1.5e-4)
-    assert round(cell["ppl"], 2) == pytest.approx(ppl, abs=0.011)
+    result = parse_eval(result.output)
+    assert result.tokens == cell["tokens"]
+    assert round(cell["loss"], 4) == pytest.approx(result.loss, abs=1.5e-4)
+    assert round(cell["ppl"], 2) == pytest.approx(result.ppl, abs=0.011)
 
 
 def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, tmp_path, capsys):
@@ -248,3 +235,37 @@ def test_console_script(lm_data_bin, alibi_checkpoint, tmp_path):
     bad = run_cli([tool("alibi-sweep"), lm_data_bin, "-c", alibi_checkpoint, "--methods", "cubic"],
                   expect_ok=False)
     assert bad.returncode == 1 and bad.output.startswith("error: unknown method") and "Traceback" not in bad.output
+
+
+def test_masked_lm_checkpoint_is_refused_in_one_line(lm_data_bin, sinusoidal_checkpoint, tmp_path, capsys):
+    """A roberta_alibi checkpoint stores its model config as an argparse
+    Namespace (a model without a dataclass): named, not crashed on."""
+    state = torch.load(sinusoidal_checkpoint, weights_only=True)
+    state["cfg"]["model"] = argparse.Namespace(_name="roberta_alibi", arch="roberta_alibi", encoder_layers=2)
+    state["cfg"]["task"]["_name"] = "masked_lm"
+    path = tmp_path / "mlm.pt"
+    torch.save(state, path)
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main([str(lm_data_bin), "-c", f"mlm={path}", "--output-dir", str(tmp_path / "o"), "--cpu",
+                    "--no-progress"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.count("\n") == 1
+    assert "is a roberta_alibi checkpoint" in err and "task masked_lm" in err and "causal language models" in err
+
+
+def test_ctrl_c_says_rerunning_resumes(lm_data_bin, alibi_checkpoint, tmp_path):
+    out = tmp_path / "o"
+    proc = subprocess.Popen(
+        [tool("alibi-sweep"), lm_data_bin, "-c", alibi_checkpoint, "--lengths", "1x,2x,4x,8x,16x",
+         "--methods", "none,linear:2,linear,ntk:2,ntk", "--output-dir", out, "--cpu", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+    )
+    deadline = time.time() + 240
+    while not (out / "results.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, stderr[-2000:])
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("alibi-sweep interrupted") and "run the same command again to resume" in last

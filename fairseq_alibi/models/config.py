@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from fairseq.dataclass import FairseqDataclass
 
 from ..alibi import INTERPOLATION_METHODS
-from ..attention import ATTENTION_PATHS
+from ..attention import KERNELS
 
 
 @dataclass
@@ -33,5 +33,5 @@ class AlibiSlopeConfig(FairseqDataclass):
     )
     alibi_attention: str = field(
         default="auto",
-        metadata={"help": f"attention kernel: {' | '.join(ATTENTION_PATHS)}"},
+        metadata={"help": f"attention kernel: {' | '.join(KERNELS)}"},
     )

@@ -3,7 +3,7 @@
 * encoder self-attention: bidirectional ALiBi (``--alibi-bidirectional``
   ``symmetric`` | ``split`` | ``learned``), no position embeddings;
 * decoder self-attention: the core plugin's causal ALiBi (one shared
-  ``AlibiBias(kind="causal")`` per stack, KV cache exact), no position
+  causal ``AlibiBias`` per stack, KV cache exact), no position
   embeddings;
 * encoder-decoder attention: stock ``MultiheadAttention``, no position
   information at all;

@@ -4,7 +4,7 @@ What changes against the stock model, and nothing else:
 
 * the decoder has no position embeddings and no cap on its input length;
 * every decoder self-attention is ``AlibiMultiheadAttention``, all layers sharing
-  one ``AlibiBias`` (slopes scaled once per forward, one cached bias);
+  one causal ``AlibiBias`` (slopes scaled once per forward, one cached bias);
 * three config fields choose the eval-time context extension and one the kernel.
 
 Every stock ``transformer_lm*`` architecture gets an ``<arch>_alibi`` twin.
@@ -54,15 +54,16 @@ class AlibiLanguageModelConfig(stock.TransformerLanguageModelConfig, AlibiSlopeC
 
 
 def build_alibi_bias(args) -> AlibiBias:
-    """The shared bias of a decoder stack, from (already resolved) config fields."""
-    return AlibiBias(num_heads=args.decoder_attention_heads, **alibi_options(args))
+    """The shared causal bias of a decoder stack, from (already resolved) config
+    fields; raises ``ConfigError`` naming the field for an invalid value."""
+    return AlibiBias(args.decoder_attention_heads, "causal", **alibi_options(args))
 
 
 class AlibiDecoderLayer(TransformerDecoderLayer):
     """Stock decoder layer whose self-attention is ALiBi attention."""
 
-    def __init__(self, args, bias: AlibiBias, no_encoder_attn=False):
-        self.alibi_bias = bias  # plain attribute, read by build_self_attention
+    def __init__(self, args, alibi_bias: AlibiBias, no_encoder_attn=False):
+        self.alibi = alibi_bias  # plain attribute, read by build_self_attention
         super().__init__(args, no_encoder_attn=no_encoder_attn)
 
     def build_self_attention(self, embed_dim, args, add_bias_kv=False, add_zero_attn=False):
@@ -72,7 +73,7 @@ class AlibiDecoderLayer(TransformerDecoderLayer):
         return AlibiMultiheadAttention(
             embed_dim,
             cfg.decoder.attention_heads,
-            self.alibi_bias,
+            self.alibi,
             dropout=cfg.attention_dropout,
             q_noise=self.quant_noise,
             qn_block_size=self.quant_noise_block_size,
@@ -84,11 +85,11 @@ class AlibiTransformerDecoder(TransformerDecoder):
 
     def __init__(self, args, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
         args.no_token_positional_embeddings = True
-        self.alibi_bias = build_alibi_bias(args)  # before the layers are built
+        self.alibi = build_alibi_bias(args)  # before the layers are built
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn, output_projection)
 
     def build_decoder_layer(self, args, no_encoder_attn=False):
-        layer = AlibiDecoderLayer(args, self.alibi_bias, no_encoder_attn)
+        layer = AlibiDecoderLayer(args, self.alibi, no_encoder_attn)
         if getattr(args, "checkpoint_activations", False):
             layer = checkpoint_wrapper(layer, offload_to_cpu=getattr(args, "offload_activations", False))
             return fsdp_wrap(layer, min_num_params=0)

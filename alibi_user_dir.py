@@ -1,0 +1,21 @@
+"""``alibi-user-dir``: print the plugin's directory for ``--user-dir``.
+
+Outside the package on purpose: importing ``fairseq_alibi`` imports fairseq
+(seconds); finding its directory does not.
+"""
+
+import importlib.util
+import sys
+
+
+def main() -> int:
+    spec = importlib.util.find_spec("fairseq_alibi")
+    if spec is None or not spec.submodule_search_locations:
+        sys.stderr.write("error: fairseq_alibi is not installed in this Python; run `make install`\n")
+        return 1
+    sys.stdout.write(list(spec.submodule_search_locations)[0] + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
