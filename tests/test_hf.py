@@ -320,6 +320,34 @@ def test_generate_under_a_static_factor_equals_greedy_full_forwards(family):
     assert generated.tolist() == expected.tolist()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_left_padded_row_equals_the_unpadded_prompt(family):
+    model = make_model(family)
+    model.generation_config.pad_token_id = 0
+    prompts = tokens(20, batch=2)
+    mask = torch.ones_like(prompts)
+    mask[0, :5] = 0
+    hf.apply_alibi_scaling(model, "linear", 2.0)
+    with torch.no_grad():
+        batch = model.generate(prompts, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        alone = model.generate(prompts[:1, 5:], attention_mask=mask[:1, 5:], max_new_tokens=4, do_sample=False)
+    assert batch[0, 20:].tolist() == alone[0, 15:].tolist()
+
+
+def test_bloom_generate_with_a_static_cache_equals_the_dynamic_cache():
+    """A static cache pads BLOOM's 2-D mask to the cache length: positions still line up."""
+    model = make_model("bloom")
+    model.generation_config.pad_token_id = 0
+    prompt = tokens(20, batch=1)
+    hf.apply_alibi_scaling(model, "ntk", 2.0)
+    runs = []
+    for implementation in ("dynamic", "static"):
+        with torch.no_grad():
+            runs.append(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                       do_sample=False, cache_implementation=implementation))
+    assert runs[0].tolist() == runs[1].tolist()
+
+
 def test_kv_cache_under_dynamic_scaling_differs_from_recomputation():
     """The documented caveat: cached keys keep the slopes they were computed under."""
     model = make_model("bloom")
