@@ -1,0 +1,539 @@
+"""Context extension for Hugging Face ALiBi models (BLOOM, MPT, Falcon with ALiBi).
+
+``apply_alibi_scaling(model, method, factor)`` makes a transformers 5.23 model
+use the slopes of ``fairseq_alibi.alibi.scale_slopes`` -- the one formula used
+for fairseq models too -- so a sweep compares like with like.  It hooks into
+the model *instance* (forward pre-hooks and one instance attribute), copies no
+modeling code, and ``remove_alibi_scaling`` / ``alibi_scaling`` undo it exactly.
+
+While scaled, the bias is built the way the fairseq path builds it: distances
+``i - j`` as integers, times the slope in float32, one final cast.  That also
+repairs three upstream defects that corrupt long-context measurements
+(see docs/hf.md):
+
+* BLOOM (and Falcon) build ``slope * j`` over absolute key positions in the
+  activation dtype (Falcon even in bfloat16 for float32 models): at long
+  lengths adjacent keys get the same bias.  The default ``bias_form="relative"``
+  forms ``-slope * (i - j)`` instead; ``bias_form="upstream"`` keeps their form.
+* Falcon's eager attention (also taken with ``output_attentions=True``) adds
+  ALiBi twice; the scaled model adds it once on every path.
+* MPT ignores ``attn_config.alibi_bias_max`` and fails on inputs longer than
+  ``max_seq_len``; the scaled model honours both.
+
+Dynamic scaling (``factor=None`` with ``train_length``) picks the factor per
+forward pass from the number of keys (cached + new tokens).  Keys already in a
+KV cache were computed under earlier slopes, so with dynamic scaling
+incremental decoding differs from recomputing the whole sequence; a static
+factor keeps incremental decoding exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .alibi import INTERPOLATION_METHODS, get_slopes, resolve_scale_factor, scale_slopes
+
+BIAS_FORMS = ("relative", "upstream")
+SUPPORTED_MODELS = (
+    "BLOOM (BloomModel, BloomForCausalLM), MPT (MptModel, MptForCausalLM) and "
+    "Falcon with config.alibi=True (FalconModel, FalconForCausalLM)"
+)
+_STATE_ATTR = "_fairseq_alibi_scaling"
+
+
+class UnsupportedModelError(ValueError):
+    """The model has no ALiBi bias this module knows how to scale."""
+
+
+class HFLoadError(ValueError):
+    """A Hugging Face model or tokenizer could not be loaded."""
+
+
+# ---------------------------------------------------------------------------
+# Which model is this?
+# ---------------------------------------------------------------------------
+
+
+def _families():
+    # Imported lazily: transformers is only needed by users of this module.
+    from transformers.models.bloom.modeling_bloom import BloomModel
+    from transformers.models.falcon.modeling_falcon import FalconModel
+    from transformers.models.mpt.modeling_mpt import MptModel
+
+    return (("bloom", BloomModel), ("mpt", MptModel), ("falcon", FalconModel))
+
+
+def _resolve(model) -> Tuple[str, torch.nn.Module]:
+    """(family, base model) for a supported model, else ``UnsupportedModelError``."""
+    base = getattr(model, "base_model", model)
+    for family, cls in _families():
+        if isinstance(base, cls):
+            break
+    else:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise UnsupportedModelError(
+            f"{type(model).__name__} (model_type {model_type!r}) has no ALiBi bias to scale; "
+            f"supported: {SUPPORTED_MODELS}"
+        )
+    if family == "falcon":
+        if not base.config.alibi:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has config.alibi=False: this Falcon uses rotary "
+                f"position embeddings, not ALiBi; supported: {SUPPORTED_MODELS}"
+            )
+        impl = base.config._attn_implementation
+        if impl not in ("eager", "sdpa"):
+            raise UnsupportedModelError(
+                f"Falcon with attn_implementation={impl!r} cannot take an ALiBi bias "
+                "(transformers' flash-attention path refuses alibi); load the model with "
+                "attn_implementation='sdpa' or 'eager'"
+            )
+    return family, base
+
+
+def mpt_slopes(num_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
+    """MPT's slopes with bias maximum ``b``, as float32 ``[H]``.
+
+    MPT defines ``2^(-b k / P)`` (``P`` the power of two >= H) interleaved for
+    other head counts the same way as the paper, which makes every slope the
+    paper's (``b = 8``) raised to ``b / 8``.  MPT's own model always passes
+    ``b = 8``, ignoring ``attn_config.alibi_bias_max``; this honours it.
+    """
+    if not alibi_bias_max > 0:
+        raise ValueError(f"alibi_bias_max must be > 0, got {alibi_bias_max!r}")
+    paper = get_slopes(num_heads).to(torch.float64)
+    return torch.exp2(paper.log2() * (float(alibi_bias_max) / 8.0)).to(torch.float32)
+
+
+def base_slopes(model) -> torch.Tensor:
+    """The unscaled slopes of a supported model (float32 ``[H]``), head order as the model's."""
+    family, base = _resolve(model)
+    config = base.config
+    if family == "bloom":
+        return get_slopes(config.n_head)
+    if family == "mpt":
+        return mpt_slopes(config.n_heads, config.attn_config.alibi_bias_max)
+    return get_slopes(config.num_attention_heads)
+
+
+# ---------------------------------------------------------------------------
+# Scaling state and hooks
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Scaling:
+    family: str
+    method: str
+    factor: Optional[float]
+    train_length: Optional[int]
+    bias_form: str
+    slopes: torch.Tensor  # unscaled
+    num_heads: int
+    handles: List[Any] = field(default_factory=list)
+    saved_attrs: Dict[str, Any] = field(default_factory=dict)
+    current: Optional[Dict[str, Any]] = None  # per forward pass
+    last_factor: Optional[float] = None  # the factor of the latest forward pass
+
+    def settings(self) -> Dict[str, Any]:
+        return dict(
+            method=self.method,
+            factor=self.factor,
+            train_length=self.train_length,
+            bias_form=self.bias_form,
+        )
+
+
+_MISSING = object()
+
+
+def _call_arguments(module, args, kwargs) -> Dict[str, Any]:
+    """The base model's forward arguments by name, however they were passed."""
+    signature = inspect.signature(module.forward)
+    return signature.bind_partial(*args, **kwargs).arguments
+
+
+def _start_forward(state: _Scaling, module, args, kwargs) -> None:
+    """Forward pre-hook of the base model: record lengths and slopes for this pass."""
+    arguments = _call_arguments(module, args, kwargs)
+    tokens = arguments.get("input_ids")
+    if tokens is None:
+        tokens = arguments.get("inputs_embeds")
+    if tokens is None:
+        state.current = None  # the model itself will raise its own error
+        return
+    q_len = tokens.shape[1]
+    cache = arguments.get("past_key_values")
+    if cache is not None and not hasattr(cache, "get_seq_length"):
+        raise TypeError(
+            f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}"
+        )
+    past = int(cache.get_seq_length()) if cache is not None else 0
+    cache_max = int(cache.get_max_length()) if cache is not None else -1
+    mask = arguments.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(
+            f"ALiBi scaling needs a 2-D [batch, keys] attention_mask (or none), got shape {tuple(mask.shape)}"
+        )
+    kv_len = past + q_len
+    factor = resolve_scale_factor(state.method, state.factor or 0.0, state.train_length, kv_len)
+    state.last_factor = factor
+    state.current = dict(
+        q_len=q_len,
+        past=past,
+        kv_len=kv_len,
+        cache_max=cache_max,
+        mask=mask,
+        slopes=scale_slopes(state.slopes, state.method, factor),
+        built=None,
+    )
+
+
+def _end_forward(state: _Scaling, *unused) -> None:
+    state.current = None
+
+
+def _positions(current: Dict[str, Any], kv: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """int64 (query positions ``[B', q]``, key positions ``[B', kv]``), ``B'`` 1 or batch.
+
+    Without a mask positions are column indices; with one they count only the
+    attended tokens (as BLOOM and Falcon do), so left padding does not shift them.
+    The queries are the ``q`` columns after the ``past`` cached ones.
+    """
+    mask = current["mask"]
+    if mask is None:
+        keys = torch.arange(kv, device=device)[None, :]
+    else:
+        if mask.shape[-1] != kv:
+            raise RuntimeError(f"attention_mask has {mask.shape[-1]} columns for {kv} keys")
+        attended = mask.to(device=device, dtype=torch.long)
+        keys = (attended.cumsum(-1) - 1) * attended
+    start, q_len = current["past"], current["q_len"]
+    if start + q_len > kv:
+        raise RuntimeError(f"{start} cached + {q_len} new tokens exceed the {kv} keys")
+    return keys[:, start : start + q_len], keys
+
+
+def _relative_bias(slopes: torch.Tensor, current, kv: int, batch: int, device) -> torch.Tensor:
+    """float32 ``[B, H, q, kv]``: ``-slope * (i - j)`` from integer distances."""
+    queries, keys = _positions(current, kv, device)
+    distance = queries[:, :, None] - keys[:, None, :]
+    bias = -slopes.to(device)[None, :, None, None] * distance[:, None, :, :]
+    return bias.expand(batch, -1, -1, -1)
+
+
+def _bloom_block_hook(state: _Scaling, block, args, kwargs):
+    """BloomBlock pre-hook: replace the ``alibi`` argument (``[B*H, 1 or q, kv]``)."""
+    current = state.current
+    if current is None:
+        return None
+    if "alibi" not in kwargs:
+        raise RuntimeError("BloomBlock was not called with alibi=...: unsupported transformers version")
+    if current["built"] is None:
+        upstream = kwargs["alibi"]
+        heads = state.num_heads
+        batch, kv = upstream.shape[0] // heads, upstream.shape[-1]
+        slopes = current["slopes"].to(upstream.device)
+        if state.bias_form == "relative":
+            bias = _relative_bias(slopes, current, kv, batch, upstream.device)
+            bias = bias.reshape(batch * heads, current["q_len"], kv)
+        else:  # BLOOM's own form: slope * key position, cast as a whole
+            _, keys = _positions(current, kv, upstream.device)
+            bias = slopes[None, :, None] * keys[:, None, :]
+            bias = bias.expand(batch, -1, -1).reshape(batch * heads, 1, kv)
+        current["built"] = bias.to(upstream.dtype)
+    kwargs["alibi"] = current["built"]
+    return args, kwargs
+
+
+def _falcon_block_hook(state: _Scaling, block, args, kwargs):
+    """FalconDecoderLayer pre-hook: put our bias in the float mask, zero ``alibi``.
+
+    Falcon folds ``alibi / sqrt(head_dim)`` into the 4-D mask (what SDPA uses)
+    and its eager path adds ``alibi`` again; with ``alibi`` zeroed both paths
+    add the bias exactly once.
+    """
+    current = state.current
+    if current is None:
+        return None
+    upstream = kwargs.get("attention_mask")
+    if upstream is None or upstream.dim() != 4 or not upstream.is_floating_point() or "alibi" not in kwargs:
+        raise RuntimeError(
+            "Falcon did not fold ALiBi into a float 4-D attention mask: unsupported attention "
+            "implementation or transformers version"
+        )
+    if current["built"] is None:
+        batch, kv = upstream.shape[0], upstream.shape[-1]
+        heads = state.num_heads
+        dtype, device = upstream.dtype, upstream.device
+        head_dim = block.self_attention.head_dim
+        slopes = current["slopes"].to(device)
+        if state.bias_form == "relative":
+            bias = _relative_bias(slopes, current, kv, batch, device) / math.sqrt(head_dim)
+            bias = bias.to(dtype)
+        else:  # Falcon's own form: bfloat16 slope * key position, then the model dtype
+            _, keys = _positions(current, kv, device)
+            bias = (slopes.to(torch.bfloat16)[None, :, None] * keys[:, None, :]).to(dtype)
+            bias = (bias / math.sqrt(head_dim))[:, :, None, :].expand(batch, -1, current["q_len"], -1)
+        # Upstream's mask is its (non-negative) bias where attended, dtype-min elsewhere.
+        hidden = upstream < -1
+        mask = bias.masked_fill(hidden, torch.finfo(dtype).min)
+        zeros = torch.zeros(batch, heads, 1, kv, dtype=kwargs["alibi"].dtype, device=device)
+        current["built"] = (mask, zeros)
+    kwargs["attention_mask"], kwargs["alibi"] = current["built"]
+    return args, kwargs
+
+
+def _mpt_alibi_builder(state: _Scaling):
+    """Instance replacement of ``MptModel.build_mpt_alibi_tensor``.
+
+    MPT's form, ``-slope * (distance to the last key)`` in float32, shape
+    ``[H, 1, L]``; the attention keeps its last ``kv`` columns.  ``L`` covers
+    the keys of this pass, so inputs longer than ``max_seq_len`` work.
+    """
+
+    def build_mpt_alibi_tensor(num_heads, sequence_length, alibi_bias_max=8, device=None):
+        current = state.current
+        if current is None:  # called outside a forward pass: the static or unscaled slopes
+            factor = resolve_scale_factor(state.method, state.factor or 0.0, state.train_length, sequence_length)
+            slopes, length = scale_slopes(state.slopes, state.method, factor), sequence_length
+        else:
+            slopes = current["slopes"]
+            length = max(sequence_length, current["kv_len"], current["cache_max"])
+        distance = torch.arange(length - 1, -1, -1, device=device)
+        return -slopes.to(device)[:, None, None] * distance[None, None, :]
+
+    return build_mpt_alibi_tensor
+
+
+def _check_settings(method: str, factor, train_length, bias_form: str) -> None:
+    if method not in INTERPOLATION_METHODS:
+        raise ValueError(
+            f"unknown ALiBi interpolation method {method!r}; allowed: {', '.join(INTERPOLATION_METHODS)}"
+        )
+    if bias_form not in BIAS_FORMS:
+        raise ValueError(f"unknown bias_form {bias_form!r}; allowed: {', '.join(BIAS_FORMS)}")
+    if factor is not None:
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
+            raise ValueError(f"factor must be a finite number >= 1 (or None for dynamic scaling), got {factor!r}")
+        if train_length is not None:
+            raise ValueError("give either a static factor or train_length (dynamic scaling), not both")
+    elif method != "none":
+        if train_length is None:
+            raise ValueError(
+                f"method {method!r} needs a static factor >= 1, or factor=None with train_length "
+                "(the length the model was trained at) for dynamic scaling"
+            )
+    if train_length is not None and (
+        isinstance(train_length, bool) or not isinstance(train_length, int) or train_length < 1
+    ):
+        raise ValueError(f"train_length must be an integer >= 1, got {train_length!r}")
+
+
+def apply_alibi_scaling(
+    model,
+    method: str,
+    factor: Optional[float] = None,
+    train_length: Optional[int] = None,
+    bias_form: str = "relative",
+):
+    """Scale the ALiBi slopes of a BLOOM, MPT or Falcon (alibi=True) model in place.
+
+    ``method``: ``none``, ``linear`` or ``ntk`` (``fairseq_alibi.alibi.scale_slopes``).
+    ``factor >= 1``: static.  ``factor=None`` with ``train_length``: dynamic,
+    ``max(1, kv_length / train_length)`` per forward pass, ``kv_length`` the
+    cached plus new tokens (a KV cache built under earlier slopes then differs
+    from recomputation; static factors keep incremental decoding exact).
+    ``bias_form``: ``relative`` (default, ``-slope * (i - j)`` formed in float32)
+    or ``upstream`` (the model's own form, with the scaled slopes).
+
+    Applying again replaces the previous scaling.  Returns ``model``.  The hooks
+    belong to this instance: copy a model before scaling it, not after.
+    """
+    _check_settings(method, factor, train_length, bias_form)
+    family, base = _resolve(model)
+    if getattr(base, _STATE_ATTR, None) is not None:
+        remove_alibi_scaling(model)
+    slopes = base_slopes(model)
+    state = _Scaling(
+        family=family,
+        method=method,
+        factor=None if factor is None else float(factor),
+        train_length=train_length,
+        bias_form=bias_form,
+        slopes=slopes,
+        num_heads=slopes.numel(),
+    )
+    state.handles.append(
+        base.register_forward_pre_hook(
+            lambda module, args, kwargs: _start_forward(state, module, args, kwargs), with_kwargs=True
+        )
+    )
+    state.handles.append(base.register_forward_hook(lambda *a: _end_forward(state), always_call=True))
+    if family == "bloom":
+        for block in base.h:
+            state.handles.append(
+                block.register_forward_pre_hook(
+                    lambda module, args, kwargs: _bloom_block_hook(state, module, args, kwargs), with_kwargs=True
+                )
+            )
+    elif family == "falcon":
+        for block in base.h:
+            state.handles.append(
+                block.register_forward_pre_hook(
+                    lambda module, args, kwargs: _falcon_block_hook(state, module, args, kwargs), with_kwargs=True
+                )
+            )
+    else:  # mpt: MptModel.forward calls self.build_mpt_alibi_tensor
+        name = "build_mpt_alibi_tensor"
+        state.saved_attrs[name] = base.__dict__.get(name, _MISSING)
+        setattr(base, name, _mpt_alibi_builder(state))
+    setattr(base, _STATE_ATTR, state)
+    return model
+
+
+def remove_alibi_scaling(model):
+    """Undo ``apply_alibi_scaling``: hooks removed, instance attributes restored.  Returns ``model``."""
+    _, base = _resolve(model)
+    state = getattr(base, _STATE_ATTR, None)
+    if state is None:
+        return model
+    for handle in state.handles:
+        handle.remove()
+    for name, value in state.saved_attrs.items():
+        if value is _MISSING:
+            base.__dict__.pop(name, None)
+        else:
+            setattr(base, name, value)
+    del base.__dict__[_STATE_ATTR]
+    return model
+
+
+def alibi_scaling_settings(model) -> Optional[Dict[str, Any]]:
+    """The settings a model is scaled with (``method``, ``factor``, ...), or None."""
+    _, base = _resolve(model)
+    state = getattr(base, _STATE_ATTR, None)
+    if state is None:
+        return None
+    return dict(state.settings(), last_factor=state.last_factor)
+
+
+@contextlib.contextmanager
+def alibi_scaling(model, method: str, factor: Optional[float] = None, train_length: Optional[int] = None,
+                  bias_form: str = "relative"):
+    """``with alibi_scaling(model, "ntk", 2.0): ...`` -- scaled inside, as before outside."""
+    _, base = _resolve(model)
+    previous = getattr(base, _STATE_ATTR, None)
+    previous = previous.settings() if previous is not None else None
+    apply_alibi_scaling(model, method, factor, train_length, bias_form)
+    try:
+        yield model
+    finally:
+        remove_alibi_scaling(model)
+        if previous is not None:
+            apply_alibi_scaling(model, **previous)
+
+
+# ---------------------------------------------------------------------------
+# Adapter for the evaluation tools
+# ---------------------------------------------------------------------------
+
+
+def hf_train_length(config) -> Optional[int]:
+    """The length a model was trained at, where its config records it, else None.
+
+    MPT: ``max_seq_len``; BLOOM: ``seq_length`` when the config has it (the
+    BigScience configs do not always).  Other configs record no training length.
+    """
+    model_type = getattr(config, "model_type", None)
+    name = {"mpt": "max_seq_len", "bloom": "seq_length"}.get(model_type)
+    value = getattr(config, name, None) if name else None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def load_hf_model(name_or_dir: str, device: str = "cpu", dtype=None):
+    """(model, tokenizer) of a causal LM from a local directory or a hub name, in eval mode.
+
+    A local directory is read with ``local_files_only`` (no network).  A hub
+    name needs the network or the Hugging Face cache.  Failures raise
+    ``HFLoadError`` with one line saying what was wrong and what to do.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise HFLoadError(f"unknown dtype {dtype!r}; allowed: {', '.join(_DTYPES)} or a torch.dtype")
+        dtype = _DTYPES[dtype]
+    name_or_dir = os.path.expanduser(str(name_or_dir))
+    local = os.path.isdir(name_or_dir)
+    # A hub name is "name" or "owner/name"; anything else that is not a directory is a bad path.
+    if not local and (os.path.exists(name_or_dir) or name_or_dir.startswith((".", "/"))
+                      or name_or_dir.count("/") > 1):
+        raise HFLoadError(
+            f"{name_or_dir} is not a model directory; give a directory written by save_pretrained "
+            "(config.json, weights, tokenizer files) or a hub name such as bigscience/bloom-560m"
+        )
+    options = dict(local_files_only=True) if local else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_dir, **options)
+        model = AutoModelForCausalLM.from_pretrained(name_or_dir, dtype=dtype, **options)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = " ".join(str(exc).split())
+        if len(reason) > 300:
+            reason = reason[:297] + "..."
+        where = (
+            "check that the directory holds config.json, the weights and the tokenizer files"
+            if local
+            else "a hub name needs the network or a copy in the Hugging Face cache; "
+            "otherwise download it elsewhere and pass its directory"
+        )
+        raise HFLoadError(f"cannot load Hugging Face model {name_or_dir!r}: {reason} ({where})") from None
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def token_log_probs(model, input_ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """float32 ``[T-1]``: log-probability of each next token, teacher-forced, one forward.
+
+    ``input_ids`` is ``[T]`` or ``[1, T]``.  For BLOOM, MPT and Falcon the
+    vocabulary projection runs ``chunk`` positions at a time, so long inputs do
+    not materialize ``T x vocab`` logits in float32 at once.
+    """
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"token_log_probs takes one sequence, got a batch of {input_ids.shape[0]}")
+        input_ids = input_ids[0]
+    if input_ids.dim() != 1 or input_ids.numel() < 2:
+        raise ValueError(f"token_log_probs needs a [T] sequence of at least 2 tokens, got {tuple(input_ids.shape)}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no language-model head; load it with AutoModelForCausalLM")
+    device = next(model.parameters()).device
+    tokens = input_ids.to(device)[None, :]
+    targets = tokens[0, 1:]
+    try:
+        family, base = _resolve(model)
+    except UnsupportedModelError:
+        family = None
+    with torch.inference_mode():
+        if family is None:  # any other causal LM: its own logits
+            logits = model(input_ids=tokens, use_cache=False).logits[0, :-1].float()
+            return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0].cpu()
+        hidden = base(input_ids=tokens, use_cache=False).last_hidden_state[0, :-1]
+        pieces = []
+        for start in range(0, hidden.shape[0], chunk):
+            logits = head(hidden[start : start + chunk]).float()
+            pieces.append(logits.log_softmax(-1).gather(-1, targets[start : start + chunk, None])[:, 0])
+        return torch.cat(pieces).cpu()
