@@ -49,6 +49,14 @@ class ForkCheckpointError(CheckpointError):
     """An unconverted checkpoint of the ALiBi fork reached fairseq's loader."""
 
 
+class UnsupportedModelError(UserError, ValueError):
+    """A Hugging Face model without an ALiBi bias ``fairseq_alibi.hf`` knows how to scale."""
+
+
+class HFLoadError(UserError, ValueError):
+    """A Hugging Face model or tokenizer could not be loaded."""
+
+
 class EvaluationError(UserError):
     """Bad input to an evaluation tool (sweep, retrieval): files, names, grid."""
 

@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .alibi import INTERPOLATION_METHODS, get_slopes, resolve_scale_factor, scale_slopes
+from .errors import HFLoadError, UnsupportedModelError
 
 BIAS_FORMS = ("relative", "upstream")
 SUPPORTED_MODELS = (
@@ -46,14 +47,6 @@ SUPPORTED_MODELS = (
     "Falcon with config.alibi=True (FalconModel, FalconForCausalLM)"
 )
 _STATE_ATTR = "_fairseq_alibi_scaling"
-
-
-class UnsupportedModelError(ValueError):
-    """The model has no ALiBi bias this module knows how to scale."""
-
-
-class HFLoadError(ValueError):
-    """A Hugging Face model or tokenizer could not be loaded."""
 
 
 # ---------------------------------------------------------------------------
@@ -504,10 +497,13 @@ def load_hf_model(name_or_dir: str, device: str = "cpu", dtype=None):
     return model, tokenizer
 
 
-def token_log_probs(model, input_ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def token_log_probs(model, input_ids: torch.Tensor, chunk: int = 1024, next_token: Optional[int] = None) -> torch.Tensor:
     """float32 ``[T-1]``: log-probability of each next token, teacher-forced, one forward.
 
-    ``input_ids`` is ``[T]`` or ``[1, T]``.  For BLOOM, MPT and Falcon the
+    ``input_ids`` is ``[T]`` or ``[1, T]``.  With ``next_token`` (the token
+    after the input) the result is ``[T]``: the last position's prediction is
+    scored too, so a window of T tokens scores T of them over T keys (what a
+    fairseq LM window does).  For BLOOM, MPT and Falcon the
     vocabulary projection runs ``chunk`` positions at a time, so long inputs do
     not materialize ``T x vocab`` logits in float32 at once.
     """
@@ -515,7 +511,7 @@ def token_log_probs(model, input_ids: torch.Tensor, chunk: int = 1024) -> torch.
         if input_ids.shape[0] != 1:
             raise ValueError(f"token_log_probs takes one sequence, got a batch of {input_ids.shape[0]}")
         input_ids = input_ids[0]
-    if input_ids.dim() != 1 or input_ids.numel() < 2:
+    if input_ids.dim() != 1 or input_ids.numel() < (1 if next_token is not None else 2):
         raise ValueError(f"token_log_probs needs a [T] sequence of at least 2 tokens, got {tuple(input_ids.shape)}")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None:
@@ -523,15 +519,19 @@ def token_log_probs(model, input_ids: torch.Tensor, chunk: int = 1024) -> torch.
     device = next(model.parameters()).device
     tokens = input_ids.to(device)[None, :]
     targets = tokens[0, 1:]
+    keep = tokens.shape[1] - 1  # positions whose prediction is scored
+    if next_token is not None:
+        targets = torch.cat([targets, torch.tensor([next_token], device=device)])
+        keep += 1
     try:
         family, base = _resolve(model)
     except UnsupportedModelError:
         family = None
     with torch.inference_mode():
         if family is None:  # any other causal LM: its own logits
-            logits = model(input_ids=tokens, use_cache=False).logits[0, :-1].float()
+            logits = model(input_ids=tokens, use_cache=False).logits[0, :keep].float()
             return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0].cpu()
-        hidden = base(input_ids=tokens, use_cache=False).last_hidden_state[0, :-1]
+        hidden = base(input_ids=tokens, use_cache=False).last_hidden_state[0, :keep]
         pieces = []
         for start in range(0, hidden.shape[0], chunk):
             logits = head(hidden[start : start + chunk]).float()

@@ -10,7 +10,9 @@ slopes.  Everything runs offline in float32 unless a test says otherwise.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import random
 
 import pytest
 import torch
@@ -569,3 +571,67 @@ def test_token_log_probs_equal_the_full_logits():
         hf.token_log_probs(model.base_model, ids)
     with pytest.raises(ValueError, match="one sequence"):
         hf.token_log_probs(model, tokens(30, batch=2))
+
+
+# ---------------------------------------------------------------------------
+# alibi-sweep --hf: perplexity of a saved model on a raw text file
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_mpt(tmp_path_factory):
+    """A tiny MPT (6 heads, max_seq_len 16 = its recorded training length) and
+    its tokenizer, saved as a user would have them; plus a text file."""
+    root = tmp_path_factory.mktemp("hf_sweep")
+    model, tokenizer = make_model("mpt", max_seq_len=TRAIN_LENGTH), build_tokenizer()
+    model.save_pretrained(root / "mpt")
+    tokenizer.save_pretrained(root / "mpt")
+    rng = random.Random(0)
+    words = " ".join(rng.choice(" ".join(SENTENCES).split()) for _ in range(150))
+    (root / "text.txt").write_text(words + "\n")
+    return root
+
+
+def reference_nonoverlapping_loss(model, ids, length) -> float:
+    """Base-2 loss: chunks of ``length`` inputs, each predicting the next token."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, ids.numel() - 1, length):
+            inputs = ids[start : start + length]
+            targets = ids[start + 1 : start + length + 1]
+            logprobs = model(inputs[None]).logits[0, : targets.numel()].double().log_softmax(-1)
+            total += float(logprobs.gather(-1, targets[:, None]).sum())
+            count += targets.numel()
+    return -total / count / math.log(2)
+
+
+def test_sweep_hf_model_on_a_text_file(saved_mpt, monkeypatch):
+    from fairseq_alibi.evaluation import perplexity
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = saved_mpt / "out"
+    argv = [str(saved_mpt / "text.txt"), "--hf", f"mpt={saved_mpt / 'mpt'}", "--lengths", "1x,2x",
+            "--methods", "none,linear:2,ntk", "--modes", "nonoverlapping,sliding", "--stride", "4",
+            "--output-dir", str(out), "--cpu", "--no-progress"]
+    assert perplexity.main(argv) == 0
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    assert len(cells) == 3 * 2 * 2 and (out / "perplexity.png").exists()
+    model, tokenizer = hf.load_hf_model(str(saved_mpt / "mpt"))
+    ids = torch.tensor(tokenizer((saved_mpt / "text.txt").read_text(), add_special_tokens=False)["input_ids"])
+    by = {(c["label"], c["mode"], c["length"]): c for c in cells}
+    for label, method, factor in (("none", "none", None), ("linear x2", "linear", 2.0)):
+        for length in (TRAIN_LENGTH, 2 * TRAIN_LENGTH):
+            with hf.alibi_scaling(model, method, factor):
+                expected = reference_nonoverlapping_loss(model, ids, length)
+            cell = by[(label, "nonoverlapping", length)]
+            assert cell["tokens"] == ids.numel() - 1
+            assert cell["loss"] == pytest.approx(expected, abs=1e-5), (label, length)
+    # dynamic NTK at the recorded training length is the unscaled model
+    assert by[("ntk dynamic", "nonoverlapping", TRAIN_LENGTH)]["loss"] == pytest.approx(
+        by[("none", "nonoverlapping", TRAIN_LENGTH)]["loss"], abs=1e-9)
+    # sliding windows score every token once, with more context than nonoverlapping ones
+    assert by[("none", "sliding", 2 * TRAIN_LENGTH)]["tokens"] == ids.numel() - 1
+    # re-run: every cell reused
+    calls = []
+    monkeypatch.setattr(hf, "token_log_probs", lambda *a, **k: calls.append(a))
+    assert perplexity.main(argv) == 0 and calls == []

@@ -54,6 +54,7 @@ from .grid import (
     check_data,
     data_identity,
     eval_lm_config,
+    file_identity,
     inspect_checkpoint,
     load_language_model,
     model_overrides,
@@ -224,9 +225,16 @@ def get_parser() -> argparse.ArgumentParser:
         "--checkpoint sin=ck/sin.pt \\\n      --lengths 1x,2x,4x,8x,16x --methods none,linear:2,linear,ntk:2,ntk "
         "--modes nonoverlapping,sliding --stride 32 --output-dir outputs/sweep --cpu",
     )
-    p.add_argument("data", help="fairseq-preprocess output directory")
+    p.add_argument("data", help="fairseq-preprocess output directory (with --hf: a raw text file)")
     p.add_argument("--checkpoint", "-c", action="append", default=[], metavar="[NAME=]PATH",
                    help="a checkpoint to evaluate (repeatable)")
+    p.add_argument("--hf", action="append", default=[], metavar="[NAME=]MODEL",
+                   help="a Hugging Face BLOOM, MPT or Falcon (alibi) model instead: a directory written "
+                   "by save_pretrained or a hub name (repeatable); DATA is then a raw text file")
+    p.add_argument("--train-length", type=int, default=None,
+                   help="with --hf: the model's training length, for Nx lengths and dynamic methods "
+                   "(default: from its config where recorded, MPT max_seq_len, BLOOM seq_length)")
+    p.add_argument("--dtype", default=None, help="with --hf: float32 | bfloat16 | float16 (default: the model's)")
     p.add_argument("--lengths", default="1x,2x,4x,8x,16x",
                    help="evaluation lengths: integers (2k = 2048), or Nx = N times the training length "
                    "(default: %(default)s)")
@@ -253,14 +261,86 @@ def cell_key(cell: dict) -> tuple:
     )
 
 
-def run(args: argparse.Namespace) -> List[dict]:
-    methods = parse_methods(args.methods)
+def parse_modes(args) -> List[str]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise EvaluationError(f"unknown mode(s) {', '.join(bad or modes)}: choose from {', '.join(MODES)}")
     if "sliding" in modes and (args.stride is None or args.stride < 1):
         raise EvaluationError("--modes sliding needs --stride N (N >= 1 tokens scored per window)")
+    return modes
+
+
+def cell_record(info: CheckpointInfo, method: Method, mode: str, length: int, stride: int,
+                subset: str, command: str, identity: str, result: dict) -> dict:
+    """One finished cell, as stored and reported."""
+    return {
+        "checkpoint": info.name, "path": info.path, "model": info.model,
+        "method": method.name, "factor": float(method.factor), "label": method.label,
+        "mode": mode, "length": length, "stride": stride, "context_window": length - stride,
+        "length_ratio": length / info.train_length if info.train_length else None,
+        "train_length": info.train_length, "subset": subset, "command": command,
+        "identity": identity, **result,
+    }
+
+
+def log_cell(bar, cell: dict) -> None:
+    bar.update(1)
+    bar.write(f"{cell['checkpoint']:>12} {cell['label']:>14} {cell['mode']:>14} L={cell['length']:<6} "
+              f"stride={cell['stride']:<6} ppl={cell['ppl']:.2f} ({cell['tokens']} tokens, {cell['seconds']:.1f}s)")
+
+
+def run_hf(args: argparse.Namespace) -> List[dict]:
+    """The sweep over Hugging Face models on a raw text file (``--hf``)."""
+    from .hf_models import HFModel, model_identity, parse_hf_models
+
+    if args.checkpoint:
+        raise EvaluationError("give either --checkpoint (fairseq, DATA a data directory) or --hf "
+                              "(Hugging Face, DATA a text file), not both")
+    methods, modes, lengths = parse_methods(args.methods), parse_modes(args), parse_lengths(args.lengths)
+    if not os.path.isfile(args.data):
+        raise EvaluationError(f"with --hf, DATA is a raw text file; {args.data} is not a file")
+    with open(args.data, encoding="utf-8") as handle:
+        text = handle.read()
+    if not text.strip():
+        raise EvaluationError(f"{args.data} is empty")
+    prepare_output_dir(args.output_dir)
+    subset = os.path.basename(args.data)
+    data_id = f"{os.path.abspath(args.data)}={file_identity(args.data)}"
+    store = ResultStore(args.output_dir)
+    models = parse_hf_models(args.hf)
+    identities = {name: f"{model_identity(spec, args.train_length)}|{data_id}|{args.dtype}" for name, spec in models}
+    store.reuse(cell_key, lambda cell: identities.get(cell["checkpoint"]))
+    if store.stale:
+        logger.info("%d stored cells were computed from other models, text or settings: recomputing them",
+                    store.stale)
+    meta = {"data": os.path.abspath(args.data), "subset": subset, "hf": True}
+    for name, spec in models:
+        model = HFModel(name, spec, args.train_length, args.cpu, args.dtype)
+        plans, _ = build_plan([model.info], methods, modes, lengths, args.stride, None)
+        tokens = model.encode(text)
+        todo = [p for p in plans if store.get((name, p.method.name, float(p.method.factor), p.mode, p.length,
+                                               p.stride, subset)) is None]
+        logger.info("%s: %d tokens, %d cells, %d to run", name, tokens.numel(), len(plans), len(todo))
+        bar = progress(len(plans), len(plans) - len(todo), name, args.no_progress)
+        for plan in todo:
+            result = model.perplexity(tokens, plan.length, plan.stride, plan.method)
+            cell = cell_record(model.info, plan.method, plan.mode, plan.length, plan.stride, subset,
+                               model.command(plan.length, plan.stride), identities[name], result)
+            store.put(cell_key(cell), cell, meta, order=_order)
+            log_cell(bar, cell)
+        bar.close()
+        del model
+    cells = sorted(store.cells.values(), key=_order)
+    write_reports(args.output_dir, cells, meta)
+    return cells
+
+
+def run(args: argparse.Namespace) -> List[dict]:
+    if args.hf:
+        return run_hf(args)
+    methods = parse_methods(args.methods)
+    modes = parse_modes(args)
     lengths = parse_lengths(args.lengths)
     checkpoints = parse_checkpoints(args.checkpoint)
     check_data(args.data, args.subset)
@@ -309,21 +389,10 @@ def run(args: argparse.Namespace) -> List[dict]:
             evaluator = Evaluator(plan.info, plan.method, args.data, args.subset, max_len,
                                   max_tokens, args.batch_size, args.cpu)
         result = evaluator.evaluate(plan.length, plan.stride, per_position=args.per_position)
-        cell = {
-            "checkpoint": plan.info.name, "path": plan.info.path, "model": plan.info.model,
-            "method": plan.method.name, "factor": float(plan.method.factor), "label": plan.method.label,
-            "mode": plan.mode, "length": plan.length, "stride": plan.stride,
-            "context_window": plan.length - plan.stride,
-            "length_ratio": plan.length / plan.info.train_length if plan.info.train_length else None,
-            "train_length": plan.info.train_length, "subset": args.subset,
-            "command": evaluator.command(plan.length, plan.stride),
-            "identity": identity(plan.info.name),
-            **result,
-        }
+        cell = cell_record(plan.info, plan.method, plan.mode, plan.length, plan.stride, args.subset,
+                           evaluator.command(plan.length, plan.stride), identity(plan.info.name), result)
         store.put(key_of(plan), cell, meta, order=_order)  # resume point after every cell
-        bar.update(1)
-        bar.write(f"{cell['checkpoint']:>12} {cell['label']:>14} {cell['mode']:>14} L={cell['length']:<6} "
-                  f"stride={cell['stride']:<6} ppl={cell['ppl']:.2f} ({cell['tokens']} tokens, {cell['seconds']:.1f}s)")
+        log_cell(bar, cell)
     bar.close()
     cells = sorted(store.cells.values(), key=_order)
     write_reports(args.output_dir, cells, meta)
@@ -355,7 +424,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with report_errors(interrupted="alibi-sweep interrupted: finished cells are saved in "
                        f"{args.output_dir}/results.json; run the same command again to resume"):
         cells = run(args)
-    print(report.perplexity_table([c for c in cells if c["subset"] == args.subset]))
+    subset = os.path.basename(args.data) if args.hf else args.subset
+    print(report.perplexity_table([c for c in cells if c["subset"] == subset]))
     print(f"results in {args.output_dir}/ ({', '.join(_written(args.output_dir))})")
     return 0
 
