@@ -16,15 +16,17 @@ What fairseq checkpoints contain, found by scanning real files with
   with Adam state, meters and the data-iterator position, single process or
   torchrun/gloo): only tensors, storages and ``collections.OrderedDict``, all of
   which torch allows already.  fairseq 0.12 saves ``cfg`` as a plain dict.
-* the ALiBi fork (fairseq 1.0.0a0): ``cfg`` is a pickled OmegaConf
-  ``DictConfig``, which brings the OmegaConf container classes and the type
-  objects its node metadata records (``typing.Any``, ``dict``, ``list``,
-  ``int``) and a ``collections.defaultdict``.
+* the ALiBi fork (fairseq 1.0.0a0): its trainer saves ``cfg`` as a plain dict
+  of resolved values (``OmegaConf.to_container``), like fairseq 0.12.
+* a ``cfg`` pickled as an OmegaConf ``DictConfig`` (other fairseq 1.0-era
+  snapshots and hand-made files) brings the OmegaConf container classes and
+  the type objects its node metadata records (``typing.Any``, ``dict``,
+  ``list``, ``int``) and a ``collections.defaultdict``.
 * pre-hydra fairseq (up to 0.10): the options are an ``argparse.Namespace``
   under ``args`` (fairseq 1.0-era configs may embed one too).
 
 The published fork files could not be scanned here (no network); the fork
-layout is reproduced in tests/test_checkpoints.py from what is known of it.
+layout is reproduced in tests (conftest.fork_layout) from the fork's source.
 If a real file needs one more harmless type, the refusal names it.
 
 Nothing else is allowed: no numpy scalars (fairseq 0.12 does not write them),
@@ -55,7 +57,7 @@ from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointErr
 # module docstring for where each comes from).  Allowing a type lets the file
 # name it and build instances of it, so only plain data holders are listed.
 SAFE_GLOBALS: List[Any] = [
-    DictConfig,  # the fork's cfg (and any fairseq 1.0-era cfg)
+    DictConfig,  # a cfg pickled as an OmegaConf config (fairseq 1.0-era snapshots)
     ListConfig,  # list values inside such a cfg
     ContainerMetadata,  # DictConfig/ListConfig bookkeeping
     Metadata,  # value-node bookkeeping
