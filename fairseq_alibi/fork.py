@@ -73,9 +73,10 @@ def model_name(state: Dict[str, Any]) -> Optional[str]:
 
 
 def _stock_lm_archs():
-    from .models.transformer_lm import STOCK_ARCHS
+    """Every architecture of fairseq's stock ``transformer_lm`` model."""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
-    return set(STOCK_ARCHS)
+    return {name for name, model in ARCH_MODEL_NAME_REGISTRY.items() if model == "transformer_lm"}
 
 
 def alibi_twin(arch: str) -> str:

@@ -127,20 +127,27 @@ def resolve_lengths(lengths: Sequence[Tuple[str, float]], train_length: Optional
     return sorted(out)
 
 
-def parse_checkpoints(specs: Sequence[str]) -> List[Tuple[str, str]]:
+def parse_named(specs: Sequence[str], default_name, what: str = "checkpoints") -> List[Tuple[str, str]]:
+    """``[NAME=]VALUE`` items -> (name, value); ``default_name(value)`` names a bare one."""
     out: List[Tuple[str, str]] = []
     for spec in specs:
-        name, sep, path = spec.partition("=")
+        name, sep, value = spec.partition("=")
         if not sep:
-            path = spec
-            name = os.path.basename(os.path.dirname(os.path.abspath(spec))) or os.path.basename(spec)
+            name, value = default_name(spec), spec
+        if any(n == name for n, _ in out):
+            raise EvaluationError(f"two {what} named {name!r}: name them with NAME=...")
+        out.append((name, value))
+    return out
+
+
+def parse_checkpoints(specs: Sequence[str]) -> List[Tuple[str, str]]:
+    """``[NAME=]PATH`` (a bare path is named after its directory) of existing files."""
+    out = parse_named(specs, lambda p: os.path.basename(os.path.dirname(os.path.abspath(p))) or os.path.basename(p))
+    for _, path in out:
         if os.path.isdir(path):
             raise EvaluationError(checkpoint_files(path))
         if not os.path.isfile(path):
             raise EvaluationError(f"checkpoint not found: {path}")
-        if any(n == name for n, _ in out):
-            raise EvaluationError(f"two checkpoints named {name!r}: name them with NAME=PATH")
-        out.append((name, path))
     if not out:
         raise EvaluationError("no checkpoints given: add --checkpoint [NAME=]PATH")
     return out

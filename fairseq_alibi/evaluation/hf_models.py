@@ -16,24 +16,11 @@ import time
 from typing import List, Optional, Sequence, Tuple
 
 from ..errors import EvaluationError
-from .grid import CheckpointInfo, Method
-
-#: The method names of ``grid.Method`` are those of ``hf.apply_alibi_scaling``.
-HF_PREFIX = "hf:"
-
+from .grid import CheckpointInfo, Method, parse_named
 
 def parse_hf_models(specs: Sequence[str]) -> List[Tuple[str, str]]:
     """``[NAME=]MODEL`` (a directory or a hub name) -> (name, model)."""
-    out: List[Tuple[str, str]] = []
-    for spec in specs:
-        name, sep, model = spec.partition("=")
-        if not sep:
-            model = spec
-            name = os.path.basename(os.path.normpath(spec)) or spec
-        if any(n == name for n, _ in out):
-            raise EvaluationError(f"two models named {name!r}: name them with NAME=MODEL")
-        out.append((name, model))
-    return out
+    return parse_named(specs, lambda m: os.path.basename(os.path.normpath(m)) or m, "models")
 
 
 def model_identity(model: str, train_length: Optional[int]) -> str:
