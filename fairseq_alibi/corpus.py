@@ -50,6 +50,8 @@ import tokenize
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .errors import UserError, report_errors
+
 logger = logging.getLogger("fairseq_alibi.corpus")
 
 SPLITS = ("train", "valid", "test")
@@ -62,7 +64,7 @@ MANIFEST = "corpus.json"
 BINARY_FILES = ("dict.txt",) + tuple(f"{s}.{ext}" for s in SPLITS for ext in ("bin", "idx"))
 
 
-class CorpusError(RuntimeError):
+class CorpusError(UserError):
     """A problem with the corpus inputs or outputs, explained for the user."""
 
 
@@ -408,11 +410,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stdlib_dir=args.stdlib_dir, lowercase=args.lowercase, min_count=args.min_count,
         valid_fraction=args.valid_fraction, test_fraction=args.test_fraction, workers=args.workers,
     )
-    try:
+    with report_errors():
         manifest = prepare(cfg, force=args.force)
-    except CorpusError as exc:
-        sys.stderr.write(f"fairseq_alibi.corpus: error: {exc}\n")
-        return 2
     splits = manifest["splits"]
     print(
         f"corpus in {cfg.destdir}: vocabulary {manifest['vocabulary']:,}; "

@@ -195,6 +195,9 @@ HARMLESS_WARNINGS = (
     r"\s*'config' is validated against ConfigStore schema",  # hydra 1.1 deprecation (fairseq's configs)
     r"\s*The version_base parameter is not specified",  # hydra, fairseq's hydra_main
     r"\s*Future Hydra versions will no longer change working directory",  # hydra
+    r"hydra\.experimental\.\w+\(\) is no longer experimental",  # hydra, fairseq's config loading
+    r"In '[^']*': Usage of deprecated keyword in package header",  # hydra, fairseq's yaml headers
+    r"\s*The strict flag in the compose API is deprecated",  # hydra, fairseq's compose call
     r"'pin_memory' argument is set as true but no accelerator",  # torch DataLoader on CPU
     r"Support for mismatched key_padding_mask and attn_mask is deprecated",  # torch, stock fairseq MHA
     r"`torch.cuda.amp.\w+\(args...\)` is deprecated",  # torch, fairseq's fp16 code

@@ -18,7 +18,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_NAME_REGISTRY
 
 import fairseq_alibi  # noqa: F401  (registers the models)
-from conftest import causal_bias, split_bias, symmetric_bias
+from conftest import causal_bias, error_lines, run_cli, split_bias, symmetric_bias, tool
 
 from fairseq_alibi import alibi
 from fairseq_alibi.attention import AlibiBias, AlibiMultiheadAttention, LearnedAlibiBias, flex_available
@@ -443,6 +443,19 @@ def test_fairseq_train_console_script(mlm_data, tmp_path):
     result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_mlm_checkpoint(tmp_path / "checkpoint_last.pt", "split")
+
+
+@pytest.mark.parametrize("flag,value,phrase", [
+    ("--alibi-interpolation", "bogus", "alibi_interpolation='bogus' is not valid"),
+    ("--alibi-bidirectional", "diagonal", "alibi_bidirectional='diagonal' is not valid"),
+])
+def test_encoder_bad_value_is_one_line(mlm_data, tmp_path, flag, value, phrase):
+    """The encoders report bad ALiBi values as the LM does: one error line, exit 1."""
+    args = [*mlm_train_args(mlm_data / "bin", "symmetric", tmp_path), flag, value]  # the last one wins
+    result = run_cli([tool("alibi-train"), *args], expect_ok=False)
+    lines = error_lines(result)
+    assert result.returncode == 1 and "Traceback" not in result.output, result.output[-2000:]
+    assert len(lines) == 1 and phrase in lines[0], lines
 
 
 @pytest.fixture(scope="module")

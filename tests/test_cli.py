@@ -591,18 +591,29 @@ def test_base_arch_builds_without_any_dimension_flags(wiki103_dict):
     assert n_params(twin) == n_params(stock)
 
 
+HYDRA_OVERRIDE_CHECK = """
+import sys
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
+    cfg = compose("wikitext103_alibi_L512", overrides=["model.alibi_scale_factor=2"])
+    assert cfg.model.alibi_scale_factor == 2
+    try:
+        compose("wikitext103_alibi_L512", overrides=["+model.alibi_scale_factor=2"])
+    except ConfigCompositionException as exc:
+        assert "already at" in str(exc), exc
+    else:
+        raise AssertionError("+model.alibi_scale_factor=2 was accepted")
+print("ok")
+"""
+
+
 def test_shipped_hydra_configs_take_overrides_without_plus():
     """docs/usage.md: ``model.alibi_scale_factor=2`` works on the shipped
-    configs, ``+model.alibi_scale_factor=2`` is refused (the key is there)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import ConfigCompositionException
-
-    config_dir = str(Path(__file__).resolve().parents[1] / "examples" / "language_model" / "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        cfg = compose("wikitext103_alibi_L512", overrides=["model.alibi_scale_factor=2"])
-        assert cfg.model.alibi_scale_factor == 2
-        with pytest.raises(ConfigCompositionException, match="already at"):
-            compose("wikitext103_alibi_L512", overrides=["+model.alibi_scale_factor=2"])
+    configs, ``+model.alibi_scale_factor=2`` is refused (the key is there).
+    In a subprocess: Hydra's global version state would leak into fairseq's."""
+    config_dir = Path(__file__).resolve().parents[1] / "examples" / "language_model" / "config"
+    assert run_cli([sys.executable, "-c", HYDRA_OVERRIDE_CHECK, config_dir]).stdout.strip() == "ok"
 
 
 # --------------------------------------------------------------------------- what users see

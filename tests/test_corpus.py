@@ -118,14 +118,14 @@ def run_script(args, env=None, timeout=120):
 def test_corpus_fails_clearly_on_missing_input(tmp_path):
     result = run_script([RECIPES / "prepare-embedded-corpus.sh", tmp_path / "bin",
                          "--stdlib-dir", tmp_path / "nowhere"])
-    assert result.returncode == 2
+    assert result.returncode == 1 and result.stderr.startswith("error: ")
     assert "standard library directory not found" in result.output and "Traceback" not in result.output
     (tmp_path / "empty").mkdir()
     result = run_script([RECIPES / "prepare-embedded-corpus.sh", tmp_path / "bin",
                          "--stdlib-dir", tmp_path / "empty", "--sources", "docstrings"])
-    assert result.returncode == 2 and "no Python sources with documentation" in result.output
+    assert result.returncode == 1 and "no Python sources with documentation" in result.output
     result = run_script([RECIPES / "prepare-embedded-corpus.sh", tmp_path / "bin", "--sources", "novels"])
-    assert result.returncode == 2 and "unknown corpus source" in result.output
+    assert result.returncode == 1 and "unknown corpus source" in result.output
     assert not (tmp_path / "bin" / corpus.MANIFEST).exists()
 
 
