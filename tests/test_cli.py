@@ -595,7 +595,7 @@ HYDRA_OVERRIDE_CHECK = """
 import sys
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.1"):  # as fairseq-hydra-train
     cfg = compose("wikitext103_alibi_L512", overrides=["model.alibi_scale_factor=2"])
     assert cfg.model.alibi_scale_factor == 2
     try:
