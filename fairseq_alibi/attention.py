@@ -3,7 +3,7 @@
 ``AlibiBias`` is created once per layer stack and shared by all its layers: it
 turns the stack's configuration into (scaled) slopes for the current length and
 owns the caches (the one dense bias, the merged padding mask, FlexAttention's
-block mask, the chunked path's ramp), so the bias is built once per forward,
+block mask, the chunked kernel's ramp), so the bias is built once per forward,
 not per layer, and never per batch row.  Its ``mode`` says where each head
 looks: ``causal`` (the LM), ``symmetric`` or ``split`` (encoders).
 ``LearnedAlibiBias`` (mode ``learned``) is the one subclass with parameters:
@@ -42,9 +42,9 @@ from .errors import ConfigError, warn_once
 
 KERNELS = ("auto", "reference", "sdpa", "flex", "chunked")
 
-# Inference with more query x key pairs than this is "long" (linear-memory path).
+# Inference with more query x key pairs than this is "long" (linear-memory kernel).
 CHUNK_THRESHOLD = 1024 * 1024
-# Queries per block on the chunked path; its bias ramp is H x CHUNK_SIZE x
+# Queries per block of the chunked kernel; its bias ramp is H x CHUNK_SIZE x
 # (T + CHUNK_SIZE) values (docs/performance.md has the measurement behind it).
 CHUNK_SIZE = 512
 
@@ -142,7 +142,7 @@ class AlibiBias:
         self._dense: Optional[tuple] = None  # (key, bias)
         self._merged: Optional[tuple] = None  # (bias, padding mask, its version, merged)
         self._block_mask: Optional[tuple] = None  # (key, BlockMask)
-        self._ramp: Optional[tuple] = None  # (key, ramp of the chunked path)
+        self._ramp: Optional[tuple] = None  # (key, ramp of the chunked kernel)
 
     @property
     def causal(self) -> bool:
@@ -181,7 +181,7 @@ class AlibiBias:
 
     def window(self, q_start: int, q_len: int, visible: int, k_len: int, dtype, device) -> Tensor:
         """``[H, q_len, visible]`` bias of queries ``q_start ..`` over the first
-        ``visible`` keys, with the slopes of a ``k_len``-key forward (the chunked path).
+        ``visible`` keys, with the slopes of a ``k_len``-key forward (the chunked kernel).
 
         Causal: a view, no copy.  The bias only depends on ``query - key``, so
         every block is a window of one ramp ``R[h, i, j] = -m_h * (P + i - j)``
