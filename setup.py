@@ -22,6 +22,7 @@ setup(
             "alibi-preprocess = fairseq_alibi.cli:preprocess",
             "alibi-user-dir = fairseq_alibi.cli:user_dir",
             "alibi-sweep = fairseq_alibi.evaluation.perplexity:main",
+            "alibi-retrieval = fairseq_alibi.evaluation.retrieval:main",
             "alibi-convert-checkpoint = fairseq_alibi.cli:convert_checkpoint",
         ]
     },
