@@ -213,7 +213,7 @@ def plot_retrieval_accuracy(path: str, cells: List[dict]) -> None:
     import matplotlib.pyplot as plt
 
     tasks = sorted({c["task"] for c in cells})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6.4 * len(tasks), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(8.0 * len(tasks), 4.6), squeeze=False, layout="constrained")
     for ax, task in zip(axes[0], tasks):
         group = [c for c in cells if c["task"] == task]
         for key, row in sorted(_retrieval_rows(group).items(), key=lambda kv: kv[0][:3]):
@@ -232,8 +232,7 @@ def plot_retrieval_accuracy(path: str, cells: List[dict]) -> None:
         ax.set_ylabel("exact-match accuracy (%)")
         ax.set_title(task)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -247,8 +246,8 @@ def plot_retrieval_depth(path: str, cells: List[dict]) -> None:
 
     rows = sorted({(c["checkpoint"], c["task"]) for c in cells})
     methods = sorted({(c["method"], c["factor"], c["label"]) for c in cells})
-    fig, axes = plt.subplots(len(rows), len(methods), figsize=(2.9 * len(methods) + 1, 2.6 * len(rows) + 0.4),
-                             squeeze=False)
+    fig, axes = plt.subplots(len(rows), len(methods), figsize=(2.6 * len(methods) + 1.2, 2.5 * len(rows) + 0.4),
+                             squeeze=False, layout="constrained")
     image = None
     for r, (ckpt, task) in enumerate(rows):
         for m, (name, factor, label) in enumerate(methods):
@@ -280,6 +279,6 @@ def plot_retrieval_depth(path: str, cells: List[dict]) -> None:
             if r == len(rows) - 1:
                 ax.set_xlabel("prompt length", fontsize=7)
     if image is not None:
-        fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy (%)")
+        fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy (%)")
     fig.savefig(path, dpi=110)
     plt.close(fig)
