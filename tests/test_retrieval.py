@@ -317,3 +317,28 @@ def test_console_module(kv_data_bin, kv_checkpoint, tmp_path):
     last = bad.output.strip().splitlines()[-1]
     assert bad.returncode == 1 and last.startswith("error: ") and "length 10 is shorter" in last
     assert "Traceback" not in bad.output
+
+
+def test_passkey_fitted_to_a_vocabulary(kv_data_bin, kv_checkpoint, tmp_path):
+    """The kv dictionary lacks the classic passkey words: templates and a dictionary filler fit it."""
+    out = tmp_path / "pk"
+    argv = [str(kv_data_bin), "-c", f"kv={kv_checkpoint}", "--task", "passkey", "--digits", "2",
+            "--filler", "dictionary", "--template", "header=below is a record .",
+            "--template", "needle=line k1 : REGISTER_CONTENT is {number} .",
+            "--template", "question=tell me the REGISTER_CONTENT in line k1 . line k1 : REGISTER_CONTENT is",
+            "--lengths", "60,90", "--methods", "none", "--depths", "2", "--samples", "2",
+            "--output-dir", str(out), "--cpu", "--no-progress"]
+    assert retrieval.main(argv) == 0
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    assert sorted((c["length"], c["depth"]) for c in cells) == [(60, 0.25), (60, 0.75), (90, 0.25), (90, 0.75)]
+    # the filler is made of dictionary words: whole sentences fill the prompt to within one sentence
+    from fairseq.data import Dictionary
+
+    d = Dictionary.load(str(kv_data_bin / "dict.txt"))
+    encoder = retrieval.Encoder(d)
+    task = retrieval.build_task(retrieval.get_parser().parse_args(argv), encoder.vocabulary())
+    longest_sentence = max(len(s) for s in task.filler)
+    built = retrieval.builtin_samples(task, encoder, [90], 2, 2, seed=1)
+    for samples in built.values():
+        for s in samples:
+            assert 90 - longest_sentence < s.length <= 90 and d.unk() not in s.prompt

@@ -103,7 +103,7 @@ def main(argv=None) -> int:
               f"predicting the answer ({args.samples} prompts per length)")
         n_max = max(lengths)
         mean_distance, slopes_max = far_bias[n_max]
-        print(f"| layer | head | slope | " + " | ".join(f"mass at {n}" for n in lengths)
+        print("| layer | head | slope | " + " | ".join(f"mass at {n}" for n in lengths)
               + f" | slope at {n_max} | bias at mean distance {mean_distance:.0f} |")
         print("|---|---|---|" + "---|" * len(lengths) + "---|---|")
         for li in range(len(layers)):

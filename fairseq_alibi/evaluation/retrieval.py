@@ -42,7 +42,6 @@ import argparse
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 import sys
