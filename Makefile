@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 FAIRSEQ := fairseq-fixed==0.12.3.1
 
-.PHONY: install test demo clean
+.PHONY: install test demo retrieval-demo clean
 
 install: $(STAMP)
 
@@ -23,6 +23,13 @@ $(STAMP): requirements.txt setup.py
 # Settings: environment variables of examples/language_model/demo.sh.
 demo: install
 	VENV_BIN=$(BIN) examples/language_model/demo.sh
+
+# Retrieval beyond the training length: a synthetic key-value corpus, two
+# small LMs (ALiBi, sinusoidal) trained at 128 tokens, alibi-retrieval (lines)
+# from 1x to 8x; outputs in outputs/retrieval/. Settings: environment
+# variables of examples/retrieval/run.sh (SCALE=gpu for the larger recipe).
+retrieval-demo: install
+	VENV_BIN=$(BIN) examples/retrieval/run.sh
 
 test: install
 	$(BIN)/python -m pytest -q tests

@@ -23,6 +23,7 @@ setup(
             "alibi-preprocess = fairseq_alibi.cli:preprocess",
             "alibi-user-dir = alibi_user_dir:main",
             "alibi-sweep = fairseq_alibi.evaluation.perplexity:main",
+            "alibi-retrieval = fairseq_alibi.evaluation.retrieval:main",
             "alibi-convert-checkpoint = fairseq_alibi.cli:convert_checkpoint",
         ]
     },

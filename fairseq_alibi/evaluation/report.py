@@ -145,3 +145,140 @@ def plot_per_position(path: str, cells: List[dict]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ------------------------------------------------------------------ retrieval
+
+
+def _retrieval_rows(cells: List[dict]) -> Dict[tuple, List[dict]]:
+    rows: Dict[tuple, List[dict]] = {}
+    for c in cells:
+        rows.setdefault((c["checkpoint"], c["method"], c["factor"], c["label"], c.get("train_length")), []).append(c)
+    return rows
+
+
+def _pool(cells: Iterable[dict]) -> tuple:
+    """(correct, n, n-weighted mean log-prob) of cells pooled together."""
+    cells = list(cells)
+    n = sum(c["n"] for c in cells)
+    correct = sum(c["correct"] for c in cells)
+    logprob = sum(c["answer_logprob"] * c["n"] for c in cells) / n if n else float("nan")
+    return correct, n, logprob
+
+
+def retrieval_tables(cells: List[dict]) -> str:
+    """Per task: accuracy (%) by length, all depths pooled; the answer's mean log-prob
+    by length; and, for JSONL tasks with groups, accuracy by group."""
+    out = []
+    for task in sorted({c["task"] for c in cells}):
+        group = [c for c in cells if c["task"] == task]
+        lengths = sorted({c["length"] for c in group})
+        rows = _retrieval_rows(group)
+        depths = sorted({c["depth"] for c in group if c.get("depth") is not None})
+        pooled = f", {len(depths)} depths pooled" if depths else ""
+        for title, fmt in (("accuracy %", lambda k, n, lp: f"{100.0 * k / n:.0f}"),
+                           ("mean answer log-prob", lambda k, n, lp: f"{lp:.2f}")):
+            if len(lengths) > 24:  # JSONL prompts of many lengths: no length columns
+                continue
+            out.append(f"### {task}: {title} by prompt length (tokens{pooled})\n")
+            out.append("| checkpoint | method | L train | " + " | ".join(str(n) for n in lengths) + " |")
+            out.append("|---|---|---|" + "---|" * len(lengths))
+            for (ckpt, _, _, label, train_length), row in sorted(rows.items(), key=lambda kv: kv[0][:3]):
+                vals = []
+                for n in lengths:
+                    at = [c for c in row if c["length"] == n]
+                    vals.append(fmt(*_pool(at)) if at else "")
+                out.append(f"| {ckpt} | {label} | {train_length or ''} | " + " | ".join(vals) + " |")
+            out.append("")
+        groups = sorted({c.get("group", "") for c in group})
+        if groups != [""] or len(lengths) > 24:
+            out.append(f"### {task}: accuracy % by group (n prompts)\n")
+            out.append("| checkpoint | method | " + " | ".join(g or "(none)" for g in groups) + " | all |")
+            out.append("|---|---|" + "---|" * (len(groups) + 1))
+            for (ckpt, _, _, label, _), row in sorted(rows.items(), key=lambda kv: kv[0][:3]):
+                vals = []
+                for g in groups + [None]:
+                    k, n, _ = _pool(c for c in row if g is None or c.get("group", "") == g)
+                    vals.append(f"{100.0 * k / n:.0f} ({n})" if n else "")
+                out.append(f"| {ckpt} | {label} | " + " | ".join(vals) + " |")
+            out.append("")
+    return "\n".join(out)
+
+
+def plot_retrieval_accuracy(path: str, cells: List[dict]) -> None:
+    """Accuracy vs prompt length (log x), one line per checkpoint and method, a panel per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({c["task"] for c in cells})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(8.0 * len(tasks), 4.6), squeeze=False, layout="constrained")
+    for ax, task in zip(axes[0], tasks):
+        group = [c for c in cells if c["task"] == task]
+        for key, row in sorted(_retrieval_rows(group).items(), key=lambda kv: kv[0][:3]):
+            lengths = sorted({c["length"] for c in row})
+            acc = []
+            for n in lengths:
+                k, total, _ = _pool(c for c in row if c["length"] == n)
+                acc.append(100.0 * k / total)
+            style = "-" if key[1] == "none" else "--"
+            ax.plot(lengths, acc, style, marker="o", ms=3, label=f"{key[0]}: {key[3]}")
+        for train_length in sorted({c["train_length"] for c in group if c.get("train_length")}):
+            ax.axvline(train_length, color="grey", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-3, 103)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("exact-match accuracy (%)")
+        ax.set_title(task)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_retrieval_depth(path: str, cells: List[dict]) -> None:
+    """Depth x length accuracy heatmaps: a row per checkpoint (and task), a column per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted({(c["checkpoint"], c["task"]) for c in cells})
+    methods = sorted({(c["method"], c["factor"], c["label"]) for c in cells})
+    fig, axes = plt.subplots(len(rows), len(methods), figsize=(2.6 * len(methods) + 1.2, 2.5 * len(rows) + 0.4),
+                             squeeze=False, layout="constrained")
+    image = None
+    for r, (ckpt, task) in enumerate(rows):
+        for m, (name, factor, label) in enumerate(methods):
+            ax = axes[r][m]
+            these = [c for c in cells if c["checkpoint"] == ckpt and c["task"] == task
+                     and (c["method"], c["factor"]) == (name, factor)]
+            if not these:
+                ax.axis("off")
+                continue
+            lengths = sorted({c["length"] for c in these})
+            depths = sorted({c["depth"] for c in these})
+            grid = [[float("nan")] * len(lengths) for _ in depths]
+            for c in these:
+                grid[depths.index(c["depth"])][lengths.index(c["length"])] = 100.0 * c["accuracy"]
+            image = ax.imshow(grid, origin="upper", aspect="auto", vmin=0, vmax=100, cmap="viridis")
+            for i in range(len(depths)):
+                for j in range(len(lengths)):
+                    v = grid[i][j]
+                    if v == v:
+                        ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6,
+                                color="white" if v < 50 else "black")
+            ax.set_xticks(range(len(lengths)))
+            ax.set_xticklabels([str(n) for n in lengths], fontsize=6, rotation=45)
+            ax.set_yticks(range(len(depths)))
+            ax.set_yticklabels([f"{d:.2f}" for d in depths], fontsize=6)
+            ax.set_title(f"{ckpt}: {label}" + (f" ({task})" if len({t for _, t in rows}) > 1 else ""), fontsize=8)
+            if m == 0:
+                ax.set_ylabel("needle depth", fontsize=7)
+            if r == len(rows) - 1:
+                ax.set_xlabel("prompt length", fontsize=7)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy (%)")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

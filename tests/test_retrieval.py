@@ -1,0 +1,344 @@
+"""``alibi-retrieval``: prompt builders, scoring against an independent full forward,
+JSONL prompts, resuming, and bad input.
+
+Checkpoints: the session ALiBi fixture (6 heads, trained at 32 tokens on the
+conftest corpus; used with JSONL prompts written from that corpus's words) and
+a tiny ALiBi LM trained here for a few updates on a synthetic ``lines`` corpus
+(``python -m fairseq_alibi.evaluation.prompts``), whose dictionary has the
+built-in task's words and digits.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import sys
+
+import pytest
+import torch
+
+from conftest import TRAIN_LENGTH, run_cli, tool, train_args
+
+from fairseq_alibi.evaluation import prompts as P
+from fairseq_alibi.evaluation import retrieval
+
+METHODS = "none,linear:2,ntk"  # none, a static and a dynamic method
+
+
+# --------------------------------------------------------------------------- builders
+
+
+@pytest.mark.parametrize("name", ["passkey", "lines"])
+def test_builders_hit_length_and_depth(name):
+    task = P.Task(name, P.Vocabulary(None), digits=3)
+    header = len(task.words["header"])
+    if name == "passkey":
+        unit = max(len(s) for s in task.filler)  # one filler sentence
+    else:
+        unit = len(task._fill("line", key=["k"], number=["0"] * 3))  # one record
+    for length in (task.minimum_length(), 90, 257, 1000, 4096):
+        for depth_bin in range(4):
+            prompt = task.build(length, depth_bin, 4, random.Random(f"{length}/{depth_bin}"))
+            assert length - unit < prompt.length <= length
+            assert len(prompt.answer) == 3 and all(w in P.DIGITS for w in prompt.answer)
+            # The needle / record holding the answer sits where meta says ...
+            at = prompt.meta["needle_offset"]
+            if name == "passkey":
+                assert prompt.prompt[at:at + 4] == ["The", "pass", "key", "is"]
+                assert prompt.prompt[at + 4:at + 7] == prompt.answer
+                context = len(prompt.prompt) - header - len(task.words["question"]) - len(task._fill("needle", number=prompt.answer))
+            else:
+                key = prompt.meta["key"]
+                assert prompt.prompt[at:at + 6] == ["line", key, ":", "REGISTER_CONTENT", "is", *prompt.answer[:1]]
+                assert prompt.prompt[-5:] == ["line", key, ":", "REGISTER_CONTENT", "is"]
+                assert sum(1 for i, w in enumerate(prompt.prompt[:-5]) if w == key) == 2  # record + question
+                context = prompt.meta["lines"] * unit
+            # ... and its relative position is in the requested depth bin (one unit of slack).
+            relative = (at - header) / max(1, context)
+            if length >= 257:
+                assert depth_bin / 4 - unit / context <= relative <= (depth_bin + 1) / 4 + unit / context, (relative, depth_bin)
+    # Deterministic: the same generator state gives the same prompt.
+    a = task.build(500, 1, 3, random.Random(7))
+    b = task.build(500, 1, 3, random.Random(7))
+    assert (a.prompt, a.answer) == (b.prompt, b.answer)
+
+
+def test_builders_fit_a_closed_vocabulary():
+    words = ["line", ":", "REGISTER_CONTENT", "is", ".", "below", "a", "record", "of", "lines", "i", "want",
+             "you", "to", "remember", "now", "the", "over", "tell", "me", "in", "apple", "pear", "plum", "fig",
+             *P.DIGITS]
+    task = P.Task("lines", P.Vocabulary(words), digits=2)
+    assert set(task.keys) == {"apple", "pear", "plum", "fig"}  # dictionary words the template leaves free
+    prompt = task.build(task.minimum_length() + 3 * 8, 0, 1, random.Random(1))
+    assert prompt.meta["lines"] == 4 and set(prompt.prompt) <= set(words)
+    with pytest.raises(P.PromptError, match="needs 5 distinct line keys, the dictionary offers 4"):
+        task.build(task.minimum_length() + 4 * 8, 0, 1, random.Random(1))
+    # Case adapts (the dictionary is lowercase), missing words are named.
+    with pytest.raises(P.PromptError, match=r"not in the model's dictionary: There, an, important"):
+        P.Task("passkey", P.Vocabulary(words + ["is"]))
+    # joined numbers are drawn from the dictionary's own number words
+    joined = P.Task("lines", P.Vocabulary(words + ["17", "42"]), digits=2, number_format="joined")
+    assert joined.number(random.Random(0))[0] in ("17", "42")
+
+
+# --------------------------------------------------------------------------- models
+
+
+def load(path, overrides):
+    """The checkpoint as a plain nn.Module, with fairseq's own loader (no plugin code path)."""
+    from fairseq import checkpoint_utils
+
+    import fairseq_alibi  # noqa: F401
+
+    models, _ = checkpoint_utils.load_model_ensemble([str(path)], arg_overrides=overrides)
+    return models[0].eval()
+
+
+def independent_scores(model, eos, prompt, answer):
+    """(correct, mean log-prob): full forward of [eos] + prompt + answer[:-1], all logits."""
+    tokens = torch.tensor([[eos] + prompt + answer[:-1]])
+    with torch.no_grad():
+        logits, _ = model(tokens)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)[0]
+    rows = logprobs[len(prompt):len(prompt) + len(answer)]
+    target = torch.tensor(answer)
+    correct = bool((rows.argmax(-1) == target).all())
+    return correct, float(rows.gather(-1, target[:, None]).mean())
+
+
+@pytest.fixture(scope="module")
+def kv_data_bin(tmp_path_factory):
+    """A small synthetic ``lines`` corpus (2-digit numbers, 64 keys), binarized."""
+    raw = tmp_path_factory.mktemp("kv")
+    assert P.main(["--destdir", str(raw), "--max-length", "100", "--keys", "64", "--digits", "2",
+                   "--train-docs", "200", "--valid-docs", "10"]) == 0
+    dest = raw / "data-bin"
+    run_cli([tool("fairseq-preprocess"), "--only-source", "--trainpref", raw / "train.txt",
+             "--validpref", raw / "valid.txt", "--destdir", dest, "--workers", "1"])
+    return dest
+
+
+@pytest.fixture(scope="module")
+def kv_checkpoint(kv_data_bin, tmp_path_factory):
+    """An ALiBi LM of the kv dictionary, trained at 32 tokens for a few updates."""
+    save_dir = tmp_path_factory.mktemp("kv_model")
+    run_cli([tool("alibi-train"), *train_args(kv_data_bin, save_dir, max_update=5)])
+    return save_dir / "checkpoint_last.pt"
+
+
+@pytest.fixture(scope="module")
+def jsonl_prompts(tmp_path_factory):
+    """Prompts from the fixture corpus's words at several lengths (some equal, batched together)."""
+    from conftest import corpus_line
+
+    rng = random.Random(3)
+    items = []
+    for i, clauses in enumerate((1, 1, 1, 4, 7, 7, 12, 16)):
+        text = " ".join(corpus_line(rng) for _ in range(clauses)).split()
+        # the answer: the subject of the last clause ("the cat"), given after its number word
+        items.append({"prompt": " ".join(text[:-6]), "answer": " ".join(text[-6:-4]), "group": "ab"[i % 2]})
+    path = tmp_path_factory.mktemp("jsonl") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in items))
+    return path, items
+
+
+@pytest.fixture(scope="module")
+def jsonl_run(lm_data_bin, alibi_checkpoint, jsonl_prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ret_jsonl")
+    argv = [str(lm_data_bin), "-c", f"alibi={alibi_checkpoint}", "--task", str(jsonl_prompts[0]),
+            "--methods", METHODS, "--output-dir", str(out), "--cpu", "--no-progress"]
+    assert retrieval.main(argv) == 0
+    return out, json.loads((out / "results.json").read_text())["cells"]
+
+
+def test_scores_equal_an_independent_full_forward(jsonl_run, jsonl_prompts, alibi_checkpoint):
+    out, cells = jsonl_run
+    _, items = jsonl_prompts
+    d = load(alibi_checkpoint, {}).decoder.dictionary
+    encoded = [([d.index(w) for w in x["prompt"].split()], [d.index(w) for w in x["answer"].split()], x["group"])
+               for x in items]
+    assert all(d.unk() not in p + a for p, a, _ in encoded)
+    checked = 0
+    for label, overrides in (("none", {"alibi_interpolation": "none", "alibi_scale_factor": 0.0}),
+                             ("linear x2", {"alibi_interpolation": "linear", "alibi_scale_factor": 2.0}),
+                             ("ntk dynamic", {"alibi_interpolation": "ntk", "alibi_scale_factor": 0.0})):
+        model = load(alibi_checkpoint, overrides)
+        for cell in (c for c in cells if c["label"] == label):
+            mine = [e for e in encoded if e[2] == cell["group"] and len(e[0]) + len(e[1]) == cell["length"]]
+            assert len(mine) == cell["n"] > 0
+            expected = [independent_scores(model, d.eos(), p, a) for p, a, _ in mine]
+            assert cell["sample_correct"] == [ok for ok, _ in expected]
+            assert cell["sample_logprob"] == pytest.approx([lp for _, lp in expected], abs=1e-4)
+            assert cell["correct"] == sum(ok for ok, _ in expected)
+            assert cell["answer_logprob"] == pytest.approx(sum(lp for _, lp in expected) / len(expected), abs=1e-4)
+            checked += len(mine)
+    assert checked == 3 * len(items)
+    # The prompts go past the training length, where the methods must differ...
+    longest = max(c["length"] for c in cells)
+    assert longest > 3 * TRAIN_LENGTH
+    at = {c["label"]: c for c in cells if c["length"] == longest}
+    assert len({round(c["answer_logprob"], 6) for c in at.values()}) == 3
+    # ... and dynamic NTK at length T is exactly static NTK with factor T / L.
+    static = load(alibi_checkpoint, {"alibi_interpolation": "ntk", "alibi_scale_factor": longest / TRAIN_LENGTH})
+    p, a, _ = next(e for e in encoded if len(e[0]) + len(e[1]) == longest)
+    assert at["ntk dynamic"]["effective_factor"] == pytest.approx(longest / TRAIN_LENGTH)
+    assert at["ntk dynamic"]["sample_logprob"][0] == pytest.approx(independent_scores(static, d.eos(), p, a)[1], abs=1e-4)
+    # The model retrieves something and misses something: the comparison above is not vacuous.
+    flags = [ok for c in cells for ok in c["sample_correct"]]
+    assert any(flags) and not all(flags)
+
+
+def test_jsonl_outputs_and_groups(jsonl_run, jsonl_prompts):
+    out, cells = jsonl_run
+    _, items = jsonl_prompts
+    assert sum(c["n"] for c in cells) == 3 * len(items)
+    assert {c["group"] for c in cells} == {"a", "b"}
+    assert all(c["depth"] is None and c["task"] == "prompts.jsonl" for c in cells)
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(cells)
+    for field in ("checkpoint", "task", "method", "factor", "length", "depth", "n", "correct", "accuracy",
+                  "answer_logprob"):
+        assert field in rows[0]
+    for row in rows:
+        assert float(row["accuracy"]) == pytest.approx(int(row["correct"]) / int(row["n"]), abs=1e-5)
+    md = (out / "results.md").read_text()
+    assert "accuracy % by group" in md
+    for label in ("none", "linear x2", "ntk dynamic"):
+        pooled = [c for c in cells if c["label"] == label]
+        k = sum(c["correct"] for c in pooled if c["group"] == "a")
+        n = sum(c["n"] for c in pooled if c["group"] == "a")
+        assert f"| alibi | {label} | {100 * k / n:.0f} ({n}) |" in md
+    assert (out / "accuracy.png").stat().st_size > 0
+    assert not (out / "depth.png").exists()  # no depths in JSONL prompts
+
+
+def test_read_jsonl(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a b", "answer": "c", "group": 3}\n\n{"prompt": "d", "answer": "e f"}\n')
+    items = retrieval.read_jsonl(str(path))
+    assert [(x["prompt"], x["answer"], x["group"], x["line"]) for x in items] == [("a b", "c", "3", 1), ("d", "e f", "", 3)]
+
+
+def test_builtin_lines_grid_and_resume(kv_data_bin, kv_checkpoint, tmp_path):
+    out = tmp_path / "ret"
+    argv = [str(kv_data_bin), "-c", f"kv={kv_checkpoint}", "--task", "lines", "--digits", "2",
+            "--lengths", "48,2x,100", "--methods", METHODS, "--depths", "2", "--samples", "2",
+            "--output-dir", str(out), "--cpu", "--no-progress"]
+    assert retrieval.main(argv) == 0
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    assert {(c["label"], c["length"], c["depth"]) for c in cells} == {
+        (m, n, round(d, 6)) for m in ("none", "linear x2", "ntk dynamic") for n in (48, 64, 100)
+        for d in (0.25, 0.75)}
+    assert all(c["n"] == 2 for c in cells)
+    for name in ("results.csv", "results.md", "accuracy.png", "depth.png"):
+        assert (out / name).stat().st_size > 0
+    # Scores of the built-in prompts equal the independent computation too (one method).
+    model = load(kv_checkpoint, {"alibi_interpolation": "linear", "alibi_scale_factor": 2.0})
+    d = model.decoder.dictionary
+    encoder = retrieval.Encoder(d)
+    task = P.Task("lines", encoder.vocabulary(), digits=2)
+    built = retrieval.builtin_samples(task, encoder, [100], 2, 2, seed=1)
+    for b in range(2):
+        cell = next(c for c in cells if c["label"] == "linear x2" and c["length"] == 100
+                    and c["depth"] == round(P.bins(2)[b], 6))
+        expected = [independent_scores(model, d.eos(), s.prompt, s.answer)[1] for s in built[(100, b)]]
+        assert all(s.length <= 100 for s in built[(100, b)])
+        assert cell["sample_logprob"] == pytest.approx(expected, abs=1e-4)
+        # needle_distance: from the queried record ("line KEY ...", KEY first seen) to the prompt's end
+        keys = [s.prompt[-4] for s in built[(100, b)]]
+        distances = [len(s.prompt) - (s.prompt.index(k) - 1) for s, k in zip(built[(100, b)], keys)]
+        assert cell["needle_distance"] == pytest.approx(sum(distances) / len(distances))
+    assert [c["depth"] for c in cells if c["label"] == "none" and c["length"] == 100] == [0.25, 0.75]
+    near, far = (next(c for c in cells if c["label"] == "none" and c["length"] == 100 and c["depth"] == d)
+                 for d in (0.75, 0.25))
+    assert near["needle_distance"] < far["needle_distance"]  # deeper = later = closer to the question
+    # Resume: nothing is recomputed; other samples -> everything is.
+    calls = []
+    real = retrieval.Scorer.score
+
+    def counting(self, samples):
+        calls.append(len(samples))
+        return real(self, samples)
+
+    retrieval.Scorer.score = counting
+    try:
+        assert retrieval.main(argv) == 0
+        assert calls == []
+        assert retrieval.main(argv[:-6] + ["--samples", "1"] + argv[-4:]) == 0
+        assert len(calls) == len(cells) and set(calls) == {1}
+    finally:
+        retrieval.Scorer.score = real
+
+
+def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, kv_data_bin, kv_checkpoint, tmp_path, capsys):
+    out = tmp_path / "o"
+
+    def fails(argv, *messages):
+        with pytest.raises(SystemExit) as exit_info:
+            retrieval.main([str(a) for a in argv] + ["--output-dir", str(out), "--cpu", "--no-progress"])
+        assert exit_info.value.code == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        for message in messages:
+            assert message in err, err
+
+    def jsonl(name, text):
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+
+    base = [lm_data_bin, "-c", alibi_checkpoint]
+    fails([*base, "--task", jsonl("empty.jsonl", "\n")], "holds no prompts")
+    fails([*base, "--task", jsonl("nofield.jsonl", '{"prompt": "the cat"}\n')], "nofield.jsonl:1", "'answer' is missing")
+    fails([*base, "--task", jsonl("bad.jsonl", '{"prompt": "the cat", "answer": "sees"}\n[1]\n')], "bad.jsonl:2")
+    fails([*base, "--task", jsonl("words.jsonl", '{"prompt": "the zebra sees", "answer": "a unicorn"}\n')],
+          "words.jsonl:1", "2 word(s) not in the model's dictionary: unicorn, zebra")
+    fails([*base, "--task", tmp_path / "none.jsonl"], "prompt file not found")
+    fails([*base, "--task", "haystack"], "unknown task 'haystack'")
+    # Built-in tasks on a dictionary without their words: the missing words are named.
+    fails([*base, "--task", "lines"], "28 word(s) are not in the model's dictionary: below, is,", "REGISTER_CONTENT",
+          "--template FIELD=TEXT")
+    kv = [kv_data_bin, "-c", kv_checkpoint]
+    fails([*kv, "--task", "passkey", "--digits", "2"], "not in the model's dictionary", "pass", "--filler dictionary")
+    # header 12 words + one record 8 + question 19 + answer 2 = 41
+    fails([*kv, "--task", "lines", "--digits", "2", "--lengths", "1x"],
+          "length 32 is shorter than the shortest lines prompt (41 tokens")
+    fails([*kv, "--task", "lines", "--methods", "cubic"], "unknown method 'cubic'")
+    fails([*kv, "--task", "lines", "--template", "answer=x"], "unknown template field(s) answer")
+    assert not (out / "results.json").exists()
+
+
+def test_console_module(kv_data_bin, kv_checkpoint, tmp_path):
+    """``python -m`` runs main() (the console script's target): one error line, status 1."""
+    bad = run_cli([sys.executable, "-m", "fairseq_alibi.evaluation.retrieval", kv_data_bin, "-c", kv_checkpoint,
+                   "--task", "lines", "--lengths", "10", "--output-dir", tmp_path, "--cpu"], expect_ok=False)
+    last = bad.output.strip().splitlines()[-1]
+    assert bad.returncode == 1 and last.startswith("error: ") and "length 10 is shorter" in last
+    assert "Traceback" not in bad.output
+
+
+def test_passkey_fitted_to_a_vocabulary(kv_data_bin, kv_checkpoint, tmp_path):
+    """The kv dictionary lacks the classic passkey words: templates and a dictionary filler fit it."""
+    out = tmp_path / "pk"
+    argv = [str(kv_data_bin), "-c", f"kv={kv_checkpoint}", "--task", "passkey", "--digits", "2",
+            "--filler", "dictionary", "--template", "header=below is a record .",
+            "--template", "needle=line k1 : REGISTER_CONTENT is {number} .",
+            "--template", "question=tell me the REGISTER_CONTENT in line k1 . line k1 : REGISTER_CONTENT is",
+            "--lengths", "60,90", "--methods", "none", "--depths", "2", "--samples", "2",
+            "--output-dir", str(out), "--cpu", "--no-progress"]
+    assert retrieval.main(argv) == 0
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    assert sorted((c["length"], c["depth"]) for c in cells) == [(60, 0.25), (60, 0.75), (90, 0.25), (90, 0.75)]
+    # the filler is made of dictionary words: whole sentences fill the prompt to within one sentence
+    from fairseq.data import Dictionary
+
+    d = Dictionary.load(str(kv_data_bin / "dict.txt"))
+    encoder = retrieval.Encoder(d)
+    task = retrieval.build_task(retrieval.get_parser().parse_args(argv), encoder.vocabulary())
+    longest_sentence = max(len(s) for s in task.filler)
+    built = retrieval.builtin_samples(task, encoder, [90], 2, 2, seed=1)
+    for samples in built.values():
+        for s in samples:
+            assert 90 - longest_sentence < s.length <= 90 and d.unk() not in s.prompt
