@@ -635,3 +635,57 @@ def test_sweep_hf_model_on_a_text_file(saved_mpt, monkeypatch):
     calls = []
     monkeypatch.setattr(hf, "token_log_probs", lambda *a, **k: calls.append(a))
     assert perplexity.main(argv) == 0 and calls == []
+
+
+def test_retrieval_hf_model_on_jsonl_prompts(saved_mpt, tmp_path, monkeypatch, capsys):
+    """alibi-retrieval --hf DIR: accuracies and answer log-probs equal a direct
+    computation (bos + prompt + answer, argmax at the answer positions)."""
+    from fairseq_alibi.evaluation import retrieval
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rng = random.Random(3)
+    words = sorted(set(" ".join(SENTENCES).split()))
+    model, tokenizer = hf.load_hf_model(str(saved_mpt / "mpt"))
+    word_ids = {i: w for w, i in tokenizer.get_vocab().items() if w in words}
+    rows = []
+    for i in range(8):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.choice((10, 30))))
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        # half the answers: the model's own greedy next word (so some are right); scaled
+        # with 'none' so that MPT takes prompts longer than its max_seq_len
+        with torch.no_grad(), hf.alibi_scaling(model, "none"):
+            logits = model(torch.tensor(ids)[None]).logits[0, -1]
+        best = max(word_ids, key=lambda j: float(logits[j]))
+        answer = word_ids[best] if i % 2 == 0 else rng.choice(words)
+        rows.append({"prompt": prompt, "answer": answer, "group": str(i % 2)})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    argv = ["--hf", f"mpt={saved_mpt / 'mpt'}", "--task", str(prompts), "--methods", "none,linear:2,ntk",
+            "--output-dir", str(out), "--cpu", "--no-progress"]
+    assert retrieval.main(argv) == 0
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    assert sum(c["correct"] for c in cells if c["label"] == "none") >= 1  # not a vacuous 0 == 0
+    for label, method, factor in (("none", "none", None), ("linear x2", "linear", 2.0), ("ntk dynamic", "ntk", None)):
+        expected = {}
+        with hf.alibi_scaling(model, method, factor, None if factor else TRAIN_LENGTH):
+            for r in rows:
+                prompt = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+                answer = tokenizer(r["answer"], add_special_tokens=False)["input_ids"]
+                bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+                ids = torch.tensor(bos + prompt + answer[:-1])
+                with torch.no_grad():
+                    logprobs = model(ids[None]).logits[0, -len(answer):].double().log_softmax(-1)
+                ok = bool((logprobs.argmax(-1) == torch.tensor(answer)).all())
+                lp = float(logprobs.gather(-1, torch.tensor(answer)[:, None]).mean())
+                expected.setdefault((r["group"], len(prompt + answer)), []).append((ok, lp))
+        got = {(c["group"], c["length"]): c for c in cells if c["label"] == label}
+        assert set(got) == set(expected), label
+        for key, values in expected.items():
+            assert got[key]["correct"] == sum(ok for ok, _ in values), (label, key)
+            assert got[key]["answer_logprob"] == pytest.approx(sum(lp for _, lp in values) / len(values), abs=1e-5)
+    # a word the tokenizer does not know: one clear error
+    prompts.write_text(json.dumps({"prompt": "the zebra sees", "answer": "a tree"}) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        retrieval.main([*argv[:4], "--output-dir", str(tmp_path / "o2"), "--cpu"])
+    assert exit_info.value.code == 1 and "zebra" in capsys.readouterr().err

@@ -105,3 +105,71 @@ class HFModel:
     def command(self, length: int, stride: int) -> str:
         return (f"alibi-sweep TEXT --hf {self.info.name}={self.info.path} --lengths {length}"
                 + (f" --modes sliding --stride {stride}" if stride != length else ""))
+
+
+class HFEncoder:
+    """Text -> token ids through the model's own tokenizer (``alibi-retrieval
+    --hf``), with the interface of ``retrieval.Encoder`` for a subword model."""
+
+    subword = True
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def vocabulary(self):
+        from .prompts import Vocabulary
+
+        return Vocabulary(None)
+
+    def check_words(self, words, where: str = "") -> None:
+        """Any text encodes (no dictionary to check against)."""
+
+    def encode(self, text: str, where: str = "") -> List[int]:
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        unk = self.tokenizer.unk_token_id
+        if unk is not None and unk in ids:
+            missing = sorted({w for w in text.split()
+                              if unk in self.tokenizer(w, add_special_tokens=False)["input_ids"]})
+            raise EvaluationError(
+                f"{where}{len(missing)} word(s) the model's tokenizer reads as {self.tokenizer.unk_token}: "
+                f"{', '.join(missing[:20])}; rewrite them with words it knows (none is silently unknown)"
+            )
+        return ids
+
+
+class HFScorer:
+    """``retrieval.Scorer`` for a Hugging Face model: greedy exact match and the
+    answer's mean log-probability from one teacher-forced forward per sample,
+    under one method (applied with ``hf.apply_alibi_scaling``)."""
+
+    def __init__(self, model: HFModel, method: Method):
+        self.info, self.method, self.hf_model = model.info, method, model
+        bos = model.tokenizer.bos_token_id
+        self.prefix = [bos] if bos is not None else []  # as fairseq prepends its eos
+
+    def effective_factor(self, length: int) -> float:
+        from ..alibi import resolve_scale_factor
+
+        return resolve_scale_factor(self.method.name, self.method.factor, self.info.train_length, length)
+
+    def score(self, samples) -> List[Tuple[bool, float, List[int]]]:
+        import torch
+
+        from .. import hf
+
+        model = self.hf_model.model
+        _, base = hf._resolve(model)
+        head = model.get_output_embeddings()
+        device = next(model.parameters()).device
+        out = []
+        with self.hf_model.scaled(self.method), torch.inference_mode():
+            for s in samples:
+                ids = torch.tensor(self.prefix + s.prompt + s.answer[:-1], device=device)[None]
+                n = len(s.answer)  # answer token k is predicted at input position T - n + k
+                hidden = base(input_ids=ids, use_cache=False).last_hidden_state[0, -n:]
+                logprobs = head(hidden).float().log_softmax(-1)
+                answer = torch.tensor(s.answer, device=device)
+                lp = logprobs.gather(-1, answer[:, None])[:, 0]
+                greedy = logprobs.argmax(-1)
+                out.append((bool((greedy == answer).all()), float(lp.double().mean()), greedy.tolist()))
+        return out

@@ -29,6 +29,11 @@ token.  ``answer_logprob`` is the answer tokens' mean log-probability (natural
 log), averaged over the cell's samples.  The model is run in inference mode, so
 long prompts take the plugin's linear-memory attention path.
 
+``--hf MODEL`` evaluates a Hugging Face BLOOM, MPT or Falcon (alibi) model
+instead (no DATA directory): prompts through its own tokenizer (its bos token
+prepended where it has one), each method applied with
+``hf.apply_alibi_scaling``; everything else is the same.
+
 Outputs in ``--output-dir``: ``results.json`` (every cell; the resume state),
 ``results.csv``, ``results.md``, ``accuracy.png`` (accuracy vs length) and, for
 the built-in tasks, ``depth.png`` (depth x length accuracy per checkpoint and
@@ -313,9 +318,17 @@ def get_parser() -> argparse.ArgumentParser:
         "  alibi-retrieval data-bin/wikitext-103 -c ck/alibi.pt --task passkey --filler dictionary "
         "--lengths 512,1k,2k\n  alibi-retrieval data-bin/wikitext-103 -c ck/alibi.pt --task my-prompts.jsonl",
     )
-    p.add_argument("data", help="the model's fairseq-preprocess directory (its dict.txt)")
+    p.add_argument("data", nargs="?", default=None,
+                   help="the model's fairseq-preprocess directory (its dict.txt); not with --hf")
     p.add_argument("--checkpoint", "-c", action="append", default=[], metavar="[NAME=]PATH",
                    help="a checkpoint to evaluate (repeatable)")
+    p.add_argument("--hf", action="append", default=[], metavar="[NAME=]MODEL",
+                   help="a Hugging Face BLOOM, MPT or Falcon (alibi) model instead: a directory written by "
+                   "save_pretrained or a hub name (repeatable); prompts go through its own tokenizer")
+    p.add_argument("--train-length", type=int, default=None,
+                   help="with --hf: the model's training length, for Nx lengths and dynamic methods "
+                   "(default: from its config where recorded)")
+    p.add_argument("--dtype", default=None, help="with --hf: float32 | bfloat16 | float16 (default: the model's)")
     p.add_argument("--task", default="passkey",
                    help="passkey | lines | FILE.jsonl ({'prompt': ..., 'answer': ..., 'group': ...} per line) "
                    "(default: %(default)s)")
@@ -395,16 +408,31 @@ def run(args: argparse.Namespace) -> List[dict]:
         raise EvaluationError("--depths and --samples must be at least 1")
     lengths = None if jsonl else parse_lengths(args.lengths)
     items = read_jsonl(args.task) if jsonl else None
-    checkpoints = parse_checkpoints(args.checkpoint)
-    check_data(args.data)
-    prepare_output_dir(args.output_dir)
+    hf_models: Dict[str, object] = {}
+    if args.hf:
+        from .hf_models import HFEncoder, HFModel, HFScorer, parse_hf_models
 
-    import fairseq_alibi  # noqa: F401  (registers the ALiBi models)
+        if args.checkpoint or args.data:
+            raise EvaluationError("--hf models read their prompts through their own tokenizer: give no DATA "
+                                  "directory and no --checkpoint with --hf")
+        prepare_output_dir(args.output_dir)
+        for name, spec in parse_hf_models(args.hf):
+            hf_models[name] = HFModel(name, spec, args.train_length, args.cpu, args.dtype)
+        infos = [m.info for m in hf_models.values()]
+        data_id = f"hf|{args.dtype}"
+    else:
+        if args.data is None:
+            raise EvaluationError("give the model's data directory (its dict.txt), or --hf MODEL")
+        checkpoints = parse_checkpoints(args.checkpoint)
+        check_data(args.data)
+        prepare_output_dir(args.output_dir)
 
-    infos = [inspect_checkpoint(name, path) for name, path in checkpoints]
+        import fairseq_alibi  # noqa: F401  (registers the ALiBi models)
+
+        infos = [inspect_checkpoint(name, path) for name, path in checkpoints]
+        data_id = data_identity(args.data)
     task_name = os.path.basename(args.task) if jsonl else args.task
     settings = settings_identity(args, jsonl)
-    data_id = data_identity(args.data)
     by_name = {info.name: info for info in infos}
 
     def identity(checkpoint: str) -> Optional[str]:
@@ -416,11 +444,13 @@ def run(args: argparse.Namespace) -> List[dict]:
     encoders: Dict[str, Encoder] = {}
     max_length: Dict[str, int] = {}
     for info in infos:
-        from fairseq import tasks
+        if info.name in hf_models:
+            encoder = HFEncoder(hf_models[info.name].tokenizer)
+        else:
+            from fairseq import tasks
 
-        cfg = eval_lm_config(args.data, info.path, 64, {}, cpu=True)
-        fs_task = tasks.setup_task(cfg.task)
-        encoder = text_encoder(info, fs_task)
+            cfg = eval_lm_config(args.data, info.path, 64, {}, cpu=True)
+            encoder = text_encoder(info, tasks.setup_task(cfg.task))
         encoders[info.name] = encoder
         if jsonl:
             samples = jsonl_samples(items, encoder, args.task)
@@ -454,7 +484,8 @@ def run(args: argparse.Namespace) -> List[dict]:
 
     todo = [p for p in plans if store.get(key_of(p[0], p[1], p[2])) is None]
     logger.info("%d cells in the grid, %d already done, %d to run", len(plans), len(plans) - len(todo), len(todo))
-    meta = {"data": os.path.abspath(args.data), "task": args.task, "depths": args.depths,
+    meta = {"data": os.path.abspath(args.data) if args.data else None, "hf": args.hf, "task": args.task,
+            "depths": args.depths,
             "samples": args.samples, "seed": args.seed}
 
     bar = progress(len(plans), len(plans) - len(todo), "retrieval", args.no_progress)
@@ -464,7 +495,10 @@ def run(args: argparse.Namespace) -> List[dict]:
         bar.set_postfix_str(f"{info.name} {method.label} L={length}" + (f" depth={depth:.2f}" if depth is not None else ""))
         if scorer is None or scorer.info is not info or scorer.method != method:
             scorer = None  # free the previous model first
-            scorer = Scorer(info, method, args.data, max_length[info.name], args.cpu, args.max_tokens)
+            if info.name in hf_models:
+                scorer = HFScorer(hf_models[info.name], method)
+            else:
+                scorer = Scorer(info, method, args.data, max_length[info.name], args.cpu, args.max_tokens)
         start = time.perf_counter()
         scored = scorer.score(samples)
         correct = sum(1 for ok, _, _ in scored if ok)
