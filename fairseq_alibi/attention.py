@@ -37,8 +37,9 @@ from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
 from . import alibi
+from .causal_blocks import blocked_causal_attention
 
-ATTENTION_PATHS = ("auto", "reference", "sdpa", "flex", "chunked")
+ATTENTION_PATHS = ("auto", "reference", "sdpa", "flex", "chunked", "blocked")
 BIAS_KINDS = ("causal", "symmetric")
 
 # Inference with more query x key pairs than this is "long" (linear-memory path).
@@ -51,13 +52,14 @@ REGIMES = ("train", "train_dropout", "decode", "short", "long")
 
 # The ``auto`` choice, as one table: device kind -> path per regime.
 #   train          gradients on, no attention dropout
-#   train_dropout  gradients on, attention dropout > 0 (FlexAttention has none)
+#   train_dropout  gradients on, attention dropout > 0 (FlexAttention has none;
+#                  CPU SDPA falls back to its math kernel, so CPU takes ``blocked``)
 #   long           no gradients, more than CHUNK_THRESHOLD query x key pairs
 #   decode         no gradients, a (short) incremental step against a KV cache
 #   short          no gradients, any other short input
 AUTO_PATHS: Dict[str, Dict[str, str]] = {
     #                              train   train_dropout decode  short   long
-    "cpu":       dict(zip(REGIMES, ("sdpa", "sdpa",      "sdpa", "sdpa", "chunked"))),
+    "cpu":       dict(zip(REGIMES, ("sdpa", "blocked",   "sdpa", "sdpa", "chunked"))),
     "cuda":      dict(zip(REGIMES, ("sdpa", "sdpa",      "sdpa", "sdpa", "chunked"))),
     "cuda+flex": dict(zip(REGIMES, ("flex", "sdpa",      "sdpa", "flex", "flex"))),
 }
@@ -481,9 +483,13 @@ class AlibiMultiheadAttention(MultiheadAttention):
         if need_weights:
             return "reference"
         if self.alibi.attention_path != "auto":
-            return self.alibi.attention_path
-        kind = device_kind(device or torch.device("cpu"), self._flex_consistent())
-        return AUTO_PATHS[kind][regime(torch.is_grad_enabled(), dropout_p, q_len, k_len, incremental)]
+            path = self.alibi.attention_path
+        else:
+            kind = device_kind(device or torch.device("cpu"), self._flex_consistent())
+            path = AUTO_PATHS[kind][regime(torch.is_grad_enabled(), dropout_p, q_len, k_len, incremental)]
+        if path == "blocked" and not self.causal:
+            return "sdpa"  # the blocked path skips the keys above the diagonal
+        return path
 
     def forward(
         self,
@@ -563,6 +569,8 @@ class AlibiMultiheadAttention(MultiheadAttention):
             bias = self.dense_bias(tgt_len, src_len, q.dtype, q.device)
             if path == "reference":
                 out, weights = reference_attention(q, k, v, bias, key_padding_mask, dropout_p)
+            elif path == "blocked" and not bias.requires_grad:
+                out = blocked_causal_attention(q, k, v, bias, key_padding_mask, dropout_p)
             else:
                 mask = self.alibi.merged_mask(bias.to(q.dtype), key_padding_mask)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)

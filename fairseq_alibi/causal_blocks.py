@@ -1,0 +1,125 @@
+"""Causal attention with attention dropout in query blocks (the CPU training path
+with dropout).
+
+On CPU, ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` cannot use
+the flash kernel (it has no dropout) and runs the math kernel: full ``T x T``
+scores, a ``T x T`` dropout draw and all elementwise passes over the whole
+square, although half of it is masked.  Query block ``[s, e)`` of causal
+attention only sees keys ``[0, e)``, so this path computes, per block, scores
+against those keys only: with 128-query blocks at T=512 it touches 10/16 of the
+square (and draws 10/16 of the dropout mask).
+
+The maths is the reference's (``softmax(q k^T / sqrt(d) + bias) -> dropout ->
+@ v``), with a hand-written backward (flash-attention style, ``delta = rowsum(dO
+* O)``) over the saved probabilities and dropout mask; the ``1 / (1 - p)``
+dropout scale is folded into ``v`` (and into the gradient of ``v``) instead of
+a pass over the probabilities.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# Queries per block (see docs/performance.md).
+BLOCK = 128
+
+
+def _keep_mask(shape, p: float, dtype, device, start: int) -> Tensor:
+    """0/1 mask keeping each entry with probability ``1 - p`` (the draw of
+    ``F.dropout``) for the block of queries from ``start``.  Tests replace it
+    to compare against the reference with the same mask."""
+    return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1.0 - p)
+
+
+class _BlockedCausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, pad, dropout_p, block):
+        bsz, heads, q_len, head_dim = q.shape
+        k_len = k.size(2)
+        offset = k_len - q_len  # queries are the last q_len positions
+        scale = head_dim**-0.5
+        keep = 1.0 - dropout_p
+        qs = (q * scale).contiguous()
+        k = k.contiguous()
+        vs = (v / keep if dropout_p > 0 else v).contiguous()
+        # Output laid out as [T, B, H, D] (what the module's out_proj reads).
+        out = q.new_empty(q_len, bsz, heads, head_dim).permute(1, 2, 0, 3)
+        probs, masks = [], []
+        for start in range(0, q_len, block):
+            stop = min(start + block, q_len)
+            visible = offset + stop
+            scores = torch.matmul(qs[:, :, start:stop], k[:, :, :visible].transpose(-1, -2))
+            scores.add_(bias[:, start:stop, :visible])
+            if pad is not None:
+                scores.add_(pad[..., :visible])
+            p = torch.softmax(scores, dim=-1)
+            del scores
+            if dropout_p > 0:
+                mask = _keep_mask(p.shape, dropout_p, p.dtype, p.device, start)
+                kept = p * mask
+            else:
+                mask, kept = None, p
+            out[:, :, start:stop] = torch.matmul(kept, vs[:, :, :visible])
+            probs.append(p)
+            masks.append(mask)
+        ctx.save_for_backward(qs, k, vs, out)
+        ctx.probs, ctx.masks = probs, masks
+        ctx.block, ctx.scale, ctx.keep, ctx.dropout_p = block, scale, keep, dropout_p
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qs, k, vs, out = ctx.saved_tensors
+        probs, masks = ctx.probs, ctx.masks
+        ctx.probs = ctx.masks = None
+        q_len, k_len = qs.size(2), k.size(2)
+        offset = k_len - q_len
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dP * P)
+        dq = torch.empty_like(qs)
+        dk = torch.zeros_like(k)
+        dv = torch.zeros_like(vs)
+        for i, start in enumerate(range(0, q_len, ctx.block)):
+            stop = min(start + ctx.block, q_len)
+            visible = offset + stop
+            p, mask = probs[i], masks[i]
+            probs[i] = masks[i] = None
+            do = grad_out[:, :, start:stop]
+            kept = p * mask if mask is not None else p
+            dv[:, :, :visible] += torch.matmul(kept.transpose(-1, -2), do)
+            del kept
+            dp = torch.matmul(do, vs[:, :, :visible].transpose(-1, -2))
+            if mask is not None:
+                dp.mul_(mask)
+            ds = dp.sub_(delta[:, :, start:stop]).mul_(p)
+            del p, mask
+            dq[:, :, start:stop] = torch.matmul(ds, k[:, :, :visible])
+            dk[:, :, :visible] += torch.matmul(ds.transpose(-1, -2), qs[:, :, start:stop])
+        dq.mul_(ctx.scale)
+        if ctx.dropout_p > 0:
+            dv.div_(ctx.keep)
+        return dq, dk, dv, None, None, None, None
+
+
+def blocked_causal_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: Tensor,
+    key_padding_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    block: Optional[int] = None,
+) -> Tensor:
+    """Causal attention, queries the last ``q_len`` of ``k_len`` keys, in query
+    blocks that only read the keys they can see.  q ``[B, H, T, D]``, k/v
+    ``[B, H, S, D]``, bias ``[H, T, S]`` (its values above the diagonal are
+    never read); ``key_padding_mask`` ``[B, S]`` (True at padding).  Returns
+    ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
+    pad = None
+    if key_padding_mask is not None:
+        pad = key_padding_mask.to(torch.bool)[:, None, None, :]
+        pad = torch.zeros(pad.shape, dtype=q.dtype, device=q.device).masked_fill(pad, float("-inf"))
+    return _BlockedCausalAttention.apply(q, k, v, bias.to(q.dtype), pad, float(dropout_p), block or BLOCK)
