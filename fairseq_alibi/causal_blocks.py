@@ -45,9 +45,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
         qs = (q * scale).contiguous()
         k = k.contiguous()
         vs = (v / keep if dropout_p > 0 else v).contiguous()
-        # Output laid out as [T, B, H, D] (what the module's out_proj reads).
-        out = q.new_empty(q_len, bsz, heads, head_dim).permute(1, 2, 0, 3)
-        probs, masks = [], []
+        probs, kept_probs, outputs = [], [], []
         for start in range(0, q_len, block):
             stop = min(start + block, q_len)
             visible = offset + stop
@@ -57,47 +55,47 @@ class _BlockedCausalAttention(torch.autograd.Function):
                 scores.add_(pad[..., :visible])
             p = torch.softmax(scores, dim=-1)
             del scores
-            if dropout_p > 0:
-                mask = _keep_mask(p.shape, dropout_p, p.dtype, p.device, start)
-                kept = p * mask
-            else:
-                mask, kept = None, p
-            out[:, :, start:stop] = torch.matmul(kept, vs[:, :, :visible])
+            kept = p * _keep_mask(p.shape, dropout_p, p.dtype, p.device, start) if dropout_p > 0 else p
+            outputs.append(torch.matmul(kept, vs[:, :, :visible]))
             probs.append(p)
-            masks.append(mask)
+            kept_probs.append(kept)
+        # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
+        out = torch.cat([o.permute(2, 0, 1, 3) for o in outputs]).permute(1, 2, 0, 3)
         ctx.save_for_backward(qs, k, vs, out)
-        ctx.probs, ctx.masks = probs, masks
+        ctx.probs, ctx.kept = probs, kept_probs
         ctx.block, ctx.scale, ctx.keep, ctx.dropout_p = block, scale, keep, dropout_p
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         qs, k, vs, out = ctx.saved_tensors
-        probs, masks = ctx.probs, ctx.masks
-        ctx.probs = ctx.masks = None
+        probs, kept_probs = ctx.probs, ctx.kept
+        ctx.probs = ctx.kept = None
         q_len, k_len = qs.size(2), k.size(2)
         offset = k_len - q_len
         grad_out = grad_out.contiguous()
         delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dP * P)
-        dq = torch.empty_like(qs)
         dk = torch.zeros_like(k)
         dv = torch.zeros_like(vs)
+        dqs = []
         for i, start in enumerate(range(0, q_len, ctx.block)):
             stop = min(start + ctx.block, q_len)
             visible = offset + stop
-            p, mask = probs[i], masks[i]
-            probs[i] = masks[i] = None
+            p, kept = probs[i], kept_probs[i]
+            probs[i] = kept_probs[i] = None
             do = grad_out[:, :, start:stop]
-            kept = p * mask if mask is not None else p
             dv[:, :, :visible] += torch.matmul(kept.transpose(-1, -2), do)
-            del kept
-            dp = torch.matmul(do, vs[:, :, :visible].transpose(-1, -2))
-            if mask is not None:
-                dp.mul_(mask)
-            ds = dp.sub_(delta[:, :, start:stop]).mul_(p)
-            del p, mask
-            dq[:, :, start:stop] = torch.matmul(ds, k[:, :, :visible])
+            # d scores = P * (dP - delta), dP = (dO v^T) * mask: with kept = P * mask
+            # that is (dO v^T) * kept - P * delta
+            ds = torch.matmul(do, vs[:, :, :visible].transpose(-1, -2))
+            if kept is p:
+                ds.sub_(delta[:, :, start:stop]).mul_(p)
+            else:
+                ds.mul_(kept).addcmul_(p, delta[:, :, start:stop], value=-1)
+            del p, kept
+            dqs.append(torch.matmul(ds, k[:, :, :visible]))
             dk[:, :, :visible] += torch.matmul(ds.transpose(-1, -2), qs[:, :, start:stop])
+        dq = torch.cat(dqs, dim=2)
         dq.mul_(ctx.scale)
         if ctx.dropout_p > 0:
             dv.div_(ctx.keep)

@@ -1,0 +1,121 @@
+"""Words/s of stock ``fairseq-train`` runs: transformer_lm_alibi against transformer_lm.
+
+    python benchmarks/fairseq_train_wps.py                       # attention dropout 0 and 0.1
+    python benchmarks/fairseq_train_wps.py --attention-dropout 0.1 --repeats 5
+
+The attention-bound configuration of ``train_throughput.py`` (6 layers, d=256,
+8 heads, FFN 1024, 8 x 512 tokens per update, dropout 0.1, vocabulary of 504
+symbols), trained by the stock ``fairseq-train`` command (the ALiBi model through
+``--user-dir``) on a throw-away corpus of random words (``fairseq-preprocess``
+binarizes it), ``--log-interval 1``: fairseq prints the words/s (``wps``) of
+every update.  Runs alternate between the models (A B, then B A, ...), one run
+per model and repeat; a run's value is the median ``wps`` of its updates after
+``--skip`` warm-up updates, and the reported ratio is the median over repeats of
+ALiBi / sinusoidal from the same repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_description, median  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def make_corpus(workdir: str, words: int, tokens: int) -> str:
+    """Random words w0..w{words-1} (fairseq adds 4 specials), binarized."""
+    rng = random.Random(0)
+    raw = os.path.join(workdir, "train.txt")
+    with open(raw, "w") as f:
+        for _ in range(tokens // 100):
+            f.write(" ".join(f"w{rng.randrange(words)}" for _ in range(100)) + "\n")
+    dest = os.path.join(workdir, "bin")
+    subprocess.run(
+        [os.path.join(BIN, "fairseq-preprocess"), "--only-source", "--trainpref", raw, "--validpref", raw,
+         "--destdir", dest, "--workers", "1"],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    return dest
+
+
+def train_wps(data: str, arch: str, opts, attention_dropout: float, log_path: str):
+    cmd = [
+        os.path.join(BIN, "fairseq-train"), data, "--task", "language_modeling", "--arch", arch,
+        "--decoder-layers", str(opts.layers), "--decoder-embed-dim", "256", "--decoder-input-dim", "256",
+        "--decoder-output-dim", "256", "--decoder-attention-heads", "8", "--decoder-ffn-embed-dim", "1024",
+        "--share-decoder-input-output-embed", "--dropout", "0.1",
+        "--attention-dropout", str(attention_dropout),
+        "--tokens-per-sample", "512", "--sample-break-mode", "none", "--batch-size", str(opts.batch),
+        "--optimizer", "adam", "--lr", "1e-4", "--max-update", str(opts.updates), "--seed", "1",
+        "--log-format", "json", "--log-interval", "1", "--no-save", "--disable-validation",
+        "--num-workers", "0", "--cpu",
+    ]
+    if arch.endswith("_alibi"):
+        cmd += ["--user-dir", os.path.join(ROOT, "fairseq_alibi")]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log_path, "w") as log:
+        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
+    wps = []
+    with open(log_path) as log:
+        for line in log:
+            if "| train_inner |" in line:
+                wps.append(float(json.loads(line.split("| train_inner |", 1)[1])["wps"]))
+    if len(wps) <= opts.skip:
+        raise RuntimeError(f"only {len(wps)} train_inner lines in {log_path}")
+    return median(wps[opts.skip :]), wps
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--attention-dropout", type=float, nargs="+", default=[0.0, 0.1])
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--batch", type=int, default=8, help="sequences of 512 tokens per update")
+    p.add_argument("--updates", type=int, default=10, help="updates per run")
+    p.add_argument("--skip", type=int, default=3, help="warm-up updates not counted")
+    p.add_argument("--repeats", type=int, default=3, help="runs per model and attention dropout")
+    p.add_argument("--words", type=int, default=500, help="corpus words (+4 fairseq specials)")
+    p.add_argument("--keep", help="keep the corpus and logs in this directory")
+    p.add_argument("--json", help="also write the results here")
+    opts = p.parse_args()
+
+    workdir = opts.keep or tempfile.mkdtemp(prefix="alibi_wps_")
+    os.makedirs(workdir, exist_ok=True)
+    data = make_corpus(workdir, opts.words, tokens=(opts.updates + 2) * opts.batch * 512 * 2)
+    results = {"machine": machine_description(), "config": vars(opts), "runs": {}}
+    for drop in opts.attention_dropout:
+        runs = {"sinusoidal": [], "alibi": []}
+        ratios = []
+        for r in range(opts.repeats):
+            order = ("sinusoidal", "alibi") if r % 2 == 0 else ("alibi", "sinusoidal")
+            wps = {}
+            for name in order:
+                arch = "transformer_lm" if name == "sinusoidal" else "transformer_lm_alibi"
+                log = os.path.join(workdir, f"{name}_ad{drop}_{r}.log")
+                wps[name], per_update = train_wps(data, arch, opts, drop, log)
+                runs[name].append(per_update)
+            ratios.append(wps["alibi"] / wps["sinusoidal"])
+            print(f"attention dropout {drop}, repeat {r}: sinusoidal {wps['sinusoidal']:.0f} wps, "
+                  f"alibi {wps['alibi']:.0f} wps, ratio {ratios[-1]:.3f}", flush=True)
+        results["runs"][str(drop)] = {"wps_per_update": runs, "ratios": ratios, "median_ratio": median(ratios)}
+        print(f"attention dropout {drop}: ALiBi / sinusoidal fairseq-train wps, median of "
+              f"{opts.repeats} repeats: {median(ratios):.3f} (range {min(ratios):.3f}..{max(ratios):.3f})",
+              flush=True)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if not opts.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
