@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 # Queries per block (see docs/performance.md).
 BLOCK = 128
@@ -67,6 +68,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         qs, k, vs, out = ctx.saved_tensors
         probs, kept_probs = ctx.probs, ctx.kept
@@ -113,9 +115,12 @@ def blocked_causal_attention(
 ) -> Tensor:
     """Causal attention, queries the last ``q_len`` of ``k_len`` keys, in query
     blocks that only read the keys they can see.  q ``[B, H, T, D]``, k/v
-    ``[B, H, S, D]``, bias ``[H, T, S]`` (its values above the diagonal are
-    never read); ``key_padding_mask`` ``[B, S]`` (True at padding).  Returns
-    ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
+    ``[B, H, S, D]``, bias ``[H, T, S]`` with ``-inf`` above the diagonal (as
+    ``AlibiBias.dense`` builds it: inside a block that is the causal mask; the
+    blocks right of it are never read); ``key_padding_mask`` ``[B, S]`` (True
+    at padding).  Returns ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
+    if bias.requires_grad:
+        raise ValueError("the blocked path computes no gradient for the bias; use sdpa for a learned bias")
     pad = None
     if key_padding_mask is not None:
         pad = key_padding_mask.to(torch.bool)[:, None, None, :]

@@ -193,6 +193,40 @@ def test_blocked_falls_back_to_sdpa_for_a_non_causal_or_learned_bias():
     m = AlibiMultiheadAttention(32, 4, AlibiBias(4, kind="symmetric", attention_path="auto"), dropout=0.1)
     assert _choice(m, dropout=0.1) == "sdpa"
     x = torch.randn(9, 2, 32)
-    with mock.patch.object(CB, "blocked_causal_attention") as spy:
+    with mock.patch.object(A, "blocked_causal_attention", wraps=A.blocked_causal_attention) as spy:
         m.train()(x, x, x, need_weights=False)
-    assert not spy.called
+        assert not spy.called
+        causal = make_attention("auto", dropout=0.1).train()
+        causal(x, x, x, need_weights=False)
+        assert spy.call_count == 1  # the spy sees the path when it is taken
+
+
+def test_blocked_refuses_a_bias_that_needs_a_gradient():
+    q, k, v = qkv(1, 2, 5, 4, torch.float32)
+    bias = alibi.causal_bias(alibi.get_slopes(2), 5, 5).requires_grad_()
+    with pytest.raises(ValueError, match="no gradient for the bias"):
+        CB.blocked_causal_attention(q, k, v, bias, None, 0.1)
+
+
+def test_lm_training_with_attention_dropout_takes_blocked_path(tmp_path):
+    """A real transformer_lm_alibi training step with --attention-dropout: every
+    layer runs the blocked path, and every parameter gets a finite gradient."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    (tmp_path / "dict.txt").write_text("".join(f"w{i} {100 - i}\n" for i in range(40)))
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [
+        str(tmp_path), "--task", "language_modeling", "--arch", "transformer_lm_alibi", "--cpu",
+        "--tokens-per-sample", "16", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+        "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--dropout", "0.1",
+        "--attention-dropout", "0.1",
+    ])
+    task = tasks.setup_task(convert_namespace_to_omegaconf(args).task)
+    torch.manual_seed(0)
+    model = task.build_model(convert_namespace_to_omegaconf(args).model).train()
+    tokens = torch.randint(4, 44, (3, 16))
+    with mock.patch.object(A, "blocked_causal_attention", wraps=A.blocked_causal_attention) as spy:
+        model(tokens)[0].float().logsumexp(-1).sum().backward()
+    assert spy.call_count == 2
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
