@@ -1,19 +1,22 @@
-"""Causal attention with attention dropout in query blocks (the CPU training path
-with dropout).
+"""Causal attention in query blocks that only compute the keys they can see
+(the ``blocked`` attention path; ``auto`` takes it for CPU training with
+attention dropout).
 
 On CPU, ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` cannot use
 the flash kernel (it has no dropout) and runs the math kernel: full ``T x T``
-scores, a ``T x T`` dropout draw and all elementwise passes over the whole
+scores, a ``T x T`` dropout draw and every elementwise pass over the whole
 square, although half of it is masked.  Query block ``[s, e)`` of causal
 attention only sees keys ``[0, e)``, so this path computes, per block, scores
 against those keys only: with 128-query blocks at T=512 it touches 10/16 of the
 square (and draws 10/16 of the dropout mask).
 
-The maths is the reference's (``softmax(q k^T / sqrt(d) + bias) -> dropout ->
-@ v``), with a hand-written backward (flash-attention style, ``delta = rowsum(dO
-* O)``) over the saved probabilities and dropout mask; the ``1 / (1 - p)``
-dropout scale is folded into ``v`` (and into the gradient of ``v``) instead of
-a pass over the probabilities.
+* with dropout: the maths is the reference's (``softmax(q k^T / sqrt(d) +
+  bias) -> dropout -> @ v``), with a hand-written backward (flash-attention
+  style, ``delta = rowsum(dO * O)``) over the saved probabilities and dropped
+  probabilities of each block; the ``1 / (1 - p)`` dropout scale is folded into
+  ``v`` (and into the gradient of ``v``) instead of a pass over the square;
+* without dropout: one SDPA call (the CPU flash kernel) per block, with the
+  block's slice of the bias as its mask; nothing ``T x T`` is saved.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -125,4 +129,29 @@ def blocked_causal_attention(
     if key_padding_mask is not None:
         pad = key_padding_mask.to(torch.bool)[:, None, None, :]
         pad = torch.zeros(pad.shape, dtype=q.dtype, device=q.device).masked_fill(pad, float("-inf"))
-    return _BlockedCausalAttention.apply(q, k, v, bias.to(q.dtype), pad, float(dropout_p), block or BLOCK)
+    bias = bias.to(q.dtype)
+    if dropout_p > 0:
+        return _BlockedCausalAttention.apply(q, k, v, bias, pad, float(dropout_p), block or BLOCK)
+    return _sdpa_blocks(q, k, v, bias, pad, block or BLOCK)
+
+
+def _sdpa_blocks(q, k, v, bias, pad, block: int) -> Tensor:
+    """Without dropout: one fused SDPA call (the CPU flash kernel) per query
+    block, against the keys it can see, with its slice of the bias (and padding)
+    as the mask; autograd through the kernel's own backward, so nothing ``T x T``
+    is saved for the backward."""
+    q_len, k_len = q.size(2), k.size(2)
+    offset = k_len - q_len
+    outputs = []
+    for start in range(0, q_len, block):
+        stop = min(start + block, q_len)
+        visible = offset + stop
+        mask = bias[None, :, start:stop, :visible]
+        if pad is not None:
+            mask = mask + pad[..., :visible]
+        out = F.scaled_dot_product_attention(
+            q[:, :, start:stop], k[:, :, :visible], v[:, :, :visible], attn_mask=mask
+        )
+        outputs.append(out.permute(2, 0, 1, 3))
+    # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
+    return torch.cat(outputs).permute(1, 2, 0, 3)
