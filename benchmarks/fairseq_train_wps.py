@@ -1,6 +1,7 @@
 """Words/s of stock ``fairseq-train`` runs: transformer_lm_alibi against transformer_lm.
 
-    python benchmarks/fairseq_train_wps.py                       # attention dropout 0 and 0.1
+    python benchmarks/fairseq_train_wps.py                  # both at once, one thread each
+    python benchmarks/fairseq_train_wps.py --sequential     # one after the other, all threads
     python benchmarks/fairseq_train_wps.py --attention-dropout 0.1 --repeats 5
 
 The attention-bound configuration of ``train_throughput.py`` (6 layers, d=256,
@@ -8,7 +9,10 @@ The attention-bound configuration of ``train_throughput.py`` (6 layers, d=256,
 symbols), trained by the stock ``fairseq-train`` command (the ALiBi model through
 ``--user-dir``) on a throw-away corpus of random words (``fairseq-preprocess``
 binarizes it), ``--log-interval 1``: fairseq prints the words/s (``wps``) of
-every update.  Runs alternate between the models (A B, then B A, ...), one run
+every update.  By default the two models train at the same time, one process
+and one thread each (as ``make demo`` trains them), so that whatever else runs
+on the machine slows both alike; ``--sequential`` runs them one after the other
+instead (A B, then B A, ...) with the threads the environment gives.  One run
 per model and repeat.  A run is summarized by the median ``wps`` of its updates
 after ``--skip`` warm-up updates, and by the best one (on a shared machine other
 jobs only ever slow an update down, so the best update is the least disturbed
@@ -51,7 +55,7 @@ def make_corpus(workdir: str, words: int, tokens: int) -> str:
     return dest
 
 
-def train_wps(data: str, arch: str, opts, attention_dropout: float, log_path: str):
+def train_command(data: str, arch: str, opts, attention_dropout: float):
     cmd = [
         os.path.join(BIN, "fairseq-train"), data, "--task", "language_modeling", "--arch", arch,
         "--decoder-layers", str(opts.layers), "--decoder-embed-dim", "256", "--decoder-input-dim", "256",
@@ -65,10 +69,26 @@ def train_wps(data: str, arch: str, opts, attention_dropout: float, log_path: st
     ]
     if arch.endswith("_alibi"):
         cmd += ["--user-dir", os.path.join(ROOT, "fairseq_alibi")]
+    return cmd
+
+
+def run_all(jobs, parallel: bool):
+    """Run ``(cmd, log_path)`` jobs, all at once (one thread each) or in turn."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with open(log_path, "w") as log:
-        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return read_wps(log_path, opts.skip)
+    if parallel:
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    procs = []
+    for cmd, log_path in jobs:
+        log = open(log_path, "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if not parallel:
+            proc.wait()
+        procs.append((proc, log, cmd))
+    for proc, log, cmd in procs:
+        proc.wait()
+        log.close()
+        if proc.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}), see {log.name}")
 
 
 def read_wps(log_path: str, skip: int):
@@ -92,6 +112,8 @@ def main():
     p.add_argument("--skip", type=int, default=3, help="warm-up updates not counted")
     p.add_argument("--repeats", type=int, default=3, help="runs per model and attention dropout")
     p.add_argument("--words", type=int, default=500, help="corpus words (+4 fairseq specials)")
+    p.add_argument("--sequential", action="store_true",
+                   help="train the models one after the other, not at once with one thread each")
     p.add_argument("--keep", help="keep the corpus and logs in this directory")
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--analyze", help="only recompute the ratios from the logs kept in this directory")
@@ -108,12 +130,13 @@ def main():
         for r in range(opts.repeats):
             order = ("sinusoidal", "alibi") if r % 2 == 0 else ("alibi", "sinusoidal")
             wps, best = {}, {}
+            logs = {name: os.path.join(workdir, f"{name}_ad{drop}_{r}.log") for name in order}
+            if not opts.analyze:
+                arch = {"sinusoidal": "transformer_lm", "alibi": "transformer_lm_alibi"}
+                jobs = [(train_command(data, arch[name], opts, drop), logs[name]) for name in order]
+                run_all(jobs, parallel=not opts.sequential)
             for name in order:
-                arch = "transformer_lm" if name == "sinusoidal" else "transformer_lm_alibi"
-                log = os.path.join(workdir, f"{name}_ad{drop}_{r}.log")
-                if not opts.analyze:
-                    train_wps(data, arch, opts, drop, log)
-                wps[name], best[name], per_update = read_wps(log, opts.skip)
+                wps[name], best[name], per_update = read_wps(logs[name], opts.skip)
                 runs[name].append(per_update)
             ratios.append(wps["alibi"] / wps["sinusoidal"])
             best_ratios.append(best["alibi"] / best["sinusoidal"])
