@@ -14,7 +14,8 @@ and one thread each (as ``make demo`` trains them), so that whatever else runs
 on the machine slows both alike; ``--sequential`` runs them one after the other
 instead (A B, then B A, ...) with the threads the environment gives.  One run
 per model and repeat.  A run is summarized by the median ``wps`` of its updates
-after ``--skip`` warm-up updates, and by the best one (on a shared machine other
+after ``--skip`` warm-up updates (when both run at once, only those that ended
+while the other run was still going), and by the best one (on a shared machine other
 jobs only ever slow an update down, so the best update is the least disturbed
 estimate); the reported ratios are medians over repeats of ALiBi / sinusoidal
 from the same repeat, for both summaries.  ``--analyze DIR`` recomputes them
@@ -91,16 +92,23 @@ def run_all(jobs, parallel: bool):
             raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}), see {log.name}")
 
 
-def read_wps(log_path: str, skip: int):
-    """(median wps, best wps, all wps) of the train_inner lines after ``skip``."""
-    wps = []
+def read_log(log_path: str):
+    """[(wps, wall seconds since start)] of the log's train_inner lines."""
+    rows = []
     with open(log_path) as log:
         for line in log:
             if "| train_inner |" in line:
-                wps.append(float(json.loads(line.split("| train_inner |", 1)[1])["wps"]))
-    if len(wps) <= skip:
-        raise RuntimeError(f"only {len(wps)} train_inner lines in {log_path}")
-    return median(wps[skip:]), max(wps[skip:]), wps
+                stats = json.loads(line.split("| train_inner |", 1)[1])
+                rows.append((float(stats["wps"]), float(stats["wall"])))
+    return rows
+
+
+def summarize(rows, skip: int, until: float = float("inf")):
+    """(median wps, best wps) of the updates after ``skip`` that ended by ``until``."""
+    wps = [w for w, wall in rows[skip:] if wall <= until] or [w for w, _ in rows[skip:]]
+    if not wps:
+        raise RuntimeError("no train_inner lines after the warm-up updates")
+    return median(wps), max(wps)
 
 
 def main():
@@ -135,9 +143,14 @@ def main():
                 arch = {"sinusoidal": "transformer_lm", "alibi": "transformer_lm_alibi"}
                 jobs = [(train_command(data, arch[name], opts, drop), logs[name]) for name in order]
                 run_all(jobs, parallel=not opts.sequential)
+            rows = {name: read_log(logs[name]) for name in order}
+            # Both at once: count only the updates that ended while the other
+            # run was still going (the slower run's last updates have the
+            # machine to themselves).
+            until = float("inf") if opts.sequential else min(r[-1][1] for r in rows.values())
             for name in order:
-                wps[name], best[name], per_update = read_wps(logs[name], opts.skip)
-                runs[name].append(per_update)
+                wps[name], best[name] = summarize(rows[name], opts.skip, until)
+                runs[name].append(rows[name])
             ratios.append(wps["alibi"] / wps["sinusoidal"])
             best_ratios.append(best["alibi"] / best["sinusoidal"])
             print(f"attention dropout {drop}, repeat {r}: median wps sinusoidal {wps['sinusoidal']:.0f}, "
