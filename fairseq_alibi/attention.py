@@ -22,11 +22,12 @@ Attention paths (config field ``alibi_attention``):
   cached causal block mask: nothing ``T x T`` is materialized, forward or backward;
 * ``chunked``: queries in blocks, the bias of each block built on the fly, so
   memory grows linearly with the length (long evaluation without FlexAttention);
-* ``blocked``: causal training in query blocks that only compute (and drop out)
-  the keys they can see, with a hand-written backward
-  (``causal_blocks.blocked_causal_attention``); the CPU path for training with
-  attention dropout, where SDPA can only use its math kernel over the whole
-  ``T x T`` square.  Causal biases only (a symmetric one falls back to ``sdpa``);
+* ``blocked``: causal attention in query blocks that only compute the keys they
+  can see (``causal_blocks.blocked_causal_attention``): with attention dropout,
+  explicit scores, dropout and a hand-written backward per block (the CPU path
+  for training with dropout, where SDPA can only use its math kernel over the
+  whole ``T x T`` square); without, one SDPA call per block.  Causal biases
+  without a gradient only (otherwise ``sdpa``);
 * ``auto``: looked up in ``AUTO_PATHS`` from the device and the regime
   (training, training with attention dropout, short or long inference);
   ``reference`` whenever attention weights are requested.
