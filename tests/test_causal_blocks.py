@@ -10,7 +10,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fairseq_alibi  # noqa: F401  (registers the models)
 from fairseq_alibi import alibi
