@@ -41,7 +41,7 @@ def _keep_mask(shape, p: float, dtype, device, start: int) -> Tensor:
 
 class _BlockedCausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, pad, dropout_p, block):
+    def forward(ctx, q, k, v, mask, dropout_p, block):
         bsz, heads, q_len, head_dim = q.shape
         k_len = k.size(2)
         offset = k_len - q_len  # queries are the last q_len positions
@@ -55,9 +55,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
             stop = min(start + block, q_len)
             visible = offset + stop
             scores = torch.matmul(qs[:, :, start:stop], k[:, :, :visible].transpose(-1, -2))
-            scores.add_(bias[:, start:stop, :visible])
-            if pad is not None:
-                scores.add_(pad[..., :visible])
+            scores.add_(mask[:, :, start:stop, :visible])
             p = torch.softmax(scores, dim=-1)
             del scores
             kept = p * _keep_mask(p.shape, dropout_p, p.dtype, p.device, start) if dropout_p > 0 else p
@@ -105,52 +103,46 @@ class _BlockedCausalAttention(torch.autograd.Function):
         dq.mul_(ctx.scale)
         if ctx.dropout_p > 0:
             dv.div_(ctx.keep)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None
 
 
 def blocked_causal_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    bias: Tensor,
-    key_padding_mask: Optional[Tensor] = None,
+    mask: Tensor,
     dropout_p: float = 0.0,
     block: Optional[int] = None,
 ) -> Tensor:
     """Causal attention, queries the last ``q_len`` of ``k_len`` keys, in query
     blocks that only read the keys they can see.  q ``[B, H, T, D]``, k/v
-    ``[B, H, S, D]``, bias ``[H, T, S]`` with ``-inf`` above the diagonal (as
-    ``AlibiBias.dense`` builds it: inside a block that is the causal mask; the
-    blocks right of it are never read); ``key_padding_mask`` ``[B, S]`` (True
-    at padding).  Returns ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
-    if bias.requires_grad:
+    ``[B, H, S, D]``; ``mask`` the additive ``[1, H, T, S]`` or ``[B, H, T, S]``
+    bias with ``-inf`` above the diagonal and at padded keys (what
+    ``AlibiBias.merged_mask`` returns: inside a block that is the causal mask;
+    the part right of a block is never read).  Returns ``[B, H, T, D]`` (stored
+    as ``[T, B, H, D]``)."""
+    if mask.requires_grad:
         raise ValueError("the blocked path computes no gradient for the bias; use sdpa for a learned bias")
-    pad = None
-    if key_padding_mask is not None:
-        pad = key_padding_mask.to(torch.bool)[:, None, None, :]
-        pad = torch.zeros(pad.shape, dtype=q.dtype, device=q.device).masked_fill(pad, float("-inf"))
-    bias = bias.to(q.dtype)
+    mask = mask.to(q.dtype)
     if dropout_p > 0:
-        return _BlockedCausalAttention.apply(q, k, v, bias, pad, float(dropout_p), block or BLOCK)
-    return _sdpa_blocks(q, k, v, bias, pad, block or BLOCK)
+        return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK)
+    return _sdpa_blocks(q, k, v, mask, block or BLOCK)
 
 
-def _sdpa_blocks(q, k, v, bias, pad, block: int) -> Tensor:
+def _sdpa_blocks(q, k, v, mask, block: int) -> Tensor:
     """Without dropout: one fused SDPA call (the CPU flash kernel) per query
-    block, against the keys it can see, with its slice of the bias (and padding)
-    as the mask; autograd through the kernel's own backward, so nothing ``T x T``
-    is saved for the backward."""
+    block, against the keys it can see, with its slice of the mask; autograd
+    through the kernel's own backward, so nothing ``T x T`` is saved for the
+    backward."""
     q_len, k_len = q.size(2), k.size(2)
     offset = k_len - q_len
     outputs = []
     for start in range(0, q_len, block):
         stop = min(start + block, q_len)
         visible = offset + stop
-        mask = bias[None, :, start:stop, :visible]
-        if pad is not None:
-            mask = mask + pad[..., :visible]
         out = F.scaled_dot_product_attention(
-            q[:, :, start:stop], k[:, :, :visible], v[:, :, :visible], attn_mask=mask
+            q[:, :, start:stop], k[:, :, :visible], v[:, :, :visible],
+            attn_mask=mask[:, :, start:stop, :visible],
         )
         outputs.append(out.permute(2, 0, 1, 3))
     # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]

@@ -40,6 +40,14 @@ def explicit_attention(q, k, v, bias, pad=None, keep_mask=None, p=0.0):
     return probs @ v
 
 
+def merged(bias, pad=None):
+    """The additive mask the module passes: [1, H, T, S] bias, plus -inf at padded keys."""
+    mask = bias[None]
+    if pad is not None:
+        mask = mask.masked_fill(pad[:, None, None, :], float("-inf"))
+    return mask
+
+
 def right_padding(lengths, total):
     return torch.arange(total)[None, :] >= torch.tensor(lengths)[:, None]
 
@@ -86,7 +94,7 @@ def test_blocked_matches_explicit_attention(dtype, padded, p, monkeypatch):
         monkeypatch.setattr(CB, "_keep_mask", fixed_mask)
     weight = torch.linspace(-1, 1, batch * heads * length * dim).view(batch, heads, length, dim)
     got = outputs_and_grads(
-        lambda q_, k_, v_: CB.blocked_causal_attention(q_, k_, v_, bias.to(dtype), pad, p, block=16),
+        lambda q_, k_, v_: CB.blocked_causal_attention(q_, k_, v_, merged(bias, pad).to(dtype), p, block=16),
         q, k, v, weight,
     )
     q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
@@ -108,11 +116,11 @@ def test_blocked_dropout_is_unbiased_and_drops_p():
     q, k, v = [t.detach() for t in qkv(2, 2, 20, 4, torch.float32)]
     bias = alibi.causal_bias(alibi.get_slopes(2), 20, 20)
     p = 0.4
-    draws = [CB.blocked_causal_attention(q, k, v, bias, None, p, block=8) for _ in range(2000)]
+    draws = [CB.blocked_causal_attention(q, k, v, merged(bias), p, block=8) for _ in range(2000)]
     kept = CB._keep_mask((200, 200), p, torch.float32, "cpu", 0)
     assert abs(float(kept.mean()) - (1 - p)) < 0.01
     mean = torch.stack(draws).mean(0)
-    exact = CB.blocked_causal_attention(q, k, v, bias, None, 0.0, block=8)
+    exact = CB.blocked_causal_attention(q, k, v, merged(bias), 0.0, block=8)
     assert not torch.allclose(draws[0], exact, atol=1e-3)  # dropout did something
     assert (mean - exact).abs().max() < 0.05 * exact.abs().max()
 
@@ -177,11 +185,12 @@ def _choice(module, grad=True, dropout=0.0, device="cpu"):
         return module.choose_path(512, 512, False, False, dropout, torch.device(device))
 
 
-def test_auto_picks_blocked_only_for_cpu_training_with_dropout():
+def test_auto_picks_blocked_only_for_cpu_training():
     m = make_attention("auto")
     assert _choice(m, dropout=0.1) == "blocked"
-    assert _choice(m, dropout=0.0) == "sdpa"  # the flash kernel, no dropout
+    assert _choice(m, dropout=0.0) == "blocked"  # one flash call per query block
     assert _choice(m, grad=False, dropout=0.1) == "sdpa"
+    assert _choice(m, grad=False) == "sdpa"
     assert _choice(m, dropout=0.1, device="cuda") == "sdpa"
 
 
@@ -204,7 +213,7 @@ def test_blocked_refuses_a_bias_that_needs_a_gradient():
     q, k, v = qkv(1, 2, 5, 4, torch.float32)
     bias = alibi.causal_bias(alibi.get_slopes(2), 5, 5).requires_grad_()
     with pytest.raises(ValueError, match="no gradient for the bias"):
-        CB.blocked_causal_attention(q, k, v, bias, None, 0.1)
+        CB.blocked_causal_attention(q, k, v, merged(bias), 0.1)
 
 
 def test_lm_training_with_attention_dropout_takes_blocked_path(tmp_path):
