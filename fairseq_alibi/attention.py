@@ -57,8 +57,8 @@ CHUNK_SIZE = 512
 REGIMES = ("train", "train_dropout", "decode", "short", "long")
 
 # The ``auto`` choice, as one table: device kind -> path per regime.
-#   train          gradients on, no attention dropout (CPU: ``blocked``, one flash
-#                  call per query block, skips the masked 3/8 of the square at T=512)
+#   train          gradients on, no attention dropout (CPU: ``blocked`` wins on an
+#                  idle machine but lost under load, see docs/performance.md)
 #   train_dropout  gradients on, attention dropout > 0 (FlexAttention has none;
 #                  CPU SDPA falls back to its math kernel, so CPU takes ``blocked``)
 #   long           no gradients, more than CHUNK_THRESHOLD query x key pairs
@@ -66,7 +66,7 @@ REGIMES = ("train", "train_dropout", "decode", "short", "long")
 #   short          no gradients, any other short input
 AUTO_PATHS: Dict[str, Dict[str, str]] = {
     #                              train   train_dropout decode  short   long
-    "cpu":       dict(zip(REGIMES, ("blocked", "blocked", "sdpa", "sdpa", "chunked"))),
+    "cpu":       dict(zip(REGIMES, ("sdpa", "blocked",   "sdpa", "sdpa", "chunked"))),
     "cuda":      dict(zip(REGIMES, ("sdpa", "sdpa",      "sdpa", "sdpa", "chunked"))),
     "cuda+flex": dict(zip(REGIMES, ("flex", "sdpa",      "sdpa", "flex", "flex"))),
 }

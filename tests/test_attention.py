@@ -203,9 +203,9 @@ def _choice(module, q_len, k_len, grad=True, need_weights=False, incremental=Fal
 def test_auto_choice_table():
     m = make_attention("auto")
     big = 4096
-    assert _choice(m, 512, 512) == "blocked"  # CPU training: cached dense bias, query blocks
-    assert _choice(m, big, big) == "blocked"
-    assert _choice(m, 512, 512, dropout=0.1) == "blocked"
+    assert _choice(m, 512, 512) == "sdpa"  # CPU training: cached dense bias
+    assert _choice(m, big, big) == "sdpa"
+    assert _choice(m, 512, 512, dropout=0.1) == "blocked"  # SDPA would use its math kernel
     assert _choice(m, 512, 512, grad=False) == "sdpa"
     assert _choice(m, big, big, grad=False) == "chunked"  # long evaluation
     assert _choice(m, 1, 700, grad=False, incremental=True) == "sdpa"
