@@ -73,7 +73,7 @@ def costs(repeats: int):
             "SDPA, stock [T, T] mask": lambda p=drop: sdpa(q, k, v, attn_mask=future, dropout_p=p),
             "SDPA, ALiBi [1, H, T, T] bias": lambda p=drop: sdpa(q, k, v, attn_mask=bias[None], dropout_p=p),
             "SDPA, is_causal, no mask": lambda p=drop: sdpa(q, k, v, is_causal=True, dropout_p=p),
-            "blocked (ALiBi)": lambda p=drop: blocked_causal_attention(q, k, v, bias, None, p),
+            "blocked (ALiBi)": lambda p=drop: blocked_causal_attention(q, k, v, bias[None], p),
         }
     for drop, group in cases.items():
         wall = {n: [] for n in group}
