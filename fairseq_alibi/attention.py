@@ -25,6 +25,11 @@ Kernels (config field ``alibi_attention``):
   backward; no attention dropout, and only for biases with ``supports_flex``;
 * ``chunked``: queries in blocks, the bias of each block built on the fly, so
   memory grows linearly with the length (long evaluation without FlexAttention);
+* ``blocked``: causal attention in query blocks that only compute the keys they
+  can see (``causal_blocks.blocked_causal_attention``): with attention dropout,
+  explicit scores, dropout and a hand-written backward per block (CPU SDPA
+  would run its math kernel over the whole ``T x T`` square); without, one
+  SDPA call per block.  Causal biases only (a bidirectional one gets ``sdpa``);
 * ``auto``: :func:`choose_kernel`.
 """
 
@@ -38,9 +43,10 @@ from fairseq.modules import MultiheadAttention
 from torch import Tensor, nn
 
 from . import alibi
+from .causal_blocks import blocked_causal_attention
 from .errors import ConfigError, warn_once
 
-KERNELS = ("auto", "reference", "sdpa", "flex", "chunked")
+KERNELS = ("auto", "reference", "sdpa", "flex", "chunked", "blocked")
 
 # Inference with more query x key pairs than this is "long" (linear-memory kernel).
 CHUNK_THRESHOLD = 1024 * 1024
@@ -70,21 +76,30 @@ def choose_kernel(
     """The kernel of one forward call.
 
     Weights wanted: ``reference`` (the only kernel that returns them).  An
-    explicit ``alibi_attention``: that kernel.  ``auto``: FlexAttention on CUDA
-    for full forwards without attention dropout when the bias supports it;
-    otherwise ``chunked`` for long inference (linear memory) and ``sdpa`` for
-    everything else (training, short inference, KV-cache steps).
+    explicit ``alibi_attention``: that kernel (``blocked`` only for a causal
+    bias, ``sdpa`` otherwise).  ``auto``: FlexAttention on CUDA for full
+    forwards without attention dropout when the bias supports it; ``blocked``
+    for CPU training with attention dropout (causal bias); ``chunked`` for long
+    inference (linear memory); ``sdpa`` for everything else (training, short
+    inference, KV-cache steps).
     """
     if need_weights:
         return "reference"
-    if bias.kernel != "auto":
-        return bias.kernel
     device = device or torch.device("cpu")
-    if device.type == "cuda" and bias.supports_flex and dropout_p == 0 and not incremental and flex_available():
-        return "flex"
-    if not torch.is_grad_enabled() and q_len * k_len > CHUNK_THRESHOLD:
-        return "chunked"
-    return "sdpa"
+    kernel = bias.kernel
+    if kernel == "auto":
+        grad = torch.is_grad_enabled()
+        if device.type == "cuda" and bias.supports_flex and dropout_p == 0 and not incremental and flex_available():
+            kernel = "flex"
+        elif device.type == "cpu" and grad and dropout_p > 0:
+            kernel = "blocked"
+        elif not grad and q_len * k_len > CHUNK_THRESHOLD:
+            kernel = "chunked"
+        else:
+            kernel = "sdpa"
+    if kernel == "blocked" and not bias.causal:
+        return "sdpa"  # the blocked kernel skips the keys right of the query
+    return kernel
 
 
 def masked_value_for(mode: str, dtype: torch.dtype) -> float:
@@ -573,6 +588,8 @@ class AlibiMultiheadAttention(MultiheadAttention):
             bias = self.alibi.dense(tgt_len, src_len, q.dtype, q.device)
             if kernel == "reference":
                 out, weights = reference_attention(q, k, v, bias, key_padding_mask, dropout_p)
+            elif kernel == "blocked":
+                out = blocked_causal_attention(q, k, v, self.alibi.merged_mask(bias, key_padding_mask), dropout_p)
             else:
                 mask = self.alibi.merged_mask(bias, key_padding_mask)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)

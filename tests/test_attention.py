@@ -194,6 +194,8 @@ def test_auto_choice():
     big = 4096
     assert _choice(b, 512, 512) == "sdpa"  # CPU training: cached dense bias
     assert _choice(b, big, big) == "sdpa"
+    assert _choice(b, 512, 512, dropout=0.1) == "blocked"  # SDPA would use its math kernel
+    assert _choice(AlibiBias(4, "symmetric"), 512, 512, dropout=0.1) == "sdpa"  # blocked: causal only
     assert _choice(b, 512, 512, grad=False) == "sdpa"
     assert _choice(b, big, big, grad=False) == "chunked"  # long evaluation
     assert _choice(b, 1, 700, grad=False, incremental=True) == "sdpa"
@@ -204,7 +206,7 @@ def test_auto_choice():
     assert _choice(b, 1, 700, grad=False, incremental=True, device="cuda") == "sdpa"
     assert _choice(b, 512, 512, device="cuda", flex=False) == "sdpa"
     assert _choice(b, big, big, grad=False, device="cuda", flex=False) == "chunked"
-    for kernel in ("reference", "sdpa", "chunked", "flex"):
+    for kernel in ("reference", "sdpa", "chunked", "flex", "blocked"):
         assert _choice(AlibiBias(4, kernel=kernel), big, big, grad=False) == kernel
 
 

@@ -1,0 +1,149 @@
+"""Causal attention in query blocks that only compute the keys they can see
+(the ``blocked`` attention path; ``auto`` takes it for CPU training with
+attention dropout).
+
+On CPU, ``F.scaled_dot_product_attention`` with ``dropout_p > 0`` cannot use
+the flash kernel (it has no dropout) and runs the math kernel: full ``T x T``
+scores, a ``T x T`` dropout draw and every elementwise pass over the whole
+square, although half of it is masked.  Query block ``[s, e)`` of causal
+attention only sees keys ``[0, e)``, so this path computes, per block, scores
+against those keys only: with 128-query blocks at T=512 it touches 10/16 of the
+square (and draws 10/16 of the dropout mask).
+
+* with dropout: the maths is the reference's (``softmax(q k^T / sqrt(d) +
+  bias) -> dropout -> @ v``), with a hand-written backward (flash-attention
+  style, ``delta = rowsum(dO * O)``) over the saved probabilities and dropped
+  probabilities of each block; the ``1 / (1 - p)`` dropout scale is folded into
+  ``v`` (and into the gradient of ``v``) instead of a pass over the square;
+* without dropout: one SDPA call (the CPU flash kernel) per block, with the
+  block's slice of the bias as its mask; nothing ``T x T`` is saved.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+# Queries per block (see docs/performance.md).
+BLOCK = 128
+
+
+def _keep_mask(shape, p: float, dtype, device, start: int) -> Tensor:
+    """0/1 mask keeping each entry with probability ``1 - p`` (the draw of
+    ``F.dropout``) for the block of queries from ``start``.  Tests replace it
+    to compare against the reference with the same mask."""
+    return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1.0 - p)
+
+
+class _BlockedCausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, dropout_p, block):
+        bsz, heads, q_len, head_dim = q.shape
+        k_len = k.size(2)
+        offset = k_len - q_len  # queries are the last q_len positions
+        scale = head_dim**-0.5
+        keep = 1.0 - dropout_p
+        qs = (q * scale).contiguous()
+        k = k.contiguous()
+        vs = (v / keep if dropout_p > 0 else v).contiguous()
+        probs, kept_probs, outputs = [], [], []
+        for start in range(0, q_len, block):
+            stop = min(start + block, q_len)
+            visible = offset + stop
+            scores = torch.matmul(qs[:, :, start:stop], k[:, :, :visible].transpose(-1, -2))
+            scores.add_(mask[:, :, start:stop, :visible])
+            p = torch.softmax(scores, dim=-1)
+            del scores
+            kept = p * _keep_mask(p.shape, dropout_p, p.dtype, p.device, start) if dropout_p > 0 else p
+            outputs.append(torch.matmul(kept, vs[:, :, :visible]))
+            probs.append(p)
+            kept_probs.append(kept)
+        # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
+        out = torch.cat([o.permute(2, 0, 1, 3) for o in outputs]).permute(1, 2, 0, 3)
+        ctx.save_for_backward(qs, k, vs, out)
+        ctx.probs, ctx.kept = probs, kept_probs
+        ctx.block, ctx.scale, ctx.keep, ctx.dropout_p = block, scale, keep, dropout_p
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        qs, k, vs, out = ctx.saved_tensors
+        probs, kept_probs = ctx.probs, ctx.kept
+        ctx.probs = ctx.kept = None
+        q_len, k_len = qs.size(2), k.size(2)
+        offset = k_len - q_len
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dP * P)
+        dk = torch.zeros_like(k)
+        dv = torch.zeros_like(vs)
+        dqs = []
+        for i, start in enumerate(range(0, q_len, ctx.block)):
+            stop = min(start + ctx.block, q_len)
+            visible = offset + stop
+            p, kept = probs[i], kept_probs[i]
+            probs[i] = kept_probs[i] = None
+            do = grad_out[:, :, start:stop]
+            dv[:, :, :visible] += torch.matmul(kept.transpose(-1, -2), do)
+            # d scores = P * (dP - delta), dP = (dO v^T) * mask: with kept = P * mask
+            # that is (dO v^T) * kept - P * delta
+            ds = torch.matmul(do, vs[:, :, :visible].transpose(-1, -2))
+            if kept is p:
+                ds.sub_(delta[:, :, start:stop]).mul_(p)
+            else:
+                ds.mul_(kept).addcmul_(p, delta[:, :, start:stop], value=-1)
+            del p, kept
+            dqs.append(torch.matmul(ds, k[:, :, :visible]))
+            dk[:, :, :visible] += torch.matmul(ds.transpose(-1, -2), qs[:, :, start:stop])
+        dq = torch.cat(dqs, dim=2)
+        dq.mul_(ctx.scale)
+        if ctx.dropout_p > 0:
+            dv.div_(ctx.keep)
+        return dq, dk, dv, None, None, None
+
+
+def blocked_causal_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    dropout_p: float = 0.0,
+    block: Optional[int] = None,
+) -> Tensor:
+    """Causal attention, queries the last ``q_len`` of ``k_len`` keys, in query
+    blocks that only read the keys they can see.  q ``[B, H, T, D]``, k/v
+    ``[B, H, S, D]``; ``mask`` the additive ``[1, H, T, S]`` or ``[B, H, T, S]``
+    bias with ``-inf`` above the diagonal and at padded keys (what
+    ``AlibiBias.merged_mask`` returns: inside a block that is the causal mask;
+    the part right of a block is never read).  Returns ``[B, H, T, D]`` (stored
+    as ``[T, B, H, D]``)."""
+    if mask.requires_grad:
+        raise ValueError("the blocked path computes no gradient for the bias; use sdpa for a learned bias")
+    mask = mask.to(q.dtype)
+    if dropout_p > 0:
+        return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK)
+    return _sdpa_blocks(q, k, v, mask, block or BLOCK)
+
+
+def _sdpa_blocks(q, k, v, mask, block: int) -> Tensor:
+    """Without dropout: one fused SDPA call (the CPU flash kernel) per query
+    block, against the keys it can see, with its slice of the mask; autograd
+    through the kernel's own backward, so nothing ``T x T`` is saved for the
+    backward."""
+    q_len, k_len = q.size(2), k.size(2)
+    offset = k_len - q_len
+    outputs = []
+    for start in range(0, q_len, block):
+        stop = min(start + block, q_len)
+        visible = offset + stop
+        out = F.scaled_dot_product_attention(
+            q[:, :, start:stop], k[:, :, :visible], v[:, :, :visible],
+            attn_mask=mask[:, :, start:stop, :visible],
+        )
+        outputs.append(out.permute(2, 0, 1, 3))
+    # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
+    return torch.cat(outputs).permute(1, 2, 0, 3)

@@ -1,0 +1,241 @@
+"""The query-blocked causal path (``fairseq_alibi.causal_blocks``, ``alibi_attention
+=blocked``, CPU training with attention dropout) against independent references:
+forward and gradients, fp32 and bf16, right padding, lengths that are not a
+multiple of the block, with and without attention dropout."""
+
+from __future__ import annotations
+
+import itertools
+from unittest import mock
+
+import pytest
+import torch
+
+import fairseq_alibi  # noqa: F401  (registers the models)
+from conftest import causal_bias
+from fairseq_alibi import alibi
+from fairseq_alibi import attention as A
+from fairseq_alibi import causal_blocks as CB
+from fairseq_alibi.attention import AlibiBias, AlibiMultiheadAttention
+
+BF16_REL, BF16_ABS = 5e-2, 5e-2
+
+
+def assert_close(actual, expected, dtype):
+    if dtype == torch.bfloat16:
+        err, size = (actual.float() - expected).norm(), expected.norm()
+        assert err <= BF16_REL * size + BF16_ABS, f"|error| {err:.4f} for |expected| {size:.4f}"
+    else:
+        torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+
+
+def explicit_attention(q, k, v, bias, pad=None, keep_mask=None, p=0.0):
+    """softmax(q k^T / sqrt(d) + bias [+ padding]) [* mask / (1 - p)] @ v, in fp64."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-1, -2) * q.size(-1) ** -0.5 + bias.double()
+    if pad is not None:
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if keep_mask is not None:
+        probs = probs * keep_mask.double() / (1 - p)
+    return probs @ v
+
+
+def merged(bias, pad=None):
+    """The additive mask the module passes: [1, H, T, S] bias, plus -inf at padded keys."""
+    mask = bias[None]
+    if pad is not None:
+        mask = mask.masked_fill(pad[:, None, None, :], float("-inf"))
+    return mask
+
+
+def right_padding(lengths, total):
+    return torch.arange(total)[None, :] >= torch.tensor(lengths)[:, None]
+
+
+def qkv(batch, heads, length, dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # [T, B, H, D] storage permuted to [B, H, T, D], as the module makes them
+    return [
+        torch.randn(length, batch, heads, dim, generator=gen).to(dtype).permute(1, 2, 0, 3).requires_grad_()
+        for _ in range(3)
+    ]
+
+
+def outputs_and_grads(fn, q, k, v, weight):
+    out = fn(q, k, v)
+    (out.float() * weight).sum().backward()
+    result = [out.detach().float()] + [t.grad.float() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    return result
+
+
+CASES = list(itertools.product((torch.float32, torch.bfloat16), (False, True), (0.0, 0.3)))
+
+
+@pytest.mark.parametrize("dtype,padded,p", CASES)
+def test_blocked_matches_explicit_attention(dtype, padded, p, monkeypatch):
+    """37 queries in blocks of 16 (the last one partial), the same dropout mask
+    for both sides (the path's draw is replaced by slices of one fixed mask)."""
+    batch, heads, length, dim = 3, 4, 37, 8
+    q, k, v = qkv(batch, heads, length, dim, dtype)
+    bias = causal_bias(alibi.get_slopes(heads), length, length)
+    pad = right_padding([37, 20, 9], length) if padded else None
+    full_mask = None
+    if p > 0:
+        gen = torch.Generator().manual_seed(5)
+        full_mask = (torch.rand(batch, heads, length, length, generator=gen) >= p).float()
+        calls = []
+
+        def fixed_mask(shape, p_, dtype_, device, start):
+            calls.append((start, shape))
+            return full_mask[:, :, start : start + shape[2], : shape[3]].to(dtype_)
+
+        monkeypatch.setattr(CB, "_keep_mask", fixed_mask)
+    weight = torch.linspace(-1, 1, batch * heads * length * dim).view(batch, heads, length, dim)
+    got = outputs_and_grads(
+        lambda q_, k_, v_: CB.blocked_causal_attention(q_, k_, v_, merged(bias, pad).to(dtype), p, block=16),
+        q, k, v, weight,
+    )
+    q64, k64, v64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = outputs_and_grads(
+        lambda q_, k_, v_: explicit_attention(q_, k_, v_, bias, pad, full_mask, p), q64, k64, v64, weight
+    )
+    if p > 0:  # one draw per block, each only as wide as the keys the block sees
+        assert calls == [(0, (3, 4, 16, 16)), (16, (3, 4, 16, 32)), (32, (3, 4, 5, 37))]
+    real = ~pad[:, None, :, None] if padded else torch.ones(1, dtype=torch.bool)
+    for g, w in zip(got, want):
+        assert_close(torch.where(real, g, 0.0), torch.where(real, w.float(), 0.0), dtype)
+
+
+def test_blocked_dropout_is_unbiased_and_drops_p():
+    """The real draw: about a fraction p of the probabilities is dropped, and the
+    mean output over many draws is the output without dropout (the 1/(1-p)
+    scale folded into v is right)."""
+    torch.manual_seed(0)
+    q, k, v = [t.detach() for t in qkv(2, 2, 20, 4, torch.float32)]
+    bias = causal_bias(alibi.get_slopes(2), 20, 20)
+    p = 0.4
+    draws = [CB.blocked_causal_attention(q, k, v, merged(bias), p, block=8) for _ in range(2000)]
+    kept = CB._keep_mask((200, 200), p, torch.float32, "cpu", 0)
+    assert abs(float(kept.mean()) - (1 - p)) < 0.01
+    mean = torch.stack(draws).mean(0)
+    exact = CB.blocked_causal_attention(q, k, v, merged(bias), 0.0, block=8)
+    assert not torch.allclose(draws[0], exact, atol=1e-3)  # dropout did something
+    assert (mean - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+# --------------------------------------------------------------------- in the module
+def make_attention(path, heads=4, embed_dim=32, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return AlibiMultiheadAttention(embed_dim, heads, AlibiBias(heads, kernel=path), **kwargs)
+
+
+@pytest.mark.parametrize("dtype,padded", list(itertools.product((torch.float32, torch.bfloat16), (False, True))))
+def test_blocked_path_in_module_matches_reference(dtype, padded, monkeypatch):
+    """Forward and all gradients (input and parameters) of the module on the
+    ``blocked`` path against the ``reference`` path, no dropout."""
+    monkeypatch.setattr(CB, "BLOCK", 16)
+    length, batch = 37, 3
+    x = torch.randn(length, batch, 32)
+    pad = right_padding([37, 20, 9], length) if padded else None
+    results = []
+    for path, dt in (("reference", torch.float32), ("blocked", dtype)):
+        module = make_attention(path).to(dt)
+        xi = x.detach().to(dt).requires_grad_()
+        out, _ = module(xi, xi, xi, key_padding_mask=pad, need_weights=False)
+        weight = torch.linspace(-1, 1, out.numel()).view_as(out).to(dt)
+        (out * weight).sum().backward()
+        results.append([out.float()] + [g.float() for g in [xi.grad] + [p.grad for p in module.parameters()]])
+    for got, want in zip(results[1], results[0]):
+        if padded and got.dim() == 3:  # [T, B, C]: compare real positions only
+            got, want = got.transpose(0, 1)[~pad], want.transpose(0, 1)[~pad]
+        assert_close(got, want, dtype)
+
+
+def test_blocked_path_with_dropout_in_module_matches_reference(monkeypatch):
+    """Attention dropout in training: the module's blocked path against the
+    reference path given the same dropout mask."""
+    monkeypatch.setattr(CB, "BLOCK", 8)
+    length, batch, heads, p = 21, 2, 4, 0.25
+    gen = torch.Generator().manual_seed(3)
+    full_mask = (torch.rand(batch, heads, length, length, generator=gen) >= p).float()
+    monkeypatch.setattr(
+        CB, "_keep_mask", lambda shape, p_, dt, dev, start: full_mask[:, :, start : start + shape[2], : shape[3]]
+    )
+
+    def fixed_dropout(probs, p=0.0, training=True, inplace=False):
+        return probs * full_mask / (1 - p)
+
+    x = torch.randn(length, batch, 32)
+    results = []
+    for path in ("reference", "blocked"):
+        module = make_attention(path, dropout=p).train()
+        xi = x.detach().clone().requires_grad_()
+        with mock.patch.object(A.F, "dropout", fixed_dropout):
+            out, _ = module(xi, xi, xi, need_weights=False)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append([out] + [xi.grad] + [q.grad for q in module.parameters()])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def _choice(module, grad=True, dropout=0.0, device="cpu"):
+    with torch.set_grad_enabled(grad), mock.patch.object(A, "flex_available", return_value=True):
+        return A.choose_kernel(module.alibi, False, 512, 512, dropout, False, torch.device(device))
+
+
+def test_auto_picks_blocked_only_for_cpu_training_with_dropout():
+    m = make_attention("auto")
+    assert _choice(m, dropout=0.1) == "blocked"
+    assert _choice(m, dropout=0.0) == "sdpa"  # blocked is opt-in there (docs/performance.md)
+    assert _choice(m, grad=False, dropout=0.1) == "sdpa"
+    assert _choice(m, grad=False) == "sdpa"
+    assert _choice(m, dropout=0.1, device="cuda") == "sdpa"
+
+
+def test_blocked_falls_back_to_sdpa_for_a_non_causal_or_learned_bias():
+    """Symmetric (bidirectional) bias: the blocked path would skip keys the
+    queries must see; it is never used there."""
+    torch.manual_seed(0)
+    m = AlibiMultiheadAttention(32, 4, AlibiBias(4, "symmetric", kernel="auto"), dropout=0.1)
+    assert _choice(m, dropout=0.1) == "sdpa"
+    x = torch.randn(9, 2, 32)
+    with mock.patch.object(A, "blocked_causal_attention", wraps=A.blocked_causal_attention) as spy:
+        m.train()(x, x, x, need_weights=False)
+        assert not spy.called
+        causal = make_attention("auto", dropout=0.1).train()
+        causal(x, x, x, need_weights=False)
+        assert spy.call_count == 1  # the spy sees the path when it is taken
+
+
+def test_blocked_refuses_a_bias_that_needs_a_gradient():
+    q, k, v = qkv(1, 2, 5, 4, torch.float32)
+    bias = causal_bias(alibi.get_slopes(2), 5, 5).requires_grad_()
+    with pytest.raises(ValueError, match="no gradient for the bias"):
+        CB.blocked_causal_attention(q, k, v, merged(bias), 0.1)
+
+
+def test_lm_training_with_attention_dropout_takes_blocked_path(tmp_path):
+    """A real transformer_lm_alibi training step with --attention-dropout: every
+    layer runs the blocked path, and every parameter gets a finite gradient."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    (tmp_path / "dict.txt").write_text("".join(f"w{i} {100 - i}\n" for i in range(40)))
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, [
+        str(tmp_path), "--task", "language_modeling", "--arch", "transformer_lm_alibi", "--cpu",
+        "--tokens-per-sample", "16", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+        "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--dropout", "0.1",
+        "--attention-dropout", "0.1",
+    ])
+    task = tasks.setup_task(convert_namespace_to_omegaconf(args).task)
+    torch.manual_seed(0)
+    model = task.build_model(convert_namespace_to_omegaconf(args).model).train()
+    tokens = torch.randint(4, 44, (3, 16))
+    with mock.patch.object(A, "blocked_causal_attention", wraps=A.blocked_causal_attention) as spy:
+        model(tokens)[0].float().logsumexp(-1).sum().backward()
+    assert spy.call_count == 2
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
