@@ -12,8 +12,9 @@
 #      static and dynamic, over several needle depths.
 #
 # Resumable like examples/language_model/demo.sh: a finished model (its
-# trained.ok) is not retrained, an interrupted one resumes from
-# checkpoint_last.pt, and finished retrieval cells are kept.
+# trained.ok) is not retrained, an interrupted one (or one trained for fewer
+# than UPDATES) resumes from checkpoint_last.pt, and finished retrieval cells
+# of unchanged checkpoints are kept.
 # Every setting can be overridden from the environment.  On a GPU, e.g.:
 #   SCALE=gpu examples/retrieval/run.sh          (see docs/retrieval.md)
 set -euo pipefail
@@ -62,8 +63,10 @@ fi
 
 train() {  # train NAME ARCH
   local name=$1 arch=$2 dir="$OUT/$1"
-  if [ -f "$dir/trained.ok" ] && [ -f "$dir/checkpoint_last.pt" ]; then
-    stamp "$name: already trained ($dir/checkpoint_last.pt)"
+  # trained.ok records the UPDATES a finished model was trained for; a larger
+  # UPDATES resumes it from checkpoint_last.pt.
+  if [ -f "$dir/trained.ok" ] && [ -f "$dir/checkpoint_last.pt" ] && [ "$(cat "$dir/trained.ok")" = "$UPDATES" ]; then
+    stamp "$name: already trained ($dir/checkpoint_last.pt, $UPDATES updates)"
     return
   fi
   mkdir -p "$dir"
@@ -82,12 +85,12 @@ train() {  # train NAME ARCH
     --save-dir "$dir" --save-interval-updates 250 --keep-interval-updates 1 --no-epoch-checkpoints \
     --validate-interval-updates 500 --log-format simple --log-interval 50 --num-workers 0 \
     $DEVICE_FLAGS $EXTRA_TRAIN_ARGS >> "$dir/train.log" 2>&1
-  touch "$dir/trained.ok"
+  echo "$UPDATES" > "$dir/trained.ok"
   stamp "$name: trained"
 }
 
 follow() {
-  tail -q -n +1 -F "$OUT/$1/train.log" 2>/dev/null \
+  tail -q -n +1 -F --pid=$$ "$OUT/$1/train.log" 2>/dev/null \
     | grep --line-buffered -E "train_inner|valid on|num. shared model params|done training|Error|error" \
     | sed -u "s/^/[$1] /"
 }
