@@ -443,7 +443,7 @@ def test_torchrun_two_process_data_parallel(lm_data_bin, alibi_user_dir, tmp_pat
     assert num_updates(state) == 6
     assert state["cfg"]["distributed_training"]["distributed_world_size"] == 2
     assert state["cfg"]["distributed_training"]["distributed_backend"] == "gloo"
-    assert "broadcast_buffers" not in result.output and "NCCL" not in result.output
+    assert "`broadcast_buffers` is deprecated" not in result.output and "NCCL" not in result.output
 
 
 # --------------------------------------------------------------------------- errors

@@ -75,7 +75,7 @@ train() {  # train NAME ARCH
 
 # Show fairseq's progress lines of both runs, prefixed with the model name.
 follow() {
-  tail -q -n +1 -F "$OUT/$1/train.log" 2>/dev/null \
+  tail -q -n +1 -F --pid=$$ "$OUT/$1/train.log" 2>/dev/null \
     | grep --line-buffered -E "train_inner|valid on|num. shared model params|done training|Error|error" \
     | sed -u "s/^/[$1] /"
 }
