@@ -85,6 +85,9 @@ def build_fixtures(work):
     open(path("resume/checkpoint_last.pt"), "wb").write(data[:20000])
     subprocess.run([tool("alibi-sweep"), "data", "-c", "alibi=alibi/checkpoint_last.pt", "--lengths", "1x",
                     "--methods", "none", "--output-dir", "sweep_out", "--cpu", "--no-progress"], **run)
+    open(path("empty.jsonl"), "w").close()
+    open(path("no_answer.jsonl"), "w").write('{"prompt": "one the cat sees"}\n')
+    open(path("unknown_words.jsonl"), "w").write('{"prompt": "one the zebra sees", "answer": "a tree"}\n')
 
 
 CONVERT = "alibi-convert-checkpoint"
@@ -92,6 +95,8 @@ READ_ONLY = "/sys/alibi-readonly"  # sysfs refuses new directories, even to root
 EVAL = ["alibi-eval-lm", "data", "--cpu", "--gen-subset", "train"]
 TRAIN = ["alibi-train", *train_args("data", "SAVE", max_update=2)]
 SWEEP = ["alibi-sweep", "data", "--cpu", "--no-progress", "--output-dir", "sweep_bad"]
+RETRIEVAL = ["alibi-retrieval", "data", "-c", "alibi/checkpoint_last.pt", "--cpu", "--no-progress",
+             "--output-dir", "retrieval_bad"]
 MLM = ["alibi-train", "data", "--task", "masked_lm", "--arch", "roberta_alibi", "--encoder-layers", "1",
        "--encoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64", "--encoder-attention-heads", "4",
        "--tokens-per-sample", "32", "--batch-size", "4", "--max-update", "1", "--optimizer", "adam",
@@ -163,6 +168,15 @@ CASES = [
         ("an unknown method", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--methods", "cubic"]),
         ("an output directory that cannot be written", ["alibi-sweep", "data", "-c", "alibi/checkpoint_last.pt",
                                                         "--output-dir", READ_ONLY, "--cpu"]),
+    ]),
+    ("alibi-retrieval", [
+        ("an empty prompt file", RETRIEVAL + ["--task", "empty.jsonl"]),
+        ("a prompt without an answer", RETRIEVAL + ["--task", "no_answer.jsonl"]),
+        ("words the model's dictionary does not have", RETRIEVAL + ["--task", "unknown_words.jsonl"]),
+        ("a built-in task whose words are not in the dictionary", RETRIEVAL + ["--task", "passkey"]),
+        ("the lines task with a dictionary that lacks its words", RETRIEVAL + ["--task", "lines", "--digits", "1", "--keys",
+                                                            "cat,dog,bird,tree", "--lengths", "8"]),
+        ("an unknown task", RETRIEVAL + ["--task", "needle"]),
     ]),
     ("warnings (the command runs; the warning is on its output)", [
         ("a typo in an ALiBi `--model-overrides` key",
