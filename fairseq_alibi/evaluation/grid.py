@@ -372,6 +372,30 @@ def prepare_output_dir(outdir: str) -> None:
         )
 
 
+DEFAULT_METHODS = "none,linear:2,linear,ntk:2,ntk"
+
+
+def add_grid_arguments(parser, output_dir: str) -> None:
+    """The options every evaluation tool shares: the checkpoints (or Hugging Face
+    models), the methods, the output directory and how to run."""
+    parser.add_argument("--checkpoint", "-c", action="append", default=[], metavar="[NAME=]PATH",
+                        help="a checkpoint to evaluate (repeatable)")
+    parser.add_argument("--hf", action="append", default=[], metavar="[NAME=]MODEL",
+                        help="a Hugging Face BLOOM, MPT or Falcon (alibi) model instead: a directory written "
+                        "by save_pretrained or a hub name (repeatable)")
+    parser.add_argument("--train-length", type=int, default=None,
+                        help="with --hf: the model's training length, for Nx lengths and dynamic methods "
+                        "(default: from its config where recorded, MPT max_seq_len, BLOOM seq_length)")
+    parser.add_argument("--dtype", default=None,
+                        help="with --hf: float32 | bfloat16 | float16 (default: the model's)")
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
+                        help="none | linear[:F|:dynamic] | ntk[:F|:dynamic], comma-separated (default: %(default)s)")
+    parser.add_argument("--output-dir", "-o", default=output_dir, help="(default: %(default)s)")
+    parser.add_argument("--cpu", action="store_true", help="evaluate on CPU even if CUDA is available")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--verbose", action="store_true", help="keep fairseq's INFO logging")
+
+
 def progress(total: int, initial: int, desc: str, disable: bool):
     from tqdm import tqdm
 

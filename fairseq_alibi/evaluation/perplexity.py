@@ -48,6 +48,7 @@ from typing import List, Optional, Sequence, Tuple
 from ..errors import EvaluationError, report_errors
 from . import report
 from .grid import (
+    add_grid_arguments,
     CheckpointInfo,
     Method,
     ResultStore,
@@ -71,7 +72,6 @@ from .grid import (
 logger = logging.getLogger("fairseq_alibi.sweep")
 
 MODES = ("nonoverlapping", "sliding")
-DEFAULT_METHODS = "none,linear:2,linear,ntk:2,ntk"
 RESULT_FIELDS = (
     "checkpoint", "method", "factor", "label", "mode", "length", "stride", "context_window",
     "length_ratio", "train_length", "subset", "loss", "ppl", "tokens", "seconds",
@@ -226,20 +226,10 @@ def get_parser() -> argparse.ArgumentParser:
         "--modes nonoverlapping,sliding --stride 32 --output-dir outputs/sweep --cpu",
     )
     p.add_argument("data", help="fairseq-preprocess output directory (with --hf: a raw text file)")
-    p.add_argument("--checkpoint", "-c", action="append", default=[], metavar="[NAME=]PATH",
-                   help="a checkpoint to evaluate (repeatable)")
-    p.add_argument("--hf", action="append", default=[], metavar="[NAME=]MODEL",
-                   help="a Hugging Face BLOOM, MPT or Falcon (alibi) model instead: a directory written "
-                   "by save_pretrained or a hub name (repeatable); DATA is then a raw text file")
-    p.add_argument("--train-length", type=int, default=None,
-                   help="with --hf: the model's training length, for Nx lengths and dynamic methods "
-                   "(default: from its config where recorded, MPT max_seq_len, BLOOM seq_length)")
-    p.add_argument("--dtype", default=None, help="with --hf: float32 | bfloat16 | float16 (default: the model's)")
+    add_grid_arguments(p, "outputs/sweep")
     p.add_argument("--lengths", default="1x,2x,4x,8x,16x",
                    help="evaluation lengths: integers (2k = 2048), or Nx = N times the training length "
                    "(default: %(default)s)")
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="none | linear[:F|:dynamic] | ntk[:F|:dynamic], comma-separated (default: %(default)s)")
     p.add_argument("--modes", default="nonoverlapping", help=f"comma-separated subset of {','.join(MODES)}")
     p.add_argument("--stride", type=int, default=None, help="sliding-window stride (scored tokens per window)")
     p.add_argument("--subset", default="valid", help="split to evaluate (default: %(default)s)")
@@ -247,10 +237,6 @@ def get_parser() -> argparse.ArgumentParser:
                    help="tokens per batch as fairseq-eval-lm counts them (default: 4 x the longest length)")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per batch")
     p.add_argument("--per-position", action="store_true", help="also record mean loss by position in the window")
-    p.add_argument("--output-dir", "-o", default="outputs/sweep", help="(default: %(default)s)")
-    p.add_argument("--cpu", action="store_true", help="evaluate on CPU even if CUDA is available")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--verbose", action="store_true", help="keep fairseq's INFO logging")
     return p
 
 

@@ -58,6 +58,7 @@ from ..errors import EvaluationError, report_errors
 from . import prompts as P
 from . import report
 from .grid import (
+    add_grid_arguments,
     CheckpointInfo,
     Method,
     ResultStore,
@@ -80,7 +81,6 @@ from .grid import (
 
 logger = logging.getLogger("fairseq_alibi.retrieval")
 
-DEFAULT_METHODS = "none,linear:2,linear,ntk:2,ntk"
 RESULT_FIELDS = (
     "checkpoint", "task", "method", "factor", "label", "effective_factor", "group", "length",
     "length_ratio", "train_length", "depth", "needle_distance", "n", "correct", "accuracy", "answer_logprob", "seconds",
@@ -320,23 +320,13 @@ def get_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("data", nargs="?", default=None,
                    help="the model's fairseq-preprocess directory (its dict.txt); not with --hf")
-    p.add_argument("--checkpoint", "-c", action="append", default=[], metavar="[NAME=]PATH",
-                   help="a checkpoint to evaluate (repeatable)")
-    p.add_argument("--hf", action="append", default=[], metavar="[NAME=]MODEL",
-                   help="a Hugging Face BLOOM, MPT or Falcon (alibi) model instead: a directory written by "
-                   "save_pretrained or a hub name (repeatable); prompts go through its own tokenizer")
-    p.add_argument("--train-length", type=int, default=None,
-                   help="with --hf: the model's training length, for Nx lengths and dynamic methods "
-                   "(default: from its config where recorded)")
-    p.add_argument("--dtype", default=None, help="with --hf: float32 | bfloat16 | float16 (default: the model's)")
+    add_grid_arguments(p, "outputs/retrieval")
     p.add_argument("--task", default="passkey",
                    help="passkey | lines | FILE.jsonl ({'prompt': ..., 'answer': ..., 'group': ...} per line) "
                    "(default: %(default)s)")
     p.add_argument("--lengths", default="1x,2x,4x,8x",
                    help="prompt lengths in tokens: integers (2k = 2048) or Nx = N times the training length "
                    "(default: %(default)s; not for JSONL tasks)")
-    p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="none | linear[:F|:dynamic] | ntk[:F|:dynamic], comma-separated (default: %(default)s)")
     p.add_argument("--depths", type=int, default=5, help="needle depth bins from start to end (default: %(default)s)")
     p.add_argument("--samples", type=int, default=10, help="prompts per length and depth (default: %(default)s)")
     p.add_argument("--seed", type=int, default=1, help="prompt seed (default: %(default)s)")
@@ -352,10 +342,6 @@ def get_parser() -> argparse.ArgumentParser:
                    help="replace a template text (passkey: header, filler, needle, question; lines: header, "
                    "line, question; placeholders {number}, {key}) (repeatable)")
     p.add_argument("--max-tokens", type=int, default=None, help="tokens per forward batch (default: 4 x the longest)")
-    p.add_argument("--output-dir", "-o", default="outputs/retrieval", help="(default: %(default)s)")
-    p.add_argument("--cpu", action="store_true", help="evaluate on CPU even if CUDA is available")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--verbose", action="store_true", help="keep fairseq's INFO logging")
     return p
 
 
