@@ -10,7 +10,6 @@ GPU; FlexAttention's score_mod is also checked on CPU through its eager
 from __future__ import annotations
 
 import itertools
-import os
 from unittest import mock
 
 import pytest

@@ -9,7 +9,6 @@ import subprocess
 import textwrap
 from pathlib import Path
 
-import pytest
 
 from conftest import cli_env, run_cli, tool
 

@@ -399,6 +399,7 @@ def test_bloom_bfloat16_absolute_bias_collapses_and_relative_form_does_not():
     bias = seen["alibi"].float()  # [H, q, kv]: -slope * (i - j)
     assert bias[0, -1, -1] == 0 and bias[0, -1, -2] == -0.25 and bias[0, -1, -3] == -0.5
     upstream_error, our_error = max_diff(upstream, exact), max_diff(ours, exact)
+    print(f"BLOOM bf16 max |logit error|: upstream {upstream_error:.2f}, relative {our_error:.2f}")  # docs/hf.md
     assert our_error < upstream_error / 4, (our_error, upstream_error)  # measured 0.07 vs 0.67
     hf.apply_alibi_scaling(half, "none", bias_form="upstream")
     assert torch.equal(logits(half, ids)[:, -64:], upstream)  # the option keeps BLOOM's own form
@@ -444,6 +445,8 @@ def test_falcon_bias_is_rounded_to_bfloat16_even_in_float32(monkeypatch):
     head_dim = model.config.hidden_size // 5
     mask = seen["attention_mask"]
     assert mask[0, 0, -1, -1] - mask[0, 0, -1, -2] == pytest.approx(0.25 / math.sqrt(head_dim), rel=1e-6)
+    print(f"Falcon fp32 max |logit error|: upstream {max_diff(plain, exact):.2f}, "
+          f"relative {max_diff(ours, exact):.0e}")  # docs/hf.md
     assert max_diff(ours, exact) < 1e-4
     assert max_diff(plain, exact) > 10 * max_diff(ours, exact)
 

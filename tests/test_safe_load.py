@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 import fairseq_alibi  # noqa: F401  (installs the loader hooks)
 from conftest import Payload, error_lines, preprocess, run_cli, tool
-from fairseq_alibi import errors, fork, safe_load
+from fairseq_alibi import errors, safe_load
 from fairseq_alibi.safe_load import CorruptCheckpointError, UnsafeCheckpointError
 
 MODEL_ARGS = [
