@@ -50,7 +50,7 @@ import tokenize
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .errors import UserError, report_errors
+from .errors import CorpusError, report_errors
 
 logger = logging.getLogger("fairseq_alibi.corpus")
 
@@ -62,10 +62,6 @@ EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "_
 UNK = "<unk>"
 MANIFEST = "corpus.json"
 BINARY_FILES = ("dict.txt",) + tuple(f"{s}.{ext}" for s in SPLITS for ext in ("bin", "idx"))
-
-
-class CorpusError(UserError):
-    """A problem with the corpus inputs or outputs, explained for the user."""
 
 
 @dataclass

@@ -61,6 +61,14 @@ class EvaluationError(UserError):
     """Bad input to an evaluation tool (sweep, retrieval): files, names, grid."""
 
 
+class PromptError(EvaluationError, ValueError):
+    """A retrieval task that cannot be built as asked (template, vocabulary, length)."""
+
+
+class CorpusError(UserError):
+    """A problem with the embedded corpus's inputs or outputs."""
+
+
 #: Every ``alibi_*`` config field of the plugin's models (override keys, hub keywords).
 ALIBI_FIELDS = (
     "alibi_interpolation", "alibi_scale_factor", "alibi_train_length", "alibi_attention",

@@ -42,6 +42,8 @@ import torch
 from fairseq_alibi import alibi
 
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
 
 TRAIN_LENGTH = 32  # --tokens-per-sample of the fixture checkpoint
 HEADS = 6  # not a power of two: the interleaved slope sequence

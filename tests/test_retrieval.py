@@ -4,7 +4,7 @@ JSONL prompts, resuming, and bad input.
 Checkpoints: the session ALiBi fixture (6 heads, trained at 32 tokens on the
 conftest corpus; used with JSONL prompts written from that corpus's words) and
 a tiny ALiBi LM trained here for a few updates on a synthetic ``lines`` corpus
-(``python -m fairseq_alibi.evaluation.prompts``), whose dictionary has the
+(``examples/retrieval/corpus.py``), whose dictionary has the
 built-in task's words and digits.
 """
 
@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TRAIN_LENGTH, run_cli, tool, train_args
+from conftest import EXAMPLES, TRAIN_LENGTH, run_cli, tool, train_args
 
 from fairseq_alibi.evaluation import prompts as P
 from fairseq_alibi.evaluation import retrieval
@@ -31,12 +31,12 @@ METHODS = "none,linear:2,ntk"  # none, a static and a dynamic method
 
 @pytest.mark.parametrize("name", ["passkey", "lines"])
 def test_builders_hit_length_and_depth(name):
-    task = P.Task(name, P.Vocabulary(None), digits=3)
+    task = P.make_task(name, P.Vocabulary(None), digits=3)
     header = len(task.words["header"])
     if name == "passkey":
         unit = max(len(s) for s in task.filler)  # one filler sentence
     else:
-        unit = len(task._fill("line", key=["k"], number=["0"] * 3))  # one record
+        unit = len(task.record("k", ["0"] * 3))  # one record
     for length in (task.minimum_length(), 90, 257, 1000, 4096):
         for depth_bin in range(4):
             prompt = task.build(length, depth_bin, 4, random.Random(f"{length}/{depth_bin}"))
@@ -47,7 +47,7 @@ def test_builders_hit_length_and_depth(name):
             if name == "passkey":
                 assert prompt.prompt[at:at + 4] == ["The", "pass", "key", "is"]
                 assert prompt.prompt[at + 4:at + 7] == prompt.answer
-                context = len(prompt.prompt) - header - len(task.words["question"]) - len(task._fill("needle", number=prompt.answer))
+                context = len(prompt.prompt) - header - len(task.words["question"]) - len(task.fill("needle", number=prompt.answer))
             else:
                 key = prompt.meta["key"]
                 assert prompt.prompt[at:at + 6] == ["line", key, ":", "REGISTER_CONTENT", "is", *prompt.answer[:1]]
@@ -68,7 +68,7 @@ def test_builders_fit_a_closed_vocabulary():
     words = ["line", ":", "REGISTER_CONTENT", "is", ".", "below", "a", "record", "of", "lines", "i", "want",
              "you", "to", "remember", "now", "the", "over", "tell", "me", "in", "apple", "pear", "plum", "fig",
              *P.DIGITS]
-    task = P.Task("lines", P.Vocabulary(words), digits=2)
+    task = P.Lines(P.Vocabulary(words), digits=2)
     assert set(task.keys) == {"apple", "pear", "plum", "fig"}  # dictionary words the template leaves free
     prompt = task.build(task.minimum_length() + 3 * 8, 0, 1, random.Random(1))
     assert prompt.meta["lines"] == 4 and set(prompt.prompt) <= set(words)
@@ -76,9 +76,9 @@ def test_builders_fit_a_closed_vocabulary():
         task.build(task.minimum_length() + 4 * 8, 0, 1, random.Random(1))
     # Case adapts (the dictionary is lowercase), missing words are named.
     with pytest.raises(P.PromptError, match=r"not in the model's dictionary: There, an, important"):
-        P.Task("passkey", P.Vocabulary(words + ["is"]))
+        P.Passkey(P.Vocabulary(words + ["is"]))
     # joined numbers are drawn from the dictionary's own number words
-    joined = P.Task("lines", P.Vocabulary(words + ["17", "42"]), digits=2, number_format="joined")
+    joined = P.Lines(P.Vocabulary(words + ["17", "42"]), digits=2, number_format="joined")
     assert joined.number(random.Random(0))[0] in ("17", "42")
 
 
@@ -111,8 +111,8 @@ def independent_scores(model, eos, prompt, answer):
 def kv_data_bin(tmp_path_factory):
     """A small synthetic ``lines`` corpus (2-digit numbers, 64 keys), binarized."""
     raw = tmp_path_factory.mktemp("kv")
-    assert P.main(["--destdir", str(raw), "--max-length", "100", "--keys", "64", "--digits", "2",
-                   "--train-docs", "200", "--valid-docs", "10"]) == 0
+    run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--destdir", raw, "--max-length", "100",
+             "--keys", "64", "--digits", "2", "--train-docs", "200", "--valid-docs", "10"])
     dest = raw / "data-bin"
     run_cli([tool("fairseq-preprocess"), "--only-source", "--trainpref", raw / "train.txt",
              "--validpref", raw / "valid.txt", "--destdir", dest, "--workers", "1"])
@@ -238,7 +238,7 @@ def test_builtin_lines_grid_and_resume(kv_data_bin, kv_checkpoint, tmp_path):
     model = load(kv_checkpoint, {"alibi_interpolation": "linear", "alibi_scale_factor": 2.0})
     d = model.decoder.dictionary
     encoder = retrieval.Encoder(d)
-    task = P.Task("lines", encoder.vocabulary(), digits=2)
+    task = P.Lines(encoder.vocabulary(), digits=2)
     built = retrieval.builtin_samples(task, encoder, [100], 2, 2, seed=1)
     for b in range(2):
         cell = next(c for c in cells if c["label"] == "linear x2" and c["length"] == 100

@@ -46,7 +46,7 @@ def main(argv=None) -> int:
         model = models[0].eval()
         d = model.decoder.dictionary
         vocab = P.Vocabulary([d[i] for i in range(d.nspecial, len(d))])
-        task = P.Task("lines", vocab, digits=args.digits)
+        task = P.Lines(vocab, digits=args.digits)
         layers = model.decoder.layers
         heads = layers[0].self_attn.num_heads
         base = alibi.get_slopes(heads)
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                 hits = logits[0, pos:pos + len(answer)].argmax(-1) == answer
                 digit_hits.setdefault(n, torch.zeros(len(answer) + 1))
                 digit_hits[n] += torch.cat([hits.float(), hits.all().float()[None]]) / args.samples
-                line_len = len(task._fill("line", key=["k"], number=prompt.answer))
+                line_len = len(task.record("k", prompt.answer))
                 start = 1 + prompt.meta["needle_offset"]  # +1: the prepended eos
                 span = slice(start, start + line_len)
                 qpos = len(prompt.prompt)  # input position predicting the answer's first token

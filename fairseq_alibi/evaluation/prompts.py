@@ -2,7 +2,8 @@
 
 Pure Python (no torch, no fairseq), so the same builders serve
 ``alibi-retrieval`` and the synthetic training corpus of
-``examples/retrieval`` (``python -m fairseq_alibi.evaluation.prompts``).
+``examples/retrieval/corpus.py``.  One class per task (:class:`Passkey`,
+:class:`Lines`, both :class:`BuiltinTask`); :func:`make_task` picks one by name.
 
 A prompt is a list of *words* (whitespace tokens) and an answer (words too).
 Its **length** is what the model processes to score it in one teacher-forced
@@ -39,8 +40,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from ..errors import PromptError
+
 DIGITS = tuple("0123456789")
-TASKS = ("passkey", "lines")
 
 TEMPLATES: Dict[str, Dict[str, str]] = {
     "passkey": {
@@ -58,11 +60,6 @@ TEMPLATES: Dict[str, Dict[str, str]] = {
         "line {key} : REGISTER_CONTENT is",
     },
 }
-DEFAULT_DIGITS = {"passkey": 5, "lines": 5}
-
-
-class PromptError(ValueError):
-    """A task that cannot be built as asked (the message says why and what to do)."""
 
 
 @dataclass
@@ -151,35 +148,36 @@ def pick_in_bin(count: int, depth_bin: int, n_bins: int, rng: random.Random) -> 
     return min(range(count), key=lambda i: abs(i / (count - 1) - centre))
 
 
-class Task:
-    """A built-in task, checked against a vocabulary once, then built to any length."""
+class BuiltinTask:
+    """A built-in task: its template checked against a vocabulary once, then
+    built to any length.  Subclasses set ``name`` and ``template`` and write
+    :meth:`prepare` (task options, drawn from the seeded ``rng``),
+    :meth:`minimum_length` and :meth:`build_prompt`."""
 
-    def __init__(self, name: str, vocab: Vocabulary, *, digits: Optional[int] = None,
-                 number_format: str = "spaced", filler: str = "template",
-                 template: Optional[Dict[str, str]] = None, keys: Optional[Sequence[str]] = None,
-                 seed: int = 0):
-        if name not in TASKS:
-            raise PromptError(f"unknown task {name!r}: choose {', '.join(TASKS)} or a .jsonl file")
-        self.name = name
+    name = ""
+    template: Dict[str, str] = {}
+    free_text = ()  # template fields that are not spelled against the vocabulary
+
+    def __init__(self, vocab: Vocabulary, *, digits: Optional[int] = None, number_format: str = "spaced",
+                 template: Optional[Dict[str, str]] = None, seed: int = 0, **options):
         self.vocab = vocab
-        self.fields = dict(TEMPLATES[name])
+        self.fields = dict(self.template)
         unknown = sorted(set(template or {}) - set(self.fields))
         if unknown:
             raise PromptError(
-                f"unknown template field(s) {', '.join(unknown)} for task {name}: "
+                f"unknown template field(s) {', '.join(unknown)} for task {self.name}: "
                 f"the fields are {', '.join(self.fields)}"
             )
         self.fields.update(template or {})
-        self.digits = digits or DEFAULT_DIGITS[name]
-        if self.digits < 1:
-            raise PromptError("--digits must be at least 1")
+        self.digits = 5 if digits is None else digits
+        if isinstance(self.digits, bool) or not isinstance(self.digits, int) or self.digits < 1:
+            raise PromptError(f"--digits {digits!r} is not valid: a number has at least 1 digit")
         if number_format not in ("spaced", "joined"):
             raise PromptError(f"unknown number format {number_format!r}: use spaced or joined")
         self.number_format = number_format
         spell = Speller(vocab)
-        templ = {k: v for k, v in self.fields.items()}
         # Words of the templates (placeholders removed) must be in the dictionary.
-        self.words = {k: spell(re.sub(r"\{\w+\}", " ", v)) for k, v in templ.items() if k != "filler"}
+        self.words = {k: spell(re.sub(r"\{\w+\}", " ", v)) for k, v in self.fields.items() if k not in self.free_text}
         self.numbers: List[str] = []  # whole-number words of a closed vocabulary ("joined")
         if number_format == "spaced":
             for d in DIGITS:
@@ -192,46 +190,22 @@ class Task:
                     f"--number-format joined: the dictionary has {len(self.numbers)} {self.digits}-digit "
                     "number words; use another --digits or --number-format spaced"
                 )
-        rng = random.Random(seed)
-        if name == "passkey":
-            if filler == "template":
-                self.filler = [spell(s) for s in self.fields["filler"].split("|") if s.strip()]
-            elif filler == "dictionary":
-                self.filler = self._dictionary_filler(rng)
-            else:
-                self.filler = [spell(s) for s in filler.split("|") if s.strip()]
-            if not self.filler:
-                raise PromptError("the filler is empty: give sentences separated by '|'")
-        self.keys: List[str] = []
-        if name == "lines":
-            if keys:
-                self.keys = [w for w in (spell(k)[0] for k in keys if k.strip())]
-            else:
-                used = {w for ws in self.words.values() for w in ws} | set(DIGITS)
-                self.keys = vocab.content_words(exclude=used)
-            if not vocab.open and not self.keys:
-                raise PromptError("no dictionary words left to use as line keys: give --keys W1,W2,...")
+        self.prepare(spell, random.Random(seed), **options)
         if spell.missing:
             shown = ", ".join(spell.missing[:20]) + (" ..." if len(spell.missing) > 20 else "")
-            hint = (
-                "use --filler dictionary (filler sentences of the model's own words), " if name == "passkey" else ""
-            )
             raise PromptError(
-                f"task {name}: {len(spell.missing)} word(s) are not in the model's dictionary: {shown}. "
-                f"Every word must be in the dictionary (none is replaced by <unk>); {hint}"
+                f"task {self.name}: {len(spell.missing)} word(s) are not in the model's dictionary: {shown}. "
+                f"Every word must be in the dictionary (none is replaced by <unk>); {self.missing_hint()}"
                 "replace template texts with --template FIELD=TEXT "
                 f"(fields: {', '.join(self.fields)}), or --number-format joined if the dictionary "
                 "has whole numbers but not single digits"
             )
 
-    def _dictionary_filler(self, rng: random.Random) -> List[List[str]]:
-        words = self.vocab.content_words()[:2000]
-        if len(words) < 10:
-            raise PromptError("the dictionary has too few words for a dictionary filler: give --filler TEXT")
-        stop = [self.vocab.spell(".")] if self.vocab.spell(".") else []
-        return [rng.sample(words, rng.randint(5, 9)) + stop for _ in range(64)]
+    def prepare(self, spell: Speller, rng: random.Random) -> None:
+        """Task options, checked against the vocabulary (``spell`` collects missing words)."""
 
-    # ---------------------------------------------------------------- pieces
+    def missing_hint(self) -> str:
+        return ""
 
     def number(self, rng: random.Random) -> List[str]:
         if self.numbers:
@@ -241,7 +215,11 @@ class Task:
             return ["".join(digits)]
         return [self.vocab.spell(d) or d for d in digits]
 
-    def _fill(self, field_name: str, **values) -> List[str]:
+    def number_width(self) -> int:
+        """Words in one number."""
+        return 1 if self.number_format == "joined" else self.digits
+
+    def fill(self, field_name: str, **values: List[str]) -> List[str]:
         """Template ``field_name`` with placeholders replaced by word lists."""
         out: List[str] = []
         spelled = iter(self.words[field_name])
@@ -254,30 +232,75 @@ class Task:
         return out
 
     def minimum_length(self) -> int:
-        n = ["0"] * (1 if self.number_format == "joined" else self.digits)
-        if self.name == "passkey":
-            return (len(self.words["header"]) + len(self._fill("needle", number=n))
-                    + len(self.words["question"]) + len(n))
-        key = ["k"]
-        return (len(self.words["header"]) + len(self._fill("line", key=key, number=n))
-                + len(self._fill("question", key=key)) + len(n))
+        raise NotImplementedError
 
     def build(self, length: int, depth_bin: int, n_bins: int, rng: random.Random) -> Prompt:
         """A prompt of at most ``length`` tokens, within one filler sentence / record of it."""
         if length < self.minimum_length():
             raise PromptError(
                 f"length {length} is shorter than the shortest {self.name} prompt "
-                f"({self.minimum_length()} tokens: header, one {'needle' if self.name == 'passkey' else 'record'}, "
-                "question and answer); use longer --lengths"
+                f"({self.minimum_length()} tokens: header, one {self.unit}, question and answer); "
+                "use longer --lengths"
             )
-        if self.name == "passkey":
-            return self._passkey(length, depth_bin, n_bins, rng)
-        return self._lines(length, depth_bin, n_bins, rng)
+        return self.build_prompt(length, depth_bin, n_bins, rng)
 
-    def _passkey(self, length, depth_bin, n_bins, rng) -> Prompt:
+    def build_prompt(self, length: int, depth_bin: int, n_bins: int, rng: random.Random) -> Prompt:
+        raise NotImplementedError
+
+
+class Passkey(BuiltinTask):
+    """A pass key hidden in filler sentences, asked for at the end."""
+
+    name, unit = "passkey", "needle"
+    template = {
+        "header": "There is an important info hidden inside a lot of irrelevant text . Find it and "
+        "memorize them . I will quiz you about the important information there .",
+        "filler": "The grass is green . | The sky is blue . | The sun is yellow . | Here we go . | "
+        "There and back again .",
+        "needle": "The pass key is {number} . Remember it . {number} is the pass key .",
+        "question": "What is the pass key ? The pass key is",
+    }
+    free_text = ("filler",)
+
+    def prepare(self, spell: Speller, rng: random.Random, filler: str = "template") -> None:
+        self.filler_option = filler
+        if filler == "template":
+            self.filler = [spell(s) for s in self.fields["filler"].split("|") if s.strip()]
+        elif filler == "dictionary":
+            self.filler = self._dictionary_filler(rng)
+        else:
+            self.filler = [spell(s) for s in filler.split("|") if s.strip()]
+        if not self.filler:
+            raise PromptError("the filler is empty: give sentences separated by '|'")
+
+    def missing_hint(self) -> str:
+        if self.filler_option == "dictionary":
+            return ""
+        return "use --filler dictionary (filler sentences of the model's own words), "
+
+    def _dictionary_filler(self, rng: random.Random) -> List[List[str]]:
+        if self.vocab.open:
+            raise PromptError(
+                "--filler dictionary draws words from a word-level dictionary; this model reads any text "
+                "through its tokenizer (Hugging Face or BPE): use the default filler or --filler 'SENTENCE | ...'"
+            )
+        words = self.vocab.content_words()[:2000]
+        if len(words) < 10:
+            raise PromptError(
+                f"the dictionary has {len(words)} plain words, too few for --filler dictionary (10 at least): "
+                "give --filler 'SENTENCE | SENTENCE ...'"
+            )
+        stop = [self.vocab.spell(".")] if self.vocab.spell(".") else []
+        return [rng.sample(words, rng.randint(5, 9)) + stop for _ in range(64)]
+
+    def minimum_length(self) -> int:
+        n = ["0"] * self.number_width()
+        return len(self.words["header"]) + len(self.fill("needle", number=n)) + len(self.words["question"]) + len(n)
+
+    def build_prompt(self, length, depth_bin, n_bins, rng) -> Prompt:
         number = self.number(rng)
         header, question = self.words["header"], self.words["question"]
-        needle = self._fill("needle", number=number)
+        needle = self.fill("needle", number=number)
         budget = length - len(header) - len(needle) - len(question) - len(number)
         sentences: List[List[str]] = []
         used = 0
@@ -290,15 +313,45 @@ class Task:
             used += len(s)
         at = pick_in_bin(len(sentences) + 1, depth_bin, n_bins, rng)  # needle before sentence `at`
         body = [w for s in sentences[:at] for w in s] + needle + [w for s in sentences[at:] for w in s]
-        prompt = header + body + question
         depth = at / len(sentences) if sentences else 0.5
-        return Prompt(prompt, number, depth, {"needle_offset": len(header) + sum(map(len, sentences[:at]))})
+        return Prompt(header + body + question, number, depth,
+                      {"needle_offset": len(header) + sum(map(len, sentences[:at]))})
 
-    def _lines(self, length, depth_bin, n_bins, rng) -> Prompt:
+
+class Lines(BuiltinTask):
+    """LongEval-style records ``line KEY : REGISTER_CONTENT is N .``, one asked for at the end."""
+
+    name, unit = "lines", "record"
+    template = {
+        "header": "below is a record of lines i want you to remember .",
+        "line": "line {key} : REGISTER_CONTENT is {number} .",
+        "question": "now the record is over . tell me the REGISTER_CONTENT in line {key} . "
+        "line {key} : REGISTER_CONTENT is",
+    }
+
+    def prepare(self, spell: Speller, rng: random.Random, keys: Optional[Sequence[str]] = None) -> None:
+        if keys:
+            self.keys = [w for w in (spell(k)[0] for k in keys if k.strip())]
+        else:
+            used = {w for ws in self.words.values() for w in ws} | set(DIGITS)
+            self.keys = self.vocab.content_words(exclude=used)
+        if not self.vocab.open and not self.keys:
+            raise PromptError("no dictionary words left to use as line keys: give --keys W1,W2,...")
+
+    def record(self, key: str, number: List[str]) -> List[str]:
+        """One record line: ``line KEY : REGISTER_CONTENT is N .``."""
+        return self.fill("line", key=[key], number=number)
+
+    def minimum_length(self) -> int:
+        n = ["0"] * self.number_width()
+        return (len(self.words["header"]) + len(self.record("k", n))
+                + len(self.fill("question", key=["k"])) + len(n))
+
+    def build_prompt(self, length, depth_bin, n_bins, rng) -> Prompt:
         header = self.words["header"]
         probe_n = self.number(rng)
-        line_len = len(self._fill("line", key=["k"], number=probe_n))
-        question_len = len(self._fill("question", key=["k"]))
+        line_len = len(self.record("k", probe_n))
+        question_len = len(self.fill("question", key=["k"]))
         count = (length - len(header) - question_len - len(probe_n)) // line_len
         if not self.vocab.open and count > len(self.keys):
             raise PromptError(
@@ -308,59 +361,18 @@ class Task:
         keys = rng.sample(self.keys, count) if self.keys else [f"k{i}" for i in rng.sample(range(10 * count), count)]
         numbers = [self.number(rng) for _ in range(count)]
         target = pick_in_bin(count, depth_bin, n_bins, rng)
-        body = [w for k, n in zip(keys, numbers) for w in self._fill("line", key=[k], number=n)]
-        prompt = header + body + self._fill("question", key=[keys[target]])
+        body = [w for k, n in zip(keys, numbers) for w in self.record(k, n)]
+        prompt = header + body + self.fill("question", key=[keys[target]])
         depth = target / (count - 1) if count > 1 else 0.5
         return Prompt(prompt, numbers[target], depth,
                       {"lines": count, "key": keys[target], "needle_offset": len(header) + target * line_len})
 
 
-# ------------------------------------------------------------------ training corpus
+TASKS = {task.name: task for task in (Passkey, Lines)}
 
 
-def training_example(task: Task, max_length: int, rng: random.Random, queries: int = 4) -> List[str]:
-    """One ``lines`` training document of at most ``max_length`` words: a prompt of a
-    random number of records (random queried record) with its answer, then up to
-    ``queries - 1`` more records of the record repeated (``line KEY : ... is N .``),
-    each a further retrieval the model is trained on."""
-    line_len = len(task._fill("line", key=["k"], number=task.number(rng)))
-    lo = task.minimum_length()
-    length = rng.randint(lo, max_length)
-    prompt = task.build(length, rng.randrange(1 << 16), 1 << 16, rng)
-    words = prompt.prompt + prompt.answer + task._fill("line", key=[], number=[])[-1:]
-    count = prompt.meta["lines"]
-    records = [prompt.prompt[len(task.words["header"]) + i * line_len:][:line_len] for i in range(count)]
-    while len(words) + line_len <= max_length and queries > 1:
-        words += rng.choice(records)
-        queries -= 1
-    return words
-
-
-def main(argv=None) -> int:
-    """Write a synthetic ``lines`` corpus: ``train.txt``/``valid.txt`` of one document per line."""
-    import argparse
-    import os
-
-    p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--destdir", required=True)
-    p.add_argument("--max-length", type=int, required=True, help="words per document at most (< tokens per sample)")
-    p.add_argument("--keys", type=int, default=256, help="size of the key pool")
-    p.add_argument("--digits", type=int, default=3)
-    p.add_argument("--queries", type=int, default=4)
-    p.add_argument("--train-docs", type=int, default=40000)
-    p.add_argument("--valid-docs", type=int, default=500)
-    p.add_argument("--seed", type=int, default=1)
-    args = p.parse_args(argv)
-    keys = [f"k{i}" for i in range(args.keys)]
-    task = Task("lines", Vocabulary(None), digits=args.digits, keys=keys)
-    os.makedirs(args.destdir, exist_ok=True)
-    for split, n, seed in (("train", args.train_docs, args.seed), ("valid", args.valid_docs, args.seed + 1000)):
-        rng = random.Random(seed)
-        with open(os.path.join(args.destdir, f"{split}.txt"), "w", encoding="utf-8") as f:
-            for _ in range(n):
-                f.write(" ".join(training_example(task, args.max_length, rng, args.queries)) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+def make_task(name: str, vocab: Vocabulary, **options) -> BuiltinTask:
+    """The built-in task ``name`` fitted to ``vocab`` (options of its class)."""
+    if name not in TASKS:
+        raise PromptError(f"unknown task {name!r}: choose {', '.join(TASKS)} or a .jsonl file")
+    return TASKS[name](vocab, **options)

@@ -54,7 +54,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..errors import EvaluationError, report_errors
+from ..errors import EvaluationError, PromptError, report_errors
 from . import prompts as P
 from . import report
 from .grid import (
@@ -213,7 +213,7 @@ def jsonl_samples(items: List[dict], encoder: Encoder, path: str) -> List[Sample
     return out
 
 
-def builtin_samples(task: P.Task, encoder: Encoder, lengths: Sequence[int], depths: int, samples: int,
+def builtin_samples(task: P.BuiltinTask, encoder: Encoder, lengths: Sequence[int], depths: int, samples: int,
                     seed: int) -> Dict[Tuple[int, int], List[Sample]]:
     """``(length, depth bin) -> samples``, each drawn from its own seeded generator."""
     out: Dict[Tuple[int, int], List[Sample]] = {}
@@ -355,13 +355,11 @@ def _template(items: Sequence[str]) -> Dict[str, str]:
     return out
 
 
-def build_task(args, vocab: P.Vocabulary) -> P.Task:
+def build_task(args, vocab: P.Vocabulary) -> P.BuiltinTask:
     keys = [k for k in args.keys.split(",") if k.strip()] if args.keys else None
-    try:
-        return P.Task(args.task, vocab, digits=args.digits, number_format=args.number_format,
-                      filler=args.filler, template=_template(args.template), keys=keys, seed=args.seed)
-    except P.PromptError as exc:
-        raise EvaluationError(str(exc))
+    options = dict(filler=args.filler) if args.task == "passkey" else dict(keys=keys)
+    return P.make_task(args.task, vocab, digits=args.digits, number_format=args.number_format,
+                       template=_template(args.template), seed=args.seed, **options)
 
 
 def cell_key(cell: dict) -> tuple:
@@ -448,7 +446,7 @@ def run(args: argparse.Namespace) -> List[dict]:
             task = build_task(args, encoder.vocabulary())
             try:
                 built = builtin_samples(task, encoder, these, args.depths, args.samples, args.seed)
-            except P.PromptError as exc:
+            except PromptError as exc:
                 raise EvaluationError(f"{info.name}: {exc}")
             cells = {("", length, round(P.bins(args.depths)[b], 6)): v for (length, b), v in built.items()}
         max_length[info.name] = max(s.length for v in cells.values() for s in v)
