@@ -39,7 +39,8 @@ def kernels(embed_dim=256, heads=8, length=512, batch=8):
     from fairseq.modules import MultiheadAttention
     from fairseq import utils
 
-    from fairseq_alibi.attention import AlibiBias, AlibiMultiheadAttention
+    from fairseq_alibi.attention import AlibiMultiheadAttention
+    from fairseq_alibi.bias import AlibiBias
 
     x = torch.randn(length, batch, embed_dim)
     future = torch.triu(utils.fill_with_neg_inf(torch.zeros(length, length)), 1)  # the decoder's mask
@@ -64,7 +65,7 @@ def costs(repeats: int):
     # [T, B, H, D] storage seen as [B, H, T, D]: what both modules pass to SDPA
     q, k, v = [torch.randn(T, B, H, D).permute(1, 2, 0, 3).requires_grad_() for _ in range(3)]
     grad = torch.randn(T, B, H, D).permute(1, 2, 0, 3)
-    bias = alibi.causal_bias(alibi.get_slopes(H), T, T)
+    bias = alibi.alibi_bias(alibi.get_slopes(H), T, T, [alibi.LOOK_LEFT] * H)
     future = torch.triu(torch.full((T, T), float("-inf")), 1)
     sdpa = F.scaled_dot_product_attention
     cases = {}

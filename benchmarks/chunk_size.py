@@ -22,7 +22,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_description, median  # noqa: E402
 
-from fairseq_alibi import attention as A  # noqa: E402
+from fairseq_alibi import kernels as K  # noqa: E402
+from fairseq_alibi.attention import AlibiMultiheadAttention  # noqa: E402
+from fairseq_alibi.bias import AlibiBias  # noqa: E402
 
 
 def main():
@@ -35,9 +37,7 @@ def main():
     opts = p.parse_args()
 
     torch.manual_seed(0)
-    module = A.AlibiMultiheadAttention(
-        opts.embed_dim, opts.heads, A.AlibiBias(opts.heads, kernel="chunked")
-    ).eval()
+    module = AlibiMultiheadAttention(opts.embed_dim, opts.heads, AlibiBias(opts.heads), kernel="chunked").eval()
     print(machine_description())
     print("| tokens | chunk | wall s (median) | cpu s (median) | bias ramp MiB |")
     print("|---|---|---|---|---|")
@@ -48,7 +48,7 @@ def main():
         for r in range(opts.repeats + 1):
             shift = r % len(opts.chunks)
             for chunk in opts.chunks[shift:] + opts.chunks[:shift]:
-                A.CHUNK_SIZE = chunk
+                K.CHUNK_SIZE = chunk
                 t, c = time.perf_counter(), time.process_time()
                 with torch.no_grad():
                     module(x, x, x, need_weights=False)

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_lm, machine_description, make_dict_dir, median  # noqa: E402
 
-from fairseq_alibi import attention as A  # noqa: E402
+from fairseq_alibi import kernels as K  # noqa: E402
+from fairseq_alibi.bias import AlibiBias  # noqa: E402
 
 
 def timed(fn, device):
@@ -61,7 +62,7 @@ def timed(fn, device):
 def kernels(opts, device):
     heads, head_dim = 16, 64
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shared = A.AlibiBias(heads)
+    shared = AlibiBias(heads)
     print("| T | batch | path | ms fwd+bwd (median) | peak MiB | time / flash-causal |")
     print("|---|---|---|---|---|---|")
     for length in opts.lengths:
@@ -76,16 +77,14 @@ def kernels(opts, device):
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
         def flex():
-            score_mod = shared.score_mod(length, length, device)
-            block_mask = shared.block_mask(length, length, device)
-            A.flex_attention_alibi(q, k, v, score_mod, block_mask).backward(grad)
+            K.flex_kernel(q, k, v, shared, None, 0.0)[0].backward(grad)
 
         def sdpa():
             bias = shared.dense(length, length, dtype, device)
             F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None]).backward(grad)
 
         paths = {"flash-causal": flash}
-        if device.type == "cuda" and A.flex_available():
+        if device.type == "cuda" and K.flex_available():
             paths["alibi-flex"] = flex
         dense_gib = heads * length * length * torch.finfo(dtype).bits / 8 / 2**30
         if dense_gib < opts.max_dense_gib:

@@ -18,11 +18,15 @@ adjacent values of ``slope * j`` apart.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-INTERPOLATION_METHODS = ("none", "linear", "ntk")
+#: Context-extension methods: ``linear`` and ``ntk`` scale the slopes, ``cap``
+#: clamps the distance (LM-Infinite), ``none`` leaves both alone.
+METHODS = ("none", "linear", "ntk", "cap")
+SLOPE_METHODS = ("linear", "ntk")
 BIAS_MODES = ("causal", "symmetric", "split", "learned")
 BIDIRECTIONAL_MODES = ("symmetric", "split", "learned")
 
@@ -53,18 +57,10 @@ def get_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def _check_method(method: str) -> None:
-    if method not in INTERPOLATION_METHODS:
-        raise ValueError(
-            f"unknown ALiBi interpolation method {method!r}; "
-            f"allowed values: {', '.join(INTERPOLATION_METHODS)}"
-        )
-
-
 def scale_slopes(slopes: torch.Tensor, method: str, factor: float) -> torch.Tensor:
     """Slopes for evaluating ``factor`` times longer than the training length.
 
-    * ``none``: unchanged;
+    * ``none`` and ``cap``: unchanged (``cap`` changes distances, not slopes);
     * ``linear`` (position interpolation): every slope divided by ``factor``;
     * ``ntk`` (NTK-ALiBi): the steepest head unchanged, the flattest divided by
       ``factor``, geometric in log-slope in between:
@@ -72,12 +68,13 @@ def scale_slopes(slopes: torch.Tensor, method: str, factor: float) -> torch.Tens
       With equal slopes (one head) there is no spread to interpolate over and it
       falls back to ``linear``.
     """
-    _check_method(method)
+    if method not in METHODS:
+        raise ScalingError("method", method, f"allowed values: {', '.join(METHODS)}")
     factor = float(factor)
     if not factor >= 1.0 or math.isinf(factor):
-        raise ValueError(f"scale factor must be a finite number >= 1, got {factor!r}")
+        raise ScalingError("factor", factor, "a slope-scaling factor must be a finite number >= 1")
     slopes = slopes.to(torch.float32)
-    if method == "none" or factor == 1.0:
+    if method not in SLOPE_METHODS or factor == 1.0:
         return slopes.clone()
     if method == "linear":
         return slopes / factor
@@ -90,26 +87,154 @@ def scale_slopes(slopes: torch.Tensor, method: str, factor: float) -> torch.Tens
     return slopes / factor**exponent
 
 
+# ---------------------------------------------------------------------------
+# The scaling spec: method, static factor or dynamic, training length.
+# ---------------------------------------------------------------------------
+
+
+class ScalingError(ValueError):
+    """An invalid scaling setting.  ``field`` is ``method``, ``factor`` or
+    ``train_length``; ``value`` what was given; ``reason`` what is allowed.
+    Callers that know the user's name for the field (a config key, a command
+    line option) re-word it; ``str()`` reads on its own."""
+
+    def __init__(self, field: str, value, reason: str):
+        super().__init__(f"{field}={value!r} is not valid; {reason}")
+        self.field, self.value, self.reason = field, value, reason
+
+
+def _number(value) -> Optional[float]:
+    """``value`` as a float if it is a real number (not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How one model extends its context at evaluation; validated on creation.
+
+    * ``method``: ``none``, ``linear`` (every slope / factor), ``ntk`` (steepest
+      head kept, flattest / factor, geometric in between) or ``cap`` (every
+      distance above ``factor * train_length`` seen as that distance,
+      LM-Infinite's distance limit: ``-m * min(i - j, C)``);
+    * ``factor``: for ``linear``/``ntk`` ``0`` means dynamic,
+      ``max(1, keys / train_length)`` per forward pass, else a static factor
+      ``>= 1``; for ``cap`` the cap in training lengths (any ``F > 0``; ``0``
+      means 1, the training length itself); ``none`` stores 1 whatever is given;
+    * ``train_length``: the length the model was trained at; dynamic methods and
+      ``cap`` need it (:meth:`complete` checks).
+    """
+
+    method: str = "none"
+    factor: float = 0.0
+    train_length: Optional[int] = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ScalingError("method", self.method, f"allowed values: {', '.join(METHODS)}")
+        factor = _number(self.factor)
+        if factor is None or not math.isfinite(factor) or factor < 0:
+            raise ScalingError("factor", self.factor, "it must be a finite number >= 0")
+        if self.method in SLOPE_METHODS and 0 < factor < 1:
+            raise ScalingError(
+                "factor", self.factor,
+                "use 0 for dynamic scaling (max(1, length / training length)) or a static factor >= 1",
+            )
+        if self.method == "none" or (self.method == "cap" and factor == 0):
+            factor = 1.0  # none: no scaling; cap: the training length itself
+        object.__setattr__(self, "factor", factor)
+        length = self.train_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            raise ScalingError("train_length", length, "it must be a positive integer (the training tokens_per_sample)")
+
+    @classmethod
+    def parse(cls, text: str, train_length: Optional[int] = None) -> "Scaling":
+        """``none``, ``linear[:F|:dynamic]``, ``ntk[:F|:dynamic]`` or ``cap[:F]``."""
+        name, _, arg = str(text).strip().partition(":")
+        name, arg = name.strip().lower(), arg.strip().lower()
+        if name == "none" and arg:
+            raise ScalingError("method", text, "'none' takes no factor")
+        if name == "cap" and arg in ("dynamic", "dyn"):
+            raise ScalingError("factor", arg, "cap has no dynamic form; cap:F caps at F training lengths")
+        if arg in ("", "dynamic", "dyn"):
+            factor = 0.0
+        else:
+            try:
+                factor = float(arg)
+            except ValueError:
+                raise ScalingError("factor", arg, "expected a number or 'dynamic'") from None
+            if factor == 0 or (name in SLOPE_METHODS and factor < 1):
+                raise ScalingError(
+                    "factor", arg,
+                    "a static factor must be >= 1 (write 'dynamic' or leave it out for dynamic scaling)"
+                    if name in SLOPE_METHODS else "the cap must be a positive number of training lengths",
+                )
+        return cls(name, factor, train_length)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.method in SLOPE_METHODS and self.factor == 0
+
+    @property
+    def needs_train_length(self) -> bool:
+        return self.dynamic or self.method == "cap"
+
+    def complete(self) -> "Scaling":
+        """``self``, after checking it has the training length it needs."""
+        if self.needs_train_length and self.train_length is None:
+            what = "dynamic scaling" if self.dynamic else "the distance cap (cap:F caps at F x L)"
+            raise ScalingError("train_length", None, f"{what} needs the training length L")
+        return self
+
+    def with_train_length(self, train_length: Optional[int]) -> "Scaling":
+        return replace(self, train_length=train_length)
+
+    def factor_at(self, key_length: int) -> float:
+        """The slope-scaling factor of a forward pass over ``key_length`` keys
+        (always 1 for ``none`` and ``cap``)."""
+        if self.method not in SLOPE_METHODS:
+            return 1.0
+        if not self.dynamic:
+            return self.factor
+        return max(1.0, key_length / float(self.complete().train_length))
+
+    def slopes(self, base: torch.Tensor, key_length: int) -> torch.Tensor:
+        """float32 ``[H]``: ``base`` scaled for a forward pass over ``key_length`` keys."""
+        return scale_slopes(base, self.method, self.factor_at(key_length))
+
+    @property
+    def distance_cap(self) -> Optional[int]:
+        """``C`` of ``-m * min(|i - j|, C)``, or None (no cap)."""
+        if self.method != "cap":
+            return None
+        return max(1, round(self.factor * self.complete().train_length))
+
+    @property
+    def spelling(self) -> str:
+        """The ``--methods`` item: ``none``, ``ntk``, ``ntk:2``, ``cap``, ``cap:0.5``."""
+        if self.method == "none" or self.dynamic or (self.method == "cap" and self.factor == 1):
+            return self.method
+        return f"{self.method}:{self.factor:g}"
+
+    @property
+    def label(self) -> str:
+        """For tables: ``none``, ``linear dynamic``, ``ntk x2``, ``cap x0.5``."""
+        if self.method == "none":
+            return "none"
+        if self.dynamic:
+            return f"{self.method} dynamic"
+        return f"{self.method} x{self.factor:g}"
+
+
+NO_SCALING = Scaling()
+
+
 def resolve_scale_factor(
     method: str, scale_factor: float, train_length: Optional[int], seq_len: int
 ) -> float:
-    """The factor to use for a forward pass over ``seq_len`` positions.
-
-    ``scale_factor > 0`` is static.  ``scale_factor == 0`` means dynamic:
-    ``max(1, seq_len / train_length)``, so nothing changes up to the training
-    length.  ``method == "none"`` always gives 1.
-    """
-    _check_method(method)
-    if method == "none":
-        return 1.0
-    if scale_factor:
-        return float(scale_factor)
-    if not train_length:
-        raise ValueError(
-            "dynamic ALiBi scaling (scale factor 0) needs the training length; "
-            "set alibi_train_length to the tokens_per_sample the model was trained with"
-        )
-    return max(1.0, seq_len / float(train_length))
+    """The slope factor of a forward pass over ``seq_len`` keys (:meth:`Scaling.factor_at`)."""
+    return Scaling(method, scale_factor, train_length).factor_at(seq_len)
 
 
 # ---------------------------------------------------------------------------
@@ -172,8 +297,10 @@ def mode_slopes(mode: str, num_heads: int) -> torch.Tensor:
     return split_slopes(num_heads) if mode == "split" else get_slopes(num_heads)
 
 
-def _distance(q_len: int, k_len: int, q_start: Optional[int], device) -> torch.Tensor:
-    """float32 ``[q_len, k_len]`` of ``i - j`` (exact below 2^24 positions).
+def _distance(q_len: int, k_len: int, q_start: Optional[int], device, cap: Optional[int] = None) -> torch.Tensor:
+    """float32 ``[q_len, k_len]`` of ``i - j`` (exact below 2^24 positions),
+    clamped to ``[-cap, cap]`` when a distance cap is given (the sign, which
+    says on which side of the query a key lies, is kept).
 
     Queries are positions ``q_start .. q_start + q_len - 1``; by default the
     last ``q_len`` of the ``k_len`` keys (a KV cache; 0 for a full forward).
@@ -182,7 +309,8 @@ def _distance(q_len: int, k_len: int, q_start: Optional[int], device) -> torch.T
         q_start = k_len - q_len
     query = torch.arange(q_start, q_start + q_len, device=device, dtype=torch.float32)
     keys = torch.arange(k_len, device=device, dtype=torch.float32)
-    return query[:, None] - keys[None, :]
+    distance = query[:, None] - keys[None, :]
+    return distance if cap is None else distance.clamp_(-cap, cap)
 
 
 def alibi_bias(
@@ -194,10 +322,11 @@ def alibi_bias(
     dtype: torch.dtype = torch.float32,
     device=None,
     masked_value: float = float("-inf"),
+    cap: Optional[int] = None,
 ) -> torch.Tensor:
     """``[H, q_len, k_len]``: ``-slope * |i - j|`` where head ``h`` looks
     (``directions[h]``: ``LOOK_LEFT``, ``LOOK_BOTH`` or ``LOOK_RIGHT``),
-    ``masked_value`` elsewhere.
+    ``masked_value`` elsewhere; with ``cap``, ``-slope * min(|i - j|, cap)``.
 
     All heads ``LOOK_LEFT`` is the causal LM's bias.  Formed in float32 with
     one ``[H, q_len, k_len]`` allocation and cast once, so nearby keys keep full
@@ -208,7 +337,7 @@ def alibi_bias(
     directions = tuple(int(d) for d in directions)
     if len(directions) != slopes.numel():
         raise ValueError(f"{slopes.numel()} slopes but {len(directions)} head directions")
-    distance = _distance(q_len, k_len, q_start, device)
+    distance = _distance(q_len, k_len, q_start, device, cap)
     slopes = slopes.to(device=device, dtype=torch.float32)[:, None, None]
     if all(d == LOOK_LEFT for d in directions):
         bias = torch.mul(distance, -slopes)
@@ -232,9 +361,11 @@ def asymmetric_bias(
     q_start: Optional[int] = None,
     dtype: torch.dtype = torch.float32,
     device=None,
+    cap: Optional[int] = None,
 ) -> torch.Tensor:
     """``[H, q_len, k_len]``: ``-left * (i - j)`` for keys left of the query,
-    ``-right * (j - i)`` for keys right of it, ``0`` on the diagonal.
+    ``-right * (j - i)`` for keys right of it, ``0`` on the diagonal (each
+    distance at most ``cap`` when given).
 
     Differentiable in both slope vectors (the learned mode trains them).
     """
@@ -243,7 +374,7 @@ def asymmetric_bias(
             f"left and right slopes must both be [H], got {tuple(left_slopes.shape)} "
             f"and {tuple(right_slopes.shape)}"
         )
-    distance = _distance(q_len, k_len, q_start, device)
+    distance = _distance(q_len, k_len, q_start, device, cap)
     left = left_slopes.to(device=device, dtype=torch.float32)[:, None, None]
     right = right_slopes.to(device=device, dtype=torch.float32)[:, None, None]
     bias = -left * distance.clamp(min=0) - right * (-distance).clamp(min=0)

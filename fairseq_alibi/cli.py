@@ -34,7 +34,7 @@ def check_arch(argv: List[str]) -> None:
     ~200); a stock ``transformer_lm*`` name warns that it is not ALiBi here."""
     from fairseq.models import ARCH_MODEL_REGISTRY
 
-    from .models.transformer_lm import STOCK_ARCHS
+    from .models import facts
 
     arch = _flag(argv, "--arch", "-a")
     if arch is None:
@@ -44,8 +44,8 @@ def check_arch(argv: List[str]) -> None:
             f"unknown --arch {arch!r}{closest(arch, ARCH_MODEL_REGISTRY) or ''}"
             " (`alibi-train --help` lists every architecture)"
         )
-    if arch in STOCK_ARCHS:
-        twin = "transformer_lm_alibi" if arch == "transformer_lm" else f"{arch}_alibi"
+    if arch in facts.stock_archs(facts.STOCK_LM):
+        twin = facts.twin_name(arch)
         logger.warning(
             "--arch %s is fairseq's stock model with sinusoidal positions, not ALiBi (in the 2021 "
             "ALiBi fork this name meant ALiBi); for ALiBi use --arch %s", arch, twin,
@@ -70,11 +70,19 @@ def check_context_window(argv: List[str]) -> None:
         )
 
 
-OVERRIDES_HELP = (
-    "\nALiBi at evaluation: --model-overrides \"{'alibi_interpolation': 'linear'|'ntk'|'none', "
-    "'alibi_scale_factor': F (0 = dynamic), 'alibi_train_length': L, 'alibi_attention': "
-    "'auto'|'reference'|'sdpa'|'flex'|'chunked'}\" (docs/usage.md)\n"
-)
+def overrides_help() -> str:
+    """The ALiBi ``--model-overrides`` keys, printed after argparse's help."""
+    from .alibi import METHODS
+    from .kernels import KERNEL_NAMES
+
+    def choices(names):
+        return "|".join(repr(n) for n in names)
+
+    return (
+        f"\nALiBi at evaluation: --model-overrides \"{{'alibi_interpolation': {choices(METHODS)}, "
+        "'alibi_scale_factor': F (linear/ntk: 0 = dynamic; cap: F x L, 0 = L), 'alibi_train_length': L, "
+        f"'alibi_attention': {choices(KERNEL_NAMES)}}}\" (docs/usage.md)\n"
+    )
 
 
 def training_help(argv: List[str]) -> None:
@@ -96,7 +104,7 @@ def training_help(argv: List[str]) -> None:
     raise SystemExit(0)
 
 
-def _run(module_name: str, *checks, overrides_help: bool = False) -> None:
+def _run(module_name: str, *checks, with_overrides_help: bool = False) -> None:
     import fairseq_alibi  # noqa: F401  (patches fairseq, registers the models)
 
     # fairseq.tasks.text_to_speech calls logging.basicConfig on import, before
@@ -111,8 +119,8 @@ def _run(module_name: str, *checks, overrides_help: bool = False) -> None:
         try:
             module.cli_main()
         finally:
-            if overrides_help and {"-h", "--help"} & set(sys.argv[1:]):
-                sys.stdout.write(OVERRIDES_HELP)  # after argparse's help
+            if with_overrides_help and {"-h", "--help"} & set(sys.argv[1:]):
+                sys.stdout.write(overrides_help())  # after argparse's help
 
 
 def train():
@@ -120,15 +128,15 @@ def train():
 
 
 def eval_lm():
-    _run("fairseq_cli.eval_lm", check_context_window, overrides_help=True)
+    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True)
 
 
 def generate():
-    _run("fairseq_cli.generate", overrides_help=True)
+    _run("fairseq_cli.generate", with_overrides_help=True)
 
 
 def interactive():
-    _run("fairseq_cli.interactive", overrides_help=True)
+    _run("fairseq_cli.interactive", with_overrides_help=True)
 
 
 def hydra_train():

@@ -69,12 +69,6 @@ class CorpusError(UserError):
     """A problem with the embedded corpus's inputs or outputs."""
 
 
-#: Every ``alibi_*`` config field of the plugin's models (override keys, hub keywords).
-ALIBI_FIELDS = (
-    "alibi_interpolation", "alibi_scale_factor", "alibi_train_length", "alibi_attention",
-    "alibi_bidirectional",
-)
-
 _warned = set()
 
 
@@ -83,16 +77,6 @@ def warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         logging.getLogger("fairseq_alibi").warning(message)
-
-
-def check_override_keys(overrides) -> None:
-    """Warn about ``alibi*`` keys no model has (a typo would change nothing, silently)."""
-    for key in overrides or {}:
-        if isinstance(key, str) and key.startswith("alibi") and key not in ALIBI_FIELDS:
-            warn_once(
-                f"ignored model override {key!r}: no such ALiBi field{closest(key, ALIBI_FIELDS)} "
-                f"(valid: {', '.join(ALIBI_FIELDS)})"
-            )
 
 
 def one_line(text) -> str:

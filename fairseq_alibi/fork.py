@@ -30,61 +30,24 @@ import sys
 from typing import Any, Dict, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from . import safe_load
 from .errors import CheckpointError, ForkCheckpointError, one_line, report_errors
+from .models import facts
 
-ALIBI_MODEL = "transformer_lm_alibi"
 FORK_ONLY_MODEL_FIELDS = ("max_tokens",)
 _INTERPOLATION = re.compile(r"^\$\{([A-Za-z_][\w.]*)\}$")
 
 
-def _plain(obj: Any) -> Any:
-    """A config section as plain Python data, interpolations left as strings."""
-    if isinstance(obj, DictConfig) or OmegaConf.is_config(obj):
-        return OmegaConf.to_container(obj, resolve=False)
-    if isinstance(obj, argparse.Namespace):
-        return dict(vars(obj))
-    if isinstance(obj, dict):
-        return {key: _plain(value) for key, value in obj.items()}
-    if isinstance(obj, list):
-        return [_plain(value) for value in obj]
-    return obj
-
-
-def _model_section(state: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    cfg = state.get("cfg") if isinstance(state, dict) else None
-    if cfg is not None:
-        model = cfg.get("model") if hasattr(cfg, "get") else None
-        return _plain(model) if model is not None else None
-    args = state.get("args") if isinstance(state, dict) else None
-    if args is not None:
-        return _plain(args)
-    return None
-
-
 def model_name(state: Dict[str, Any]) -> Optional[str]:
     """The architecture a checkpoint was saved with (``cfg.model._name`` or ``args.arch``)."""
-    section = _model_section(state)
-    if not isinstance(section, dict):
-        return None
-    return section.get("_name") or section.get("arch")
-
-
-def _stock_lm_archs():
-    """Every architecture of fairseq's stock ``transformer_lm`` model."""
-    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
-
-    return {name for name, model in ARCH_MODEL_NAME_REGISTRY.items() if model == "transformer_lm"}
+    return facts.checkpoint_arch(facts.checkpoint_sections(state)[0])
 
 
 def alibi_twin(arch: str) -> str:
-    """``transformer_lm`` -> ``transformer_lm_alibi``; ``X`` -> ``X_alibi``."""
-    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
-
-    twin = ALIBI_MODEL if arch == "transformer_lm" else f"{arch}_alibi"
-    if ARCH_MODEL_NAME_REGISTRY.get(twin) != ALIBI_MODEL:
+    """The registered ALiBi twin of a stock ``transformer_lm*`` arch."""
+    twin = facts.twin_name(arch)
+    if facts.model_family(twin) != facts.ALIBI_LM:
         raise CheckpointError(f"architecture {arch!r} has no ALiBi twin in this plugin")
     return twin
 
@@ -93,12 +56,10 @@ def fork_signature(state: Dict[str, Any]) -> Optional[str]:
     """Why ``state`` is an unconverted fork checkpoint, or None if it is not one."""
     if not isinstance(state, dict) or state.get("cfg") is None:
         return None  # the fork always saved a cfg (and ``args: None``)
-    section = _model_section(state)
-    if not isinstance(section, dict):
-        return None
-    arch = section.get("_name") or section.get("arch")
+    section, _ = facts.checkpoint_sections(state)
+    arch = facts.checkpoint_arch(section)
     fork_fields = [name for name in FORK_ONLY_MODEL_FIELDS if name in section]
-    if arch in _stock_lm_archs() and fork_fields:
+    if arch in facts.stock_archs(facts.STOCK_LM) and fork_fields:
         return (
             f"stock architecture {arch!r} with the fork-only model field "
             f"{', '.join(fork_fields)!s}"
@@ -150,12 +111,10 @@ def convert_fork_state(state: Dict[str, Any], train_length: Optional[int] = None
     reason = fork_signature(state)
     if reason is None:
         arch = model_name(state)
-        from fairseq.models import ARCH_MODEL_NAME_REGISTRY
-
-        family = ARCH_MODEL_NAME_REGISTRY.get(arch) if arch else None
-        if family == ALIBI_MODEL:
-            raise CheckpointError(f"already a {ALIBI_MODEL} checkpoint (arch {arch}); nothing to convert")
-        if arch in _stock_lm_archs():
+        family = facts.model_family(arch)
+        if family == facts.ALIBI_LM:
+            raise CheckpointError(f"already a {facts.ALIBI_LM} checkpoint (arch {arch}); nothing to convert")
+        if arch in facts.stock_archs(facts.STOCK_LM):
             raise CheckpointError(
                 f"a stock fairseq {arch} checkpoint, not one of the ALiBi fork (its model config "
                 "has no fork-only 'max_tokens' field): its positions are real, so converting it "
@@ -167,7 +126,7 @@ def convert_fork_state(state: Dict[str, Any], train_length: Optional[int] = None
             "fork's transformer_lm: only transformer_lm checkpoints can be converted"
         )
 
-    cfg = _plain(state["cfg"])
+    cfg = facts.plain(state["cfg"])
     cfg = _resolve_all(cfg, cfg)
     model = cfg["model"]
     arch = model.get("_name") or model.get("arch")

@@ -1,8 +1,10 @@
 """Context extension for Hugging Face ALiBi models (BLOOM, MPT, Falcon with ALiBi).
 
-``apply_alibi_scaling(model, method, factor)`` makes a transformers 5.23 model
-use the slopes of ``fairseq_alibi.alibi.scale_slopes`` -- the one formula used
-for fairseq models too -- so a sweep compares like with like.  It hooks into
+``apply_alibi_scaling(model, method, factor, train_length)`` makes a
+transformers 5.23 model use the bias of ``fairseq_alibi.alibi.Scaling`` -- the
+one scaling spec of fairseq models too, with the same spelling: ``linear`` and
+``ntk`` with a static factor >= 1 or ``0`` for dynamic, ``cap`` with its cap in
+training lengths -- so a sweep compares like with like.  It hooks into
 the model *instance* (forward pre-hooks and one instance attribute), copies no
 modeling code, and ``remove_alibi_scaling`` / ``alibi_scaling`` undo it exactly.
 
@@ -20,8 +22,8 @@ repairs three upstream defects that corrupt long-context measurements
 * MPT ignores ``attn_config.alibi_bias_max`` and fails on inputs longer than
   ``max_seq_len``; the scaled model honours both.
 
-Dynamic scaling (``factor=None`` with ``train_length``) picks the factor per
-forward pass from the number of keys (cached + new tokens).  Keys already in a
+Dynamic scaling (``factor=0``) picks the factor per forward pass from the
+number of keys (cached + new tokens) and the training length.  Keys already in a
 KV cache were computed under earlier slopes, so with dynamic scaling
 incremental decoding differs from recomputing the whole sequence; a static
 factor keeps incremental decoding exact.
@@ -38,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .alibi import INTERPOLATION_METHODS, get_slopes, resolve_scale_factor, scale_slopes
+from .alibi import Scaling, get_slopes
 from .errors import HFLoadError, UnsupportedModelError
 
 BIAS_FORMS = ("relative", "upstream")
@@ -124,9 +126,7 @@ def base_slopes(model) -> torch.Tensor:
 @dataclass
 class _Scaling:
     family: str
-    method: str
-    factor: Optional[float]
-    train_length: Optional[int]
+    scaling: Scaling
     bias_form: str
     slopes: torch.Tensor  # unscaled
     num_heads: int
@@ -136,12 +136,8 @@ class _Scaling:
     last_factor: Optional[float] = None  # the factor of the latest forward pass
 
     def settings(self) -> Dict[str, Any]:
-        return dict(
-            method=self.method,
-            factor=self.factor,
-            train_length=self.train_length,
-            bias_form=self.bias_form,
-        )
+        s = self.scaling
+        return dict(method=s.method, factor=s.factor, train_length=s.train_length, bias_form=self.bias_form)
 
 
 _MISSING = object()
@@ -176,15 +172,14 @@ def _start_forward(state: _Scaling, module, args, kwargs) -> None:
             f"ALiBi scaling needs a 2-D [batch, keys] attention_mask (or none), got shape {tuple(mask.shape)}"
         )
     kv_len = past + q_len
-    factor = resolve_scale_factor(state.method, state.factor or 0.0, state.train_length, kv_len)
-    state.last_factor = factor
+    state.last_factor = state.scaling.factor_at(kv_len)
     state.current = dict(
         q_len=q_len,
         past=past,
         kv_len=kv_len,
         cache_max=cache_max,
         mask=mask,
-        slopes=scale_slopes(state.slopes, state.method, factor),
+        slopes=state.scaling.slopes(state.slopes, kv_len),
         built=None,
     )
 
@@ -214,10 +209,12 @@ def _positions(current: Dict[str, Any], kv: int, device) -> Tuple[torch.Tensor, 
     return keys[:, start : start + q_len], keys
 
 
-def _relative_bias(slopes: torch.Tensor, current, kv: int, batch: int, device) -> torch.Tensor:
-    """float32 ``[B, H, q, kv]``: ``-slope * (i - j)`` from integer distances."""
+def _relative_bias(slopes: torch.Tensor, current, kv: int, batch: int, device, cap: Optional[int]) -> torch.Tensor:
+    """float32 ``[B, H, q, kv]``: ``-slope * min(i - j, cap)`` from integer distances."""
     queries, keys = _positions(current, kv, device)
     distance = queries[:, :, None] - keys[:, None, :]
+    if cap is not None:
+        distance = distance.clamp(max=cap)
     bias = -slopes.to(device)[None, :, None, None] * distance[:, None, :, :]
     return bias.expand(batch, -1, -1, -1)
 
@@ -235,7 +232,7 @@ def _bloom_block_hook(state: _Scaling, block, args, kwargs):
         batch, kv = upstream.shape[0] // heads, upstream.shape[-1]
         slopes = current["slopes"].to(upstream.device)
         if state.bias_form == "relative":
-            bias = _relative_bias(slopes, current, kv, batch, upstream.device)
+            bias = _relative_bias(slopes, current, kv, batch, upstream.device, state.scaling.distance_cap)
             bias = bias.reshape(batch * heads, current["q_len"], kv)
         else:  # BLOOM's own form: slope * key position, cast as a whole
             _, keys = _positions(current, kv, upstream.device)
@@ -269,7 +266,8 @@ def _falcon_block_hook(state: _Scaling, block, args, kwargs):
         head_dim = block.self_attention.head_dim
         slopes = current["slopes"].to(device)
         if state.bias_form == "relative":
-            bias = _relative_bias(slopes, current, kv, batch, device) / math.sqrt(head_dim)
+            bias = _relative_bias(slopes, current, kv, batch, device, state.scaling.distance_cap)
+            bias = bias / math.sqrt(head_dim)
             bias = bias.to(dtype)
         else:  # Falcon's own form: bfloat16 slope * key position, then the model dtype
             _, keys = _positions(current, kv, device)
@@ -289,99 +287,96 @@ def _mpt_alibi_builder(state: _Scaling):
 
     MPT's form, ``-slope * (distance to the last key)`` in float32, shape
     ``[H, 1, L]``; the attention keeps its last ``kv`` columns.  ``L`` covers
-    the keys of this pass, so inputs longer than ``max_seq_len`` work.
+    the keys of this pass, so inputs longer than ``max_seq_len`` work.  A
+    distance cap is no per-row shift of a key-only bias, so with ``cap`` the
+    whole ``[H, q, kv]`` relative bias of the pass is built (MPT keeps its last
+    ``q`` rows and ``kv`` columns).
     """
 
     def build_mpt_alibi_tensor(num_heads, sequence_length, alibi_bias_max=8, device=None):
-        current = state.current
+        current, cap = state.current, state.scaling.distance_cap
         if current is None:  # called outside a forward pass: the static or unscaled slopes
-            factor = resolve_scale_factor(state.method, state.factor or 0.0, state.train_length, sequence_length)
-            slopes, length = scale_slopes(state.slopes, state.method, factor), sequence_length
+            slopes, length = state.scaling.slopes(state.slopes, sequence_length), sequence_length
         else:
             slopes = current["slopes"]
             length = max(sequence_length, current["kv_len"], current["cache_max"])
+        if cap is not None and current is not None:
+            queries = torch.arange(current["past"], current["kv_len"], device=device)
+            distance = (queries[:, None] - torch.arange(current["kv_len"], device=device)[None, :]).clamp(max=cap)
+            return -slopes.to(device)[:, None, None] * distance[None]
         distance = torch.arange(length - 1, -1, -1, device=device)
+        if cap is not None:
+            distance = distance.clamp(max=cap)
         return -slopes.to(device)[:, None, None] * distance[None, None, :]
 
     return build_mpt_alibi_tensor
 
 
-def _check_settings(method: str, factor, train_length, bias_form: str) -> None:
-    if method not in INTERPOLATION_METHODS:
-        raise ValueError(
-            f"unknown ALiBi interpolation method {method!r}; allowed: {', '.join(INTERPOLATION_METHODS)}"
-        )
+def _scaling_of(model, method, factor, train_length, bias_form: str) -> Scaling:
+    """The complete scaling spec of the arguments (``ValueError`` naming the bad one)."""
     if bias_form not in BIAS_FORMS:
-        raise ValueError(f"unknown bias_form {bias_form!r}; allowed: {', '.join(BIAS_FORMS)}")
-    if factor is not None:
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
-            raise ValueError(f"factor must be a finite number >= 1 (or None for dynamic scaling), got {factor!r}")
-        if train_length is not None:
-            raise ValueError("give either a static factor or train_length (dynamic scaling), not both")
-    elif method != "none":
-        if train_length is None:
-            raise ValueError(
-                f"method {method!r} needs a static factor >= 1, or factor=None with train_length "
-                "(the length the model was trained at) for dynamic scaling"
-            )
-    if train_length is not None and (
-        isinstance(train_length, bool) or not isinstance(train_length, int) or train_length < 1
-    ):
-        raise ValueError(f"train_length must be an integer >= 1, got {train_length!r}")
+        raise ValueError(f"bias_form={bias_form!r} is not valid; allowed: {', '.join(BIAS_FORMS)}")
+    if isinstance(method, Scaling):
+        if factor != 0.0 or train_length is not None:
+            raise ValueError("give a Scaling alone, or method, factor and train_length, not both")
+        scaling = method
+    else:
+        recorded = hf_train_length(getattr(model, "config", None)) if train_length is None else train_length
+        scaling = Scaling(method, factor, recorded)
+    if scaling.needs_train_length and scaling.train_length is None:
+        what = "dynamic scaling (factor=0)" if scaling.dynamic else "cap"
+        raise ValueError(
+            f"train_length=None is not valid; {what} needs the length the model was trained at, "
+            "which this model's config does not record: pass train_length=L"
+        )
+    if bias_form == "upstream" and scaling.method == "cap":
+        raise ValueError("bias_form='upstream' builds a bias of key positions only, which cannot cap distances; "
+                         "use the default bias_form='relative' with cap")
+    return scaling
 
 
 def apply_alibi_scaling(
     model,
-    method: str,
-    factor: Optional[float] = None,
+    method="none",
+    factor: float = 0.0,
     train_length: Optional[int] = None,
     bias_form: str = "relative",
 ):
-    """Scale the ALiBi slopes of a BLOOM, MPT or Falcon (alibi=True) model in place.
+    """Extend the context of a BLOOM, MPT or Falcon (alibi=True) model in place.
 
-    ``method``: ``none``, ``linear`` or ``ntk`` (``fairseq_alibi.alibi.scale_slopes``).
-    ``factor >= 1``: static.  ``factor=None`` with ``train_length``: dynamic,
-    ``max(1, kv_length / train_length)`` per forward pass, ``kv_length`` the
-    cached plus new tokens (a KV cache built under earlier slopes then differs
-    from recomputation; static factors keep incremental decoding exact).
-    ``bias_form``: ``relative`` (default, ``-slope * (i - j)`` formed in float32)
-    or ``upstream`` (the model's own form, with the scaled slopes).
+    ``method``, ``factor`` and ``train_length`` are ``fairseq_alibi.alibi.Scaling``'s
+    (or pass a ``Scaling`` as ``method``): ``none``; ``linear`` or ``ntk`` with a
+    static ``factor >= 1`` or ``factor=0`` for dynamic scaling, ``max(1,
+    kv_length / train_length)`` per forward pass (``kv_length`` the cached plus
+    new tokens: a KV cache built under earlier slopes then differs from
+    recomputation; static factors keep incremental decoding exact); ``cap``
+    (every distance above ``factor x train_length`` counted as that distance,
+    ``factor=0`` meaning 1).  ``train_length`` defaults to what the model's
+    config records (``hf_train_length``).  ``bias_form``: ``relative``
+    (default, ``-slope * (i - j)`` formed in float32) or ``upstream`` (the
+    model's own form, with the scaled slopes; not with ``cap``).
 
     Applying again replaces the previous scaling.  Returns ``model``.  The hooks
     belong to this instance: copy a model before scaling it, not after.
     """
-    _check_settings(method, factor, train_length, bias_form)
     family, base = _resolve(model)
+    scaling = _scaling_of(model, method, factor, train_length, bias_form)
     if getattr(base, _STATE_ATTR, None) is not None:
         remove_alibi_scaling(model)
     slopes = base_slopes(model)
-    state = _Scaling(
-        family=family,
-        method=method,
-        factor=None if factor is None else float(factor),
-        train_length=train_length,
-        bias_form=bias_form,
-        slopes=slopes,
-        num_heads=slopes.numel(),
-    )
+    state = _Scaling(family=family, scaling=scaling, bias_form=bias_form, slopes=slopes, num_heads=slopes.numel())
     state.handles.append(
         base.register_forward_pre_hook(
             lambda module, args, kwargs: _start_forward(state, module, args, kwargs), with_kwargs=True
         )
     )
     state.handles.append(base.register_forward_hook(lambda *a: _end_forward(state), always_call=True))
-    if family == "bloom":
+    if family in ("bloom", "falcon"):
+        hook = _bloom_block_hook if family == "bloom" else _falcon_block_hook
         for block in base.h:
             state.handles.append(
                 block.register_forward_pre_hook(
-                    lambda module, args, kwargs: _bloom_block_hook(state, module, args, kwargs), with_kwargs=True
-                )
-            )
-    elif family == "falcon":
-        for block in base.h:
-            state.handles.append(
-                block.register_forward_pre_hook(
-                    lambda module, args, kwargs: _falcon_block_hook(state, module, args, kwargs), with_kwargs=True
+                    lambda module, args, kwargs, hook=hook: hook(state, module, args, kwargs), with_kwargs=True
                 )
             )
     else:  # mpt: MptModel.forward calls self.build_mpt_alibi_tensor
@@ -419,7 +414,7 @@ def alibi_scaling_settings(model) -> Optional[Dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def alibi_scaling(model, method: str, factor: Optional[float] = None, train_length: Optional[int] = None,
+def alibi_scaling(model, method="none", factor: float = 0.0, train_length: Optional[int] = None,
                   bias_form: str = "relative"):
     """``with alibi_scaling(model, "ntk", 2.0): ...`` -- scaled inside, as before outside."""
     _, base = _resolve(model)

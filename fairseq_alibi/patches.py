@@ -18,7 +18,7 @@ would crash or silently do the wrong thing:
   unconverted checkpoint of the 2021 fork is refused (it would silently run as
   a sinusoidal model).
 * ``--model-overrides`` / hub keywords: fairseq silently drops a key no
-  config has, so an ``alibi*`` typo is warned about (``errors.check_override_keys``).
+  config has, so an ``alibi*`` typo is warned about (``models.config.check_override_keys``).
 * checkpoint copies (``checkpoint_last.pt``, ``checkpoint_best.pt``) are
   written atomically, so a crash never leaves a truncated one.
 * ``fairseq.distributed.utils.torch``: resuming under torchrun broadcasts the
@@ -170,7 +170,6 @@ def safe_checkpoint_io() -> None:
     from fairseq import checkpoint_utils
     from fairseq.distributed import utils as distributed_utils
 
-    from .errors import check_override_keys
     from .fork import refuse_fork
 
     if isinstance(checkpoint_utils.torch, _SafeTorch):
@@ -180,6 +179,8 @@ def safe_checkpoint_io() -> None:
     stock_overwrite = checkpoint_utils.overwrite_args_by_name
 
     def overwrite_args_by_name(cfg, overrides):
+        from .models.config import check_override_keys
+
         check_override_keys(overrides)
         return stock_overwrite(cfg, overrides)
 

@@ -86,8 +86,122 @@ def test_resolve_scale_factor():
     assert alibi.resolve_scale_factor("linear", 0, 64, 32) == 1.0
     assert alibi.resolve_scale_factor("linear", 0, 64, 512) == 8.0
     assert alibi.resolve_scale_factor("ntk", 3.0, 64, 512) == 3.0
-    with pytest.raises(ValueError, match="alibi_train_length"):
+    with pytest.raises(ValueError, match="train_length=None is not valid; dynamic scaling needs"):
         alibi.resolve_scale_factor("linear", 0, None, 512)
+
+
+# --------------------------------------------------------------------- the scaling spec
+@pytest.mark.parametrize("text,method,factor,spelling,label", [
+    ("none", "none", 1.0, "none", "none"),
+    ("linear", "linear", 0.0, "linear", "linear dynamic"),
+    ("linear:dynamic", "linear", 0.0, "linear", "linear dynamic"),
+    ("ntk:2", "ntk", 2.0, "ntk:2", "ntk x2"),
+    (" NTK : 4.5 ", "ntk", 4.5, "ntk:4.5", "ntk x4.5"),
+    ("cap", "cap", 1.0, "cap", "cap x1"),
+    ("cap:1", "cap", 1.0, "cap", "cap x1"),
+    ("cap:0.5", "cap", 0.5, "cap:0.5", "cap x0.5"),
+    ("cap:3", "cap", 3.0, "cap:3", "cap x3"),
+])
+def test_scaling_parse_spelling_label(text, method, factor, spelling, label):
+    s = alibi.Scaling.parse(text)
+    assert (s.method, s.factor, s.spelling, s.label) == (method, factor, spelling, label)
+    assert alibi.Scaling.parse(s.spelling) == s  # the spelling reads back as the same method
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(method="cubic"), "method"),
+    (dict(method="linear", factor=0.5), "factor"),
+    (dict(method="ntk", factor=-1), "factor"),
+    (dict(method="cap", factor=-0.5), "factor"),
+    (dict(method="linear", factor=float("inf")), "factor"),
+    (dict(method="linear", factor=float("nan")), "factor"),
+    (dict(method="linear", factor="2"), "factor"),
+    (dict(method="linear", factor=True), "factor"),
+    (dict(method="linear", factor=2, train_length=0), "train_length"),
+    (dict(method="linear", factor=2, train_length=12.0), "train_length"),
+    (dict(method="linear", factor=2, train_length=True), "train_length"),
+])
+def test_scaling_refuses_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(alibi.ScalingError) as error:
+        alibi.Scaling(**kwargs)
+    assert error.value.field == field and "is not valid;" in str(error.value)
+
+
+@pytest.mark.parametrize("text", ["none:2", "linear:0.5", "ntk:0", "cap:0", "cap:-1", "cap:dynamic", "linear:x"])
+def test_scaling_parse_refuses(text):
+    with pytest.raises(alibi.ScalingError):
+        alibi.Scaling.parse(text)
+
+
+def test_scaling_needs_the_training_length_where_it_uses_it():
+    for spec in (alibi.Scaling("linear"), alibi.Scaling("ntk", 0), alibi.Scaling("cap", 2)):
+        assert spec.needs_train_length
+        with pytest.raises(alibi.ScalingError, match="train_length=None"):
+            spec.complete()
+        assert spec.with_train_length(64).complete().train_length == 64
+    for spec in (alibi.NO_SCALING, alibi.Scaling("linear", 2), alibi.Scaling("ntk", 4)):
+        assert not spec.needs_train_length and spec.complete() is spec
+
+
+def test_scaling_factors_and_caps():
+    ntk = alibi.Scaling("ntk", 0, 64)
+    assert [ntk.factor_at(n) for n in (1, 64, 96, 512)] == [1.0, 1.0, 1.5, 8.0]
+    assert alibi.Scaling("linear", 3, 64).factor_at(10) == 3.0
+    cap = alibi.Scaling("cap", 0.5, 64)
+    assert cap.factor_at(4096) == 1.0 and cap.distance_cap == 32
+    assert alibi.Scaling("cap", 0, 100).distance_cap == 100  # 0: the training length itself
+    assert alibi.Scaling("cap", 2.5, 10).distance_cap == 25
+    assert alibi.Scaling("cap", 0.001, 10).distance_cap == 1  # never below one token
+    assert alibi.Scaling("ntk", 2, 64).distance_cap is None
+    slopes = alibi.get_slopes(8)
+    assert torch.equal(cap.slopes(slopes, 4096), slopes)  # cap changes distances, not slopes
+
+
+def naive_capped_bias(slopes, q_len, k_len, directions, cap):
+    """-m * min(|i - j|, cap) where a head looks (left: j <= i, right: j >= i), -inf elsewhere."""
+    bias = torch.empty(len(slopes), q_len, k_len)
+    for h, (m, d) in enumerate(zip(slopes, directions)):
+        for a in range(q_len):
+            i = k_len - q_len + a
+            for j in range(k_len):
+                seen = d == alibi.LOOK_BOTH or (d == alibi.LOOK_LEFT and j <= i) or (d == alibi.LOOK_RIGHT and j >= i)
+                bias[h, a, j] = -m * min(abs(i - j), cap) if seen else float("-inf")
+    return bias
+
+
+@pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
+@pytest.mark.parametrize("cap", [1, 3, 8, 100])
+def test_capped_bias_against_loop(mode, cap):
+    heads = 5
+    slopes = alibi.mode_slopes(mode, heads)
+    directions = alibi.head_directions(mode, heads)
+    for q_len, k_len in ((12, 12), (1, 15), (4, 9)):
+        got = alibi.alibi_bias(slopes, q_len, k_len, directions, cap=cap)
+        torch.testing.assert_close(got, naive_capped_bias(slopes.tolist(), q_len, k_len, directions, cap))
+        if cap >= k_len:  # within the cap nothing changes
+            assert torch.equal(got, alibi.alibi_bias(slopes, q_len, k_len, directions))
+
+
+def test_capped_bias_is_flat_past_the_cap_and_unchanged_before_it():
+    """The property only ``cap`` has: past C every key gets the same bias, at
+    most ``m * C`` in magnitude, whatever the length; within C it is ALiBi's."""
+    slopes, cap, length = alibi.get_slopes(8), 64, 4096
+    capped = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8, cap=cap)[:, 0]
+    plain = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8)[:, 0]
+    far = capped[:, : length - cap]  # distances >= cap
+    assert torch.equal(far, (-slopes * cap)[:, None].expand_as(far))
+    assert torch.equal(capped[:, length - cap :], plain[:, length - cap :])
+    assert bool((capped >= -slopes[:, None] * cap).all())
+
+
+def test_asymmetric_bias_caps_both_sides():
+    left, right = torch.tensor([0.5, 0.25]), torch.tensor([0.125, 1.0])
+    got = alibi.asymmetric_bias(left, right, 9, 9, cap=3)
+    for h in range(2):
+        for i in range(9):
+            for j in range(9):
+                m = left[h] if j <= i else right[h]
+                assert got[h, i, j].item() == pytest.approx(-float(m) * min(abs(i - j), 3))
 
 
 def naive_causal_bias(slopes, q_len, k_len):

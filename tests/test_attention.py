@@ -1,5 +1,6 @@
-"""Attention paths of fairseq_alibi.attention against the reference, and the
-shared-bias / linear-memory properties the model relies on.
+"""The kernels (``kernels.py``) and the fairseq layer (``attention.py``) against
+the reference, the shared-bias / linear-memory properties the model relies on,
+and the distance cap on every path.
 
 Fast (well under a minute on 2 CPU cores).  The CUDA-only paths (compiled
 FlexAttention, memory-efficient SDPA) have their own tests that skip without a
@@ -20,8 +21,11 @@ import fairseq_alibi  # noqa: F401  (registers the models)
 from conftest import causal_bias
 
 from fairseq_alibi import alibi
-from fairseq_alibi import attention as A
-from fairseq_alibi.attention import AlibiBias, AlibiMultiheadAttention
+from fairseq_alibi import bias as B
+from fairseq_alibi import kernels as K
+from fairseq_alibi.attention import AlibiMultiheadAttention
+from fairseq_alibi.bias import AlibiBias
+from fairseq_alibi.errors import ConfigError
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA path; no GPU available")
@@ -35,10 +39,9 @@ BF16_REL, BF16_ABS = 5e-2, 5e-2
 
 
 # --------------------------------------------------------------------- helpers
-def make_attention(kernel, heads=4, embed_dim=32, seed=0, mode="causal", **bias_kwargs):
+def make_attention(kernel, heads=4, embed_dim=32, seed=0, mode="causal", scaling=alibi.NO_SCALING, **kwargs):
     torch.manual_seed(seed)
-    bias = AlibiBias(heads, mode, kernel=kernel, **bias_kwargs)
-    return AlibiMultiheadAttention(embed_dim, heads, bias)
+    return AlibiMultiheadAttention(embed_dim, heads, AlibiBias(heads, mode, scaling), kernel=kernel, **kwargs)
 
 
 def right_padding(lengths, total):
@@ -80,7 +83,7 @@ def assert_close(actual, expected, dtype):
 @pytest.mark.parametrize("q_start,q_len,k_len", [(0, 7, 7), (5, 3, 9), (10, 1, 11), (256, 256, 700)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_block_equals_causal_bias(q_start, q_len, k_len, dtype):
-    shared = AlibiBias(6, interpolation="ntk", scale_factor=2.0)
+    shared = AlibiBias(6, scaling=alibi.Scaling("ntk", 2.0))
     slopes = shared.slopes(k_len)
     block = shared.block(q_start, q_len, k_len, dtype, "cpu")
     assert block.dtype == dtype
@@ -88,25 +91,27 @@ def test_chunk_block_equals_causal_bias(q_start, q_len, k_len, dtype):
 
 
 @pytest.mark.parametrize("chunk", [4, 16])
-def test_chunk_windows_equal_causal_bias(chunk, monkeypatch):
-    """The chunked path's blocks (views of one shared ramp) against
-    ``causal_bias``, with the slopes of the whole length (dynamic scaling)."""
-    monkeypatch.setattr(A, "CHUNK_SIZE", chunk)
-    shared = AlibiBias(3, interpolation="linear", scale_factor=0.0, train_length=8)
+@pytest.mark.parametrize("scaling", [alibi.Scaling("linear", 0, 8), alibi.Scaling("cap", 0.5, 8)])
+def test_chunk_ramp_windows_equal_causal_bias(chunk, scaling):
+    """The chunked kernel's blocks (views of one shared ramp) against the
+    whole bias, with the slopes of the whole length (dynamic scaling) and the
+    cap of the whole model."""
+    shared = AlibiBias(3, scaling=scaling)
     k_len = 37
-    full = causal_bias(shared.slopes(k_len), k_len, k_len)
+    full = shared.block(0, k_len, k_len, torch.float32, "cpu")
+    top, ramp = K.chunk_ramp(shared, chunk, k_len, torch.float32, "cpu")
     for start in range(0, k_len, chunk):
         rows = min(chunk, k_len - start)
-        window = shared.window(start, rows, start + rows, k_len, torch.float32, "cpu")
+        window = ramp[:, :rows, top - start : top - start + start + rows]
         assert torch.equal(window, full[:, start : start + rows, : start + rows])
 
 
 def test_chunked_dynamic_scaling_matches_reference(monkeypatch):
-    monkeypatch.setattr(A, "CHUNK_SIZE", 8)
+    monkeypatch.setattr(K, "CHUNK_SIZE", 8)
     x = torch.randn(40, 1, 32)
-    options = dict(interpolation="ntk", scale_factor=0.0, train_length=10)
-    ref, _ = run(make_attention("reference", **options), x)
-    out, _ = run(make_attention("chunked", **options), x)
+    scaling = alibi.Scaling("ntk", 0.0, 10)
+    ref, _ = run(make_attention("reference", scaling=scaling), x)
+    out, _ = run(make_attention("chunked", scaling=scaling), x)
     assert_close(out, ref, torch.float32)
 
 
@@ -120,7 +125,7 @@ CPU_KERNELS = ("sdpa", "chunked")
 )
 def test_kernel_matches_reference_forward_and_grad(kernel, dtype, padded, monkeypatch):
     # 37 keys: not a multiple of the chunk (16) nor of any kernel block size.
-    monkeypatch.setattr(A, "CHUNK_SIZE", 16)
+    monkeypatch.setattr(K, "CHUNK_SIZE", 16)
     length, batch = 37, 3
     x = torch.randn(length, batch, 32)
     pad = right_padding([37, 20, 9], length) if padded else None
@@ -134,7 +139,7 @@ def test_kernel_matches_reference_forward_and_grad(kernel, dtype, padded, monkey
 @pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_chunked_without_grad_matches_reference(mode, padded, monkeypatch):
-    monkeypatch.setattr(A, "CHUNK_SIZE", 8)
+    monkeypatch.setattr(K, "CHUNK_SIZE", 8)
     x = torch.randn(29, 2, 32)
     pad = right_padding([29, 13], 29) if padded else None
     ref, _ = run(make_attention("reference", mode=mode), x, pad)
@@ -148,7 +153,7 @@ def test_chunked_without_grad_matches_reference(mode, padded, monkeypatch):
 def test_flex_score_mod_matches_reference_eager_cpu(mode, padded):
     """FlexAttention's score_mod and mask, through its eager (unfused) CPU
     implementation: same maths as the compiled CUDA kernel."""
-    if not A.flex_available():
+    if not K.flex_available():
         pytest.skip("no FlexAttention in this torch")
     x = torch.randn(150, 2, 32)  # two 128-blocks, the second partial
     pad = right_padding([150, 70], 150) if padded else None
@@ -159,12 +164,12 @@ def test_flex_score_mod_matches_reference_eager_cpu(mode, padded):
 
 @pytest.mark.parametrize("length", [1, 127, 128, 300])
 def test_flex_causal_block_mask_is_causal(length):
-    if not A.flex_available():
+    if not K.flex_available():
         pytest.skip("no FlexAttention in this torch")
     from torch.nn.attention.flex_attention import create_block_mask
 
-    direct = A._causal_block_mask(length, length, "cpu")
-    generic = create_block_mask(A._causal_mask_mod(0), None, None, length, length, device="cpu")
+    direct = K.causal_block_mask(length, length, "cpu")
+    generic = create_block_mask(K.causal_mask_mod(0), None, None, length, length, device="cpu")
     assert torch.equal(direct.to_dense(), generic.to_dense())
     # and the element mask it applies is the causal one
     q, k = torch.arange(length)[:, None], torch.arange(length)[None, :]
@@ -181,11 +186,117 @@ def test_reference_returns_weights_for_need_weights():
     assert torch.all(weights.triu(1) == 0)
 
 
+# --------------------------------------------------------------------- the distance cap
+CAP = alibi.Scaling("cap", 0.25, 20)  # C = 5 tokens
+
+
+def naive_attention(q, k, v, slopes, cap, pad=None):
+    """softmax(q k^T / sqrt(d) - m * min(i - j, cap)) v with a causal mask, by explicit loops over heads."""
+    bsz, heads, length, dim = q.shape
+    out = torch.empty_like(q, dtype=torch.float64)
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    for h in range(heads):
+        scores = q[:, h].double() @ k[:, h].double().transpose(-1, -2) / dim**0.5
+        scores = scores - float(slopes[h]) * torch.minimum(i - j, torch.tensor(cap)).double()
+        scores = scores.masked_fill(j > i, float("-inf"))
+        if pad is not None:
+            scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+        out[:, h] = torch.softmax(scores, -1) @ v[:, h].double()
+    return out
+
+
+def test_capped_reference_kernel_against_naive_attention():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 4, 23, 8, generator=gen) for _ in range(3))
+    pad = right_padding([23, 11], 23)
+    bias = AlibiBias(4, scaling=CAP)
+    out, _ = K.reference_kernel(q, k, v, bias, pad, 0.0)
+    expected = naive_attention(q, k, v, bias.base_slopes, CAP.distance_cap, pad)
+    torch.testing.assert_close(out[0], expected[0].float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1, :, :11], expected[1, :, :11].float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kernel,dtype,padded",
+    list(itertools.product(("sdpa", "blocked"), (torch.float32, torch.bfloat16), (False, True))),
+)
+def test_capped_kernel_matches_reference_forward_and_grad(kernel, dtype, padded):
+    length = 37
+    x = torch.randn(length, 3, 32)
+    pad = right_padding([37, 20, 9], length) if padded else None
+    ref_out, ref_grads = run(make_attention("reference", scaling=CAP), x, pad, grad=True)
+    out, grads = run(make_attention(kernel, scaling=CAP), x, pad, grad=True, dtype=dtype)
+    assert_close(real_rows(out, pad), real_rows(ref_out, pad), dtype)
+    for g, ref in zip(grads, ref_grads):
+        assert_close(g, ref, dtype)
+    plain, _ = run(make_attention("reference"), x, pad)
+    assert (plain - ref_out).abs().max() > 1e-3  # the cap is active at this length
+
+
+@pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_capped_chunked_matches_reference(mode, dtype, padded, monkeypatch):
+    monkeypatch.setattr(K, "CHUNK_SIZE", 8)
+    x = torch.randn(29, 2, 32)
+    pad = right_padding([29, 13], 29) if padded else None
+    ref, _ = run(make_attention("reference", mode=mode, scaling=CAP), x, pad)
+    out, _ = run(make_attention("chunked", mode=mode, scaling=CAP), x, pad, dtype=dtype)
+    assert_close(real_rows(out, pad), real_rows(ref, pad), dtype)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
+def test_capped_flex_score_mod_matches_reference_eager_cpu(mode):
+    if not K.flex_available():
+        pytest.skip("no FlexAttention in this torch")
+    x = torch.randn(150, 2, 32)
+    pad = right_padding([150, 70], 150)
+    scaling = alibi.Scaling("cap", 0.5, 64)  # C = 32, inside the 128-blocks
+    ref, _ = run(make_attention("reference", mode=mode, scaling=scaling), x, pad)
+    out, _ = run(make_attention("flex", mode=mode, scaling=scaling), x, pad)
+    assert_close(real_rows(out, pad), real_rows(ref, pad), torch.float32)
+
+
+def test_cap_changes_nothing_within_the_cap():
+    """Up to C tokens every distance is below the cap: the output is plain ALiBi's, exactly."""
+    x = torch.randn(20, 2, 32)
+    for kernel in ("reference", "sdpa", "chunked"):
+        plain, _ = run(make_attention(kernel), x)
+        capped, _ = run(make_attention(kernel, scaling=alibi.Scaling("cap", 1, 19)), x)
+        assert torch.equal(plain, capped), kernel
+
+
+def test_cap_property_far_keys_are_interchangeable_at_16k():
+    """What only ``cap`` guarantees, on the long-inference (chunked) path: keys
+    farther than C from a query all get the bias -m * C, so shuffling them
+    (keys and values together) leaves that query's output unchanged, up to the
+    order of summation.  Without the cap the same shuffle changes it."""
+    length, heads, dim, cap = 16384, 2, 16, 256
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, length, dim, generator=gen) for _ in range(3))
+    first = length - K.CHUNK_SIZE  # the last chunk's queries see keys 0 .. first - cap at distance >= cap
+    far = torch.randperm(first - cap + 1, generator=gen)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, : first - cap + 1] = k[:, :, far]
+    v2[:, :, : first - cap + 1] = v[:, :, far]
+    scaling = alibi.Scaling("cap", 1, cap)
+    with torch.no_grad():
+        for spec, same in ((scaling, True), (alibi.NO_SCALING, False)):
+            bias = AlibiBias(heads, scaling=spec)
+            assert K.choose_kernel("auto", bias, False, length, length) == "chunked"
+            a, _ = K.attend(q, k, v, bias, "auto")
+            b, _ = K.attend(q, k2, v2, bias, "auto")
+            diff = (a[:, :, first:] - b[:, :, first:]).abs().max().item()
+            assert (diff < 1e-5) if same else (diff > 1e-3), (spec, diff)
+
+
 # --------------------------------------------------------------------- auto choice
 def _choice(bias, q_len, k_len, grad=True, need_weights=False, incremental=False,
-            dropout=0.0, device="cpu", flex=True):
-    with torch.set_grad_enabled(grad), mock.patch.object(A, "flex_available", return_value=flex):
-        return A.choose_kernel(bias, need_weights, q_len, k_len, dropout, incremental, torch.device(device))
+            dropout=0.0, device="cpu", flex=True, kernel="auto"):
+    with torch.set_grad_enabled(grad), mock.patch.object(K, "flex_available", return_value=flex):
+        return K.choose_kernel(kernel, bias, need_weights, q_len, k_len, dropout, incremental, torch.device(device))
 
 
 def test_auto_choice():
@@ -206,12 +317,28 @@ def test_auto_choice():
     assert _choice(b, 512, 512, device="cuda", flex=False) == "sdpa"
     assert _choice(b, big, big, grad=False, device="cuda", flex=False) == "chunked"
     for kernel in ("reference", "sdpa", "chunked", "flex", "blocked"):
-        assert _choice(AlibiBias(4, kernel=kernel), big, big, grad=False) == kernel
+        assert _choice(b, big, big, grad=False, kernel=kernel) == kernel
+
+
+def test_kernel_checked_once_at_build():
+    """Impossible combinations are refused when the layer is built, naming the
+    option; blocked (causal only) becomes sdpa for a bidirectional stack."""
+    assert make_attention("blocked", mode="symmetric").kernel == "sdpa"
+    assert make_attention("blocked").kernel == "blocked"
+    assert make_attention("auto", dropout=0.1).kernel == "auto"
+    for kernel, kwargs, message in (
+        ("cubic", {}, "alibi_attention='cubic' is not valid; allowed values: auto, reference"),
+        ("flex", dict(dropout=0.1), "flex has no attention dropout"),
+        ("chunked", dict(dropout=0.1), "chunked has no attention dropout"),
+        ("flex", dict(mode="learned"), "flex has no score_mod for learned slopes"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            make_attention(kernel, **kwargs)
 
 
 def test_auto_never_picks_flex_for_learned_slopes():
     learned = AlibiBias(4, "learned").for_layer()
-    assert isinstance(learned, A.LearnedAlibiBias) and not learned.supports_flex
+    assert isinstance(learned, B.LearnedAlibiBias) and not learned.supports_flex
     assert _choice(learned, 512, 512, device="cuda") == "sdpa"
     assert _choice(learned, 4096, 4096, grad=False, device="cuda") == "chunked"
 
@@ -250,10 +377,11 @@ def log_probs(model, tokens):
         return model.get_normalized_probs(net_output, log_probs=True)
 
 
-@pytest.mark.parametrize("method", ["none", "linear", "ntk"])
-def test_incremental_decoding_equals_full_forward(dict_dir, method):
-    _, model = build_lm(dict_dir, "--alibi-interpolation", method, "--alibi-scale-factor",
-                        "1" if method == "none" else "2")
+@pytest.mark.parametrize("method,factor", [("none", "1"), ("linear", "2"), ("ntk", "2"), ("cap", "0.5")])
+def test_incremental_decoding_equals_full_forward(dict_dir, method, factor):
+    """Static methods and the cap (C = 8 tokens here): every step of a KV-cache
+    decode equals the full forward, past the cap too (40 tokens)."""
+    _, model = build_lm(dict_dir, "--alibi-interpolation", method, "--alibi-scale-factor", factor)
     tokens = torch.randint(4, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     full = log_probs(model, tokens)
     state = {}
@@ -270,7 +398,7 @@ def test_incremental_decoding_equals_full_forward(dict_dir, method):
 def test_right_padded_batch_equals_rows_alone(dict_dir, kernel, monkeypatch):
     """Right padding (LM task, --sample-break-mode eos): every real token's
     log-probs equal those of its sequence run alone."""
-    monkeypatch.setattr(A, "CHUNK_SIZE", 8)
+    monkeypatch.setattr(K, "CHUNK_SIZE", 8)
     task, model = build_lm(dict_dir, "--alibi-attention", kernel)
     d = task.source_dictionary
     gen = torch.Generator().manual_seed(2)
@@ -300,7 +428,7 @@ def test_shared_bias_built_once_per_forward_without_batch_dim(dict_dir):
     model.train()
     tokens = torch.randint(4, VOCAB, (5, 24))
     counter = CountingBias()
-    with mock.patch.object(alibi, "alibi_bias", counter):
+    with mock.patch.object(B, "alibi_bias", counter):
         model(tokens)[0].sum().backward()
         assert counter.calls == [(4, 24, 24)]  # one [H, T, T] bias for 3 layers, 5 rows
         model(tokens.flip(0))[0].sum().backward()
@@ -316,7 +444,7 @@ def test_padding_mask_merged_once_per_forward(dict_dir):
     model.train()
     tokens = torch.randint(4, VOCAB, (2, 12))
     tokens[1, 7:] = task.source_dictionary.pad()
-    with mock.patch.object(A, "_padding_mask", wraps=A._padding_mask) as spy:
+    with mock.patch.object(B, "padding_mask", wraps=B.padding_mask) as spy:
         model(tokens)[0].sum().backward()
     assert spy.call_count == 1
 
@@ -348,7 +476,7 @@ def test_long_inference_builds_nothing_quadratic(dict_dir):
     quadratic = [s for s in spy.shapes if sum(d >= length for d in s) >= 2]
     assert not quadratic, quadratic[:5]
     for layer in model.decoder.layers:
-        layer.self_attn.alibi.kernel = "reference"
+        layer.self_attn.kernel = "reference"
     slow = log_probs(model, tokens)
     assert (fast - slow).abs().max() < 1e-4
 

@@ -21,9 +21,12 @@ import fairseq_alibi  # noqa: F401  (registers the models)
 from conftest import causal_bias, error_lines, run_cli, split_bias, symmetric_bias, tool
 
 from fairseq_alibi import alibi
-from fairseq_alibi.attention import AlibiBias, AlibiMultiheadAttention, LearnedAlibiBias, flex_available
+from fairseq_alibi.attention import AlibiMultiheadAttention
+from fairseq_alibi.bias import AlibiBias, LearnedAlibiBias
+from fairseq_alibi.kernels import flex_available
 from fairseq_alibi.errors import ConfigError
-from fairseq_alibi.models.bidirectional import UNBOUNDED_POSITIONS, build_bidirectional_bias
+from fairseq_alibi.models.config import build_bias
+from fairseq_alibi.models.facts import UNBOUNDED_POSITIONS
 
 BIN = os.path.dirname(sys.executable)
 USER_DIR = os.path.dirname(os.path.abspath(fairseq_alibi.__file__))
@@ -128,10 +131,10 @@ def test_learned_slope_parametrization():
 # --------------------------------------------------------------------------
 
 
-def attention(mode, heads=4, dim=32, kernel="reference", **options_):
+def attention(mode, heads=4, dim=32, kernel="reference", scaling=alibi.NO_SCALING):
     torch.manual_seed(0)
-    shared = AlibiBias(heads, mode, kernel=kernel, **options_)
-    return AlibiMultiheadAttention(dim, heads, shared).eval(), shared
+    shared = AlibiBias(heads, mode, scaling)
+    return AlibiMultiheadAttention(dim, heads, shared, kernel=kernel).eval(), shared
 
 
 @pytest.mark.parametrize("heads", [4, 5])
@@ -180,10 +183,9 @@ def test_kernel_paths_agree(mode):
     assert bool(torch.isfinite(outs["reference"]).all())
     for kernel in paths[1:]:
         torch.testing.assert_close(outs[kernel], outs["reference"], atol=1e-5, rtol=1e-4, msg=kernel)
-    if mode == "learned":  # no score_mod for trained slopes: refused, not ignored
-        module, _ = attention(mode, 4, 32, "flex")
-        with pytest.raises(ValueError, match="flex"), torch.no_grad():
-            module(x, x, x, need_weights=False)
+    if mode == "learned":  # no score_mod for trained slopes: refused when built, not ignored
+        with pytest.raises(ConfigError, match="flex has no score_mod for learned slopes"):
+            attention(mode, 4, 32, "flex")
 
 
 def test_shared_modes_share_one_cached_bias():
@@ -196,17 +198,17 @@ def test_shared_modes_share_one_cached_bias():
 
 
 def test_encoder_interpolation_dynamic_and_learned():
-    shared = AlibiBias(8, "symmetric", interpolation="linear", train_length=64)
+    shared = AlibiBias(8, "symmetric", alibi.Scaling("linear", 0, 64))
     torch.testing.assert_close(shared.slopes(64), alibi.get_slopes(8))
     torch.testing.assert_close(shared.slopes(256), alibi.get_slopes(8) / 4)
     torch.testing.assert_close(
         shared.dense(256, 256, torch.float32, "cpu"),
         symmetric_bias(alibi.get_slopes(8) / 4, 256, 256),
     )
-    ntk = AlibiBias(8, "split", interpolation="ntk", scale_factor=4.0)
+    ntk = AlibiBias(8, "split", alibi.Scaling("ntk", 4.0))
     torch.testing.assert_close(ntk.slopes(10), alibi.scale_slopes(alibi.split_slopes(8), "ntk", 4.0))
-    module, _ = attention("learned", 8, 32, interpolation="linear", train_length=16)
-    left, right = module.alibi.slopes(48)
+    module, _ = attention("learned", 8, 32, scaling=alibi.Scaling("linear", 0, 16))
+    left, right = module.alibi.side_slopes(48)
     torch.testing.assert_close(left, alibi.get_slopes(8) / 3)
     torch.testing.assert_close(right, alibi.get_slopes(8) / 3)
 
@@ -226,7 +228,7 @@ def test_learned_slopes_train_and_stay_negative():
         optimizer.zero_grad()
         (-learned.dense(16, 16, torch.float32, "cpu")).sum().backward()
         optimizer.step()
-    left, right = learned.slopes()
+    left, right = learned.side_slopes()
     assert float(learned.left.max()) < -100  # really pushed, far into softplus underflow
     assert bool((left > 0).all()) and bool((right > 0).all())
     bias = learned.dense(16, 16, torch.float32, "cpu")
@@ -366,7 +368,7 @@ def test_arch_twins():
 
 def test_bad_mode_names_the_field(dict_dir):
     with pytest.raises(ConfigError, match="alibi_bidirectional"):
-        build_bidirectional_bias(argparse.Namespace(encoder_attention_heads=4, alibi_bidirectional="diagonal"))
+        build_bias(argparse.Namespace(alibi_bidirectional="diagonal"), 4, encoder=True)
     with pytest.raises(ConfigError, match="alibi_train_length"):
         build_transformer(dict_dir, "symmetric", "--alibi-interpolation", "linear")
 

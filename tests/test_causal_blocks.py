@@ -14,9 +14,10 @@ import torch
 import fairseq_alibi  # noqa: F401  (registers the models)
 from conftest import causal_bias
 from fairseq_alibi import alibi
-from fairseq_alibi import attention as A
+from fairseq_alibi import kernels as K
 from fairseq_alibi import causal_blocks as CB
-from fairseq_alibi.attention import AlibiBias, AlibiMultiheadAttention
+from fairseq_alibi.attention import AlibiMultiheadAttention
+from fairseq_alibi.bias import AlibiBias
 
 BF16_REL, BF16_ABS = 5e-2, 5e-2
 
@@ -129,7 +130,7 @@ def test_blocked_dropout_is_unbiased_and_drops_p():
 # --------------------------------------------------------------------- in the module
 def make_attention(path, heads=4, embed_dim=32, seed=0, **kwargs):
     torch.manual_seed(seed)
-    return AlibiMultiheadAttention(embed_dim, heads, AlibiBias(heads, kernel=path), **kwargs)
+    return AlibiMultiheadAttention(embed_dim, heads, AlibiBias(heads), kernel=path, **kwargs)
 
 
 @pytest.mark.parametrize("dtype,padded", list(itertools.product((torch.float32, torch.bfloat16), (False, True))))
@@ -173,7 +174,7 @@ def test_blocked_path_with_dropout_in_module_matches_reference(monkeypatch):
     for path in ("reference", "blocked"):
         module = make_attention(path, dropout=p).train()
         xi = x.detach().clone().requires_grad_()
-        with mock.patch.object(A.F, "dropout", fixed_dropout):
+        with mock.patch.object(K.F, "dropout", fixed_dropout):
             out, _ = module(xi, xi, xi, need_weights=False)
         (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
         results.append([out] + [xi.grad] + [q.grad for q in module.parameters()])
@@ -182,8 +183,8 @@ def test_blocked_path_with_dropout_in_module_matches_reference(monkeypatch):
 
 
 def _choice(module, grad=True, dropout=0.0, device="cpu"):
-    with torch.set_grad_enabled(grad), mock.patch.object(A, "flex_available", return_value=True):
-        return A.choose_kernel(module.alibi, False, 512, 512, dropout, False, torch.device(device))
+    with torch.set_grad_enabled(grad), mock.patch.object(K, "flex_available", return_value=True):
+        return K.choose_kernel(module.kernel, module.alibi, False, 512, 512, dropout, False, torch.device(device))
 
 
 def test_auto_picks_blocked_only_for_cpu_training_with_dropout():
@@ -199,10 +200,10 @@ def test_blocked_falls_back_to_sdpa_for_a_non_causal_or_learned_bias():
     """Symmetric (bidirectional) bias: the blocked path would skip keys the
     queries must see; it is never used there."""
     torch.manual_seed(0)
-    m = AlibiMultiheadAttention(32, 4, AlibiBias(4, "symmetric", kernel="auto"), dropout=0.1)
+    m = AlibiMultiheadAttention(32, 4, AlibiBias(4, "symmetric"), kernel="auto", dropout=0.1)
     assert _choice(m, dropout=0.1) == "sdpa"
     x = torch.randn(9, 2, 32)
-    with mock.patch.object(A, "blocked_causal_attention", wraps=A.blocked_causal_attention) as spy:
+    with mock.patch.object(K, "blocked_causal_attention", wraps=K.blocked_causal_attention) as spy:
         m.train()(x, x, x, need_weights=False)
         assert not spy.called
         causal = make_attention("auto", dropout=0.1).train()
@@ -235,7 +236,7 @@ def test_lm_training_with_attention_dropout_takes_blocked_path(tmp_path):
     torch.manual_seed(0)
     model = task.build_model(convert_namespace_to_omegaconf(args).model).train()
     tokens = torch.randint(4, 44, (3, 16))
-    with mock.patch.object(A, "blocked_causal_attention", wraps=A.blocked_causal_attention) as spy:
+    with mock.patch.object(K, "blocked_causal_attention", wraps=K.blocked_causal_attention) as spy:
         model(tokens)[0].float().logsumexp(-1).sum().backward()
     assert spy.call_count == 2
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -83,9 +83,9 @@ def ntk(factor):
 
 
 def chunked_test_length() -> int:
-    from fairseq_alibi import attention
+    from fairseq_alibi import kernels
 
-    return 2 * attention.CHUNK_SIZE
+    return 2 * kernels.CHUNK_SIZE
 
 
 @dataclass(frozen=True)
@@ -450,8 +450,8 @@ def test_torchrun_two_process_data_parallel(lm_data_bin, alibi_user_dir, tmp_pat
 
 BAD_TRAIN_FLAGS = [
     ("alibi-train", ["--alibi-interpolation", "cubic"],
-     ["alibi_interpolation='cubic'", "none, linear, ntk"]),
-    ("fairseq-train", ["--alibi-scale-factor", "0.5"],
+     ["alibi_interpolation='cubic'", "none, linear, ntk, cap"]),
+    ("fairseq-train", ["--alibi-interpolation", "linear", "--alibi-scale-factor", "0.5"],
      ["alibi_scale_factor=0.5", "static factor >= 1"]),
     ("alibi-train", ["--alibi-attention", "foo"], ["alibi_attention='foo'", "auto, reference"]),
 ]

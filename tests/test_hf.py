@@ -83,19 +83,19 @@ def randomize(model, seed: int, std: float = 0.6):
     return model.eval()
 
 
-def make_model(family: str, heads: int = None, seed: int = 0, **overrides):
+def make_model(family: str, heads: int = None, seed: int = 0, layers: int = 2, **overrides):
     heads = heads or HEADS[family]
     if family == "bloom":
-        config = BloomConfig(vocab_size=VOCAB, hidden_size=8 * heads, n_layer=2, n_head=heads, **overrides)
+        config = BloomConfig(vocab_size=VOCAB, hidden_size=8 * heads, n_layer=layers, n_head=heads, **overrides)
         model = BloomForCausalLM(config)
     elif family == "mpt":
         attn = {"alibi_bias_max": overrides.pop("alibi_bias_max", 8)}
-        config = MptConfig(vocab_size=VOCAB, d_model=8 * heads, n_layers=2, n_heads=heads, expansion_ratio=2,
+        config = MptConfig(vocab_size=VOCAB, d_model=8 * heads, n_layers=layers, n_heads=heads, expansion_ratio=2,
                            max_seq_len=overrides.pop("max_seq_len", 64), attn_config=attn, **overrides)
         model = MptForCausalLM(config)
     else:
         config = FalconConfig(
-            vocab_size=VOCAB, hidden_size=8 * heads, num_hidden_layers=2, num_attention_heads=heads,
+            vocab_size=VOCAB, hidden_size=8 * heads, num_hidden_layers=layers, num_attention_heads=heads,
             alibi=overrides.pop("alibi", True), new_decoder_architecture=False, multi_query=False,
             parallel_attn=False, bias=True, attn_implementation=overrides.pop("attn", "sdpa"), **overrides,
         )
@@ -162,8 +162,8 @@ def test_scaled_logits_equal_reference(family, method, mode, monkeypatch):
         reference = logits(model, ids)
     if mode == "static":
         hf.apply_alibi_scaling(model, method, factor)
-    else:
-        hf.apply_alibi_scaling(model, method, train_length=TRAIN_LENGTH)
+    else:  # factor 0: dynamic, as in the fairseq config
+        hf.apply_alibi_scaling(model, method, 0, train_length=TRAIN_LENGTH)
     scaled = logits(model, ids)
     assert max_diff(scaled, reference) < 1e-4
     assert max_diff(scaled, plain) > 1e-3  # 10x the tolerance: the scaling is visible
@@ -175,7 +175,7 @@ def test_dynamic_scaling_changes_nothing_up_to_the_training_length(family):
     model = make_model(family)
     ids = tokens(TRAIN_LENGTH)
     plain = logits(model, ids)
-    with hf.alibi_scaling(model, "ntk", train_length=TRAIN_LENGTH):
+    with hf.alibi_scaling(model, "ntk", 0, train_length=TRAIN_LENGTH):
         assert max_diff(logits(model, ids), plain) < 1e-4
         assert hf.alibi_scaling_settings(model)["last_factor"] == 1.0
 
@@ -217,6 +217,85 @@ def test_bare_model_is_scaled_too(family, monkeypatch):
     with torch.no_grad(), hf.alibi_scaling(base, "linear", 2.0):
         scaled = base(input_ids=ids).last_hidden_state
     assert max_diff(scaled, reference) < 1e-4
+
+
+# ---------------------------------------------------------------------------
+# The distance cap
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def reference_capped_bias(family: str, slopes: torch.Tensor, cap: int, monkeypatch):
+    """The model's own code with a full ``[q, kv]`` bias ``-m * min(i - j, cap)``
+    (positions counted over attended tokens) in place of its key-only one: the
+    models slice (MPT) or broadcast (BLOOM's baddbmm, Falcon's mask) a full bias."""
+    slopes = slopes.float()
+
+    def relative(mask, heads, dtype):
+        positions = (mask.cumsum(-1) - 1) * mask
+        distance = (positions[:, :, None] - positions[:, None, :]).clamp(max=cap).float()
+        bias = -slopes[None, :, None, None] * distance[:, None]
+        return bias.reshape(mask.shape[0] * heads, mask.shape[1], mask.shape[1]).to(dtype)
+
+    def mpt_bias(heads, length, alibi_bias_max=8, device=None):
+        return relative(torch.ones(1, length, dtype=torch.long, device=device), heads, torch.float32)
+
+    with monkeypatch.context() as patch:
+        if family == "mpt":
+            patch.setattr(modeling_mpt, "build_mpt_alibi_tensor", mpt_bias)
+        else:
+            patch.setattr(modeling_bloom if family == "bloom" else modeling_falcon, "build_alibi_tensor", relative)
+        yield
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capped_logits_equal_reference(family, monkeypatch):
+    """``cap``: every distance above C = factor x L counted as C, against the
+    model's own code with a full capped bias; left padding in one row."""
+    model = make_model(family)
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    if family != "mpt":  # MPT's bias ignores padding (its own convention)
+        mask[0, :5] = 0
+    cap = 8
+    with reference_capped_bias(family, upstream_slopes(family, HEADS[family]), cap, monkeypatch):
+        reference = logits(model, ids, attention_mask=mask)
+    plain = logits(model, ids, attention_mask=mask)
+    hf.apply_alibi_scaling(model, "cap", 0.5, train_length=TRAIN_LENGTH)
+    scaled = logits(model, ids, attention_mask=mask)
+    rows = slice(5, None) if family != "mpt" else slice(None)
+    assert max_diff(scaled[0, rows], reference[0, rows]) < 1e-4 and max_diff(scaled[1], reference[1]) < 1e-4
+    assert max_diff(scaled, plain) > 1e-3  # past C the cap is visible
+    short = tokens(cap + 1)  # within C: plain ALiBi, exactly the unscaled model
+    hf.remove_alibi_scaling(model)
+    unscaled = logits(model, short)
+    with hf.alibi_scaling(model, "cap", 0.5, TRAIN_LENGTH):
+        assert max_diff(logits(model, short), unscaled) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cap_makes_far_tokens_interchangeable(family):
+    """The property only the cap has, on a one-layer model: tokens farther than
+    C from the last position all get the same bias, so shuffling them leaves
+    its logits unchanged; without the cap the shuffle changes them."""
+    model = make_model(family, layers=1)
+    ids = tokens(LENGTH, batch=1)
+    cap = 8
+    shuffled = ids.clone()
+    far = LENGTH - 1 - cap  # keys 0 .. far are at distance >= cap from the last position
+    shuffled[0, : far + 1] = ids[0, torch.randperm(far + 1, generator=torch.Generator().manual_seed(0))]
+    assert not torch.equal(shuffled, ids)
+    with hf.alibi_scaling(model, "cap", 0.5, TRAIN_LENGTH):
+        assert max_diff(logits(model, ids)[:, -1], logits(model, shuffled)[:, -1]) < 1e-5
+    assert max_diff(logits(model, ids)[:, -1], logits(model, shuffled)[:, -1]) > 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_cache_equals_full_forward_with_a_cap(family):
+    model = make_model(family)
+    ids = tokens(28)
+    hf.apply_alibi_scaling(model, "cap", 0.5, train_length=TRAIN_LENGTH)
+    assert max_diff(incremental_logits(model, ids, prefix=5), logits(model, ids)) < 1e-4
 
 
 # ---------------------------------------------------------------------------
@@ -267,11 +346,14 @@ def test_unsupported_models_are_refused():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(method="yarn", factor=2.0), "unknown ALiBi interpolation method 'yarn'"),
-        (dict(method="ntk", factor=0.5), "factor must be a finite number >= 1"),
-        (dict(method="ntk"), "needs a static factor >= 1, or factor=None with train_length"),
-        (dict(method="ntk", factor=2.0, train_length=16), "either a static factor or train_length"),
-        (dict(method="ntk", factor=2.0, bias_form="absolute"), "unknown bias_form"),
+        (dict(method="yarn", factor=2.0), "method='yarn' is not valid; allowed values: none, linear, ntk, cap"),
+        (dict(method="ntk", factor=0.5), "factor=0.5 is not valid; use 0 for dynamic"),
+        (dict(method="ntk", factor=None), "factor=None is not valid"),
+        (dict(method="ntk"), "train_length=None is not valid; dynamic scaling .* pass train_length=L"),
+        (dict(method="cap", factor=2.0), "train_length=None is not valid; cap needs"),
+        (dict(method="ntk", factor=2.0, train_length=0), "train_length=0 is not valid"),
+        (dict(method="ntk", factor=2.0, bias_form="absolute"), "bias_form='absolute' is not valid"),
+        (dict(method="cap", factor=2.0, train_length=8, bias_form="upstream"), "cannot cap distances"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, message):
@@ -353,7 +435,7 @@ def test_kv_cache_under_dynamic_scaling_differs_from_recomputation():
     model = make_model("bloom")
     ids = tokens(28)
     plain_start = logits(model, ids[:, :TRAIN_LENGTH])
-    hf.apply_alibi_scaling(model, "ntk", train_length=TRAIN_LENGTH)
+    hf.apply_alibi_scaling(model, "ntk", 0, train_length=TRAIN_LENGTH)
     full = logits(model, ids)  # every position under the factor 28 / 16
     incremental = incremental_logits(model, ids, prefix=12)
     # up to the training length each incremental step ran with factor 1 ...
@@ -622,7 +704,7 @@ def test_sweep_hf_model_on_a_text_file(saved_mpt, monkeypatch):
     model, tokenizer = hf.load_hf_model(str(saved_mpt / "mpt"))
     ids = torch.tensor(tokenizer((saved_mpt / "text.txt").read_text(), add_special_tokens=False)["input_ids"])
     by = {(c["label"], c["mode"], c["length"]): c for c in cells}
-    for label, method, factor in (("none", "none", None), ("linear x2", "linear", 2.0)):
+    for label, method, factor in (("none", "none", 0), ("linear x2", "linear", 2.0)):
         for length in (TRAIN_LENGTH, 2 * TRAIN_LENGTH):
             with hf.alibi_scaling(model, method, factor):
                 expected = reference_nonoverlapping_loss(model, ids, length)
@@ -669,9 +751,9 @@ def test_retrieval_hf_model_on_jsonl_prompts(saved_mpt, tmp_path, monkeypatch, c
     assert retrieval.main(argv) == 0
     cells = json.loads((out / "results.json").read_text())["cells"]
     assert sum(c["correct"] for c in cells if c["label"] == "none") >= 1  # not a vacuous 0 == 0
-    for label, method, factor in (("none", "none", None), ("linear x2", "linear", 2.0), ("ntk dynamic", "ntk", None)):
+    for label, method, factor in (("none", "none", 0), ("linear x2", "linear", 2.0), ("ntk dynamic", "ntk", 0)):
         expected = {}
-        with hf.alibi_scaling(model, method, factor, None if factor else TRAIN_LENGTH):
+        with hf.alibi_scaling(model, method, factor, TRAIN_LENGTH):
             for r in rows:
                 prompt = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
                 answer = tokenizer(r["answer"], add_special_tokens=False)["input_ids"]

@@ -6,7 +6,7 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 import fairseq_alibi  # noqa: F401  (registers the models)
-from fairseq_alibi.models.transformer_lm import UNBOUNDED_POSITIONS
+from fairseq_alibi.models.facts import UNBOUNDED_POSITIONS
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_train_length_defaults_to_tokens_per_sample(data_dir):
     _, cfg = build(data_dir)
     assert cfg.model.alibi_train_length == 128
     model, cfg = build(data_dir, "--alibi-train-length", "64", "--alibi-interpolation", "linear")
-    assert model.decoder.alibi.train_length == 64
+    assert model.decoder.alibi.scaling.train_length == 64
     # dynamic linear: trained at 64, a 256-token forward divides slopes by 4
     slopes = model.decoder.alibi.slopes(256)
     torch.testing.assert_close(slopes, fairseq_alibi.alibi.get_slopes(6) / 4)
@@ -69,7 +69,7 @@ def test_forward_runs_longer_than_training(data_dir):
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--alibi-interpolation", "cubic"], "alibi_interpolation='cubic' is not valid; allowed values: none, linear, ntk"),
+        (["--alibi-interpolation", "cubic"], "alibi_interpolation='cubic' is not valid; allowed values: none, linear, ntk, cap"),
         (["--alibi-interpolation", "linear", "--alibi-scale-factor", "0.5"], "alibi_scale_factor=0.5 is not valid"),
         (["--alibi-attention", "magic"], "alibi_attention='magic' is not valid; allowed values: auto"),
         (["--alibi-train-length", "-4"], "alibi_train_length=-4 is not valid"),
@@ -103,4 +103,4 @@ def test_builds_from_argparse_namespace(data_dir):
     args = options.parse_args_and_arch(options.get_training_parser(), argv)
     task = tasks.setup_task(args)
     model = task.build_model(args)
-    assert model.decoder.alibi.train_length == 96
+    assert model.decoder.alibi.scaling.train_length == 96

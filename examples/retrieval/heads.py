@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         layers = model.decoder.layers
         heads = layers[0].self_attn.num_heads
         base = alibi.get_slopes(heads)
-        train_length = model.decoder.alibi_bias.train_length
+        train_length = model.decoder.alibi.scaling.train_length
         captured = {}
 
         def hook(index):

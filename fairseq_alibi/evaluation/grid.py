@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..alibi import INTERPOLATION_METHODS
+from ..alibi import Scaling, ScalingError
 from ..errors import EvaluationError, checkpoint_files
 
 ALIBI_MODEL = "transformer_lm_alibi"
@@ -52,31 +52,19 @@ NO_SCALING = Method("none", 1.0)
 
 
 def parse_methods(spec: str) -> List[Method]:
-    """``none,linear:2,linear,ntk:4,ntk:dynamic`` -> methods (order kept, duplicates dropped)."""
+    """``none,linear:2,linear,ntk:4,cap:0.5`` -> methods (order kept, duplicates dropped)."""
     methods: List[Method] = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
-        name, _, arg = item.partition(":")
-        name = name.strip().lower()
-        if name not in INTERPOLATION_METHODS:
+        try:
+            scaling = Scaling.parse(item)
+        except ScalingError as exc:
+            what = "unknown method" if exc.field == "method" else "bad factor in method"
             raise EvaluationError(
-                f"unknown method {item!r}: use none, linear[:FACTOR|:dynamic] or ntk[:FACTOR|:dynamic]"
-            )
-        if name == "none":
-            if arg:
-                raise EvaluationError(f"method 'none' takes no factor (got {item!r})")
-            method = NO_SCALING
-        elif arg in ("", "dynamic", "dyn", "0"):
-            method = Method(name, 0.0)
-        else:
-            try:
-                factor = float(arg)
-            except ValueError:
-                raise EvaluationError(f"bad factor in method {item!r}: expected a number >= 1 or 'dynamic'")
-            if not (factor >= 1.0) or math.isinf(factor):
-                raise EvaluationError(f"bad factor in method {item!r}: a static factor must be >= 1")
-            method = Method(name, factor)
+                f"{what} {item!r} ({exc.reason}): use none, linear[:F|:dynamic], ntk[:F|:dynamic] or cap[:F]"
+            ) from None
+        method = Method(scaling.method, scaling.factor)
         if method not in methods:
             methods.append(method)
     if not methods:

@@ -63,9 +63,7 @@ class HFModel:
                 f"{self.info.name}: dynamic {method.name} needs the training length, which the "
                 "model's config does not record; pass --train-length L"
             )
-        factor = None if method.factor == 0 and method.name != "none" else method.factor
-        return hf.alibi_scaling(self.model, method.name, factor,
-                                self.train_length if factor is None else None)
+        return hf.alibi_scaling(self.model, method.name, method.factor, self.train_length)
 
     def encode(self, text: str):
         """1-D LongTensor of the text's tokens (no special tokens added)."""

@@ -44,24 +44,6 @@ from ..errors import PromptError
 
 DIGITS = tuple("0123456789")
 
-TEMPLATES: Dict[str, Dict[str, str]] = {
-    "passkey": {
-        "header": "There is an important info hidden inside a lot of irrelevant text . Find it and "
-        "memorize them . I will quiz you about the important information there .",
-        "filler": "The grass is green . | The sky is blue . | The sun is yellow . | Here we go . | "
-        "There and back again .",
-        "needle": "The pass key is {number} . Remember it . {number} is the pass key .",
-        "question": "What is the pass key ? The pass key is",
-    },
-    "lines": {
-        "header": "below is a record of lines i want you to remember .",
-        "line": "line {key} : REGISTER_CONTENT is {number} .",
-        "question": "now the record is over . tell me the REGISTER_CONTENT in line {key} . "
-        "line {key} : REGISTER_CONTENT is",
-    },
-}
-
-
 @dataclass
 class Prompt:
     prompt: List[str]

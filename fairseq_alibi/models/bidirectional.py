@@ -21,73 +21,24 @@ applies to all modes: the factor is resolved from the key length of the
 forward pass.
 """
 
-from dataclasses import dataclass, field
-from typing import Optional
-
-from fairseq.distributed import fsdp_wrap
 from fairseq.models.transformer import TransformerConfig, TransformerEncoder
-from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
-from .. import alibi
-from ..attention import AlibiBias, AlibiMultiheadAttention, alibi_options
-from ..errors import ConfigError
-from .config import AlibiSlopeConfig
-
-# Same value as the LM: no position table, so no cap on the input length.
-UNBOUNDED_POSITIONS = 1 << 30
-
-
-@dataclass
-class AlibiEncoderConfig(AlibiSlopeConfig):
-    """ALiBi fields of the encoder models (added to their argparse options)."""
-
-    alibi_bidirectional: str = field(
-        default="symmetric",
-        metadata={
-            "help": "encoder self-attention bias: "
-            f"{' | '.join(alibi.BIDIRECTIONAL_MODES)} (symmetric: -m|i-j| every head; "
-            "split: half the heads look only left, half only right, an odd last head "
-            "both ways; learned: per-layer left/right slopes, trained, kept negative)"
-        },
-    )
-    alibi_train_length: Optional[int] = field(
-        default=None,
-        metadata={
-            "help": "the length the model was trained at (masked LM: defaults to the "
-            "task's tokens_per_sample; translation: set it to use dynamic scaling)"
-        },
-    )
-
-
-def build_bidirectional_bias(args) -> AlibiBias:
-    """The encoder stack's bias from (resolved) config fields; raises
-    ``ConfigError`` naming the field for an invalid value."""
-    mode = getattr(args, "alibi_bidirectional", "symmetric")
-    if mode not in alibi.BIDIRECTIONAL_MODES:
-        raise ConfigError(
-            f"alibi_bidirectional={mode!r} is not valid; "
-            f"allowed values: {', '.join(alibi.BIDIRECTIONAL_MODES)}"
-        )
-    return AlibiBias(args.encoder_attention_heads, mode, **alibi_options(args))
+from ..bias import AlibiBias
+from . import facts
+from .config import AlibiEncoderConfig, build_bias
+from .transformer_lm import self_attention, wrap_layer
 
 
 class AlibiEncoderLayer(TransformerEncoderLayerBase):
     """Stock encoder layer whose self-attention is bidirectional ALiBi."""
 
-    def __init__(self, cfg, alibi_bias: AlibiBias, return_fc=False):
-        self.alibi = alibi_bias  # plain attribute, read by build_self_attention
+    def __init__(self, cfg, alibi_bias: AlibiBias, kernel: str = "auto", return_fc=False):
+        self.alibi, self.alibi_kernel = alibi_bias, kernel  # plain attributes, read by build_self_attention
         super().__init__(cfg, return_fc=return_fc)
 
     def build_self_attention(self, embed_dim, cfg):
-        return AlibiMultiheadAttention(
-            embed_dim,
-            cfg.encoder.attention_heads,
-            self.alibi,
-            dropout=cfg.attention_dropout,
-            q_noise=self.quant_noise,
-            qn_block_size=self.quant_noise_block_size,
-        )
+        return self_attention(self, embed_dim, cfg.encoder.attention_heads, cfg.attention_dropout)
 
 
 class AlibiTransformerEncoder(TransformerEncoder):
@@ -98,20 +49,17 @@ class AlibiTransformerEncoder(TransformerEncoder):
 
     def __init__(self, args, dictionary, embed_tokens, return_fc=False):
         args.no_token_positional_embeddings = True
-        self.alibi = build_bidirectional_bias(args)  # before the layers are built
+        self.alibi = build_bias(args, args.encoder_attention_heads, encoder=True)
+        self.alibi_kernel = getattr(args, "alibi_attention", "auto")
         super().__init__(args, dictionary, embed_tokens, return_fc=return_fc)
 
     def build_encoder_layer(self, cfg):
         cfg = TransformerConfig.from_namespace(cfg)
-        layer = AlibiEncoderLayer(cfg, self.alibi, return_fc=self.return_fc)
-        if cfg.checkpoint_activations:
-            layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
-            return fsdp_wrap(layer, min_num_params=0)
-        return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap)
+        return wrap_layer(AlibiEncoderLayer(cfg, self.alibi, self.alibi_kernel, return_fc=self.return_fc), cfg)
 
     def max_positions(self):
         """ALiBi has no position table: the input length is not capped."""
-        return UNBOUNDED_POSITIONS
+        return facts.UNBOUNDED_POSITIONS
 
 
 def encoder_twin(stock_arch_fn, *learned_pos_flags: str):

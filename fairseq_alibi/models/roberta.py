@@ -21,13 +21,9 @@ from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_
 from fairseq.models.roberta import model as stock
 from omegaconf import OmegaConf
 
-from .bidirectional import (
-    UNBOUNDED_POSITIONS,
-    AlibiEncoderConfig,
-    AlibiTransformerEncoder,
-    build_bidirectional_bias,
-    encoder_twin,
-)
+from . import facts
+from .bidirectional import AlibiTransformerEncoder, encoder_twin
+from .config import AlibiEncoderConfig
 
 
 class AlibiRobertaEncoder(stock.RobertaEncoder):
@@ -56,14 +52,9 @@ class AlibiRobertaModel(stock.RobertaModel):
             OmegaConf.set_struct(args, False)
         roberta_alibi_architecture(args)
         if getattr(args, "max_positions", None) is None:
-            args.max_positions = UNBOUNDED_POSITIONS
-            args.max_source_positions = UNBOUNDED_POSITIONS
-        if getattr(args, "alibi_train_length", None) in (None, "", 0):
-            tokens_per_sample = getattr(args, "tokens_per_sample", None)
-            if tokens_per_sample is None:
-                tokens_per_sample = getattr(task.cfg, "tokens_per_sample", None)
-            args.alibi_train_length = tokens_per_sample
-        build_bidirectional_bias(args)  # fail now, naming the field, not mid-forward
+            args.max_positions = facts.UNBOUNDED_POSITIONS
+            args.max_source_positions = facts.UNBOUNDED_POSITIONS
+        facts.resolve_train_length(args, task)
         encoder = AlibiRobertaEncoder(args, task.source_dictionary)
         if OmegaConf.is_config(args):
             OmegaConf.set_struct(args, True)

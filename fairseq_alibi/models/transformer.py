@@ -21,22 +21,13 @@ Every stock ``transformer*`` architecture of model ``transformer`` gets an
 """
 
 from fairseq.dataclass.utils import gen_parser_from_dataclass
-from fairseq.models import (
-    ARCH_CONFIG_REGISTRY,
-    ARCH_MODEL_NAME_REGISTRY,
-    register_model,
-    register_model_architecture,
-)
+from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel
 
-from .bidirectional import (
-    UNBOUNDED_POSITIONS,
-    AlibiEncoderConfig,
-    AlibiTransformerEncoder,
-    build_bidirectional_bias,
-    encoder_twin,
-)
-from .transformer_lm import AlibiTransformerDecoder, build_alibi_bias
+from . import facts
+from .bidirectional import AlibiTransformerEncoder, encoder_twin
+from .config import AlibiEncoderConfig
+from .transformer_lm import AlibiTransformerDecoder
 
 
 @register_model("transformer_alibi")
@@ -55,10 +46,7 @@ class AlibiTransformerModel(TransformerModel):
         transformer_alibi_architecture(args)
         for name in ("max_source_positions", "max_target_positions"):
             if getattr(args, name, None) is None:
-                setattr(args, name, UNBOUNDED_POSITIONS)
-        # Fail at build time, naming the field, rather than mid-forward.
-        build_bidirectional_bias(args)
-        build_alibi_bias(args)
+                setattr(args, name, facts.UNBOUNDED_POSITIONS)
         return super().build_model(args, task)
 
     @classmethod
@@ -78,16 +66,9 @@ def _twin(stock_arch_fn):
 
 # "transformer" -> "transformer_alibi", "transformer_iwslt_de_en" ->
 # "transformer_iwslt_de_en_alibi", ... for every arch of the stock model.
-STOCK_ARCHS = sorted(
-    name
-    for name, model in ARCH_MODEL_NAME_REGISTRY.items()
-    if model == "transformer" and name.startswith("transformer")
-)
 transformer_alibi_architecture = register_model_architecture("transformer_alibi", "transformer_alibi")(
     _twin(ARCH_CONFIG_REGISTRY["transformer"])
 )
-for _name in STOCK_ARCHS:
-    if _name != "transformer":
-        register_model_architecture("transformer_alibi", f"{_name}_alibi")(
-            _twin(ARCH_CONFIG_REGISTRY[_name])
-        )
+for _name in facts.stock_archs("transformer"):
+    if _name != "transformer" and _name.startswith("transformer"):
+        register_model_architecture("transformer_alibi", facts.twin_name(_name))(_twin(ARCH_CONFIG_REGISTRY[_name]))

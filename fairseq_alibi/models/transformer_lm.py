@@ -10,16 +10,11 @@ What changes against the stock model, and nothing else:
 Every stock ``transformer_lm*`` architecture gets an ``<arch>_alibi`` twin.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from fairseq.distributed import fsdp_wrap
-from fairseq.models import (
-    ARCH_CONFIG_REGISTRY,
-    ARCH_MODEL_NAME_REGISTRY,
-    register_model,
-    register_model_architecture,
-)
+from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_architecture
 from fairseq.models import transformer_lm as stock
 from fairseq.models.transformer import TransformerConfig, TransformerDecoder
 from fairseq.modules import TransformerDecoderLayer
@@ -27,57 +22,52 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from omegaconf import II
 
 from .. import patches
-from ..attention import AlibiBias, AlibiMultiheadAttention, alibi_options
-from .config import AlibiSlopeConfig
-
-# Long enough for any evaluation; fairseq takes the minimum over task and model.
-UNBOUNDED_POSITIONS = 1 << 30
+from ..attention import AlibiMultiheadAttention
+from ..bias import AlibiBias
+from . import facts
+from .config import AlibiConfig, build_bias, option
 
 
 @dataclass
-class AlibiLanguageModelConfig(stock.TransformerLanguageModelConfig, AlibiSlopeConfig):
-    alibi_train_length: Optional[int] = field(
-        default=II("task.tokens_per_sample"),
-        metadata={
-            "help": "the length the model was trained at (defaults to the task's "
-            "tokens_per_sample when training; stored resolved in the checkpoint)"
-        },
-    )
+class AlibiLanguageModelConfig(stock.TransformerLanguageModelConfig, AlibiConfig):
+    alibi_train_length: Optional[int] = option(
+        II("task.tokens_per_sample"), "the length the model was trained at (defaults to the task's "
+        "tokens_per_sample when training; stored resolved in the checkpoint)")
     # Unset means "same as decoder_embed_dim": avoids the stock 512-wide default
     # that silently adds projections to smaller or larger models.
-    decoder_input_dim: Optional[int] = field(
-        default=None, metadata={"help": "decoder input dimension (default: decoder_embed_dim)"}
-    )
-    decoder_output_dim: Optional[int] = field(
-        default=None, metadata={"help": "decoder output dimension (default: decoder_embed_dim)"}
-    )
-
-
-def build_alibi_bias(args) -> AlibiBias:
-    """The shared causal bias of a decoder stack, from (already resolved) config
-    fields; raises ``ConfigError`` naming the field for an invalid value."""
-    return AlibiBias(args.decoder_attention_heads, "causal", **alibi_options(args))
+    decoder_input_dim: Optional[int] = option(None, "decoder input dimension (default: decoder_embed_dim)")
+    decoder_output_dim: Optional[int] = option(None, "decoder output dimension (default: decoder_embed_dim)")
 
 
 class AlibiDecoderLayer(TransformerDecoderLayer):
     """Stock decoder layer whose self-attention is ALiBi attention."""
 
-    def __init__(self, args, alibi_bias: AlibiBias, no_encoder_attn=False):
-        self.alibi = alibi_bias  # plain attribute, read by build_self_attention
+    def __init__(self, args, alibi_bias: AlibiBias, kernel: str = "auto", no_encoder_attn=False):
+        self.alibi, self.alibi_kernel = alibi_bias, kernel  # plain attributes, read by build_self_attention
         super().__init__(args, no_encoder_attn=no_encoder_attn)
 
     def build_self_attention(self, embed_dim, args, add_bias_kv=False, add_zero_attn=False):
         cfg = TransformerConfig.from_namespace(args)
         if add_bias_kv or add_zero_attn or cfg.cross_self_attention:
             raise ValueError("ALiBi attention does not support bias_kv, zero_attn or cross_self_attention")
-        return AlibiMultiheadAttention(
-            embed_dim,
-            cfg.decoder.attention_heads,
-            self.alibi,
-            dropout=cfg.attention_dropout,
-            q_noise=self.quant_noise,
-            qn_block_size=self.quant_noise_block_size,
-        )
+        return self_attention(self, embed_dim, cfg.decoder.attention_heads, cfg.attention_dropout)
+
+
+def self_attention(layer, embed_dim: int, heads: int, dropout: float) -> AlibiMultiheadAttention:
+    """The ALiBi self-attention of a stock layer that holds its stack's ``alibi``
+    bias and ``alibi_kernel`` name (and fairseq's quant-noise settings)."""
+    return AlibiMultiheadAttention(
+        embed_dim, heads, layer.alibi, kernel=layer.alibi_kernel, dropout=dropout,
+        q_noise=layer.quant_noise, qn_block_size=layer.quant_noise_block_size,
+    )
+
+
+def wrap_layer(layer, args):
+    """fairseq's activation checkpointing and FSDP wrapping of one layer."""
+    if getattr(args, "checkpoint_activations", False):
+        layer = checkpoint_wrapper(layer, offload_to_cpu=getattr(args, "offload_activations", False))
+        return fsdp_wrap(layer, min_num_params=0)
+    return fsdp_wrap(layer, min_num_params=getattr(args, "min_params_to_wrap", 0))
 
 
 class AlibiTransformerDecoder(TransformerDecoder):
@@ -85,26 +75,23 @@ class AlibiTransformerDecoder(TransformerDecoder):
 
     def __init__(self, args, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
         args.no_token_positional_embeddings = True
-        self.alibi = build_alibi_bias(args)  # before the layers are built
+        self.alibi = build_bias(args, args.decoder_attention_heads)  # before the layers are built
+        self.alibi_kernel = getattr(args, "alibi_attention", "auto")
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn, output_projection)
 
     def build_decoder_layer(self, args, no_encoder_attn=False):
-        layer = AlibiDecoderLayer(args, self.alibi, no_encoder_attn)
-        if getattr(args, "checkpoint_activations", False):
-            layer = checkpoint_wrapper(layer, offload_to_cpu=getattr(args, "offload_activations", False))
-            return fsdp_wrap(layer, min_num_params=0)
-        return fsdp_wrap(layer, min_num_params=getattr(args, "min_params_to_wrap", 0))
+        return wrap_layer(AlibiDecoderLayer(args, self.alibi, self.alibi_kernel, no_encoder_attn), args)
 
     def max_positions(self):
         """ALiBi has no position table: the input length is not capped."""
-        return UNBOUNDED_POSITIONS
+        return facts.UNBOUNDED_POSITIONS
 
     def buffered_future_mask(self, tensor):
         """Only a causal flag for the layers: the ALiBi bias carries the mask."""
         return tensor.new_zeros(())
 
 
-@register_model("transformer_lm_alibi", dataclass=AlibiLanguageModelConfig)
+@register_model(facts.ALIBI_LM, dataclass=AlibiLanguageModelConfig)
 class AlibiTransformerLanguageModel(stock.TransformerLanguageModel):
     @classmethod
     def hub_models(cls):
@@ -115,13 +102,7 @@ class AlibiTransformerLanguageModel(stock.TransformerLanguageModel):
         # Again here: the arch function runs before the dataclass defaults are
         # filled in, so with no --decoder-embed-dim it could not set these.
         _default_io_dims(args)
-        train_length = getattr(args, "alibi_train_length", None)
-        # Unset, or (when built from an argparse Namespace rather than the
-        # hydra config) the dataclass default's unresolved "${task...}" string.
-        if train_length in (None, "", 0) or str(train_length).startswith("${"):
-            args.alibi_train_length = getattr(args, "tokens_per_sample", None)
-        # Fail at build time, naming the field, rather than mid-forward.
-        build_alibi_bias(args)
+        facts.resolve_train_length(args, task)
         with patches.decoder_class(stock, AlibiTransformerDecoder):
             return super().build_model(args, task)
 
@@ -145,14 +126,11 @@ def _twin(stock_arch_fn):
     return alibi_arch
 
 
-# Stock arch name -> its twin: "transformer_lm" -> "transformer_lm_alibi", and
-# "transformer_lm_wiki103" -> "transformer_lm_wiki103_alibi" (the paper's model).
-STOCK_ARCHS = sorted(
-    name for name, model in ARCH_MODEL_NAME_REGISTRY.items() if model == "transformer_lm"
-)
-for _name in STOCK_ARCHS:
+# "transformer_lm" -> "transformer_lm_alibi", "transformer_lm_wiki103" ->
+# "transformer_lm_wiki103_alibi" (the paper's model), ...
+for _name in facts.stock_archs(facts.STOCK_LM):
     _fn = _twin(ARCH_CONFIG_REGISTRY[_name])
-    if _name == "transformer_lm":  # register_model already made this arch name
-        ARCH_CONFIG_REGISTRY["transformer_lm_alibi"] = _fn
+    if _name == facts.STOCK_LM:  # register_model already made this arch name
+        ARCH_CONFIG_REGISTRY[facts.ALIBI_LM] = _fn
     else:
-        register_model_architecture("transformer_lm_alibi", f"{_name}_alibi")(_fn)
+        register_model_architecture(facts.ALIBI_LM, facts.twin_name(_name))(_fn)

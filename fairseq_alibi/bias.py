@@ -1,0 +1,221 @@
+"""The ALiBi bias of one layer stack: slopes, scaling and caches, shared by its layers.
+
+Pure torch (no fairseq): the fairseq attention layer and an exported Hugging
+Face model both read their bias from here.
+
+``AlibiBias`` is created once per layer stack and shared by all its layers: it
+holds the stack's base slopes (a ``mode`` says where each head looks:
+``causal`` for the LM, ``symmetric`` or ``split`` for encoders) and its
+:class:`~fairseq_alibi.alibi.Scaling`, and it owns the caches the kernels
+fill through :meth:`AlibiBias.cached` (the dense bias, the merged padding mask,
+FlexAttention's block mask, the chunked kernel's ramp): one entry per helper,
+the most recent key, so a bias is built once per forward, never per layer or
+batch row, and no cache grows.  ``LearnedAlibiBias`` (mode ``learned``) is the
+one subclass with parameters: each encoder layer trains its own left/right
+slopes, and its bias carries gradients, so nothing of it is cached.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .alibi import (
+    BIAS_MODES,
+    NO_SCALING,
+    Scaling,
+    alibi_bias,
+    asymmetric_bias,
+    get_slopes,
+    head_directions,
+    learned_slopes,
+    learned_slopes_inverse,
+    mode_slopes,
+    scale_slopes,
+)
+
+
+def masked_value_for(mode: str, dtype: torch.dtype) -> float:
+    """What the bias puts on the side a head does not see.
+
+    ``-inf`` for the causal LM (every query sees at least itself).  For
+    ``split`` a finite stand-in, so that a query whose whole visible side is
+    padding (a padding position itself) still has a defined softmax: with
+    ``-inf`` its row would be NaN, and NaN poisons every later layer through
+    ``0 * NaN``.  Large enough that ``exp`` of it is exactly 0 next to any real
+    score (fairseq's own convention: -1e8, or -1e4 in 16-bit types).
+    """
+    if mode != "split":
+        return float("-inf")
+    return -1e8 if dtype in (torch.float32, torch.float64) else -1e4
+
+
+def padding_mask(key_padding_mask: Optional[Tensor], dtype) -> Optional[Tensor]:
+    """``[B, 1, 1, S]`` additive mask (-inf at padding) or None."""
+    if key_padding_mask is None:
+        return None
+    pad = key_padding_mask.to(torch.bool)[:, None, None, :]
+    return torch.zeros(pad.shape, dtype=dtype, device=pad.device).masked_fill(pad, float("-inf"))
+
+
+def _aligned(bias: Tensor) -> Tensor:
+    """On CUDA, give the bias a row stride that is a multiple of 8 elements (a
+    view into padded storage): the memory-efficient SDPA kernel needs aligned
+    mask rows and would otherwise copy the mask, or fall back to the math kernel."""
+    if bias.device.type != "cuda" or bias.size(-1) % 8 == 0:
+        return bias
+    rounded = (bias.size(-1) + 7) // 8 * 8
+    storage = bias.new_empty(*bias.shape[:-1], rounded)
+    storage[..., : bias.size(-1)].copy_(bias)
+    return storage[..., : bias.size(-1)]
+
+
+class Same:
+    """A cache-key part equal only to the very same object (tensors compare by identity)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+
+class AlibiBias:
+    """Slopes and bias of one layer stack, shared by all its attention layers.
+
+    A plain object rather than an ``nn.Module``: it has no parameters, nothing
+    of it belongs in the state dict, and its caches are keyed by device and
+    dtype, so it needs no ``.to()``.  :meth:`rescale` changes the context
+    extension of a built model in place (the evaluation tools use it to run
+    one loaded checkpoint under several methods).
+    """
+
+    #: FlexAttention can express this bias as a ``score_mod`` (its kernel checks).
+    supports_flex = True
+
+    def __init__(self, num_heads: int, mode: str = "causal", scaling: Scaling = NO_SCALING):
+        if mode not in BIAS_MODES:
+            raise ValueError(f"unknown ALiBi bias mode {mode!r}; allowed: {', '.join(BIAS_MODES)}")
+        self.num_heads = num_heads
+        self.mode = mode
+        self.directions = head_directions(mode, num_heads)
+        self.base_slopes = mode_slopes(mode, num_heads)
+        self._cache: Dict[str, Tuple[Hashable, Any]] = {}
+        self.rescale(scaling)
+
+    @property
+    def causal(self) -> bool:
+        return self.mode == "causal"
+
+    def rescale(self, scaling: Scaling) -> None:
+        """Use ``scaling`` from the next forward on (every cache is dropped)."""
+        if not isinstance(scaling, Scaling):
+            raise TypeError(f"scaling must be an Scaling, got {type(scaling).__name__}")
+        self.scaling = scaling.complete()
+        self._cache.clear()
+
+    def for_layer(self) -> "AlibiBias":
+        """The bias one layer's attention uses: this shared object, or for
+        mode ``learned`` a new one with that layer's own trained slopes."""
+        if self.mode == "learned":
+            return LearnedAlibiBias(self.num_heads, self.scaling)
+        return self
+
+    def cached(self, name: str, key: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()``, or its value from the last call with the same ``name``
+        and ``key`` (one entry per name: the old value is freed before a new
+        one is built)."""
+        entry = self._cache.get(name)
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        self._cache.pop(name, None)
+        value = build()
+        self._cache[name] = (key, value)
+        return value
+
+    def slopes(self, k_len: int, device=None) -> Tensor:
+        """float32 ``[H]`` slopes for a forward pass over ``k_len`` keys."""
+        factor = self.scaling.factor_at(k_len)
+        return self.cached(
+            "slopes", (factor, str(device)),
+            lambda: scale_slopes(self.base_slopes, self.scaling.method, factor).to(device),
+        )
+
+    def block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
+        """``[H, q_len, k_len]`` bias for queries ``q_start ..`` over ``k_len`` keys."""
+        return alibi_bias(
+            self.slopes(k_len, device), q_len, k_len, self.directions, q_start, dtype, device,
+            masked_value_for(self.mode, dtype), self.scaling.distance_cap,
+        )
+
+    def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
+        """The whole ``[H, q_len, k_len]`` bias (queries the last ``q_len`` of
+        the keys), cached: the first layer of a forward builds it, the others
+        and later batches of the same shape reuse it.  Built directly in the
+        activation dtype."""
+        return self.cached(
+            "dense", (q_len, k_len, dtype, str(device), self.scaling.factor_at(k_len)),
+            lambda: _aligned(self.block(k_len - q_len, q_len, k_len, dtype, device)),
+        )
+
+    def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        """The additive mask for SDPA: ``[1, H, T, S]`` without padding (a view of
+        ``bias``, nothing copied), else ``[B, H, T, S]`` with ``-inf`` at padded
+        keys, built once per forward and shared by the layers (they all receive
+        the same padding-mask tensor)."""
+        if key_padding_mask is None:
+            return bias[None]
+        key = (Same(bias), Same(key_padding_mask), key_padding_mask._version)
+        return self.cached("merged", key, lambda: bias[None] + padding_mask(key_padding_mask, bias.dtype))
+
+
+class LearnedAlibiBias(nn.Module, AlibiBias):
+    """One layer's trained left/right slopes (encoder mode ``learned``).
+
+    Parametrized as ``softplus(raw) + 1e-6`` so the bias stays negative,
+    initialised to the paper's slopes on both sides; interpolation scales the
+    two sides together (NTK spreads over all ``2H``).  The bias carries
+    gradients, so it is built per layer and forward, never cached or shared.
+    """
+
+    supports_flex = False  # no score_mod for trained slopes
+
+    def __init__(self, num_heads: int, scaling: Scaling = NO_SCALING):
+        nn.Module.__init__(self)
+        AlibiBias.__init__(self, num_heads, mode="learned", scaling=scaling)
+        raw = learned_slopes_inverse(get_slopes(num_heads))
+        self.left = nn.Parameter(raw.clone())
+        self.right = nn.Parameter(raw.clone())
+
+    def for_layer(self) -> "LearnedAlibiBias":
+        return self
+
+    def side_slopes(self, k_len: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        """(left, right) positive float32 ``[H]`` slopes, interpolated for ``k_len`` keys."""
+        left, right = learned_slopes(self.left), learned_slopes(self.right)
+        if k_len is None:
+            return left, right
+        both = self.scaling.slopes(torch.cat([left, right]), k_len)
+        return both[: self.num_heads], both[self.num_heads :]
+
+    def slopes(self, k_len: int, device=None) -> Tensor:
+        """float32 ``[2, H]``: the left and right slopes for ``k_len`` keys."""
+        return torch.stack(self.side_slopes(k_len))
+
+    def block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
+        left, right = self.side_slopes(k_len)
+        return asymmetric_bias(left, right, q_len, k_len, q_start, dtype, device, self.scaling.distance_cap)
+
+    def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
+        return self.block(k_len - q_len, q_len, k_len, dtype, device)
+
+    def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        pad = padding_mask(key_padding_mask, bias.dtype)
+        return bias[None] if pad is None else bias[None] + pad

@@ -1,0 +1,314 @@
+"""ALiBi attention kernels: free functions with one signature, in one registry.
+
+Pure torch (no fairseq), like ``bias.py``: the fairseq layer
+(``attention.AlibiMultiheadAttention``) and an exported Hugging Face model run
+the same kernels.  Every kernel is
+
+    kernel(q, k, v, bias, key_padding_mask, dropout_p) -> (output, weights or None)
+
+with q ``[B, H, T, D]``, k/v ``[B, H, S, D]`` (queries the last ``T`` of the
+``S`` keys, as with a KV cache), ``bias`` the stack's :class:`AlibiBias` and
+``key_padding_mask`` ``[B, S]`` (True at padding).  Each kernel owns its helper
+and keeps it in the bias object's cache:
+
+* ``reference``: explicit scores + bias + softmax in fp32; the ground truth,
+  and the only kernel that returns attention weights;
+* ``sdpa``: ``F.scaled_dot_product_attention`` with one ``[1, H, T, S]`` bias
+  broadcast over the batch (``AlibiBias.dense``, cached across layers);
+* ``flex``: FlexAttention (CUDA, compiled), ALiBi as a ``score_mod`` with a
+  cached causal block mask: nothing ``T x T`` is materialized, forward or
+  backward; no attention dropout, no learned slopes;
+* ``chunked``: queries in blocks, each block's bias a view of one cached ramp,
+  so memory grows linearly with the length (long evaluation); no dropout;
+* ``blocked``: causal attention in query blocks that only compute the keys they
+  can see (``causal_blocks.py``), for CPU training with attention dropout.
+
+:func:`check_kernel` resolves a configured name once, when a layer is built,
+and refuses what can never run; :func:`choose_kernel` picks per call only what
+depends on the call (``auto``, attention weights wanted).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .alibi import alibi_bias
+from .bias import AlibiBias, masked_value_for, padding_mask
+from .causal_blocks import blocked_causal_attention
+
+Kernel = Callable[[Tensor, Tensor, Tensor, AlibiBias, Optional[Tensor], float], Tuple[Tensor, Optional[Tensor]]]
+
+# Inference with more query x key pairs than this is "long" (auto: chunked).
+CHUNK_THRESHOLD = 1024 * 1024
+# Queries per block of the chunked kernel; its ramp is H x CHUNK_SIZE x
+# (T + CHUNK_SIZE) values (docs/performance.md has the measurement behind it).
+CHUNK_SIZE = 512
+# FlexAttention's block size (queries and keys).
+FLEX_BLOCK = 128
+
+
+# ----------------------------------------------------------------- dense kernels
+def reference_attention(q, k, v, bias, key_padding_mask=None, dropout_p=0.0):
+    """Explicit softmax(q k^T / sqrt(d) + bias) v.  Shapes: q ``[B,H,T,D]``,
+    k/v ``[B,H,S,D]``, bias ``[H,T,S]``.  Returns (output, probabilities)."""
+    scores = torch.matmul(q.float() * q.size(-1) ** -0.5, k.float().transpose(-1, -2))
+    scores = scores + bias.float()
+    pad = padding_mask(key_padding_mask, torch.float32)
+    if pad is not None:
+        scores = scores + pad
+    probs = torch.softmax(scores, dim=-1)
+    dropped = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+    return torch.matmul(dropped, v.float()).to(q.dtype), probs.to(q.dtype)
+
+
+def reference_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
+    return reference_attention(q, k, v, _dense(q, k, bias), key_padding_mask, dropout_p)
+
+
+def sdpa_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
+    mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
+
+
+def blocked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
+    mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
+    return blocked_causal_attention(q, k, v, mask, dropout_p), None
+
+
+def _dense(q, k, bias: AlibiBias) -> Tensor:
+    return bias.dense(q.size(2), k.size(2), q.dtype, q.device)
+
+
+# ----------------------------------------------------------------- chunked
+def chunk_ramp(bias: AlibiBias, rows: int, k_len: int, dtype, device) -> Tuple[int, Tensor]:
+    """(``P``, ramp ``R[h, i, j] = bias of distance P + i - j``) of a causal
+    stack, cached: ``rows`` x ``P + rows`` values with ``P = k_len - 1`` (the
+    slopes of a ``k_len``-key forward).  The causal bias depends on ``query -
+    key`` only, so the block of queries ``s .. s + q - 1`` over keys ``0 ..
+    visible - 1`` is the view ``R[:, :q, P - s : P - s + visible]``: built once
+    per forward, shared by every layer and block, linear in the length."""
+    top = k_len - 1
+    width = (top + rows + 7) // 8 * 8  # aligned rows for CUDA kernels
+    key = (k_len, rows, dtype, str(device), bias.scaling.factor_at(k_len))
+
+    def build():
+        return alibi_bias(bias.slopes(k_len, device), rows, width, bias.directions, top, dtype, device,
+                                cap=bias.scaling.distance_cap)
+
+    return top, bias.cached("ramp", key, build)
+
+
+def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
+    """Queries in blocks of ``chunk_size`` (default ``CHUNK_SIZE``); each block's
+    bias built on the fly (bidirectional, learned) or a view of the shared ramp
+    (causal), every block with the slopes of all ``k_len`` keys (as the dense
+    kernels, so dynamic scaling agrees across kernels).  Causal blocks read
+    only the keys they can see."""
+    chunk_size = chunk_size or CHUNK_SIZE
+    q_len, k_len = q.size(2), k.size(2)
+    causal = bias.causal
+    offset = k_len - q_len if causal else 0
+    if causal:
+        top, ramp = chunk_ramp(bias, chunk_size, k_len, q.dtype, q.device)
+    pad = padding_mask(key_padding_mask, q.dtype)
+    outputs = []
+    for start in range(0, q_len, chunk_size):
+        stop = min(start + chunk_size, q_len)
+        visible = offset + stop if causal else k_len
+        if causal:
+            column = top - (offset + start)
+            block = ramp[:, : stop - start, column : column + visible]
+        else:
+            block = bias.block(start, stop - start, k_len, q.dtype, q.device)
+        block = block[None] if pad is None else block[None] + pad[..., :visible]
+        outputs.append(F.scaled_dot_product_attention(
+            q[:, :, start:stop], k[:, :, :visible], v[:, :, :visible], attn_mask=block))
+        del block
+    return torch.cat(outputs, dim=2), None
+
+
+# ----------------------------------------------------------------- FlexAttention
+_compiled_flex: Optional[Callable] = None
+
+
+def flex_available() -> bool:
+    """FlexAttention can be imported (torch >= 2.5)."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flex_function(device: torch.device) -> Callable:
+    """Compiled FlexAttention on CUDA (fused, nothing T x T); elsewhere the eager
+    implementation, which materializes the scores and exists only so that the
+    score_mod can be checked against the reference without a GPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def score_mod(bias: AlibiBias, q_len: int, k_len: int, device, key_padding_mask: Optional[Tensor] = None):
+    """FlexAttention ``score_mod`` equal to ``bias.dense`` (fp32, from the
+    integer distance, capped where the scaling caps it), with ``-inf`` at the
+    keys a ``[B, S]`` padding mask marks.  The causal ``-inf`` comes from
+    :func:`causal_block_mask`."""
+    slopes = bias.slopes(k_len, device)
+    offset = k_len - q_len
+    cap = bias.scaling.distance_cap
+    limit = cap if cap is not None else 1 << 62  # above any distance: no cap
+
+    if bias.causal:
+        def bias_mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx + offset - kv_idx).clamp(max=limit)
+    elif bias.mode == "split":
+        directions = torch.tensor(bias.directions, device=device)
+        masked = masked_value_for("split", torch.float32)
+
+        def bias_mod(score, b, h, q_idx, kv_idx):
+            distance = q_idx + offset - kv_idx
+            hidden = directions[h] * distance > 0  # left heads hide j > i, right heads j < i
+            return torch.where(hidden, masked, score - slopes[h] * distance.abs().clamp(max=limit))
+    else:
+        def bias_mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx + offset - kv_idx).abs().clamp(max=limit)
+
+    return with_key_padding(bias_mod, key_padding_mask)
+
+
+def with_key_padding(mod, key_padding_mask: Optional[Tensor]):
+    """``mod`` with ``-inf`` at the keys a ``[B, S]`` padding mask marks."""
+    if key_padding_mask is None:
+        return mod
+    pad = key_padding_mask.to(torch.bool)
+
+    def padded_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(pad[b, kv_idx], float("-inf"), mod(score, b, h, q_idx, kv_idx))
+
+    return padded_mod
+
+
+def causal_mask_mod(offset: int):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    return mask_mod
+
+
+def causal_block_mask(q_len: int, k_len: int, device):
+    """The causal ``BlockMask`` for queries that are the last ``q_len`` of
+    ``k_len`` keys.  For ``q_len == k_len`` (every full forward) it is written
+    down directly, block by block, in O((T / 128)^2) memory: query block ``i``
+    sees key blocks ``0 .. i-1`` in full and block ``i`` through the mask_mod.
+    Other shapes go through ``create_block_mask``."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    mask_mod = causal_mask_mod(k_len - q_len)
+    if q_len != k_len:
+        return create_block_mask(mask_mod, None, None, q_len, k_len, device=device)
+    n = (q_len + FLEX_BLOCK - 1) // FLEX_BLOCK
+    rows = torch.arange(n, device=device, dtype=torch.int32)
+    cols = torch.arange(n, device=device, dtype=torch.int32)
+    kv_num_blocks = torch.ones(1, 1, n, device=device, dtype=torch.int32)
+    # Row i: its diagonal block first, the remaining entries are never read.
+    kv_indices = ((rows[:, None] + cols[None, :]) % n)[None, None].contiguous()
+    full_kv_num_blocks = rows[None, None].clone()
+    full_kv_indices = cols.expand(n, n)[None, None].contiguous()
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+        BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(q_len, k_len),
+    )
+
+
+def flex_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
+    q_len, k_len = q.size(2), k.size(2)
+    mod = score_mod(bias, q_len, k_len, q.device, key_padding_mask)
+    block_mask = None
+    if bias.causal:
+        block_mask = bias.cached("block_mask", (q_len, k_len, str(q.device)),
+                                 lambda: causal_block_mask(q_len, k_len, q.device))
+    return _flex_function(q.device)(q, k, v, score_mod=mod, block_mask=block_mask), None
+
+
+# ----------------------------------------------------------------- registry and choice
+KERNELS: Dict[str, Kernel] = {
+    "reference": reference_kernel,
+    "sdpa": sdpa_kernel,
+    "flex": flex_kernel,
+    "chunked": chunked_kernel,
+    "blocked": blocked_kernel,
+}
+#: Every value of the ``alibi_attention`` option.
+KERNEL_NAMES = ("auto",) + tuple(KERNELS)
+#: Kernels without attention dropout.
+NO_DROPOUT = ("flex", "chunked")
+
+
+def check_kernel(name: str, bias: AlibiBias, dropout: float = 0.0) -> str:
+    """The kernel a layer with ``bias`` and attention dropout ``dropout`` runs
+    for the configured ``name``, resolved once when it is built; ``ValueError``
+    (naming what is allowed) for a combination that can never run.
+    ``blocked`` skips the keys right of each query, so a bidirectional stack
+    runs ``sdpa`` instead."""
+    if name not in KERNEL_NAMES:
+        raise ValueError(f"allowed values: {', '.join(KERNEL_NAMES)}")
+    if name == "flex" and not bias.supports_flex:
+        raise ValueError("flex has no score_mod for learned slopes; use auto, sdpa or chunked")
+    if name in NO_DROPOUT and dropout > 0:
+        raise ValueError(
+            f"{name} has no attention dropout and this model has attention_dropout={dropout:g}; use auto "
+            f"(which takes {name} where it can), or to evaluate, also override attention_dropout to 0"
+        )
+    if name == "blocked" and not bias.causal:
+        return "sdpa"
+    return name
+
+
+def choose_kernel(
+    name: str,
+    bias: AlibiBias,
+    need_weights: bool,
+    q_len: int,
+    k_len: int,
+    dropout_p: float = 0.0,
+    incremental: bool = False,
+    device: Optional[torch.device] = None,
+) -> str:
+    """The kernel of one call of a layer whose checked kernel is ``name``.
+
+    Weights wanted: ``reference``.  An explicit kernel: that kernel.  ``auto``:
+    FlexAttention on CUDA for full forwards without attention dropout when the
+    bias supports it; ``blocked`` for CPU training with attention dropout
+    (causal bias); ``chunked`` for long inference (linear memory); ``sdpa`` for
+    everything else (training, short inference, KV-cache steps).
+    """
+    if need_weights:
+        return "reference"
+    if name != "auto":
+        return name
+    device = device or torch.device("cpu")
+    grad = torch.is_grad_enabled()
+    if device.type == "cuda" and bias.supports_flex and dropout_p == 0 and not incremental and flex_available():
+        return "flex"
+    if device.type == "cpu" and grad and dropout_p > 0 and bias.causal:
+        return "blocked"
+    if not grad and q_len * k_len > CHUNK_THRESHOLD:
+        return "chunked"
+    return "sdpa"
+
+
+def attend(q, k, v, bias: AlibiBias, name: str, key_padding_mask=None, dropout_p: float = 0.0,
+           need_weights: bool = False, incremental: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+    """Run the kernel :func:`choose_kernel` picks; (output ``[B, H, T, D]``, weights or None)."""
+    chosen = choose_kernel(name, bias, need_weights, q.size(2), k.size(2), dropout_p, incremental, q.device)
+    return KERNELS[chosen](q, k, v, bias, key_padding_mask, dropout_p)
