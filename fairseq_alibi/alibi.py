@@ -110,6 +110,38 @@ def _number(value) -> Optional[float]:
     return float(value)
 
 
+def _checked_factor(method: str, factor) -> float:
+    """The factor of a valid (method, factor), normalized: ``none`` stores 1, ``cap:0`` is ``cap:1``."""
+    if method not in METHODS:
+        raise ScalingError("method", method, f"allowed values: {', '.join(METHODS)}")
+    value = _number(factor)
+    if value is None or not math.isfinite(value) or value < 0:
+        raise ScalingError("factor", factor, "it must be a finite number >= 0")
+    if method in SLOPE_METHODS and 0 < value < 1:
+        raise ScalingError("factor", factor,
+                           "use 0 for dynamic scaling (max(1, length / training length)) or a static factor >= 1")
+    if method == "none" or (method == "cap" and value == 0):
+        return 1.0  # none: no scaling; cap: the training length itself
+    return value
+
+
+def _parsed_factor(method: str, arg: str) -> float:
+    """The factor of ``--methods`` item ``method:arg`` (``dynamic`` or nothing: 0)."""
+    if method == "cap" and arg in ("dynamic", "dyn"):
+        raise ScalingError("factor", arg, "cap has no dynamic form; cap:F caps at F training lengths")
+    if arg in ("", "dynamic", "dyn"):
+        return 0.0
+    try:
+        factor = float(arg)
+    except ValueError:
+        raise ScalingError("factor", arg, "expected a number or 'dynamic'") from None
+    if factor == 0 or (method in SLOPE_METHODS and factor < 1):
+        raise ScalingError("factor", arg, "a static factor must be >= 1 (write 'dynamic' or leave it out for "
+                           "dynamic scaling)" if method in SLOPE_METHODS else "the cap must be a positive number "
+                           "of training lengths")
+    return factor
+
+
 @dataclass(frozen=True)
 class Scaling:
     """How one model extends its context at evaluation; validated on creation.
@@ -131,19 +163,7 @@ class Scaling:
     train_length: Optional[int] = None
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ScalingError("method", self.method, f"allowed values: {', '.join(METHODS)}")
-        factor = _number(self.factor)
-        if factor is None or not math.isfinite(factor) or factor < 0:
-            raise ScalingError("factor", self.factor, "it must be a finite number >= 0")
-        if self.method in SLOPE_METHODS and 0 < factor < 1:
-            raise ScalingError(
-                "factor", self.factor,
-                "use 0 for dynamic scaling (max(1, length / training length)) or a static factor >= 1",
-            )
-        if self.method == "none" or (self.method == "cap" and factor == 0):
-            factor = 1.0  # none: no scaling; cap: the training length itself
-        object.__setattr__(self, "factor", factor)
+        object.__setattr__(self, "factor", _checked_factor(self.method, self.factor))
         length = self.train_length
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
             raise ScalingError("train_length", length, "it must be a positive integer (the training tokens_per_sample)")
@@ -152,25 +172,10 @@ class Scaling:
     def parse(cls, text: str, train_length: Optional[int] = None) -> "Scaling":
         """``none``, ``linear[:F|:dynamic]``, ``ntk[:F|:dynamic]`` or ``cap[:F]``."""
         name, _, arg = str(text).strip().partition(":")
-        name, arg = name.strip().lower(), arg.strip().lower()
+        name = name.strip().lower()
         if name == "none" and arg:
             raise ScalingError("method", text, "'none' takes no factor")
-        if name == "cap" and arg in ("dynamic", "dyn"):
-            raise ScalingError("factor", arg, "cap has no dynamic form; cap:F caps at F training lengths")
-        if arg in ("", "dynamic", "dyn"):
-            factor = 0.0
-        else:
-            try:
-                factor = float(arg)
-            except ValueError:
-                raise ScalingError("factor", arg, "expected a number or 'dynamic'") from None
-            if factor == 0 or (name in SLOPE_METHODS and factor < 1):
-                raise ScalingError(
-                    "factor", arg,
-                    "a static factor must be >= 1 (write 'dynamic' or leave it out for dynamic scaling)"
-                    if name in SLOPE_METHODS else "the cap must be a positive number of training lengths",
-                )
-        return cls(name, factor, train_length)
+        return cls(name, _parsed_factor(name, arg.strip().lower()), train_length)
 
     @property
     def dynamic(self) -> bool:

@@ -20,8 +20,10 @@ import torch
 
 from conftest import EXAMPLES, TRAIN_LENGTH, run_cli, tool, train_args
 
+from fairseq_alibi.evaluation import backends
 from fairseq_alibi.evaluation import prompts as P
 from fairseq_alibi.evaluation import retrieval
+from fairseq_alibi.evaluation.task_files import read_task_file
 
 METHODS = "none,linear:2,ntk"  # none, a static and a dynamic method
 
@@ -217,8 +219,8 @@ def test_jsonl_outputs_and_groups(jsonl_run, jsonl_prompts):
 def test_read_jsonl(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a b", "answer": "c", "group": 3}\n\n{"prompt": "d", "answer": "e f"}\n')
-    items = retrieval.read_jsonl(str(path))
-    assert [(x["prompt"], x["answer"], x["group"], x["line"]) for x in items] == [("a b", "c", "3", 1), ("d", "e f", "", 3)]
+    items = read_task_file(str(path))
+    assert [(x.prompt, x.answer, x.group, x.line) for x in items] == [("a b", "c", "3", 1), ("d", "e f", "", 3)]
 
 
 def test_builtin_lines_grid_and_resume(kv_data_bin, kv_checkpoint, tmp_path):
@@ -237,7 +239,7 @@ def test_builtin_lines_grid_and_resume(kv_data_bin, kv_checkpoint, tmp_path):
     # Scores of the built-in prompts equal the independent computation too (one method).
     model = load(kv_checkpoint, {"alibi_interpolation": "linear", "alibi_scale_factor": 2.0})
     d = model.decoder.dictionary
-    encoder = retrieval.Encoder(d)
+    encoder = backends.Encoder(d)
     task = P.Lines(encoder.vocabulary(), digits=2)
     built = retrieval.builtin_samples(task, encoder, [100], 2, 2, seed=1)
     for b in range(2):
@@ -256,20 +258,20 @@ def test_builtin_lines_grid_and_resume(kv_data_bin, kv_checkpoint, tmp_path):
     assert near["needle_distance"] < far["needle_distance"]  # deeper = later = closer to the question
     # Resume: nothing is recomputed; other samples -> everything is.
     calls = []
-    real = retrieval.Scorer.score
+    real = retrieval.score
 
-    def counting(self, samples):
+    def counting(model, samples, max_tokens):
         calls.append(len(samples))
-        return real(self, samples)
+        return real(model, samples, max_tokens)
 
-    retrieval.Scorer.score = counting
+    retrieval.score = counting
     try:
         assert retrieval.main(argv) == 0
         assert calls == []
         assert retrieval.main(argv[:-6] + ["--samples", "1"] + argv[-4:]) == 0
         assert len(calls) == len(cells) and set(calls) == {1}
     finally:
-        retrieval.Scorer.score = real
+        retrieval.score = real
 
 
 def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, kv_data_bin, kv_checkpoint, tmp_path, capsys):
@@ -335,10 +337,29 @@ def test_passkey_fitted_to_a_vocabulary(kv_data_bin, kv_checkpoint, tmp_path):
     from fairseq.data import Dictionary
 
     d = Dictionary.load(str(kv_data_bin / "dict.txt"))
-    encoder = retrieval.Encoder(d)
+    encoder = backends.Encoder(d)
     task = retrieval.build_task(retrieval.get_parser().parse_args(argv), encoder.vocabulary())
     longest_sentence = max(len(s) for s in task.filler)
     built = retrieval.builtin_samples(task, encoder, [90], 2, 2, seed=1)
     for samples in built.values():
         for s in samples:
             assert 90 - longest_sentence < s.length <= 90 and d.unk() not in s.prompt
+
+
+def test_heads_example_runs(kv_data_bin, kv_checkpoint):
+    """examples/retrieval/heads.py (the heads table of docs/retrieval.md) on the tiny
+    model: a row per layer and head, attention masses in [0, 1]; within the cap
+    (C = 64 >= every distance at 48 tokens) cap gives plain ALiBi's numbers."""
+    result = run_cli([sys.executable, EXAMPLES / "retrieval" / "heads.py", kv_data_bin, kv_checkpoint,
+                      "--digits", "2", "--lengths", "48", "--methods", "none,cap:2,ntk:4", "--samples", "2"])
+    tables = result.stdout.split("\nmethod ")[1:]
+    assert [t.split(":", 1)[0] for t in tables] == ["none", "cap x2", "ntk x4"]
+    rows = {}
+    for table in tables:
+        lines = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| layer")]
+        rows[table.split(":", 1)[0]] = lines
+        assert len(lines) == 2 * 6  # 2 layers x 6 heads (conftest's tiny model)
+        for line in lines:
+            mass = float(line.split("|")[4])
+            assert 0.0 <= mass <= 1.0
+    assert rows["none"] == rows["cap x2"] and rows["none"] != rows["ntk x4"]

@@ -21,10 +21,11 @@ import torch
 
 from conftest import TRAIN_LENGTH, cli_env, parse_eval, run_cli, tool
 
+from fairseq_alibi.evaluation import backends
 from fairseq_alibi.evaluation import perplexity as sweep
 
 STRIDE = 16
-METHODS = "none,linear:2,ntk"  # none, a static and a dynamic method
+METHODS = "none,linear:2,ntk,cap:0.5"  # none, a static and a dynamic method, the distance cap
 LENGTHS = "1x,2x"  # 32, 64
 
 
@@ -49,7 +50,8 @@ def sweep_run(lm_data_bin, alibi_checkpoint, sinusoidal_checkpoint, tmp_path_fac
 def expected_keys():
     keys = set()
     lengths = (TRAIN_LENGTH, 2 * TRAIN_LENGTH)
-    for name, methods in (("alibi", [("none", 1.0), ("linear", 2.0), ("ntk", 0.0)]), ("sin", [("none", 1.0)])):
+    for name, methods in (("alibi", [("none", 1.0), ("linear", 2.0), ("ntk", 0.0), ("cap", 0.5)]),
+                          ("sin", [("none", 1.0)])):
         for method, factor in methods:
             for length in lengths:
                 keys.add((name, method, factor, "nonoverlapping", length, length))
@@ -119,18 +121,13 @@ def test_resume_skips_done_cells(sweep_run, lm_data_bin, alibi_checkpoint, sinus
     (resumed / "results.json").write_text((out / "results.json").read_text())
 
     built = []
-    real = sweep.Evaluator
+    real = backends.FairseqModel.windows
 
-    class Counting(real):
-        def __init__(self, info, method, *args, **kwargs):
-            built.append((info.name, method.label))
-            super().__init__(info, method, *args, **kwargs)
+    def counting(self, length, stride, **settings):
+        built.append(("cell", length, stride))
+        return real(self, length, stride, **settings)
 
-        def evaluate(self, length, stride, per_position=False):
-            built.append(("cell", length, stride))
-            return super().evaluate(length, stride, per_position)
-
-    monkeypatch.setattr(sweep, "Evaluator", Counting)
+    monkeypatch.setattr(backends.FairseqModel, "windows", counting)
     argv = sweep_argv(lm_data_bin, resumed, alibi_checkpoint, sinusoidal_checkpoint, "--per-position")
     assert sweep.main(argv) == 0
     assert built == []  # nothing left to do
@@ -147,7 +144,8 @@ def test_resume_skips_done_cells(sweep_run, lm_data_bin, alibi_checkpoint, sinus
     assert len(after) == len(cells) + 4
 
 
-@pytest.mark.parametrize("checkpoint,label", [("alibi", "linear x2"), ("alibi", "ntk dynamic"), ("sin", "none")])
+@pytest.mark.parametrize("checkpoint,label", [("alibi", "linear x2"), ("alibi", "ntk dynamic"), ("alibi", "cap x0.5"),
+                                              ("sin", "none")])
 def test_sliding_window_matches_fairseq_eval_lm(sweep_run, lm_data_bin, alibi_checkpoint,
                                                 sinusoidal_checkpoint, alibi_user_dir, checkpoint, label):
     _, cells = sweep_run
@@ -183,6 +181,9 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, tmp_path, capsys
     fails([lm_data_bin, "-c", alibi_checkpoint, "--subset", "dev", *base], "subset 'dev' not found")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--methods", "none,cubic", *base], "unknown method 'cubic'")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--methods", "linear:0.5", *base], "must be >= 1")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--methods", "cap:0", *base], "bad factor in method 'cap:0'")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--stride", 8, *base], "--stride 8 applies to --modes sliding")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--train-length", 32, *base], "apply to --hf models only")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--modes", "sliding", *base], "needs --stride")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--modes", "overlapping", *base], "unknown mode")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--lengths", "abc", *base], "bad length 'abc'")
@@ -209,17 +210,17 @@ def test_stale_cells_are_recomputed(sweep_run, lm_data_bin, alibi_checkpoint, tm
     argv = [lm_data_bin, "-c", f"alibi={other}", "--lengths", "1x", "--methods", "none", "--max-tokens", "256",
             "--output-dir", rerun, "--cpu", "--no-progress"]
     calls = []
-    real = sweep.Evaluator.evaluate
+    real = backends.FairseqModel.windows
 
     def counting(self, *a, **k):
         calls.append(a)
         return real(self, *a, **k)
 
-    sweep.Evaluator.evaluate = counting
+    backends.FairseqModel.windows = counting
     try:
         assert sweep.main([str(a) for a in argv]) == 0
     finally:
-        sweep.Evaluator.evaluate = real
+        backends.FairseqModel.windows = real
     assert len(calls) == 1
     cell = next(c for c in json.loads((rerun / "results.json").read_text())["cells"] if c["checkpoint"] == "alibi")
     assert cell["path"] == str(other) and cell["ppl"] == pytest.approx(stored["none"], rel=1e-9)

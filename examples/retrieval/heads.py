@@ -4,12 +4,12 @@ For ``lines`` prompts of each given length, the attention of the position that
 predicts the answer's first digit is recomputed by hand in every layer and head
 (queries and keys from the model's own projections, ``q.k / sqrt(d)`` plus the
 head's bias ``-m * distance`` with the slopes the chosen method gives at that
-length) and the attention mass on the queried record's tokens is averaged over
-the prompts.  Printed: a row per (layer, head) with its slope, the mass at each
+length, the distance capped at ``C`` for ``cap``) and the attention mass on the
+queried record's tokens is averaged over the prompts.  Printed: a row per (layer, head) with its slope, the mass at each
 length, and the bias it puts on the record at the longest length.
 
     python examples/retrieval/heads.py DATA CHECKPOINT --digits 3 --lengths 128,1024 \
-        --methods none,linear:2,ntk:8
+        --methods none,linear:2,ntk:8,cap
 """
 
 from __future__ import annotations
@@ -34,14 +34,12 @@ def main(argv=None) -> int:
 
     import fairseq_alibi  # noqa: F401
     from fairseq import checkpoint_utils
-    from fairseq_alibi import alibi
     from fairseq_alibi.evaluation import prompts as P
-    from fairseq_alibi.evaluation.grid import parse_methods
+    from fairseq_alibi.evaluation.runner import method_overrides, parse_methods
 
     lengths = [int(x) for x in args.lengths.split(",")]
     for method in parse_methods(args.methods):
-        overrides = {"alibi_interpolation": method.name, "alibi_scale_factor": float(method.factor),
-                     "data": args.data}
+        overrides = dict(method_overrides(method), data=args.data)
         models, _ = checkpoint_utils.load_model_ensemble([args.checkpoint], arg_overrides=overrides)
         model = models[0].eval()
         d = model.decoder.dictionary
@@ -49,8 +47,8 @@ def main(argv=None) -> int:
         task = P.Lines(vocab, digits=args.digits)
         layers = model.decoder.layers
         heads = layers[0].self_attn.num_heads
-        base = alibi.get_slopes(heads)
-        train_length = model.decoder.alibi.scaling.train_length
+        bias = model.decoder.alibi  # the stack's bias under this method
+        base, cap = bias.base_slopes, bias.scaling.distance_cap
         captured = {}
 
         def hook(index):
@@ -70,9 +68,7 @@ def main(argv=None) -> int:
                 prompt = task.build(n, rng.randrange(5), 5, rng)
                 ids = [d.eos()] + [d.index(w) for w in prompt.prompt] + [d.index(w) for w in prompt.answer[:-1]]
                 tokens = torch.tensor([ids])
-                # the slopes of a forward over len(ids) positions (dynamic methods depend on it)
-                factor = alibi.resolve_scale_factor(method.name, method.factor, train_length, len(ids))
-                slopes = alibi.scale_slopes(base, method.name, factor)
+                slopes = bias.slopes(len(ids))  # a forward over len(ids) keys (dynamic methods depend on it)
                 with torch.no_grad():
                     logits, _ = model(tokens)
                 answer = torch.tensor([d.index(w) for w in prompt.answer])
@@ -93,6 +89,8 @@ def main(argv=None) -> int:
                     k = attn.k_proj(x[:qpos + 1]).view(qpos + 1, heads, hd).transpose(0, 1)  # [H, T, D]
                     scores = (q @ k.transpose(1, 2))[:, 0] / math.sqrt(hd)  # [H, T]
                     dist = torch.arange(qpos, -1, -1, dtype=torch.float32)
+                    if cap is not None:
+                        dist = dist.clamp(max=cap)
                     scores = scores - slopes[:, None] * dist[None, :]
                     w = torch.softmax(scores, dim=-1)
                     mass[n][li] += w[:, span].sum(-1) / args.samples
@@ -110,7 +108,7 @@ def main(argv=None) -> int:
             for h in range(heads):
                 print(f"| {li + 1} | {h + 1} | {base[h]:.4g} | "
                       + " | ".join(f"{mass[n][li, h]:.2f}" for n in lengths)
-                      + f" | {slopes_max[h]:.4g} | {-slopes_max[h] * mean_distance:.2f} |")
+                      + f" | {slopes_max[h]:.4g} | {-slopes_max[h] * min(mean_distance, cap or mean_distance):.2f} |")
         for n in lengths:
             per = digit_hits[n]
             print(f"length {n}: greedy answer token correct (teacher-forced) "

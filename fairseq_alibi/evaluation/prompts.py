@@ -297,7 +297,7 @@ class Passkey(BuiltinTask):
         body = [w for s in sentences[:at] for w in s] + needle + [w for s in sentences[at:] for w in s]
         depth = at / len(sentences) if sentences else 0.5
         return Prompt(header + body + question, number, depth,
-                      {"needle_offset": len(header) + sum(map(len, sentences[:at]))})
+                      {"needle_offset": len(header) + sum(map(len, sentences[:at])), "slots": len(sentences) + 1})
 
 
 class Lines(BuiltinTask):
@@ -347,7 +347,8 @@ class Lines(BuiltinTask):
         prompt = header + body + self.fill("question", key=[keys[target]])
         depth = target / (count - 1) if count > 1 else 0.5
         return Prompt(prompt, numbers[target], depth,
-                      {"lines": count, "key": keys[target], "needle_offset": len(header) + target * line_len})
+                      {"lines": count, "key": keys[target], "needle_offset": len(header) + target * line_len,
+                       "slots": count})
 
 
 TASKS = {task.name: task for task in (Passkey, Lines)}

@@ -1,17 +1,20 @@
 """Reports of the evaluation tools: CSV, Markdown tables and plots.
 
-``results.json`` (the resume state) is written by ``grid.ResultStore``; this
+``results.json`` (the resume state) is written by ``runner.ResultStore``; this
 module writes everything derived from the cells: ``results.csv``,
-``results.md`` and the figures.
+``results.md`` and the figures.  Tables and legends list the methods in the
+order of ``--methods`` (``rank``: a record -> its method's place).
 """
 
 from __future__ import annotations
 
 import csv
 import io
-from typing import Dict, Iterable, List, Sequence
+from typing import Callable, Dict, Iterable, List, Sequence
 
-from .grid import atomic_write
+from .runner import atomic_write
+
+Rank = Callable[[dict], int]
 
 def write_csv(path: str, cells: List[dict], fields: Sequence[str], float_fields: Sequence[str] = ()) -> None:
     """One row per cell, the columns ``fields``; floats in ``float_fields`` to 6 digits."""
@@ -37,32 +40,41 @@ def write_per_position_csv(path: str, cells: List[dict]) -> None:
     atomic_write(path, buf.getvalue())
 
 
-def sorted_cells(cells: Iterable[dict]) -> List[dict]:
-    return sorted(cells, key=lambda c: (c["checkpoint"], c["mode"], c["method"], c["factor"], c["length"], c["stride"]))
+def _row_order(rank: Rank):
+    """Rows: by checkpoint, then the --methods order."""
+    return lambda kv: (kv[0][0], rank({"method": kv[0][1], "factor": kv[0][2]}))
 
 
-def perplexity_table(cells: List[dict]) -> str:
+def _rows(cells: Iterable[dict]) -> Dict[tuple, List[dict]]:
+    """Cells by table row: (checkpoint, method, factor, label, training length)."""
+    rows: Dict[tuple, List[dict]] = {}
+    for c in cells:
+        rows.setdefault((c["checkpoint"], c["method"], c["factor"], c["label"], c.get("train_length")), []).append(c)
+    return rows
+
+
+def length_table(title: str, cells: List[dict], rank: Rank, value: Callable[[List[dict]], str]) -> List[str]:
+    """A Markdown table: a row per checkpoint and method (--methods order), a
+    column per length, ``value(cells of that length)`` in each."""
+    lengths = sorted({c["length"] for c in cells})
+    out = [f"### {title}\n", "| checkpoint | method | L train | " + " | ".join(str(n) for n in lengths) + " |",
+           "|---|---|---|" + "---|" * len(lengths)]
+    for (ckpt, _, _, label, train_length), row in sorted(_rows(cells).items(), key=_row_order(rank)):
+        vals = [[c for c in row if c["length"] == n] for n in lengths]
+        out.append(f"| {ckpt} | {label} | {train_length or ''} | " + " | ".join(value(v) if v else "" for v in vals)
+                   + " |")
+    return out + [""]
+
+
+def perplexity_table(cells: List[dict], rank: Rank) -> str:
     """One table per (mode, subset): a row per checkpoint+method, a column per length."""
     out = []
     groups: Dict[tuple, List[dict]] = {}
     for cell in cells:
         groups.setdefault((cell["mode"], cell["subset"], cell["stride"] if cell["mode"] == "sliding" else None), []).append(cell)
     for (mode, subset, stride), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
-        lengths = sorted({c["length"] for c in group})
-        rows: Dict[tuple, Dict[int, dict]] = {}
-        for c in group:
-            rows.setdefault((c["checkpoint"], c["method"], c["factor"], c["label"], c["train_length"]), {})[c["length"]] = c
         title = f"{mode}" + (f", stride {stride}" if stride else "") + f" ({subset} perplexity)"
-        out.append(f"### {title}\n")
-        out.append("| checkpoint | method | L train | " + " | ".join(str(n) for n in lengths) + " |")
-        out.append("|---|---|---|" + "---|" * len(lengths))
-        for (ckpt, _, _, label, train_length), by_len in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
-            vals = []
-            for n in lengths:
-                c = by_len.get(n)
-                vals.append(f"{c['ppl']:.2f}" if c else "")
-            out.append(f"| {ckpt} | {label} | {train_length or ''} | " + " | ".join(vals) + " |")
-        out.append("")
+        out += length_table(title, group, rank, lambda at: f"{at[0]['ppl']:.2f}")
     return "\n".join(out)
 
 
@@ -70,7 +82,11 @@ def _line_key(c: dict) -> tuple:
     return (c["checkpoint"], c["method"], c["factor"], c["label"])
 
 
-def plot_perplexity(path: str, cells: List[dict]) -> None:
+def _lines_in_order(keys: Iterable[tuple], rank: Rank) -> List[tuple]:
+    return sorted(keys, key=lambda k: (k[0], rank({"method": k[1], "factor": k[2]})))
+
+
+def plot_perplexity(path: str, cells: List[dict], rank: Rank) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,7 +100,7 @@ def plot_perplexity(path: str, cells: List[dict]) -> None:
         for c in group:
             lines.setdefault(_line_key(c), []).append(c)
         ppls = [c["ppl"] for c in group]
-        for key in sorted(lines):
+        for key in _lines_in_order(lines, rank):
             pts = sorted(lines[key], key=lambda c: c["length"])
             style = "-" if key[1] == "none" else "--"
             ax.plot([c["length"] for c in pts], [c["ppl"] for c in pts], style, marker="o", ms=3,
@@ -104,8 +120,16 @@ def plot_perplexity(path: str, cells: List[dict]) -> None:
     plt.close(fig)
 
 
-def plot_per_position(path: str, cells: List[dict]) -> None:
-    """Mean loss by position at each line's longest evaluated length."""
+#: Per-position points scored fewer times than this share of the most-scored
+#: position are left out of the plot (a sliding window's first window scores its
+#: early positions once: single tokens, mostly noise).
+THIN_SHARE = 0.1
+
+
+def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
+    """Mean loss by position at each line's longest evaluated length; positions
+    scored fewer than ``THIN_SHARE`` x the most-scored position's count are left
+    out (the title says how many times the plotted ones were scored, at least)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,9 +148,13 @@ def plot_per_position(path: str, cells: List[dict]) -> None:
             key = _line_key(c)
             if key not in longest or c["length"] > longest[key]["length"]:
                 longest[key] = c
-        for key in sorted(longest):
+        fewest = None
+        for key in _lines_in_order(longest, rank):
             c = longest[key]
-            pts = [(i, v) for i, v in enumerate(c["per_position"]) if v is not None]
+            counts = c.get("per_position_count") or [1] * len(c["per_position"])
+            floor = max(counts) * THIN_SHARE
+            pts = [(i, v) for i, (v, n) in enumerate(zip(c["per_position"], counts)) if v is not None and n >= floor]
+            fewest = min([n for n in counts if n >= floor] + ([fewest] if fewest else []))
             # Average into at most 128 bins so that long windows stay readable.
             width = max(1, len(c["per_position"]) // 128)
             xs, ys = [], []
@@ -139,7 +167,8 @@ def plot_per_position(path: str, cells: List[dict]) -> None:
             ax.axvline(train_length, color="grey", lw=0.8, ls=":")
         ax.set_xlabel("token position within the window")
         ax.set_ylabel("mean loss (bits)")
-        ax.set_title(mode + (f", stride {stride}" if mode == "sliding" else ""))
+        ax.set_title(mode + (f", stride {stride}" if mode == "sliding" else "")
+                     + f" (positions scored >= {fewest} times; rarer ones left out)", fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -148,13 +177,6 @@ def plot_per_position(path: str, cells: List[dict]) -> None:
 
 
 # ------------------------------------------------------------------ retrieval
-
-
-def _retrieval_rows(cells: List[dict]) -> Dict[tuple, List[dict]]:
-    rows: Dict[tuple, List[dict]] = {}
-    for c in cells:
-        rows.setdefault((c["checkpoint"], c["method"], c["factor"], c["label"], c.get("train_length")), []).append(c)
-    return rows
 
 
 def _pool(cells: Iterable[dict]) -> tuple:
@@ -166,36 +188,27 @@ def _pool(cells: Iterable[dict]) -> tuple:
     return correct, n, logprob
 
 
-def retrieval_tables(cells: List[dict]) -> str:
+def retrieval_tables(cells: List[dict], rank: Rank) -> str:
     """Per task: accuracy (%) by length, all depths pooled; the answer's mean log-prob
     by length; and, for JSONL tasks with groups, accuracy by group."""
     out = []
     for task in sorted({c["task"] for c in cells}):
         group = [c for c in cells if c["task"] == task]
         lengths = sorted({c["length"] for c in group})
-        rows = _retrieval_rows(group)
+        rows = _rows(group)
         depths = sorted({c["depth"] for c in group if c.get("depth") is not None})
         pooled = f", {len(depths)} depths pooled" if depths else ""
         for title, fmt in (("accuracy %", lambda k, n, lp: f"{100.0 * k / n:.0f}"),
                            ("mean answer log-prob", lambda k, n, lp: f"{lp:.2f}")):
-            if len(lengths) > 24:  # JSONL prompts of many lengths: no length columns
-                continue
-            out.append(f"### {task}: {title} by prompt length (tokens{pooled})\n")
-            out.append("| checkpoint | method | L train | " + " | ".join(str(n) for n in lengths) + " |")
-            out.append("|---|---|---|" + "---|" * len(lengths))
-            for (ckpt, _, _, label, train_length), row in sorted(rows.items(), key=lambda kv: kv[0][:3]):
-                vals = []
-                for n in lengths:
-                    at = [c for c in row if c["length"] == n]
-                    vals.append(fmt(*_pool(at)) if at else "")
-                out.append(f"| {ckpt} | {label} | {train_length or ''} | " + " | ".join(vals) + " |")
-            out.append("")
+            if len(lengths) <= 24:  # prompt files of many lengths: no length columns
+                out += length_table(f"{task}: {title} by prompt length (tokens{pooled})", group, rank,
+                                    lambda at, fmt=fmt: fmt(*_pool(at)))
         groups = sorted({c.get("group", "") for c in group})
         if groups != [""] or len(lengths) > 24:
             out.append(f"### {task}: accuracy % by group (n prompts)\n")
             out.append("| checkpoint | method | " + " | ".join(g or "(none)" for g in groups) + " | all |")
             out.append("|---|---|" + "---|" * (len(groups) + 1))
-            for (ckpt, _, _, label, _), row in sorted(rows.items(), key=lambda kv: kv[0][:3]):
+            for (ckpt, _, _, label, _), row in sorted(rows.items(), key=_row_order(rank)):
                 vals = []
                 for g in groups + [None]:
                     k, n, _ = _pool(c for c in row if g is None or c.get("group", "") == g)
@@ -205,7 +218,7 @@ def retrieval_tables(cells: List[dict]) -> str:
     return "\n".join(out)
 
 
-def plot_retrieval_accuracy(path: str, cells: List[dict]) -> None:
+def plot_retrieval_accuracy(path: str, cells: List[dict], rank: Rank) -> None:
     """Accuracy vs prompt length (log x), one line per checkpoint and method, a panel per task."""
     import matplotlib
 
@@ -216,7 +229,7 @@ def plot_retrieval_accuracy(path: str, cells: List[dict]) -> None:
     fig, axes = plt.subplots(1, len(tasks), figsize=(8.0 * len(tasks), 4.6), squeeze=False, layout="constrained")
     for ax, task in zip(axes[0], tasks):
         group = [c for c in cells if c["task"] == task]
-        for key, row in sorted(_retrieval_rows(group).items(), key=lambda kv: kv[0][:3]):
+        for key, row in sorted(_rows(group).items(), key=_row_order(rank)):
             lengths = sorted({c["length"] for c in row})
             acc = []
             for n in lengths:
@@ -237,7 +250,7 @@ def plot_retrieval_accuracy(path: str, cells: List[dict]) -> None:
     plt.close(fig)
 
 
-def plot_retrieval_depth(path: str, cells: List[dict]) -> None:
+def plot_retrieval_depth(path: str, cells: List[dict], rank: Rank) -> None:
     """Depth x length accuracy heatmaps: a row per checkpoint (and task), a column per method."""
     import matplotlib
 
@@ -245,7 +258,8 @@ def plot_retrieval_depth(path: str, cells: List[dict]) -> None:
     import matplotlib.pyplot as plt
 
     rows = sorted({(c["checkpoint"], c["task"]) for c in cells})
-    methods = sorted({(c["method"], c["factor"], c["label"]) for c in cells})
+    methods = sorted({(c["method"], c["factor"], c["label"]) for c in cells},
+                     key=lambda m: rank({"method": m[0], "factor": m[1]}))
     fig, axes = plt.subplots(len(rows), len(methods), figsize=(2.6 * len(methods) + 1.2, 2.5 * len(rows) + 0.4),
                              squeeze=False, layout="constrained")
     image = None

@@ -1,0 +1,200 @@
+"""The Hugging Face backend of the evaluation runner (``--hf``).
+
+A transformers model (a local directory or a hub name: BLOOM, MPT, Falcon
+with ALiBi, or a model exported by ``alibi-export-hf``) loaded by
+``hf.load_hf_model``, each method applied with ``hf.apply_alibi_scaling``,
+text read through the model's own tokenizer.  For perplexity, DATA is a raw
+text file, scored in the windows ``fairseq-eval-lm`` would use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+from ..alibi import Scaling
+from ..errors import EvaluationError
+from .backends import Described, answer_result
+from .prompts import Vocabulary
+from .runner import ModelInfo, file_identity, parse_named
+
+
+def model_identity(model: str) -> str:
+    """A directory's files (names, sizes, mtimes) or a hub name: a stored cell
+    is reused only while these are unchanged."""
+    if not os.path.isdir(model):
+        return f"hub:{model}"
+    parts = []
+    for entry in sorted(os.listdir(model)):
+        st = os.stat(os.path.join(model, entry))
+        parts.append(f"{entry}={st.st_size}:{st.st_mtime_ns}")
+    return f"{os.path.abspath(model)}:{hashlib.sha1(';'.join(parts).encode()).hexdigest()[:16]}"
+
+
+class HFEncoder:
+    """Text -> token ids through the model's own tokenizer (no dictionary to check)."""
+
+    subword = True
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        bos = tokenizer.bos_token_id
+        self.prefix = [bos] if bos is not None else []  # as fairseq prepends its eos
+
+    def vocabulary(self) -> Vocabulary:
+        return Vocabulary(None)
+
+    def words(self, words: Sequence[str]) -> List[int]:
+        return self.encode(" ".join(words))
+
+    def encode(self, text: str, where: str = "") -> List[int]:
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        unk = self.tokenizer.unk_token_id
+        if unk is not None and unk in ids:
+            missing = sorted({w for w in text.split()
+                              if unk in self.tokenizer(w, add_special_tokens=False)["input_ids"]})
+            raise EvaluationError(
+                f"{where}{len(missing)} word(s) the model's tokenizer reads as {self.tokenizer.unk_token}: "
+                f"{', '.join(missing[:20])}; rewrite them with words it knows (none is silently unknown)"
+            )
+        return ids
+
+
+class HFBackend:
+    """Hugging Face causal LMs with ALiBi; for perplexity (``text_file``) DATA is a text file."""
+
+    def __init__(self, args, text_file: bool):
+        self.cpu, self.dtype, self.train_length = args.cpu, args.dtype, args.train_length
+        self.quiet = getattr(args, "no_progress", False)
+        if args.train_length is not None and args.train_length < 1:
+            raise EvaluationError(f"--train-length {args.train_length} is not valid: a positive number of tokens")
+        self.text = None
+        if text_file:
+            self.text = read_text(args.data)
+            self.data_identity = f"{os.path.abspath(args.data)}={file_identity(args.data)}|{args.dtype}"
+        elif args.data:
+            raise EvaluationError("--hf models read their prompts through their own tokenizer: give no DATA "
+                                  "directory with --hf")
+        else:
+            self.data_identity = f"hf|{args.dtype}"
+
+    def specs(self, args) -> List[Tuple[str, str]]:
+        """``[NAME=]MODEL`` (a directory or a hub name)."""
+        return parse_named(args.hf, lambda m: os.path.basename(os.path.normpath(m)) or m, "models")
+
+    def describe(self, name: str, spec: str) -> Described:
+        from .. import hf
+
+        model, tokenizer = hf.load_hf_model(spec, device="cpu" if self.cpu else _device(), dtype=self.dtype)
+        family, _ = hf._resolve(model)  # refuses anything but the supported ALiBi families
+        train_length = self.train_length or hf.hf_train_length(model.config)
+        info = ModelInfo(name, spec, f"hf:{family}", type(model).__name__, True, train_length,
+                         f"{model_identity(spec)}|L={self.train_length}")
+        return Described(info, HFEncoder(tokenizer), model)
+
+    def load(self, described: Described, max_length: int) -> "HFModel":
+        return HFModel(described, self.text)
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def read_text(path: Optional[str]) -> str:
+    """The text of ``alibi-sweep --hf DATA`` (UTF-8, not empty)."""
+    if not path or not os.path.isfile(path):
+        raise EvaluationError(f"with --hf, DATA is a raw text file; {path} is not a file")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as exc:
+        raise EvaluationError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    if not text.strip():
+        raise EvaluationError(f"{path} is empty")
+    return text
+
+
+class HFModel:
+    """One Hugging Face model, loaded once, under one method at a time."""
+
+    def __init__(self, described: Described, text: Optional[str] = None):
+        self.info, self.model, self.encoder = described.info, described.source, described.encoder
+        described.source = None
+        self.text = text  # the perplexity text (alibi-sweep), encoded on first use
+        self.method = Scaling()
+        self.tokens = None
+
+    def use(self, method: Scaling) -> None:
+        from .. import hf
+
+        scaling = Scaling(method.method, method.factor, self.info.train_length)
+        if scaling.needs_train_length and scaling.train_length is None:
+            raise EvaluationError(
+                f"{self.info.name}: {method.label} needs the training length, which the model's config "
+                "does not record; pass --train-length L"
+            )
+        hf.apply_alibi_scaling(self.model, scaling)
+        self.method = method
+
+    def close(self) -> None:
+        from .. import hf
+
+        hf.remove_alibi_scaling(self.model)
+        self.model = None
+
+    def effective_factor(self, length: int) -> float:
+        return Scaling(self.method.method, self.method.factor, self.info.train_length).factor_at(length)
+
+    def answer_scores(self, batch: Sequence[Tuple[List[int], List[int]]]) -> List[Tuple[bool, float, List[int]]]:
+        """Greedy exact match and the answer's mean log-probability, one teacher-forced
+        forward per sequence (the tokenizer's bos prepended where it has one)."""
+        import torch
+
+        from .. import hf
+
+        _, base = hf._resolve(self.model)
+        head = self.model.get_output_embeddings()
+        device = next(self.model.parameters()).device
+        out = []
+        with torch.inference_mode():
+            for prompt, answer in batch:
+                ids = torch.tensor(self.encoder.prefix + list(prompt) + list(answer[:-1]), device=device)[None]
+                hidden = base(input_ids=ids, use_cache=False).last_hidden_state[0, -len(answer):]
+                out.append(answer_result(head(hidden).float().log_softmax(-1), answer))
+        return out
+
+    def windows(self, length: int, stride: int, **unused) -> Tuple[int, Iterator]:
+        """(tokens to score, iterator of (log-probs, positions in the window)):
+        every token after the first scored once, in blocks of ``stride`` tokens,
+        each predicted with the ``length - stride`` tokens before the block as
+        extra context (at most ``length`` inputs per window): the windows of
+        ``fairseq-eval-lm --tokens-per-sample length --context-window (length - stride)``."""
+        if self.tokens is None:
+            import torch
+
+            self.tokens = torch.tensor(self.encoder.encode(self.text), dtype=torch.long)
+        if self.tokens.numel() < 2:
+            raise EvaluationError(f"{self.info.name}: the text has fewer than 2 tokens")
+        return self.tokens.numel() - 1, self._scored(length, stride)
+
+    def _scored(self, length: int, stride: int):
+        import torch
+
+        from .. import hf
+
+        tokens, n, context = self.tokens, self.tokens.numel(), length - stride
+        end = 1  # tokens before `end` are scored (token 0 has no context)
+        while end < n:
+            new_end = min(end + stride, n)  # this window scores tokens end .. new_end - 1
+            begin = max(0, end - 1 - context)  # its inputs: begin .. new_end - 2
+            logprobs = hf.token_log_probs(self.model, tokens[begin: new_end - 1], next_token=int(tokens[new_end - 1]))
+            scored = logprobs[-(new_end - end):]
+            yield scored, torch.arange(logprobs.numel() - scored.numel(), logprobs.numel())
+            end = new_end
+
+    def command(self, length: int, stride: int, **unused) -> str:
+        return (f"alibi-sweep TEXT --hf {self.info.name}={self.info.path} --lengths {length}"
+                + (f" --modes sliding --stride {stride}" if stride != length else ""))

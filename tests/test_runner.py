@@ -1,0 +1,216 @@
+"""The evaluation runner (``evaluation/runner.py``), tested once for every tool:
+the axes, resuming, cell identities, loading each model once, the order of
+--methods in reports, and the output-directory lock (with two real processes).
+
+A toy backend and a toy measure stand in for the real ones: the rules are the
+runner's, whatever is measured.  The real tools run through the same code
+(tests/test_sweep.py, test_retrieval.py, test_hf.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import cli_env, tool
+
+from fairseq_alibi.alibi import Scaling
+from fairseq_alibi.errors import EvaluationError
+from fairseq_alibi.evaluation import runner
+from fairseq_alibi.evaluation.backends import Described
+from fairseq_alibi.evaluation.runner import Cell, ModelInfo
+
+
+class ToyModel:
+    def __init__(self, log, info):
+        self.log, self.info, self.method = log, info, None
+
+    def use(self, method):
+        self.log.append(("use", self.info.name, method.spelling))
+        self.method = method
+
+    def close(self):
+        self.log.append(("close", self.info.name))
+
+
+class ToyBackend:
+    """Models ``NAME=VALUE``: VALUE is the model's identity (changing it is a new file)."""
+
+    data_identity = "toy-data"
+
+    def __init__(self, log):
+        self.log = log
+
+    def specs(self, args):
+        return runner.parse_named(args.checkpoint, lambda v: v, "checkpoints")
+
+    def describe(self, name, value):
+        self.log.append(("describe", name))
+        return Described(ModelInfo(name, value, "toy", "toy", True, 8, value), encoder=None)
+
+    def load(self, described, max_length):
+        self.log.append(("load", described.info.name, max_length))
+        return ToyModel(self.log, described.info)
+
+
+class ToyMeasure:
+    tool = "toy-tool"
+
+    def __init__(self, log, cells=(1, 2, 3)):
+        self.log, self.ns = log, cells
+
+    def settings_identity(self):
+        return "s"
+
+    def meta(self):
+        return {}
+
+    def cells(self, described):
+        return [Cell((n,), n, f"n={n}") for n in self.ns]
+
+    @staticmethod
+    def max_length(cells):
+        return max(c.data for c in cells)
+
+    @staticmethod
+    def needs_run(stored):
+        return stored is None
+
+    @staticmethod
+    def cell_key(record):
+        return (record["n"],)
+
+    @staticmethod
+    def order(record):
+        return (record["checkpoint"], record["method"], record["factor"], record["n"])
+
+    def run(self, model, method, cell):
+        self.log.append(("run", model.info.name, method.spelling, cell.data))
+        return {"n": cell.data, "value": cell.data * 10 + len(method.spelling)}
+
+    @staticmethod
+    def log_line(record):
+        return f"{record['checkpoint']} {record['label']} {record['n']}"
+
+    def report(self, outdir, cells, methods):
+        rank = runner.method_rank(methods)
+        rows = sorted({(c["checkpoint"], c["label"], rank(c)) for c in cells}, key=lambda r: (r[0], r[2]))
+        (outdir / "results.md").write_text("\n".join(f"{name} {label}" for name, label, _ in rows))
+
+
+def toy_run(tmp_path, checkpoints, methods="none,ntk:2,cap", cells=(1, 2, 3)):
+    log = []
+    args = argparse.Namespace(checkpoint=list(checkpoints), methods=methods, output_dir=tmp_path, no_progress=True)
+    results = runner.run(args, runner.parse_methods(methods), ToyMeasure(log, cells), ToyBackend(log))
+    return log, results
+
+
+def runs(log):
+    return [entry[1:] for entry in log if entry[0] == "run"]
+
+
+def test_every_model_described_and_loaded_once_methods_in_turn(tmp_path):
+    log, results = toy_run(tmp_path, ["a=1", "b=1"])
+    assert [e for e in log if e[0] == "describe"] == [("describe", "a"), ("describe", "b")]
+    assert [e for e in log if e[0] == "load"] == [("load", "a", 3), ("load", "b", 3)]
+    assert [e for e in log if e[0] == "use" and e[1] == "a"] == [("use", "a", m) for m in ("none", "ntk:2", "cap")]
+    assert len(runs(log)) == 2 * 3 * 3 and len(results) == 18
+    # every model described (validated) before the first one is loaded
+    assert log.index(("describe", "b")) < log.index(("load", "a", 3))
+    record = next(r for r in results if r["checkpoint"] == "a" and r["method"] == "cap")
+    assert (record["label"], record["factor"], record["train_length"], record["value"]) == ("cap x1", 1.0, 8, 13)
+
+
+def test_resume_reuses_cells_of_unchanged_models_only(tmp_path):
+    toy_run(tmp_path, ["a=1", "b=1"])
+    log, _ = toy_run(tmp_path, ["a=1", "b=1"])
+    assert runs(log) == [] and not [e for e in log if e[0] == "load"]  # nothing left: nothing loaded
+    log, results = toy_run(tmp_path, ["a=2"], cells=(1, 2, 3, 4))  # a's file changed, one more cell
+    assert sorted(runs(log)) == sorted(("a", m, n) for m in ("none", "ntk:2", "cap") for n in (1, 2, 3, 4))
+    assert {r["checkpoint"] for r in results} == {"a", "b"}  # b's cells are kept as they are
+    stored = json.loads((tmp_path / "results.json").read_text())
+    assert len(stored["cells"]) == 3 * 4 + 3 * 3 and stored["meta"]["methods"] == ["none", "ntk:2", "cap"]
+
+
+def test_reports_list_methods_in_the_order_given(tmp_path):
+    toy_run(tmp_path, ["a=1"], methods="cap,none,ntk:2")
+    assert (tmp_path / "results.md").read_text().splitlines() == ["a cap x1", "a none", "a ntk x2"]
+
+
+def test_a_damaged_or_foreign_results_file_is_named(tmp_path):
+    (tmp_path / "results.json").write_text('{"cells": [{"checkpoint": "a"}]}')
+    with pytest.raises(EvaluationError, match="cannot read previous results .*another tool's results, or damaged"):
+        toy_run(tmp_path, ["a=1"])
+    (tmp_path / "results.json").write_text("{not json")
+    with pytest.raises(EvaluationError, match="delete it to start over"):
+        toy_run(tmp_path, ["a=1"])
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("cubic", "unknown method 'cubic'"), ("ntk:0.5", "bad factor in method 'ntk:0.5'"),
+    ("cap:0", "bad factor in method 'cap:0'"), ("none:2", "unknown method 'none:2'"), ("", "no methods given"),
+])
+def test_bad_methods(spec, message):
+    with pytest.raises(EvaluationError, match=message):
+        runner.parse_methods(spec)
+
+
+def test_axes():
+    assert runner.parse_methods("none,ntk,ntk:dynamic,cap:1,cap") == [Scaling(), Scaling("ntk"), Scaling("cap", 1)]
+    assert runner.resolve_lengths(runner.parse_lengths("2k,1x,0.5x,64"), 64) == [32, 64, 2048]
+    for bad in ("abc", "-1", "0x", "nanx", "infx"):
+        with pytest.raises(EvaluationError, match="bad length"):
+            runner.parse_lengths(bad)
+    with pytest.raises(EvaluationError, match="relative lengths .* need the model's training length"):
+        runner.resolve_lengths(runner.parse_lengths("2x"), None)
+    with pytest.raises(EvaluationError, match="two checkpoints named 'a'"):
+        runner.parse_named(["a=x", "a=y"], str, "checkpoints")
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("")
+    with pytest.raises(EvaluationError, match="is a file, not a directory"):
+        toy_run(target, ["a=1"])
+
+
+def test_a_second_writer_of_the_same_output_dir_is_refused(lm_data_bin, alibi_checkpoint, tmp_path):
+    """Two real alibi-sweep processes on one --output-dir: the second stops at once
+    with one line naming the first; the first finishes every cell."""
+    out = tmp_path / "o"
+    argv = [tool("alibi-sweep"), str(lm_data_bin), "-c", f"alibi={alibi_checkpoint}", "--lengths", "1x,2x,4x,8x",
+            "--methods", "none,linear:2,ntk:2,cap", "--output-dir", str(out), "--cpu", "--no-progress"]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
+    deadline = time.time() + 240
+    while not (out / "results.json").exists() and first.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert first.poll() is None, "the first run ended before the second could start"
+    second = subprocess.run(argv, capture_output=True, text=True, env=cli_env(), timeout=240)
+    assert second.returncode == 1, second.stderr[-2000:]
+    last = second.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "is being written by alibi-sweep (pid" in last and str(first.pid) in last
+    _, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0, stderr[-2000:]
+    assert len(json.loads((out / "results.json").read_text())["cells"]) == 4 * 4
+    again = subprocess.run(argv, capture_output=True, text=True, env=cli_env(), timeout=240)
+    assert again.returncode == 0  # the lock went with the first process
+
+
+def test_lock_is_released_when_the_holder_dies(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from fairseq_alibi.evaluation.runner import OutputLock;"
+         f"lock = OutputLock({str(tmp_path)!r}, 'holder').__enter__(); print('held', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True, env=cli_env(),
+    )
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(EvaluationError, match="is being written by holder"):
+        toy_run(tmp_path, ["a=1"])
+    holder.kill()
+    holder.wait()
+    log, _ = toy_run(tmp_path, ["a=1"])
+    assert len(runs(log)) == 9
