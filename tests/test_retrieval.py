@@ -363,3 +363,31 @@ def test_heads_example_runs(kv_data_bin, kv_checkpoint):
             mass = float(line.split("|")[4])
             assert 0.0 <= mass <= 1.0
     assert rows["none"] == rows["cap x2"] and rows["none"] != rows["ntk x4"]
+
+
+def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
+    """examples/retrieval/summary.py pools runs: the mean and [min, max] of each
+    method's accuracy at each length equal those computed from the runs' cells,
+    rows in the --methods order."""
+    runs = {}
+    for seed in (1, 2):
+        out = tmp_path / f"seed{seed}"
+        argv = [str(kv_data_bin), "-c", f"kv={kv_checkpoint}", "--task", "lines", "--digits", "2", "--lengths",
+                "48,100", "--methods", "ntk,none,cap", "--depths", "1", "--samples", "3", "--seed", str(seed),
+                "--output-dir", str(out), "--cpu", "--no-progress"]
+        assert retrieval.main(argv) == 0
+        runs[f"s{seed}"] = json.loads((out / "results.json").read_text())["cells"]
+    plot = tmp_path / "methods.png"
+    result = run_cli([sys.executable, EXAMPLES / "retrieval" / "summary.py", "--checkpoint", "kv", "--plot", plot,
+                      *(f"{name}={tmp_path / ('seed' + name[1:])}/results.json" for name in runs)])
+    table = result.stdout.split("\n\n")[1].splitlines()
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["ntk dynamic", "none", "cap x1"]
+    for row in table[2:]:
+        label = row.split("|")[1].strip()
+        for length, shown in zip((48, 100), row.split("|")[2:4]):
+            values = [100 * sum(c["correct"] for c in cells if c["label"] == label and c["length"] == length)
+                      / sum(c["n"] for c in cells if c["label"] == label and c["length"] == length)
+                      for cells in runs.values()]
+            expected = f"{sum(values) / 2:.0f} [{min(values):.0f}, {max(values):.0f}]"
+            assert shown.strip() == expected
+    assert plot.stat().st_size > 0

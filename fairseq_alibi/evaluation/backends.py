@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-from ..alibi import Scaling
+from ..alibi import Scaling, ScalingError
 from ..errors import EvaluationError
 from .prompts import Vocabulary
 from .runner import ModelInfo, check_checkpoint_paths, file_identity, method_overrides, parse_named
@@ -193,9 +193,11 @@ class FairseqModel:
         from ..attention import biases
 
         if self.info.alibi:
-            found = biases(self.model)
-            for bias in found:
-                bias.rescale(Scaling(method.method, method.factor, bias.scaling.train_length))
+            for bias in biases(self.model):
+                try:
+                    bias.rescale(Scaling(method.method, method.factor, bias.scaling.train_length))
+                except ScalingError as exc:
+                    raise EvaluationError(f"{self.info.name}: {method.label}: {exc.reason}") from None
         elif method.method != "none":
             raise EvaluationError(f"{self.info.name}: context-extension methods apply to ALiBi models only")
         self.method = method
