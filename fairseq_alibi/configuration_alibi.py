@@ -63,10 +63,9 @@ def scaling_from_hf(value: Any, train_length: Optional[int]) -> Scaling:
     ``train_length`` is the model's ``alibi_train_length``, which the cap uses;
     a dynamic method uses its own ``train_seq_len``.
     """
-    if value is None:
-        return Scaling()
-    method = _check_keys(value)
-    has_factor, has_length = "factor" in value, "train_seq_len" in value
+    method = "none" if value is None else _check_keys(value)
+    given = value or {}
+    has_factor, has_length = "factor" in given, "train_seq_len" in given
     if method == "none" and (has_factor or has_length):
         raise _invalid(value, "type 'none' takes neither factor nor train_seq_len")
     if method in SLOPE_METHODS and has_factor == has_length:
@@ -74,7 +73,7 @@ def scaling_from_hf(value: Any, train_length: Optional[int]) -> Scaling:
                               "(dynamic, max(1, length / N)), exactly one of them")
     if method == "cap" and (has_length or not has_factor):
         raise _invalid(value, 'cap takes "factor": F alone (the cap in training lengths, alibi_train_length)')
-    factor = value.get("factor", 0.0)
+    factor = given.get("factor", 0.0)
     lowest = 1 if method in SLOPE_METHODS else 0
     if has_factor and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= lowest
                        or factor == 0):
@@ -107,7 +106,9 @@ class AlibiLMConfig(PreTrainedConfig):
     ``adaptive_input`` (``{"cutoff", "factor", "initial_dim"}``) and
     ``adaptive_softmax`` (``{"cutoff", "factor", "dropout", "tie_weights",
     "tie_proj"}``) describe fairseq's adaptive embedding and softmax; ``None``
-    for a plain embedding and output projection.
+    for a plain embedding and output projection.  Ids ``vocab_size`` to
+    ``vocab_size + unk_aliases - 1`` are tokenizer pieces the fairseq dictionary
+    lacks (a subword tokenizer's), read as ``unk_token_id`` as fairseq reads them.
     """
 
     model_type = MODEL_TYPE
@@ -142,6 +143,8 @@ class AlibiLMConfig(PreTrainedConfig):
     alibi_train_length: Optional[int] = None
     alibi_scaling: Optional[dict] = None
     alibi_attention: str = "auto"
+    unk_aliases: int = 0
+    unk_token_id: Optional[int] = 3
     use_cache: bool = True
     bos_token_id: Optional[int] = 2
     eos_token_id: Optional[int] = 2

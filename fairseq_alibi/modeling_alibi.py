@@ -284,6 +284,36 @@ class AlibiPreTrainedModel(PreTrainedModel):
                         scale.fill_(1.0)
 
 
+def key_padding(attention_mask: Optional[Tensor], batch: int, keys: int) -> Optional[Tensor]:
+    """``[B, S]`` True at padded keys, or None (no mask, or nothing padded)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, keys):
+        raise ValueError(
+            f"attention_mask must be 2-D [batch, cached + new tokens] = [{batch}, {keys}], "
+            f"got shape {tuple(attention_mask.shape)}"
+        )
+    pad = attention_mask == 0
+    return pad if bool(pad.any()) else None
+
+
+def row_groups(alibi: AlibiBias, static: Dict[float, AlibiBias], pad: Optional[Tensor]):
+    """``[(rows, bias)]``: the stack's bias for the whole batch, or with dynamic
+    scaling and padding one static bias (kept in ``static``) per factor
+    ``max(1, row keys / L)``, so that a padded row scores as its unpadded run."""
+    scaling = alibi.scaling
+    if pad is None or not scaling.dynamic:
+        return [(None, alibi)]
+    factors = [scaling.factor_at(int(n)) for n in (~pad).sum(-1).tolist()]
+    groups = []
+    for factor in sorted(set(factors)):
+        if factor not in static:
+            static[factor] = AlibiBias(alibi.num_heads, "causal", Scaling(scaling.method, factor, scaling.train_length))
+        rows = torch.tensor([i for i, f in enumerate(factors) if f == factor], device=pad.device)
+        groups.append((rows, static[factor]))
+    return groups
+
+
 class AlibiLMModel(AlibiPreTrainedModel):
     """The decoder: embeddings, layers, final norm and output projection to
     ``output_embed_dim`` (``last_hidden_state`` is what the output layer reads)."""
@@ -301,7 +331,12 @@ class AlibiLMModel(AlibiPreTrainedModel):
         self.layers = nn.ModuleList(AlibiDecoderLayer(config, i) for i in range(config.layers))
         self.layer_norm = nn.LayerNorm(dim, eps=eps) if config.final_layer_norm else None
         self.project_out_dim = nn.Linear(dim, config.output_embed_dim, bias=False) if config.project_out else None
-        self.alibi = AlibiBias(config.attention_heads, "causal", config.scaling())
+        # scaling_from_hf of this file's siblings: transformers may load configuration_alibi.py a
+        # second time, as another module, with its own alibi.Scaling class.  On the CPU: from_pretrained
+        # builds models on the meta device, and the slopes are data, not weights.
+        with torch.device("cpu"):
+            self.alibi = AlibiBias(config.attention_heads, "causal",
+                                   scaling_from_hf(config.alibi_scaling, config.alibi_train_length))
         self.kernel = check_kernel(config.alibi_attention, self.alibi, config.attention_dropout)
         self._row_biases: Dict[float, AlibiBias] = {}
         self.post_init()
@@ -312,46 +347,29 @@ class AlibiLMModel(AlibiPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def set_alibi_scaling(self, scaling: Scaling) -> None:
-        """Use ``scaling`` from the next forward on (every cached bias dropped)."""
+    def set_alibi_scaling(self, value) -> None:
+        """Context extension from the next forward on: an ``alibi_scaling`` dict
+        (see ``configuration_alibi``), None, or an ``alibi.Scaling``; the config follows."""
+        if isinstance(value, Scaling):
+            scaling = value.complete()
+            if scaling.method == "cap" and scaling.train_length != self.config.alibi_train_length:
+                raise ValueError(f"cap counts in the model's training length alibi_train_length="
+                                 f"{self.config.alibi_train_length}, got train_length={scaling.train_length}")
+        else:
+            scaling = scaling_from_hf(value, self.config.alibi_train_length)
         self.alibi.rescale(scaling)
         self._row_biases.clear()
+        self.config.alibi_scaling = scaling_to_hf(scaling)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """fairseq's order: scale, quant-noise projection, input projection, layer norm, dropout."""
+        if self.config.unk_aliases:
+            input_ids = input_ids.masked_fill(input_ids >= self.config.vocab_size, self.config.unk_token_id)
         x = self.config.embed_scale * self.embed_tokens(input_ids)
         for module in (self.quant_noise, self.project_in_dim, self.layernorm_embedding):
             if module is not None:
                 x = module(x)
         return F.dropout(x, self.config.dropout, self.training)
-
-    def key_padding(self, attention_mask: Optional[Tensor], batch: int, keys: int) -> Optional[Tensor]:
-        """``[B, S]`` True at padded keys, or None (no mask, or nothing padded)."""
-        if attention_mask is None:
-            return None
-        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, keys):
-            raise ValueError(
-                f"attention_mask must be 2-D [batch, cached + new tokens] = [{batch}, {keys}], "
-                f"got shape {tuple(attention_mask.shape)}"
-            )
-        pad = attention_mask == 0
-        return pad if bool(pad.any()) else None
-
-    def row_groups(self, pad: Optional[Tensor]):
-        """``[(rows, bias)]``: the stack's bias for the whole batch, or with dynamic
-        scaling and padding one static bias per factor ``max(1, row keys / L)``."""
-        scaling = self.alibi.scaling
-        if pad is None or not scaling.dynamic:
-            return [(None, self.alibi)]
-        factors = [scaling.factor_at(int(n)) for n in (~pad).sum(-1).tolist()]
-        groups = []
-        for factor in sorted(set(factors)):
-            if factor not in self._row_biases:
-                static = Scaling(scaling.method, factor, scaling.train_length)
-                self._row_biases[factor] = AlibiBias(self.config.attention_heads, "causal", static)
-            rows = torch.tensor([i for i, f in enumerate(factors) if f == factor], device=pad.device)
-            groups.append((rows, self._row_biases[factor]))
-        return groups
 
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 past_key_values=None, inputs_embeds=None, use_cache: Optional[bool] = None,
@@ -364,9 +382,9 @@ class AlibiLMModel(AlibiPreTrainedModel):
             past_key_values = DynamicCache()
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         batch, length = input_ids.shape
-        pad = self.key_padding(attention_mask, batch, past + length)
-        context = AttentionContext(past_key_values, past, pad, self.row_groups(pad), self.kernel,
-                                   bool(output_attentions))
+        pad = key_padding(attention_mask, batch, past + length)
+        context = AttentionContext(past_key_values, past, pad, row_groups(self.alibi, self._row_biases, pad),
+                                   self.kernel, bool(output_attentions))
         query_pad = pad[:, past:, None] if pad is not None else None
         x = self.embed(input_ids)
         states, attentions = [x], []
@@ -407,17 +425,8 @@ class AlibiForCausalLM(AlibiPreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     def set_alibi_scaling(self, value) -> None:
-        """Context extension from the next forward on: an ``alibi_scaling`` dict
-        (see ``configuration_alibi``), None, or an ``alibi.Scaling``; the config follows."""
-        if isinstance(value, Scaling):
-            scaling = value.complete()
-            if scaling.method == "cap" and scaling.train_length != self.config.alibi_train_length:
-                raise ValueError(f"cap counts in the model's training length alibi_train_length="
-                                 f"{self.config.alibi_train_length}, got train_length={scaling.train_length}")
-        else:
-            scaling = scaling_from_hf(value, self.config.alibi_train_length)
-        self.model.set_alibi_scaling(scaling)
-        self.config.alibi_scaling = scaling_to_hf(scaling)
+        """``AlibiLMModel.set_alibi_scaling`` of the decoder."""
+        self.model.set_alibi_scaling(value)
 
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 past_key_values=None, inputs_embeds=None, labels: Optional[Tensor] = None,
