@@ -599,3 +599,55 @@ def test_alibi_sweep_hf_accepts_an_exported_model(data_dir, tmp_path):
                      "--output-dir", str(tmp_path / "sweep"), "--no-progress", "--cpu"])
     cells = json.loads((tmp_path / "sweep" / "results.json").read_text())["cells"]
     assert {(c["length"], c["method"]) for c in cells} >= {(L, "none"), (2 * L, "ntk")}
+
+
+# ------------------------------------------------------------------ lm-evaluation-harness
+HARNESS_TASK = """task: alibi_export_check
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+  cache_dir: {cache}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: " {{{{continuation}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+"""
+
+
+def test_lm_eval_harness_log_likelihoods_equal_fairseq(data_dir, tmp_path, monkeypatch):
+    """lm_eval's Python API, offline, on a local task: ``--model hf`` with trust_remote_code."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import dynamic_module_utils
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    model, cfg = build(data_dir, VARIANTS["prenorm-gelu-tied-lnemb"])
+    out = exported(model, cfg, tmp_path)
+    docs = []
+    for n, (context, continuation) in enumerate([(3 * L, 5), (L // 2, 1), (4 * L - 4, 3)]):
+        ids = tokens(context + continuation, seed=n)[0, 1:].tolist()
+        docs.append({"context": " ".join(f"w{i - 4}" for i in ids[:context - 1]),
+                     "continuation": " ".join(f"w{i - 4}" for i in ids[context - 1:]), "ids": ids})
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "check.yaml").write_text(HARNESS_TASK.format(data=tmp_path / "docs.jsonl",
+                                                                       cache=tmp_path / "datasets"))
+    results = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={out},trust_remote_code=True,dtype=float32", tasks=["alibi_export_check"],
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False), device="cpu",
+        batch_size=1, log_samples=True, bootstrap_iters=0)
+    samples = sorted(results["samples"]["alibi_export_check"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(docs)
+    for sample, doc in zip(samples, docs):
+        ids = torch.tensor([[2] + doc["ids"]])  # lm_eval feeds the tokenizer's </s> first, as fairseq does
+        logp = fairseq_log_probs(model, ids[:, :-1])[0]
+        scored = len(doc["continuation"].split())
+        expected = logp[-scored:].gather(-1, ids[0, -scored:, None]).sum().item()
+        assert sample["filtered_resps"][0][0] == pytest.approx(expected, abs=1e-4), doc["context"][:20]
