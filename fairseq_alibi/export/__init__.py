@@ -25,6 +25,7 @@ import torch
 
 from ..alibi import Scaling, ScalingError
 from ..errors import ExportError, report_errors
+from ..hf import quiet_transformers
 from .source import Source, load_source
 from .writer import check_output_dir, staged_directory, traveling_files
 
@@ -97,7 +98,7 @@ def export(checkpoint: str, output_dir: str, fmt: str = "custom", alibi_scaling:
     source.unk_aliases = max(0, len(tokenizer) - len(source.dictionary))
     model = build_model(source, fmt, scaling)
     difference = self_check(source, model, scaling)
-    with staged_directory(output_dir, force) as stage:
+    with staged_directory(output_dir, force) as stage, quiet_transformers():
         model.to(DTYPES[dtype]).save_pretrained(stage)
         if fmt == "custom":
             for path in traveling_files():
