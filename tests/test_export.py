@@ -469,6 +469,15 @@ def test_bad_inputs_are_one_error_line_each(data_dir, tmp_path):
     assert (tmp_path / "full" / "keep.txt").read_text() == "x" and not (tmp_path / "o").exists()
 
 
+def test_command_line_module_reports_one_error_line(tmp_path):
+    """``python -m fairseq_alibi.export`` (what the alibi-export-hf console script runs)."""
+    env = cli_env(PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "fairseq_alibi.export", str(tmp_path / "none.pt"),
+                             str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert one_error_line(result.stderr) == f"error: checkpoint file not found: {tmp_path / 'none.pt'}"
+
+
 def test_dynamic_scaling_without_a_training_length_is_refused(data_dir):
     from fairseq_alibi.export import Source, resolve_scaling
 
