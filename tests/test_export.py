@@ -280,13 +280,16 @@ def test_left_padded_rows_score_as_their_unpadded_runs(data_dir, tmp_path):
 
 
 def fairseq_greedy(model, prompt: torch.Tensor, steps: int) -> list:
-    """Greedy decoding with fairseq's incremental state, one token at a time."""
+    """Greedy decoding with fairseq's incremental state, one token at a time,
+    never ``<pad>`` (fairseq's SequenceGenerator sets its log-prob to -inf)."""
     state, out = {}, prompt[0].tolist()
     with torch.no_grad():
         for t in range(len(out) + steps - 1):
             net_output = model.decoder(torch.tensor([out[: t + 1]]), incremental_state=state)
             if t + 1 >= len(out):
-                out.append(int(model.get_normalized_probs(net_output, log_probs=True)[0, -1].argmax()))
+                logp = model.get_normalized_probs(net_output, log_probs=True)[0, -1]
+                logp[1] = float("-inf")
+                out.append(int(logp.argmax()))
     return out
 
 
@@ -299,6 +302,7 @@ def test_generate_equals_fairseq_greedy_decoding_and_the_cache_equals_a_full_for
     attention.rescale(model, alibi.Scaling("linear", 2.0, L))
     prompt = tokens(L)
     steps = 3 * L
+    assert loaded.generation_config.suppress_tokens == [1]
     generated = loaded.generate(prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None,
                                 pad_token_id=1, min_new_tokens=steps)
     assert generated[0].tolist() == fairseq_greedy(model, prompt, steps)

@@ -97,6 +97,7 @@ def export(checkpoint: str, output_dir: str, fmt: str = "custom", alibi_scaling:
     tokenizer = build_tokenizer(source, bpe_files or {})
     source.unk_aliases = max(0, len(tokenizer) - len(source.dictionary))
     model = build_model(source, fmt, scaling)
+    model.generation_config.suppress_tokens = [source.dictionary.pad()]  # fairseq's generator never emits <pad>
     difference = self_check(source, model, scaling)
     with staged_directory(output_dir, force) as stage, quiet_transformers():
         model.to(DTYPES[dtype]).save_pretrained(stage)
