@@ -392,6 +392,7 @@ class AlibiLMModel(AlibiPreTrainedModel):
             x, weights = layer(x, context)
             if query_pad is not None:  # a padded query sees no key: keep its NaN out of later layers
                 x = x.masked_fill(query_pad, 0.0)
+                weights = None if weights is None else weights.masked_fill(query_pad[:, None], 0.0)
             states.append(x)
             attentions.append(weights)
         for module in (self.layer_norm, self.project_out_dim):
