@@ -9,10 +9,13 @@ FAIRSEQ := fairseq-fixed==0.12.3.1
 
 install: $(STAMP)
 
-# Rebuilt only when the requirements or setup.py change.
-$(STAMP): requirements.txt setup.py
+# Rebuilt only when the requirements or setup.py change.  requirements-eval.txt
+# (lm-evaluation-harness, for exported models) is constrained by requirements.txt:
+# it can never replace the CPU torch.
+$(STAMP): requirements.txt requirements-eval.txt setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
+	$(BIN)/pip install --disable-pip-version-check -q -r requirements-eval.txt -c requirements.txt
 	$(BIN)/python -c "import fairseq" 2>/dev/null || \
 		$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation $(FAIRSEQ)
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .

@@ -25,6 +25,7 @@ setup(
             "alibi-sweep = fairseq_alibi.evaluation.perplexity:main",
             "alibi-retrieval = fairseq_alibi.evaluation.retrieval:main",
             "alibi-convert-checkpoint = fairseq_alibi.cli:convert_checkpoint",
+            "alibi-export-hf = fairseq_alibi.cli:export_hf",
         ]
     },
 )

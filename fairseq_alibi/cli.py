@@ -3,7 +3,8 @@
 Each is a few lines: hand the root logger back to the stock CLI, check what
 fairseq would turn into a traceback, hand over, and report user-fixable errors
 as one ``error:`` line (``errors.report_errors``).  ``alibi-sweep`` and
-``alibi-convert-checkpoint`` live with their tools (``evaluation/``, ``fork.py``);
+``alibi-convert-checkpoint`` and ``alibi-export-hf`` live with their tools
+(``evaluation/``, ``fork.py``, ``export/``);
 ``alibi-user-dir`` in ``alibi_user_dir.py`` (it must not import fairseq).
 """
 
@@ -145,6 +146,13 @@ def hydra_train():
 
 def preprocess():
     _run("fairseq_cli.preprocess")
+
+
+def export_hf():
+    """``alibi-export-hf CHECKPOINT OUTPUT_DIR``: a fairseq ALiBi LM as a Hugging Face model."""
+    from .export import main
+
+    sys.exit(main())
 
 
 def convert_checkpoint():

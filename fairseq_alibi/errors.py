@@ -57,6 +57,10 @@ class HFLoadError(UserError, ValueError):
     """A Hugging Face model or tokenizer could not be loaded."""
 
 
+class ExportError(UserError, ValueError):
+    """A checkpoint, dictionary, option or output directory ``alibi-export-hf`` cannot use."""
+
+
 class EvaluationError(UserError):
     """Bad input to an evaluation tool (sweep, retrieval): files, names, grid."""
 

@@ -1,4 +1,5 @@
-"""Context extension for Hugging Face ALiBi models (BLOOM, MPT, Falcon with ALiBi).
+"""Context extension for Hugging Face ALiBi models (BLOOM, MPT, Falcon with ALiBi,
+and fairseq models exported by ``alibi-export-hf``).
 
 ``apply_alibi_scaling(model, method, factor, train_length)`` makes a
 transformers 5.23 model use the bias of ``fairseq_alibi.alibi.Scaling`` -- the
@@ -22,6 +23,11 @@ repairs three upstream defects that corrupt long-context measurements
 * MPT ignores ``attn_config.alibi_bias_max`` and fails on inputs longer than
   ``max_seq_len``; the scaled model honours both.
 
+Models exported by ``alibi-export-hf`` (family ``fairseq``) carry this
+package's own bias: scaling them rescales it natively (no hooks), and
+:func:`load_hf_model` loads them with this package's ``modeling_alibi`` classes,
+never with the code files of their directory.
+
 Dynamic scaling (``factor=0``) picks the factor per forward pass from the
 number of keys (cached + new tokens) and the training length.  Keys already in a
 KV cache were computed under earlier slopes, so with dynamic scaling
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -45,9 +52,12 @@ from .errors import HFLoadError, UnsupportedModelError
 
 BIAS_FORMS = ("relative", "upstream")
 SUPPORTED_MODELS = (
-    "BLOOM (BloomModel, BloomForCausalLM), MPT (MptModel, MptForCausalLM) and "
-    "Falcon with config.alibi=True (FalconModel, FalconForCausalLM)"
+    "BLOOM (BloomModel, BloomForCausalLM), MPT (MptModel, MptForCausalLM), "
+    "Falcon with config.alibi=True (FalconModel, FalconForCausalLM) and fairseq models "
+    "exported by alibi-export-hf (AlibiLMModel, AlibiForCausalLM)"
 )
+#: The family of models written by ``alibi-export-hf`` (this package's ``modeling_alibi``).
+EXPORTED = "fairseq"
 _STATE_ATTR = "_fairseq_alibi_scaling"
 
 
@@ -65,9 +75,19 @@ def _families():
     return (("bloom", BloomModel), ("mpt", MptModel), ("falcon", FalconModel))
 
 
+def _exported(base) -> bool:
+    """A decoder of ``modeling_alibi`` (this package's, or its copy in a model directory)."""
+    from .configuration_alibi import MODEL_TYPE
+
+    config = getattr(base, "config", None)
+    return getattr(config, "model_type", None) == MODEL_TYPE and hasattr(base, "set_alibi_scaling")
+
+
 def _resolve(model) -> Tuple[str, torch.nn.Module]:
     """(family, base model) for a supported model, else ``UnsupportedModelError``."""
     base = getattr(model, "base_model", model)
+    if _exported(base):
+        return EXPORTED, base
     for family, cls in _families():
         if isinstance(base, cls):
             break
@@ -111,6 +131,8 @@ def base_slopes(model) -> torch.Tensor:
     """The unscaled slopes of a supported model (float32 ``[H]``), head order as the model's."""
     family, base = _resolve(model)
     config = base.config
+    if family == EXPORTED:
+        return get_slopes(config.attention_heads)
     if family == "bloom":
         return get_slopes(config.n_head)
     if family == "mpt":
@@ -365,6 +387,9 @@ def apply_alibi_scaling(
         remove_alibi_scaling(model)
     slopes = base_slopes(model)
     state = _Scaling(family=family, scaling=scaling, bias_form=bias_form, slopes=slopes, num_heads=slopes.numel())
+    if family == EXPORTED:
+        _scale_exported(state, base)
+        return model
     state.handles.append(
         base.register_forward_pre_hook(
             lambda module, args, kwargs: _start_forward(state, module, args, kwargs), with_kwargs=True
@@ -387,6 +412,22 @@ def apply_alibi_scaling(
     return model
 
 
+def _scale_exported(state: _Scaling, base) -> None:
+    """An exported model rescales its own bias; its loaded ``alibi_scaling`` is kept to restore."""
+    from .configuration_alibi import scaling_to_hf
+
+    scaling, recorded = state.scaling, base.config.alibi_train_length
+    if state.bias_form != "relative":
+        raise ValueError(f"bias_form={state.bias_form!r} applies to BLOOM and Falcon; an exported model always "
+                         "forms -slope * (i - j) (bias_form='relative')")
+    if scaling.method == "cap" and scaling.train_length != recorded:
+        raise ValueError(f"train_length={scaling.train_length} is not valid for cap on an exported model: it caps "
+                         f"at factor x its alibi_train_length ({recorded})")
+    state.saved_attrs["alibi_scaling"] = base.config.alibi_scaling
+    base.set_alibi_scaling(scaling_to_hf(scaling))
+    setattr(base, _STATE_ATTR, state)
+
+
 def remove_alibi_scaling(model):
     """Undo ``apply_alibi_scaling``: hooks removed, instance attributes restored.  Returns ``model``."""
     _, base = _resolve(model)
@@ -395,6 +436,8 @@ def remove_alibi_scaling(model):
         return model
     for handle in state.handles:
         handle.remove()
+    if state.family == EXPORTED:
+        base.set_alibi_scaling(state.saved_attrs.pop("alibi_scaling"))
     for name, value in state.saved_attrs.items():
         if value is _MISSING:
             base.__dict__.pop(name, None)
@@ -438,10 +481,13 @@ def hf_train_length(config) -> Optional[int]:
     """The length a model was trained at, where its config records it, else None.
 
     MPT: ``max_seq_len``; BLOOM: ``seq_length`` when the config has it (the
-    BigScience configs do not always).  Other configs record no training length.
+    BigScience configs do not always; ``alibi-export-hf --format bloom`` writes
+    it); exported models: ``alibi_train_length``.  Other configs record none.
     """
+    from .configuration_alibi import MODEL_TYPE
+
     model_type = getattr(config, "model_type", None)
-    name = {"mpt": "max_seq_len", "bloom": "seq_length"}.get(model_type)
+    name = {"mpt": "max_seq_len", "bloom": "seq_length", MODEL_TYPE: "alibi_train_length"}.get(model_type)
     value = getattr(config, name, None) if name else None
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
@@ -450,12 +496,88 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def load_hf_model(name_or_dir: str, device: str = "cpu", dtype=None):
+@contextlib.contextmanager
+def quiet_transformers(quiet: bool = True):
+    """transformers' and huggingface_hub's progress bars off inside (restored after)."""
+    if not quiet:
+        yield
+        return
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    was_on, hub_was_off = transformers_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            transformers_logging.enable_progress_bar()
+        if not hub_was_off:
+            enable_progress_bars()
+
+
+def _looks_local(name: str) -> bool:
+    """A name meant as a path, not a hub name (``owner/name``)."""
+    head = name.split("/", 1)[0]
+    return (name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.exists(name)
+            or ("/" in name and os.path.isdir(head)))
+
+
+def _refuse_custom_code(name: str, why: str) -> HFLoadError:
+    return HFLoadError(
+        f"{name} is a model with its own code ({why}); fairseq-alibi runs no code from model directories "
+        f"and never sets trust_remote_code: supported are {SUPPORTED_MODELS}"
+    )
+
+
+def _exported_classes():
+    """This package's classes for exported models, registered with the Auto classes
+    (so transformers uses them, not the directory's copies, without trust_remote_code)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .configuration_alibi import MODEL_TYPE, AlibiLMConfig
+    from .modeling_alibi import AlibiForCausalLM
+
+    AutoConfig.register(MODEL_TYPE, AlibiLMConfig, exist_ok=True)
+    AutoModelForCausalLM.register(AlibiLMConfig, AlibiForCausalLM, exist_ok=True)
+    return AlibiForCausalLM
+
+
+def _model_class(directory: str):
+    """The class to load a local directory with: this package's for an exported
+    model, transformers' own otherwise; any other model with code of its own is refused."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from .configuration_alibi import MODEL_TYPE
+
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return AutoModelForCausalLM  # transformers' error names the missing config.json
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise HFLoadError(f"cannot load Hugging Face model {directory!r}: {path} is not readable JSON "
+                          f"({' '.join(str(exc).split())})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type == MODEL_TYPE:
+        return _exported_classes()
+    if isinstance(config, dict) and "auto_map" in config:
+        raise _refuse_custom_code(directory, "config.json has an auto_map")
+    if model_type not in CONFIG_MAPPING:
+        raise _refuse_custom_code(directory, f"config.json's model_type {model_type!r} is unknown to transformers")
+    return AutoModelForCausalLM
+
+
+def load_hf_model(name_or_dir: str, device: str = "cpu", dtype=None, progress: bool = True):
     """(model, tokenizer) of a causal LM from a local directory or a hub name, in eval mode.
 
-    A local directory is read with ``local_files_only`` (no network).  A hub
-    name needs the network or the Hugging Face cache.  Failures raise
-    ``HFLoadError`` with one line saying what was wrong and what to do.
+    A local directory is read with ``local_files_only`` (no network); one
+    written by ``alibi-export-hf`` is loaded with this package's
+    ``AlibiForCausalLM`` (its code files are never run); any other model with
+    code of its own is refused.  A hub name needs the network or the Hugging
+    Face cache.  ``progress=False`` silences transformers' progress bars.
+    Failures raise ``HFLoadError`` with one line saying what was wrong and what to do.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -465,28 +587,31 @@ def load_hf_model(name_or_dir: str, device: str = "cpu", dtype=None):
         dtype = _DTYPES[dtype]
     name_or_dir = os.path.expanduser(str(name_or_dir))
     local = os.path.isdir(name_or_dir)
-    # A hub name is "name" or "owner/name"; anything else that is not a directory is a bad path.
-    if not local and (os.path.exists(name_or_dir) or name_or_dir.startswith((".", "/"))
-                      or name_or_dir.count("/") > 1):
+    if not local and _looks_local(name_or_dir):
+        what = "is not a model directory" if os.path.exists(name_or_dir) else "not found"
         raise HFLoadError(
-            f"{name_or_dir} is not a model directory; give a directory written by save_pretrained "
+            f"{name_or_dir} {what}; give a directory written by save_pretrained or alibi-export-hf "
             "(config.json, weights, tokenizer files) or a hub name such as bigscience/bloom-560m"
         )
+    model_class = _model_class(name_or_dir) if local else AutoModelForCausalLM
     options = dict(local_files_only=True) if local else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_dir, **options)
-        model = AutoModelForCausalLM.from_pretrained(name_or_dir, dtype=dtype, **options)
+        with quiet_transformers(not progress):
+            tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=False, **options)
+            model = model_class.from_pretrained(name_or_dir, dtype=dtype, trust_remote_code=False, **options)
     except (OSError, ValueError, KeyError) as exc:
         reason = " ".join(str(exc).split())
+        if "trust_remote_code" in reason:
+            raise _refuse_custom_code(name_or_dir, "transformers asks for trust_remote_code") from None
         if len(reason) > 300:
             reason = reason[:297] + "..."
-        where = (
-            "check that the directory holds config.json, the weights and the tokenizer files"
-            if local
-            else "a hub name needs the network or a copy in the Hugging Face cache; "
-            "otherwise download it elsewhere and pass its directory"
-        )
-        raise HFLoadError(f"cannot load Hugging Face model {name_or_dir!r}: {reason} ({where})") from None
+        if not local:
+            raise HFLoadError(
+                f"{name_or_dir!r} not found: no such local directory, and as a hub name: {reason} (a hub name "
+                "needs the network or a copy in the Hugging Face cache; otherwise download it elsewhere and "
+                "pass its directory)") from None
+        raise HFLoadError(f"cannot load Hugging Face model {name_or_dir!r}: {reason} (check that the directory "
+                          "holds config.json, the weights and the tokenizer files)") from None
     model.to(device)
     model.eval()
     return model, tokenizer

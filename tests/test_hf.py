@@ -611,7 +611,7 @@ def test_load_hf_model_reads_a_saved_directory_offline(family, tmp_path, monkeyp
 
 
 def test_load_hf_model_errors_are_one_clear_line(tmp_path):
-    with pytest.raises(hf.HFLoadError, match="is not a model directory") as missing:
+    with pytest.raises(hf.HFLoadError, match="missing not found") as missing:
         hf.load_hf_model(str(tmp_path / "missing"))
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -7,7 +7,9 @@ What changes against the stock model, and nothing else:
   one causal ``AlibiBias`` (slopes scaled once per forward, one cached bias);
 * three config fields choose the eval-time context extension and one the kernel.
 
-Every stock ``transformer_lm*`` architecture gets an ``<arch>_alibi`` twin.
+Every stock ``transformer_lm*`` architecture gets an ``<arch>_alibi`` twin, and
+``transformer_lm_bloom_alibi`` trains BLOOM's layer shape (``alibi-export-hf
+--format bloom`` exports it to stock transformers' ``BloomForCausalLM``).
 """
 
 from dataclasses import dataclass
@@ -19,12 +21,14 @@ from fairseq.models import transformer_lm as stock
 from fairseq.models.transformer import TransformerConfig, TransformerDecoder
 from fairseq.modules import TransformerDecoderLayer
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.utils import safe_getattr
 from omegaconf import II
 
 from .. import patches
 from ..attention import AlibiMultiheadAttention
 from ..bias import AlibiBias
 from . import facts
+from ..errors import ConfigError
 from .config import AlibiConfig, build_bias, option
 
 
@@ -134,3 +138,35 @@ for _name in facts.stock_archs(facts.STOCK_LM):
         ARCH_CONFIG_REGISTRY[facts.ALIBI_LM] = _fn
     else:
         register_model_architecture(facts.ALIBI_LM, facts.twin_name(_name))(_fn)
+
+
+#: The BLOOM-shaped preset and the activations BLOOM's tanh GELU equals.
+BLOOM_ARCH = "transformer_lm_bloom_alibi"
+BLOOM_ACTIVATIONS = ("gelu_accurate", "gelu_fast")
+
+
+@register_model_architecture(facts.ALIBI_LM, BLOOM_ARCH)
+def transformer_lm_bloom_alibi(args):
+    """BLOOM's layer shape: pre-norm, embedding layer norm, tanh GELU
+    (``gelu_accurate``), FFN = 4 x d, no embedding scale, no input/output
+    projections; sizes as ``transformer_lm_alibi`` (d=512, 6 layers, 8 heads).
+    A given option that breaks the shape is refused (one line)."""
+    for flag in ("decoder_normalize_before", "layernorm_embedding", "no_scale_embedding"):
+        setattr(args, flag, True)
+    args.activation_fn = safe_getattr(args, "activation_fn", BLOOM_ACTIVATIONS[0])
+    args.decoder_embed_dim = safe_getattr(args, "decoder_embed_dim", 512)
+    args.decoder_ffn_embed_dim = safe_getattr(args, "decoder_ffn_embed_dim", 4 * args.decoder_embed_dim)
+    ARCH_CONFIG_REGISTRY[facts.ALIBI_LM](args)
+    dim = args.decoder_embed_dim
+    broken = [f"{name}={safe_getattr(args, name)!r}" for name, ok in (
+        ("activation_fn", args.activation_fn in BLOOM_ACTIVATIONS),
+        ("decoder_ffn_embed_dim", args.decoder_ffn_embed_dim == 4 * dim),
+        ("decoder_input_dim", args.decoder_input_dim == dim), ("decoder_output_dim", args.decoder_output_dim == dim),
+        ("no_decoder_final_norm", not safe_getattr(args, "no_decoder_final_norm", False)),
+        ("adaptive_input", not safe_getattr(args, "adaptive_input", False)),
+        ("adaptive_softmax_cutoff", safe_getattr(args, "adaptive_softmax_cutoff", None) is None),
+    ) if not ok]
+    if broken:
+        raise ConfigError(f"--arch {BLOOM_ARCH} has BLOOM's shape (gelu_accurate, FFN = 4 x d = {4 * dim}, "
+                          f"input/output dims = d, final norm, no adaptive input/softmax); {', '.join(broken)} "
+                          "breaks it: use --arch transformer_lm_alibi for other shapes")

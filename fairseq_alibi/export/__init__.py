@@ -1,0 +1,145 @@
+"""``alibi-export-hf CHECKPOINT OUTPUT_DIR``: a fairseq ALiBi LM as a Hugging Face model.
+
+* ``--format custom`` (default): ``AlibiForCausalLM`` (``modeling_alibi.py``),
+  exact for every ``transformer_lm_alibi`` variant; its code travels with the
+  model, so ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``
+  loads it without this package; context extension in ``config.json``
+  (``alibi_scaling``, settable here with ``--alibi-scaling``);
+* ``--format bloom``: stock ``BloomForCausalLM`` for BLOOM-shaped models
+  (``export/bloom.py``), no custom code.
+
+Weights in safetensors, the tokenizer beside them (``export/tokenizer.py``).
+Before anything is written the exported model is run against the fairseq
+model on a short input and refused if their log-probabilities differ; the
+directory appears only when complete (``export/writer.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from typing import Dict, Optional
+
+import torch
+
+from ..alibi import Scaling, ScalingError
+from ..errors import ExportError, report_errors
+from ..hf import quiet_transformers
+from .source import Source, load_source
+from .writer import check_output_dir, staged_directory, traveling_files
+
+FORMATS = ("custom", "bloom")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: The exported model must give the fairseq model's log-probabilities (fp32) within this on ...
+SELF_CHECK_TOLERANCE = 1e-4
+#: ... this many random tokens.
+SELF_CHECK_TOKENS = 24
+
+
+def resolve_scaling(text: Optional[str], source: Source) -> Scaling:
+    """``--alibi-scaling METHOD[:F]``, else what the checkpoint's config asks for."""
+    if text is None:
+        return source.scaling
+    try:
+        return Scaling.parse(text, source.train_length).complete()
+    except ScalingError as exc:
+        if exc.field == "train_length":
+            raise ExportError(f"--alibi-scaling {text} needs the training length, which {source.path} does not "
+                              "record (no alibi_train_length or tokens_per_sample)") from None
+        raise ExportError(f"--alibi-scaling {text!r} is not valid; {exc.reason}") from None
+
+
+def self_check(source: Source, model, scaling: Scaling) -> float:
+    """max |log-prob difference| between the exported and the fairseq model on
+    random tokens (fp32); ``ExportError`` above ``SELF_CHECK_TOLERANCE``."""
+    from ..attention import rescale
+
+    rescale(source.model, scaling)
+    vocab, first = len(source.dictionary), source.dictionary.nspecial
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(first, max(vocab, first + 1), (1, SELF_CHECK_TOKENS), generator=generator)
+    tokens[0, 0] = source.dictionary.eos()
+    with torch.no_grad():
+        expected = source.model.get_normalized_probs(source.model(tokens), log_probs=True).float()
+        got = model(input_ids=tokens, use_cache=False).logits.float().log_softmax(-1)
+    difference = (expected - got).abs().max().item()
+    if not difference <= SELF_CHECK_TOLERANCE:
+        raise ExportError(f"the exported model's log-probabilities differ from the fairseq model's by {difference:.3g} "
+                          f"(tolerance {SELF_CHECK_TOLERANCE:g}): nothing written; a bug, please report it")
+    return difference
+
+
+def build_model(source: Source, fmt: str, scaling: Scaling):
+    """The transformers model of ``source`` in format ``fmt``."""
+    from .custom import build_custom, describe, hf_weights
+
+    if fmt == "bloom":
+        from .bloom import build_bloom
+
+        return build_bloom(describe(source), hf_weights(source.model), scaling)
+    return build_custom(source, scaling)
+
+
+def export(checkpoint: str, output_dir: str, fmt: str = "custom", alibi_scaling: Optional[str] = None,
+           force: bool = False, dict_path: Optional[str] = None, bpe_files: Optional[Dict[str, str]] = None,
+           dtype: str = "float32") -> dict:
+    """Export ``checkpoint`` to ``output_dir``; a summary of what was written."""
+    from .tokenizer import build_tokenizer
+
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r} is not valid; allowed: {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r} is not valid; allowed: {', '.join(DTYPES)}")
+    check_output_dir(output_dir, force)
+    source = load_source(checkpoint, dict_path)
+    scaling = resolve_scaling(alibi_scaling, source)
+    tokenizer = build_tokenizer(source, bpe_files or {})
+    source.unk_aliases = max(0, len(tokenizer) - len(source.dictionary))
+    model = build_model(source, fmt, scaling)
+    model.generation_config.suppress_tokens = [source.dictionary.pad()]  # fairseq's generator never emits <pad>
+    difference = self_check(source, model, scaling)
+    with staged_directory(output_dir, force) as stage, quiet_transformers():
+        model.to(DTYPES[dtype]).save_pretrained(stage)
+        if fmt == "custom":
+            for path in traveling_files():
+                shutil.copy(path, stage)
+        tokenizer.save_pretrained(stage)
+    return {"output_dir": output_dir, "format": fmt, "class": type(model).__name__, "scaling": scaling,
+            "train_length": source.train_length, "vocabulary": len(source.dictionary), "difference": difference}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="alibi-export-hf",
+        description="Export a fairseq ALiBi language model (transformer_lm_alibi, also converted 2021-fork "
+        "checkpoints) to a Hugging Face transformers model directory (docs/export.md).")
+    p.add_argument("checkpoint", help="the fairseq checkpoint (.pt), read with allowlisted unpickling")
+    p.add_argument("output_dir", help="the directory to write (must not exist or be empty, unless --force)")
+    p.add_argument("--format", default="custom", choices=FORMATS,
+                   help="custom: exact for every variant, loads with trust_remote_code=True (default); "
+                   "bloom: stock BloomForCausalLM for BLOOM-shaped models")
+    p.add_argument("--alibi-scaling", metavar="METHOD[:F]",
+                   help="context extension stored in config.json: none, linear[:F], ntk[:F] (no F: dynamic), "
+                   "cap[:F] (default: the checkpoint's own)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUTPUT_DIR")
+    p.add_argument("--dict", dest="dict_path", metavar="DICT",
+                   help="the model's dict.txt (default: the one in its training data directory)")
+    p.add_argument("--gpt2-encoder-json", metavar="PATH", help="--bpe gpt2 checkpoints: GPT-2's encoder.json")
+    p.add_argument("--gpt2-vocab-bpe", metavar="PATH", help="--bpe gpt2 checkpoints: GPT-2's vocab.bpe")
+    p.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="dtype of the saved weights")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    with report_errors(interrupted="alibi-export-hf interrupted (nothing written)"):
+        done = export(args.checkpoint, args.output_dir, args.format, args.alibi_scaling, args.force,
+                      args.dict_path, {"gpt2_encoder_json": args.gpt2_encoder_json,
+                                       "gpt2_vocab_bpe": args.gpt2_vocab_bpe}, args.dtype)
+        load = "trust_remote_code=True" if done["format"] == "custom" else "no custom code"
+        sys.stdout.write(
+            f"wrote {done['output_dir']}: {done['class']} ({load}), vocabulary {done['vocabulary']}, "
+            f"alibi_train_length {done['train_length']}, scaling {done['scaling'].label}; max |log-prob "
+            f"difference| to fairseq on {SELF_CHECK_TOKENS} tokens: {done['difference']:.2g}\n")
+    return 0

@@ -1,0 +1,139 @@
+"""The fairseq side of an export: a checkpoint read safely, its model built
+exactly as fairseq builds it, and the dictionary its ids come from."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from ..alibi import Scaling
+from ..errors import ExportError, checkpoint_files, one_line
+from ..models import facts
+
+#: fairseq-preprocess pads dictionaries to a multiple of this (``--padding-factor``).
+PADDING_FACTOR = 8
+
+
+@dataclass
+class Source:
+    """A fairseq ALiBi LM ready to export."""
+
+    path: str
+    model: Any  # fairseq's TransformerLanguageModel, eval mode, float32
+    cfg: Any  # the checkpoint's config (OmegaConf)
+    dictionary: Any  # fairseq.data.Dictionary
+    train_length: Optional[int]
+    scaling: Scaling  # what the checkpoint's config asks for
+    unk_aliases: int = 0  # tokenizer ids after the dictionary's, read as <unk> (export/tokenizer.py)
+
+
+def read_checkpoint(path: str) -> Dict[str, Any]:
+    """The checkpoint dict of ``path`` as fairseq's loader gives it (config as
+    OmegaConf, old layouts upgraded), read with allowlisted unpickling; an
+    unconverted 2021-fork checkpoint is refused with the conversion command.
+    Unlike fairseq's loader it accepts a bare ``{"cfg", "model"}`` file."""
+    from fairseq import checkpoint_utils
+    from omegaconf import OmegaConf
+
+    from .. import safe_load
+    from ..fork import refuse_fork
+
+    if not os.path.isfile(path):
+        raise ExportError(checkpoint_files(path) if os.path.isdir(path) else f"checkpoint file not found: {path}")
+    state = safe_load.load(path)
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or (
+            state.get("cfg") is None and state.get("args") is None):
+        raise ExportError(f"{path} is not a fairseq checkpoint: it has no config ('cfg' or 'args') and 'model' weights")
+    refuse_fork(path, state)
+    if state.get("cfg") is not None:
+        state["cfg"] = OmegaConf.create(state["cfg"], flags={"allow_objects": True})
+    if not state.get("optimizer_history"):  # training bookkeeping an export does not need
+        state["optimizer_history"] = [{"criterion_name": "?", "optimizer_name": "?", "lr_scheduler_state": {},
+                                       "num_updates": 0}]
+    if not isinstance(state.get("extra_state"), dict):
+        state["extra_state"] = {}
+    try:
+        return checkpoint_utils._upgrade_state_dict(state)  # what load_checkpoint_to_cpu does after reading
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+        raise ExportError(f"{path} is not a usable fairseq checkpoint ({type(exc).__name__}: {one_line(exc)})") from None
+
+
+def check_language_model(path: str, state: Dict[str, Any]) -> None:
+    """Refuse anything but a causal ALiBi LM of this plugin, saying what it is."""
+    model_cfg, task_cfg = facts.checkpoint_sections(state)
+    arch = facts.checkpoint_arch(model_cfg)
+    family = facts.model_family(arch)
+    task = task_cfg.get("_name")
+    if family == facts.ALIBI_LM and task in (None, "language_modeling"):
+        return
+    if family == facts.STOCK_LM:
+        what = f"a stock fairseq {arch} checkpoint (sinusoidal positions, not ALiBi)"
+    else:
+        what = f"a checkpoint of arch {arch!r}" + (f" (model {family})" if family else "") + f", task {task!r}"
+    raise ExportError(f"{path} is {what}; alibi-export-hf exports {facts.ALIBI_LM} language models "
+                      "(2021-fork checkpoints: run alibi-convert-checkpoint first)")
+
+
+def dictionary_path(path: str, task_cfg: Dict[str, Any], given: Optional[str]) -> str:
+    """``--dict`` or the training data directory's ``dict.txt``; one line if missing."""
+    if given:
+        if not os.path.isfile(given):
+            raise ExportError(f"dictionary not found: {given} (--dict takes the dict.txt the model was trained with)")
+        return given
+    data = task_cfg.get("data")
+    first = str(data).split(os.pathsep)[0] if data else None
+    candidate = os.path.join(first, "dict.txt") if first else None
+    if candidate and os.path.isfile(candidate):
+        return candidate
+    where = f"its training data directory's {candidate}" if candidate else "its config names no data directory"
+    raise ExportError(f"no dictionary for {path}: {where} is not here; give the dict.txt the model was trained "
+                      "with: --dict PATH")
+
+
+def vocabulary_rows(weights: Dict[str, Any]) -> Optional[int]:
+    """How many token ids the checkpoint's embedding has (plain or adaptive)."""
+    if "decoder.embed_tokens.weight" in weights:
+        return int(weights["decoder.embed_tokens.weight"].shape[0])
+    bands = [w for name, w in weights.items()
+             if name.startswith("decoder.embed_tokens.embeddings.") and name.endswith(".0.weight")]
+    return sum(int(w.shape[0]) for w in bands) or None
+
+
+def load_dictionary(path: str, rows: Optional[int]):
+    """fairseq's ``Dictionary`` of ``path``, padded with fairseq-preprocess's
+    ``madeupword`` symbols when that is what makes it fit ``rows``."""
+    from fairseq.data import Dictionary
+
+    try:
+        dictionary = Dictionary.load(path)
+    except (ValueError, RuntimeError, UnicodeDecodeError) as exc:
+        raise ExportError(f"{path} is not a fairseq dictionary: {one_line(exc)}") from None
+    if rows is not None and len(dictionary) < rows <= len(dictionary) + PADDING_FACTOR - 1:
+        dictionary.pad_to_multiple_(PADDING_FACTOR)
+    if rows is not None and len(dictionary) != rows:
+        raise ExportError(f"the dictionary {path} has {len(dictionary)} symbols but the checkpoint's embedding "
+                          f"has {rows} rows: give the dict.txt the model was trained with (--dict)")
+    return dictionary
+
+
+def load_source(path: str, dict_path: Optional[str] = None) -> Source:
+    """Read, check and build the fairseq model of ``path`` (float32, eval mode)."""
+    from fairseq.tasks.language_modeling import LanguageModelingTask
+
+    from ..models.config import scaling_from_config
+
+    state = read_checkpoint(path)
+    check_language_model(path, state)
+    model_cfg, task_cfg = facts.checkpoint_sections(state)
+    dictionary = load_dictionary(dictionary_path(path, task_cfg, dict_path), vocabulary_rows(state["model"]))
+    cfg = state["cfg"]
+    try:
+        model = LanguageModelingTask(cfg.task, dictionary).build_model(cfg.model)
+        model.load_state_dict(state["model"], strict=True, model_cfg=cfg.model)
+    except (RuntimeError, ValueError, KeyError, AttributeError, AssertionError) as exc:
+        detail = one_line(exc)
+        raise ExportError(f"cannot build the model of {path} from its config: {detail[:300]}") from None
+    model.float().eval()
+    return Source(path, model, cfg, dictionary, facts.checkpoint_train_length(model_cfg, task_cfg),
+                  scaling_from_config(cfg.model))

@@ -1,0 +1,454 @@
+"""A fairseq ``transformer_lm_alibi`` decoder as a Hugging Face causal LM.
+
+This file travels with every exported model (``alibi-export-hf``) together
+with ``configuration_alibi.py`` and the maths modules it imports from beside
+it: the ALiBi bias (``bias.AlibiBias``: slopes, context extension, caches) and
+the attention kernels (``kernels.attend``: SDPA with one ``[1, H, T, S]`` bias
+shared by the batch and the layers, the linear-memory chunked kernel for long
+inputs) are this package's own code, not a copy.  Only torch and transformers
+are imported besides.
+
+Module and parameter names are fairseq's (``model.layers.0.self_attn.q_proj``
+is ``decoder.layers.0.self_attn.q_proj``; ``lm_head`` is fairseq's output
+projection or adaptive softmax), so an export renames prefixes and nothing
+else, and every layer computes what fairseq's computes, in the same order:
+pre- or post-norm layers, the embedding scale, the embedding layer norm,
+input/output projections, fairseq's activations, NormFormer's extra scales,
+adaptive input and adaptive softmax (whose ``logits`` are the full-vocabulary
+log-probabilities fairseq's ``get_log_prob`` gives).
+
+Padding: a 2-D ``attention_mask`` marks padded keys; ALiBi depends on ``i - j``
+only, so a left-padded row scores as its unpadded run, and with dynamic
+scaling each row's factor comes from its own number of keys.  The KV cache is
+transformers' (``DynamicCache``); with a static factor incremental decoding
+equals the full forward, with dynamic scaling cached keys keep the slopes they
+were computed with (as in fairseq).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .alibi import Scaling
+from .bias import AlibiBias
+from .configuration_alibi import AlibiLMConfig, scaling_from_hf, scaling_to_hf
+from .kernels import attend, check_kernel
+
+
+def gelu_accurate(x: Tensor) -> Tensor:
+    """fairseq's ``gelu_accurate`` (tanh approximation), term for term."""
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
+
+
+#: fairseq's ``--activation-fn`` values (``swish`` is broken in fairseq 0.12 itself).
+ACTIVATIONS = {
+    "relu": F.relu,
+    "relu_squared": lambda x: F.relu(x).pow(2),
+    "gelu": lambda x: F.gelu(x.float()).type_as(x),
+    "gelu_accurate": gelu_accurate,
+    "gelu_fast": gelu_accurate,
+    "tanh": torch.tanh,
+    "linear": lambda x: x,
+}
+
+
+class AttentionContext:
+    """What every layer's attention needs for one forward pass: the cache, the
+    padding mask and, per group of batch rows, the bias they use."""
+
+    def __init__(self, cache, past: int, pad: Optional[Tensor], groups, kernel: str, need_weights: bool):
+        self.cache, self.past, self.pad, self.groups = cache, past, pad, groups
+        self.kernel, self.need_weights = kernel, need_weights
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tuple[Tensor, Optional[Tensor]]:
+        incremental = self.past > 0
+        if len(self.groups) == 1:
+            return attend(q, k, v, self.groups[0][1], self.kernel, self.pad, dropout_p, self.need_weights, incremental)
+        out, weights = torch.empty_like(q), None
+        for rows, bias in self.groups:  # dynamic scaling: one factor per distinct row length
+            o, w = attend(q[rows], k[rows], v[rows], bias, self.kernel, self.pad[rows], dropout_p,
+                          self.need_weights, incremental)
+            out[rows] = o
+            if w is not None:
+                weights = weights if weights is not None else w.new_zeros(q.shape[:3] + (k.size(2),))
+                weights[rows] = w
+        return out, weights
+
+
+class AlibiSelfAttention(nn.Module):
+    """fairseq's ``q_proj``/``k_proj``/``v_proj``/``out_proj`` around ``kernels.attend``."""
+
+    def __init__(self, config: AlibiLMConfig, layer_idx: int):
+        super().__init__()
+        dim = config.hidden_size
+        self.layer_idx, self.num_heads = layer_idx, config.attention_heads
+        self.head_dim = dim // self.num_heads
+        self.dropout = config.attention_dropout
+        self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.v_proj, self.out_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor, context: AttentionContext) -> Tuple[Tensor, Optional[Tensor]]:
+        batch, length, dim = x.shape
+
+        def heads(y: Tensor) -> Tensor:  # [B, T, C] -> [B, H, T, D]
+            return y.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        if context.cache is not None:
+            k, v = context.cache.update(k, v, self.layer_idx)
+            if k.size(2) != context.past + length:
+                raise ValueError(
+                    f"the cache returned {k.size(2)} keys for {context.past} cached + {length} new tokens: only "
+                    "growing caches (DynamicCache, generate()'s default) are supported"
+                )
+        out, weights = context.attend(q, k, v, self.dropout if self.training else 0.0)
+        return self.out_proj(out.transpose(1, 2).reshape(batch, length, dim)), weights
+
+
+class AlibiDecoderLayer(nn.Module):
+    """fairseq's ``TransformerDecoderLayer`` without cross-attention, in its order of operations."""
+
+    def __init__(self, config: AlibiLMConfig, layer_idx: int):
+        super().__init__()
+        dim, ffn, eps = config.hidden_size, config.ffn_dim, config.layer_norm_eps
+        self.self_attn = AlibiSelfAttention(config, layer_idx)
+        self.self_attn_layer_norm = nn.LayerNorm(dim, eps=eps)
+        self.attn_ln = nn.LayerNorm(dim, eps=eps) if config.scale_attn else None
+        self.c_attn = nn.Parameter(torch.ones(config.attention_heads)) if config.scale_heads else None
+        self.fc1, self.fc2 = nn.Linear(dim, ffn), nn.Linear(ffn, dim)
+        self.ffn_layernorm = nn.LayerNorm(ffn, eps=eps) if config.scale_fc else None
+        self.w_resid = nn.Parameter(torch.ones(dim)) if config.scale_resids else None
+        self.final_layer_norm = nn.LayerNorm(dim, eps=eps)
+        self.activation = ACTIVATIONS[config.activation_function]
+        self.normalize_before = config.normalize_before
+        self.dropout, self.activation_dropout = config.dropout, config.activation_dropout
+
+    def forward(self, x: Tensor, context: AttentionContext) -> Tuple[Tensor, Optional[Tensor]]:
+        residual = x
+        if self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        x, weights = self.self_attn(x, context)
+        if self.c_attn is not None:  # NormFormer's head scales, on the projected output as in fairseq
+            heads = self.c_attn.numel()
+            x = (x.view(*x.shape[:2], heads, -1) * self.c_attn[:, None]).reshape(x.shape)
+        if self.attn_ln is not None:
+            x = self.attn_ln(x)
+        x = residual + F.dropout(x, self.dropout, self.training)
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        x = F.dropout(self.activation(self.fc1(x)), self.activation_dropout, self.training)
+        if self.ffn_layernorm is not None:
+            x = self.ffn_layernorm(x)
+        x = F.dropout(self.fc2(x), self.dropout, self.training)
+        if self.w_resid is not None:
+            residual = self.w_resid * residual
+        x = residual + x
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+        return x, weights
+
+
+def band_bounds(cutoff: List[int]) -> List[Tuple[int, int]]:
+    """``[(0, c0), (c0, c1), ...]``: the id range of every band of an adaptive layer."""
+    return list(zip([0] + list(cutoff[:-1]), cutoff))
+
+
+def band_dim(spec: dict, band: int) -> int:
+    """Width of band ``band`` of fairseq's adaptive input (``initial_dim // factor ** band``)."""
+    return int(spec["initial_dim"] // (spec["factor"] ** band))
+
+
+class AdaptiveInput(nn.Module):
+    """fairseq's ``AdaptiveInput``: per band an embedding and a projection to ``hidden_size``."""
+
+    def __init__(self, config: AlibiLMConfig):
+        super().__init__()
+        spec = config.adaptive_input
+        self.cutoff, self.embedding_dim = list(spec["cutoff"]), config.hidden_size
+        self.embeddings = nn.ModuleList(
+            nn.Sequential(nn.Embedding(hi - lo, band_dim(spec, band), config.pad_token_id if band == 0 else None),
+                          nn.Linear(band_dim(spec, band), config.hidden_size, bias=False))
+            for band, (lo, hi) in enumerate(band_bounds(self.cutoff))
+        )
+
+    def forward(self, ids: Tensor) -> Tensor:
+        weight = self.embeddings[0][1].weight
+        out = weight.new_zeros(ids.shape + (self.embedding_dim,))
+        for band, (lo, hi) in enumerate(band_bounds(self.cutoff)):
+            inside = (ids >= lo) & (ids < hi)
+            if inside.any():
+                out[inside] = self.embeddings[band](ids[inside] - lo)
+        return out
+
+
+class TransposedLinear(nn.Module):
+    """``x @ weight``: a projection that shares (transposed) an adaptive-input weight (``tie_proj``)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features).normal_(std=in_features ** -0.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight.t())
+
+
+class TiedHead(nn.Module):
+    """fairseq's ``TiedHeadModule``: the head band scored with the input embedding, plus cluster logits."""
+
+    def __init__(self, input_dim: int, words: int, word_dim: int, clusters: int):
+        super().__init__()
+        word = nn.Linear(word_dim, words, bias=False)
+        self.word_proj = word if input_dim == word_dim else nn.Sequential(nn.Linear(input_dim, word_dim, bias=False), word)
+        self.class_proj = nn.Linear(input_dim, clusters, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([self.word_proj(x), self.class_proj(x)], dim=-1)
+
+
+class AdaptiveSoftmax(nn.Module):
+    """fairseq's ``AdaptiveSoftmax``; ``forward`` returns its ``get_log_prob``:
+    log-probabilities over the whole vocabulary (head band, then each tail
+    cluster's words plus the cluster's log-prior)."""
+
+    def __init__(self, config: AlibiLMConfig):
+        super().__init__()
+        spec, adaptive_input = config.adaptive_softmax, config.adaptive_input
+        self.cutoff = list(spec["cutoff"])
+        input_dim, tails = config.output_embed_dim, len(self.cutoff) - 1
+        tied = bool(spec.get("tie_weights"))
+        if tied:
+            self.head = TiedHead(input_dim, self.cutoff[0], band_dim(adaptive_input, 0), tails)
+        else:
+            self.head = nn.Linear(input_dim, self.cutoff[0] + tails, bias=False)
+        self.tail = nn.ModuleList()
+        for i, (lo, hi) in enumerate(band_bounds(self.cutoff)[1:]):
+            dim = band_dim(adaptive_input, i + 1) if tied else int(input_dim // spec["factor"] ** (i + 1))
+            if tied and spec.get("tie_proj"):
+                proj = TransposedLinear(config.hidden_size, dim)
+            else:
+                proj = nn.Linear(config.hidden_size if tied else input_dim, dim, bias=False)
+            self.tail.append(nn.Sequential(proj, nn.Dropout(spec.get("dropout", 0.0)), nn.Linear(dim, hi - lo, bias=False)))
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        flat = hidden.reshape(-1, hidden.size(-1))
+        head = torch.log_softmax(self.head(flat), dim=-1)
+        words = self.cutoff[0]
+        parts = [head[:, :words]]
+        for i, tail in enumerate(self.tail):
+            parts.append(torch.log_softmax(tail(flat), dim=-1) + head[:, words + i, None])
+        return torch.cat(parts, dim=-1).view(*hidden.shape[:-1], self.cutoff[-1])
+
+
+def tied_weights(config: AlibiLMConfig) -> Dict[str, str]:
+    """``{target: source}`` of the parameters fairseq shares between input and output."""
+    if not config.tie_word_embeddings:
+        return {}
+    spec = config.adaptive_softmax
+    if spec is None:
+        return {"lm_head.weight": "model.embed_tokens.weight"}
+    band = "model.embed_tokens.embeddings"
+    word = "lm_head.head.word_proj" + ("" if config.output_embed_dim == band_dim(config.adaptive_input, 0) else ".1")
+    ties = {f"{word}.weight": f"{band}.0.0.weight"}
+    for i in range(len(spec["cutoff"]) - 1):
+        ties[f"lm_head.tail.{i}.2.weight"] = f"{band}.{i + 1}.0.weight"
+        if spec.get("tie_proj"):
+            ties[f"lm_head.tail.{i}.0.weight"] = f"{band}.{i + 1}.1.weight"
+    return ties
+
+
+class AlibiPreTrainedModel(PreTrainedModel):
+    config_class = AlibiLMConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["AlibiDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True  # attention always runs kernels.attend (SDPA or the chunked kernel)
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, AlibiDecoderLayer):
+            with torch.no_grad():
+                for scale in (module.c_attn, module.w_resid):
+                    if scale is not None:
+                        scale.fill_(1.0)
+
+
+def key_padding(attention_mask: Optional[Tensor], batch: int, keys: int) -> Optional[Tensor]:
+    """``[B, S]`` True at padded keys, or None (no mask, or nothing padded)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, keys):
+        raise ValueError(
+            f"attention_mask must be 2-D [batch, cached + new tokens] = [{batch}, {keys}], "
+            f"got shape {tuple(attention_mask.shape)}"
+        )
+    pad = attention_mask == 0
+    return pad if bool(pad.any()) else None
+
+
+def row_groups(alibi: AlibiBias, static: Dict[float, AlibiBias], pad: Optional[Tensor]):
+    """``[(rows, bias)]``: the stack's bias for the whole batch, or with dynamic
+    scaling and padding one static bias (kept in ``static``) per factor
+    ``max(1, row keys / L)``, so that a padded row scores as its unpadded run."""
+    scaling = alibi.scaling
+    if pad is None or not scaling.dynamic:
+        return [(None, alibi)]
+    factors = [scaling.factor_at(int(n)) for n in (~pad).sum(-1).tolist()]
+    groups = []
+    for factor in sorted(set(factors)):
+        if factor not in static:
+            static[factor] = AlibiBias(alibi.num_heads, "causal", Scaling(scaling.method, factor, scaling.train_length))
+        rows = torch.tensor([i for i, f in enumerate(factors) if f == factor], device=pad.device)
+        groups.append((rows, static[factor]))
+    return groups
+
+
+class AlibiLMModel(AlibiPreTrainedModel):
+    """The decoder: embeddings, layers, final norm and output projection to
+    ``output_embed_dim`` (``last_hidden_state`` is what the output layer reads)."""
+
+    def __init__(self, config: AlibiLMConfig):
+        super().__init__(config)
+        dim, eps = config.hidden_size, config.layer_norm_eps
+        if config.adaptive_input:
+            self.embed_tokens = AdaptiveInput(config)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.input_embed_dim, config.pad_token_id)
+        self.quant_noise = nn.Linear(dim, dim, bias=False) if config.embed_quant_noise else None
+        self.project_in_dim = nn.Linear(config.input_embed_dim, dim, bias=False) if config.project_in else None
+        self.layernorm_embedding = nn.LayerNorm(dim, eps=eps) if config.layernorm_embedding else None
+        self.layers = nn.ModuleList(AlibiDecoderLayer(config, i) for i in range(config.layers))
+        self.layer_norm = nn.LayerNorm(dim, eps=eps) if config.final_layer_norm else None
+        self.project_out_dim = nn.Linear(dim, config.output_embed_dim, bias=False) if config.project_out else None
+        # scaling_from_hf of this file's siblings: transformers may load configuration_alibi.py a
+        # second time, as another module, with its own alibi.Scaling class.  On the CPU: from_pretrained
+        # builds models on the meta device, and the slopes are data, not weights.
+        with torch.device("cpu"):
+            self.alibi = AlibiBias(config.attention_heads, "causal",
+                                   scaling_from_hf(config.alibi_scaling, config.alibi_train_length))
+        self.kernel = check_kernel(config.alibi_attention, self.alibi, config.attention_dropout)
+        self._row_biases: Dict[float, AlibiBias] = {}
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def set_alibi_scaling(self, value) -> None:
+        """Context extension from the next forward on: an ``alibi_scaling`` dict
+        (see ``configuration_alibi``), None, or an ``alibi.Scaling``; the config follows."""
+        if isinstance(value, Scaling):
+            scaling = value.complete()
+            if scaling.method == "cap" and scaling.train_length != self.config.alibi_train_length:
+                raise ValueError(f"cap counts in the model's training length alibi_train_length="
+                                 f"{self.config.alibi_train_length}, got train_length={scaling.train_length}")
+        else:
+            scaling = scaling_from_hf(value, self.config.alibi_train_length)
+        self.alibi.rescale(scaling)
+        self._row_biases.clear()
+        self.config.alibi_scaling = scaling_to_hf(scaling)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """fairseq's order: scale, quant-noise projection, input projection, layer norm, dropout."""
+        if self.config.unk_aliases:
+            input_ids = input_ids.masked_fill(input_ids >= self.config.vocab_size, self.config.unk_token_id)
+        x = self.config.embed_scale * self.embed_tokens(input_ids)
+        for module in (self.quant_noise, self.project_in_dim, self.layernorm_embedding):
+            if module is not None:
+                x = module(x)
+        return F.dropout(x, self.config.dropout, self.training)
+
+    def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
+                past_key_values=None, inputs_embeds=None, use_cache: Optional[bool] = None,
+                output_attentions: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
+                return_dict: Optional[bool] = None, **kwargs) -> BaseModelOutputWithPast:
+        if input_ids is None or inputs_embeds is not None:
+            raise ValueError("this model takes input_ids (inputs_embeds is not supported)")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache()
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        batch, length = input_ids.shape
+        pad = key_padding(attention_mask, batch, past + length)
+        context = AttentionContext(past_key_values, past, pad, row_groups(self.alibi, self._row_biases, pad),
+                                   self.kernel, bool(output_attentions))
+        query_pad = pad[:, past:, None] if pad is not None else None
+        x = self.embed(input_ids)
+        states, attentions = [x], []
+        for layer in self.layers:
+            x, weights = layer(x, context)
+            if query_pad is not None:  # a padded query sees no key: keep its NaN out of later layers
+                x = x.masked_fill(query_pad, 0.0)
+                weights = None if weights is None else weights.masked_fill(query_pad[:, None], 0.0)
+            states.append(x)
+            attentions.append(weights)
+        for module in (self.layer_norm, self.project_out_dim):
+            if module is not None:
+                x = module(x)
+        return BaseModelOutputWithPast(
+            last_hidden_state=x,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=tuple(states) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+        )
+
+
+class AlibiForCausalLM(AlibiPreTrainedModel, GenerationMixin):
+    """The decoder and fairseq's output layer (``lm_head``: a linear projection or the adaptive softmax)."""
+
+    def __init__(self, config: AlibiLMConfig):
+        super().__init__(config)
+        self.model = AlibiLMModel(config)
+        if config.adaptive_softmax:
+            self.lm_head = AdaptiveSoftmax(config)
+        else:
+            self.lm_head = nn.Linear(config.output_embed_dim, config.vocab_size, bias=False)
+        self._tied_weights_keys = tied_weights(config)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def set_alibi_scaling(self, value) -> None:
+        """``AlibiLMModel.set_alibi_scaling`` of the decoder."""
+        self.model.set_alibi_scaling(value)
+
+    def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
+                past_key_values=None, inputs_embeds=None, labels: Optional[Tensor] = None,
+                use_cache: Optional[bool] = None, output_attentions: Optional[bool] = None,
+                output_hidden_states: Optional[bool] = None, return_dict: Optional[bool] = None,
+                logits_to_keep: int = 0, **kwargs):
+        out = self.model(input_ids, attention_mask=attention_mask, past_key_values=past_key_values,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
+                         output_hidden_states=output_hidden_states)
+        hidden = out.last_hidden_state
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            hidden = hidden[:, -logits_to_keep:]
+        elif isinstance(logits_to_keep, Tensor):
+            hidden = hidden[:, logits_to_keep]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        result = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                        hidden_states=out.hidden_states, attentions=out.attentions)
+        return result if return_dict is not False else result.to_tuple()
+
+
+__all__ = ["AlibiLMConfig", "AlibiLMModel", "AlibiForCausalLM"]

@@ -1,0 +1,666 @@
+"""alibi-export-hf: fairseq ALiBi LMs as Hugging Face models.
+
+The reference for every number is the fairseq model itself (fairseq's own
+modules, built in-process from the same checkpoint, rescaled with
+``attention.rescale``), plus one forward written out here from the exported
+weights with the paper's bias formula (``naive_log_probs``).  The tiny models
+are built as fairseq-train builds them (parser, arch, ``task.build_model``)
+with random weights large enough that attention, and so ALiBi, shapes the
+output; 6 heads (not a power of two), trained length ``L`` = 16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import REPO, cli_env, fork_layout
+from fairseq_alibi import alibi, attention, hf
+from fairseq_alibi.configuration_alibi import AlibiLMConfig, AlibiScalingError, scaling_from_hf, scaling_to_hf
+from fairseq_alibi.errors import ConfigError, ExportError
+from fairseq_alibi.export import main as export_main
+from fairseq_alibi.export import writer
+from fairseq_alibi.modeling_alibi import AlibiForCausalLM
+
+L = 16
+WORDS = 40
+DIM, HEADS = 24, 6
+COMMON = ["--decoder-layers", "2", "--decoder-embed-dim", str(DIM), "--decoder-attention-heads", str(HEADS),
+          "--decoder-ffn-embed-dim", "40", "--dropout", "0", "--attention-dropout", "0"]
+ADAPTIVE = ["--adaptive-input-cutoff", "12,24", "--adaptive-softmax-cutoff", "12,24",
+            "--adaptive-input-factor", "2", "--adaptive-softmax-factor", "2"]
+#: Every transformer_lm_alibi variant the default format must reproduce exactly.
+VARIANTS = {
+    "postnorm-relu-scaled-untied": ["--arch", "transformer_lm_alibi"],
+    "prenorm-gelu-tied-lnemb": ["--decoder-normalize-before", "--activation-fn", "gelu",
+                                "--share-decoder-input-output-embed", "--layernorm-embedding"],
+    "tanh-unscaled-projections-nofinalnorm": ["--decoder-normalize-before", "--activation-fn", "gelu_accurate",
+                                              "--no-scale-embedding", "--decoder-input-dim", "16",
+                                              "--decoder-output-dim", "20", "--no-decoder-final-norm"],
+    "wiki103-adaptive-tied": ["--arch", "transformer_lm_wiki103_alibi", *ADAPTIVE, "--decoder-input-dim", str(DIM),
+                              "--decoder-output-dim", str(DIM)],
+    "adaptive-untied-input-proj": ["--decoder-normalize-before", "--adaptive-input", *ADAPTIVE,
+                                   "--decoder-input-dim", "32", "--decoder-output-dim", "20"],
+    "normformer-tanh": ["--decoder-normalize-before", "--scale-attn", "--scale-fc", "--scale-heads",
+                        "--scale-resids", "--activation-fn", "tanh"],
+}
+#: Every context-extension method, static and dynamic.
+METHODS = ["none", "linear:2", "linear", "ntk:3", "ntk", "cap", "cap:0.5"]
+BLOOM_ARGS = ["--arch", "transformer_lm_bloom_alibi", "--decoder-ffn-embed-dim", str(4 * DIM)]
+
+
+# ------------------------------------------------------------------ building fairseq models
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """A data directory with a 40-word dict.txt (44 symbols with fairseq's 4 specials)."""
+    path = tmp_path_factory.mktemp("export_data")
+    (path / "dict.txt").write_text("".join(f"w{i} {1000 - i}\n" for i in range(WORDS)))
+    return path
+
+
+def build(data_dir, extra, seed: int = 0, std: float = 0.4):
+    """(fairseq model in eval mode, cfg) as fairseq-train builds them, random weights."""
+    import fairseq_alibi  # noqa: F401
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    argv = [str(data_dir), "--task", "language_modeling", "--arch", "transformer_lm_alibi",
+            "--tokens-per-sample", str(L), "--cpu", *COMMON, *extra]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    cfg = convert_namespace_to_omegaconf(args)
+    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator) * std
+            parameter.copy_(1 + noise / 4 if "norm" in name or "_ln" in name else noise)
+    return model.eval(), cfg
+
+
+def save(model, cfg, path: Path) -> Path:
+    """A checkpoint as fairseq 0.12 writes it (cfg a plain resolved dict)."""
+    torch.save({"cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "model": model.state_dict(),
+                "args": None, "optimizer_history": [], "extra_state": {}}, path)
+    return path
+
+
+def export(*args) -> tuple:
+    """(exit status, stdout + stderr) of ``alibi-export-hf ARGS`` run in-process."""
+    from io import StringIO
+    from contextlib import redirect_stderr, redirect_stdout
+
+    out = StringIO()
+    with redirect_stdout(out), redirect_stderr(out):
+        try:
+            status = export_main([str(a) for a in args])
+        except SystemExit as exc:
+            status = exc.code
+    return status, out.getvalue()
+
+
+def exported(model, cfg, tmp_path, *options, name="out") -> Path:
+    checkpoint = save(model, cfg, tmp_path / f"{name}.pt")
+    status, output = export(checkpoint, tmp_path / name, *options)
+    assert status == 0, output
+    return tmp_path / name
+
+
+def tokens(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
+    ids = torch.randint(4, 4 + WORDS, (batch, length), generator=torch.Generator().manual_seed(seed))
+    ids[:, 0] = 2  # </s> first, as fairseq-eval-lm feeds a block
+    return ids
+
+
+def fairseq_log_probs(model, ids, scaling=alibi.NO_SCALING) -> torch.Tensor:
+    attention.rescale(model, scaling)
+    with torch.no_grad():
+        return model.get_normalized_probs(model(ids), log_probs=True).float()
+
+
+def hf_log_probs(model, ids, **kwargs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False, **kwargs).logits.float().log_softmax(-1)
+
+
+def max_diff(a, b) -> float:
+    return (a - b).abs().max().item()
+
+
+def one_error_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in output, output
+    return lines[0]
+
+
+# ------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_variant_matches_fairseq_under_every_method(variant, data_dir, tmp_path):
+    """fp32 log-probs within 1e-4 at 4 L for each method, static and dynamic."""
+    model, cfg = build(data_dir, VARIANTS[variant])
+    out = exported(model, cfg, tmp_path)
+    loaded, _ = hf.load_hf_model(str(out), progress=False)
+    assert type(loaded) is AlibiForCausalLM
+    ids = tokens(4 * L)
+    for spelling in METHODS:
+        scaling = alibi.Scaling.parse(spelling, L).complete()
+        loaded.set_alibi_scaling(scaling)
+        difference = max_diff(hf_log_probs(loaded, ids), fairseq_log_probs(model, ids, scaling))
+        assert difference < 1e-4, (spelling, difference)
+    assert difference < 1e-4
+
+
+def naive_log_probs(weights, config: AlibiLMConfig, ids: torch.Tensor, slopes: torch.Tensor) -> torch.Tensor:
+    """Pre-norm LM forward written out from the exported weights and the paper's
+    bias ``-m (i - j)``: no code shared with fairseq_alibi."""
+    import math
+
+    w = {k: v.float() for k, v in weights.items()}
+    length, heads = ids.shape[1], config.attention_heads
+    head_dim = config.hidden_size // heads
+    x = w["model.embed_tokens.weight"][ids[0]] * config.embed_scale
+    x = torch.nn.functional.layer_norm(x, (config.hidden_size,), w["model.layernorm_embedding.weight"],
+                                       w["model.layernorm_embedding.bias"])
+    i = torch.arange(length)
+    bias = -slopes[:, None, None] * (i[:, None] - i[None, :]).float()
+    bias = bias.masked_fill(i[None, :] > i[:, None], float("-inf"))
+    for n in range(config.layers):
+        p = f"model.layers.{n}."
+
+        def lin(name, y):
+            return y @ w[p + name + ".weight"].T + w[p + name + ".bias"]
+
+        def norm(name, y):
+            return torch.nn.functional.layer_norm(y, (config.hidden_size,), w[p + name + ".weight"], w[p + name + ".bias"])
+
+        h = norm("self_attn_layer_norm", x)
+        q, k, v = (lin(f"self_attn.{c}_proj", h).view(length, heads, head_dim).transpose(0, 1) for c in "qkv")
+        scores = q @ k.transpose(1, 2) / math.sqrt(head_dim) + bias
+        x = x + lin("self_attn.out_proj", (scores.softmax(-1) @ v).transpose(0, 1).reshape(length, -1))
+        h = lin("fc1", norm("final_layer_norm", x))
+        x = x + lin("fc2", 0.5 * h * (1 + torch.erf(h / math.sqrt(2))))
+    x = torch.nn.functional.layer_norm(x, (config.hidden_size,), w["model.layer_norm.weight"], w["model.layer_norm.bias"])
+    return (x @ w["model.embed_tokens.weight"].T).log_softmax(-1)
+
+
+def test_exported_model_matches_a_forward_written_out_by_hand(data_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    model, cfg = build(data_dir, VARIANTS["prenorm-gelu-tied-lnemb"])
+    out = exported(model, cfg, tmp_path, "--alibi-scaling", "linear:2")
+    config = AlibiLMConfig.from_pretrained(out)
+    weights = load_file(out / "model.safetensors")
+    weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])  # tied: saved once
+    paper = [2 ** (-8 / 4 * (h + 1)) for h in range(4)] + [2 ** (-8 / 8 * (2 * h + 1)) for h in range(2)]
+    ids = tokens(4 * L)
+    expected = naive_log_probs(weights, config, ids, torch.tensor(paper) / 2)
+    loaded, _ = hf.load_hf_model(str(out), progress=False)
+    assert max_diff(hf_log_probs(loaded, ids)[0], expected) < 1e-4
+
+
+def test_converted_fork_checkpoint_exports_and_an_unconverted_one_is_refused(data_dir, tmp_path):
+    from fairseq_alibi.fork import convert_fork_state
+
+    model, cfg = build(data_dir, VARIANTS["wiki103-adaptive-tied"])
+    state = {"cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "model": model.state_dict(),
+             "args": None, "optimizer_history": [], "extra_state": {}}
+    fork = tmp_path / "alibi_wt103_L16.pt"
+    torch.save(fork_layout(state, L), fork)
+    status, output = export(fork, tmp_path / "refused")
+    assert status == 1 and "alibi-convert-checkpoint" in one_error_line(output)
+    assert not (tmp_path / "refused").exists()
+    converted = tmp_path / "converted.pt"
+    torch.save(convert_fork_state(torch.load(fork, weights_only=False)), converted)
+    status, output = export(converted, tmp_path / "out")
+    assert status == 0, output
+    loaded, _ = hf.load_hf_model(str(tmp_path / "out"), progress=False)
+    assert loaded.config.alibi_train_length == L and loaded.config.adaptive_softmax["tie_proj"]
+    ids = tokens(4 * L)
+    assert max_diff(hf_log_probs(loaded, ids), fairseq_log_probs(model, ids)) < 1e-4
+
+
+def test_scaling_set_at_export_and_at_load_time(data_dir, tmp_path):
+    model, cfg = build(data_dir, [])
+    out = exported(model, cfg, tmp_path, "--alibi-scaling", "ntk")
+    assert json.loads((out / "config.json").read_text())["alibi_scaling"] == {"type": "ntk", "train_seq_len": L}
+    ids = tokens(4 * L)
+    dynamic = alibi.Scaling("ntk", 0, L)
+    loaded, _ = hf.load_hf_model(str(out), progress=False)
+    assert max_diff(hf_log_probs(loaded, ids), fairseq_log_probs(model, ids, dynamic)) < 1e-4
+    override = AlibiForCausalLM.from_pretrained(out, alibi_scaling={"type": "cap", "factor": 2.0}).eval()
+    assert max_diff(hf_log_probs(override, ids), fairseq_log_probs(model, ids, alibi.Scaling("cap", 2.0, L))) < 1e-4
+    with pytest.raises(AlibiScalingError, match=r"^alibi_scaling=\{'type': 'ntk'\} is not valid; .*exactly one"):
+        AlibiForCausalLM.from_pretrained(out, alibi_scaling={"type": "ntk"})
+
+
+@pytest.mark.parametrize("spelling", METHODS)
+def test_alibi_scaling_dictionary_round_trips(spelling):
+    scaling = alibi.Scaling.parse(spelling, L).complete()
+    assert scaling_from_hf(scaling_to_hf(scaling), L) == scaling
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"type": "rope", "factor": 2}, "type must be one of none, linear, ntk, cap"),
+    ({"type": "linear", "factor": 2, "train_seq_len": 8}, "exactly one of them"),
+    ({"type": "linear", "factor": 0.5}, "factor must be a number >= 1"),
+    ({"type": "cap", "train_seq_len": 8}, "cap takes"),
+    ({"type": "linear", "factor": 2, "scale": 1}, "unknown key"),
+    ({"type": "linear", "train_seq_len": 0}, "train_seq_len=0"),
+    ("linear", "give a dictionary"),
+])
+def test_bad_alibi_scaling_is_one_line_naming_it(value, message):
+    with pytest.raises(AlibiScalingError, match=message) as error:
+        scaling_from_hf(value, L)
+    assert str(error.value).startswith("alibi_scaling=") and "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------ in use
+def test_left_padded_rows_score_as_their_unpadded_runs(data_dir, tmp_path):
+    model, cfg = build(data_dir, VARIANTS["prenorm-gelu-tied-lnemb"])
+    loaded, _ = hf.load_hf_model(str(exported(model, cfg, tmp_path)), progress=False)
+    lengths = [4 * L, 3 * L, 2 * L + 5]
+    rows = [tokens(n, seed=n)[0] for n in lengths]
+    batch = torch.full((len(rows), max(lengths)), 1)
+    mask = torch.zeros_like(batch)
+    for r, row in enumerate(rows):
+        batch[r, -len(row):], mask[r, -len(row):] = row, 1
+    for spelling in ("none", "ntk", "linear:2", "cap:0.5"):
+        loaded.set_alibi_scaling(alibi.Scaling.parse(spelling, L))
+        padded = hf_log_probs(loaded, batch, attention_mask=mask)
+        assert torch.isfinite(padded[mask.bool()]).all()
+        for r, row in enumerate(rows):
+            alone = hf_log_probs(loaded, row[None])[0]
+            assert max_diff(padded[r, -len(row):], alone) < 1e-5, (spelling, r)
+
+
+def fairseq_greedy(model, prompt: torch.Tensor, steps: int) -> list:
+    """Greedy decoding with fairseq's incremental state, one token at a time,
+    never ``<pad>`` (fairseq's SequenceGenerator sets its log-prob to -inf)."""
+    state, out = {}, prompt[0].tolist()
+    with torch.no_grad():
+        for t in range(len(out) + steps - 1):
+            net_output = model.decoder(torch.tensor([out[: t + 1]]), incremental_state=state)
+            if t + 1 >= len(out):
+                logp = model.get_normalized_probs(net_output, log_probs=True)[0, -1]
+                logp[1] = float("-inf")
+                out.append(int(logp.argmax()))
+    return out
+
+
+def test_generate_equals_fairseq_greedy_decoding_and_the_cache_equals_a_full_forward(data_dir, tmp_path):
+    from transformers.cache_utils import DynamicCache
+
+    model, cfg = build(data_dir, VARIANTS["postnorm-relu-scaled-untied"], std=0.3)
+    out = exported(model, cfg, tmp_path, "--alibi-scaling", "linear:2")
+    loaded, _ = hf.load_hf_model(str(out), progress=False)
+    attention.rescale(model, alibi.Scaling("linear", 2.0, L))
+    prompt = tokens(L)
+    steps = 3 * L
+    assert loaded.generation_config.suppress_tokens == [1]
+    generated = loaded.generate(prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None,
+                                pad_token_id=1, min_new_tokens=steps)
+    assert generated[0].tolist() == fairseq_greedy(model, prompt, steps)
+    cache, pieces = DynamicCache(), []
+    with torch.no_grad():
+        for start in range(0, generated.shape[1], 7):
+            step = loaded(input_ids=generated[:, start : start + 7], past_key_values=cache, use_cache=True)
+            pieces.append(step.logits)
+    assert max_diff(torch.cat(pieces, 1).log_softmax(-1), hf_log_probs(loaded, generated)) < 1e-5
+
+
+def test_batched_generate_with_left_padding(data_dir, tmp_path):
+    model, cfg = build(data_dir, VARIANTS["prenorm-gelu-tied-lnemb"])
+    out = exported(model, cfg, tmp_path)
+    loaded, tokenizer = hf.load_hf_model(str(out), progress=False)
+    texts = ["w1 w2 w3 w4 w5 w6", "w7 w8"]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    assert tokenizer.padding_side == "left"
+    together = loaded.generate(**batch, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=1)
+    for r, text in enumerate(texts):
+        alone = loaded.generate(**tokenizer([text], return_tensors="pt"), max_new_tokens=12, do_sample=False,
+                                eos_token_id=None)
+        assert together[r, -12:].tolist() == alone[0, -12:].tolist()
+
+
+def test_tokenizer_ids_are_fairseq_dictionary_ids_eos_first(data_dir, tmp_path):
+    from fairseq.data import Dictionary
+    from transformers import AutoTokenizer
+
+    # Trained on fairseq-preprocess's dict.txt (padded to 48 symbols with madeupwords),
+    # exported with a copy of it that lost the padding.
+    words = (data_dir / "dict.txt").read_text() + "hello 1\n"
+    trained, given = tmp_path / "trained", tmp_path / "given"
+    trained.mkdir(), given.mkdir()
+    (trained / "dict.txt").write_text(words + "".join(f"madeupword{i:04d} 0\n" for i in range(3)))
+    (given / "dict.txt").write_text(words)
+    model, cfg = build(trained, [])
+    dictionary = Dictionary.load(str(trained / "dict.txt"))
+    assert len(model.decoder.embed_tokens.weight) == len(dictionary) == 48
+    out = exported(model, cfg, tmp_path, "--dict", given / "dict.txt")
+    tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=False)
+    line = "w3 hello  w39\tnever-seen w0 </s> madeupword0001 <unk>"
+    expected = [dictionary.eos()] + dictionary.encode_line(line, add_if_not_exist=False, append_eos=False).tolist()
+    assert tokenizer(line).input_ids == expected
+    assert tokenizer(line, add_special_tokens=False).input_ids == expected[1:]
+    assert [tokenizer.convert_tokens_to_ids(w) for w in ("<s>", "<pad>", "</s>", "<unk>")] == [0, 1, 2, 3]
+    assert tokenizer.bos_token_id == tokenizer.eos_token_id == 2 and tokenizer.pad_token_id == 1
+    assert tokenizer.decode(expected[1:3]) == "w3 hello"
+
+
+def write_gpt2_files(directory: Path):
+    """A tiny GPT-2 BPE: byte pieces for a few letters and two merges."""
+    pieces = ["Ġ", "a", "b", "c", "Ġa", "ab", "Ġab"]
+    (directory / "encoder.json").write_text(json.dumps({p: i for i, p in enumerate(pieces)}))
+    (directory / "vocab.bpe").write_text("#version: 0.2\nĠ a\na b\nĠa b\n")
+    return directory / "encoder.json", directory / "vocab.bpe"
+
+
+def test_gpt2_bpe_tokenizer_matches_fairseq_and_missing_files_are_named(tmp_path):
+    from fairseq.data import Dictionary
+    from fairseq.data.encoders.gpt2_bpe_utils import get_encoder
+
+    encoder_json, vocab_bpe = write_gpt2_files(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dict.txt").write_text("".join(f"{i} {10 - i}\n" for i in (6, 1, 0, 2, 5)))  # GPT-2 ids as words
+    model, cfg = build(data, ["--bpe", "gpt2", "--gpt2-encoder-json", str(tmp_path / "gone.json")])
+    checkpoint = save(model, cfg, tmp_path / "bpe.pt")
+    status, output = export(checkpoint, tmp_path / "missing")
+    line = one_error_line(output)
+    assert "--bpe gpt2" in line and "--gpt2-encoder-json PATH (recorded:" in line and "--gpt2-vocab-bpe PATH" in line
+    status, output = export(checkpoint, tmp_path / "out", "--gpt2-encoder-json", encoder_json,
+                            "--gpt2-vocab-bpe", vocab_bpe)
+    assert status == 0, output
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out", trust_remote_code=False)
+    loaded, _ = hf.load_hf_model(str(tmp_path / "out"), progress=False)
+    assert loaded.config.unk_aliases == 2  # pieces "Ġ" (id 0) and "c" (id 3) are not in the dictionary
+    dictionary, bpe = Dictionary.load(str(data / "dict.txt")), get_encoder(str(encoder_json), str(vocab_bpe))
+    for text in ("ab abc", "a b ab", "cab", "ba c"):
+        pieces = " ".join(map(str, bpe.encode(text)))
+        expected = [2] + dictionary.encode_line(pieces, add_if_not_exist=False, append_eos=False).tolist()
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        as_unk = ids.masked_fill(ids >= len(dictionary), dictionary.unk())
+        assert as_unk[0].tolist() == expected, text
+        assert max_diff(hf_log_probs(loaded, ids), fairseq_log_probs(model, torch.tensor([expected]))) < 1e-4
+
+
+# ------------------------------------------------------------------ BLOOM format
+def test_bloom_format_loads_as_stock_bloom_and_matches_at_4x_and_10x(data_dir, tmp_path):
+    from transformers import BloomForCausalLM
+
+    for tie in ([], ["--share-decoder-input-output-embed"]):
+        model, cfg = build(data_dir, BLOOM_ARGS + tie, std=0.2)
+        out = exported(model, cfg, tmp_path, "--format", "bloom", name=f"bloom{len(tie)}")
+        config = json.loads((out / "config.json").read_text())
+        assert config["model_type"] == "bloom" and "auto_map" not in config and config["seq_length"] == L
+        assert not list(out.glob("*.py"))
+        loaded = BloomForCausalLM.from_pretrained(out).eval()
+        for factor in (4, 10):
+            ids = tokens(factor * L)
+            difference = max_diff(hf_log_probs(loaded, ids), fairseq_log_probs(model, ids))
+            print(f"BLOOM format, tie={bool(tie)}, {factor}x L: max |log-prob difference| {difference:.1e}")
+            assert difference < 2e-6
+
+
+@pytest.mark.parametrize("extra, feature", [
+    ([], "post-norm layers"),
+    (["--decoder-normalize-before", "--layernorm-embedding", "--activation-fn", "gelu_accurate",
+      "--no-scale-embedding", "--decoder-ffn-embed-dim", str(3 * DIM)], "FFN 3x d (BLOOM: 4x d)"),
+    (BLOOM_ARGS + ["--decoder-output-dim", str(DIM)], None),
+])
+def test_bloom_format_refuses_what_bloom_cannot_hold_in_one_line(extra, feature, data_dir, tmp_path):
+    model, cfg = build(data_dir, extra)
+    checkpoint = save(model, cfg, tmp_path / "m.pt")
+    options = ["--alibi-scaling", "ntk:2"] if feature is None else []
+    status, output = export(checkpoint, tmp_path / "out", "--format", "bloom", *options)
+    line = one_error_line(output)
+    assert status == 1 and "the BLOOM format cannot hold this model" in line and "--format custom" in line
+    assert (feature or "context extension ntk:2") in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_bloom_preset_arch_and_its_refusal(data_dir):
+    model, cfg = build(data_dir, BLOOM_ARGS)
+    m = cfg.model
+    assert (m.decoder_normalize_before, m.layernorm_embedding, m.no_scale_embedding, m.activation_fn) == (
+        True, True, True, "gelu_accurate")
+    with pytest.raises(ConfigError, match=r"activation_fn='relu'.*use --arch transformer_lm_alibi"):
+        build(data_dir, BLOOM_ARGS + ["--activation-fn", "relu"])
+
+
+# ------------------------------------------------------------------ refusals and writing
+def test_bad_inputs_are_one_error_line_each(data_dir, tmp_path):
+    model, cfg = build(data_dir, [])
+    good = save(model, cfg, tmp_path / "good.pt")
+    stock, stock_cfg = build(data_dir, ["--arch", "transformer_lm"])
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"not a checkpoint")
+    no_dict = tmp_path / "nodict.pt"
+    state = torch.load(good, weights_only=False)
+    state["cfg"]["task"]["data"] = str(tmp_path / "moved-away")
+    torch.save(state, no_dict)
+    wrong_dict = tmp_path / "dict.txt"
+    wrong_dict.write_text("a 1\nb 1\n")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    cases = [
+        ((tmp_path / "missing.pt", tmp_path / "o"), "checkpoint file not found"),
+        ((corrupt, tmp_path / "o"), "is not a readable PyTorch checkpoint"),
+        ((tmp_path, tmp_path / "o"), "is a directory"),
+        ((save(stock, stock_cfg, tmp_path / "stock.pt"), tmp_path / "o"), "sinusoidal positions, not ALiBi"),
+        ((no_dict, tmp_path / "o"), "no dictionary for .*--dict PATH"),
+        ((good, tmp_path / "o", "--dict", wrong_dict), "has 6 symbols but the checkpoint's embedding has 44 rows"),
+        ((good, tmp_path / "o", "--dict", tmp_path / "none.txt"), "dictionary not found"),
+        ((good, tmp_path / "o", "--alibi-scaling", "rope:2"), "--alibi-scaling 'rope:2' is not valid"),
+        ((good, tmp_path / "o", "--alibi-scaling", "ntk:0.5"), "static factor must be >= 1"),
+        ((good, tmp_path / "full"), "is not empty; .*--force"),
+        ((good, corrupt), "exists and is not a directory"),
+    ]
+    for args, message in cases:
+        status, output = export(*args)
+        assert status == 1, (args, output)
+        import re
+
+        assert re.search(message, one_error_line(output)), (message, output)
+    assert (tmp_path / "full" / "keep.txt").read_text() == "x" and not (tmp_path / "o").exists()
+
+
+def test_command_line_module_reports_one_error_line(tmp_path):
+    """``python -m fairseq_alibi.export`` (what the alibi-export-hf console script runs)."""
+    env = cli_env(PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "fairseq_alibi.export", str(tmp_path / "none.pt"),
+                             str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert one_error_line(result.stderr) == f"error: checkpoint file not found: {tmp_path / 'none.pt'}"
+
+
+def test_dynamic_scaling_without_a_training_length_is_refused(data_dir):
+    from fairseq_alibi.export import Source, resolve_scaling
+
+    unknown = Source("m.pt", None, None, None, None, alibi.NO_SCALING)
+    with pytest.raises(ExportError, match="--alibi-scaling linear needs the training length, which m.pt does not"):
+        resolve_scaling("linear", unknown)
+    assert resolve_scaling("linear:2", unknown) == alibi.Scaling("linear", 2.0)
+
+
+def test_writing_is_atomic_and_force_replaces(data_dir, tmp_path, monkeypatch):
+    model, cfg = build(data_dir, [])
+    checkpoint = save(model, cfg, tmp_path / "m.pt")
+    out = tmp_path / "models" / "out"
+    import transformers
+
+    def crash(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.PreTrainedTokenizerFast, "save_pretrained", crash)
+        status, output = export(checkpoint, out)
+    assert status == 130 and "nothing written" in output
+    assert not out.exists() and os.listdir(out.parent) == []
+    assert export(checkpoint, out)[0] == 0
+    (out / "stale.txt").write_text("old")
+    assert export(checkpoint, out)[0] == 1 and (out / "stale.txt").exists()
+    assert export(checkpoint, out, "--force")[0] == 0
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+    assert sorted(os.listdir(out.parent)) == ["out"]
+
+
+def test_traveling_files_are_what_transformers_copies_and_import_only_torch_and_transformers():
+    import ast
+
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    files = writer.traveling_files()
+    modeling = os.path.join(writer.PACKAGE_DIR, "modeling_alibi.py")
+    assert set(files) == {modeling, *get_relative_import_files(modeling)}
+    for path in files:
+        for node in ast.walk(ast.parse(Path(path).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert node.module.split(".")[0] in ("__future__", "typing", "torch", "transformers",
+                                                     "dataclasses"), (path, node.module)
+            elif isinstance(node, ast.Import):
+                assert all(a.name.split(".")[0] in ("math", "torch") for a in node.names), path
+
+
+GUARD = """
+import importlib.abc, json, sys
+class Guard(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("fairseq_alibi", "fairseq"):
+            raise ImportError("guard: " + name)
+sys.meta_path.insert(0, Guard())
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+out, ids = sys.argv[1], json.loads(sys.argv[2])
+tokenizer = AutoTokenizer.from_pretrained(out)
+model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True,
+                                             alibi_scaling={"type": "ntk", "train_seq_len": 16}).eval()
+with torch.no_grad():
+    logp = model(input_ids=torch.tensor([ids])).logits.log_softmax(-1)
+    generated = model.generate(torch.tensor([ids[:8]]), max_new_tokens=5, do_sample=False, eos_token_id=None)
+print("RESULT", json.dumps({"ids": tokenizer("w1 w2 nope").input_ids, "module": type(model).__module__,
+                  "logp": logp[0].tolist(), "generated": generated[0].tolist(),
+                  "imported": sorted(m for m in sys.modules if m.startswith(("fairseq", "fairseq_alibi")))}))
+"""
+
+
+def test_loads_with_transformers_alone_without_the_package(data_dir, tmp_path):
+    model, cfg = build(data_dir, VARIANTS["wiki103-adaptive-tied"])
+    out = exported(model, cfg, tmp_path)
+    ids = tokens(4 * L)
+    env = cli_env(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = ""  # not the worktree: fairseq_alibi must not be importable from there
+    result = subprocess.run([sys.executable, "-c", GUARD, str(out), json.dumps(ids[0].tolist())],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.split("RESULT ", 1)[1])  # after transformers' trust question
+    assert got["module"].startswith("transformers_modules.") and got["imported"] == []
+    assert got["ids"] == [2, 5, 6, 3]
+    dynamic = alibi.Scaling("ntk", 0, L)
+    assert max_diff(torch.tensor(got["logp"]), fairseq_log_probs(model, ids, dynamic)[0]) < 1e-4
+    assert got["generated"] == fairseq_greedy(model, ids[:, :8], 5)
+
+
+# ------------------------------------------------------------------ hf.py and the evaluation tools
+def test_hf_loads_exported_models_with_its_own_class_and_scales_them(data_dir, tmp_path, capfd):
+    model, cfg = build(data_dir, VARIANTS["prenorm-gelu-tied-lnemb"])
+    out = exported(model, cfg, tmp_path)
+    (out / "modeling_alibi.py").write_text("raise RuntimeError('code from the model directory ran')\n")
+    capfd.readouterr()
+    loaded, tokenizer = hf.load_hf_model(str(out), progress=False)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert type(loaded) is AlibiForCausalLM and hf.hf_train_length(loaded.config) == L
+    assert torch.equal(hf.base_slopes(loaded), alibi.get_slopes(HEADS))
+    ids = tokens(4 * L)
+    with hf.alibi_scaling(loaded, "ntk", 0):
+        scaled = hf.token_log_probs(loaded, ids[0])
+        assert hf.alibi_scaling_settings(loaded)["method"] == "ntk"
+    expected = fairseq_log_probs(model, ids, alibi.Scaling("ntk", 0, L))[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    assert max_diff(scaled, expected) < 1e-4
+    assert loaded.config.alibi_scaling is None and hf.alibi_scaling_settings(loaded) is None
+    with pytest.raises(ValueError, match="bias_form='upstream' applies to BLOOM and Falcon"):
+        hf.apply_alibi_scaling(loaded, "ntk", 2.0, bias_form="upstream")
+
+
+def test_hf_refuses_other_custom_code_models_in_one_line(tmp_path):
+    for name, config in (("auto_map", {"model_type": "llama", "auto_map": {"AutoConfig": "x.Y"}}),
+                         ("unknown", {"model_type": "my_secret_lm"})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        with pytest.raises(hf.HFLoadError, match="runs no code from model directories") as error:
+            hf.load_hf_model(str(tmp_path / name))
+        assert "\n" not in str(error.value)
+
+
+def test_alibi_sweep_hf_accepts_an_exported_model(data_dir, tmp_path):
+    from fairseq_alibi.evaluation import perplexity
+
+    model, cfg = build(data_dir, [])
+    out = exported(model, cfg, tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i % WORDS}" for i in range(7 * L)) + "\n")
+    perplexity.main([str(text), "--hf", f"exported={out}", "--lengths", "1x,2x", "--methods", "none,ntk",
+                     "--output-dir", str(tmp_path / "sweep"), "--no-progress", "--cpu"])
+    cells = json.loads((tmp_path / "sweep" / "results.json").read_text())["cells"]
+    assert {(c["length"], c["method"]) for c in cells} >= {(L, "none"), (2 * L, "ntk")}
+
+
+# ------------------------------------------------------------------ lm-evaluation-harness
+HARNESS_TASK = """task: alibi_export_check
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+  cache_dir: {cache}
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{context}}}}"
+doc_to_target: " {{{{continuation}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+"""
+
+
+def test_lm_eval_harness_log_likelihoods_equal_fairseq(data_dir, tmp_path, monkeypatch):
+    """lm_eval's Python API, offline, on a local task: ``--model hf`` with trust_remote_code."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from transformers import dynamic_module_utils
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    model, cfg = build(data_dir, VARIANTS["prenorm-gelu-tied-lnemb"])
+    out = exported(model, cfg, tmp_path)
+    docs = []
+    for n, (context, continuation) in enumerate([(3 * L, 5), (L // 2, 1), (4 * L - 4, 3)]):
+        ids = tokens(context + continuation, seed=n)[0, 1:].tolist()
+        docs.append({"context": " ".join(f"w{i - 4}" for i in ids[:context - 1]),
+                     "continuation": " ".join(f"w{i - 4}" for i in ids[context - 1:]), "ids": ids})
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "check.yaml").write_text(HARNESS_TASK.format(data=tmp_path / "docs.jsonl",
+                                                                       cache=tmp_path / "datasets"))
+    results = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={out},trust_remote_code=True,dtype=float32", tasks=["alibi_export_check"],
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False), device="cpu",
+        batch_size=1, log_samples=True, bootstrap_iters=0)
+    samples = sorted(results["samples"]["alibi_export_check"], key=lambda s: s["doc_id"])
+    assert len(samples) == len(docs)
+    for sample, doc in zip(samples, docs):
+        ids = torch.tensor([[2] + doc["ids"]])  # lm_eval feeds the tokenizer's </s> first, as fairseq does
+        logp = fairseq_log_probs(model, ids[:, :-1])[0]
+        scored = len(doc["continuation"].split())
+        expected = logp[-scored:].gather(-1, ids[0, -scored:, None]).sum().item()
+        assert sample["filtered_resps"][0][0] == pytest.approx(expected, abs=1e-4), doc["context"][:20]
