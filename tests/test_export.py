@@ -12,6 +12,7 @@ output; 6 heads (not a power of two), trained length ``L`` = 16.
 from __future__ import annotations
 
 import json
+import random
 import os
 import subprocess
 import sys
@@ -664,3 +665,36 @@ def test_lm_eval_harness_log_likelihoods_equal_fairseq(data_dir, tmp_path, monke
         scored = len(doc["continuation"].split())
         expected = logp[-scored:].gather(-1, ids[0, -scored:, None]).sum().item()
         assert sample["filtered_resps"][0][0] == pytest.approx(expected, abs=1e-4), doc["context"][:20]
+
+
+def test_alibi_retrieval_gives_the_same_scores_on_a_checkpoint_and_its_export(data_dir, tmp_path):
+    """The same prompts through alibi-retrieval on the fairseq checkpoint (fairseq backend)
+    and on its export (--hf backend, this package's own class): equal scores under every
+    kind of method, static, dynamic and the cap (the export's bos is fairseq's eos)."""
+    from fairseq_alibi.evaluation import retrieval
+
+    model, cfg = build(data_dir, [])
+    checkpoint = save(model, cfg, tmp_path / "model.pt")
+    state = torch.load(checkpoint, weights_only=True)  # fairseq's loader reads the last optimizer history entry
+    state["optimizer_history"] = [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
+                                   "lr_scheduler_state": {}, "num_updates": 0}]
+    torch.save(state, checkpoint)
+    out = exported(model, cfg, tmp_path)
+    rng = random.Random(0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.randrange(WORDS)}" for _ in range(n)),
+                                           "answer": f"w{rng.randrange(WORDS)} w{rng.randrange(WORDS)}"}) + "\n"
+                               for n in (5, 3 * L, 3 * L, 5 * L)))
+    common = ["--task", str(prompts), "--methods", "none,ntk,cap:0.5", "--cpu", "--no-progress"]
+    assert retrieval.main([str(data_dir), "-c", f"m={checkpoint}", *common, "-o", str(tmp_path / "fs")]) == 0
+    assert retrieval.main(["--hf", f"m={out}", *common, "-o", str(tmp_path / "hf")]) == 0
+    cells = {name: {(c["label"], c["length"]): c for c in json.loads((tmp_path / name / "results.json").read_text())
+                    ["cells"]} for name in ("fs", "hf")}
+    assert set(cells["fs"]) == set(cells["hf"]) and len(cells["fs"]) == 3 * 3
+    for key, fs in cells["fs"].items():
+        hf_cell = cells["hf"][key]
+        assert fs["sample_correct"] == hf_cell["sample_correct"], key
+        assert fs["sample_logprob"] == pytest.approx(hf_cell["sample_logprob"], abs=1e-4), key
+    longest = max(length for _, length in cells["fs"])
+    assert len({round(cells["fs"][(label, longest)]["answer_logprob"], 5) for label in
+                ("none", "ntk dynamic", "cap x0.5")}) == 3  # past L the methods differ: not vacuous

@@ -22,8 +22,7 @@ from conftest import cli_env, tool
 from fairseq_alibi.alibi import Scaling
 from fairseq_alibi.errors import EvaluationError
 from fairseq_alibi.evaluation import runner
-from fairseq_alibi.evaluation.backends import Described
-from fairseq_alibi.evaluation.runner import Cell, ModelInfo
+from fairseq_alibi.evaluation.runner import Cell, Described, ModelInfo
 
 
 class ToyModel:

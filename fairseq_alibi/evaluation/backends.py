@@ -21,13 +21,14 @@ picks one from the arguments.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from ..alibi import Scaling, ScalingError
 from ..errors import EvaluationError
 from .prompts import Vocabulary
-from .runner import ModelInfo, check_checkpoint_paths, file_identity, method_overrides, parse_named
+from .runner import (
+    Described, ModelInfo, answer_result, check_checkpoint_paths, file_identity, method_overrides, parse_named,
+)
 
 
 def backend_for(args, subset: Optional[str] = None):
@@ -40,15 +41,6 @@ def backend_for(args, subset: Optional[str] = None):
                                   "not both")
         return HFBackend(args, text_file=subset is not None)
     return FairseqBackend(args, subset)
-
-
-@dataclass
-class Described:
-    """One model as planned: its info, its encoder, and what loading it needs."""
-
-    info: ModelInfo
-    encoder: Any
-    source: Any = None  # the backend's own (a checkpoint's unpickled state, ...)
 
 
 class Encoder:
@@ -282,16 +274,6 @@ def scored_windows(model, use_cuda: bool, cfg, task, dataset, context: int, skip
             if skip_bos:
                 scores, offset = scores[1:], offset + 1
             yield scores, torch.arange(offset, offset + scores.numel())
-
-
-def answer_result(logprobs, answer: Sequence[int]) -> Tuple[bool, float, List[int]]:
-    """(greedy exact match, mean log-prob, greedy ids) from ``[n_answer, V]`` log-probs."""
-    import torch
-
-    target = torch.tensor(list(answer), device=logprobs.device)
-    chosen = logprobs.gather(-1, target[:, None])[:, 0]
-    greedy = logprobs.argmax(-1)
-    return bool((greedy == target).all()), float(chosen.double().mean()), greedy.tolist()
 
 
 # ------------------------------------------------------------------ fairseq-eval-lm

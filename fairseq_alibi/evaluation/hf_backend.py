@@ -15,9 +15,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..alibi import Scaling
 from ..errors import EvaluationError
-from .backends import Described, answer_result
 from .prompts import Vocabulary
-from .runner import ModelInfo, file_identity, parse_named
+from .runner import Described, ModelInfo, answer_result, file_identity, parse_named
 
 
 def model_identity(model: str) -> str:
@@ -86,7 +85,8 @@ class HFBackend:
     def describe(self, name: str, spec: str) -> Described:
         from .. import hf
 
-        model, tokenizer = hf.load_hf_model(spec, device="cpu" if self.cpu else _device(), dtype=self.dtype)
+        model, tokenizer = hf.load_hf_model(spec, device="cpu" if self.cpu else _device(), dtype=self.dtype,
+                                            progress=not self.quiet)
         family, _ = hf._resolve(model)  # refuses anything but the supported ALiBi families
         train_length = self.train_length or hf.hf_train_length(model.config)
         info = ModelInfo(name, spec, f"hf:{family}", type(model).__name__, True, train_length,

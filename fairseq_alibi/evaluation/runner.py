@@ -257,6 +257,25 @@ class ModelInfo:
 
 
 @dataclass
+class Described:
+    """One model as planned: its info, its encoder, and what loading it needs."""
+
+    info: ModelInfo
+    encoder: Any
+    source: Any = None  # the backend's own (a checkpoint's unpickled state, ...)
+
+
+def answer_result(logprobs, answer: Sequence[int]) -> Tuple[bool, float, List[int]]:
+    """(greedy exact match, mean log-prob, greedy ids) from ``[n_answer, V]`` log-probs."""
+    import torch
+
+    target = torch.tensor(list(answer), device=logprobs.device)
+    chosen = logprobs.gather(-1, target[:, None])[:, 0]
+    greedy = logprobs.argmax(-1)
+    return bool((greedy == target).all()), float(chosen.double().mean()), greedy.tolist()
+
+
+@dataclass
 class Cell:
     """One cell of a measure, for one model: ``key`` identifies it (with the
     model and method), ``data`` is what the measure needs to run it."""
