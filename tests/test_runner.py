@@ -50,7 +50,8 @@ class ToyBackend:
 
     def describe(self, name, value):
         self.log.append(("describe", name))
-        return Described(ModelInfo(name, value, "toy", "toy", True, 8, value), encoder=None)
+        alibi = not name.startswith("sin")  # "sin..." models have no slopes to scale
+        return Described(ModelInfo(name, value, "toy", "toy", alibi, 8, value), encoder=None)
 
     def load(self, described, max_length):
         self.log.append(("load", described.info.name, max_length))
@@ -213,3 +214,10 @@ def test_lock_is_released_when_the_holder_dies(tmp_path):
     holder.wait()
     log, _ = toy_run(tmp_path, ["a=1"])
     assert len(runs(log)) == 9
+
+
+def test_a_model_without_alibi_gets_none_only_and_the_skipped_methods_are_named(tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        log, results = toy_run(tmp_path, ["a=1", "sin=1"])
+    assert {(r["checkpoint"], r["method"]) for r in results if r["checkpoint"] == "sin"} == {("sin", "none")}
+    assert any("sin (toy) is not an ALiBi model: ntk:2, cap do(es) not apply" in r.message for r in caplog.records)

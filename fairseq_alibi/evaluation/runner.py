@@ -380,8 +380,10 @@ def run(args, methods: List[Scaling], measure, backend) -> List[dict]:
         described = [backend.describe(name, source) for name, source in specs]
         plans = [Plan(d, usable_methods(d.info, methods), measure.cells(d)) for d in described]
         for d, plan in zip(described, plans):
-            if len(plan.methods) < len(methods):
-                logger.info("%s (%s) is not an ALiBi model: evaluated with 'none' only", d.info.name, d.info.model)
+            skipped = [m.spelling for m in methods if m not in plan.methods]
+            if skipped:
+                logger.warning("%s (%s) is not an ALiBi model: %s do(es) not apply to it; it is evaluated with "
+                               "'none' only", d.info.name, d.info.model, ", ".join(skipped))
         store = ResultStore(args.output_dir, lambda cell: record_key(cell, measure), measure.order)
         identities = {d.info.name: f"{d.info.identity}|{backend.data_identity}|{measure.settings_identity()}"
                       for d in described}
