@@ -126,10 +126,26 @@ def plot_perplexity(path: str, cells: List[dict], rank: Rank) -> None:
 THIN_SHARE = 0.1
 
 
+def position_bins(losses: Sequence, counts: Sequence[int]) -> List[tuple]:
+    """(first, last, mean loss, tokens) of log2-spaced position bins [0], [1], [2, 3],
+    [4, 7], ...: each bin's mean weighs every scored token once, so far positions,
+    scored as often as near ones but individually noisy, pool into readable points.
+    Positions scored fewer than ``THIN_SHARE`` x the most-scored one's count are left out."""
+    floor = max(counts) * THIN_SHARE
+    out, first = [], 0
+    while first < len(losses):
+        last = min(len(losses), max(1, 2 * first)) - 1
+        kept = [(v, n) for v, n in zip(losses[first:last + 1], counts[first:last + 1]) if v is not None and n >= floor]
+        tokens = sum(n for _, n in kept)
+        if tokens:
+            out.append((first, last, sum(v * n for v, n in kept) / tokens, tokens))
+        first = last + 1
+    return out
+
+
 def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
-    """Mean loss by position at each line's longest evaluated length; positions
-    scored fewer than ``THIN_SHARE`` x the most-scored position's count are left
-    out (the title says how many times the plotted ones were scored, at least)."""
+    """Mean loss by token position (log2 bins of positions) at each line's longest
+    evaluated length, the training length marked."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,28 +164,19 @@ def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
             key = _line_key(c)
             if key not in longest or c["length"] > longest[key]["length"]:
                 longest[key] = c
-        fewest = None
         for key in _lines_in_order(longest, rank):
             c = longest[key]
-            counts = c.get("per_position_count") or [1] * len(c["per_position"])
-            floor = max(counts) * THIN_SHARE
-            pts = [(i, v) for i, (v, n) in enumerate(zip(c["per_position"], counts)) if v is not None and n >= floor]
-            fewest = min([n for n in counts if n >= floor] + ([fewest] if fewest else []))
-            # Average into at most 128 bins so that long windows stay readable.
-            width = max(1, len(c["per_position"]) // 128)
-            xs, ys = [], []
-            for b in range(0, len(pts), width):
-                chunk = pts[b:b + width]
-                xs.append(sum(p for p, _ in chunk) / len(chunk))
-                ys.append(sum(v for _, v in chunk) / len(chunk))
-            ax.plot(xs, ys, lw=1, label=f"{key[0]}: {key[3]} (L={c['length']})")
+            bins = position_bins(c["per_position"], c.get("per_position_count") or [1] * len(c["per_position"]))
+            ax.plot([(lo + hi) / 2 + 1 for lo, hi, _, _ in bins], [v for _, _, v, _ in bins], marker="o", ms=3,
+                    lw=1, ls="-" if key[1] == "none" else "--", label=f"{key[0]}: {key[3]} (L={c['length']})")
         for train_length in sorted({c["train_length"] for c in longest.values() if c["train_length"]}):
             ax.axvline(train_length, color="grey", lw=0.8, ls=":")
-        ax.set_xlabel("token position within the window")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("token position within the window (log2 bins; dotted: training length)")
         ax.set_ylabel("mean loss (bits)")
         ax.set_title(mode + (f", stride {stride}" if mode == "sliding" else "")
-                     + f" (positions scored >= {fewest} times; rarer ones left out)", fontsize=9)
-        ax.grid(True, alpha=0.3)
+                     + f" (positions scored < {THIN_SHARE:.0%} as often as the most left out)", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
