@@ -14,12 +14,13 @@ import json
 import math
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from conftest import TRAIN_LENGTH, cli_env, parse_eval, run_cli, tool
+from conftest import EXAMPLES, TRAIN_LENGTH, cli_env, parse_eval, run_cli, tool
 
 from fairseq_alibi.evaluation import backends
 from fairseq_alibi.evaluation import perplexity as sweep
@@ -270,3 +271,22 @@ def test_ctrl_c_says_rerunning_resumes(lm_data_bin, alibi_checkpoint, tmp_path):
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("alibi-sweep interrupted") and "run the same command again to resume" in last
+
+
+def test_far_attention_example(lm_data_bin, alibi_checkpoint):
+    """examples/language_model/far_attention.py (docs/extrapolation.md) on the tiny model:
+    a cap beyond the window changes nothing, and a cap at L can only move attention
+    to far keys (every far bias rises to -m*L, the near ones stay)."""
+    result = run_cli([sys.executable, EXAMPLES / "language_model" / "far_attention.py", lm_data_bin,
+                      alibi_checkpoint, "--length", 4 * TRAIN_LENGTH, "--windows", 4,
+                      "--methods", "none,cap:100,cap"])
+    rows = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("| ") and not line.startswith("| method"):
+            label, layer, *shares = [part.strip() for part in line.strip("|").split("|")]
+            rows[(label, int(layer))] = [float(v) for v in shares]
+    assert {layer for _, layer in rows} == {1, 2} and len(rows) == 6
+    for layer in (1, 2):
+        assert rows[("cap x100", layer)] == rows[("none", layer)]
+        assert all(c >= n for c, n in zip(rows[("cap x1", layer)], rows[("none", layer)]))
+        assert rows[("cap x1", layer)][-1] > rows[("none", layer)][-1]

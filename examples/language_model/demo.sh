@@ -33,7 +33,7 @@ DROPOUT=${DROPOUT:-0.1}
 SEED=${SEED:-1}
 EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}   # more fairseq-train flags, for both models
 LENGTHS=${LENGTHS:-1x,2x,4x,8x,16x}
-METHODS=${METHODS:-none,linear:2,linear,ntk:2,ntk}
+METHODS=${METHODS:-none,linear:2,linear,ntk:2,ntk,cap:0.5,cap,cap:2}
 # The two models train side by side, one thread each (small matrices: two
 # single-threaded processes use two cores better than one process with two
 # threads); PARALLEL=0 trains them one after the other with all cores.
