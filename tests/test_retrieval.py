@@ -363,6 +363,13 @@ def test_heads_example_runs(kv_data_bin, kv_checkpoint):
             mass = float(line.split("|")[4])
             assert 0.0 <= mass <= 1.0
     assert rows["none"] == rows["cap x2"] and rows["none"] != rows["ntk x4"]
+    # --top K: the K rows of the full table with the most mass, most first
+    top = run_cli([sys.executable, EXAMPLES / "retrieval" / "heads.py", kv_data_bin, kv_checkpoint,
+                   "--digits", "2", "--lengths", "48", "--methods", "none", "--samples", "2", "--top", "3"])
+    top_rows = [line for line in top.stdout.splitlines() if line.startswith("| ") and not line.startswith("| layer")]
+    expected = sorted(rows["none"], key=lambda line: -float(line.split("|")[4]))[:3]
+    assert [float(r.split("|")[4]) for r in top_rows] == [float(r.split("|")[4]) for r in expected]
+    assert set(top_rows) <= set(rows["none"])
 
 
 def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
@@ -391,3 +398,40 @@ def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
             expected = f"{sum(values) / 2:.0f} [{min(values):.0f}, {max(values):.0f}]"
             assert shown.strip() == expected
     assert plot.stat().st_size > 0
+
+
+def test_recipe_script_trains_every_seed_and_summarizes(tmp_path):
+    """examples/retrieval/run.sh (make retrieval-demo) at toy size: an ALiBi model
+    per seed, the sinusoidal baseline for the first seed only, one retrieval run
+    per seed, the seeds' summary; a re-run trains nothing again."""
+    import subprocess
+
+    from conftest import BIN, cli_env
+
+    out, data = tmp_path / "out", tmp_path / "data"
+    env = cli_env(VENV_BIN=str(BIN), OUT=str(out), DATA=str(data), SEEDS="1 2", L="64", LAYERS="1", DIM="16",
+                  FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="3", WARMUP="2",
+                  MAX_TOKENS="256", LENGTHS="1x,2x", METHODS="none,cap", DEPTHS="1", SAMPLES="2",
+                  EVAL_THREADS="1")
+    script = str(EXAMPLES / "retrieval" / "run.sh")
+    first = subprocess.run([script], capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    trained = sorted(p.parent.relative_to(out).as_posix() for p in out.glob("seed*/*/trained.ok"))
+    assert trained == ["seed1/alibi", "seed1/sinusoidal", "seed2/alibi"]
+    for seed in (1, 2):
+        cells = json.loads((out / f"seed{seed}" / "lines" / "results.json").read_text())["cells"]
+        names = {c["checkpoint"] for c in cells}
+        assert names == ({"alibi", "sinusoidal"} if seed == 1 else {"alibi"})
+        assert {c["method"] for c in cells if c["checkpoint"] == "alibi"} == {"none", "cap"}
+    summary = (out / "summary.md").read_text()
+    assert "over 2 runs (seed1, seed2)" in summary and (out / "summary.png").stat().st_size > 0
+    again = subprocess.run([script], capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0
+    assert again.stdout.count("already trained") == 3 and "2/3 training" not in again.stdout
+
+
+def test_corpus_generator_refuses_a_length_that_holds_no_record(tmp_path):
+    result = run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--destdir", tmp_path,
+                      "--max-length", "20", "--digits", "2"], expect_ok=False)
+    assert result.returncode == 2 and "Traceback" not in result.output
+    assert "--max-length 20 is too short" in result.stderr and "at least 41 words" in result.stderr

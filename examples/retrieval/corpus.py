@@ -46,7 +46,13 @@ def main(argv=None) -> int:
     p.add_argument("--valid-docs", type=int, default=500)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
+    for name in ("keys", "digits", "queries", "train_docs", "valid_docs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     task = Lines(Vocabulary(None), digits=args.digits, keys=[f"k{i}" for i in range(args.keys)])
+    if args.max_length < task.minimum_length():
+        p.error(f"--max-length {args.max_length} is too short for one record and its question with "
+                f"{args.digits} digits: at least {task.minimum_length()} words (give a larger L)")
     os.makedirs(args.destdir, exist_ok=True)
     for split, n, seed in (("train", args.train_docs, args.seed), ("valid", args.valid_docs, args.seed + 1000)):
         rng = random.Random(seed)

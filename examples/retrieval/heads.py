@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default="none")
     p.add_argument("--samples", type=int, default=20)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--top", type=int, default=0,
+                   help="print only the K heads with the most mass at the first length (default: all)")
     args = p.parse_args(argv)
 
     import fairseq_alibi  # noqa: F401
@@ -104,11 +106,13 @@ def main(argv=None) -> int:
         print("| layer | head | slope | " + " | ".join(f"mass at {n}" for n in lengths)
               + f" | slope at {n_max} | bias at mean distance {mean_distance:.0f} |")
         print("|---|---|---|" + "---|" * len(lengths) + "---|---|")
-        for li in range(len(layers)):
-            for h in range(heads):
-                print(f"| {li + 1} | {h + 1} | {base[h]:.4g} | "
-                      + " | ".join(f"{mass[n][li, h]:.2f}" for n in lengths)
-                      + f" | {slopes_max[h]:.4g} | {-slopes_max[h] * min(mean_distance, cap or mean_distance):.2f} |")
+        cells = [(li, h) for li in range(len(layers)) for h in range(heads)]
+        if args.top:  # the heads that retrieve at the first length, most mass first
+            cells = sorted(cells, key=lambda lh: -float(mass[lengths[0]][lh]))[:args.top]
+        for li, h in cells:
+            print(f"| {li + 1} | {h + 1} | {base[h]:.4g} | "
+                  + " | ".join(f"{mass[n][li, h]:.2f}" for n in lengths)
+                  + f" | {slopes_max[h]:.4g} | {-slopes_max[h] * min(mean_distance, cap or mean_distance):.2f} |")
         for n in lengths:
             per = digit_hits[n]
             print(f"length {n}: greedy answer token correct (teacher-forced) "
