@@ -27,10 +27,11 @@ $(STAMP): requirements.txt requirements-eval.txt setup.py
 demo: install
 	VENV_BIN=$(BIN) examples/language_model/demo.sh
 
-# Retrieval beyond the training length: a synthetic key-value corpus, two
-# small LMs (ALiBi, sinusoidal) trained at 128 tokens, alibi-retrieval (lines)
-# from 1x to 8x; outputs in outputs/retrieval/. Settings: environment
-# variables of examples/retrieval/run.sh (SCALE=gpu for the larger recipe).
+# Retrieval beyond the training length: a synthetic key-value corpus, small
+# ALiBi LMs (seeds 1 2 3) and a sinusoidal twin trained at 128 tokens,
+# alibi-retrieval (lines) from 1x to 8x under none/linear/ntk/cap, a summary
+# across seeds; outputs in outputs/retrieval/. Settings: environment
+# variables of examples/retrieval/run.sh (SEEDS="7", SCALE=gpu, ...).
 retrieval-demo: install
 	VENV_BIN=$(BIN) examples/retrieval/run.sh
 
