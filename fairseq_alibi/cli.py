@@ -8,8 +8,10 @@ as one ``error:`` line (``errors.report_errors``).  ``alibi-sweep`` and
 ``alibi-user-dir`` in ``alibi_user_dir.py`` (it must not import fairseq).
 """
 
+import ast
 import importlib
 import logging
+import math
 import sys
 from typing import List, Optional
 
@@ -71,6 +73,88 @@ def check_context_window(argv: List[str]) -> None:
         )
 
 
+def check_model_overrides(argv: List[str]) -> None:
+    """``--model-overrides`` must be a dict literal (fairseq ``eval``s the string:
+    anything else is a SyntaxError or runs as code); its ``alibi_*`` values are
+    checked by type where the checkpoint is loaded (``models.config``)."""
+    text = _flag(argv, "--model-overrides")
+    if text is None:
+        return
+    example = "--model-overrides \"{'alibi_interpolation': 'ntk', 'alibi_scale_factor': 2}\""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        raise UserError(f"--model-overrides {text!r} is not a Python dict literal; write e.g. {example}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"--model-overrides must be a dict, got {type(value).__name__} {text!r}; write e.g. {example}")
+
+
+#: Numeric flags of the stock CLIs and the least value each accepts (fairseq
+#: checks none of them: 0 tokens per sample is a ZeroDivisionError).
+NUMERIC_FLAGS = {
+    "--tokens-per-sample": 1, "--max-tokens": 1, "--batch-size": 1, "--max-tokens-valid": 1,
+    "--batch-size-valid": 1, "--required-batch-size-multiple": 1, "--context-window": 0,
+    "--num-workers": 0, "--softmax-batch": 0, "--max-target-positions": 1, "--beam": 1, "--nbest": 1,
+    "--max-len-b": 0, "--update-freq": 1, "--log-interval": 1, "--workers": 1,
+    "--decoder-layers": 1, "--decoder-embed-dim": 1, "--decoder-ffn-embed-dim": 1,
+    "--decoder-attention-heads": 1, "--encoder-layers": 1, "--encoder-embed-dim": 1,
+    "--encoder-ffn-embed-dim": 1, "--encoder-attention-heads": 1,
+}
+
+
+def check_numeric_flags(argv: List[str]) -> None:
+    """Every flag of :data:`NUMERIC_FLAGS` given is an integer at or above its least value."""
+    for flag, least in NUMERIC_FLAGS.items():
+        text = _flag(argv, flag)
+        if text is None:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            continue  # argparse reports a value that is not a number
+        if value < least:
+            what = "a positive integer" if least == 1 else f"an integer >= {least}"
+            raise UserError(f"{flag} {text} is not valid: it takes {what}")
+
+
+def guard_eval_lm(module) -> None:
+    """fairseq's ``eval_lm`` prints loss 0 / perplexity 1.00 when it scored no
+    token and prints NaN as a result; here both stop with one error line."""
+    stock = module.eval_lm
+
+    def eval_lm(*args, **kwargs):
+        scored = [0]
+        batches = kwargs.pop("batch_iterator") if "batch_iterator" in kwargs else args[2]
+
+        def counted():
+            for sample in batches:
+                if isinstance(sample, dict) and "net_input" in sample:
+                    scored[0] += int(sample.get("ntokens", 0))
+                yield sample
+
+        if "batch_iterator" in kwargs or len(args) < 3:
+            kwargs["batch_iterator"] = counted()
+        else:
+            args = args[:2] + (counted(),) + args[3:]
+        results = stock(*args, **kwargs)
+        models = kwargs.get("models", args[0] if args else None)
+        if scored[0] == 0:
+            limit = models[0].max_positions() if models else None
+            raise UserError(
+                f"no token was evaluated (fairseq would print perplexity 1.00): the split is empty, or "
+                f"every block of --tokens-per-sample is longer than the model accepts ({limit} positions); "
+                f"give --tokens-per-sample {limit} or less for a model with position embeddings"
+            )
+        if not math.isfinite(results["loss"]):
+            raise UserError(
+                f"the loss is {results['loss']}, not a number: the checkpoint's weights or the evaluation "
+                "produce non-finite values (a diverged or damaged checkpoint?); no result is printed"
+            )
+        return results
+
+    module.eval_lm = eval_lm
+
+
 def overrides_help() -> str:
     """The ALiBi ``--model-overrides`` keys, printed after argparse's help."""
     from .alibi import METHODS
@@ -105,7 +189,7 @@ def training_help(argv: List[str]) -> None:
     raise SystemExit(0)
 
 
-def _run(module_name: str, *checks, with_overrides_help: bool = False) -> None:
+def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=None) -> None:
     import fairseq_alibi  # noqa: F401  (patches fairseq, registers the models)
 
     # fairseq.tasks.text_to_speech calls logging.basicConfig on import, before
@@ -115,8 +199,10 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False) -> None:
         logging.root.removeHandler(handler)
     with report_errors(interrupted=f"{sys.argv[0].rsplit('/', 1)[-1]} interrupted"):
         module = importlib.import_module(module_name)
-        for check in checks:
+        for check in (check_numeric_flags, check_model_overrides) + checks:
             check(sys.argv[1:])
+        if guard is not None:
+            guard(module)
         try:
             module.cli_main()
         finally:
@@ -129,7 +215,7 @@ def train():
 
 
 def eval_lm():
-    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True)
+    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True, guard=guard_eval_lm)
 
 
 def generate():
@@ -140,7 +226,34 @@ def interactive():
     _run("fairseq_cli.interactive", with_overrides_help=True)
 
 
+HYDRA_HELP = """usage: alibi-hydra-train --config-dir DIR --config-name NAME [KEY=VALUE ...]
+
+fairseq-hydra-train with the ALiBi plugin loaded: trains from a YAML config
+(examples/language_model/config/ has the paper's), each KEY=VALUE overriding
+one field (model.alibi_scale_factor=2; +KEY=VALUE for a key the YAML lacks).
+
+Hydra writes a copy of the composed config (.hydra/) and hydra_train.log into
+its run directory: the working directory with fairseq's configs
+(hydra.run.dir=.), or hydra.run.dir=DIR.  Checkpoints go to
+checkpoint.save_dir.
+
+--help-all prints Hydra's own help, listing every config group (slow: about
+10 s, Hydra copies fairseq's whole config store once per group).
+Details: docs/usage.md, "With Hydra".
+"""
+
+
 def hydra_train():
+    argv = sys.argv[1:]
+    if {"-h", "--help"} & set(argv):
+        sys.stdout.write(HYDRA_HELP)
+        raise SystemExit(0)
+    if "--help-all" in argv:
+        sys.argv = [a if a != "--help-all" else "--help" for a in sys.argv]
+    else:
+        run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
+        sys.stderr.write("alibi-hydra-train: Hydra writes .hydra/ (the composed config) and hydra_train.log "
+                         f"into {run_dir or 'its run directory (the working directory with fairseq configs)'}\n")
     _run("fairseq_cli.hydra_train")
 
 

@@ -176,6 +176,11 @@ def convert(in_path: str, out_path: str, train_length: Optional[int] = None) -> 
     parent = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(parent):
         raise CheckpointError(f"cannot write {out_path}: directory {os.path.dirname(out_path)} does not exist")
+    if os.path.isdir(out_path):
+        raise CheckpointError(f"cannot write {out_path}: it is a directory; give the converted file's name")
+    if os.path.exists(out_path) and os.path.exists(in_path) and os.path.samefile(in_path, out_path):
+        raise CheckpointError(f"the output {out_path} is the input file: converting in place would overwrite "
+                              "the original; give another output path")
     state = safe_load.load(in_path)
     converted = convert_fork_state(state, train_length)
     tmp = f"{out_path}.tmp{os.getpid()}"

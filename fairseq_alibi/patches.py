@@ -181,7 +181,7 @@ def safe_checkpoint_io() -> None:
     def overwrite_args_by_name(cfg, overrides):
         from .models.config import check_override_keys
 
-        check_override_keys(overrides)
+        check_override_keys(overrides, cfg)
         return stock_overwrite(cfg, overrides)
 
     checkpoint_utils.overwrite_args_by_name = overwrite_args_by_name
@@ -193,7 +193,7 @@ def safe_checkpoint_io() -> None:
 #: Third-party warnings known to be harmless here, shown on every command
 #: otherwise (message regexes).  FAIRSEQ_ALIBI_WARNINGS=1 shows them again.
 HARMLESS_WARNINGS = (
-    r"\s*'config' is validated against ConfigStore schema",  # hydra 1.1 deprecation (fairseq's configs)
+    r"\s*'[^']*' is validated against ConfigStore schema",  # hydra 1.1 deprecation (a config named like a schema)
     r"\s*The version_base parameter is not specified",  # hydra, fairseq's hydra_main
     r"\s*Future Hydra versions will no longer change working directory",  # hydra
     r"hydra\.experimental\.\w+\(\) is no longer experimental",  # hydra, fairseq's config loading

@@ -91,6 +91,7 @@ def _check_container(path: str) -> None:
     if os.path.isdir(path):
         raise CorruptCheckpointError(checkpoint_files(path))
     if zipfile.is_zipfile(path):
+        _check_crc(path)
         return
     with open(path, "rb") as handle:
         head = handle.read(len(_LEGACY_MAGIC))
@@ -101,6 +102,38 @@ def _check_container(path: str) -> None:
         f"{path} is not a readable PyTorch checkpoint ({size} bytes, neither a torch zip "
         "archive nor the legacy format): it is truncated, corrupt, or another kind of file"
     )
+
+
+def _check_crc(path: str) -> None:
+    """A torch zip archive records a CRC-32 of every member; torch's reader does
+    not check them, so bytes changed inside tensor data would load as wrong weights."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, RuntimeError, EOFError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"{path} is not a readable PyTorch checkpoint (damaged zip archive: {_first_line(str(exc))})"
+        ) from None
+    if bad is not None:
+        raise CorruptCheckpointError(
+            f"{path} is damaged: its member {bad} fails its checksum (the bytes changed after the file was "
+            "written: a disk error or an incomplete copy); nothing was loaded; use another copy of the checkpoint"
+        )
+
+
+def check_finite(path: str, state: Any) -> None:
+    """A checkpoint's model weights are finite numbers: a NaN or inf weight makes every
+    result NaN (or silently wrong), never a result to print."""
+    model = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(model, dict):
+        return
+    for name, tensor in model.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CorruptCheckpointError(
+                f"{path}: weight {name} holds {bad} NaN/inf value(s); the checkpoint is damaged or its "
+                "training diverged; use an earlier checkpoint"
+            )
 
 
 def _unsafe_globals(path: str) -> List[str]:
@@ -118,7 +151,8 @@ def load(path, map_location="cpu", extra_globals=()) -> Any:
     ``path`` is a file name (or an open binary file); ``extra_globals`` adds
     types for one caller's own non-checkpoint data (see ``patches.safe_checkpoint_io``).  Raises
     :class:`UnsafeCheckpointError` for a file that needs other types and
-    :class:`CorruptCheckpointError` for a missing, truncated or foreign file.
+    :class:`CorruptCheckpointError` for a missing, truncated, foreign or
+    damaged file (zip checksums) and for model weights that are not finite.
     """
     if isinstance(path, (str, bytes, os.PathLike)):
         path = os.fsdecode(path)
@@ -128,7 +162,7 @@ def load(path, map_location="cpu", extra_globals=()) -> Any:
         source, path = path, getattr(path, "name", "<stream>")
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS + list(extra_globals)):
-            return torch.load(source, map_location=map_location, weights_only=True)
+            state = torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         needed = (_unsafe_globals(path) if source is path else []) or _GLOBAL_RE.findall(text)
@@ -146,6 +180,8 @@ def load(path, map_location="cpu", extra_globals=()) -> Any:
             f"{path} is not a readable PyTorch checkpoint (truncated or corrupt: "
             f"{type(exc).__name__}: {_first_line(str(exc))})"
         ) from None
+    check_finite(path, state)
+    return state
 
 
 def _first_line(text: str) -> str:

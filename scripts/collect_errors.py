@@ -67,8 +67,18 @@ def build_fixtures(work):
     torch.save({"model": {}, "cfg": None, "extra_state": Payload(path("PWNED"))}, path("hostile.pt"))
     torch.save({"model": {}, "val_loss": np.float64(1.0)}, path("numpy_scalar.pt"))
 
+    nan = copy.deepcopy(alibi)
+    first = next(k for k in nan["model"] if k.endswith("embed_tokens.weight"))
+    nan["model"][first] = nan["model"][first].clone()
+    nan["model"][first].view(-1)[0] = float("nan")
+    torch.save(nan, path("nan_weight.pt"))
+
     data = open(path("alibi/checkpoint_last.pt"), "rb").read()
     open(path("truncated.pt"), "wb").write(data[: len(data) // 2])
+    with zipfile.ZipFile(path("alibi/checkpoint_last.pt")) as archive:  # 400 bytes changed inside tensor data
+        big = max(archive.infolist(), key=lambda i: i.file_size)
+    start = big.header_offset + 30 + len(big.filename.encode()) + len(big.extra) + big.file_size // 2
+    open(path("damaged.pt"), "wb").write(data[:start] + bytes(range(200)) * 2 + data[start + 400:])
     open(path("empty.pt"), "wb").close()
     open(path("notes.pt"), "w").write("not a checkpoint\n")
     buf = io.BytesIO()
@@ -122,6 +132,7 @@ CASES = [
         ("a checkpoint of another model family (`roberta_base`)", [CONVERT, "roberta.pt", "out.pt"]),
         ("fork checkpoint whose training length cannot be resolved", [CONVERT, "fork/no_train_length.pt", "out.pt"]),
         ("output directory does not exist", [CONVERT, "fork/alibi_wt103_L32.pt", "nowhere/out.pt"]),
+        ("output is the input file", [CONVERT, "fork/alibi_wt103_L32.pt", "fork/alibi_wt103_L32.pt"]),
         ("missing argument", [CONVERT, "fork/alibi_wt103_L32.pt"]),
     ]),
     ("alibi-eval-lm", [
@@ -157,6 +168,15 @@ CASES = [
                                                                 "--gen-subset", "train",
                                                                 "--path", "alibi/checkpoint_last.pt"]),
         ("a checkpoint path that is a directory", EVAL + ["--path", "alibi"]),
+        ("a checkpoint with bytes changed inside its tensor data (zip checksum)", EVAL + ["--path", "damaged.pt"]),
+        ("a checkpoint with a NaN weight", EVAL + ["--path", "nan_weight.pt"]),
+        ("blocks longer than a sinusoidal model accepts (nothing would be scored)",
+         EVAL + ["--path", "stock/checkpoint_last.pt", "--tokens-per-sample", "256"]),
+        ("`--tokens-per-sample 0`", EVAL + ["--path", "alibi/checkpoint_last.pt", "--tokens-per-sample", "0"]),
+        ("`--model-overrides` that is not a dict", EVAL + ["--path", "alibi/checkpoint_last.pt",
+                                                          "--model-overrides", "[1, 2]"]),
+        ("an ALiBi override of the wrong type", EVAL + ["--path", "alibi/checkpoint_last.pt",
+                                                       "--model-overrides", "{'alibi_scale_factor': 'x'}"]),
     ]),
     ("alibi-sweep", [
         ("a checkpoint of another model family (a masked LM)", SWEEP + ["-c", "mlm=roberta.pt"]),
@@ -181,6 +201,9 @@ CASES = [
     ("warnings (the command runs; the warning is on its output)", [
         ("a typo in an ALiBi `--model-overrides` key",
          EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'alibi_interpolaton': 'linear'}"]),
+        ("ALiBi overrides for a model without ALiBi (the stock sinusoidal model)",
+         EVAL + ["--path", "stock/checkpoint_last.pt", "--tokens-per-sample", "32",
+                 "--model-overrides", "{'alibi_interpolation': 'ntk'}"]),
         ("a scale factor without an interpolation method",
          EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'alibi_scale_factor': 8}"]),
         ("the 2021 fork's `--arch transformer_lm_wiki103` (here the stock sinusoidal model)",

@@ -408,7 +408,11 @@ def test_bloom_format_loads_as_stock_bloom_and_matches_at_4x_and_10x(data_dir, t
             ids = tokens(factor * L)
             difference = max_diff(hf_log_probs(loaded, ids), fairseq_log_probs(model, ids))
             print(f"BLOOM format, tie={bool(tie)}, {factor}x L: max |log-prob difference| {difference:.1e}")
-            assert difference < 2e-6
+            # BLOOM adds its bias as m * (absolute key position) in fp32 (softmax removes the
+            # per-row constant): rounding grows with the position, a few 1e-6 at 10x L here
+            # and from run to run (2.4e-6 seen with 2e-6 as the bound); a wrong slope or
+            # distance would be orders of magnitude larger.
+            assert difference < 1e-5
 
 
 @pytest.mark.parametrize("extra, feature", [

@@ -84,11 +84,49 @@ def build_bias(args, num_heads: int, encoder: bool = False) -> AlibiBias:
     return AlibiBias(num_heads, mode, scaling_from_config(args))
 
 
-def check_override_keys(overrides) -> None:
-    """Warn about ``alibi*`` keys no model has (a typo would change nothing, silently)."""
-    for key in overrides or {}:
-        if isinstance(key, str) and key.startswith("alibi") and key not in ALIBI_FIELDS:
+def _allowed_types(annotation):
+    """(Python types a value of this declared field type may have, their name)."""
+    optional = getattr(annotation, "__args__", None) and type(None) in annotation.__args__
+    base = next(a for a in annotation.__args__ if a is not type(None)) if optional else annotation
+    types, name = {str: ((str,), "a string"), float: ((int, float), "a number"), int: ((int,), "an integer")}[base]
+    return (types + (type(None),), name + " or None") if optional else (types, name)
+
+
+_FIELD_TYPES = {f.name: _allowed_types(f.type) for f in dataclasses.fields(AlibiEncoderConfig)
+                if f.name in ALIBI_FIELDS}
+_FIELD_CHOICES = {"alibi_interpolation": METHODS, "alibi_attention": KERNEL_NAMES,
+                  "alibi_bidirectional": BIDIRECTIONAL_MODES}
+
+
+def check_override_keys(overrides, cfg=None) -> None:
+    """Check ``alibi*`` overrides before they reach a model: a key no model has is
+    warned about (a typo would change nothing, silently), a value of the wrong
+    type is a ``ConfigError`` naming the key (ranges are checked where the
+    model is built), and keys given to a model without ALiBi (``cfg``: the
+    checkpoint's config, when known) are warned about as having no effect."""
+    if overrides is None:
+        return
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"model overrides must be a dict such as {{'alibi_interpolation': 'ntk'}}, "
+                          f"got {type(overrides).__name__}: {overrides!r}")
+    for key, value in overrides.items():
+        if not (isinstance(key, str) and key.startswith("alibi")):
+            continue
+        if key not in ALIBI_FIELDS:
             warn_once(
                 f"ignored model override {key!r}: no such ALiBi field{closest(key, ALIBI_FIELDS)} "
                 f"(valid: {', '.join(ALIBI_FIELDS)})"
             )
+            continue
+        types, name = _FIELD_TYPES[key]
+        choices = _FIELD_CHOICES.get(key)
+        if isinstance(value, bool) or not isinstance(value, types) or (choices and value not in choices):
+            allowed = f"one of {', '.join(map(repr, choices))}" if choices else name
+            raise ConfigError(f"model override {key!r}: {value!r} is not valid; {key} takes {allowed} "
+                              f"(alibi-eval-lm --help lists the keys)")
+    model = getattr(cfg, "model", None) if cfg is not None else None
+    if model is not None and "alibi_interpolation" not in model:
+        given = sorted(k for k in overrides if isinstance(k, str) and k in ALIBI_FIELDS)
+        if given:
+            warn_once(f"model overrides {', '.join(given)} have no effect: the checkpoint's model "
+                      f"({getattr(model, '_name', None) or 'unknown'}) has no ALiBi; it is evaluated as trained")
