@@ -505,6 +505,15 @@ def test_bad_value_in_hydra_config(lm_data_bin, alibi_user_dir, tmp_path):
     assert result.returncode != 0
     assert "alibi_interpolation='cubic'" in result.output
     assert "none, linear, ntk" in result.output
+    # it says where Hydra writes; Hydra's schema-matching deprecation is filtered
+    assert f"hydra_train.log into {tmp_path / 'hydra'}" in result.stderr
+    assert "validated against ConfigStore schema" not in result.output
+
+
+def test_hydra_train_help_is_short_and_help_all_is_hydras():
+    short = run_cli([tool("alibi-hydra-train"), "--help"])
+    assert short.stdout.startswith("usage: alibi-hydra-train") and "--help-all" in short.stdout
+    assert "== Config groups ==" not in short.stdout
 
 
 # --------------------------------------------------------------------------- architectures
