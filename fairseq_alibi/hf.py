@@ -113,6 +113,21 @@ def _resolve(model) -> Tuple[str, torch.nn.Module]:
     return family, base
 
 
+def config_family(config) -> str:
+    """The family :func:`_resolve` would find, read from a model's config alone
+    (before its weights are loaded), else ``UnsupportedModelError``."""
+    from .configuration_alibi import MODEL_TYPE
+
+    model_type = getattr(config, "model_type", None)
+    if model_type == MODEL_TYPE:
+        return EXPORTED
+    if model_type in ("bloom", "mpt") or (model_type == "falcon" and getattr(config, "alibi", False)):
+        return model_type
+    why = ("config.alibi=False: this Falcon uses rotary position embeddings, not ALiBi" if model_type == "falcon"
+           else f"model_type {model_type!r} has no ALiBi bias to scale")
+    raise UnsupportedModelError(f"{why}; supported: {SUPPORTED_MODELS}")
+
+
 def mpt_slopes(num_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
     """MPT's slopes with bias maximum ``b``, as float32 ``[H]``.
 
@@ -579,12 +594,31 @@ def load_hf_model(name_or_dir: str, device: str = "cpu", dtype=None, progress: b
     Face cache.  ``progress=False`` silences transformers' progress bars.
     Failures raise ``HFLoadError`` with one line saying what was wrong and what to do.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if isinstance(dtype, str):
         if dtype not in _DTYPES:
             raise HFLoadError(f"unknown dtype {dtype!r}; allowed: {', '.join(_DTYPES)} or a torch.dtype")
         dtype = _DTYPES[dtype]
+    tokenizer, model = _load(name_or_dir, progress, lambda cls, name, options: cls.from_pretrained(
+        name, dtype=dtype, trust_remote_code=False, **options))
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def load_hf_config(name_or_dir: str, progress: bool = True):
+    """(config, tokenizer) of what :func:`load_hf_model` would load, without its
+    weights: enough to plan an evaluation of many models before loading one."""
+    from transformers import AutoConfig
+
+    tokenizer, config = _load(name_or_dir, progress, lambda cls, name, options: AutoConfig.from_pretrained(
+        name, trust_remote_code=False, **options))
+    return config, tokenizer
+
+
+def _load(name_or_dir: str, progress: bool, read):
+    """(tokenizer, ``read(model class, name, options)``), every failure one ``HFLoadError`` line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     name_or_dir = os.path.expanduser(str(name_or_dir))
     local = os.path.isdir(name_or_dir)
     if not local and _looks_local(name_or_dir):
@@ -598,7 +632,7 @@ def load_hf_model(name_or_dir: str, device: str = "cpu", dtype=None, progress: b
     try:
         with quiet_transformers(not progress):
             tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=False, **options)
-            model = model_class.from_pretrained(name_or_dir, dtype=dtype, trust_remote_code=False, **options)
+            return tokenizer, read(model_class, name_or_dir, options)
     except (OSError, ValueError, KeyError) as exc:
         reason = " ".join(str(exc).split())
         if "trust_remote_code" in reason:
@@ -612,9 +646,6 @@ def load_hf_model(name_or_dir: str, device: str = "cpu", dtype=None, progress: b
                 "pass its directory)") from None
         raise HFLoadError(f"cannot load Hugging Face model {name_or_dir!r}: {reason} (check that the directory "
                           "holds config.json, the weights and the tokenizer files)") from None
-    model.to(device)
-    model.eval()
-    return model, tokenizer
 
 
 def token_log_probs(model, input_ids: torch.Tensor, chunk: int = 1024, next_token: Optional[int] = None) -> torch.Tensor:

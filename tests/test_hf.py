@@ -722,6 +722,52 @@ def test_sweep_hf_model_on_a_text_file(saved_mpt, monkeypatch):
     assert perplexity.main(argv) == 0 and calls == []
 
 
+def test_sweep_hf_models_are_loaded_one_at_a_time(saved_mpt, tmp_path, monkeypatch):
+    """Planning reads configs and tokenizers only; each model's weights are
+    loaded when its cells run and are gone before the next model loads."""
+    import gc
+    import shutil
+    import weakref
+
+    from fairseq_alibi.evaluation import perplexity
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    shutil.copytree(saved_mpt / "mpt", tmp_path / "second")
+    alive, load = [], hf.load_hf_model
+
+    def tracked(*args, **kwargs):
+        gc.collect()
+        assert all(ref() is None for ref in alive), "a model was loaded while another one is still held"
+        model, tokenizer = load(*args, **kwargs)
+        alive.append(weakref.ref(model))
+        return model, tokenizer
+
+    monkeypatch.setattr(hf, "load_hf_model", tracked)
+    argv = [str(saved_mpt / "text.txt"), "--hf", f"a={saved_mpt / 'mpt'}", "--hf", f"b={tmp_path / 'second'}",
+            "--lengths", "1x", "--methods", "none,ntk:2", "--output-dir", str(tmp_path / "out"), "--cpu",
+            "--no-progress"]
+    assert perplexity.main(argv) == 0
+    assert len(alive) == 2
+    cells = json.loads((tmp_path / "out" / "results.json").read_text())["cells"]
+    by = {(c["checkpoint"], c["label"]): c["loss"] for c in cells}
+    assert len(by) == 4 and by[("a", "none")] == pytest.approx(by[("b", "none")], abs=1e-9)
+
+
+@pytest.mark.parametrize("family, settings, expected", [
+    ("bloom", {}, "bloom"), ("mpt", {}, "mpt"), ("falcon", {"alibi": True}, "falcon"),
+    ("falcon", {"alibi": False}, "config.alibi=False"), ("gpt2", {}, "model_type 'gpt2' has no ALiBi bias"),
+])
+def test_config_family_refuses_what_resolve_refuses(family, settings, expected):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family, **settings)
+    if expected in ("bloom", "mpt", "falcon"):
+        assert hf.config_family(config) == expected
+    else:
+        with pytest.raises(ValueError, match=expected):
+            hf.config_family(config)
+
+
 def test_retrieval_hf_model_on_jsonl_prompts(saved_mpt, tmp_path, monkeypatch, capsys):
     """alibi-retrieval --hf DIR: accuracies and answer log-probs equal a direct
     computation (bos + prompt + answer, argmax at the answer positions)."""

@@ -261,6 +261,8 @@ def test_ctrl_c_says_rerunning_resumes(lm_data_bin, alibi_checkpoint, tmp_path):
         [tool("alibi-sweep"), lm_data_bin, "-c", alibi_checkpoint, "--lengths", "1x,2x,4x,8x,16x",
          "--methods", "none,linear:2,linear,ntk:2,ntk", "--output-dir", out, "--cpu", "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
+        # a suite started in the background of a shell inherits SIGINT ignored: restore Ctrl-C
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 240
     while not (out / "results.json").exists() and proc.poll() is None and time.time() < deadline:

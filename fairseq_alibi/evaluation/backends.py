@@ -126,6 +126,7 @@ class FairseqBackend:
         from ..models import facts
 
         state = checkpoint_utils.load_checkpoint_to_cpu(path)
+        state.pop("last_optimizer_state", None)  # kept until load: Adam's moments would triple its memory
         model_cfg, task_cfg = facts.checkpoint_sections(state)
         if not model_cfg:
             raise EvaluationError(f"{path} has no model configuration: not a fairseq checkpoint")

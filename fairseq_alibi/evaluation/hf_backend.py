@@ -83,18 +83,25 @@ class HFBackend:
         return parse_named(args.hf, lambda m: os.path.basename(os.path.normpath(m)) or m, "models")
 
     def describe(self, name: str, spec: str) -> Described:
+        """The model's config and tokenizer only: its weights are loaded by ``load``,
+        one model at a time."""
         from .. import hf
 
-        model, tokenizer = hf.load_hf_model(spec, device="cpu" if self.cpu else _device(), dtype=self.dtype,
-                                            progress=not self.quiet)
-        family, _ = hf._resolve(model)  # refuses anything but the supported ALiBi families
-        train_length = self.train_length or hf.hf_train_length(model.config)
-        info = ModelInfo(name, spec, f"hf:{family}", type(model).__name__, True, train_length,
+        config, tokenizer = hf.load_hf_config(spec, progress=not self.quiet)
+        family = hf.config_family(config)  # refuses anything but the supported ALiBi families
+        train_length = self.train_length or hf.hf_train_length(config)
+        arch = (getattr(config, "architectures", None) or [config.model_type])[0]
+        info = ModelInfo(name, spec, f"hf:{family}", arch, True, train_length,
                          f"{model_identity(spec)}|L={self.train_length}")
-        return Described(info, HFEncoder(tokenizer), model)
+        return Described(info, HFEncoder(tokenizer))
 
     def load(self, described: Described, max_length: int) -> "HFModel":
-        return HFModel(described, self.text)
+        from .. import hf
+
+        model, _ = hf.load_hf_model(described.info.path, device="cpu" if self.cpu else _device(),
+                                    dtype=self.dtype, progress=not self.quiet)
+        hf._resolve(model)  # a Falcon loaded with flash attention is refused before any cell runs
+        return HFModel(described, model, self.text)
 
 
 def _device() -> str:
@@ -120,9 +127,8 @@ def read_text(path: Optional[str]) -> str:
 class HFModel:
     """One Hugging Face model, loaded once, under one method at a time."""
 
-    def __init__(self, described: Described, text: Optional[str] = None):
-        self.info, self.model, self.encoder = described.info, described.source, described.encoder
-        described.source = None
+    def __init__(self, described: Described, model, text: Optional[str] = None):
+        self.info, self.model, self.encoder = described.info, model, described.encoder
         self.text = text  # the perplexity text (alibi-sweep), encoded on first use
         self.method = Scaling()
         self.tokens = None

@@ -12,8 +12,10 @@ Hugging Face models).  The runner owns everything else, once:
   cell (the resume state), and a cell reused only when its identity -- the
   model file, the data and the settings that change its numbers -- is unchanged;
 * the plan, validated as a whole before anything runs; each model described
-  (its checkpoint read) once and loaded once, then evaluated under each method
-  in turn; the progress bar; the reports, in the order of ``--methods``.
+  (a fairseq checkpoint read, without its optimizer state; a Hugging Face
+  model's config and tokenizer) once and loaded once, models one at a time,
+  then evaluated under each method in turn; the progress bar; the reports, in
+  the order of ``--methods``.
 """
 
 from __future__ import annotations
