@@ -297,16 +297,21 @@ def fairseq_greedy(model, prompt: torch.Tensor, steps: int) -> list:
 def test_generate_equals_fairseq_greedy_decoding_and_the_cache_equals_a_full_forward(data_dir, tmp_path):
     from transformers.cache_utils import DynamicCache
 
-    model, cfg = build(data_dir, VARIANTS["postnorm-relu-scaled-untied"], std=0.3)
+    # pre-norm gelu, untied, weights N(0, 0.2): greedy output that varies and that the scaling
+    # changes (a post-norm relu model with larger weights repeats one token, scaled or not)
+    model, cfg = build(data_dir, ["--decoder-normalize-before", "--activation-fn", "gelu"], std=0.2)
     out = exported(model, cfg, tmp_path, "--alibi-scaling", "linear:2")
     loaded, _ = hf.load_hf_model(str(out), progress=False)
-    attention.rescale(model, alibi.Scaling("linear", 2.0, L))
     prompt = tokens(L)
     steps = 3 * L
+    unscaled = fairseq_greedy(model, prompt, steps)
+    attention.rescale(model, alibi.Scaling("linear", 2.0, L))
+    expected = fairseq_greedy(model, prompt, steps)
+    assert expected != unscaled and len(set(expected[L:])) > 2  # not vacuous
     assert loaded.generation_config.suppress_tokens == [1]
     generated = loaded.generate(prompt, max_new_tokens=steps, do_sample=False, eos_token_id=None,
                                 pad_token_id=1, min_new_tokens=steps)
-    assert generated[0].tolist() == fairseq_greedy(model, prompt, steps)
+    assert generated[0].tolist() == expected
     cache, pieces = DynamicCache(), []
     with torch.no_grad():
         for start in range(0, generated.shape[1], 7):
@@ -345,13 +350,54 @@ def test_tokenizer_ids_are_fairseq_dictionary_ids_eos_first(data_dir, tmp_path):
     assert len(model.decoder.embed_tokens.weight) == len(dictionary) == 48
     out = exported(model, cfg, tmp_path, "--dict", given / "dict.txt")
     tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=False)
-    line = "w3 hello  w39\tnever-seen w0 </s> madeupword0001 <unk>"
+    # fairseq splits on Python's whitespace (U+001F included) and reads a symbol as a whole word only
+    line = "w3 hello  w39\tnever-seen w0 </s> madeupword0001 <unk> w1</s>w2 w5\x1fw6 x<unk>y <s>"
     expected = [dictionary.eos()] + dictionary.encode_line(line, add_if_not_exist=False, append_eos=False).tolist()
     assert tokenizer(line).input_ids == expected
     assert tokenizer(line, add_special_tokens=False).input_ids == expected[1:]
     assert [tokenizer.convert_tokens_to_ids(w) for w in ("<s>", "<pad>", "</s>", "<unk>")] == [0, 1, 2, 3]
     assert tokenizer.bos_token_id == tokenizer.eos_token_id == 2 and tokenizer.pad_token_id == 1
     assert tokenizer.decode(expected[1:3]) == "w3 hello"
+
+
+def fairseq_generator_greedy(model, cfg, prompt: list, steps: int) -> list:
+    """The prompt and ``steps`` greedy tokens of fairseq's own ``SequenceGenerator``
+    (beam 1), run as the hub's ``sample(..., beam=1)`` runs it: the task builds the
+    batch and picks the token put before the prompt; ``</s>`` barred until the end."""
+    from fairseq import tasks
+    from fairseq.sequence_generator import SequenceGenerator
+
+    task = tasks.setup_task(cfg.task)
+    dataset = task.build_dataset_for_inference([torch.tensor(prompt)], [len(prompt)])
+    total = len(prompt) + steps
+    generator = SequenceGenerator([model], task.target_dictionary, beam_size=1, max_len_a=0, max_len_b=total,
+                                  min_len=total)
+    with torch.no_grad():
+        hypo = task.inference_step(generator, [model], dataset.collater([dataset[0]]))[0][0]
+    return hypo["tokens"][:-1].tolist()  # the </s> forced at max_len dropped
+
+
+@pytest.mark.parametrize("task_flags, spelling", [([], "linear"), (["--add-bos-token"], "ntk:2")])
+def test_generate_starts_as_fairseqs_generator_does_also_with_add_bos_token(task_flags, spelling, data_dir, tmp_path):
+    """A model trained with --add-bos-token reads <s> before a prompt in fairseq's inference
+    (build_dataset_for_inference / inference_step), the others </s>: the tokenizer, the config's
+    bos and greedy generate() past the training length follow fairseq's own generator, under
+    dynamic scaling too (both take each step's factor from its number of keys)."""
+    model, cfg = build(data_dir, task_flags + ["--decoder-normalize-before", "--activation-fn", "gelu"], std=0.15)
+    out = exported(model, cfg, tmp_path, "--alibi-scaling", spelling)
+    loaded, tokenizer = hf.load_hf_model(str(out), progress=False)
+    start = 0 if task_flags else 2  # fairseq's <s> / </s>
+    assert loaded.config.bos_token_id == loaded.generation_config.bos_token_id == tokenizer.bos_token_id == start
+    text = "w5 w11 w0 w7 w30 w2 w19 w8"
+    prompt = tokenizer(text, return_tensors="pt").input_ids
+    assert prompt[0].tolist() == [start] + [4 + int(word[1:]) for word in text.split()]
+    steps = 3 * L
+    unscaled = fairseq_generator_greedy(model, cfg, prompt[0, 1:].tolist(), steps)
+    attention.rescale(model, alibi.Scaling.parse(spelling, L).complete())
+    expected = fairseq_generator_greedy(model, cfg, prompt[0, 1:].tolist(), steps)
+    assert expected != unscaled  # past L the scaling changes what fairseq generates: not vacuous
+    generated = loaded.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+    assert generated[0, 1:].tolist() == expected
 
 
 def write_gpt2_files(directory: Path):
@@ -456,6 +502,8 @@ def test_bad_inputs_are_one_error_line_each(data_dir, tmp_path):
     wrong_dict.write_text("a 1\nb 1\n")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("x")
+    (tmp_path / "dicts").mkdir()
+    (tmp_path / "dicts" / "dict.txt").write_text("a 1\n")
     cases = [
         ((tmp_path / "missing.pt", tmp_path / "o"), "checkpoint file not found"),
         ((corrupt, tmp_path / "o"), "is not a readable PyTorch checkpoint"),
@@ -468,6 +516,10 @@ def test_bad_inputs_are_one_error_line_each(data_dir, tmp_path):
         ((good, tmp_path / "o", "--alibi-scaling", "ntk:0.5"), "static factor must be >= 1"),
         ((good, tmp_path / "full"), "is not empty; .*--force"),
         ((good, corrupt), "exists and is not a directory"),
+        # --force must never replace a directory that holds an input
+        ((good, tmp_path, "--force"), "holds the input .*good.pt"),
+        ((good, tmp_path / "dicts", "--dict", tmp_path / "dicts" / "dict.txt", "--force"), "holds the input .*dict.txt"),
+        ((good, wrong_dict.parent / "sub" / "..", "--force"), "holds the input"),
     ]
     for args, message in cases:
         status, output = export(*args)
@@ -476,6 +528,7 @@ def test_bad_inputs_are_one_error_line_each(data_dir, tmp_path):
 
         assert re.search(message, one_error_line(output)), (message, output)
     assert (tmp_path / "full" / "keep.txt").read_text() == "x" and not (tmp_path / "o").exists()
+    assert good.is_file() and (tmp_path / "dicts" / "dict.txt").is_file()
 
 
 def test_command_line_module_reports_one_error_line(tmp_path):

@@ -91,7 +91,8 @@ def export(checkpoint: str, output_dir: str, fmt: str = "custom", alibi_scaling:
         raise ExportError(f"--format {fmt!r} is not valid; allowed: {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r} is not valid; allowed: {', '.join(DTYPES)}")
-    check_output_dir(output_dir, force)
+    inputs = [checkpoint, dict_path, *(bpe_files or {}).values()]
+    check_output_dir(output_dir, force, inputs)
     source = load_source(checkpoint, dict_path)
     scaling = resolve_scaling(alibi_scaling, source)
     tokenizer = build_tokenizer(source, bpe_files or {})
@@ -99,7 +100,7 @@ def export(checkpoint: str, output_dir: str, fmt: str = "custom", alibi_scaling:
     model = build_model(source, fmt, scaling)
     model.generation_config.suppress_tokens = [source.dictionary.pad()]  # fairseq's generator never emits <pad>
     difference = self_check(source, model, scaling)
-    with staged_directory(output_dir, force) as stage, quiet_transformers():
+    with staged_directory(output_dir, force, inputs) as stage, quiet_transformers():
         model.to(DTYPES[dtype]).save_pretrained(stage)
         if fmt == "custom":
             for path in traveling_files():

@@ -26,6 +26,13 @@ class Source:
     train_length: Optional[int]
     scaling: Scaling  # what the checkpoint's config asks for
     unk_aliases: int = 0  # tokenizer ids after the dictionary's, read as <unk> (export/tokenizer.py)
+    add_bos_token: bool = False  # the task's --add-bos-token
+
+    @property
+    def start(self) -> int:
+        """The id fairseq's inference puts before a prompt (``build_dataset_for_inference``,
+        ``inference_step``): ``<s>`` for a model trained with ``--add-bos-token``, else ``</s>``."""
+        return self.dictionary.bos() if self.add_bos_token else self.dictionary.eos()
 
 
 def read_checkpoint(path: str) -> Dict[str, Any]:
@@ -136,4 +143,4 @@ def load_source(path: str, dict_path: Optional[str] = None) -> Source:
         raise ExportError(f"cannot build the model of {path} from its config: {detail[:300]}") from None
     model.float().eval()
     return Source(path, model, cfg, dictionary, facts.checkpoint_train_length(model_cfg, task_cfg),
-                  scaling_from_config(cfg.model))
+                  scaling_from_config(cfg.model), add_bos_token=bool(task_cfg.get("add_bos_token") or False))

@@ -11,16 +11,20 @@
   the dictionary's, which the exported model reads as ``<unk>``
   (``unk_aliases`` in its config).
 
-Either way a post-processor puts the end-of-sentence token ``</s>`` first: a
-fairseq LM reads ``</s>`` before the first token of its data (and of every
-line after the first).  ``bos_token`` is that ``</s>`` too, so tools that
-prepend the tokenizer's BOS prepend what fairseq does.
+Either way a post-processor puts first the token fairseq's inference puts
+before a prompt (``task.build_dataset_for_inference``): the end-of-sentence
+token ``</s>``, which a fairseq LM reads before the first token of its data (and
+of every line after the first), or ``<s>`` for a model trained with
+``--add-bos-token``.  ``bos_token`` is that token too, so tools that prepend
+the tokenizer's BOS prepend what fairseq does.  The special symbols are read
+as whole words only, as fairseq reads them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import ExportError, one_line
@@ -29,33 +33,49 @@ from ..errors import ExportError, one_line
 BPE_FILES = {"gpt2": ("gpt2_encoder_json", "gpt2_vocab_bpe")}
 
 
-def _finish(tokenizer, dictionary):
-    """Specials, the ``</s>``-first post-processor, and the transformers wrapper."""
-    from tokenizers import processors
+def fairseq_whitespace():
+    """A pre-tokenizer that splits where fairseq's ``tokenize_line`` does: on runs of
+    Python's whitespace (``str.isspace``), which includes four separators
+    (U+001C..U+001F) that tokenizers' ``WhitespaceSplit`` keeps inside words."""
+    from tokenizers import Regex, pre_tokenizers
+
+    spaces = "".join(f"\\x{{{c:X}}}" for c in range(sys.maxunicode + 1) if chr(c).isspace())
+    return pre_tokenizers.Split(Regex(f"[{spaces}]+"), behavior="removed")
+
+
+def _finish(tokenizer, dictionary, start: int):
+    """Specials, the post-processor that puts ``start`` (fairseq's token before a
+    prompt) first, and the transformers wrapper."""
+    from tokenizers import AddedToken, processors
     from transformers import PreTrainedTokenizerFast
 
-    eos = dictionary.eos_word
+    first = dictionary[start]
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{eos} $A", pair=f"{eos} $A $B:1", special_tokens=[(eos, dictionary.eos())])
+        single=f"{first} $A", pair=f"{first} $A $B:1", special_tokens=[(first, start)])
+    # fairseq reads "</s>" as a symbol only as a word of its own: "a</s>b" is one (unknown) word.
+    special = {word: AddedToken(word, special=True, single_word=True, normalized=False) for word in
+               (dictionary.bos_word, dictionary.pad_word, dictionary.eos_word, dictionary.unk_word)}
     wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=eos, eos_token=eos, pad_token=dictionary.pad_word,
-        unk_token=dictionary.unk_word, additional_special_tokens=[dictionary.bos_word], padding_side="left",
+        tokenizer_object=tokenizer, bos_token=special[first], eos_token=special[dictionary.eos_word],
+        pad_token=special[dictionary.pad_word], unk_token=special[dictionary.unk_word], padding_side="left",
+        additional_special_tokens=[special[w] for w in (dictionary.bos_word,) if w != first],
     )
-    for word, index in ((eos, dictionary.eos()), (dictionary.pad_word, dictionary.pad()),
-                        (dictionary.unk_word, dictionary.unk()), (dictionary.bos_word, dictionary.bos())):
+    for word, index in ((first, start), (dictionary.eos_word, dictionary.eos()),
+                        (dictionary.pad_word, dictionary.pad()), (dictionary.unk_word, dictionary.unk()),
+                        (dictionary.bos_word, dictionary.bos())):
         if wrapped.convert_tokens_to_ids(word) != index:
             raise ExportError(f"the tokenizer maps {word} to {wrapped.convert_tokens_to_ids(word)}, "
                               f"fairseq to {index}: a bug, please report it")
     return wrapped
 
 
-def word_level(dictionary):
-    """A WordLevel tokenizer with the fairseq dictionary's ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def word_level(dictionary, start: int):
+    """A WordLevel tokenizer with the fairseq dictionary's ids, ``start`` first."""
+    from tokenizers import Tokenizer, models
 
     tokenizer = Tokenizer(models.WordLevel(vocab=dict(dictionary.indices), unk_token=dictionary.unk_word))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return _finish(tokenizer, dictionary)
+    tokenizer.pre_tokenizer = fairseq_whitespace()
+    return _finish(tokenizer, dictionary, start)
 
 
 def read_gpt2_files(encoder_json: str, vocab_bpe: str) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
@@ -75,8 +95,8 @@ def read_gpt2_files(encoder_json: str, vocab_bpe: str) -> Tuple[Dict[str, int], 
     return encoder, merges
 
 
-def gpt2(dictionary, encoder_json: str, vocab_bpe: str):
-    """Byte-level BPE whose pieces carry fairseq ids."""
+def gpt2(dictionary, start: int, encoder_json: str, vocab_bpe: str):
+    """Byte-level BPE whose pieces carry fairseq ids, ``start`` first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     encoder, merges = read_gpt2_files(encoder_json, vocab_bpe)
@@ -89,7 +109,7 @@ def gpt2(dictionary, encoder_json: str, vocab_bpe: str):
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=dictionary.unk_word))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return _finish(tokenizer, dictionary)
+    return _finish(tokenizer, dictionary, start)
 
 
 def bpe_paths(bpe_cfg, given: Dict[str, Optional[str]]) -> Dict[str, str]:
@@ -115,6 +135,6 @@ def build_tokenizer(source, given_bpe: Dict[str, Optional[str]]):
     """The tokenizer of ``source``: word-level, or its BPE where the files are given."""
     bpe_cfg = source.cfg.get("bpe") if hasattr(source.cfg, "get") else None
     if not bpe_cfg or not bpe_cfg.get("_name"):
-        return word_level(source.dictionary)
+        return word_level(source.dictionary, source.start)
     paths = bpe_paths(bpe_cfg, given_bpe)
-    return gpt2(source.dictionary, paths["gpt2_encoder_json"], paths["gpt2_vocab_bpe"])
+    return gpt2(source.dictionary, source.start, paths["gpt2_encoder_json"], paths["gpt2_vocab_bpe"])

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Iterator, List
+from typing import Iterable, Iterator, List
 
 from ..errors import ExportError
 
@@ -37,10 +37,17 @@ def traveling_files() -> List[str]:
     return [os.path.join(PACKAGE_DIR, f"{name}.py") for name in seen]
 
 
-def check_output_dir(path: str, force: bool) -> None:
-    """Refuse, before any work, an output that cannot or may not be written."""
+def check_output_dir(path: str, force: bool, inputs: Iterable[str] = ()) -> None:
+    """Refuse, before any work, an output that cannot or may not be written: one
+    that holds an input (or the working directory), which ``--force`` would delete."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ExportError(f"{path} exists and is not a directory")
+    out = os.path.realpath(path)
+    for held in [*inputs, os.getcwd()]:
+        if held and os.path.commonpath([out, os.path.realpath(held)]) == out:
+            what = "the working directory" if held == os.getcwd() else f"the input {held}"
+            raise ExportError(f"{path} holds {what}, which writing the export there would replace; "
+                              "choose an output directory outside it")
     if os.path.isdir(path) and os.listdir(path) and not force:
         raise ExportError(f"{path} is not empty; choose a new directory, or pass --force to replace it")
     parent = os.path.dirname(os.path.abspath(path))
@@ -52,9 +59,9 @@ def check_output_dir(path: str, force: bool) -> None:
 
 
 @contextlib.contextmanager
-def staged_directory(path: str, force: bool) -> Iterator[str]:
+def staged_directory(path: str, force: bool, inputs: Iterable[str] = ()) -> Iterator[str]:
     """A fresh directory to fill; renamed to ``path`` when the block succeeds, removed if it fails."""
-    check_output_dir(path, force)
+    check_output_dir(path, force, inputs)
     parent = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(parent, exist_ok=True)
