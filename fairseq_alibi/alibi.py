@@ -135,7 +135,7 @@ def _parsed_factor(method: str, arg: str) -> float:
         factor = float(arg)
     except ValueError:
         raise ScalingError("factor", arg, "expected a number or 'dynamic'") from None
-    if factor == 0 or (method in SLOPE_METHODS and factor < 1):
+    if factor <= 0 or (method in SLOPE_METHODS and factor < 1):
         raise ScalingError("factor", arg, "a static factor must be >= 1 (write 'dynamic' or leave it out for "
                            "dynamic scaling)" if method in SLOPE_METHODS else "the cap must be a positive number "
                            "of training lengths")

@@ -202,7 +202,8 @@ def _start_forward(state: _Scaling, module, args, kwargs) -> None:
             f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}"
         )
     past = int(cache.get_seq_length()) if cache is not None else 0
-    cache_max = int(cache.get_max_length()) if cache is not None else -1
+    # a cache made without a config has no layers before its first update (and no maximum)
+    cache_max = int(cache.get_max_length()) if cache is not None and getattr(cache, "layers", True) else -1
     mask = arguments.get("attention_mask")
     if mask is not None and mask.dim() != 2:
         raise ValueError(
@@ -327,7 +328,8 @@ def _mpt_alibi_builder(state: _Scaling):
     the keys of this pass, so inputs longer than ``max_seq_len`` work.  A
     distance cap is no per-row shift of a key-only bias, so with ``cap`` the
     whole ``[H, q, kv]`` relative bias of the pass is built (MPT keeps its last
-    ``q`` rows and ``kv`` columns).
+    ``q`` rows and ``kv`` columns; ``kv`` counts a static cache's empty slots,
+    which MPT masks).
     """
 
     def build_mpt_alibi_tensor(num_heads, sequence_length, alibi_bias_max=8, device=None):
@@ -339,7 +341,8 @@ def _mpt_alibi_builder(state: _Scaling):
             length = max(sequence_length, current["kv_len"], current["cache_max"])
         if cap is not None and current is not None:
             queries = torch.arange(current["past"], current["kv_len"], device=device)
-            distance = (queries[:, None] - torch.arange(current["kv_len"], device=device)[None, :]).clamp(max=cap)
+            keys = torch.arange(max(current["kv_len"], current["cache_max"]), device=device)
+            distance = (queries[:, None] - keys[None, :]).clamp(max=cap)
             return -slopes.to(device)[:, None, None] * distance[None]
         distance = torch.arange(length - 1, -1, -1, device=device)
         if cap is not None:
@@ -621,10 +624,14 @@ def _load(name_or_dir: str, progress: bool, read):
 
     name_or_dir = os.path.expanduser(str(name_or_dir))
     local = os.path.isdir(name_or_dir)
-    if not local and _looks_local(name_or_dir):
-        what = "is not a model directory" if os.path.exists(name_or_dir) else "not found"
+    what = None
+    if local and not os.path.isfile(os.path.join(name_or_dir, "config.json")):  # else the tokenizer's error speaks
+        what = f"cannot load Hugging Face model {name_or_dir!r}: the directory holds no config.json"
+    elif not local and _looks_local(name_or_dir):
+        what = f"{name_or_dir} " + ("is not a model directory" if os.path.exists(name_or_dir) else "not found")
+    if what:
         raise HFLoadError(
-            f"{name_or_dir} {what}; give a directory written by save_pretrained or alibi-export-hf "
+            f"{what}; give a directory written by save_pretrained or alibi-export-hf "
             "(config.json, weights, tokenizer files) or a hub name such as bigscience/bloom-560m"
         )
     model_class = _model_class(name_or_dir) if local else AutoModelForCausalLM

@@ -133,6 +133,14 @@ def test_scaling_parse_refuses(text):
         alibi.Scaling.parse(text)
 
 
+def test_a_cap_below_zero_is_refused_like_a_zero_cap():
+    """``--methods cap:0`` is refused (the cap must be positive); ``cap:-1`` must
+    not answer that 0 is allowed."""
+    for text in ("cap:0", "cap:-1"):
+        with pytest.raises(alibi.ScalingError, match="the cap must be a positive number of training lengths"):
+            alibi.Scaling.parse(text)
+
+
 def test_scaling_needs_the_training_length_where_it_uses_it():
     for spec in (alibi.Scaling("linear"), alibi.Scaling("ntk", 0), alibi.Scaling("cap", 2)):
         assert spec.needs_train_length

@@ -298,6 +298,22 @@ def test_kv_cache_equals_full_forward_with_a_cap(family):
     assert max_diff(incremental_logits(model, ids, prefix=5), logits(model, ids)) < 1e-4
 
 
+def test_mpt_static_cache_with_a_cap():
+    """A StaticCache's keys include its empty slots (MPT masks them): the capped
+    bias covers them too (it had only the filled keys' columns: a shape error)."""
+    from transformers.cache_utils import StaticCache
+
+    model = make_model("mpt")
+    ids = tokens(28)
+    hf.apply_alibi_scaling(model, "cap", 0.5, train_length=TRAIN_LENGTH)
+    cache = StaticCache(config=model.config, max_cache_len=40)
+    with torch.no_grad():
+        pieces = [model(input_ids=ids[:, :5], past_key_values=cache, use_cache=True).logits]
+        for step in range(5, ids.shape[1]):
+            pieces.append(model(input_ids=ids[:, step : step + 1], past_key_values=cache, use_cache=True).logits)
+    assert max_diff(torch.cat(pieces, dim=1), logits(model, ids)) < 1e-4
+
+
 # ---------------------------------------------------------------------------
 # Undo
 # ---------------------------------------------------------------------------
@@ -368,9 +384,9 @@ def test_bad_settings_are_refused(kwargs, message):
 # ---------------------------------------------------------------------------
 
 
-def incremental_logits(model, ids, prefix: int) -> torch.Tensor:
+def incremental_logits(model, ids, prefix: int, cache=None) -> torch.Tensor:
     """Logits of ``ids`` from a prefix forward, then one token at a time through the cache."""
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config) if cache is None else cache
     with torch.no_grad():
         pieces = [model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True).logits]
         for step in range(prefix, ids.shape[1]):
@@ -385,6 +401,8 @@ def test_kv_cache_equals_full_forward_with_a_static_factor(family):
     hf.apply_alibi_scaling(model, "ntk", 2.0)
     full = logits(model, ids)
     assert max_diff(incremental_logits(model, ids, prefix=20), full) < 1e-4
+    # a cache made without a config holds no layers until the first forward fills it
+    assert max_diff(incremental_logits(model, ids, prefix=20, cache=DynamicCache()), full) < 1e-4
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -81,7 +81,7 @@ def test_each_format_gives_its_prompt_answer_and_group(tmp_path):
 
 
 @pytest.mark.parametrize("objs,message", [
-    ([ruler_case(random.Random(1), 0, outputs=["1", "2"])], "2 outputs (a multi-value task)"),
+    ([ruler_case(random.Random(1), 0, outputs=["1", "2", "1"])], "2 different outputs"),
     ([{"prompt": "x", "expected_number": "12", "random_idx": ["k", 0]}], "'expected_number' must be an integer"),
     ([{"prompt": "x", "topics": []}], "'topics' must be a non-empty list"),
     ([{"input": "x", "outputs": "y"}], "'outputs' must be a non-empty list"),
@@ -93,6 +93,25 @@ def test_bad_records_are_named_in_one_line(tmp_path, objs, message):
     with pytest.raises(EvaluationError, match=re.escape(message)) as error:
         read_task_file(str(write(tmp_path / "f.jsonl", objs)))
     assert "\n" not in str(error.value) and "f.jsonl:" in str(error.value)
+
+
+def test_ruler_outputs_that_repeat_one_answer_are_that_answer(tmp_path):
+    """RULER's qa_1 lists every SQuAD annotator's answer, often the same text:
+    under either of RULER's metrics (all outputs, or any one) that is one answer."""
+    case = ruler_case(random.Random(2), 0, outputs=["Denver Broncos", "Denver Broncos ", " Denver Broncos"])
+    [item] = read_task_file(str(write(tmp_path / "qa_1.jsonl", [case])))
+    assert item.answer == " Denver Broncos" and item.prompt == case["input"] + case["answer_prefix"]
+
+
+def test_crlf_and_byte_order_mark_read_as_plain_lines(tmp_path):
+    """Files saved on Windows: CRLF line ends, a UTF-8 byte-order mark, no final newline."""
+    rng = random.Random(3)
+    cases = [longeval_lines_case(rng, 3), longeval_lines_case(rng, 4)]
+    plain = read_task_file(str(write(tmp_path / "lf.jsonl", cases)))
+    windows = tmp_path / "crlf.jsonl"
+    windows.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps(c) for c in cases).encode())
+    assert [(i.prompt, i.answer, i.group) for i in read_task_file(str(windows))] == \
+        [(i.prompt, i.answer, i.group) for i in plain]
 
 
 def test_non_utf8_file_is_named(tmp_path):

@@ -17,9 +17,11 @@ the tool), and a group to report by.
   by the number of topics;
 * **RULER** (NVIDIA/RULER ``prepare.py`` output: ``input``, ``outputs``,
   ``answer_prefix``...): the prompt is ``input + answer_prefix`` (RULER splits
-  the prefix off the prompt it generates), the answer its single output.
-  Multi-value records (several ``outputs``: RULER credits them in any order
-  anywhere in a free generation) cannot be scored as one answer and are refused.
+  the prefix off the prompt it generates), the answer its single output; outputs
+  that repeat one answer (qa_1's SQuAD annotators often agree) are that answer.
+  Records with several different outputs (all of them credited in multi-value
+  tasks, any one in qa_*, anywhere in a free generation) cannot be scored as one
+  answer and are refused.
 
 The prompt and the answer are tokenized separately (the answer's leading space
 kept), so the answer's tokens are exactly the ones scored.
@@ -89,13 +91,14 @@ def _ruler(obj: dict, where: str) -> FileItem:
         raise EvaluationError(f"{where}'answer_prefix' must be a string (RULER format)")
     if not isinstance(outputs, list) or not outputs or not all(isinstance(o, str) and o.strip() for o in outputs):
         raise EvaluationError(f"{where}'outputs' must be a non-empty list of strings (RULER format)")
-    if len(outputs) > 1:
+    answers = list(dict.fromkeys(o.strip() for o in outputs))  # one answer given twice is one answer
+    if len(answers) > 1:
         raise EvaluationError(
-            f"{where}a RULER record with {len(outputs)} outputs (a multi-value task): RULER credits them in any "
-            "order anywhere in a free generation, which one teacher-forced answer cannot score; use single-answer "
-            "tasks (niah_single_*, niah_multikey_*, qa_*)"
+            f"{where}a RULER record with {len(answers)} different outputs: RULER credits all of them (multi-value "
+            "tasks) or any one (qa_*) anywhere in a free generation, which one teacher-forced answer cannot score; "
+            "use tasks with one answer per record (niah_single_*, niah_multikey_*, qa_2)"
         )
-    return FileItem(text + prefix, " " + outputs[0].strip(), "", 0)
+    return FileItem(text + prefix, " " + answers[0], "", 0)
 
 
 #: Each format: the fields that recognize it, and its reader.
@@ -126,7 +129,7 @@ def read_task_file(path: str) -> List[FileItem]:
     items: List[FileItem] = []
     fmt = None
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is no JSON
             lines = f.readlines()
     except UnicodeDecodeError as exc:
         raise EvaluationError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
