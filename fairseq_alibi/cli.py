@@ -12,6 +12,7 @@ import ast
 import importlib
 import logging
 import math
+import os
 import sys
 from typing import List, Optional
 
@@ -73,6 +74,26 @@ def check_context_window(argv: List[str]) -> None:
         )
 
 
+def check_training_blocks(argv: List[str]) -> None:
+    """``language_modeling`` with ``--sample-break-mode none`` trains on blocks of
+    ``--tokens-per-sample`` tokens; fairseq drops every sample longer than
+    ``--max-tokens`` and then crashes (IndexError) or trains on the last short block."""
+    task, mode = _flag(argv, "--task"), _flag(argv, "--sample-break-mode") or "none"
+    max_tokens, tokens = _flag(argv, "--max-tokens"), _flag(argv, "--tokens-per-sample") or "1024"
+    if task != "language_modeling" or mode != "none" or max_tokens is None:
+        return
+    try:
+        too_small = int(max_tokens) < int(tokens)
+    except ValueError:
+        return  # argparse reports the bad number
+    if too_small:
+        raise UserError(
+            f"--max-tokens {max_tokens} is smaller than one training sample (--tokens-per-sample {tokens}): "
+            f"fairseq would drop every sample longer than --max-tokens; give --max-tokens {tokens} or more, "
+            "or --batch-size N"
+        )
+
+
 def check_model_overrides(argv: List[str]) -> None:
     """``--model-overrides`` must be a dict literal (fairseq ``eval``s the string:
     anything else is a SyntaxError or runs as code); its ``alibi_*`` values are
@@ -89,22 +110,15 @@ def check_model_overrides(argv: List[str]) -> None:
         raise UserError(f"--model-overrides must be a dict, got {type(value).__name__} {text!r}; write e.g. {example}")
 
 
-#: Numeric flags of the stock CLIs and the least value each accepts (fairseq
-#: checks none of them: 0 tokens per sample is a ZeroDivisionError).
-NUMERIC_FLAGS = {
-    "--tokens-per-sample": 1, "--max-tokens": 1, "--batch-size": 1, "--max-tokens-valid": 1,
-    "--batch-size-valid": 1, "--required-batch-size-multiple": 1, "--context-window": 0,
-    "--num-workers": 0, "--softmax-batch": 0, "--max-target-positions": 1, "--beam": 1, "--nbest": 1,
-    "--max-len-b": 0, "--update-freq": 1, "--log-interval": 1, "--workers": 1,
-    "--decoder-layers": 1, "--decoder-embed-dim": 1, "--decoder-ffn-embed-dim": 1,
-    "--decoder-attention-heads": 1, "--encoder-layers": 1, "--encoder-embed-dim": 1,
-    "--encoder-ffn-embed-dim": 1, "--encoder-attention-heads": 1,
-}
-
-
 def check_numeric_flags(argv: List[str]) -> None:
-    """Every flag of :data:`NUMERIC_FLAGS` given is an integer at or above its least value."""
-    for flag, least in NUMERIC_FLAGS.items():
+    """Every integer flag of ``models.config.INTEGER_OPTIONS`` given (``--tokens-per-sample``
+    for ``tokens_per_sample``) is in its range: fairseq checks none of them (0
+    tokens per sample is a ZeroDivisionError, 2**31 an OverflowError, seed -1 a
+    numpy ValueError)."""
+    from .models.config import integer_problem, INTEGER_OPTIONS
+
+    for key in INTEGER_OPTIONS:
+        flag = "--" + key.replace("_", "-")
         text = _flag(argv, flag)
         if text is None:
             continue
@@ -112,9 +126,9 @@ def check_numeric_flags(argv: List[str]) -> None:
             value = int(text)
         except ValueError:
             continue  # argparse reports a value that is not a number
-        if value < least:
-            what = "a positive integer" if least == 1 else f"an integer >= {least}"
-            raise UserError(f"{flag} {text} is not valid: it takes {what}")
+        problem = integer_problem(key, value)
+        if problem:
+            raise UserError(f"{flag} {text} is not valid: it {problem}")
 
 
 def guard_eval_lm(module) -> None:
@@ -211,7 +225,7 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=Non
 
 
 def train():
-    _run("fairseq_cli.train", training_help, check_arch)
+    _run("fairseq_cli.train", training_help, check_arch, check_training_blocks)
 
 
 def eval_lm():
@@ -243,6 +257,26 @@ Details: docs/usage.md, "With Hydra".
 """
 
 
+def check_hydra_config(argv: List[str]) -> None:
+    """``--config-dir`` is a directory and ``--config-name`` a YAML in it (or in
+    fairseq's own configs): Hydra would otherwise run fairseq's default config
+    and fail on a setting the user never saw ("Must specify batch size")."""
+    import fairseq
+
+    directory, name = _flag(argv, "--config-dir", "-cd"), _flag(argv, "--config-name", "-cn")
+    if directory is not None and not os.path.isdir(directory):
+        what = "is a file, not a directory" if os.path.exists(directory) else "not found"
+        raise UserError(f"--config-dir {directory} {what}: give the directory of your YAML configs "
+                        "(e.g. examples/language_model/config)")
+    if name is None:
+        return
+    dirs = ([directory] if directory else []) + [os.path.join(os.path.dirname(fairseq.__file__), "config")]
+    if not any(os.path.isfile(os.path.join(d, name + ext)) for d in dirs for ext in ("", ".yaml", ".yml")):
+        found = sorted(n.rsplit(".", 1)[0] for n in os.listdir(dirs[0]) if n.endswith((".yaml", ".yml")))
+        raise UserError(f"--config-name {name}: no {name}.yaml in {dirs[0]}"
+                        + (closest(name, found) or f"; configs there: {', '.join(found[:12]) or 'none'}"))
+
+
 def hydra_train():
     argv = sys.argv[1:]
     if {"-h", "--help"} & set(argv):
@@ -254,7 +288,7 @@ def hydra_train():
         run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
         sys.stderr.write("alibi-hydra-train: Hydra writes .hydra/ (the composed config) and hydra_train.log "
                          f"into {run_dir or 'its run directory (the working directory with fairseq configs)'}\n")
-    _run("fairseq_cli.hydra_train")
+    _run("fairseq_cli.hydra_train", check_hydra_config)
 
 
 def preprocess():

@@ -69,6 +69,10 @@ class PromptError(EvaluationError, ValueError):
     """A retrieval task that cannot be built as asked (template, vocabulary, length)."""
 
 
+class DataError(UserError):
+    """A data directory's file (a dictionary, a binarized split) that cannot be read as one."""
+
+
 class CorpusError(UserError):
     """A problem with the embedded corpus's inputs or outputs."""
 
@@ -105,6 +109,18 @@ def checkpoint_files(directory: str) -> str:
     return f"{directory} is a directory; give a checkpoint file in it, e.g. {shown}"
 
 
+def not_a_file(path: str, what: str = "file") -> str:
+    """Why ``path`` is not a readable regular file: missing, a broken or looping
+    symbolic link, a directory (see :func:`checkpoint_files`), a device or pipe."""
+    if os.path.isdir(path):
+        return checkpoint_files(path)
+    if os.path.exists(path):
+        return f"{path} is not a regular file (a device, a pipe, ...): give a {what}"
+    if os.path.islink(path):
+        return f"{path} is a broken symbolic link (its target {os.readlink(path)} does not exist, or links loop)"
+    return f"{what} not found: {path}"
+
+
 # ------------------------------------------------------------ foreign errors
 
 
@@ -123,6 +139,16 @@ def _missing_split(message: str) -> str:
         f"split {split!r} not found in {directory} (no {split}.bin/.idx); splits there: "
         f"{', '.join(found) or 'none (run alibi-preprocess first)'}; check --gen-subset / --valid-subset"
     )
+
+
+def _not_a_directory(path: str) -> str:
+    """``a/b.txt/dict.txt``: which part of the path is a file where a directory is needed."""
+    part = path
+    while part and not os.path.isfile(part) and os.path.dirname(part) != part:
+        part = os.path.dirname(part)
+    if not os.path.isfile(part):
+        return f"cannot use {path}: a part of it is not a directory"
+    return f"{part} is a file, not a directory (fairseq opens {path}): give a directory in its place"
 
 
 def _loading_frame(tb):
@@ -180,12 +206,33 @@ def _describe_model_mismatch(exc: BaseException, frame) -> str:
     )
 
 
+def no_space(exc: BaseException) -> Optional[str]:
+    """A message if ``exc`` (or an error it was raised from) is a full disk or quota, else None;
+    torch's writer reports a full disk only as ``unexpected pos N vs M``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            where = f" writing {os.fsdecode(exc.filename)}" if exc.filename else ""
+            return f"{exc.strerror or 'no space left on the device'}{where}: free space there, or write to another disk"
+        if isinstance(exc, RuntimeError) and "unexpected pos" in str(exc):
+            return "the file could not be written in full (torch: unexpected pos): is the disk full?"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def describe(exc: BaseException) -> Optional[str]:
     """A one-line message for an error a user can fix, or None (a bug: show it all)."""
     if isinstance(exc, UserError):
         return one_line(exc)
+    full = no_space(exc)
+    if full:
+        return full
     if isinstance(exc, IsADirectoryError) and exc.filename:
-        return checkpoint_files(os.fsdecode(exc.filename))
+        name = os.fsdecode(exc.filename)
+        if os.path.splitext(name)[1] not in ("", ".pt"):  # dict.txt, a .bin: not a checkpoint
+            return f"{name} is a directory, not a file"
+        return checkpoint_files(name)
     if isinstance(exc, FileNotFoundError) and str(exc).startswith("Dataset not found"):
         return _missing_split(str(exc))
     if isinstance(exc, FileNotFoundError) and exc.filename:
@@ -201,10 +248,16 @@ def describe(exc: BaseException) -> Optional[str]:
         where = os.fsdecode(exc.filename) if exc.filename else "a file"
         return f"cannot access {where}: {exc.strerror or exc} (check its permissions, or choose another directory)"
     if isinstance(exc, OSError) and str(exc).startswith("Model file not found"):
-        path = str(exc).split(":", 1)[1].strip()
-        if os.path.isdir(path):
-            return checkpoint_files(path)
-        return "checkpoint file not found: " + path
+        return not_a_file(str(exc).split(":", 1)[1].strip(), "checkpoint file")
+    if isinstance(exc, NotADirectoryError) and exc.filename:
+        return _not_a_directory(os.fsdecode(exc.filename))
+    match = re.match(r"Sentences lengths should not exceed max_tokens=(\d+)", str(exc))
+    if isinstance(exc, AssertionError) and match:
+        return (
+            f"a sample is longer than --max-tokens {match.group(1)}: fairseq puts at least one whole sample in a "
+            "batch (a block of --tokens-per-sample tokens, less --context-window; a line with --sample-break-mode "
+            "eos; a prompt); raise --max-tokens to the longest sample, or give --batch-size N instead"
+        )
     frame = _loading_frame(exc.__traceback__)
     if frame is not None and isinstance(exc, (AttributeError, KeyError, ValueError, TypeError, RuntimeError, AssertionError)):
         return _describe_model_mismatch(exc, frame)

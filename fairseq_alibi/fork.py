@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import safe_load
-from .errors import CheckpointError, ForkCheckpointError, one_line, report_errors
+from .errors import CheckpointError, ForkCheckpointError, no_space, one_line, report_errors
 from .models import facts
 
 FORK_ONLY_MODEL_FIELDS = ("max_tokens",)
@@ -106,6 +106,10 @@ def _resolve_all(tree: Dict[str, Any], node: Any) -> Any:
 
 def convert_fork_state(state: Dict[str, Any], train_length: Optional[int] = None) -> Dict[str, Any]:
     """This plugin's checkpoint dict for a fork checkpoint dict (input untouched)."""
+    if train_length is not None and (isinstance(train_length, bool) or not isinstance(train_length, int)
+                                     or train_length < 1):
+        raise CheckpointError(f"--train-length {train_length!r} is not valid: the training length is a positive "
+                              "integer (the tokens per sample the fork was trained with)")
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError("not a fairseq checkpoint: it has no 'model' weights")
     reason = fork_signature(state)
@@ -188,7 +192,8 @@ def convert(in_path: str, out_path: str, train_length: Optional[int] = None) -> 
         torch.save(converted, tmp)
         os.replace(tmp, out_path)
     except (OSError, RuntimeError) as exc:
-        raise CheckpointError(f"cannot write {out_path}: {one_line(getattr(exc, 'strerror', None) or exc)}") from None
+        reason = no_space(exc) or one_line(getattr(exc, "strerror", None) or exc)
+        raise CheckpointError(f"cannot write {out_path}: {reason}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -17,10 +17,18 @@ would crash or silently do the wrong thing:
   :func:`safe_load.load` (allowlisted unpickling, never arbitrary code), and an
   unconverted checkpoint of the 2021 fork is refused (it would silently run as
   a sinusoidal model).
+* the hub interface's ``from_pretrained``: local paths that are missing or of
+  the wrong kind are named (``checked_hub_paths``).
 * ``--model-overrides`` / hub keywords: fairseq silently drops a key no
-  config has, so an ``alibi*`` typo is warned about (``models.config.check_override_keys``).
+  config has and checks no value, so a key the checkpoint's config lacks is
+  warned about and ``alibi*`` and integer values are checked
+  (``models.config.check_override_keys``).
+* a data directory's ``dict.txt`` and binarized splits (``.idx``/``.bin``):
+  one that fairseq cannot read (another format, empty, truncated) is a
+  ``DataError`` naming the file (``checked_data_files``).
 * checkpoint copies (``checkpoint_last.pt``, ``checkpoint_best.pt``) are
-  written atomically, so a crash never leaves a truncated one.
+  written atomically, so a crash never leaves a truncated one; a full disk
+  while writing one is one error, at once, with no ``.tmp`` left behind.
 * ``fairseq.distributed.utils.torch``: resuming under torchrun broadcasts the
   state as a pickle read back with ``torch.load``; the safe loader reads it
   (torch's default allowlist refuses the OmegaConf cfg).
@@ -178,16 +186,172 @@ def safe_checkpoint_io() -> None:
     checkpoint_utils.PathManager = _AtomicCopyPathManager(checkpoint_utils.PathManager)
     stock_overwrite = checkpoint_utils.overwrite_args_by_name
 
+    depth = [0]  # fairseq recurses into each section through this name: check the whole config once
+
     def overwrite_args_by_name(cfg, overrides):
         from .models.config import check_override_keys
 
-        check_override_keys(overrides, cfg)
-        return stock_overwrite(cfg, overrides)
+        if depth[0] == 0:
+            check_override_keys(overrides, cfg)
+        depth[0] += 1
+        try:
+            return stock_overwrite(cfg, overrides)
+        finally:
+            depth[0] -= 1
 
     checkpoint_utils.overwrite_args_by_name = overwrite_args_by_name
     # broadcast_object puts fairseq's one-int _TensorPlaceholder where each tensor was.
     placeholder = distributed_utils._TensorPlaceholder
     distributed_utils.torch = _SafeTorch(distributed_utils.torch, extra_globals=[placeholder])
+
+
+def full_disk_checkpoints() -> None:
+    """A full disk while fairseq writes a checkpoint: one error naming the file,
+    without fairseq's three tries (5 s, then a logged traceback), and without
+    the half-written ``.tmp`` it would leave behind."""
+    from fairseq import checkpoint_utils
+
+    from .errors import UserError, no_space
+
+    stock_save, stock_inner = checkpoint_utils.torch_persistent_save, checkpoint_utils._torch_persistent_save
+    if getattr(stock_save, "_alibi_full_disk", False):
+        return
+
+    def _torch_persistent_save(obj, f):
+        if not isinstance(f, str):
+            try:
+                return torch.save(obj, f)
+            except Exception as exc:  # noqa: BLE001  (anything but a full disk: fairseq's retries)
+                if no_space(exc):
+                    raise
+        return stock_inner(obj, f)
+
+    def torch_persistent_save(obj, filename, async_write: bool = False):
+        try:
+            return stock_save(obj, filename, async_write)
+        except Exception as exc:
+            full = no_space(exc)
+            if not full:
+                raise
+            if os.path.isfile(filename + ".tmp"):
+                os.remove(filename + ".tmp")
+            raise UserError(f"cannot write {filename}: {full}") from None
+
+    torch_persistent_save._alibi_full_disk = True
+    checkpoint_utils._torch_persistent_save = _torch_persistent_save
+    checkpoint_utils.torch_persistent_save = torch_persistent_save
+
+
+def _hub_paths_problem(model_dir: str, checkpoint_file: str, data: str) -> str:
+    """What is wrong with the local paths of a hub ``from_pretrained`` call, or ``""``."""
+    import tarfile
+
+    from .errors import not_a_file
+
+    if os.path.isfile(model_dir) and tarfile.is_tarfile(model_dir):
+        return ""  # a model archive: fairseq unpacks it
+    if not os.path.isdir(model_dir):
+        what = "is a file: give the directory that holds it" if os.path.exists(model_dir) else "not found"
+        return f"model directory {model_dir} {what} (from_pretrained(MODEL_DIR, CHECKPOINT_FILE, data_name_or_path=DATA))"
+    for name in checkpoint_file.split(os.pathsep):
+        if not os.path.isfile(os.path.join(model_dir, name)):
+            return not_a_file(os.path.join(model_dir, name), "checkpoint file")
+    if not os.path.isdir(data) and not (os.path.isfile(data) and tarfile.is_tarfile(data)):
+        what = "is a file, not a directory" if os.path.exists(data) else "not found"
+        return f"data directory {data} {what}: give the fairseq-preprocess output directory (with dict.txt)"
+    return ""
+
+
+def checked_hub_paths() -> None:
+    """``from_pretrained(MODEL_DIR, CHECKPOINT_FILE, data_name_or_path=DATA)`` with
+    local paths: a missing or wrong-kind path is one ``UserError`` naming it
+    (fairseq answered a TypeError about None, or tried to unpack a text file as
+    an archive).  Names of fairseq's own hub models and URLs are left to fairseq."""
+    from fairseq import hub_utils
+
+    from .errors import UserError
+
+    stock = hub_utils.from_pretrained
+    if getattr(stock, "_alibi_checked", False):
+        return
+
+    def from_pretrained(model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".", archive_map=None,
+                        **kwargs):
+        names = archive_map or {}
+        local = isinstance(model_name_or_path, str) and "://" not in model_name_or_path and model_name_or_path not in names
+        if local and isinstance(data_name_or_path, str) and data_name_or_path not in names:
+            data = data_name_or_path
+            if data.startswith("."):  # fairseq: relative to the model directory
+                data = os.path.join(model_name_or_path, data)
+            problem = "://" not in data and _hub_paths_problem(model_name_or_path, str(checkpoint_file), data)
+            if problem:
+                raise UserError(problem)
+        return stock(model_name_or_path, checkpoint_file, data_name_or_path, archive_map, **kwargs)
+
+    from_pretrained._alibi_checked = True
+    hub_utils.from_pretrained = from_pretrained
+
+
+def _split_problem(path: str, index_class) -> str:
+    """What is wrong with the binarized split ``path`` (``.idx`` + ``.bin``), or ``""``."""
+    index = index_class(path + ".idx")
+    try:
+        if len(index) == 0:
+            return "holds no sentence (it was binarized from an empty text)"
+        expected = int(index.sizes.astype(np.int64).sum()) * index.dtype().itemsize
+    finally:
+        del index
+    actual = os.path.getsize(path + ".bin")
+    if actual != expected:
+        return f"is truncated or mixed up: {path}.bin has {actual} bytes, its index describes {expected}"
+    return ""
+
+
+def checked_data_files() -> None:
+    """A data directory's ``dict.txt`` and binarized splits: a file fairseq cannot
+    read (another format, another encoding, empty, truncated) is a ``DataError``
+    naming it, not a traceback from deep inside fairseq, or a crash in the middle
+    of a run (a truncated ``.bin`` is only read batch by batch)."""
+    import struct
+
+    from fairseq.data import Dictionary, indexed_dataset
+
+    from .errors import DataError
+
+    stock_add, stock_make = Dictionary.add_from_file, indexed_dataset.make_dataset
+    if getattr(stock_make, "_alibi_checked", False):
+        return
+
+    def add_from_file(self, f):
+        if not isinstance(f, str):
+            return stock_add(self, f)
+        try:
+            return stock_add(self, f)
+        except (ValueError, RuntimeError) as exc:  # UnicodeDecodeError is a ValueError
+            raise DataError(f"{f} is not a fairseq dictionary ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); "
+                            "it holds one '<token> <count>' line per symbol, in UTF-8, as alibi-preprocess writes "
+                            "dict.txt") from None
+
+    def make_dataset(path, impl, *args, **kwargs):
+        mmap = impl == "mmap" and indexed_dataset.MMapIndexedDataset.exists(path)
+        try:
+            problem = _split_problem(path, indexed_dataset.MMapIndexedDataset.Index) if mmap else ""
+            dataset = None if problem else stock_make(path, impl, *args, **kwargs)
+        except (ValueError, AssertionError, KeyError, IndexError, struct.error) as exc:
+            problem = f"cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+        if problem:
+            raise DataError(f"the binarized split {path} (.bin/.idx) {problem}; binarize it again with "
+                            "alibi-preprocess (a non-empty text)")
+        return dataset
+
+    def __del__(self, stock_del=indexed_dataset.MMapIndexedDataset.__del__):
+        if hasattr(self, "_bin_buffer_mmap"):  # a file that failed to open has nothing to close
+            stock_del(self)
+
+    make_dataset._alibi_checked = True
+    Dictionary.add_from_file = add_from_file
+    indexed_dataset.make_dataset = make_dataset
+    indexed_dataset.MMapIndexedDataset.__del__ = __del__
 
 
 #: Third-party warnings known to be harmless here, shown on every command
@@ -235,3 +399,6 @@ def apply() -> None:
     torchrun_on_cpu()
     cpu_ddp()
     safe_checkpoint_io()
+    full_disk_checkpoints()
+    checked_data_files()
+    checked_hub_paths()

@@ -18,6 +18,7 @@ import io
 import os
 import subprocess
 import sys
+import shutil
 import tempfile
 import zipfile
 
@@ -95,6 +96,18 @@ def build_fixtures(work):
     open(path("resume/checkpoint_last.pt"), "wb").write(data[:20000])
     subprocess.run([tool("alibi-sweep"), "data", "-c", "alibi=alibi/checkpoint_last.pt", "--lengths", "1x",
                     "--methods", "none", "--output-dir", "sweep_out", "--cpu", "--no-progress"], **run)
+    for name in ("bad_dict", "empty_split", "truncated_bin"):
+        os.makedirs(path(name))
+        for file in os.listdir(path("data")):
+            shutil.copyfile(path(f"data/{file}"), path(f"{name}/{file}"))
+    open(path("bad_dict/dict.txt"), "w").write("a line without a count\n")
+    from fairseq.data.indexed_dataset import MMapIndexedDatasetBuilder  # what an empty text binarizes to
+
+    MMapIndexedDatasetBuilder(path("empty_split/valid.bin")).finalize(path("empty_split/valid.idx"))
+    os.truncate(path("truncated_bin/valid.bin"), 100)
+    os.symlink("missing_target.pt", path("dangling.pt"))
+    os.makedirs(path("configs"))
+    open(path("configs/tiny_lm.yaml"), "w").write("# a Hydra config\n")
     open(path("empty.jsonl"), "w").close()
     open(path("no_answer.jsonl"), "w").write('{"prompt": "one the cat sees"}\n')
     open(path("unknown_words.jsonl"), "w").write('{"prompt": "one the zebra sees", "answer": "a tree"}\n')
@@ -133,6 +146,7 @@ CASES = [
         ("fork checkpoint whose training length cannot be resolved", [CONVERT, "fork/no_train_length.pt", "out.pt"]),
         ("output directory does not exist", [CONVERT, "fork/alibi_wt103_L32.pt", "nowhere/out.pt"]),
         ("output is the input file", [CONVERT, "fork/alibi_wt103_L32.pt", "fork/alibi_wt103_L32.pt"]),
+        ("a `--train-length` that is not positive", [CONVERT, "fork/alibi_wt103_L32.pt", "out.pt", "--train-length", "0"]),
         ("missing argument", [CONVERT, "fork/alibi_wt103_L32.pt"]),
     ]),
     ("alibi-eval-lm", [
@@ -156,6 +170,12 @@ CASES = [
         ("`--valid-subset` that does not exist", train("no_split", "--valid-subset", "vaild")),
         ("a save directory that cannot be written (here under /sys, read-only even for root)",
          train(READ_ONLY)),
+        ("a save directory that is a file", train("train.txt")),
+        ("`--max-tokens` smaller than one training sample (`--tokens-per-sample 32`)",
+         train("small_batch", "--max-tokens", "10")),
+        ("`--seed -1` (numpy takes 0 to 2**32 - 1)", train("seed", "--seed", "-1")),
+        ("`alibi-hydra-train` with a `--config-name` that is not in `--config-dir`",
+         ["alibi-hydra-train", "--config-dir", "configs", "--config-name", "tiny"]),
     ]),
     ("alibi-eval-lm, more", [
         ("`--context-window` not below `--tokens-per-sample`",
@@ -177,6 +197,19 @@ CASES = [
                                                           "--model-overrides", "[1, 2]"]),
         ("an ALiBi override of the wrong type", EVAL + ["--path", "alibi/checkpoint_last.pt",
                                                        "--model-overrides", "{'alibi_scale_factor': 'x'}"]),
+        ("an override of one of fairseq's integer options out of its range",
+         EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'tokens_per_sample': -5}"]),
+        ("`--tokens-per-sample` beyond what fairseq counts (int32)",
+         EVAL + ["--path", "alibi/checkpoint_last.pt", "--tokens-per-sample", "2147483648"]),
+        ("`--max-tokens` smaller than one block", EVAL + ["--path", "alibi/checkpoint_last.pt",
+                                                          "--tokens-per-sample", "64", "--max-tokens", "10"]),
+        ("DATA that is a file", ["alibi-eval-lm", "train.txt", "--cpu", "--path", "alibi/checkpoint_last.pt"]),
+        ("a dict.txt in another format", ["alibi-eval-lm", "bad_dict", "--cpu", "--gen-subset", "valid",
+                                          "--path", "alibi/checkpoint_last.pt"]),
+        ("a split binarized from an empty text", ["alibi-eval-lm", "empty_split", "--cpu", "--gen-subset", "valid",
+                                                  "--path", "alibi/checkpoint_last.pt"]),
+        ("a truncated `.bin`", ["alibi-eval-lm", "truncated_bin", "--cpu", "--gen-subset", "valid",
+                                "--path", "alibi/checkpoint_last.pt"]),
     ]),
     ("alibi-sweep", [
         ("a checkpoint of another model family (a masked LM)", SWEEP + ["-c", "mlm=roberta.pt"]),
@@ -186,6 +219,9 @@ CASES = [
         ("`--max-tokens` below the longest length", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--lengths", "4x",
                                                              "--max-tokens", "64"]),
         ("an unknown method", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--methods", "cubic"]),
+        ("a cap at no distance (`cap:F` takes F > 0)", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--methods", "cap:-1"]),
+        ("a length longer than the evaluated split", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--lengths", "1x,64x"]),
+        ("a checkpoint that is a broken symbolic link", SWEEP + ["-c", "dangling.pt"]),
         ("an output directory that cannot be written", ["alibi-sweep", "data", "-c", "alibi/checkpoint_last.pt",
                                                         "--output-dir", READ_ONLY, "--cpu"]),
     ]),
@@ -197,6 +233,20 @@ CASES = [
         ("the lines task with a dictionary that lacks its words", RETRIEVAL + ["--task", "lines", "--digits", "1", "--keys",
                                                             "cat,dog,bird,tree", "--lengths", "8"]),
         ("an unknown task", RETRIEVAL + ["--task", "needle"]),
+        ("a template without the placeholder the answer needs",
+         RETRIEVAL + ["--task", "lines", "--template", "line=line {key} : REGISTER_CONTENT is ."]),
+        ("`--keys` that repeat a key (the question would be ambiguous)",
+         RETRIEVAL + ["--task", "lines", "--keys", "cat,cat,dog"]),
+    ]),
+    ("alibi-export-hf", [
+        ("a checkpoint of the stock sinusoidal model", ["alibi-export-hf", "stock/checkpoint_last.pt", "hf_out"]),
+        ("`--format bloom` for a model BLOOM cannot hold (the default post-norm model)",
+         ["alibi-export-hf", "alibi/checkpoint_last.pt", "hf_out", "--format", "bloom"]),
+        ("an output directory that is not empty", ["alibi-export-hf", "alibi/checkpoint_last.pt", "data"]),
+        ("`--force` onto the directory that holds the checkpoint", ["alibi-export-hf", "alibi/checkpoint_last.pt",
+                                                                    "alibi", "--force"]),
+        ("an unknown `--alibi-scaling`", ["alibi-export-hf", "alibi/checkpoint_last.pt", "hf_out",
+                                          "--alibi-scaling", "rope:2"]),
     ]),
     ("warnings (the command runs; the warning is on its output)", [
         ("a typo in an ALiBi `--model-overrides` key",
@@ -204,6 +254,8 @@ CASES = [
         ("ALiBi overrides for a model without ALiBi (the stock sinusoidal model)",
          EVAL + ["--path", "stock/checkpoint_last.pt", "--tokens-per-sample", "32",
                  "--model-overrides", "{'alibi_interpolation': 'ntk'}"]),
+        ("an override key the checkpoint's config does not have (fairseq would drop it)",
+         EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'dropuot': 0.5}"]),
         ("a scale factor without an interpolation method",
          EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'alibi_scale_factor': 8}"]),
         ("the 2021 fork's `--arch transformer_lm_wiki103` (here the stock sinusoidal model)",

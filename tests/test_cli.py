@@ -484,7 +484,7 @@ def test_bad_value_fails_at_build_naming_the_field(
 
 def test_dynamic_scaling_without_train_length_fails_eval(lm_data_bin, alibi_checkpoint):
     """An override that leaves dynamic scaling with no training length to divide by."""
-    overrides = {**linear(0), "alibi_train_length": 0, "tokens_per_sample": 0}
+    overrides = {**linear(0), "alibi_train_length": 0}  # (tokens_per_sample 0 is refused by its own key)
     result = run_cli([
         tool("alibi-eval-lm"), lm_data_bin, "--path", alibi_checkpoint, "--cpu",
         "--gen-subset", "valid", "--tokens-per-sample", str(EVAL_LENGTH),
@@ -667,6 +667,10 @@ def test_dictionary_of_another_size_names_both_sizes(lm_corpus, alibi_checkpoint
 @pytest.mark.parametrize("overrides,phrase", [
     ("{'alibi_interpolaton': 'linear'}", "ignored model override 'alibi_interpolaton'"),
     ("{'alibi_scale_factor': 8}", "has no effect with alibi_interpolation='none'"),
+    # fairseq drops a key its config lacks, silently: a typo, or an encoder-only ALiBi field on a decoder
+    ("{'dropuot': 0.5}", "ignored model override 'dropuot': the checkpoint's config (transformer_lm_alibi) has no "
+                         "such option, so it would change nothing; did you mean dropout"),
+    ("{'alibi_bidirectional': 'split'}", "ignored model override 'alibi_bidirectional'"),
 ])
 def test_silent_no_ops_are_warned(overrides, phrase, lm_data_bin, alibi_checkpoint):
     result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", alibi_checkpoint, "--cpu",

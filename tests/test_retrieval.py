@@ -309,6 +309,18 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, kv_data_bin, kv_
           "length 32 is shorter than the shortest lines prompt (41 tokens")
     fails([*kv, "--task", "lines", "--methods", "cubic"], "unknown method 'cubic'")
     fails([*kv, "--task", "lines", "--template", "answer=x"], "unknown template field(s) answer")
+    # templates whose prompts could not be built (a KeyError, a ZeroDivisionError) or answered (no number, no key)
+    lines = [*kv, "--task", "lines", "--digits", "2", "--lengths", "64", "--samples", "1", "--depths", "1"]
+    fails([*lines, "--template", "line=line {key} : REGISTER_CONTENT is {nmbr} ."], "unknown placeholder(s) {nmbr}")
+    fails([*lines, "--template", "line=line {key} : REGISTER_CONTENT is ."], "template line of task lines: no {number}")
+    fails([*lines, "--template", "line="], "no {key}, {number}")
+    fails([*lines, "--template", "question=tell me the REGISTER_CONTENT ."], "template question of task lines: no {key}")
+    fails([*lines, "--template", "line=line {key}:{number} ."], "a placeholder must be a word of its own")
+    fails([*lines, "--template", "header=a", "--template", "header=b"], "--template header is given twice")
+    # keys that would make the question ambiguous, or be silently replaced
+    fails([*lines, "--keys", "k1,k1,k1"], "--keys repeats k1")
+    fails([*lines, "--keys", ","], "--keys names no key")
+    fails([*lines, "--max-tokens", "1"], "--max-tokens 1 is smaller than the longest prompt of")
     assert not (out / "results.json").exists()
 
 

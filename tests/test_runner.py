@@ -163,7 +163,7 @@ def test_bad_methods(spec, message):
 def test_axes():
     assert runner.parse_methods("none,ntk,ntk:dynamic,cap:1,cap") == [Scaling(), Scaling("ntk"), Scaling("cap", 1)]
     assert runner.resolve_lengths(runner.parse_lengths("2k,1x,0.5x,64"), 64) == [32, 64, 2048]
-    for bad in ("abc", "-1", "0x", "nanx", "infx"):
+    for bad in ("abc", "-1", "0x", "nanx", "infx", "100000000000"):
         with pytest.raises(EvaluationError, match="bad length"):
             runner.parse_lengths(bad)
     with pytest.raises(EvaluationError, match="relative lengths .* need the model's training length"):

@@ -39,6 +39,10 @@ NUMERIC_CASES = [
     ("alibi-train", "--decoder-attention-heads", "0", "a positive integer"),
     ("alibi-generate", "--beam", "0", "a positive integer"),
     ("alibi-preprocess", "--workers", "0", "a positive integer"),
+    # beyond what fairseq's C code counts (an OverflowError traceback), below numpy's seeds (a ValueError)
+    ("alibi-eval-lm", "--tokens-per-sample", "2147483648", "at most 2147483647"),
+    ("alibi-eval-lm", "--max-tokens", "99999999999999999999", "a positive integer"),
+    ("alibi-train", "--seed", "-1", "an integer >= 0 (at most 4294967295)"),
 ]
 
 
@@ -57,6 +61,10 @@ OVERRIDE_CASES = [
     ("{'alibi_interpolation': 'ntkk'}", "takes one of 'none', 'linear', 'ntk', 'cap'"),
     ("{'alibi_train_length': 1.5}", "alibi_train_length takes an integer"),
     ("{'alibi_interpolation': 'cap', 'alibi_scale_factor': -1}", "alibi_scale_factor"),
+    # fairseq's own integer options are checked as their flags are (it took -5 tokens per sample silently)
+    ("{'tokens_per_sample': -5}", "model override 'tokens_per_sample': -5 is not valid; tokens_per_sample takes a "
+                                  "positive integer"),
+    ("{'max_tokens': 'x'}", "max_tokens takes a positive integer"),
 ]
 
 
@@ -70,6 +78,7 @@ def test_bad_model_overrides_name_the_key(text, expected, alibi_checkpoint, lm_d
 @pytest.mark.parametrize("overrides,expected", [
     (dict(alibi_scale_factor="x"), "alibi_scale_factor takes a number"),
     (dict(alibi_attention="fast"), "alibi_attention takes one of"),
+    (dict(tokens_per_sample=0), "tokens_per_sample takes a positive integer"),
 ])
 def test_python_api_checks_override_values_too(overrides, expected, alibi_checkpoint, lm_data_bin):
     from fairseq_alibi.models.transformer_lm import AlibiTransformerLanguageModel
@@ -153,3 +162,142 @@ def test_converter_never_overwrites_its_input(alibi_checkpoint, tmp_path):
         result = run_cli([tool("alibi-convert-checkpoint"), original, output], expect_ok=False)
         assert_one_error(result, expected)
     assert original.read_bytes() == before
+
+
+# ------------------------------------------------------------ data files
+def data_copy(source, directory):
+    target = directory / "data"
+    shutil.copytree(source, target)
+    return target
+
+
+def as_file(source, directory):
+    (directory / "data.txt").write_text("one the cat sees a tree .\n")
+    return directory / "data.txt"
+
+
+def bad_dictionary(source, directory):
+    target = data_copy(source, directory)
+    (target / "dict.txt").write_text("a line without a count\n")
+    return target
+
+
+def empty_split(source, directory):
+    """valid.bin/.idx as fairseq-preprocess writes them for an empty text."""
+    from fairseq.data.indexed_dataset import MMapIndexedDatasetBuilder
+
+    target = data_copy(source, directory)
+    MMapIndexedDatasetBuilder(str(target / "valid.bin")).finalize(str(target / "valid.idx"))
+    return target
+
+
+def truncated_bin(source, directory):
+    target = data_copy(source, directory)
+    with open(target / "valid.bin", "r+b") as f:
+        f.truncate(100)
+    return target
+
+
+def empty_idx(source, directory):
+    target = data_copy(source, directory)
+    (target / "valid.idx").write_bytes(b"")
+    return target
+
+
+DATA_CASES = [
+    (as_file, "is a file, not a"),  # eval-lm: a NotADirectoryError traceback
+    (bad_dictionary, "data/dict.txt is not a fairseq dictionary"),  # a ValueError traceback
+    (empty_split, "data/valid (.bin/.idx) holds no sentence"),  # "cannot mmap an empty file", twice
+    (truncated_bin, "data/valid (.bin/.idx) is truncated"),  # a crash in a DataLoader worker mid-run
+    (empty_idx, "data/valid (.bin/.idx) cannot be read"),  # an AssertionError traceback
+]
+
+
+@pytest.mark.parametrize("make,expected", DATA_CASES, ids=[c[0].__name__ for c in DATA_CASES])
+@pytest.mark.parametrize("script", ["alibi-eval-lm", "alibi-sweep"])
+def test_unreadable_data_files_are_named(make, expected, script, alibi_checkpoint, lm_data_bin, tmp_path):
+    data = make(lm_data_bin, tmp_path)
+    args = {"alibi-eval-lm": ["--path", alibi_checkpoint, "--gen-subset", "valid"],
+            "alibi-sweep": ["-c", f"m={alibi_checkpoint}", "--lengths", "1x", "--methods", "none", "--no-progress",
+                            "-o", tmp_path / "sweep"]}[script]
+    result = run_cli([tool(script), data, "--cpu", *args], expect_ok=False, cwd=tmp_path)
+    assert_one_error(result, expected)
+    assert "Exception ignored" not in result.output and "ppl=" not in result.output
+
+
+# ------------------------------------------------------------ values that do not fit
+BATCH_CASES = [
+    # fairseq puts one whole sample in a batch: an AssertionError (eval) or IndexError (train) otherwise
+    ("alibi-eval-lm", ["--tokens-per-sample", "64", "--max-tokens", "10"], "a sample is longer than --max-tokens 10"),
+    ("alibi-train", ["--max-tokens", "10"], "--max-tokens 10 is smaller than one training sample"),
+    # paths of the wrong kind
+    ("alibi-train", ["--save-dir", "FILE"], "FILE is a file, not a directory"),
+    ("alibi-sweep", ["-c", "LOOP"], "LOOP is a broken symbolic link"),
+    ("alibi-hydra-train", ["--config-dir", "DIR", "--config-name", "wikitext103_alibi_L51"],
+     "did you mean wikitext103_alibi_L512"),
+    ("alibi-hydra-train", ["--config-dir", "FILE", "--config-name", "x"], "--config-dir FILE is a file"),
+]
+
+
+@pytest.mark.parametrize("script,extra,expected", BATCH_CASES, ids=[f"{c[0]} {c[1][0]}" for c in BATCH_CASES])
+def test_values_that_cannot_work_are_refused(script, extra, expected, alibi_checkpoint, lm_data_bin, tmp_path):
+    from conftest import EXAMPLES, train_args
+
+    (tmp_path / "FILE").write_text("")
+    (tmp_path / "LOOP").symlink_to("LOOP")
+    extra = [str(EXAMPLES / "language_model" / "config") if a == "DIR" else a for a in extra]
+    args = {"alibi-eval-lm": [lm_data_bin, "--path", alibi_checkpoint, "--gen-subset", "valid", "--cpu"],
+            "alibi-train": train_args(lm_data_bin, tmp_path / "ckpt", max_update=1),
+            "alibi-sweep": [lm_data_bin, "--cpu", "--no-progress"], "alibi-hydra-train": []}[script]
+    if "--max-tokens" in extra and "--batch-size" in args:
+        del args[args.index("--batch-size"):args.index("--batch-size") + 2]
+    result = run_cli([tool(script), *args, *extra], expect_ok=False, cwd=tmp_path)
+    assert_one_error(result, expected)
+    assert not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
+
+
+# ------------------------------------------------------------ the Python API alike
+def test_python_api_refuses_alike(tmp_path, monkeypatch):
+    """A full disk while fairseq saves a checkpoint: one error, no retries, no
+    half-written .tmp; an HF directory without config.json; a fork conversion
+    with an impossible training length."""
+    import errno
+
+    from fairseq import checkpoint_utils
+
+    from fairseq_alibi import fork, hf
+
+    def full(obj, f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    target = tmp_path / "checkpoint_last.pt"
+    with pytest.raises(errors.UserError, match="cannot write .*checkpoint_last.pt: No space left on device"):
+        checkpoint_utils.torch_persistent_save({"x": 1}, str(target))
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(errors.HFLoadError, match="holds no config.json"):
+        hf.load_hf_model(str(tmp_path / "empty"))
+    with pytest.raises(errors.CheckpointError, match="--train-length -1 is not valid"):
+        fork.convert_fork_state({"model": {}}, train_length=-1)
+
+
+HUB_PATH_CASES = [
+    # fairseq answered a TypeError about None, or unpacked a text file as an archive (CompressionError)
+    ("missing", "CK", "DATA", "model directory .*missing not found"),
+    ("CKDIR", "nope.pt", "DATA", "checkpoint file not found: .*nope.pt"),
+    ("CKDIR", "CK", "missing", "data directory .*missing not found"),
+    ("CKDIR", "CK", "FILE", "data directory .*notes.txt is a file, not a directory"),
+]
+
+
+@pytest.mark.parametrize("model_dir,checkpoint,data,expected", HUB_PATH_CASES)
+def test_hub_paths_are_named(model_dir, checkpoint, data, expected, alibi_checkpoint, lm_data_bin, tmp_path):
+    from fairseq_alibi.models.transformer_lm import AlibiTransformerLanguageModel
+
+    (tmp_path / "notes.txt").write_text("not a data directory\n")
+    named = {"CKDIR": str(alibi_checkpoint.parent), "CK": alibi_checkpoint.name, "DATA": str(lm_data_bin),
+             "FILE": str(tmp_path / "notes.txt"), "missing": str(tmp_path / "missing")}
+    with pytest.raises(errors.UserError, match=expected):
+        AlibiTransformerLanguageModel.from_pretrained(named.get(model_dir, model_dir), named.get(checkpoint, checkpoint),
+                                                      data_name_or_path=named.get(data, data))

@@ -100,10 +100,20 @@ class FairseqBackend:
             raise EvaluationError("give the models' data directory (the fairseq-preprocess output with their "
                                   "dict.txt), or --hf MODEL")
         self.data, self.subset, self.cpu = args.data, subset, args.cpu
+        self._text_tokens: Optional[int] = None
         check_data(self.data, subset)
         names = ["dict.txt"] + ([f"{subset}.bin", f"{subset}.idx"] if subset else [])
         self.data_identity = ";".join([os.path.abspath(self.data)] + [
             f"{n}={file_identity(os.path.join(self.data, n))}" for n in names])
+
+    def text_tokens(self, described: Described) -> int:
+        """Tokens of the evaluated split: the longest window it can fill."""
+        if self._text_tokens is None:
+            from fairseq.data import data_utils
+
+            dataset = data_utils.load_indexed_dataset(os.path.join(self.data, self.subset), None)
+            self._text_tokens = int(dataset.sizes.sum())
+        return self._text_tokens
 
     def specs(self, args) -> List[Tuple[str, str]]:
         """``[NAME=]PATH`` of existing files (a bare path is named after its directory)."""
@@ -283,9 +293,12 @@ def scored_windows(model, use_cuda: bool, cfg, task, dataset, context: int, skip
 def check_data(data: str, subset: Optional[str] = None) -> None:
     """A fairseq-preprocess output directory (with ``subset``'s files, if given)."""
     if not os.path.isdir(data):
+        if os.path.exists(data):
+            raise EvaluationError(f"{data} is a file, not a data directory: give the fairseq-preprocess output "
+                                  "directory (with dict.txt)")
         raise EvaluationError(f"data directory not found: {data}")
     if not os.path.isfile(os.path.join(data, "dict.txt")):
-        raise EvaluationError(f"no dict.txt in {data}: not a fairseq-preprocess output directory")
+        raise EvaluationError(f"no dict.txt file in {data}: not a fairseq-preprocess output directory")
     if subset is None:
         return
     if not all(os.path.isfile(os.path.join(data, f"{subset}.{ext}")) for ext in ("bin", "idx")):

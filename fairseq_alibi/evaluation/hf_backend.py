@@ -95,6 +95,10 @@ class HFBackend:
                          f"{model_identity(spec)}|L={self.train_length}")
         return Described(info, HFEncoder(tokenizer))
 
+    def text_tokens(self, described: Described) -> int:
+        """Tokens of the text after its first (which no window scores): the longest window."""
+        return len(described.encoder.encode(self.text)) - 1
+
     def load(self, described: Described, max_length: int) -> "HFModel":
         from .. import hf
 

@@ -19,7 +19,8 @@ The grid is checkpoints x methods x evaluation modes x lengths:
   tokens of context).  Sliding with stride S at length L is exactly
   ``fairseq-eval-lm --tokens-per-sample L --context-window (L - S)``;
 * **lengths**: absolute (``64,128``) or relative to each checkpoint's training
-  length (``1x,2x,16x``).
+  length (``1x,2x,16x``), at most the evaluated text's token count (a longer
+  window would be the whole text under a longer length's name: refused).
 
 This module is the *measure* (what a cell is, how to run and report it); the
 grid, resuming and loading are the runner's (``runner.py``), the models the
@@ -95,17 +96,8 @@ class Perplexity:
         """Every (mode, length) of one model, validated before anything runs."""
         info = described.info
         lengths = resolve_lengths(self.lengths, info.train_length, info.name)
-        if "sliding" in self.modes and self.stride >= min(lengths):
-            raise EvaluationError(
-                f"--stride {self.stride} is not below every evaluation length of {info.name} "
-                f"(shortest: {min(lengths)}); a sliding window scores its last STRIDE tokens, "
-                "so choose a stride smaller than the shortest length"
-            )
-        if self.max_tokens is not None and self.max_tokens < max(lengths):
-            raise EvaluationError(
-                f"--max-tokens {self.max_tokens} is smaller than the longest evaluation length "
-                f"{max(lengths)} of {info.name}: one window must fit in a batch; raise --max-tokens"
-            )
+        check_lengths(info.name, lengths, self.stride if "sliding" in self.modes else None, self.max_tokens,
+                      self.backend.text_tokens(described), self.subset)
         max_tokens = None if self.hf else self.max_tokens or 4 * max(lengths)
         return [Cell((mode, length, length if mode == "nonoverlapping" else self.stride, self.subset),
                      (mode, length, length if mode == "nonoverlapping" else self.stride, max_tokens),
@@ -161,6 +153,25 @@ class Perplexity:
         if any(c.get("per_position") for c in cells):
             report.write_per_position_csv(os.path.join(outdir, "per_position.csv"), cells)
             report.plot_per_position(os.path.join(outdir, "per_position.png"), cells, method_rank(methods))
+
+
+def check_lengths(name: str, lengths: List[int], stride: Optional[int], max_tokens: Optional[int], available: int,
+                  text: str) -> None:
+    """A model's evaluation lengths (sorted), before anything runs: above the
+    sliding stride, within one batch, within the evaluated text."""
+    if stride is not None and stride >= min(lengths):
+        raise EvaluationError(
+            f"--stride {stride} is not below every evaluation length of {name} (shortest: {min(lengths)}); a "
+            "sliding window scores its last STRIDE tokens, so choose a stride smaller than the shortest length"
+        )
+    runner.check_max_tokens(max_tokens, max(lengths), f"the longest evaluation length of {name}", "one window")
+    if max(lengths) > available:
+        raise EvaluationError(
+            f"{name}: evaluation length(s) {', '.join(str(n) for n in lengths if n > available)} exceed the "
+            f"{available} tokens of the evaluated text ({text}): a window cannot be longer than the text, so the "
+            f"cell would be a shorter one under that length's name; give lengths up to {available}, or evaluate "
+            "a longer split"
+        )
 
 
 def score_tokens(scored, length: int, per_position: bool, where: str) -> dict:

@@ -130,6 +130,32 @@ def pick_in_bin(count: int, depth_bin: int, n_bins: int, rng: random.Random) -> 
     return min(range(count), key=lambda i: abs(i / (count - 1) - centre))
 
 
+def template_fields(task: str, defaults: Dict[str, str], given: Dict[str, str], placeholders: Dict[str, tuple]):
+    """The task's template texts with ``given`` ones replacing them, checked: known
+    fields only, each holding exactly its placeholders, each a word of its own.
+    An unknown placeholder would fail while building, a missing one (the pass
+    key's {number}, a record's {key}) would ask a question the prompt cannot
+    answer, a glued one (``{key}:``) would be dropped."""
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise PromptError(f"unknown template field(s) {', '.join(unknown)} for task {task}: "
+                          f"the fields are {', '.join(defaults)}")
+    fields = dict(defaults, **given)
+    for name, text in fields.items():
+        required = placeholders.get(name, ())
+        holes = re.findall(r"\{(\w*)\}", text)
+        bad = sorted({h for h in holes if h not in required})
+        missing = [p for p in required if p not in holes]
+        glued = [w for w in text.split() if ("{" in w or "}" in w) and not re.fullmatch(r"\{\w+\}", w)]
+        if bad or missing or glued:
+            what = (f"unknown placeholder(s) {', '.join('{' + h + '}' for h in bad)}" if bad else
+                    f"no {', '.join('{' + p + '}' for p in missing)} (without it the prompt cannot be answered)"
+                    if missing else f"{glued[0]!r}: a placeholder must be a word of its own (spaces around it)")
+            takes = ", ".join("{" + p + "}" for p in required) or "no placeholder"
+            raise PromptError(f"template {name} of task {task}: {what}; {name} takes {takes}: {text!r}")
+    return fields
+
+
 class BuiltinTask:
     """A built-in task: its template checked against a vocabulary once, then
     built to any length.  Subclasses set ``name`` and ``template`` and write
@@ -139,18 +165,12 @@ class BuiltinTask:
     name = ""
     template: Dict[str, str] = {}
     free_text = ()  # template fields that are not spelled against the vocabulary
+    placeholders: Dict[str, tuple] = {}  # the placeholders each field must hold (others hold none)
 
     def __init__(self, vocab: Vocabulary, *, digits: Optional[int] = None, number_format: str = "spaced",
                  template: Optional[Dict[str, str]] = None, seed: int = 0, **options):
         self.vocab = vocab
-        self.fields = dict(self.template)
-        unknown = sorted(set(template or {}) - set(self.fields))
-        if unknown:
-            raise PromptError(
-                f"unknown template field(s) {', '.join(unknown)} for task {self.name}: "
-                f"the fields are {', '.join(self.fields)}"
-            )
-        self.fields.update(template or {})
+        self.fields = template_fields(self.name, self.template, template or {}, self.placeholders)
         self.digits = 5 if digits is None else digits
         if isinstance(self.digits, bool) or not isinstance(self.digits, int) or self.digits < 1:
             raise PromptError(f"--digits {digits!r} is not valid: a number has at least 1 digit")
@@ -243,6 +263,7 @@ class Passkey(BuiltinTask):
         "question": "What is the pass key ? The pass key is",
     }
     free_text = ("filler",)
+    placeholders = {"needle": ("number",)}
 
     def prepare(self, spell: Speller, rng: random.Random, filler: str = "template") -> None:
         self.filler_option = filler
@@ -310,15 +331,28 @@ class Lines(BuiltinTask):
         "question": "now the record is over . tell me the REGISTER_CONTENT in line {key} . "
         "line {key} : REGISTER_CONTENT is",
     }
+    placeholders = {"line": ("key", "number"), "question": ("key",)}
 
     def prepare(self, spell: Speller, rng: random.Random, keys: Optional[Sequence[str]] = None) -> None:
-        if keys:
-            self.keys = [w for w in (spell(k)[0] for k in keys if k.strip())]
+        if keys is not None:
+            self.keys = [self._key(spell, k) for k in keys]
+            repeated = sorted({k for k in self.keys if self.keys.count(k) > 1})
+            if repeated or not self.keys:
+                raise PromptError(f"--keys repeats {', '.join(repeated)}: two records with one key would make the "
+                                  "question ambiguous; give distinct keys" if repeated else
+                                  "--keys names no key: give --keys W1,W2,... (or leave it out for dictionary words)")
         else:
             used = {w for ws in self.words.values() for w in ws} | set(DIGITS)
             self.keys = self.vocab.content_words(exclude=used)
         if not self.vocab.open and not self.keys:
             raise PromptError("no dictionary words left to use as line keys: give --keys W1,W2,...")
+
+    @staticmethod
+    def _key(spell: Speller, key: str) -> str:
+        words = spell(key)
+        if len(words) != 1:
+            raise PromptError(f"--keys item {key!r} is not one word: a line key is one word of the dictionary")
+        return words[0]
 
     def record(self, key: str, number: List[str]) -> List[str]:
         """One record line: ``line KEY : REGISTER_CONTENT is N .``."""

@@ -183,6 +183,13 @@ def score(model, samples: Sequence[Sample], max_tokens: int) -> List[Tuple[bool,
     return results  # type: ignore[return-value]
 
 
+def batch_tokens(max_tokens: Optional[int], grouped: Dict[tuple, List[Sample]], name: str) -> int:
+    """Tokens per forward batch: ``--max-tokens`` (at least the longest prompt), or 4 x the longest."""
+    longest = max(s.length for v in grouped.values() for s in v)
+    runner.check_max_tokens(max_tokens, longest, f"the longest prompt of {name}", "one prompt")
+    return max_tokens or max(4 * longest, 4096)
+
+
 class Retrieval:
     """The measure of ``alibi-retrieval``: one cell is (task, group, length, depth)
     of one model under one method, scored on its samples."""
@@ -219,8 +226,7 @@ class Retrieval:
                 grouped.setdefault((s.group, s.length, None), []).append(s)
         else:
             grouped = builtin_cells(self.args, self.lengths, described)
-        longest = max(s.length for v in grouped.values() for s in v)
-        max_tokens = self.args.max_tokens or max(4 * longest, 4096)
+        max_tokens = batch_tokens(self.args.max_tokens, grouped, described.info.name)
         return [Cell((self.task_name,) + key, (samples, max_tokens),
                      f"L={key[1]}" + (f" depth={key[2]:.2f}" if key[2] is not None else "") +
                      (f" group={key[0]}" if key[0] else ""))
@@ -291,6 +297,9 @@ def _template(items: Sequence[str]) -> Dict[str, str]:
         name, sep, text = item.partition("=")
         if not sep or not name.strip():
             raise EvaluationError(f"bad --template {item!r}: use FIELD=TEXT, e.g. --template 'question=where is it ?'")
+        if name.strip() in out:
+            raise EvaluationError(f"--template {name.strip()} is given twice ({out[name.strip()]!r}, {text!r}): "
+                                  "give each field once")
         out[name.strip()] = text
     return out
 
@@ -304,8 +313,8 @@ def builtin_defaults(args) -> None:
 
 def build_task(args, vocab: P.Vocabulary) -> P.BuiltinTask:
     builtin_defaults(args)
-    keys = [k for k in args.keys.split(",") if k.strip()] if args.keys else None
-    if args.task == "passkey" and keys:
+    keys = [k for k in args.keys.split(",") if k.strip()] if args.keys is not None else None
+    if args.task == "passkey" and keys is not None:
         raise EvaluationError("--keys applies to the lines task (its line keys); passkey has none")
     if args.task == "lines" and args.filler != "template":
         raise EvaluationError("--filler applies to the passkey task; lines prompts are made of records")

@@ -29,11 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ..alibi import Scaling, ScalingError
-from ..errors import EvaluationError, checkpoint_files, report_errors
+from ..errors import EvaluationError, no_space, not_a_file, report_errors
 
 logger = logging.getLogger("fairseq_alibi.evaluation")
 
 DEFAULT_METHODS = "none,linear:2,linear,ntk:2,ntk"
+MAX_LENGTH = 2**31 - 1  # fairseq's block code counts tokens in int32 (models.config.INTEGER_OPTIONS)
 
 
 # ------------------------------------------------------------------ the axes
@@ -84,6 +85,8 @@ def parse_lengths(spec: str) -> List[Tuple[str, float]]:
             ) from None
         if not value > 0 or value != value or value == float("inf"):
             raise EvaluationError(f"bad length {item!r}: must be a positive number")
+        if kind == "abs" and value > MAX_LENGTH:
+            raise EvaluationError(f"bad length {item!r}: at most {MAX_LENGTH} tokens (fairseq counts in int32)")
         out.append((kind, value))
     if not out:
         raise EvaluationError("no lengths given")
@@ -100,14 +103,23 @@ def resolve_lengths(lengths: Sequence[Tuple[str, float]], train_length: Optional
                     f"{name + ': ' if name else ''}relative lengths (Nx) need the model's training length, which "
                     "it does not record; give absolute lengths (or --train-length for --hf models)"
                 )
-            length = int(round(value * train_length))
-            if length < 1:
-                raise EvaluationError(f"length {value:g}x of {train_length} tokens is below one token")
+            scaled = value * train_length
+            if not 1 <= round(min(scaled, MAX_LENGTH + 1)) <= MAX_LENGTH:
+                raise EvaluationError(f"length {value:g}x of {train_length} tokens is {scaled:g} tokens: "
+                                      f"not between 1 and {MAX_LENGTH}")
+            length = int(round(scaled))
         else:
             length = int(value)
         if length not in out:
             out.append(length)
     return sorted(out)
+
+
+def check_max_tokens(max_tokens: Optional[int], longest: int, what: str, unit: str) -> None:
+    """``--max-tokens`` holds one ``unit`` (a window, a prompt) of ``longest`` tokens."""
+    if max_tokens is not None and max_tokens < longest:
+        raise EvaluationError(f"--max-tokens {max_tokens} is smaller than {what} ({longest} tokens): {unit} must "
+                              "fit in a batch; raise --max-tokens")
 
 
 def parse_named(specs: Sequence[str], default_name: Callable[[str], str], what: str) -> List[Tuple[str, str]]:
@@ -193,6 +205,8 @@ def atomic_write(path: str, text: str) -> None:
         with open(tmp, "w", encoding="utf-8", newline="") as f:
             f.write(text)
         os.replace(tmp, path)
+    except OSError as exc:
+        raise EvaluationError(f"cannot write {path}: {no_space(exc) or exc.strerror or exc}") from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -450,7 +464,5 @@ def method_rank(methods: Iterable[Scaling]) -> Callable[[dict], int]:
 
 def check_checkpoint_paths(pairs: Sequence[Tuple[str, str]]) -> None:
     for _, path in pairs:
-        if os.path.isdir(path):
-            raise EvaluationError(checkpoint_files(path))
         if not os.path.isfile(path):
-            raise EvaluationError(f"checkpoint not found: {path}")
+            raise EvaluationError(not_a_file(path, "checkpoint"))

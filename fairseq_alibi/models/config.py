@@ -3,14 +3,17 @@
 ``AlibiConfig`` declares the fields every stack shares; ``AlibiEncoderConfig``
 adds the encoders' own.  :func:`scaling_from_config` turns the fields into the
 one scaling spec (``alibi.Scaling``), re-wording its errors with the config
-keys, and :func:`check_override_keys` warns about ``alibi*`` keys no config has.
+keys, and :func:`check_override_keys` checks model overrides (hub keywords):
+``alibi*`` values by declared type, fairseq's integer options by range
+(:data:`INTEGER_OPTIONS`, the table the console scripts check their flags
+with), and a key that would change nothing is warned about.
 No ``from __future__ import annotations`` here: fairseq reads the field types
 to build its argparse options.
 """
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 from fairseq.dataclass import FairseqDataclass
 
@@ -98,35 +101,120 @@ _FIELD_CHOICES = {"alibi_interpolation": METHODS, "alibi_attention": KERNEL_NAME
                   "alibi_bidirectional": BIDIRECTIONAL_MODES}
 
 
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+#: fairseq's integer options that fairseq itself never range-checks, and the
+#: values each takes: checked as ``alibi-*`` flags (``--tokens-per-sample``) and
+#: as model overrides / hub keywords (``tokens_per_sample``).  0 tokens per
+#: sample is a ZeroDivisionError; fairseq's block and batch code counts in C
+#: ints (int32 lengths) and overflows beyond; numpy takes seeds below 2**32.
+INTEGER_OPTIONS = {
+    "tokens_per_sample": (1, INT32_MAX), "max_target_positions": (1, INT32_MAX), "context_window": (0, INT32_MAX),
+    "seed": (0, 2**32 - 1), "max_tokens": (1, INT64_MAX), "batch_size": (1, INT64_MAX),
+    "max_tokens_valid": (1, INT64_MAX), "batch_size_valid": (1, INT64_MAX),
+    "required_batch_size_multiple": (1, INT64_MAX), "num_workers": (0, INT64_MAX), "softmax_batch": (0, INT64_MAX),
+    "beam": (1, INT64_MAX), "nbest": (1, INT64_MAX), "max_len_b": (0, INT64_MAX), "update_freq": (1, INT64_MAX),
+    "log_interval": (1, INT64_MAX), "workers": (1, INT64_MAX), "decoder_layers": (1, INT64_MAX),
+    "decoder_embed_dim": (1, INT64_MAX), "decoder_ffn_embed_dim": (1, INT64_MAX),
+    "decoder_attention_heads": (1, INT64_MAX), "encoder_layers": (1, INT64_MAX), "encoder_embed_dim": (1, INT64_MAX),
+    "encoder_ffn_embed_dim": (1, INT64_MAX), "encoder_attention_heads": (1, INT64_MAX),
+}
+#: Of those, the ones fairseq leaves unset (None) by default.
+OPTIONAL_OPTIONS = ("max_tokens", "batch_size", "max_tokens_valid", "batch_size_valid")
+#: Keys fairseq's hub interface adds to the overrides itself (its files, its options).
+HUB_KEYS = ("data", "bpe_codes", "sentencepiece_model", "bpe_merges", "bpe_vocab", "user_dir", "generation_args",
+            "is_vocoder")
+
+
+def integer_problem(key: str, value) -> Optional[str]:
+    """``"takes ..."`` if ``value`` is not one of the integers option ``key`` takes, else None."""
+    least, most = INTEGER_OPTIONS[key]
+    if value is None and key in OPTIONAL_OPTIONS:
+        return None
+    if not isinstance(value, bool) and isinstance(value, int) and least <= value <= most:
+        return None
+    allowed = "takes a positive integer" if least == 1 else f"takes an integer >= {least}"
+    return allowed if most == INT64_MAX else f"{allowed} (at most {most})"
+
+
+def _override_value_problem(key: str, value) -> Optional[str]:
+    """What is wrong with one override's value (None: nothing known to be)."""
+    if key in INTEGER_OPTIONS:
+        return integer_problem(key, value)
+    if key not in _FIELD_TYPES:
+        return None
+    types, name = _FIELD_TYPES[key]
+    choices = _FIELD_CHOICES.get(key)
+    if isinstance(value, bool) or not isinstance(value, types) or (choices and value not in choices):
+        return "takes " + (f"one of {', '.join(map(repr, choices))}" if choices else name)
+    return None
+
+
+def _config_keys(node) -> Iterator[str]:
+    """Every key of a (nested) config, sections included; ``"*"`` for a
+    Namespace section (fairseq sets any key on it)."""
+    from argparse import Namespace
+
+    from omegaconf import DictConfig
+
+    if isinstance(node, Namespace):
+        yield "*"
+    elif isinstance(node, (DictConfig, dict)):
+        for key in node.keys():
+            yield key
+            yield from _config_keys(node.get(key) if isinstance(node, dict) else node._get_node(key))
+
+
+def _warn_ineffective(overrides: dict, cfg) -> None:
+    """Warn about keys that would change nothing: ALiBi keys for a model without
+    ALiBi, and keys the checkpoint's config has nowhere (fairseq drops them)."""
+    model = getattr(cfg, "model", None)
+    if model is None:
+        return
+    name = getattr(model, "_name", None) or "unknown"
+    known = set(_config_keys(cfg))
+    if "alibi_interpolation" not in model:
+        given = sorted(k for k in overrides if isinstance(k, str) and k in ALIBI_FIELDS)
+        if given:
+            warn_once(f"model overrides {', '.join(given)} have no effect: the checkpoint's model "
+                      f"({name}) has no ALiBi; it is evaluated as trained")
+        known.update(ALIBI_FIELDS)
+    if "*" in known:  # a Namespace section takes any key
+        return
+    for key in overrides:
+        if key in known or key in HUB_KEYS or (isinstance(key, str) and key.startswith("alibi")
+                                               and key not in ALIBI_FIELDS):
+            continue  # an alibi* typo was warned about with the ALiBi fields
+        if key in ALIBI_FIELDS:
+            hint = " (an option of the ALiBi encoders, roberta_alibi and transformer_alibi)"
+        else:
+            hint = closest(key, [k for k in known if isinstance(k, str)]) if isinstance(key, str) else ""
+        warn_once(f"ignored model override {key!r}: the checkpoint's config ({name}) has no such option, "
+                  f"so it would change nothing{hint}")
+
+
 def check_override_keys(overrides, cfg=None) -> None:
-    """Check ``alibi*`` overrides before they reach a model: a key no model has is
-    warned about (a typo would change nothing, silently), a value of the wrong
-    type is a ``ConfigError`` naming the key (ranges are checked where the
-    model is built), and keys given to a model without ALiBi (``cfg``: the
-    checkpoint's config, when known) are warned about as having no effect."""
+    """Check model overrides before they reach a model: an ``alibi*`` key no
+    model has is warned about (a typo would change nothing, silently); a value
+    of the wrong type (``alibi*``) or out of range (:data:`INTEGER_OPTIONS`) is
+    a ``ConfigError`` naming the key (ALiBi ranges are checked where the model
+    is built); with ``cfg``, the checkpoint's whole config, a key it has
+    nowhere (fairseq would drop it) and ALiBi keys given to a model without
+    ALiBi are warned about as having no effect."""
     if overrides is None:
         return
     if not isinstance(overrides, dict):
         raise ConfigError(f"model overrides must be a dict such as {{'alibi_interpolation': 'ntk'}}, "
                           f"got {type(overrides).__name__}: {overrides!r}")
     for key, value in overrides.items():
-        if not (isinstance(key, str) and key.startswith("alibi")):
-            continue
-        if key not in ALIBI_FIELDS:
+        if isinstance(key, str) and key.startswith("alibi") and key not in ALIBI_FIELDS:
             warn_once(
                 f"ignored model override {key!r}: no such ALiBi field{closest(key, ALIBI_FIELDS)} "
                 f"(valid: {', '.join(ALIBI_FIELDS)})"
             )
             continue
-        types, name = _FIELD_TYPES[key]
-        choices = _FIELD_CHOICES.get(key)
-        if isinstance(value, bool) or not isinstance(value, types) or (choices and value not in choices):
-            allowed = f"one of {', '.join(map(repr, choices))}" if choices else name
-            raise ConfigError(f"model override {key!r}: {value!r} is not valid; {key} takes {allowed} "
-                              f"(alibi-eval-lm --help lists the keys)")
-    model = getattr(cfg, "model", None) if cfg is not None else None
-    if model is not None and "alibi_interpolation" not in model:
-        given = sorted(k for k in overrides if isinstance(k, str) and k in ALIBI_FIELDS)
-        if given:
-            warn_once(f"model overrides {', '.join(given)} have no effect: the checkpoint's model "
-                      f"({getattr(model, '_name', None) or 'unknown'}) has no ALiBi; it is evaluated as trained")
+        problem = _override_value_problem(key, value) if isinstance(key, str) else None
+        if problem:
+            where = " (alibi-eval-lm --help lists the keys)" if key in ALIBI_FIELDS else ""
+            raise ConfigError(f"model override {key!r}: {value!r} is not valid; {key} {problem}{where}")
+    if cfg is not None:
+        _warn_ineffective(overrides, cfg)
