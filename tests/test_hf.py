@@ -711,12 +711,21 @@ def reference_nonoverlapping_loss(model, ids, length) -> float:
 def test_sweep_hf_model_on_a_text_file(saved_mpt, monkeypatch):
     from fairseq_alibi.evaluation import perplexity
 
+    from fairseq_alibi.evaluation import hf_backend
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = saved_mpt / "out"
     argv = [str(saved_mpt / "text.txt"), "--hf", f"mpt={saved_mpt / 'mpt'}", "--lengths", "1x,2x",
             "--methods", "none,linear:2,ntk", "--modes", "nonoverlapping,sliding", "--stride", "4",
             "--output-dir", str(out), "--cpu", "--no-progress"]
+    encoded, encode = [], hf_backend.HFEncoder.encode
+    monkeypatch.setattr(hf_backend.HFEncoder, "encode",
+                        lambda self, text, where="": encoded.append(len(text)) or encode(self, text, where))
     assert perplexity.main(argv) == 0
+    text_length = len((saved_mpt / "text.txt").read_text())
+    assert encoded.count(text_length) == 1  # the plan (lengths against the text) and the cells share one encoding
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cells = json.loads((out / "results.json").read_text())["cells"]
     assert len(cells) == 3 * 2 * 2 and (out / "perplexity.png").exists()
     model, tokenizer = hf.load_hf_model(str(saved_mpt / "mpt"))

@@ -40,6 +40,13 @@ class HFEncoder:
         self.tokenizer = tokenizer
         bos = tokenizer.bos_token_id
         self.prefix = [bos] if bos is not None else []  # as fairseq prepends its eos
+        self._text: Optional[Tuple[str, List[int]]] = None
+
+    def encode_text(self, text: str) -> List[int]:
+        """The perplexity text's ids, encoded once: the plan counts them, the cells score them."""
+        if self._text is None or self._text[0] is not text:
+            self._text = (text, self.encode(text))
+        return self._text[1]
 
     def vocabulary(self) -> Vocabulary:
         return Vocabulary(None)
@@ -97,7 +104,7 @@ class HFBackend:
 
     def text_tokens(self, described: Described) -> int:
         """Tokens of the text after its first (which no window scores): the longest window."""
-        return len(described.encoder.encode(self.text)) - 1
+        return len(described.encoder.encode_text(self.text)) - 1
 
     def load(self, described: Described, max_length: int) -> "HFModel":
         from .. import hf
@@ -185,7 +192,7 @@ class HFModel:
         if self.tokens is None:
             import torch
 
-            self.tokens = torch.tensor(self.encoder.encode(self.text), dtype=torch.long)
+            self.tokens = torch.tensor(self.encoder.encode_text(self.text), dtype=torch.long)
         if self.tokens.numel() < 2:
             raise EvaluationError(f"{self.info.name}: the text has fewer than 2 tokens")
         return self.tokens.numel() - 1, self._scored(length, stride)
