@@ -186,6 +186,7 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, tmp_path, capsys
     fails([lm_data_bin, "-c", alibi_checkpoint, "--stride", 8, *base], "--stride 8 applies to --modes sliding")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--train-length", 32, *base], "apply to --hf models only")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--modes", "sliding", *base], "needs --stride")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--modes", "sliding", "--stride", -3, *base], "--stride -3 is not valid")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--modes", "overlapping", *base], "unknown mode")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--lengths", "abc", *base], "bad length 'abc'")
     fails([lm_data_bin, *base], "no checkpoints given")

@@ -229,8 +229,10 @@ def parse_modes(args) -> List[str]:
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise EvaluationError(f"unknown mode(s) {', '.join(bad or modes)}: choose from {', '.join(MODES)}")
-    if "sliding" in modes and (args.stride is None or args.stride < 1):
+    if "sliding" in modes and args.stride is None:
         raise EvaluationError("--modes sliding needs --stride N (N >= 1 tokens scored per window)")
+    if args.stride is not None and args.stride < 1:
+        raise EvaluationError(f"--stride {args.stride} is not valid: a positive number of tokens scored per window")
     if "sliding" not in modes and args.stride is not None:
         raise EvaluationError(f"--stride {args.stride} applies to --modes sliding only; add sliding to --modes")
     return modes
