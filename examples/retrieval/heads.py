@@ -21,6 +21,7 @@ import random
 import torch
 
 
+@torch.no_grad()  # analysis only: no autograd graph for the hand-computed scores
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data")
@@ -71,8 +72,7 @@ def main(argv=None) -> int:
                 ids = [d.eos()] + [d.index(w) for w in prompt.prompt] + [d.index(w) for w in prompt.answer[:-1]]
                 tokens = torch.tensor([ids])
                 slopes = bias.slopes(len(ids))  # a forward over len(ids) keys (dynamic methods depend on it)
-                with torch.no_grad():
-                    logits, _ = model(tokens)
+                logits, _ = model(tokens)
                 answer = torch.tensor([d.index(w) for w in prompt.answer])
                 pos = len(prompt.prompt)
                 hits = logits[0, pos:pos + len(answer)].argmax(-1) == answer
