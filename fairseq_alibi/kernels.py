@@ -30,6 +30,7 @@ depends on the call (``auto``, attention weights wanted).
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -148,14 +149,33 @@ def _flex_function(device: torch.device) -> Callable:
     """Compiled FlexAttention on CUDA (fused, nothing T x T); elsewhere the eager
     implementation, which materializes the scores and exists only so that the
     score_mod can be checked against the reference without a GPU."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     if device.type != "cuda":
-        return flex_attention
+        return _eager_flex
     global _compiled_flex
     if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
         _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
+
+
+_eager_flex_warned = False
+
+
+def _eager_flex(*args, **kwargs):
+    """FlexAttention's eager implementation, with one warning of ours instead of
+    torch's (whose "may produce incorrect results" concerns debugging score_mods)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _eager_flex_warned
+    if not _eager_flex_warned:
+        _eager_flex_warned = True
+        warnings.warn(f"alibi_attention=flex on {args[0].device.type}: FlexAttention is compiled on CUDA only; here its "
+                      "eager implementation runs (exact, but it materializes the T x T scores); auto picks sdpa "
+                      "or chunked off CUDA", stacklevel=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
 
 
 def score_mod(bias: AlibiBias, q_len: int, k_len: int, device, key_padding_mask: Optional[Tensor] = None):

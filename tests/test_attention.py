@@ -162,6 +162,25 @@ def test_flex_score_mod_matches_reference_eager_cpu(mode, padded):
     assert_close(real_rows(out, pad), real_rows(ref, pad), torch.float32)
 
 
+def test_explicit_flex_off_cuda_warns_once_in_its_own_words(monkeypatch):
+    """flex on CPU runs the eager implementation: one warning of ours per process
+    (naming the kernels to use), not torch's debugging note on every call."""
+    if not K.flex_available():
+        pytest.skip("no FlexAttention in this torch")
+    import warnings
+
+    monkeypatch.setattr(K, "_eager_flex_warned", False)
+    x = torch.randn(40, 2, 32)
+    attention = make_attention("flex")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            run(attention, x, None)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert "alibi_attention=flex on cpu" in messages[0] and "auto picks sdpa or chunked" in messages[0]
+
+
 @pytest.mark.parametrize("length", [1, 127, 128, 300])
 def test_flex_causal_block_mask_is_causal(length):
     if not K.flex_available():
