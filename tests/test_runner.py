@@ -149,6 +149,11 @@ def test_a_damaged_or_foreign_results_file_is_named(tmp_path):
     (tmp_path / "results.json").write_text("{not json")
     with pytest.raises(EvaluationError, match="delete it to start over"):
         toy_run(tmp_path, ["a=1"])
+    for foreign in ('{"x": 1}', "[1, 2]", '{"cells": 3}'):  # valid JSON of someone else's: kept, never overwritten
+        (tmp_path / "results.json").write_text(foreign)
+        with pytest.raises(EvaluationError, match="cannot read previous results"):
+            toy_run(tmp_path, ["a=1"])
+        assert (tmp_path / "results.json").read_text() == foreign
 
 
 @pytest.mark.parametrize("spec,message", [

@@ -227,7 +227,10 @@ class ResultStore:
         if os.path.isfile(self.path):
             try:
                 with open(self.path, encoding="utf-8") as f:
-                    self.stored = list(json.load(f).get("cells", []))
+                    data = json.load(f)
+                if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
+                    raise ValueError("not a results file of alibi-sweep or alibi-retrieval (no 'cells' list)")
+                self.stored = data["cells"]
                 for cell in self.stored:
                     key(cell)
             except (OSError, ValueError, AttributeError, KeyError, TypeError) as exc:
