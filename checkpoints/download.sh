@@ -57,5 +57,5 @@ if [ -z "$CONVERT" ] && [ -x "$HERE/../.venv/bin/alibi-convert-checkpoint" ]; th
 fi
 [ -n "$CONVERT" ] || die "alibi-convert-checkpoint not found: install the plugin (make install) or activate its virtualenv"
 
-"$CONVERT" "$RAW" "$OUT"
+"$CONVERT" "$RAW" "$OUT" --force  # $OUT is ours: derived from $RAW again on a re-run
 echo "download.sh: ready: $OUT"

@@ -175,8 +175,9 @@ def convert_fork_state(state: Dict[str, Any], train_length: Optional[int] = None
     return out
 
 
-def convert(in_path: str, out_path: str, train_length: Optional[int] = None) -> Dict[str, Any]:
-    """Read a fork checkpoint safely, write the converted one atomically; returns its cfg."""
+def convert(in_path: str, out_path: str, train_length: Optional[int] = None, force: bool = False) -> Dict[str, Any]:
+    """Read a fork checkpoint safely, write the converted one atomically (an
+    existing output only with ``force``, never the input); returns its cfg."""
     parent = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(parent):
         raise CheckpointError(f"cannot write {out_path}: directory {os.path.dirname(out_path)} does not exist")
@@ -185,6 +186,8 @@ def convert(in_path: str, out_path: str, train_length: Optional[int] = None) -> 
     if os.path.exists(out_path) and os.path.exists(in_path) and os.path.samefile(in_path, out_path):
         raise CheckpointError(f"the output {out_path} is the input file: converting in place would overwrite "
                               "the original; give another output path")
+    if os.path.lexists(out_path) and not force:
+        raise CheckpointError(f"{out_path} already exists; give a new output path, or pass --force to replace it")
     state = safe_load.load(in_path)
     converted = convert_fork_state(state, train_length)
     tmp = f"{out_path}.tmp{os.getpid()}"
@@ -215,9 +218,10 @@ def main(argv=None) -> int:
         default=None,
         help="training length (tokens_per_sample) if the checkpoint does not record it",
     )
+    parser.add_argument("--force", action="store_true", help="replace an existing output file (never the input)")
     args = parser.parse_args(argv)
     with report_errors():
-        cfg = convert(args.input, args.output, args.train_length)
+        cfg = convert(args.input, args.output, args.train_length, args.force)
         model = cfg["model"]
         sys.stdout.write(
             f"wrote {args.output}: arch {model['_name']}, alibi_train_length "

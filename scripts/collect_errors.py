@@ -109,6 +109,8 @@ def build_fixtures(work):
     os.makedirs(path("configs"))
     open(path("configs/tiny_lm.yaml"), "w").write("# a Hydra config\n")
     open(path("empty.jsonl"), "w").close()
+    os.makedirs(path("foreign_results"))
+    open(path("foreign_results/results.json"), "w").write('{"accuracy": 0.5}\n')
     open(path("no_answer.jsonl"), "w").write('{"prompt": "one the cat sees"}\n')
     open(path("unknown_words.jsonl"), "w").write('{"prompt": "one the zebra sees", "answer": "a tree"}\n')
 
@@ -146,6 +148,7 @@ CASES = [
         ("fork checkpoint whose training length cannot be resolved", [CONVERT, "fork/no_train_length.pt", "out.pt"]),
         ("output directory does not exist", [CONVERT, "fork/alibi_wt103_L32.pt", "nowhere/out.pt"]),
         ("output is the input file", [CONVERT, "fork/alibi_wt103_L32.pt", "fork/alibi_wt103_L32.pt"]),
+        ("output file exists (no `--force`)", [CONVERT, "fork/alibi_wt103_L32.pt", "notes.pt"]),
         ("a `--train-length` that is not positive", [CONVERT, "fork/alibi_wt103_L32.pt", "out.pt", "--train-length", "0"]),
         ("missing argument", [CONVERT, "fork/alibi_wt103_L32.pt"]),
     ]),
@@ -222,6 +225,9 @@ CASES = [
         ("a cap at no distance (`cap:F` takes F > 0)", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--methods", "cap:-1"]),
         ("a length longer than the evaluated split", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--lengths", "1x,64x"]),
         ("a checkpoint that is a broken symbolic link", SWEEP + ["-c", "dangling.pt"]),
+        ("a sliding stride below 1", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--modes", "sliding", "--stride", "0"]),
+        ("an output directory whose results.json another program wrote",
+         ["alibi-sweep", "data", "-c", "alibi/checkpoint_last.pt", "--output-dir", "foreign_results", "--cpu"]),
         ("an output directory that cannot be written", ["alibi-sweep", "data", "-c", "alibi/checkpoint_last.pt",
                                                         "--output-dir", READ_ONLY, "--cpu"]),
     ]),

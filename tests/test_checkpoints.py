@@ -191,6 +191,19 @@ def test_converter_refusals(stock_ckpt, alibi_ckpt, converted_ckpt, tmp_path, ca
     assert not os.path.exists(out)
 
 
+def test_converter_replaces_an_existing_output_only_with_force(fork_ckpt, tmp_path, capsys):
+    out = tmp_path / "checkpoint_best.pt"
+    out.write_bytes(b"someone's model")
+    with pytest.raises(SystemExit) as exit_info:
+        fork.main([fork_ckpt, str(out)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and err.count("\n") == 1
+    assert f"error: {out} already exists" in err and "--force" in err
+    assert out.read_bytes() == b"someone's model"
+    assert fork.main([fork_ckpt, str(out), "--force"]) == 0
+    assert safe_load.load(str(out))["cfg"]["model"]["_name"] == "transformer_lm_wiki103_alibi"
+
+
 def test_other_model_family_is_refused(stock_ckpt):
     state = copy.deepcopy(safe_load.load(stock_ckpt))
     state["cfg"]["model"]["_name"] = "transformer_iwslt_de_en"
@@ -257,3 +270,5 @@ def test_download_script(fork_ckpt, tmp_path):
     converted = torch.load(tmp_path / "dest" / "alibi_wt103_L64.pt", weights_only=True)
     assert converted["cfg"]["model"]["_name"] == "transformer_lm_wiki103_alibi"
     assert (tmp_path / "dest" / "alibi_wt103_L64.fork.pt").exists()
+    again = subprocess.run([script, "64", str(tmp_path / "dest")], capture_output=True, text=True, env=env)
+    assert again.returncode == 0 and "already downloaded" in again.stdout, again.stderr[-2000:]
