@@ -27,7 +27,7 @@ def make_dict_dir(vocab_size: int) -> str:
 
 def build_lm(arch: str, data_dir: str, extra_args=(), tokens_per_sample: int = 512):
     """(task, model, criterion, cfg) for ``arch`` as fairseq-train would build it."""
-    import fairseq_alibi  # noqa: F401  (registers the ALiBi models)
+    import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 

@@ -1,14 +1,10 @@
 """fairseq-alibi: ALiBi models for fairseq, loaded as a plugin.
 
-Importing this package applies the fairseq/torch/NumPy fixes of ``patches.py``
-and registers the models and architectures with fairseq;
-``fairseq-train --user-dir "$(alibi-user-dir)"`` does the same for stock CLIs.
+Importing this package changes nothing and imports neither fairseq nor
+transformers: ``fairseq_alibi.models`` registers the models with fairseq and
+applies the fairseq/torch/NumPy fixes of ``patches.py`` (what
+``fairseq-train --user-dir "$(alibi-user-dir)"`` and the ``alibi-*`` console
+scripts load); ``fairseq_alibi.hf`` serves Hugging Face models without fairseq.
 """
 
 __version__ = "0.1.0"
-
-from . import patches  # noqa: E402
-
-patches.apply()
-
-from . import models  # noqa: F401,E402  (registers with fairseq)

@@ -1,34 +1,68 @@
-"""The ALiBi maths: head slopes, context-extension scaling and bias builders.
+"""The ALiBi maths: head slopes, the scaling spec and the one bias function.
 
 Pure torch, no fairseq import, so that every formula here can be read and
-tested on its own.  Conventions used throughout:
+tested on its own (and travels with every exported Hugging Face model).  The
+module holds the two ideas of this project, each once:
+
+* :class:`Scaling`, how a model extends its context at evaluation (method,
+  its parameters, the training length), validated in ``__post_init__`` only,
+  with its translations to and from every spelling users write: ``--methods``
+  items (:meth:`Scaling.parse`, :attr:`Scaling.spelling`), model config fields
+  and ``--model-overrides`` (:meth:`Scaling.from_config`,
+  :meth:`Scaling.config_values`), the Hugging Face ``alibi_scaling``
+  dictionary (:meth:`Scaling.from_hf`, :meth:`Scaling.to_hf`) and keyword
+  arguments (the constructor, ``hf.apply_alibi_scaling``);
+* :func:`bias`, the one function from query and key positions to the bias:
+  the dense bias, the chunked kernel's ramp, FlexAttention's ``score_mod``,
+  the Hugging Face hooks and the exported model all call it.
+
+A new method is a branch of :meth:`Scaling.distance` (a distance transform),
+of :func:`slope_exponents` (a slope scaling) or of :func:`far_penalty`, plus an
+entry in :data:`METHODS`; every path then has it.
+
+Conventions:
 
 * ``slopes`` is a float32 tensor of shape ``[H]``, one positive slope per head;
 * a bias is *added* to attention scores, so ALiBi's bias is ``-slope * distance``;
 * query ``i`` and key ``j`` are absolute positions; with a KV cache the ``q_len``
   queries are the last ``q_len`` positions of the ``k_len`` keys.
 
-Distances are formed as integers and multiplied by the slope in float32 before
-the single final cast, so the bias for nearby keys (the ones that matter after
-softmax) keeps full relative precision in fp16/bf16 at any length.  The
-reference fork's ``+slope * j`` shortcut does not: at 16K keys fp16 cannot tell
-adjacent values of ``slope * j`` apart.
+Distances are exact integers (held in float32, exact below 2**24 positions),
+multiplied by the slope in float32 before the single final cast, so the bias
+for nearby keys (the ones that matter after softmax) keeps full relative
+precision in fp16/bf16 at any length.  The reference fork's ``+slope * j``
+shortcut does not: at 16K keys fp16 cannot tell adjacent values of ``slope * j``
+apart.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
+from torch import Tensor
 
-#: Context-extension methods: ``linear`` and ``ntk`` scale the slopes, ``cap``
-#: clamps the distance (LM-Infinite), ``none`` leaves both alone.
-METHODS = ("none", "linear", "ntk", "cap")
+#: Context-extension methods (docs/usage.md has the table):
+#: ``linear`` and ``ntk`` scale the slopes; ``cap``, ``log`` and ``capnorm``
+#: transform distances past ``C = factor x train_length``; ``none`` changes nothing.
+METHODS = ("none", "linear", "ntk", "cap", "log", "capnorm")
 SLOPE_METHODS = ("linear", "ntk")
+DISTANCE_METHODS = ("cap", "log", "capnorm")
+#: ``alpha`` of a bare ``log``: the tail's growth, ``C * alpha * ln(d / C)``
+#: past ``C`` (docs/retrieval.md, "Which method, when", has the measurements).
+DEFAULT_LOG_ALPHA = 0.5
+#: The ``--methods`` grammar, for messages and ``--help``.
+METHOD_SYNTAX = "none, linear[:F|:dynamic], ntk[:F|:dynamic], cap[:F], log[:F[:ALPHA]] or capnorm[:F]"
+
 BIAS_MODES = ("causal", "symmetric", "split", "learned")
 BIDIRECTIONAL_MODES = ("symmetric", "split", "learned")
+
+
+# ---------------------------------------------------------------------------
+# Slopes
+# ---------------------------------------------------------------------------
 
 
 def _power_of_two_slopes(n: int) -> list:
@@ -42,8 +76,9 @@ def _check_heads(num_heads) -> None:
         raise ValueError(f"num_heads must be an integer >= 1, got {num_heads!r}")
 
 
-def get_slopes(num_heads: int) -> torch.Tensor:
-    """The paper's per-head slopes, in the paper's head order, as float32 ``[H]``.
+def get_slopes(num_heads: int) -> Tensor:
+    """The paper's per-head slopes, in the paper's head order, as float32 ``[H]``
+    on the CPU (also inside a ``torch.device("meta")`` block: slopes are data).
 
     For ``H`` not a power of two: the slopes of the closest lower power of two
     ``c``, then every other slope of the ``2c`` sequence, first ``H - c`` of them
@@ -54,56 +89,62 @@ def get_slopes(num_heads: int) -> torch.Tensor:
     slopes = _power_of_two_slopes(closest)
     if closest < num_heads:
         slopes += _power_of_two_slopes(2 * closest)[0::2][: num_heads - closest]
-    return torch.tensor(slopes, dtype=torch.float32)
+    return torch.tensor(slopes, dtype=torch.float32, device="cpu")
 
 
-def scale_slopes(slopes: torch.Tensor, method: str, factor: float) -> torch.Tensor:
-    """Slopes for evaluating ``factor`` times longer than the training length.
+def slope_exponents(slopes: Tensor, method: str) -> Tensor:
+    """float32 ``[H]`` ``t`` of ``slope / factor ** t``, computed once per model
+    (a forward pass then has no branch on tensor values):
 
-    * ``none`` and ``cap``: unchanged (``cap`` changes distances, not slopes);
-    * ``linear`` (position interpolation): every slope divided by ``factor``;
-    * ``ntk`` (NTK-ALiBi): the steepest head unchanged, the flattest divided by
-      ``factor``, geometric in log-slope in between:
-      ``m / factor ** ((log m_max - log m) / (log m_max - log m_min))``.
-      With equal slopes (one head) there is no spread to interpolate over and it
-      falls back to ``linear``.
+    * ``linear`` (position interpolation): ``t = 1``, every slope / factor;
+    * ``ntk`` (NTK-ALiBi): ``t = (log m_max - log m) / (log m_max - log m_min)``,
+      the steepest head unchanged, the flattest / factor, geometric in between;
+      with equal slopes (one head) there is no spread and ``t = 1`` (linear);
+    * every other method: ``t = 0`` (slopes unchanged).
     """
+    slopes = slopes.detach().to(torch.float32)
+    if method == "linear":
+        return torch.ones_like(slopes)
+    if method != "ntk":
+        return torch.zeros_like(slopes)
+    log_slopes = slopes.log()
+    spread = float(log_slopes.max() - log_slopes.min())
+    if spread <= 0:
+        return torch.ones_like(slopes)
+    return (log_slopes.max() - log_slopes) / spread
+
+
+def scale_slopes(slopes: Tensor, method: str, factor: float) -> Tensor:
+    """Slopes for evaluating ``factor`` times longer than the training length
+    (``slopes / factor ** slope_exponents(slopes, method)``)."""
     if method not in METHODS:
         raise ScalingError("method", method, f"allowed values: {', '.join(METHODS)}")
     factor = float(factor)
     if not factor >= 1.0 or math.isinf(factor):
         raise ScalingError("factor", factor, "a slope-scaling factor must be a finite number >= 1")
-    slopes = slopes.to(torch.float32)
-    if method not in SLOPE_METHODS or factor == 1.0:
-        return slopes.clone()
-    if method == "linear":
-        return slopes / factor
-    log_slopes = slopes.log()
-    log_max, log_min = log_slopes.max(), log_slopes.min()
-    spread = log_max - log_min
-    if spread <= 0:
-        return slopes / factor
-    exponent = (log_max - log_slopes) / spread
-    return slopes / factor**exponent
+    return slopes.to(torch.float32) / factor ** slope_exponents(slopes, method)
 
 
 # ---------------------------------------------------------------------------
-# The scaling spec: method, static factor or dynamic, training length.
+# The scaling spec and its spellings
 # ---------------------------------------------------------------------------
 
 
 class ScalingError(ValueError):
-    """An invalid scaling setting.  ``field`` is ``method``, ``factor`` or
-    ``train_length``; ``value`` what was given; ``reason`` what is allowed.
-    Callers that know the user's name for the field (a config key, a command
-    line option) re-word it; ``str()`` reads on its own."""
+    """An invalid scaling setting.  ``field`` is the name the user wrote it
+    under (``factor``, ``alibi_scale_factor``, ``alibi_scaling``, ...), ``value``
+    what was given, ``reason`` what is allowed; ``str()`` reads on its own."""
 
     def __init__(self, field: str, value, reason: str):
         super().__init__(f"{field}={value!r} is not valid; {reason}")
         self.field, self.value, self.reason = field, value, reason
 
+    def renamed(self, names: Dict[str, str]) -> "ScalingError":
+        """The same error under the user's name for the field (``names[field]``)."""
+        return ScalingError(names.get(self.field, self.field), self.value, self.reason)
 
-def _number(value) -> Optional[float]:
+
+def _real(value) -> Optional[float]:
     """``value`` as a float if it is a real number (not a bool, not a string)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -111,84 +152,237 @@ def _number(value) -> Optional[float]:
 
 
 def _checked_factor(method: str, factor) -> float:
-    """The factor of a valid (method, factor), normalized: ``none`` stores 1, ``cap:0`` is ``cap:1``."""
+    """The factor of a valid (method, factor), normalized: ``none`` stores 1,
+    a distance method's ``0`` is 1 (the training length itself)."""
     if method not in METHODS:
         raise ScalingError("method", method, f"allowed values: {', '.join(METHODS)}")
-    value = _number(factor)
+    value = _real(factor)
     if value is None or not math.isfinite(value) or value < 0:
         raise ScalingError("factor", factor, "it must be a finite number >= 0")
     if method in SLOPE_METHODS and 0 < value < 1:
         raise ScalingError("factor", factor,
                            "use 0 for dynamic scaling (max(1, length / training length)) or a static factor >= 1")
-    if method == "none" or (method == "cap" and value == 0):
-        return 1.0  # none: no scaling; cap: the training length itself
+    if method == "none" or (method in DISTANCE_METHODS and value == 0):
+        return 1.0
+    return value
+
+
+def _checked_alpha(method: str, alpha) -> Optional[float]:
+    """The log tail's ``alpha`` (its default when not given); None for other methods."""
+    if method != "log":
+        if alpha is not None:
+            raise ScalingError("alpha", alpha, "only the log tail (log) takes alpha")
+        return None
+    if alpha is None:
+        return DEFAULT_LOG_ALPHA
+    value = _real(alpha)
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise ScalingError("alpha", alpha, "the log tail's growth must be a finite number > 0 (alpha = 0 is cap)")
+    return value
+
+
+def _parsed_number(method: str, arg: str, what: str) -> float:
+    try:
+        value = float(arg)
+    except ValueError:
+        raise ScalingError(what, arg, "expected a number" + (" or 'dynamic'" if method in SLOPE_METHODS else "")) from None
     return value
 
 
 def _parsed_factor(method: str, arg: str) -> float:
     """The factor of ``--methods`` item ``method:arg`` (``dynamic`` or nothing: 0)."""
-    if method == "cap" and arg in ("dynamic", "dyn"):
-        raise ScalingError("factor", arg, "cap has no dynamic form; cap:F caps at F training lengths")
+    if method in DISTANCE_METHODS and arg in ("dynamic", "dyn"):
+        raise ScalingError("factor", arg, f"{method} has no dynamic form; {method}:F starts at F training lengths")
     if arg in ("", "dynamic", "dyn"):
         return 0.0
-    try:
-        factor = float(arg)
-    except ValueError:
-        raise ScalingError("factor", arg, "expected a number or 'dynamic'") from None
+    factor = _parsed_number(method, arg, "factor")
     if factor <= 0 or (method in SLOPE_METHODS and factor < 1):
+        what = "the cap" if method == "cap" else f"{method}'s C"
         raise ScalingError("factor", arg, "a static factor must be >= 1 (write 'dynamic' or leave it out for "
-                           "dynamic scaling)" if method in SLOPE_METHODS else "the cap must be a positive number "
+                           "dynamic scaling)" if method in SLOPE_METHODS else f"{what} must be a positive number "
                            "of training lengths")
     return factor
+
+
+#: The config key of each field of the spec (fairseq model configs, ``--model-overrides``).
+CONFIG_KEYS = {"method": "alibi_interpolation", "factor": "alibi_scale_factor", "train_length": "alibi_train_length",
+               "alpha": "alibi_log_alpha"}
+#: The keys an ``alibi_scaling`` dictionary (Hugging Face configs) may hold.
+HF_KEYS = ("type", "factor", "train_seq_len", "alpha")
 
 
 @dataclass(frozen=True)
 class Scaling:
     """How one model extends its context at evaluation; validated on creation.
 
-    * ``method``: ``none``, ``linear`` (every slope / factor), ``ntk`` (steepest
-      head kept, flattest / factor, geometric in between) or ``cap`` (every
-      distance above ``factor * train_length`` seen as that distance,
-      LM-Infinite's distance limit: ``-m * min(i - j, C)``);
+    * ``method``: ``none``; ``linear`` (every slope / factor) or ``ntk``
+      (steepest head kept, flattest / factor, geometric in between); or a
+      distance transform past ``C = factor x train_length``: ``cap`` (every
+      distance above ``C`` seen as ``C``, LM-Infinite's distance limit),
+      ``log`` (a log tail, ``C + alpha C ln(d / C)``) or ``capnorm`` (the cap,
+      and the far keys' total weight held at that of ``C`` keys);
     * ``factor``: for ``linear``/``ntk`` ``0`` means dynamic,
       ``max(1, keys / train_length)`` per forward pass, else a static factor
-      ``>= 1``; for ``cap`` the cap in training lengths (any ``F > 0``; ``0``
-      means 1, the training length itself); ``none`` stores 1 whatever is given;
+      ``>= 1``; for the distance methods ``C`` in training lengths (any
+      ``F > 0``; ``0`` means 1); ``none`` stores 1 whatever is given;
     * ``train_length``: the length the model was trained at; dynamic methods and
-      ``cap`` need it (:meth:`complete` checks).
+      the distance methods need it (:meth:`complete` checks);
+    * ``alpha``: the log tail's growth (``log`` only; default ``DEFAULT_LOG_ALPHA``).
     """
 
     method: str = "none"
     factor: float = 0.0
     train_length: Optional[int] = None
+    alpha: Optional[float] = None
 
     def __post_init__(self):
         object.__setattr__(self, "factor", _checked_factor(self.method, self.factor))
+        object.__setattr__(self, "alpha", _checked_alpha(self.method, self.alpha))
         length = self.train_length
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
             raise ScalingError("train_length", length, "it must be a positive integer (the training tokens_per_sample)")
+        if length is not None and self.method in DISTANCE_METHODS and self.factor * length < 1:
+            raise ScalingError("factor", self.factor, f"{self.method} at {self.factor:g} x {length} training tokens "
+                               f"starts at {self.factor * length:g} tokens; C must be at least one token")
 
+    # --------------------------------------------------------------- spellings
     @classmethod
     def parse(cls, text: str, train_length: Optional[int] = None) -> "Scaling":
-        """``none``, ``linear[:F|:dynamic]``, ``ntk[:F|:dynamic]`` or ``cap[:F]``."""
+        """A ``--methods`` item: ``none``, ``linear[:F|:dynamic]``,
+        ``ntk[:F|:dynamic]``, ``cap[:F]``, ``log[:F[:ALPHA]]``, ``capnorm[:F]``."""
         name, _, arg = str(text).strip().partition(":")
-        name = name.strip().lower()
+        name, arg = name.strip().lower(), arg.strip().lower()
         if name == "none" and arg:
             raise ScalingError("method", text, "'none' takes no factor")
-        return cls(name, _parsed_factor(name, arg.strip().lower()), train_length)
+        alpha = None
+        if name == "log" and ":" in arg:
+            arg, _, text_alpha = arg.partition(":")
+            alpha = _parsed_number(name, text_alpha.strip(), "alpha")
+        elif ":" in arg:
+            raise ScalingError("method", text, f"{name} takes one parameter; allowed: {METHOD_SYNTAX}")
+        if name not in METHODS:
+            raise ScalingError("method", name, f"allowed values: {', '.join(METHODS)}")
+        return cls(name, _parsed_factor(name, arg.strip()), train_length, alpha)
 
+    @property
+    def spelling(self) -> str:
+        """The ``--methods`` item: ``none``, ``ntk``, ``ntk:2``, ``cap``, ``cap:0.5``, ``log:1:0.25``."""
+        if self.method == "none" or self.dynamic:
+            return self.method
+        if self.method == "log" and self.alpha != DEFAULT_LOG_ALPHA:
+            return f"log:{self.factor:g}:{self.alpha:g}"
+        if self.method in DISTANCE_METHODS and self.factor == 1:
+            return self.method
+        return f"{self.method}:{self.factor:g}"
+
+    @property
+    def label(self) -> str:
+        """For tables: ``none``, ``linear dynamic``, ``ntk x2``, ``cap x0.5``, ``log x1 a0.5``."""
+        if self.method == "none":
+            return "none"
+        if self.dynamic:
+            return f"{self.method} dynamic"
+        tail = f" a{self.alpha:g}" if self.method == "log" else ""
+        return f"{self.method} x{self.factor:g}{tail}"
+
+    @property
+    def key(self) -> Tuple[str, float, Optional[float]]:
+        """What identifies the method in stored results: (method, factor, alpha)."""
+        return (self.method, float(self.factor), self.alpha)
+
+    @classmethod
+    def from_record(cls, record: Dict[str, Any], train_length: Optional[int] = None) -> "Scaling":
+        """The spec of a stored result (``method``, ``factor``, ``alpha`` fields)."""
+        return cls(record["method"], record["factor"], train_length, record.get("alpha"))
+
+    @classmethod
+    def from_config(cls, cfg) -> "Scaling":
+        """The spec of a model config's ``alibi_*`` fields (attributes or a dict);
+        errors name the config key (``alibi_scale_factor=...``)."""
+        get = cfg.get if isinstance(cfg, dict) else (lambda key, default=None: getattr(cfg, key, default))
+        try:
+            return cls(get(CONFIG_KEYS["method"], "none"), get(CONFIG_KEYS["factor"], 0.0),
+                       get(CONFIG_KEYS["train_length"], None), get(CONFIG_KEYS["alpha"], None))
+        except ScalingError as exc:
+            raise exc.renamed(CONFIG_KEYS) from None
+
+    def config_values(self) -> Dict[str, Any]:
+        """The config fields (``--model-overrides``) that select this method."""
+        values = {CONFIG_KEYS["method"]: self.method,
+                  CONFIG_KEYS["factor"]: 0.0 if self.method == "none" else self.factor}
+        if self.alpha is not None:
+            values[CONFIG_KEYS["alpha"]] = self.alpha
+        return values
+
+    @classmethod
+    def from_hf(cls, value: Any, train_length: Optional[int]) -> "Scaling":
+        """The spec of an ``alibi_scaling`` value (BTLM's convention, extended):
+        ``None`` or ``{"type": "none"}``; ``{"type": "linear" | "ntk", "factor": F}``
+        (static) or ``{..., "train_seq_len": N}`` (dynamic); ``{"type": "cap" |
+        "capnorm", "factor": F}`` and ``{"type": "log", "factor": F, "alpha": A}``
+        (C in training lengths, ``train_length``: the model's
+        ``alibi_train_length``).  Errors name ``alibi_scaling``."""
+
+        def invalid(reason: str) -> ScalingError:
+            return ScalingError("alibi_scaling", value, reason)
+
+        if value is None:
+            value = {"type": "none"}
+        if not isinstance(value, dict):
+            raise invalid('give a dictionary such as {"type": "linear", "factor": 2.0}, or None')
+        unknown = sorted(str(key) for key in value if key not in HF_KEYS)
+        if unknown:
+            raise invalid(f"unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(HF_KEYS)}")
+        method = value.get("type")
+        if method not in METHODS:
+            raise invalid(f"type must be one of {', '.join(METHODS)}")
+        has_factor, has_length = "factor" in value, "train_seq_len" in value
+        if method == "none" and (has_factor or has_length):
+            raise invalid("type 'none' takes neither factor nor train_seq_len")
+        if method in SLOPE_METHODS and has_factor == has_length:
+            raise invalid(f'{method} takes "factor": F (static, F >= 1) or "train_seq_len": N '
+                          "(dynamic, max(1, length / N)), exactly one of them")
+        if method in DISTANCE_METHODS and (has_length or not has_factor):
+            raise invalid(f'{method} takes "factor": F (C in training lengths, alibi_train_length)'
+                          + (' and optionally "alpha": A' if method == "log" else "") + ", no train_seq_len")
+        if "alpha" in value and method != "log":
+            raise invalid("only type 'log' takes alpha")
+        factor = value.get("factor", 0.0)
+        lowest = 1 if method in SLOPE_METHODS else 0
+        if has_factor and (_real(factor) is None or not factor >= lowest or factor == 0):
+            raise invalid(f"factor must be a number >= 1 (for dynamic {method} give train_seq_len instead)"
+                          if lowest else "factor must be a positive number of training lengths")
+        length = value["train_seq_len"] if has_length else train_length
+        try:
+            return cls(method, factor, length, value.get("alpha")).complete()
+        except ScalingError as exc:
+            name = {"train_length": "train_seq_len" if has_length else "alibi_train_length"}.get(exc.field, exc.field)
+            raise invalid(f"{name}={exc.value!r}: {exc.reason}") from None
+
+    def to_hf(self) -> Optional[dict]:
+        """The ``alibi_scaling`` value of this spec (None for no scaling)."""
+        if self.method == "none":
+            return None
+        if self.dynamic:
+            return {"type": self.method, "train_seq_len": self.complete().train_length}
+        value = {"type": self.method, "factor": float(self.factor)}
+        if self.alpha is not None:
+            value["alpha"] = float(self.alpha)
+        return value
+
+    # --------------------------------------------------------------- meaning
     @property
     def dynamic(self) -> bool:
         return self.method in SLOPE_METHODS and self.factor == 0
 
     @property
     def needs_train_length(self) -> bool:
-        return self.dynamic or self.method == "cap"
+        return self.dynamic or self.method in DISTANCE_METHODS
 
     def complete(self) -> "Scaling":
         """``self``, after checking it has the training length it needs."""
         if self.needs_train_length and self.train_length is None:
-            what = "dynamic scaling" if self.dynamic else "the distance cap (cap:F caps at F x L)"
+            what = "dynamic scaling" if self.dynamic else f"{self.method} (which starts at F x L)"
             raise ScalingError("train_length", None, f"{what} needs the training length L")
         return self
 
@@ -197,55 +391,54 @@ class Scaling:
 
     def factor_at(self, key_length: int) -> float:
         """The slope-scaling factor of a forward pass over ``key_length`` keys
-        (always 1 for ``none`` and ``cap``)."""
+        (always 1 for the methods that leave slopes alone)."""
         if self.method not in SLOPE_METHODS:
             return 1.0
         if not self.dynamic:
             return self.factor
         return max(1.0, key_length / float(self.complete().train_length))
 
-    def slopes(self, base: torch.Tensor, key_length: int) -> torch.Tensor:
-        """float32 ``[H]``: ``base`` scaled for a forward pass over ``key_length`` keys."""
-        return scale_slopes(base, self.method, self.factor_at(key_length))
+    def slopes(self, base: Tensor, key_length: int, exponents: Optional[Tensor] = None) -> Tensor:
+        """float32 ``[H]``: ``base`` scaled for a forward pass over ``key_length``
+        keys; pass ``slope_exponents(base, method)`` when computed once already."""
+        if exponents is None:
+            return scale_slopes(base, self.method, self.factor_at(key_length))
+        return base / self.factor_at(key_length) ** exponents
 
     @property
-    def distance_cap(self) -> Optional[int]:
-        """``C`` of ``-m * min(|i - j|, C)``, or None (no cap)."""
-        if self.method != "cap":
+    def distance_limit(self) -> Optional[int]:
+        """``C``, the distance past which a distance method acts, or None."""
+        if self.method not in DISTANCE_METHODS:
             return None
         return max(1, round(self.factor * self.complete().train_length))
 
     @property
-    def spelling(self) -> str:
-        """The ``--methods`` item: ``none``, ``ntk``, ``ntk:2``, ``cap``, ``cap:0.5``."""
-        if self.method == "none" or self.dynamic or (self.method == "cap" and self.factor == 1):
-            return self.method
-        return f"{self.method}:{self.factor:g}"
+    def relative(self) -> bool:
+        """The bias depends on ``i - j`` alone (every method but ``capnorm``,
+        whose far-key term depends on how many keys lie past ``C``)."""
+        return self.method != "capnorm"
 
-    @property
-    def label(self) -> str:
-        """For tables: ``none``, ``linear dynamic``, ``ntk x2``, ``cap x0.5``."""
-        if self.method == "none":
-            return "none"
-        if self.dynamic:
-            return f"{self.method} dynamic"
-        return f"{self.method} x{self.factor:g}"
+    def distance(self, d: Tensor) -> Tensor:
+        """The transformed distance ``d'`` of non-negative float32 distances:
+        ``d`` itself but past ``C`` (``limit``): ``C`` (``cap``, ``capnorm``) or
+        ``C + alpha C ln(d / C)`` (``log``; continuous at ``C``, and so is its
+        slope for ``alpha = 1``).  Branch-free, so a compiled ``score_mod`` can
+        call it on index tensors."""
+        if self.method not in DISTANCE_METHODS:
+            return d
+        limit = float(self.distance_limit)
+        if self.method == "log":
+            return d.clamp(max=limit) + (self.alpha * limit) * torch.log(d.clamp(min=limit) / limit)
+        return d.clamp(max=limit)
 
 
 NO_SCALING = Scaling()
 
 
-def resolve_scale_factor(
-    method: str, scale_factor: float, train_length: Optional[int], seq_len: int
-) -> float:
-    """The slope factor of a forward pass over ``seq_len`` keys (:meth:`Scaling.factor_at`)."""
-    return Scaling(method, scale_factor, train_length).factor_at(seq_len)
-
-
 # ---------------------------------------------------------------------------
-# Bias builders.  Every head looks left (keys j <= i: the causal LM), right
-# (j >= i) or both ways; the bias is ``-slope * |i - j|`` on the side a head
-# sees and ``masked_value`` on the other.
+# The bias.  Every head looks left (keys j <= i: the causal LM), right
+# (j >= i) or both ways; the bias is ``-slope * d'(|i - j|)`` on the side a
+# head sees and ``masked_value`` on the other.
 # ---------------------------------------------------------------------------
 
 #: Head directions: keys to the left of the query, both sides, to the right.
@@ -255,6 +448,67 @@ LOOK_LEFT, LOOK_BOTH, LOOK_RIGHT = -1, 0, 1
 #: slope stays strictly positive (the bias strictly negative) even where the
 #: softplus underflows in float32.
 MIN_LEARNED_SLOPE = 1e-6
+
+Direction = Union[int, Tensor]
+Slopes = Union[Tensor, Tuple[Tensor, Tensor]]
+
+
+def far_penalty(scaling: Scaling, query: Tensor, direction: Direction, k_len: Optional[int]) -> Tensor:
+    """``capnorm``'s term for keys past ``C``: ``ln(max(n, C) / C)`` with ``n``
+    the keys past ``C`` on the side(s) the head sees (left: ``i - C``; right:
+    ``k_len - 1 - i - C``), so the far keys together weigh what ``C`` keys at
+    distance ``C`` would, however many there are."""
+    limit = float(scaling.distance_limit)
+    left = (query - limit).clamp(min=0)
+    if isinstance(direction, int) and direction == LOOK_LEFT:
+        count = left
+    else:
+        if k_len is None:
+            raise ValueError("capnorm on a head that looks right needs k_len, the number of keys")
+        right = (k_len - 1 - query - limit).clamp(min=0)
+        if isinstance(direction, int):
+            count = right if direction == LOOK_RIGHT else left + right
+        else:
+            count = left * (direction <= 0) + right * (direction >= 0)
+    return torch.log(count.clamp(min=limit) / limit)
+
+
+def bias(
+    slopes: Slopes,
+    query: Tensor,
+    key: Tensor,
+    scaling: Scaling = NO_SCALING,
+    direction: Direction = LOOK_LEFT,
+    masked_value: float = float("-inf"),
+    k_len: Optional[int] = None,
+) -> Tensor:
+    """float32 ALiBi bias of queries at positions ``query`` over keys at ``key``
+    (any broadcastable shapes; integer-valued, float32 or integer tensors):
+    ``-slope * d'(|i - j|)`` (``d'`` = :meth:`Scaling.distance`; ``capnorm``
+    also subtracts :func:`far_penalty` past ``C``) where the head looks
+    (``direction``: ``LOOK_LEFT``, ``LOOK_BOTH``, ``LOOK_RIGHT`` or a tensor of
+    them broadcastable to the result), ``masked_value`` on the hidden side.
+
+    ``slopes`` broadcasts like the positions (``[H, 1, 1]`` for a dense bias, a
+    0-d slope in a ``score_mod``), or is a ``(left, right)`` pair: learned
+    slopes, one per side.  ``k_len`` (the number of keys) is needed only by
+    ``capnorm`` on heads that look right.  The one formula of every path.
+    """
+    distance = (query - key).to(torch.float32)
+    if isinstance(slopes, tuple):
+        slopes = torch.where(distance >= 0, slopes[0], slopes[1])
+    out = -slopes * scaling.distance(distance.abs())
+    if scaling.method == "capnorm":
+        limit = float(scaling.distance_limit)
+        penalty = far_penalty(scaling, query.to(torch.float32), direction, k_len)
+        out = out - torch.where(distance.abs() > limit, penalty, 0.0)
+    if isinstance(direction, int):
+        if direction == LOOK_BOTH:
+            return out
+        hidden = distance < 0 if direction == LOOK_LEFT else distance > 0
+    else:
+        hidden = direction * distance > 0  # left heads hide j > i, right heads j < i
+    return torch.where(hidden, masked_value, out)
 
 
 def split_directions(num_heads: int) -> Tuple[int, ...]:
@@ -281,7 +535,16 @@ def head_directions(mode: str, num_heads: int) -> Tuple[int, ...]:
     raise ValueError(f"unknown ALiBi bias mode {mode!r}; allowed: {', '.join(BIAS_MODES)}")
 
 
-def split_slopes(num_heads: int) -> torch.Tensor:
+def direction_of(directions: Sequence[int], device=None) -> Direction:
+    """What :func:`bias` takes for these head directions: one int when every
+    head looks the same way, else an ``[H, 1, 1]`` tensor."""
+    directions = tuple(int(d) for d in directions)
+    if len(set(directions)) == 1:
+        return directions[0]
+    return torch.tensor(directions, device=device)[:, None, None]
+
+
+def split_slopes(num_heads: int) -> Tensor:
     """float32 ``[H]`` slopes for ``split`` mode, in ``split_directions`` order.
 
     Each direction gets the paper's slopes for ``ceil(H / 2)`` heads (the left
@@ -297,29 +560,24 @@ def split_slopes(num_heads: int) -> torch.Tensor:
     return slopes
 
 
-def mode_slopes(mode: str, num_heads: int) -> torch.Tensor:
+def mode_slopes(mode: str, num_heads: int) -> Tensor:
     """The unscaled slopes of a bias mode (``split`` shares them between sides)."""
     return split_slopes(num_heads) if mode == "split" else get_slopes(num_heads)
 
 
-def _distance(q_len: int, k_len: int, q_start: Optional[int], device, cap: Optional[int] = None) -> torch.Tensor:
-    """float32 ``[q_len, k_len]`` of ``i - j`` (exact below 2^24 positions),
-    clamped to ``[-cap, cap]`` when a distance cap is given (the sign, which
-    says on which side of the query a key lies, is kept).
-
-    Queries are positions ``q_start .. q_start + q_len - 1``; by default the
-    last ``q_len`` of the ``k_len`` keys (a KV cache; 0 for a full forward).
-    """
+def positions(q_len: int, k_len: int, q_start: Optional[int], device) -> Tuple[Tensor, Tensor]:
+    """float32 (queries ``[q_len, 1]``, keys ``[1, k_len]``): positions
+    ``q_start ..`` (by default the last ``q_len`` of the keys: a KV cache) and
+    ``0 .. k_len - 1``, exact below 2**24."""
     if q_start is None:
         q_start = k_len - q_len
     query = torch.arange(q_start, q_start + q_len, device=device, dtype=torch.float32)
     keys = torch.arange(k_len, device=device, dtype=torch.float32)
-    distance = query[:, None] - keys[None, :]
-    return distance if cap is None else distance.clamp_(-cap, cap)
+    return query[:, None], keys[None, :]
 
 
 def alibi_bias(
-    slopes: torch.Tensor,
+    slopes: Slopes,
     q_len: int,
     k_len: int,
     directions: Sequence[int],
@@ -327,66 +585,27 @@ def alibi_bias(
     dtype: torch.dtype = torch.float32,
     device=None,
     masked_value: float = float("-inf"),
-    cap: Optional[int] = None,
-) -> torch.Tensor:
-    """``[H, q_len, k_len]``: ``-slope * |i - j|`` where head ``h`` looks
-    (``directions[h]``: ``LOOK_LEFT``, ``LOOK_BOTH`` or ``LOOK_RIGHT``),
-    ``masked_value`` elsewhere; with ``cap``, ``-slope * min(|i - j|, cap)``.
-
-    All heads ``LOOK_LEFT`` is the causal LM's bias.  Formed in float32 with
-    one ``[H, q_len, k_len]`` allocation and cast once, so nearby keys keep full
-    relative precision in fp16/bf16 at any length.  Pass a finite
-    ``masked_value`` when a whole query row may otherwise be masked (padding
-    on the one side a head sees) and produce NaN.
+    scaling: Scaling = NO_SCALING,
+) -> Tensor:
+    """The dense ``[H, q_len, k_len]`` :func:`bias` of queries ``q_start ..``
+    (default: the last ``q_len`` of the keys) over keys ``0 .. k_len - 1``,
+    formed in float32 and cast once to ``dtype``.  ``slopes``: ``[H]``, or a
+    ``(left, right)`` pair of ``[H]`` (learned slopes, differentiable).  Pass a
+    finite ``masked_value`` when a whole query row may otherwise be masked
+    (padding on the one side a head sees) and produce NaN.
     """
-    directions = tuple(int(d) for d in directions)
-    if len(directions) != slopes.numel():
-        raise ValueError(f"{slopes.numel()} slopes but {len(directions)} head directions")
-    distance = _distance(q_len, k_len, q_start, device, cap)
-    slopes = slopes.to(device=device, dtype=torch.float32)[:, None, None]
-    if all(d == LOOK_LEFT for d in directions):
-        bias = torch.mul(distance, -slopes)
-        bias.masked_fill_(distance < 0, masked_value)
-    elif all(d == LOOK_RIGHT for d in directions):
-        bias = torch.mul(distance, slopes)
-        bias.masked_fill_(distance > 0, masked_value)
-    else:
-        bias = torch.mul(distance.abs(), -slopes)
-        heads = torch.tensor(directions, device=device)[:, None, None]
-        hidden = ((heads == LOOK_LEFT) & (distance < 0)) | ((heads == LOOK_RIGHT) & (distance > 0))
-        bias.masked_fill_(hidden, masked_value)
-    return bias if dtype == torch.float32 else bias.to(dtype)
+    heads = (slopes[0] if isinstance(slopes, tuple) else slopes).numel()
+    if len(directions) != heads:
+        raise ValueError(f"{heads} slopes but {len(directions)} head directions")
+    query, key = positions(q_len, k_len, q_start, device)
+    per_head = tuple(s.to(device=device, dtype=torch.float32)[:, None, None]
+                     for s in (slopes if isinstance(slopes, tuple) else (slopes,)))
+    out = bias(per_head if len(per_head) == 2 else per_head[0], query, key, scaling,
+               direction_of(directions, device), masked_value, k_len)
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
-def asymmetric_bias(
-    left_slopes: torch.Tensor,
-    right_slopes: torch.Tensor,
-    q_len: int,
-    k_len: int,
-    q_start: Optional[int] = None,
-    dtype: torch.dtype = torch.float32,
-    device=None,
-    cap: Optional[int] = None,
-) -> torch.Tensor:
-    """``[H, q_len, k_len]``: ``-left * (i - j)`` for keys left of the query,
-    ``-right * (j - i)`` for keys right of it, ``0`` on the diagonal (each
-    distance at most ``cap`` when given).
-
-    Differentiable in both slope vectors (the learned mode trains them).
-    """
-    if left_slopes.shape != right_slopes.shape or left_slopes.dim() != 1:
-        raise ValueError(
-            f"left and right slopes must both be [H], got {tuple(left_slopes.shape)} "
-            f"and {tuple(right_slopes.shape)}"
-        )
-    distance = _distance(q_len, k_len, q_start, device, cap)
-    left = left_slopes.to(device=device, dtype=torch.float32)[:, None, None]
-    right = right_slopes.to(device=device, dtype=torch.float32)[:, None, None]
-    bias = -left * distance.clamp(min=0) - right * (-distance).clamp(min=0)
-    return bias.to(dtype)
-
-
-def learned_slopes(raw: torch.Tensor, floor: float = MIN_LEARNED_SLOPE) -> torch.Tensor:
+def learned_slopes(raw: Tensor, floor: float = MIN_LEARNED_SLOPE) -> Tensor:
     """Positive slopes from unconstrained parameters: ``softplus(raw) + floor``.
 
     Softplus is linear for large ``raw`` (no overflow, unlike ``exp``) and its
@@ -396,7 +615,7 @@ def learned_slopes(raw: torch.Tensor, floor: float = MIN_LEARNED_SLOPE) -> torch
     return torch.nn.functional.softplus(raw.to(torch.float32)) + floor
 
 
-def learned_slopes_inverse(slopes: torch.Tensor, floor: float = MIN_LEARNED_SLOPE) -> torch.Tensor:
+def learned_slopes_inverse(slopes: Tensor, floor: float = MIN_LEARNED_SLOPE) -> Tensor:
     """The ``raw`` parameters with ``learned_slopes(raw) == slopes`` (init)."""
     magnitude = slopes.to(torch.float32) - floor
     if not bool((magnitude > 0).all()):

@@ -25,15 +25,16 @@ from torch import Tensor, nn
 from .alibi import (
     BIAS_MODES,
     NO_SCALING,
+    Direction,
     Scaling,
     alibi_bias,
-    asymmetric_bias,
+    direction_of,
     get_slopes,
     head_directions,
     learned_slopes,
     learned_slopes_inverse,
     mode_slopes,
-    scale_slopes,
+    slope_exponents,
 )
 
 
@@ -117,8 +118,9 @@ class AlibiBias:
     def rescale(self, scaling: Scaling) -> None:
         """Use ``scaling`` from the next forward on (every cache is dropped)."""
         if not isinstance(scaling, Scaling):
-            raise TypeError(f"scaling must be an Scaling, got {type(scaling).__name__}")
+            raise TypeError(f"scaling must be a Scaling, got {type(scaling).__name__}")
         self.scaling = scaling.complete()
+        self.exponents = slope_exponents(self.base_slopes, self.scaling.method)
         self._cache.clear()
 
     def for_layer(self) -> "AlibiBias":
@@ -145,14 +147,19 @@ class AlibiBias:
         factor = self.scaling.factor_at(k_len)
         return self.cached(
             "slopes", (factor, str(device)),
-            lambda: scale_slopes(self.base_slopes, self.scaling.method, factor).to(device),
+            lambda: self.scaling.slopes(self.base_slopes, k_len, self.exponents).to(device),
         )
 
-    def block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
-        """``[H, q_len, k_len]`` bias for queries ``q_start ..`` over ``k_len`` keys."""
+    def direction(self, device=None) -> Direction:
+        """The heads' directions as :func:`alibi.bias` takes them (an int, or ``[H, 1, 1]``)."""
+        return self.cached("direction", str(device), lambda: direction_of(self.directions, device))
+
+    def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
+        """``[H, q_len, keys]`` bias for queries ``q_start ..`` over the first
+        ``keys`` (default all) of a forward pass's ``k_len`` keys."""
         return alibi_bias(
-            self.slopes(k_len, device), q_len, k_len, self.directions, q_start, dtype, device,
-            masked_value_for(self.mode, dtype), self.scaling.distance_cap,
+            self.slopes(k_len, device), q_len, keys or k_len, self.directions, q_start, dtype, device,
+            masked_value_for(self.mode, dtype), self.scaling,
         )
 
     def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
@@ -209,9 +216,9 @@ class LearnedAlibiBias(nn.Module, AlibiBias):
         """float32 ``[2, H]``: the left and right slopes for ``k_len`` keys."""
         return torch.stack(self.side_slopes(k_len))
 
-    def block(self, q_start: int, q_len: int, k_len: int, dtype, device) -> Tensor:
-        left, right = self.side_slopes(k_len)
-        return asymmetric_bias(left, right, q_len, k_len, q_start, dtype, device, self.scaling.distance_cap)
+    def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
+        return alibi_bias(self.side_slopes(k_len), q_len, keys or k_len, self.directions, q_start, dtype, device,
+                          scaling=self.scaling)
 
     def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
         return self.block(k_len - q_len, q_len, k_len, dtype, device)

@@ -11,7 +11,6 @@ as one ``error:`` line (``errors.report_errors``).  ``alibi-sweep`` and
 import ast
 import importlib
 import logging
-import math
 import os
 import sys
 from typing import List, Optional
@@ -131,44 +130,6 @@ def check_numeric_flags(argv: List[str]) -> None:
             raise UserError(f"{flag} {text} is not valid: it {problem}")
 
 
-def guard_eval_lm(module) -> None:
-    """fairseq's ``eval_lm`` prints loss 0 / perplexity 1.00 when it scored no
-    token and prints NaN as a result; here both stop with one error line."""
-    stock = module.eval_lm
-
-    def eval_lm(*args, **kwargs):
-        scored = [0]
-        batches = kwargs.pop("batch_iterator") if "batch_iterator" in kwargs else args[2]
-
-        def counted():
-            for sample in batches:
-                if isinstance(sample, dict) and "net_input" in sample:
-                    scored[0] += int(sample.get("ntokens", 0))
-                yield sample
-
-        if "batch_iterator" in kwargs or len(args) < 3:
-            kwargs["batch_iterator"] = counted()
-        else:
-            args = args[:2] + (counted(),) + args[3:]
-        results = stock(*args, **kwargs)
-        models = kwargs.get("models", args[0] if args else None)
-        if scored[0] == 0:
-            limit = models[0].max_positions() if models else None
-            raise UserError(
-                f"no token was evaluated (fairseq would print perplexity 1.00): the split is empty, or "
-                f"every block of --tokens-per-sample is longer than the model accepts ({limit} positions); "
-                f"give --tokens-per-sample {limit} or less for a model with position embeddings"
-            )
-        if not math.isfinite(results["loss"]):
-            raise UserError(
-                f"the loss is {results['loss']}, not a number: the checkpoint's weights or the evaluation "
-                "produce non-finite values (a diverged or damaged checkpoint?); no result is printed"
-            )
-        return results
-
-    module.eval_lm = eval_lm
-
-
 def overrides_help() -> str:
     """The ALiBi ``--model-overrides`` keys, printed after argparse's help."""
     from .alibi import METHODS
@@ -204,7 +165,7 @@ def training_help(argv: List[str]) -> None:
 
 
 def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=None) -> None:
-    import fairseq_alibi  # noqa: F401  (patches fairseq, registers the models)
+    import fairseq_alibi.models  # noqa: F401  (patches fairseq, registers the models)
 
     # fairseq.tasks.text_to_speech calls logging.basicConfig on import, before
     # the stock CLI's own call: drop its handler so the CLI logs as it does stock
@@ -229,7 +190,9 @@ def train():
 
 
 def eval_lm():
-    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True, guard=guard_eval_lm)
+    from .patches import guarded_eval_lm
+
+    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True, guard=guarded_eval_lm)
 
 
 def generate():

@@ -7,93 +7,25 @@ transformers and its siblings, so ``AutoConfig.from_pretrained(OUT,
 trust_remote_code=True)`` works without this package installed.
 
 Context extension is ``alibi_scaling``, Cerebras BTLM's convention extended to
-every method of ``alibi.Scaling``:
-
-* ``None`` or ``{"type": "none"}``: the slopes the model was trained with;
-* ``{"type": "linear" | "ntk", "factor": F}``: static, ``F >= 1``;
-* ``{"type": "linear" | "ntk", "train_seq_len": N}``: dynamic,
-  ``max(1, keys / N)`` per forward pass;
-* ``{"type": "cap", "factor": F}``: every distance above ``F`` training
-  lengths (``alibi_train_length``) counted as that distance (LM-Infinite).
-
-:func:`scaling_from_hf` and :func:`scaling_to_hf` are the one translation
-between that dictionary and ``alibi.Scaling``.
+every method of ``alibi.Scaling``, whose ``from_hf`` and ``to_hf`` are the one
+translation (their docstrings list the forms): ``None`` (as trained),
+``{"type": "linear" | "ntk", "factor": F}`` (static) or ``{..., "train_seq_len":
+N}`` (dynamic), ``{"type": "cap" | "capnorm", "factor": F}`` and ``{"type":
+"log", "factor": F, "alpha": A}`` (past ``F x alibi_train_length``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from transformers import PreTrainedConfig
 
-from .alibi import SLOPE_METHODS, Scaling, ScalingError
+from .alibi import Scaling, ScalingError
 
 #: ``model_type`` of every exported model (``config.json``).
 MODEL_TYPE = "fairseq_alibi_lm"
-#: The keys an ``alibi_scaling`` dictionary may hold.
-SCALING_KEYS = ("type", "factor", "train_seq_len")
-SCALING_TYPES = ("none", "linear", "ntk", "cap")
-
-
-class AlibiScalingError(ValueError):
-    """An ``alibi_scaling`` value that is not valid; the message is one line
-    naming ``alibi_scaling``, what was given and what is allowed."""
-
-
-def _invalid(value: Any, reason: str) -> AlibiScalingError:
-    return AlibiScalingError(f"alibi_scaling={value!r} is not valid; {reason}")
-
-
-def _check_keys(value: Any) -> str:
-    """The method of a well-formed dictionary (its ``type``)."""
-    if not isinstance(value, dict):
-        raise _invalid(value, 'give a dictionary such as {"type": "linear", "factor": 2.0}, or None')
-    unknown = sorted(str(key) for key in value if key not in SCALING_KEYS)
-    if unknown:
-        raise _invalid(value, f"unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(SCALING_KEYS)}")
-    method = value.get("type")
-    if method not in SCALING_TYPES:
-        raise _invalid(value, f"type must be one of {', '.join(SCALING_TYPES)}")
-    return method
-
-
-def scaling_from_hf(value: Any, train_length: Optional[int]) -> Scaling:
-    """The ``alibi.Scaling`` of an ``alibi_scaling`` value (``AlibiScalingError`` if invalid).
-
-    ``train_length`` is the model's ``alibi_train_length``, which the cap uses;
-    a dynamic method uses its own ``train_seq_len``.
-    """
-    method = "none" if value is None else _check_keys(value)
-    given = value or {}
-    has_factor, has_length = "factor" in given, "train_seq_len" in given
-    if method == "none" and (has_factor or has_length):
-        raise _invalid(value, "type 'none' takes neither factor nor train_seq_len")
-    if method in SLOPE_METHODS and has_factor == has_length:
-        raise _invalid(value, f'{method} takes "factor": F (static, F >= 1) or "train_seq_len": N '
-                              "(dynamic, max(1, length / N)), exactly one of them")
-    if method == "cap" and (has_length or not has_factor):
-        raise _invalid(value, 'cap takes "factor": F alone (the cap in training lengths, alibi_train_length)')
-    factor = given.get("factor", 0.0)
-    lowest = 1 if method in SLOPE_METHODS else 0
-    if has_factor and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= lowest
-                       or factor == 0):
-        raise _invalid(value, f"factor must be a number >= 1 (for dynamic {method} give train_seq_len instead)"
-                       if lowest else "factor must be a positive number of training lengths")
-    length = value["train_seq_len"] if has_length else train_length
-    try:
-        return Scaling(method, float(factor), length).complete()
-    except ScalingError as exc:
-        field = {"factor": "factor", "train_length": "train_seq_len" if has_length else "alibi_train_length"}
-        raise _invalid(value, f"{field.get(exc.field, exc.field)}={exc.value!r}: {exc.reason}") from None
-
-
-def scaling_to_hf(scaling: Scaling) -> Optional[dict]:
-    """The ``alibi_scaling`` value of a scaling spec (None for no scaling)."""
-    if scaling.method == "none":
-        return None
-    if scaling.dynamic:
-        return {"type": scaling.method, "train_seq_len": scaling.complete().train_length}
-    return {"type": scaling.method, "factor": float(scaling.factor)}
+#: An invalid ``alibi_scaling`` (one line naming it, what was given and what is allowed).
+AlibiScalingError = ScalingError
 
 
 class AlibiLMConfig(PreTrainedConfig):
@@ -158,5 +90,5 @@ class AlibiLMConfig(PreTrainedConfig):
         self.scaling()  # refuse an invalid alibi_scaling when the config is read
 
     def scaling(self) -> Scaling:
-        """The ``alibi.Scaling`` of ``alibi_scaling`` (``AlibiScalingError`` if invalid)."""
-        return scaling_from_hf(self.alibi_scaling, self.alibi_train_length)
+        """The ``alibi.Scaling`` of ``alibi_scaling`` (``ScalingError`` if invalid)."""
+        return Scaling.from_hf(self.alibi_scaling, self.alibi_train_length)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .alibi import alibi_bias
+from . import alibi
 from .bias import AlibiBias, masked_value_for, padding_mask
 from .causal_blocks import blocked_causal_attention
 
@@ -88,19 +88,14 @@ def _dense(q, k, bias: AlibiBias) -> Tensor:
 def chunk_ramp(bias: AlibiBias, rows: int, k_len: int, dtype, device) -> Tuple[int, Tensor]:
     """(``P``, ramp ``R[h, i, j] = bias of distance P + i - j``) of a causal
     stack, cached: ``rows`` x ``P + rows`` values with ``P = k_len - 1`` (the
-    slopes of a ``k_len``-key forward).  The causal bias depends on ``query -
-    key`` only, so the block of queries ``s .. s + q - 1`` over keys ``0 ..
-    visible - 1`` is the view ``R[:, :q, P - s : P - s + visible]``: built once
-    per forward, shared by every layer and block, linear in the length."""
+    slopes of a ``k_len``-key forward).  A causal bias that depends on ``query -
+    key`` only (``Scaling.relative``) makes the block of queries ``s .. s + q - 1``
+    over keys ``0 .. visible - 1`` the view ``R[:, :q, P - s : P - s + visible]``:
+    built once per forward, shared by every layer and block, linear in the length."""
     top = k_len - 1
     width = (top + rows + 7) // 8 * 8  # aligned rows for CUDA kernels
     key = (k_len, rows, dtype, str(device), bias.scaling.factor_at(k_len))
-
-    def build():
-        return alibi_bias(bias.slopes(k_len, device), rows, width, bias.directions, top, dtype, device,
-                                cap=bias.scaling.distance_cap)
-
-    return top, bias.cached("ramp", key, build)
+    return top, bias.cached("ramp", key, lambda: bias.block(top, rows, k_len, dtype, device, keys=width))
 
 
 def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
@@ -113,18 +108,19 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
     q_len, k_len = q.size(2), k.size(2)
     causal = bias.causal
     offset = k_len - q_len if causal else 0
-    if causal:
+    ramped = causal and bias.scaling.relative
+    if ramped:
         top, ramp = chunk_ramp(bias, chunk_size, k_len, q.dtype, q.device)
     pad = padding_mask(key_padding_mask, q.dtype)
     outputs = []
     for start in range(0, q_len, chunk_size):
         stop = min(start + chunk_size, q_len)
         visible = offset + stop if causal else k_len
-        if causal:
+        if ramped:
             column = top - (offset + start)
             block = ramp[:, : stop - start, column : column + visible]
         else:
-            block = bias.block(start, stop - start, k_len, q.dtype, q.device)
+            block = bias.block(offset + start, stop - start, k_len, q.dtype, q.device, keys=visible)
         block = block[None] if pad is None else block[None] + pad[..., :visible]
         outputs.append(F.scaled_dot_product_attention(
             q[:, :, start:stop], k[:, :, :visible], v[:, :, :visible], attn_mask=block))
@@ -179,29 +175,19 @@ def _eager_flex(*args, **kwargs):
 
 
 def score_mod(bias: AlibiBias, q_len: int, k_len: int, device, key_padding_mask: Optional[Tensor] = None):
-    """FlexAttention ``score_mod`` equal to ``bias.dense`` (fp32, from the
-    integer distance, capped where the scaling caps it), with ``-inf`` at the
-    keys a ``[B, S]`` padding mask marks.  The causal ``-inf`` comes from
-    :func:`causal_block_mask`."""
-    slopes = bias.slopes(k_len, device)
+    """FlexAttention ``score_mod`` equal to ``bias.dense``: :func:`alibi.bias`
+    of one (head, query, key), with ``-inf`` at the keys a ``[B, S]`` padding
+    mask marks.  The causal ``-inf`` also comes from :func:`causal_block_mask`,
+    which skips the blocks above the diagonal."""
+    slopes, scaling = bias.slopes(k_len, device), bias.scaling
     offset = k_len - q_len
-    cap = bias.scaling.distance_cap
-    limit = cap if cap is not None else 1 << 62  # above any distance: no cap
+    masked = masked_value_for(bias.mode, torch.float32)
+    direction = bias.direction(device)
+    per_head = direction.flatten() if isinstance(direction, Tensor) else None
 
-    if bias.causal:
-        def bias_mod(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx + offset - kv_idx).clamp(max=limit)
-    elif bias.mode == "split":
-        directions = torch.tensor(bias.directions, device=device)
-        masked = masked_value_for("split", torch.float32)
-
-        def bias_mod(score, b, h, q_idx, kv_idx):
-            distance = q_idx + offset - kv_idx
-            hidden = directions[h] * distance > 0  # left heads hide j > i, right heads j < i
-            return torch.where(hidden, masked, score - slopes[h] * distance.abs().clamp(max=limit))
-    else:
-        def bias_mod(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx + offset - kv_idx).abs().clamp(max=limit)
+    def bias_mod(score, b, h, q_idx, kv_idx):
+        look = direction if per_head is None else per_head[h]
+        return score + alibi.bias(slopes[h], q_idx + offset, kv_idx, scaling, look, masked, k_len)
 
     return with_key_padding(bias_mod, key_padding_mask)
 

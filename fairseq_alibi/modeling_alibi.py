@@ -28,6 +28,7 @@ were computed with (as in fairseq).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -39,7 +40,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .alibi import Scaling
 from .bias import AlibiBias
-from .configuration_alibi import AlibiLMConfig, scaling_from_hf, scaling_to_hf
+from .configuration_alibi import AlibiLMConfig
 from .kernels import attend, check_kernel
 
 
@@ -308,7 +309,7 @@ def row_groups(alibi: AlibiBias, static: Dict[float, AlibiBias], pad: Optional[T
     groups = []
     for factor in sorted(set(factors)):
         if factor not in static:
-            static[factor] = AlibiBias(alibi.num_heads, "causal", Scaling(scaling.method, factor, scaling.train_length))
+            static[factor] = AlibiBias(alibi.num_heads, "causal", replace(scaling, factor=factor))
         rows = torch.tensor([i for i, f in enumerate(factors) if f == factor], device=pad.device)
         groups.append((rows, static[factor]))
     return groups
@@ -331,12 +332,12 @@ class AlibiLMModel(AlibiPreTrainedModel):
         self.layers = nn.ModuleList(AlibiDecoderLayer(config, i) for i in range(config.layers))
         self.layer_norm = nn.LayerNorm(dim, eps=eps) if config.final_layer_norm else None
         self.project_out_dim = nn.Linear(dim, config.output_embed_dim, bias=False) if config.project_out else None
-        # scaling_from_hf of this file's siblings: transformers may load configuration_alibi.py a
+        # Scaling.from_hf of this file's siblings: transformers may load configuration_alibi.py a
         # second time, as another module, with its own alibi.Scaling class.  On the CPU: from_pretrained
         # builds models on the meta device, and the slopes are data, not weights.
         with torch.device("cpu"):
             self.alibi = AlibiBias(config.attention_heads, "causal",
-                                   scaling_from_hf(config.alibi_scaling, config.alibi_train_length))
+                                   Scaling.from_hf(config.alibi_scaling, config.alibi_train_length))
         self.kernel = check_kernel(config.alibi_attention, self.alibi, config.attention_dropout)
         self._row_biases: Dict[float, AlibiBias] = {}
         self.post_init()
@@ -352,14 +353,14 @@ class AlibiLMModel(AlibiPreTrainedModel):
         (see ``configuration_alibi``), None, or an ``alibi.Scaling``; the config follows."""
         if isinstance(value, Scaling):
             scaling = value.complete()
-            if scaling.method == "cap" and scaling.train_length != self.config.alibi_train_length:
-                raise ValueError(f"cap counts in the model's training length alibi_train_length="
+            if scaling.distance_limit is not None and scaling.train_length != self.config.alibi_train_length:
+                raise ValueError(f"{scaling.method} counts in the model's training length alibi_train_length="
                                  f"{self.config.alibi_train_length}, got train_length={scaling.train_length}")
         else:
-            scaling = scaling_from_hf(value, self.config.alibi_train_length)
+            scaling = Scaling.from_hf(value, self.config.alibi_train_length)
         self.alibi.rescale(scaling)
         self._row_biases.clear()
-        self.config.alibi_scaling = scaling_to_hf(scaling)
+        self.config.alibi_scaling = scaling.to_hf()
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """fairseq's order: scale, quant-noise projection, input projection, layer norm, dropout."""

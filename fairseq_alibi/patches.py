@@ -1,6 +1,6 @@
 """Every change this package makes to fairseq, torch or NumPy, in one place.
 
-:func:`apply` runs once, from the package's ``__init__`` (so both the
+:func:`apply` runs once, from ``fairseq_alibi.models`` (so both the
 ``alibi-*`` console scripts and stock CLIs run with ``--user-dir`` get it), and
 is idempotent.  Each change alters behaviour only where stock fairseq 0.12
 would crash or silently do the wrong thing:
@@ -20,9 +20,10 @@ would crash or silently do the wrong thing:
 * the hub interface's ``from_pretrained``: local paths that are missing or of
   the wrong kind are named (``checked_hub_paths``).
 * ``--model-overrides`` / hub keywords: fairseq silently drops a key no
-  config has and checks no value, so a key the checkpoint's config lacks is
-  warned about and ``alibi*`` and integer values are checked
-  (``models.config.check_override_keys``).
+  config has and checks no value, so an ALiBi field newer than the checkpoint
+  is added to its config (``models.config.adopt_new_fields``), any other key
+  the checkpoint's config lacks is warned about, and ``alibi*`` and integer
+  values are checked (``models.config.check_override_keys``).
 * a data directory's ``dict.txt`` and binarized splits (``.idx``/``.bin``):
   one that fairseq cannot read (another format, empty, truncated) is a
   ``DataError`` naming the file (``checked_data_files``).
@@ -36,9 +37,13 @@ would crash or silently do the wrong thing:
 * third-party warnings known to be harmless here (hydra deprecations, CPU-only
   torch notices) are filtered; ``FAIRSEQ_ALIBI_WARNINGS=1`` shows them.
 
-One scoped change is not applied globally: :func:`decoder_class` swaps the
+Two scoped changes are not applied globally: :func:`decoder_class` swaps the
 decoder class the stock LM builder instantiates, for the duration of one
-``build_model`` call.
+``build_model`` call; :func:`guarded_eval_lm` is applied by ``alibi-eval-lm``
+alone (no perplexity printed from nothing scored, or from a NaN loss).
+
+:func:`apply` runs from ``fairseq_alibi.models`` (whatever registers the
+models with fairseq), never from ``fairseq_alibi`` or ``fairseq_alibi.hf``.
 """
 
 from __future__ import annotations
@@ -178,7 +183,10 @@ def safe_checkpoint_io() -> None:
     from fairseq import checkpoint_utils
     from fairseq.distributed import utils as distributed_utils
 
-    from .fork import refuse_fork
+    def refuse_fork(name, obj):
+        from .fork import refuse_fork as check  # here: fork.py imports the models, which apply these patches
+
+        check(name, obj)
 
     if isinstance(checkpoint_utils.torch, _SafeTorch):
         return
@@ -189,9 +197,10 @@ def safe_checkpoint_io() -> None:
     depth = [0]  # fairseq recurses into each section through this name: check the whole config once
 
     def overwrite_args_by_name(cfg, overrides):
-        from .models.config import check_override_keys
+        from .models.config import adopt_new_fields, check_override_keys
 
         if depth[0] == 0:
+            adopt_new_fields(overrides, cfg)
             check_override_keys(overrides, cfg)
         depth[0] += 1
         try:
@@ -390,6 +399,49 @@ def decoder_class(module, cls):
         yield
     finally:
         module.TransformerDecoder = stock
+
+
+def guarded_eval_lm(module) -> None:
+    """Scoped to ``alibi-eval-lm`` (its CLI applies it to ``fairseq_cli.eval_lm``):
+    fairseq's ``eval_lm`` prints loss 0 / perplexity 1.00 when it scored no
+    token and prints NaN as a result; here both stop with one error line."""
+    import math
+
+    from .errors import UserError
+
+    stock = module.eval_lm
+
+    def eval_lm(*args, **kwargs):
+        scored = [0]
+        batches = kwargs.pop("batch_iterator") if "batch_iterator" in kwargs else args[2]
+
+        def counted():
+            for sample in batches:
+                if isinstance(sample, dict) and "net_input" in sample:
+                    scored[0] += int(sample.get("ntokens", 0))
+                yield sample
+
+        if "batch_iterator" in kwargs or len(args) < 3:
+            kwargs["batch_iterator"] = counted()
+        else:
+            args = args[:2] + (counted(),) + args[3:]
+        results = stock(*args, **kwargs)
+        models = kwargs.get("models", args[0] if args else None)
+        if scored[0] == 0:
+            limit = models[0].max_positions() if models else None
+            raise UserError(
+                f"no token was evaluated (fairseq would print perplexity 1.00): the split is empty, or "
+                f"every block of --tokens-per-sample is longer than the model accepts ({limit} positions); "
+                f"give --tokens-per-sample {limit} or less for a model with position embeddings"
+            )
+        if not math.isfinite(results["loss"]):
+            raise UserError(
+                f"the loss is {results['loss']}, not a number: the checkpoint's weights or the evaluation "
+                "produce non-finite values (a diverged or damaged checkpoint?); no result is printed"
+            )
+        return results
+
+    module.eval_lm = eval_lm
 
 
 def apply() -> None:

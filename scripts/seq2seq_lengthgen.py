@@ -139,7 +139,7 @@ def main():
 
     torch.set_num_threads(args.threads)
     if args.user_dir is None:
-        import fairseq_alibi
+        import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 
         args.user_dir = os.path.dirname(os.path.abspath(fairseq_alibi.__file__))
 

@@ -81,13 +81,14 @@ def test_bad_scaling_values(method, factor):
         alibi.scale_slopes(alibi.get_slopes(8), method, factor)
 
 
-def test_resolve_scale_factor():
-    assert alibi.resolve_scale_factor("none", 0, 64, 4096) == 1.0
-    assert alibi.resolve_scale_factor("linear", 0, 64, 32) == 1.0
-    assert alibi.resolve_scale_factor("linear", 0, 64, 512) == 8.0
-    assert alibi.resolve_scale_factor("ntk", 3.0, 64, 512) == 3.0
+def test_factor_of_a_forward_pass():
+    assert alibi.Scaling("none", 0, 64).factor_at(4096) == 1.0
+    assert alibi.Scaling("linear", 0, 64).factor_at(32) == 1.0
+    assert alibi.Scaling("linear", 0, 64).factor_at(512) == 8.0
+    assert alibi.Scaling("ntk", 3.0, 64).factor_at(512) == 3.0
+    assert alibi.Scaling("log", 2.0, 64).factor_at(512) == 1.0  # distance methods leave slopes alone
     with pytest.raises(ValueError, match="train_length=None is not valid; dynamic scaling needs"):
-        alibi.resolve_scale_factor("linear", 0, None, 512)
+        alibi.Scaling("linear", 0).factor_at(512)
 
 
 # --------------------------------------------------------------------- the scaling spec
@@ -101,6 +102,12 @@ def test_resolve_scale_factor():
     ("cap:1", "cap", 1.0, "cap", "cap x1"),
     ("cap:0.5", "cap", 0.5, "cap:0.5", "cap x0.5"),
     ("cap:3", "cap", 3.0, "cap:3", "cap x3"),
+    ("log", "log", 1.0, "log", f"log x1 a{alibi.DEFAULT_LOG_ALPHA:g}"),
+    ("log:2", "log", 2.0, "log:2", f"log x2 a{alibi.DEFAULT_LOG_ALPHA:g}"),
+    ("log:1:0.25", "log", 1.0, "log:1:0.25", "log x1 a0.25"),
+    (f"log:1:{alibi.DEFAULT_LOG_ALPHA}", "log", 1.0, "log", f"log x1 a{alibi.DEFAULT_LOG_ALPHA:g}"),
+    ("capnorm", "capnorm", 1.0, "capnorm", "capnorm x1"),
+    ("capnorm:0.5", "capnorm", 0.5, "capnorm:0.5", "capnorm x0.5"),
 ])
 def test_scaling_parse_spelling_label(text, method, factor, spelling, label):
     s = alibi.Scaling.parse(text)
@@ -120,6 +127,11 @@ def test_scaling_parse_spelling_label(text, method, factor, spelling, label):
     (dict(method="linear", factor=2, train_length=0), "train_length"),
     (dict(method="linear", factor=2, train_length=12.0), "train_length"),
     (dict(method="linear", factor=2, train_length=True), "train_length"),
+    (dict(method="cap", factor=0.01, train_length=64), "factor"),  # C = 0.64 tokens: no cap a user means
+    (dict(method="log", factor=1, alpha=0), "alpha"),
+    (dict(method="log", factor=1, alpha=-1), "alpha"),
+    (dict(method="log", factor=1, alpha="0.5"), "alpha"),
+    (dict(method="ntk", factor=2, alpha=0.5), "alpha"),  # only the log tail takes alpha
 ])
 def test_scaling_refuses_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(alibi.ScalingError) as error:
@@ -127,7 +139,8 @@ def test_scaling_refuses_bad_values_naming_the_field(kwargs, field):
     assert error.value.field == field and "is not valid;" in str(error.value)
 
 
-@pytest.mark.parametrize("text", ["none:2", "linear:0.5", "ntk:0", "cap:0", "cap:-1", "cap:dynamic", "linear:x"])
+@pytest.mark.parametrize("text", ["none:2", "linear:0.5", "ntk:0", "cap:0", "cap:-1", "cap:dynamic", "linear:x",
+                                  "log:1:0", "log:1:x", "log:dynamic", "cap:1:2", "capnorm:dynamic", "ntk:2:1", "tail"])
 def test_scaling_parse_refuses(text):
     with pytest.raises(alibi.ScalingError):
         alibi.Scaling.parse(text)
@@ -142,7 +155,8 @@ def test_a_cap_below_zero_is_refused_like_a_zero_cap():
 
 
 def test_scaling_needs_the_training_length_where_it_uses_it():
-    for spec in (alibi.Scaling("linear"), alibi.Scaling("ntk", 0), alibi.Scaling("cap", 2)):
+    for spec in (alibi.Scaling("linear"), alibi.Scaling("ntk", 0), alibi.Scaling("cap", 2), alibi.Scaling("log"),
+                 alibi.Scaling("capnorm", 3)):
         assert spec.needs_train_length
         with pytest.raises(alibi.ScalingError, match="train_length=None"):
             spec.complete()
@@ -156,45 +170,94 @@ def test_scaling_factors_and_caps():
     assert [ntk.factor_at(n) for n in (1, 64, 96, 512)] == [1.0, 1.0, 1.5, 8.0]
     assert alibi.Scaling("linear", 3, 64).factor_at(10) == 3.0
     cap = alibi.Scaling("cap", 0.5, 64)
-    assert cap.factor_at(4096) == 1.0 and cap.distance_cap == 32
-    assert alibi.Scaling("cap", 0, 100).distance_cap == 100  # 0: the training length itself
-    assert alibi.Scaling("cap", 2.5, 10).distance_cap == 25
-    assert alibi.Scaling("cap", 0.001, 10).distance_cap == 1  # never below one token
-    assert alibi.Scaling("ntk", 2, 64).distance_cap is None
+    assert cap.factor_at(4096) == 1.0 and cap.distance_limit == 32
+    assert alibi.Scaling("cap", 0, 100).distance_limit == 100  # 0: the training length itself
+    assert alibi.Scaling("cap", 2.5, 10).distance_limit == 25
+    assert alibi.Scaling("cap", 0.1, 10).distance_limit == 1  # one token at least
+    assert alibi.Scaling("log", 0.5, 64).distance_limit == 32 == alibi.Scaling("capnorm", 0.5, 64).distance_limit
+    assert alibi.Scaling("ntk", 2, 64).distance_limit is None
     slopes = alibi.get_slopes(8)
     assert torch.equal(cap.slopes(slopes, 4096), slopes)  # cap changes distances, not slopes
 
 
-def naive_capped_bias(slopes, q_len, k_len, directions, cap):
-    """-m * min(|i - j|, cap) where a head looks (left: j <= i, right: j >= i), -inf elsewhere."""
+def naive_distance_bias(slopes, q_len, k_len, directions, method, limit, alpha=None):
+    """Written from the definitions, one entry at a time, where a head looks
+    (left: j <= i, right: j >= i), -inf elsewhere; distance d = |i - j|, C = limit:
+    cap: -m min(d, C); log: -m d within C, -m (C + alpha C ln(d / C)) beyond;
+    capnorm: the cap, minus ln(max(n, C) / C) past C, n the keys past C on the sides the head sees."""
     bias = torch.empty(len(slopes), q_len, k_len)
-    for h, (m, d) in enumerate(zip(slopes, directions)):
+    for h, (m, look) in enumerate(zip(slopes, directions)):
         for a in range(q_len):
             i = k_len - q_len + a
+            far_left, far_right = max(0, i - limit), max(0, k_len - 1 - i - limit)
+            n = {alibi.LOOK_LEFT: far_left, alibi.LOOK_RIGHT: far_right}.get(look, far_left + far_right)
             for j in range(k_len):
-                seen = d == alibi.LOOK_BOTH or (d == alibi.LOOK_LEFT and j <= i) or (d == alibi.LOOK_RIGHT and j >= i)
-                bias[h, a, j] = -m * min(abs(i - j), cap) if seen else float("-inf")
+                seen = look == alibi.LOOK_BOTH or (look == alibi.LOOK_LEFT and j <= i) or (look == alibi.LOOK_RIGHT and j >= i)
+                d = abs(i - j)
+                if method == "log" and d > limit:
+                    value = -m * (limit + alpha * limit * math.log(d / limit))
+                else:
+                    value = -m * min(d, limit)
+                if method == "capnorm" and d > limit:
+                    value -= math.log(max(n, limit) / limit)
+                bias[h, a, j] = value if seen else float("-inf")
     return bias
 
 
 @pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
-@pytest.mark.parametrize("cap", [1, 3, 8, 100])
-def test_capped_bias_against_loop(mode, cap):
+@pytest.mark.parametrize("method,alpha", [("cap", None), ("log", 0.5), ("log", 1.0), ("capnorm", None)])
+@pytest.mark.parametrize("limit", [1, 3, 8, 100])
+def test_distance_methods_against_loop(mode, method, alpha, limit):
     heads = 5
     slopes = alibi.mode_slopes(mode, heads)
     directions = alibi.head_directions(mode, heads)
+    scaling = alibi.Scaling(method, 1, limit, alpha)
     for q_len, k_len in ((12, 12), (1, 15), (4, 9)):
-        got = alibi.alibi_bias(slopes, q_len, k_len, directions, cap=cap)
-        torch.testing.assert_close(got, naive_capped_bias(slopes.tolist(), q_len, k_len, directions, cap))
-        if cap >= k_len:  # within the cap nothing changes
+        got = alibi.alibi_bias(slopes, q_len, k_len, directions, scaling=scaling)
+        want = naive_distance_bias(slopes.tolist(), q_len, k_len, directions, method, limit, scaling.alpha)
+        torch.testing.assert_close(got, want)
+        if limit >= k_len:  # within C nothing changes: exactly ALiBi
             assert torch.equal(got, alibi.alibi_bias(slopes, q_len, k_len, directions))
+
+
+@pytest.mark.parametrize("alpha", [0.25, 0.5, 1.0, 2.0])
+def test_log_tail_is_continuous_at_c_and_grows_slowly(alpha):
+    """Within C the log tail is ALiBi itself; at C it is continuous; for
+    alpha = 1 so is its slope; beyond C it lies below the cap (and above
+    ALiBi for alpha <= 1)."""
+    slopes, limit, length = alibi.get_slopes(8), 64, 4096
+    scaling = alibi.Scaling("log", 1, limit, alpha)
+    row = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8, scaling=scaling)[:, 0].flip(-1)  # by distance
+    plain = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8)[:, 0].flip(-1)
+    capped = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8, scaling=alibi.Scaling("cap", 1, limit))[:, 0].flip(-1)
+    assert torch.equal(row[:, : limit + 1], plain[:, : limit + 1])
+    step_in, step_out = row[:, limit] - row[:, limit - 1], row[:, limit + 1] - row[:, limit]
+    torch.testing.assert_close(step_out, step_in * alpha * limit * math.log1p(1 / limit), rtol=1e-4, atol=0)
+    assert bool((row[:, limit + 1 :] < capped[:, limit + 1 :]).all())
+    if alpha <= 1:  # C alpha ln(d / C) < d - C: never steeper than ALiBi (alpha > 1 is, just past C)
+        assert bool((row[:, limit + 1 :] > plain[:, limit + 1 :]).all())
+    assert bool((row.diff(dim=-1) < 0).all())  # still falling: farther keys never gain
+
+
+def test_capnorm_holds_the_far_keys_weight_at_that_of_c_keys():
+    """The property capnorm is for: past C the keys together weigh exactly what
+    C keys at distance C would (sum exp(bias) = C exp(-m C)), however many there
+    are; within C it is the cap, so ALiBi."""
+    slopes, limit = alibi.get_slopes(4), 16
+    scaling = alibi.Scaling("capnorm", 1, limit)
+    for length in (3 * limit, 10 * limit, 100 * limit):
+        row = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 4, scaling=scaling)[:, 0].double()
+        far = row[:, : length - 1 - limit]  # distances > C
+        torch.testing.assert_close(far.exp().sum(-1), limit * torch.exp(-slopes.double() * limit), rtol=1e-5, atol=0)
+        plain = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 4)[:, 0]
+        assert torch.equal(row[:, length - 1 - limit :].float(), plain[:, length - 1 - limit :])
 
 
 def test_capped_bias_is_flat_past_the_cap_and_unchanged_before_it():
     """The property only ``cap`` has: past C every key gets the same bias, at
     most ``m * C`` in magnitude, whatever the length; within C it is ALiBi's."""
     slopes, cap, length = alibi.get_slopes(8), 64, 4096
-    capped = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8, cap=cap)[:, 0]
+    capped = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8, scaling=alibi.Scaling("cap", 1, cap))[:, 0]
     plain = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8)[:, 0]
     far = capped[:, : length - cap]  # distances >= cap
     assert torch.equal(far, (-slopes * cap)[:, None].expand_as(far))
@@ -204,7 +267,7 @@ def test_capped_bias_is_flat_past_the_cap_and_unchanged_before_it():
 
 def test_asymmetric_bias_caps_both_sides():
     left, right = torch.tensor([0.5, 0.25]), torch.tensor([0.125, 1.0])
-    got = alibi.asymmetric_bias(left, right, 9, 9, cap=3)
+    got = alibi.alibi_bias((left, right), 9, 9, [alibi.LOOK_BOTH] * 2, scaling=alibi.Scaling("cap", 1, 3))
     for h in range(2):
         for i in range(9):
             for j in range(9):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fairseq_alibi  # noqa: F401  (registers the models)
+import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from conftest import causal_bias
 
 from fairseq_alibi import alibi
@@ -231,7 +231,7 @@ def test_capped_reference_kernel_against_naive_attention():
     pad = right_padding([23, 11], 23)
     bias = AlibiBias(4, scaling=CAP)
     out, _ = K.reference_kernel(q, k, v, bias, pad, 0.0)
-    expected = naive_attention(q, k, v, bias.base_slopes, CAP.distance_cap, pad)
+    expected = naive_attention(q, k, v, bias.base_slopes, CAP.distance_limit, pad)
     torch.testing.assert_close(out[0], expected[0].float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[1, :, :11], expected[1, :, :11].float(), atol=1e-5, rtol=1e-5)
 

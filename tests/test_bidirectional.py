@@ -17,7 +17,7 @@ from fairseq import checkpoint_utils, options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_NAME_REGISTRY
 
-import fairseq_alibi  # noqa: F401  (registers the models)
+import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from conftest import causal_bias, error_lines, run_cli, split_bias, symmetric_bias, tool
 
 from fairseq_alibi import alibi
@@ -87,12 +87,13 @@ def test_split_bias_matches_loops(num_heads, q_start, q_len, k_len):
 def test_asymmetric_bias_matches_loops(num_heads, q_start, q_len, k_len):
     left = torch.rand(num_heads) + 0.01
     right = torch.rand(num_heads) + 0.01
-    got = alibi.asymmetric_bias(left, right, q_len, k_len, q_start=q_start)
+    both = alibi.head_directions("learned", num_heads)
+    got = alibi.alibi_bias((left, right), q_len, k_len, both, q_start=q_start)
     want = naive_asymmetric(left.tolist(), right.tolist(), q_len, k_len, q_start)
     torch.testing.assert_close(got, want)
     # equal sides reduce to the symmetric bias
     torch.testing.assert_close(
-        alibi.asymmetric_bias(left, left, q_len, k_len, q_start=q_start),
+        alibi.alibi_bias((left, left), q_len, k_len, both, q_start=q_start),
         symmetric_bias(left, q_len, k_len, q_start=q_start),
     )
 

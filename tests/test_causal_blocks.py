@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
-import fairseq_alibi  # noqa: F401  (registers the models)
+import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from conftest import causal_bias
 from fairseq_alibi import alibi
 from fairseq_alibi import kernels as K

@@ -522,7 +522,7 @@ def test_hydra_train_help_is_short_and_help_all_is_hydras():
 def parse_arch(arch, data_dir="unused-data-dir"):
     from fairseq import options
 
-    import fairseq_alibi  # noqa: F401
+    import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 
     argv = [str(data_dir), "--task", "language_modeling", "--arch", arch,
             "--tokens-per-sample", "512"]
@@ -537,7 +537,7 @@ def test_every_stock_lm_arch_has_an_alibi_twin():
     """Each twin parses to exactly the stock arch's settings, positions off."""
     from fairseq.models import ARCH_MODEL_NAME_REGISTRY
 
-    import fairseq_alibi  # noqa: F401  (registers the twins)
+    import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 
     stock = sorted(a for a, m in ARCH_MODEL_NAME_REGISTRY.items() if m == "transformer_lm")
     assert "transformer_lm_wiki103" in stock and len(stock) > 5

@@ -24,8 +24,10 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, cli_env, fork_layout
 from fairseq_alibi import alibi, attention, hf
-from fairseq_alibi.configuration_alibi import AlibiLMConfig, AlibiScalingError, scaling_from_hf, scaling_to_hf
-from fairseq_alibi.errors import ConfigError, ExportError
+from fairseq_alibi.alibi import ScalingError
+from fairseq_alibi.configuration_alibi import AlibiLMConfig
+from fairseq_alibi.errors import ConfigError, ExportError, HFLoadError
+from fairseq_alibi.evaluation.hf_backend import token_log_probs
 from fairseq_alibi.export import main as export_main
 from fairseq_alibi.export import writer
 from fairseq_alibi.modeling_alibi import AlibiForCausalLM
@@ -53,7 +55,7 @@ VARIANTS = {
                         "--scale-resids", "--activation-fn", "tanh"],
 }
 #: Every context-extension method, static and dynamic.
-METHODS = ["none", "linear:2", "linear", "ntk:3", "ntk", "cap", "cap:0.5"]
+METHODS = ["none", "linear:2", "linear", "ntk:3", "ntk", "cap", "cap:0.5", "log", "log:0.5:1", "capnorm"]
 BLOOM_ARGS = ["--arch", "transformer_lm_bloom_alibi", "--decoder-ffn-embed-dim", str(4 * DIM)]
 
 
@@ -68,7 +70,7 @@ def data_dir(tmp_path_factory) -> Path:
 
 def build(data_dir, extra, seed: int = 0, std: float = 0.4):
     """(fairseq model in eval mode, cfg) as fairseq-train builds them, random weights."""
-    import fairseq_alibi  # noqa: F401
+    import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
@@ -236,18 +238,20 @@ def test_scaling_set_at_export_and_at_load_time(data_dir, tmp_path):
     assert max_diff(hf_log_probs(loaded, ids), fairseq_log_probs(model, ids, dynamic)) < 1e-4
     override = AlibiForCausalLM.from_pretrained(out, alibi_scaling={"type": "cap", "factor": 2.0}).eval()
     assert max_diff(hf_log_probs(override, ids), fairseq_log_probs(model, ids, alibi.Scaling("cap", 2.0, L))) < 1e-4
-    with pytest.raises(AlibiScalingError, match=r"^alibi_scaling=\{'type': 'ntk'\} is not valid; .*exactly one"):
+    with pytest.raises(ScalingError, match=r"^alibi_scaling=\{'type': 'ntk'\} is not valid; .*exactly one"):
         AlibiForCausalLM.from_pretrained(out, alibi_scaling={"type": "ntk"})
 
 
 @pytest.mark.parametrize("spelling", METHODS)
 def test_alibi_scaling_dictionary_round_trips(spelling):
     scaling = alibi.Scaling.parse(spelling, L).complete()
-    assert scaling_from_hf(scaling_to_hf(scaling), L) == scaling
+    assert alibi.Scaling.from_hf(scaling.to_hf(), L) == scaling
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"type": "rope", "factor": 2}, "type must be one of none, linear, ntk, cap"),
+    ({"type": "rope", "factor": 2}, "type must be one of none, linear, ntk, cap, log, capnorm"),
+    ({"type": "cap", "factor": 1, "alpha": 0.5}, "only type 'log' takes alpha"),
+    ({"type": "log", "factor": 1, "alpha": 0}, "alpha=0"),
     ({"type": "linear", "factor": 2, "train_seq_len": 8}, "exactly one of them"),
     ({"type": "linear", "factor": 0.5}, "factor must be a number >= 1"),
     ({"type": "cap", "train_seq_len": 8}, "cap takes"),
@@ -256,8 +260,8 @@ def test_alibi_scaling_dictionary_round_trips(spelling):
     ("linear", "give a dictionary"),
 ])
 def test_bad_alibi_scaling_is_one_line_naming_it(value, message):
-    with pytest.raises(AlibiScalingError, match=message) as error:
-        scaling_from_hf(value, L)
+    with pytest.raises(ScalingError, match=message) as error:
+        alibi.Scaling.from_hf(value, L)
     assert str(error.value).startswith("alibi_scaling=") and "\n" not in str(error.value)
 
 
@@ -640,7 +644,7 @@ def test_hf_loads_exported_models_with_its_own_class_and_scales_them(data_dir, t
     assert torch.equal(hf.base_slopes(loaded), alibi.get_slopes(HEADS))
     ids = tokens(4 * L)
     with hf.alibi_scaling(loaded, "ntk", 0):
-        scaled = hf.token_log_probs(loaded, ids[0])
+        scaled = token_log_probs(loaded, ids[0])
         assert hf.alibi_scaling_settings(loaded)["method"] == "ntk"
     expected = fairseq_log_probs(model, ids, alibi.Scaling("ntk", 0, L))[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
     assert max_diff(scaled, expected) < 1e-4
@@ -654,7 +658,7 @@ def test_hf_refuses_other_custom_code_models_in_one_line(tmp_path):
                          ("unknown", {"model_type": "my_secret_lm"})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
-        with pytest.raises(hf.HFLoadError, match="runs no code from model directories") as error:
+        with pytest.raises(HFLoadError, match="runs no code from model directories") as error:
             hf.load_hf_model(str(tmp_path / name))
         assert "\n" not in str(error.value)
 

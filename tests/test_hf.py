@@ -33,6 +33,9 @@ from transformers.models.falcon import modeling_falcon  # noqa: E402
 from transformers.models.mpt import modeling_mpt  # noqa: E402
 
 from fairseq_alibi import hf  # noqa: E402
+from fairseq_alibi.errors import HFLoadError  # noqa: E402
+from fairseq_alibi.evaluation import hf_backend  # noqa: E402
+from fairseq_alibi.evaluation.hf_backend import token_log_probs  # noqa: E402
 
 VOCAB = 60
 TRAIN_LENGTH = 16  # training length assumed by the dynamic-scaling tests
@@ -369,7 +372,7 @@ def test_unsupported_models_are_refused():
         (dict(method="cap", factor=2.0), "train_length=None is not valid; cap needs"),
         (dict(method="ntk", factor=2.0, train_length=0), "train_length=0 is not valid"),
         (dict(method="ntk", factor=2.0, bias_form="absolute"), "bias_form='absolute' is not valid"),
-        (dict(method="cap", factor=2.0, train_length=8, bias_form="upstream"), "cannot cap distances"),
+        (dict(method="cap", factor=2.0, train_length=8, bias_form="upstream"), "cannot transform distances"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, message):
@@ -585,7 +588,7 @@ def test_mpt_refuses_inputs_longer_than_max_seq_len_and_the_scaled_model_takes_t
     hf.apply_alibi_scaling(model, "linear", 1.5)
     assert max_diff(logits(model, ids), reference) < 1e-4
     assert max_diff(incremental_logits(model, ids, prefix=30), reference) < 1e-4
-    assert hf.token_log_probs(model, ids[0]).shape == (47,)
+    assert token_log_probs(model, ids[0]).shape == (47,)
 
 
 # ---------------------------------------------------------------------------
@@ -629,13 +632,13 @@ def test_load_hf_model_reads_a_saved_directory_offline(family, tmp_path, monkeyp
 
 
 def test_load_hf_model_errors_are_one_clear_line(tmp_path):
-    with pytest.raises(hf.HFLoadError, match="missing not found") as missing:
+    with pytest.raises(HFLoadError, match="missing not found") as missing:
         hf.load_hf_model(str(tmp_path / "missing"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(hf.HFLoadError, match="cannot load Hugging Face model .*config.json") as unreadable:
+    with pytest.raises(HFLoadError, match="cannot load Hugging Face model .*config.json") as unreadable:
         hf.load_hf_model(str(empty))
-    with pytest.raises(hf.HFLoadError, match="unknown dtype 'half8'"):
+    with pytest.raises(HFLoadError, match="unknown dtype 'half8'"):
         hf.load_hf_model(str(empty), dtype="half8")
     for error in (missing, unreadable):
         assert "\n" not in str(error.value) and str(tmp_path) in str(error.value)
@@ -646,7 +649,7 @@ def test_load_hf_model_of_a_hub_name_offline_says_what_to_do(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never touch the network
     message = "'fairseq-alibi-tests/no-such-model'.*network.*pass its directory"
-    with pytest.raises(hf.HFLoadError, match=message) as error:
+    with pytest.raises(HFLoadError, match=message) as error:
         hf.load_hf_model("fairseq-alibi-tests/no-such-model")
     assert "\n" not in str(error.value)
 
@@ -663,17 +666,17 @@ def test_token_log_probs_equal_the_full_logits():
     model = make_model("bloom")
     ids = tokens(30, batch=1)
     expected = torch.log_softmax(logits(model, ids)[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
-    chunked = hf.token_log_probs(model, ids, chunk=7)  # [1, T] input, several chunks
+    chunked = token_log_probs(model, ids, chunk=7)  # [1, T] input, several chunks
     assert chunked.shape == (29,) and chunked.dtype == torch.float32
     assert max_diff(chunked, expected) < 1e-5
-    assert max_diff(hf.token_log_probs(model, ids[0]), expected) < 1e-5
+    assert max_diff(token_log_probs(model, ids[0]), expected) < 1e-5
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=32)).eval()
     expected = torch.log_softmax(logits(gpt2, ids)[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
-    assert max_diff(hf.token_log_probs(gpt2, ids), expected) < 1e-5  # any causal LM
+    assert max_diff(token_log_probs(gpt2, ids), expected) < 1e-5  # any causal LM
     with pytest.raises(ValueError, match="no language-model head"):
-        hf.token_log_probs(model.base_model, ids)
+        token_log_probs(model.base_model, ids)
     with pytest.raises(ValueError, match="one sequence"):
-        hf.token_log_probs(model, tokens(30, batch=2))
+        token_log_probs(model, tokens(30, batch=2))
 
 
 # ---------------------------------------------------------------------------
@@ -745,7 +748,7 @@ def test_sweep_hf_model_on_a_text_file(saved_mpt, monkeypatch):
     assert by[("none", "sliding", 2 * TRAIN_LENGTH)]["tokens"] == ids.numel() - 1
     # re-run: every cell reused
     calls = []
-    monkeypatch.setattr(hf, "token_log_probs", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(hf_backend, "token_log_probs", lambda *a, **k: calls.append(a))
     assert perplexity.main(argv) == 0 and calls == []
 
 
@@ -847,3 +850,14 @@ def test_retrieval_hf_model_on_jsonl_prompts(saved_mpt, tmp_path, monkeypatch, c
     with pytest.raises(SystemExit) as exit_info:
         retrieval.main([*argv[:4], "--output-dir", str(tmp_path / "o2"), "--cpu"])
     assert exit_info.value.code == 1 and "zebra" in capsys.readouterr().err
+
+
+def test_importing_the_hf_side_leaves_fairseq_alone():
+    """An HF user pays no fairseq import and gets no patch applied to it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fairseq_alibi.hf; from fairseq_alibi.hf import apply_alibi_scaling; "
+            "print(sorted(m for m in sys.modules if m == 'fairseq' or m.startswith(('fairseq.', 'fairseq_cli'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

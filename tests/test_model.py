@@ -5,7 +5,7 @@ import torch
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-import fairseq_alibi  # noqa: F401  (registers the models)
+import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from fairseq_alibi.models.facts import UNBOUNDED_POSITIONS
 
 

@@ -91,7 +91,7 @@ def load(path, overrides):
     """The checkpoint as a plain nn.Module, with fairseq's own loader (no plugin code path)."""
     from fairseq import checkpoint_utils
 
-    import fairseq_alibi  # noqa: F401
+    import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 
     models, _ = checkpoint_utils.load_model_ensemble([str(path)], arg_overrides=overrides)
     return models[0].eval()

@@ -17,7 +17,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import fairseq_alibi  # noqa: F401  (installs the loader hooks)
+import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from conftest import Payload, error_lines, preprocess, run_cli, tool
 from fairseq_alibi import errors, safe_load
 from fairseq_alibi.safe_load import CorruptCheckpointError, UnsafeCheckpointError

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     from fairseq import checkpoint_utils
     from fairseq.data import data_utils
 
-    import fairseq_alibi  # noqa: F401  (registers the models)
+    import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
     from fairseq_alibi.attention import biases, rescale
     from fairseq_alibi.evaluation.runner import parse_methods
 

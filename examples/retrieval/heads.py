@@ -35,14 +35,15 @@ def main(argv=None) -> int:
                    help="print only the K heads with the most mass at the first length (default: all)")
     args = p.parse_args(argv)
 
-    import fairseq_alibi  # noqa: F401
+    import fairseq_alibi.models  # noqa: F401  (registers the models)
     from fairseq import checkpoint_utils
+    from fairseq_alibi import alibi
     from fairseq_alibi.evaluation import prompts as P
-    from fairseq_alibi.evaluation.runner import method_overrides, parse_methods
+    from fairseq_alibi.evaluation.runner import parse_methods
 
     lengths = [int(x) for x in args.lengths.split(",")]
     for method in parse_methods(args.methods):
-        overrides = dict(method_overrides(method), data=args.data)
+        overrides = dict(method.config_values(), data=args.data)
         models, _ = checkpoint_utils.load_model_ensemble([args.checkpoint], arg_overrides=overrides)
         model = models[0].eval()
         d = model.decoder.dictionary
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         layers = model.decoder.layers
         heads = layers[0].self_attn.num_heads
         bias = model.decoder.alibi  # the stack's bias under this method
-        base, cap = bias.base_slopes, bias.scaling.distance_cap
+        base = bias.base_slopes
         captured = {}
 
         def hook(index):
@@ -90,10 +91,8 @@ def main(argv=None) -> int:
                     q = attn.q_proj(x[qpos:qpos + 1]).view(1, heads, hd).transpose(0, 1)  # [H, 1, D]
                     k = attn.k_proj(x[:qpos + 1]).view(qpos + 1, heads, hd).transpose(0, 1)  # [H, T, D]
                     scores = (q @ k.transpose(1, 2))[:, 0] / math.sqrt(hd)  # [H, T]
-                    dist = torch.arange(qpos, -1, -1, dtype=torch.float32)
-                    if cap is not None:
-                        dist = dist.clamp(max=cap)
-                    scores = scores - slopes[:, None] * dist[None, :]
+                    scores = scores + alibi.bias(slopes[:, None], torch.tensor(qpos), torch.arange(qpos + 1),
+                                                 bias.scaling)
                     w = torch.softmax(scores, dim=-1)
                     mass[n][li] += w[:, span].sum(-1) / args.samples
             far_bias[n] = (sum(distances) / len(distances), slopes)
@@ -103,6 +102,7 @@ def main(argv=None) -> int:
               f"predicting the answer ({args.samples} prompts per length)")
         n_max = max(lengths)
         mean_distance, slopes_max = far_bias[n_max]
+        far = alibi.bias(slopes_max, torch.tensor(float(mean_distance)), torch.tensor(0.0), bias.scaling)
         print("| layer | head | slope | " + " | ".join(f"mass at {n}" for n in lengths)
               + f" | slope at {n_max} | bias at mean distance {mean_distance:.0f} |")
         print("|---|---|---|" + "---|" * len(lengths) + "---|---|")
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
         for li, h in cells:
             print(f"| {li + 1} | {h + 1} | {base[h]:.4g} | "
                   + " | ".join(f"{mass[n][li, h]:.2f}" for n in lengths)
-                  + f" | {slopes_max[h]:.4g} | {-slopes_max[h] * min(mean_distance, cap or mean_distance):.2f} |")
+                  + f" | {slopes_max[h]:.4g} | {far[h]:.2f} |")
         for n in lengths:
             per = digit_hits[n]
             print(f"length {n}: greedy answer token correct (teacher-forced) "

@@ -23,11 +23,11 @@ from __future__ import annotations
 import os
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-from ..alibi import Scaling, ScalingError
+from ..alibi import Scaling
 from ..errors import EvaluationError
 from .prompts import Vocabulary
 from .runner import (
-    Described, ModelInfo, answer_result, check_checkpoint_paths, file_identity, method_overrides, parse_named,
+    Described, ModelInfo, answer_result, check_checkpoint_paths, file_identity, parse_named,
 )
 
 
@@ -92,6 +92,9 @@ class FairseqBackend:
     """Checkpoints of fairseq language models, evaluated on a ``fairseq-preprocess``
     directory (its dictionary; with ``subset``, that split's text for perplexity)."""
 
+    #: Said when a method needs a training length the model does not record.
+    train_length_hint = " (the checkpoint records no training length: no alibi_train_length or tokens_per_sample)"
+
     def __init__(self, args, subset: Optional[str] = None):
         if getattr(args, "train_length", None) is not None or getattr(args, "dtype", None) is not None:
             raise EvaluationError("--train-length and --dtype apply to --hf models only: a fairseq checkpoint "
@@ -130,7 +133,7 @@ class FairseqBackend:
     def describe(self, name: str, path: str) -> Described:
         """Read the checkpoint (once: its state is kept for ``load``); refuse
         anything but a causal language model."""
-        import fairseq_alibi  # noqa: F401  (registers the ALiBi models)
+        import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
         from fairseq import checkpoint_utils, tasks
 
         from ..models import facts
@@ -191,16 +194,13 @@ class FairseqModel:
         self.method = Scaling()
 
     def use(self, method: Scaling) -> None:
-        """Evaluate under ``method`` from now on: the ALiBi biases rescaled in place
-        (the same numbers as loading with the method's ``--model-overrides``)."""
-        from ..attention import biases
+        """Evaluate under ``method`` (complete: the runner's ``methods_for``) from
+        now on: the ALiBi biases rescaled in place (the same numbers as loading
+        with the method's ``--model-overrides``)."""
+        from ..attention import rescale
 
         if self.info.alibi:
-            for bias in biases(self.model):
-                try:
-                    bias.rescale(Scaling(method.method, method.factor, bias.scaling.train_length))
-                except ScalingError as exc:
-                    raise EvaluationError(f"{self.info.name}: {method.label}: {exc.reason}") from None
+            rescale(self.model, method)
         elif method.method != "none":
             raise EvaluationError(f"{self.info.name}: context-extension methods apply to ALiBi models only")
         self.method = method
@@ -209,9 +209,7 @@ class FairseqModel:
         self.model = None
 
     def effective_factor(self, length: int) -> float:
-        if not self.info.alibi:
-            return 1.0
-        return Scaling(self.method.method, self.method.factor, self.info.train_length).factor_at(length)
+        return self.method.factor_at(length)
 
     def answer_scores(self, batch: Sequence[Tuple[List[int], List[int]]]) -> List[Tuple[bool, float, List[int]]]:
         """(greedy exact match, mean answer log-prob, greedy ids) of equal-length
@@ -249,7 +247,7 @@ class FairseqModel:
         return expected, scored_windows(self.model, self.use_cuda, cfg, task, dataset, length - stride, skip_bos)
 
     def _eval_lm_args(self, length, stride, max_tokens, batch_size) -> tuple:
-        overrides = {**method_overrides(self.method)} if self.info.alibi else self.overrides
+        overrides = self.method.config_values() if self.info.alibi else self.overrides
         b = self.backend
         return (b.data, self.info.path, length, overrides, length - stride, b.subset, max_tokens, batch_size, b.cpu)
 

@@ -70,6 +70,9 @@ class HFEncoder:
 class HFBackend:
     """Hugging Face causal LMs with ALiBi; for perplexity (``text_file``) DATA is a text file."""
 
+    #: Said when a method needs a training length the model's config does not record.
+    train_length_hint = " (the model's config does not record its training length: pass --train-length L)"
+
     def __init__(self, args, text_file: bool):
         self.cpu, self.dtype, self.train_length = args.cpu, args.dtype, args.train_length
         self.quiet = getattr(args, "no_progress", False)
@@ -111,7 +114,7 @@ class HFBackend:
 
         model, _ = hf.load_hf_model(described.info.path, device="cpu" if self.cpu else _device(),
                                     dtype=self.dtype, progress=not self.quiet)
-        hf._resolve(model)  # a Falcon loaded with flash attention is refused before any cell runs
+        hf.resolve(model)  # a Falcon loaded with flash attention is refused before any cell runs
         return HFModel(described, model, self.text)
 
 
@@ -145,15 +148,10 @@ class HFModel:
         self.tokens = None
 
     def use(self, method: Scaling) -> None:
+        """Evaluate under ``method`` (complete: the runner's ``methods_for``) from now on."""
         from .. import hf
 
-        scaling = Scaling(method.method, method.factor, self.info.train_length)
-        if scaling.needs_train_length and scaling.train_length is None:
-            raise EvaluationError(
-                f"{self.info.name}: {method.label} needs the training length, which the model's config "
-                "does not record; pass --train-length L"
-            )
-        hf.apply_alibi_scaling(self.model, scaling)
+        hf.apply_alibi_scaling(self.model, method)
         self.method = method
 
     def close(self) -> None:
@@ -163,7 +161,7 @@ class HFModel:
         self.model = None
 
     def effective_factor(self, length: int) -> float:
-        return Scaling(self.method.method, self.method.factor, self.info.train_length).factor_at(length)
+        return self.method.factor_at(length)
 
     def answer_scores(self, batch: Sequence[Tuple[List[int], List[int]]]) -> List[Tuple[bool, float, List[int]]]:
         """Greedy exact match and the answer's mean log-probability, one teacher-forced
@@ -172,7 +170,7 @@ class HFModel:
 
         from .. import hf
 
-        _, base = hf._resolve(self.model)
+        _, base = hf.resolve(self.model)
         head = self.model.get_output_embeddings()
         device = next(self.model.parameters()).device
         out = []
@@ -207,7 +205,7 @@ class HFModel:
         while end < n:
             new_end = min(end + stride, n)  # this window scores tokens end .. new_end - 1
             begin = max(0, end - 1 - context)  # its inputs: begin .. new_end - 2
-            logprobs = hf.token_log_probs(self.model, tokens[begin: new_end - 1], next_token=int(tokens[new_end - 1]))
+            logprobs = token_log_probs(self.model, tokens[begin: new_end - 1], next_token=int(tokens[new_end - 1]))
             scored = logprobs[-(new_end - end):]
             yield scored, torch.arange(logprobs.numel() - scored.numel(), logprobs.numel())
             end = new_end
@@ -215,3 +213,51 @@ class HFModel:
     def command(self, length: int, stride: int, **unused) -> str:
         return (f"alibi-sweep TEXT --hf {self.info.name}={self.info.path} --lengths {length}"
                 + (f" --modes sliding --stride {stride}" if stride != length else ""))
+
+
+def token_log_probs(model, input_ids, chunk: int = 1024, next_token: Optional[int] = None):
+    """float32 ``[T-1]``: log-probability of each next token, teacher-forced, one forward.
+
+    ``input_ids`` is ``[T]`` or ``[1, T]`` (a tensor or a list of ids).  With ``next_token`` (the token
+    after the input) the result is ``[T]``: the last position's prediction is
+    scored too, so a window of T tokens scores T of them over T keys (what a
+    fairseq LM window does).  For BLOOM, MPT and Falcon the
+    vocabulary projection runs ``chunk`` positions at a time, so long inputs do
+    not materialize ``T x vocab`` logits in float32 at once.
+    """
+    import torch
+
+    from .. import hf
+    from ..errors import UnsupportedModelError
+
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long) if not isinstance(input_ids, torch.Tensor) else input_ids
+    if input_ids.dim() == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"token_log_probs takes one sequence, got a batch of {input_ids.shape[0]}")
+        input_ids = input_ids[0]
+    if input_ids.dim() != 1 or input_ids.numel() < (1 if next_token is not None else 2):
+        raise ValueError(f"token_log_probs needs a [T] sequence of at least 2 tokens, got {tuple(input_ids.shape)}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no language-model head; load it with AutoModelForCausalLM")
+    device = next(model.parameters()).device
+    tokens = input_ids.to(device)[None, :]
+    targets = tokens[0, 1:]
+    keep = tokens.shape[1] - 1  # positions whose prediction is scored
+    if next_token is not None:
+        targets = torch.cat([targets, torch.tensor([next_token], device=device)])
+        keep += 1
+    try:
+        family, base = hf.resolve(model)
+    except UnsupportedModelError:
+        family = None
+    with torch.inference_mode():
+        if family is None:  # any other causal LM: its own logits
+            logits = model(input_ids=tokens, use_cache=False).logits[0, :keep].float()
+            return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0].cpu()
+        hidden = base(input_ids=tokens, use_cache=False).last_hidden_state[0, :keep]
+        pieces = []
+        for start in range(0, hidden.shape[0], chunk):
+            logits = head(hidden[start : start + chunk]).float()
+            pieces.append(logits.log_softmax(-1).gather(-1, targets[start : start + chunk, None])[:, 0])
+        return torch.cat(pieces).cpu()

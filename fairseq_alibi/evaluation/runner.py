@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..alibi import Scaling, ScalingError
+from ..alibi import METHOD_SYNTAX, Scaling, ScalingError
 from ..errors import EvaluationError, no_space, not_a_file, report_errors
 
 logger = logging.getLogger("fairseq_alibi.evaluation")
@@ -41,7 +41,8 @@ MAX_LENGTH = 2**31 - 1  # fairseq's block code counts tokens in int32 (models.co
 
 
 def parse_methods(spec: str) -> List[Scaling]:
-    """``none,linear:2,linear,ntk:4,cap:0.5`` -> methods (order kept, duplicates dropped)."""
+    """``none,linear:2,linear,ntk:4,cap:0.5`` -> methods (order kept, duplicates
+    dropped), without a training length: each model's is added by :func:`methods_for`."""
     methods: List[Scaling] = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
@@ -49,10 +50,8 @@ def parse_methods(spec: str) -> List[Scaling]:
         try:
             method = Scaling.parse(item)
         except ScalingError as exc:
-            what = "unknown method" if exc.field == "method" else "bad factor in method"
-            raise EvaluationError(
-                f"{what} {item!r} ({exc.reason}): use none, linear[:F|:dynamic], ntk[:F|:dynamic] or cap[:F]"
-            ) from None
+            what = {"method": "unknown method", "alpha": "bad alpha in method"}.get(exc.field, "bad factor in method")
+            raise EvaluationError(f"{what} {item!r} ({exc.reason}): use {METHOD_SYNTAX}") from None
         if method not in methods:
             methods.append(method)
     if not methods:
@@ -60,9 +59,18 @@ def parse_methods(spec: str) -> List[Scaling]:
     return methods
 
 
-def method_overrides(method: Scaling) -> dict:
-    """The ``--model-overrides`` entries that select ``method`` (for the record)."""
-    return {"alibi_interpolation": method.method, "alibi_scale_factor": 0.0 if method.method == "none" else method.factor}
+def methods_for(info: "ModelInfo", methods: Sequence[Scaling], hint: str) -> List[Scaling]:
+    """The methods of one model, complete with its training length: every
+    method for an ALiBi model; ``none`` only for any other (no slopes to scale)."""
+    if not info.alibi:
+        return [Scaling()]
+    out = []
+    for method in methods:
+        try:
+            out.append(method.with_train_length(info.train_length).complete())
+        except ScalingError as exc:
+            raise EvaluationError(f"{info.name}: {method.spelling}: {exc.reason}{hint}") from None
+    return out
 
 
 def parse_lengths(spec: str) -> List[Tuple[str, float]]:
@@ -311,11 +319,6 @@ class Plan:
     cells: List[Cell] = field(default_factory=list)
 
 
-def usable_methods(info: ModelInfo, methods: Sequence[Scaling]) -> List[Scaling]:
-    """Every method for an ALiBi model; ``none`` only for any other (no slopes to scale)."""
-    return list(methods) if info.alibi else [Scaling()]
-
-
 def progress(total: int, initial: int, desc: str, disable: bool):
     from tqdm import tqdm
 
@@ -359,8 +362,7 @@ def add_grid_arguments(parser, output_dir: str) -> None:
     parser.add_argument("--dtype", default=None,
                         help="with --hf: float32 | bfloat16 | float16 (default: the model's)")
     parser.add_argument("--methods", default=DEFAULT_METHODS,
-                        help="none | linear[:F|:dynamic] | ntk[:F|:dynamic] | cap[:F], comma-separated "
-                        "(default: %(default)s)")
+                        help=f"{METHOD_SYNTAX}, comma-separated (default: %(default)s)")
     parser.add_argument("--output-dir", "-o", default=output_dir, help="(default: %(default)s)")
     parser.add_argument("--cpu", action="store_true", help="evaluate on CPU even if CUDA is available")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -397,9 +399,11 @@ def run(args, methods: List[Scaling], measure, backend) -> List[dict]:
     prepare_output_dir(args.output_dir)
     with OutputLock(args.output_dir, measure.tool):
         described = [backend.describe(name, source) for name, source in specs]
-        plans = [Plan(d, usable_methods(d.info, methods), measure.cells(d)) for d in described]
+        plans = [Plan(d, methods_for(d.info, methods, backend.train_length_hint), measure.cells(d))
+                 for d in described]
         for d, plan in zip(described, plans):
-            skipped = [m.spelling for m in methods if m not in plan.methods]
+            kept = {m.key for m in plan.methods}
+            skipped = [m.spelling for m in methods if m.key not in kept]
             if skipped:
                 logger.warning("%s (%s) is not an ALiBi model: %s do(es) not apply to it; it is evaluated with "
                                "'none' only", d.info.name, d.info.model, ", ".join(skipped))
@@ -429,12 +433,12 @@ def run(args, methods: List[Scaling], measure, backend) -> List[dict]:
 
 def key_of(plan: Plan, method: Scaling, cell: Cell) -> tuple:
     """The store key of a planned cell ..."""
-    return (plan.described.info.name, method.method, float(method.factor)) + tuple(cell.key)
+    return (plan.described.info.name,) + method.key + tuple(cell.key)
 
 
 def record_key(record: dict, measure) -> tuple:
     """... and of a finished one: the same tuple."""
-    return (record["checkpoint"], record["method"], float(record["factor"])) + tuple(measure.cell_key(record))
+    return (record["checkpoint"],) + Scaling.from_record(record).key + tuple(measure.cell_key(record))
 
 
 def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure, backend, store, identity, meta, bar) -> None:
@@ -452,6 +456,8 @@ def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure, backend, s
             record.update(checkpoint=info.name, path=info.path, model=info.model, method=method.method,
                           factor=float(method.factor), label=method.label, train_length=info.train_length,
                           identity=identity)
+            if method.alpha is not None:
+                record["alpha"] = method.alpha
             store.put(record, meta)  # the resume point, after every cell
             bar.update(1)
             bar.write(measure.log_line(record))
@@ -461,8 +467,8 @@ def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure, backend, s
 
 def method_rank(methods: Iterable[Scaling]) -> Callable[[dict], int]:
     """Sort key of a record's method in the order the user gave (others after them)."""
-    order = {(m.method, float(m.factor)): i for i, m in enumerate(methods)}
-    return lambda cell: order.get((cell["method"], float(cell["factor"])), len(order))
+    order = {m.key: i for i, m in enumerate(methods)}
+    return lambda cell: order.get(Scaling.from_record(cell).key, len(order))
 
 
 def check_checkpoint_paths(pairs: Sequence[Tuple[str, str]]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Dict, FrozenSet, Set
 
-from ..configuration_alibi import AlibiLMConfig, scaling_to_hf
+from ..configuration_alibi import AlibiLMConfig
 from ..errors import ExportError
 from ..modeling_alibi import ACTIVATIONS, AlibiForCausalLM
 
@@ -103,7 +103,7 @@ def shared_groups(model, rename: Callable[[str], str]) -> Set[FrozenSet[str]]:
 
 def build_custom(source, scaling) -> AlibiForCausalLM:
     """The exported model, weights loaded, ties checked against fairseq's."""
-    config = AlibiLMConfig(**describe(source), alibi_scaling=scaling_to_hf(scaling),
+    config = AlibiLMConfig(**describe(source), alibi_scaling=scaling.to_hf(),
                            architectures=["AlibiForCausalLM"], auto_map=dict(AUTO_MAP))
     model = AlibiForCausalLM(config).eval()
     missing, unexpected = model.load_state_dict(hf_weights(source.model), strict=False)

@@ -1,9 +1,9 @@
 """The ALiBi config fields of the plugin's models, and their one reader.
 
 ``AlibiConfig`` declares the fields every stack shares; ``AlibiEncoderConfig``
-adds the encoders' own.  :func:`scaling_from_config` turns the fields into the
-one scaling spec (``alibi.Scaling``), re-wording its errors with the config
-keys, and :func:`check_override_keys` checks model overrides (hub keywords):
+adds the encoders' own.  ``alibi.Scaling.from_config`` reads the scaling fields
+(its errors name the config keys), :func:`build_bias` makes a stack's bias
+from them, and :func:`check_override_keys` checks model overrides (hub keywords):
 ``alibi*`` values by declared type, fairseq's integer options by range
 (:data:`INTEGER_OPTIONS`, the table the console scripts check their flags
 with), and a key that would change nothing is warned about.
@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 
 from fairseq.dataclass import FairseqDataclass
 
-from ..alibi import BIDIRECTIONAL_MODES, METHODS, Scaling, ScalingError
+from ..alibi import BIDIRECTIONAL_MODES, CONFIG_KEYS, DEFAULT_LOG_ALPHA, METHODS, Scaling, ScalingError
 from ..bias import AlibiBias
 from ..errors import ConfigError, closest, warn_once
 from ..kernels import KERNEL_NAMES
@@ -32,11 +32,14 @@ def option(default, help: str):
 class AlibiConfig(FairseqDataclass):
     alibi_interpolation: str = option(
         "none", f"context extension at evaluation: {' | '.join(METHODS)} (linear: every slope / factor; ntk: "
-        "steepest head kept, flattest / factor, geometric in between; cap: every distance above "
-        "factor x alibi_train_length counted as that distance, LM-Infinite)")
+        "steepest head kept, flattest / factor, geometric in between; past C = factor x alibi_train_length: "
+        "cap: every distance counted as C (LM-Infinite); log: C + alpha C ln(distance / C); capnorm: the cap "
+        "with the far keys' total weight held at that of C keys)")
     alibi_scale_factor: float = option(
         0.0, "linear/ntk: 0 = dynamic, max(1, length / alibi_train_length), otherwise a static factor >= 1; "
-        "cap: the cap in training lengths (any > 0; 0 = 1)")
+        "cap/log/capnorm: C in training lengths (any > 0; 0 = 1)")
+    alibi_log_alpha: Optional[float] = option(
+        None, f"log only: the tail's growth alpha (> 0; default {DEFAULT_LOG_ALPHA:g})")
     alibi_attention: str = option("auto", f"attention kernel: {' | '.join(KERNEL_NAMES)} (docs/performance.md)")
 
 
@@ -55,20 +58,17 @@ class AlibiEncoderConfig(AlibiConfig):
 
 #: Every ``alibi_*`` field of the plugin's models (override keys, hub keywords).
 ALIBI_FIELDS = tuple(f.name for f in dataclasses.fields(AlibiEncoderConfig) if f.name.startswith("alibi_"))
-#: The config key of each field of the scaling spec.
-SCALING_KEYS = {"method": "alibi_interpolation", "factor": "alibi_scale_factor", "train_length": "alibi_train_length"}
 
 
 def scaling_from_config(args) -> Scaling:
-    """The scaling spec of a model config (resolved fields); ``ConfigError``
-    naming the key for an invalid value, a warning for a factor ``none`` ignores."""
-    method = getattr(args, "alibi_interpolation", "none")
-    factor = getattr(args, "alibi_scale_factor", 0.0)
+    """The complete scaling spec of a model config (``Scaling.from_config``):
+    ``ConfigError`` for an invalid value, a warning for a factor ``none`` ignores."""
     try:
-        scaling = Scaling(method, factor, getattr(args, "alibi_train_length", None)).complete()
+        scaling = Scaling.from_config(args).complete()
     except ScalingError as exc:
-        raise ConfigError(f"{SCALING_KEYS[exc.field]}={exc.value!r} is not valid; {exc.reason}") from None
-    if method == "none" and factor not in (0, 1):
+        raise ConfigError(str(exc.renamed(CONFIG_KEYS))) from None
+    factor = getattr(args, CONFIG_KEYS["factor"], 0.0)
+    if scaling.method == "none" and factor not in (0, 1):
         warn_once(
             f"alibi_scale_factor={factor!r} has no effect with alibi_interpolation='none'; "
             "set alibi_interpolation to linear, ntk or cap"
@@ -190,6 +190,25 @@ def _warn_ineffective(overrides: dict, cfg) -> None:
             hint = closest(key, [k for k in known if isinstance(k, str)]) if isinstance(key, str) else ""
         warn_once(f"ignored model override {key!r}: the checkpoint's config ({name}) has no such option, "
                   f"so it would change nothing{hint}")
+
+
+#: The ALiBi fields every ALiBi model has (a checkpoint older than one of them lacks it).
+SHARED_FIELDS = tuple(f.name for f in dataclasses.fields(AlibiConfig))
+
+
+def adopt_new_fields(overrides, cfg) -> None:
+    """Add to an ALiBi checkpoint's model config the shared ALiBi fields that
+    ``overrides`` set and it predates (``alibi_log_alpha``): fairseq sets only
+    keys a config already has, and would drop them silently."""
+    from omegaconf import DictConfig, open_dict
+
+    model = getattr(cfg, "model", None)
+    if not isinstance(overrides, dict) or not isinstance(model, DictConfig) or "alibi_interpolation" not in model:
+        return
+    with open_dict(model):
+        for key in SHARED_FIELDS:
+            if key in overrides and key not in model:
+                model[key] = None
 
 
 def check_override_keys(overrides, cfg=None) -> None:

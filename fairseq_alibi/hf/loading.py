@@ -1,0 +1,161 @@
+"""Loading Hugging Face causal LMs safely: local directories, hub names, exported models.
+
+A directory written by ``alibi-export-hf`` is loaded with this package's
+``modeling_alibi`` classes, never with the code files it carries; any other
+model with code of its own is refused (``trust_remote_code`` is never set).
+Every failure is one ``HFLoadError`` line saying what was wrong and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import torch
+
+from ..configuration_alibi import MODEL_TYPE
+from ..errors import HFLoadError
+from .families import SUPPORTED_MODELS
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@contextlib.contextmanager
+def quiet_transformers(quiet: bool = True):
+    """transformers' and huggingface_hub's progress bars off inside (restored after)."""
+    if not quiet:
+        yield
+        return
+    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    was_on, hub_was_off = transformers_logging.is_progress_bar_enabled(), are_progress_bars_disabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            transformers_logging.enable_progress_bar()
+        if not hub_was_off:
+            enable_progress_bars()
+
+
+def _looks_local(name: str) -> bool:
+    """A name meant as a path, not a hub name (``owner/name``)."""
+    head = name.split("/", 1)[0]
+    return (name.startswith((".", "/", "~")) or name.count("/") > 1 or os.path.exists(name)
+            or ("/" in name and os.path.isdir(head)))
+
+
+def _refuse_custom_code(name: str, why: str) -> HFLoadError:
+    return HFLoadError(
+        f"{name} is a model with its own code ({why}); fairseq-alibi runs no code from model directories "
+        f"and never sets trust_remote_code: supported are {SUPPORTED_MODELS}"
+    )
+
+
+def _exported_classes():
+    """This package's classes for exported models, registered with the Auto classes
+    (so transformers uses them, not the directory's copies, without trust_remote_code)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..configuration_alibi import AlibiLMConfig
+    from ..modeling_alibi import AlibiForCausalLM
+
+    AutoConfig.register(MODEL_TYPE, AlibiLMConfig, exist_ok=True)
+    AutoModelForCausalLM.register(AlibiLMConfig, AlibiForCausalLM, exist_ok=True)
+    return AlibiForCausalLM
+
+
+def _model_class(directory: str):
+    """The class to load a local directory with: this package's for an exported
+    model, transformers' own otherwise; any other model with code of its own is refused."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return AutoModelForCausalLM  # transformers' error names the missing config.json
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise HFLoadError(f"cannot load Hugging Face model {directory!r}: {path} is not readable JSON "
+                          f"({' '.join(str(exc).split())})") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type == MODEL_TYPE:
+        return _exported_classes()
+    if isinstance(config, dict) and "auto_map" in config:
+        raise _refuse_custom_code(directory, "config.json has an auto_map")
+    if model_type not in CONFIG_MAPPING:
+        raise _refuse_custom_code(directory, f"config.json's model_type {model_type!r} is unknown to transformers")
+    return AutoModelForCausalLM
+
+
+def load_hf_model(name_or_dir: str, device: str = "cpu", dtype=None, progress: bool = True):
+    """(model, tokenizer) of a causal LM from a local directory or a hub name, in eval mode.
+
+    A local directory is read with ``local_files_only`` (no network); one
+    written by ``alibi-export-hf`` is loaded with this package's
+    ``AlibiForCausalLM`` (its code files are never run); any other model with
+    code of its own is refused.  A hub name needs the network or the Hugging
+    Face cache.  ``progress=False`` silences transformers' progress bars.
+    Failures raise ``HFLoadError`` with one line saying what was wrong and what to do.
+    """
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise HFLoadError(f"unknown dtype {dtype!r}; allowed: {', '.join(_DTYPES)} or a torch.dtype")
+        dtype = _DTYPES[dtype]
+    tokenizer, model = _load(name_or_dir, progress, lambda cls, name, options: cls.from_pretrained(
+        name, dtype=dtype, trust_remote_code=False, **options))
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def load_hf_config(name_or_dir: str, progress: bool = True):
+    """(config, tokenizer) of what :func:`load_hf_model` would load, without its
+    weights: enough to plan an evaluation of many models before loading one."""
+    from transformers import AutoConfig
+
+    tokenizer, config = _load(name_or_dir, progress, lambda cls, name, options: AutoConfig.from_pretrained(
+        name, trust_remote_code=False, **options))
+    return config, tokenizer
+
+
+def _load(name_or_dir: str, progress: bool, read):
+    """(tokenizer, ``read(model class, name, options)``), every failure one ``HFLoadError`` line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name_or_dir = os.path.expanduser(str(name_or_dir))
+    local = os.path.isdir(name_or_dir)
+    what = None
+    if local and not os.path.isfile(os.path.join(name_or_dir, "config.json")):  # else the tokenizer's error speaks
+        what = f"cannot load Hugging Face model {name_or_dir!r}: the directory holds no config.json"
+    elif not local and _looks_local(name_or_dir):
+        what = f"{name_or_dir} " + ("is not a model directory" if os.path.exists(name_or_dir) else "not found")
+    if what:
+        raise HFLoadError(
+            f"{what}; give a directory written by save_pretrained or alibi-export-hf "
+            "(config.json, weights, tokenizer files) or a hub name such as bigscience/bloom-560m"
+        )
+    model_class = _model_class(name_or_dir) if local else AutoModelForCausalLM
+    options = dict(local_files_only=True) if local else {}
+    try:
+        with quiet_transformers(not progress):
+            tokenizer = AutoTokenizer.from_pretrained(name_or_dir, trust_remote_code=False, **options)
+            return tokenizer, read(model_class, name_or_dir, options)
+    except (OSError, ValueError, KeyError) as exc:
+        reason = " ".join(str(exc).split())
+        if "trust_remote_code" in reason:
+            raise _refuse_custom_code(name_or_dir, "transformers asks for trust_remote_code") from None
+        if len(reason) > 300:
+            reason = reason[:297] + "..."
+        if not local:
+            raise HFLoadError(
+                f"{name_or_dir!r} not found: no such local directory, and as a hub name: {reason} (a hub name "
+                "needs the network or a copy in the Hugging Face cache; otherwise download it elsewhere and "
+                "pass its directory)") from None
+        raise HFLoadError(f"cannot load Hugging Face model {name_or_dir!r}: {reason} (check that the directory "
+                          "holds config.json, the weights and the tokenizer files)") from None

@@ -1,0 +1,166 @@
+"""Every method, through every spelling and every path, gives the same bias.
+
+The one home of the idea (``alibi.Scaling`` and ``alibi.bias``) is checked
+from the outside: each row of ``CASES`` spells one method four ways -- a
+``--methods`` item, model config fields (``--model-overrides``), the Hugging
+Face ``alibi_scaling`` dictionary, ``apply_alibi_scaling`` keywords -- and
+each must give the same spec, and then the same bias on every path that
+builds one: a fairseq stack's dense bias, the chunked kernel's blocks,
+FlexAttention's ``score_mod``, a scaled Hugging Face BLOOM and an exported
+model.  The reference is a loop written here from the definitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from fairseq_alibi import alibi, kernels
+from fairseq_alibi.bias import AlibiBias
+
+L = 8  # training length
+T = 3 * L  # keys of the forward pass: dynamic factor 3, past C for every distance method
+HEADS = 4
+
+#: (--methods item, config fields, alibi_scaling dict, apply_alibi_scaling keywords)
+CASES = [
+    ("none", {"alibi_interpolation": "none"}, None, dict(method="none")),
+    ("ntk:2", {"alibi_interpolation": "ntk", "alibi_scale_factor": 2.0}, {"type": "ntk", "factor": 2.0},
+     dict(method="ntk", factor=2.0)),
+    ("linear", {"alibi_interpolation": "linear", "alibi_scale_factor": 0.0}, {"type": "linear", "train_seq_len": L},
+     dict(method="linear", factor=0.0)),
+    ("ntk:dynamic", {"alibi_interpolation": "ntk"}, {"type": "ntk", "train_seq_len": L}, dict(method="ntk")),
+    ("cap:0.5", {"alibi_interpolation": "cap", "alibi_scale_factor": 0.5}, {"type": "cap", "factor": 0.5},
+     dict(method="cap", factor=0.5)),
+    ("log:1:0.25", {"alibi_interpolation": "log", "alibi_scale_factor": 1.0, "alibi_log_alpha": 0.25},
+     {"type": "log", "factor": 1.0, "alpha": 0.25}, dict(method="log", factor=1.0, alpha=0.25)),
+    ("log", {"alibi_interpolation": "log"}, {"type": "log", "factor": 1.0}, dict(method="log")),
+    ("capnorm", {"alibi_interpolation": "capnorm", "alibi_scale_factor": 1.0}, {"type": "capnorm", "factor": 1.0},
+     dict(method="capnorm", factor=1.0)),
+]
+IDS = [case[0] for case in CASES]
+
+
+def naive_causal(scaling: alibi.Scaling, slopes, length: int) -> torch.Tensor:
+    """[H, T, T] from the definitions, one entry at a time (float64)."""
+    factor = scaling.factor_at(length)
+    if scaling.method == "linear":
+        slopes = [m / factor for m in slopes]
+    elif scaling.method == "ntk":
+        hi, lo = math.log(max(slopes)), math.log(min(slopes))
+        slopes = [m / factor ** ((hi - math.log(m)) / (hi - lo)) for m in slopes]
+    limit = scaling.distance_limit
+    out = torch.full((len(slopes), length, length), float("-inf"), dtype=torch.float64)
+    for h, m in enumerate(slopes):
+        for i in range(length):
+            for j in range(i + 1):
+                d = i - j
+                if limit is None or d <= limit:
+                    value = -m * d
+                elif scaling.method == "log":
+                    value = -m * (limit + scaling.alpha * limit * math.log(d / limit))
+                else:
+                    value = -m * limit
+                    if scaling.method == "capnorm":
+                        value -= math.log(max(i - limit, limit) / limit)
+                out[h, i, j] = value
+    return out
+
+
+def spec_of_every_spelling(item, config, hf_dict, keywords):
+    specs = {
+        "--methods": alibi.Scaling.parse(item, L),
+        "config": alibi.Scaling.from_config(dict(config, alibi_train_length=L)),
+        "alibi_scaling": alibi.Scaling.from_hf(hf_dict, L),
+        "keywords": alibi.Scaling(**dict(dict(factor=0.0, alpha=None), **keywords), train_length=L),
+    }
+    return specs
+
+
+@pytest.mark.parametrize("item,config,hf_dict,keywords", CASES, ids=IDS)
+def test_every_spelling_is_one_spec_that_reads_back(item, config, hf_dict, keywords):
+    specs = spec_of_every_spelling(item, config, hf_dict, keywords)
+    first = specs["--methods"]
+    assert all(spec == first for spec in specs.values()), specs
+    assert alibi.Scaling.parse(first.spelling, L) == first
+    assert alibi.Scaling.from_hf(first.to_hf(), L) == first
+    assert alibi.Scaling.from_config(dict(first.config_values(), alibi_train_length=L)) == first
+
+
+def visible(bias: torch.Tensor) -> torch.Tensor:
+    """The causal entries (j <= i) of ``[..., T, T]``; the rest -inf."""
+    upper = torch.ones(bias.shape[-2:], dtype=torch.bool).triu(1)
+    return bias.to(torch.float64).masked_fill(upper, float("-inf"))
+
+
+def score_mod_bias(stack: AlibiBias) -> torch.Tensor:
+    """FlexAttention's score_mod evaluated on index grids (zero scores)."""
+    mod = kernels.score_mod(stack, T, T, torch.device("cpu"))
+    h = torch.arange(HEADS)[:, None, None]
+    q = torch.arange(T)[None, :, None]
+    k = torch.arange(T)[None, None, :]
+    return mod(torch.zeros(HEADS, T, T), torch.tensor(0), h, q, k)
+
+
+def chunked_blocks(stack: AlibiBias) -> torch.Tensor:
+    """The bias the chunked kernel uses, read back by running it on q = 0, v = I."""
+    q = torch.zeros(1, HEADS, T, T)
+    k = torch.zeros(1, HEADS, T, T)
+    v = torch.eye(T).expand(1, HEADS, T, T)
+    probs, _ = kernels.chunked_kernel(q, k, v, stack, None, 0.0, chunk_size=5)
+    return probs[0].log()  # softmax of the bias: equal to it up to each row's constant
+
+
+def bloom_bias(keywords) -> torch.Tensor:
+    """The ``alibi`` argument a scaled BLOOM's first block receives, as [H, T, T]."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from fairseq_alibi import hf
+
+    torch.manual_seed(0)
+    model = BloomForCausalLM(BloomConfig(vocab_size=32, hidden_size=16, n_layer=1, n_head=HEADS)).eval()
+    hf.apply_alibi_scaling(model, train_length=L, **keywords)
+    seen = {}
+    model.transformer.h[0].register_forward_pre_hook(lambda m, a, kw: seen.update(alibi=kw["alibi"]),
+                                                     with_kwargs=True)
+    with torch.no_grad():
+        model(torch.arange(T)[None] % 32)
+    return seen["alibi"].reshape(HEADS, T, T)
+
+
+def exported_bias(hf_dict) -> torch.Tensor:
+    from fairseq_alibi.configuration_alibi import AlibiLMConfig
+    from fairseq_alibi.modeling_alibi import AlibiForCausalLM
+
+    config = AlibiLMConfig(vocab_size=32, hidden_size=16, layers=1, attention_heads=HEADS, ffn_dim=32,
+                           alibi_train_length=L, alibi_scaling=hf_dict)
+    return AlibiForCausalLM(config).model.alibi.dense(T, T, torch.float32, "cpu")
+
+
+def row_normalized(bias: torch.Tensor) -> torch.Tensor:
+    """Each row minus its diagonal entry (softmax sees nothing else)."""
+    diagonal = torch.diagonal(bias, dim1=-2, dim2=-1)[..., :, None]
+    return bias - diagonal
+
+
+@pytest.mark.parametrize("item,config,hf_dict,keywords", CASES, ids=IDS)
+def test_every_path_builds_the_same_bias(item, config, hf_dict, keywords):
+    from fairseq_alibi.models.config import build_bias
+
+    scaling = alibi.Scaling.parse(item, L)
+    expected = naive_causal(scaling, alibi.get_slopes(HEADS).tolist(), T)
+    fairseq_stack = build_bias(argparse.Namespace(**dict(config, alibi_train_length=L)), HEADS)
+    paths = {
+        "fairseq dense": fairseq_stack.dense(T, T, torch.float32, "cpu"),
+        "score_mod": visible(score_mod_bias(fairseq_stack)),
+        "bloom hooks": visible(bloom_bias(keywords)),
+        "exported": exported_bias(hf_dict),
+    }
+    for name, got in paths.items():
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6, msg=name)
+    # the chunked kernel computes softmax(bias): its log equals the bias up to a per-row constant
+    torch.testing.assert_close(row_normalized(chunked_blocks(fairseq_stack).double()), row_normalized(expected),
+                               rtol=1e-4, atol=1e-4)
