@@ -418,6 +418,18 @@ class Scaling:
         whose far-key term depends on how many keys lie past ``C``)."""
         return self.method != "capnorm"
 
+    def distance_reaching(self, value: float) -> float:
+        """The smallest distance whose transformed distance is at least ``value``
+        (``math.inf`` where the transform never gets there: past a cap): the
+        inverse of :meth:`distance`, for the kernels' key windows."""
+        if self.method not in DISTANCE_METHODS or value <= self.distance_limit:
+            return max(0.0, float(value))
+        if self.method != "log":
+            return math.inf
+        limit = float(self.distance_limit)
+        exponent = (value - limit) / (self.alpha * limit)
+        return limit * math.exp(exponent) if exponent < 700 else math.inf
+
     def distance(self, d: Tensor) -> Tensor:
         """The transformed distance ``d'`` of non-negative float32 distances:
         ``d`` itself but past ``C`` (``limit``): ``C`` (``cap``, ``capnorm``) or

@@ -21,15 +21,24 @@ square (and draws 10/16 of the dropout mask).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-# Queries per block (see docs/performance.md).
+# Queries per block (see docs/performance.md): BLOCK with dropout, and the
+# least without it, where longer inputs take larger blocks (block_size).
 BLOCK = 128
+MAX_BLOCK = 512
+
+
+def block_size(q_len: int) -> int:
+    """Queries per block without dropout: an eighth of the input, in multiples
+    of 64, between ``BLOCK`` and ``MAX_BLOCK`` (fewer, larger calls as the
+    input grows; docs/performance.md)."""
+    return min(MAX_BLOCK, max(BLOCK, q_len // 8 // 64 * 64))
 
 
 def _keep_mask(shape, p: float, dtype, device, start: int) -> Tensor:
@@ -113,37 +122,50 @@ def blocked_causal_attention(
     mask: Tensor,
     dropout_p: float = 0.0,
     block: Optional[int] = None,
+    windows: Optional[Callable[[int, int], List[int]]] = None,
 ) -> Tensor:
     """Causal attention, queries the last ``q_len`` of ``k_len`` keys, in query
     blocks that only read the keys they can see.  q ``[B, H, T, D]``, k/v
     ``[B, H, S, D]``; ``mask`` the additive ``[1, H, T, S]`` or ``[B, H, T, S]``
     bias with ``-inf`` above the diagonal and at padded keys (what
     ``AlibiBias.merged_mask`` returns: inside a block that is the causal mask;
-    the part right of a block is never read).  Returns ``[B, H, T, D]`` (stored
-    as ``[T, B, H, D]``)."""
+    the part right of a block is never read).  Without dropout, ``windows``
+    (``kernels.key_windows``) gives each head's first key per block: the keys
+    before it weigh exactly 0.  Returns ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
     if mask.requires_grad:
         raise ValueError("the blocked path computes no gradient for the bias; use sdpa for a learned bias")
     mask = mask.to(q.dtype)
     if dropout_p > 0:
         return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK)
-    return _sdpa_blocks(q, k, v, mask, block or BLOCK)
+    return _sdpa_blocks(q, k, v, mask, block or block_size(q.size(2)), windows)
 
 
-def _sdpa_blocks(q, k, v, mask, block: int) -> Tensor:
+def head_groups(firsts: List[int]) -> List[Tuple[slice, int]]:
+    """Runs of consecutive heads that start at the same key: (head slice, first key)."""
+    runs, begin = [], 0
+    for h in range(1, len(firsts) + 1):
+        if h == len(firsts) or firsts[h] != firsts[begin]:
+            runs.append((slice(begin, h), firsts[begin]))
+            begin = h
+    return runs
+
+
+def _sdpa_blocks(q, k, v, mask, block: int, windows=None) -> Tensor:
     """Without dropout: one fused SDPA call (the CPU flash kernel) per query
-    block, against the keys it can see, with its slice of the mask; autograd
-    through the kernel's own backward, so nothing ``T x T`` is saved for the
-    backward."""
+    block and group of heads, against the keys they can see and need, with
+    their slice of the mask; autograd through the kernel's own backward, so
+    nothing ``T x T`` is saved for the backward."""
     q_len, k_len = q.size(2), k.size(2)
     offset = k_len - q_len
-    outputs = []
+    # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
+    out = q.new_empty(q_len, q.size(0), q.size(1), v.size(-1))
     for start in range(0, q_len, block):
         stop = min(start + block, q_len)
         visible = offset + stop
-        out = F.scaled_dot_product_attention(
-            q[:, :, start:stop], k[:, :, :visible], v[:, :, :visible],
-            attn_mask=mask[:, :, start:stop, :visible],
-        )
-        outputs.append(out.permute(2, 0, 1, 3))
-    # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
-    return torch.cat(outputs).permute(1, 2, 0, 3)
+        groups = head_groups(windows(start, stop)) if windows else [(slice(None), 0)]
+        for heads, first in groups:
+            out[start:stop, :, heads] = F.scaled_dot_product_attention(
+                q[:, heads, start:stop], k[:, heads, first:visible], v[:, heads, first:visible],
+                attn_mask=mask[:, heads, start:stop, first:visible],
+            ).permute(2, 0, 1, 3)
+    return out.permute(1, 2, 0, 3)

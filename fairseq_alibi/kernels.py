@@ -30,8 +30,9 @@ depends on the call (``auto``, attention weights wanted).
 
 from __future__ import annotations
 
+import math
 import warnings
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ from torch import Tensor
 
 from . import alibi
 from .bias import AlibiBias, masked_value_for, padding_mask
-from .causal_blocks import blocked_causal_attention
+from .causal_blocks import blocked_causal_attention, head_groups
 
 Kernel = Callable[[Tensor, Tensor, Tensor, AlibiBias, Optional[Tensor], float], Tuple[Tensor, Optional[Tensor]]]
 
@@ -47,7 +48,7 @@ Kernel = Callable[[Tensor, Tensor, Tensor, AlibiBias, Optional[Tensor], float], 
 CHUNK_THRESHOLD = 1024 * 1024
 # Queries per block of the chunked kernel; its ramp is H x CHUNK_SIZE x
 # (T + CHUNK_SIZE) values (docs/performance.md has the measurement behind it).
-CHUNK_SIZE = 512
+CHUNK_SIZE = 256
 # FlexAttention's block size (queries and keys).
 FLEX_BLOCK = 128
 
@@ -77,7 +78,8 @@ def sdpa_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
 
 def blocked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
-    return blocked_causal_attention(q, k, v, mask, dropout_p), None
+    windows = key_windows(bias, q, k, k.size(2)) if key_padding_mask is None and dropout_p == 0 else None
+    return blocked_causal_attention(q, k, v, mask, dropout_p, windows=windows), None
 
 
 def _dense(q, k, bias: AlibiBias) -> Tensor:
@@ -98,12 +100,54 @@ def chunk_ramp(bias: AlibiBias, rows: int, k_len: int, dtype, device) -> Tuple[i
     return top, bias.cached("ramp", key, lambda: bias.block(top, rows, k_len, dtype, device, keys=width))
 
 
+#: float32 ``exp`` is exactly 0 below about -103.97: a key whose score lies
+#: more than this below its row's maximum adds nothing to the softmax.
+UNDERFLOW = 110.0
+#: Key windows start at multiples of this (fewer distinct head groups per block).
+WINDOW_ALIGN = 64
+
+
+def key_windows(bias: AlibiBias, q: Tensor, k: Tensor, k_len: int) -> Optional[Callable[[int, int], List[int]]]:
+    """ALiBi's own sparsity, exactly: ``first(start, stop)`` -> the first key
+    each head needs for the queries ``start .. stop - 1`` of a causal call, or
+    None where no key can be skipped.
+
+    A key at distance ``d`` scores at most ``|q_i| (|k_j| + |k_i|) / sqrt(D) -
+    m d'(d)`` against its row's maximum (at least the query's own key, ``-|q_i|
+    |k_i| / sqrt(D)``); past the distance where ``m d'(d)`` exceeds ``UNDERFLOW``
+    plus twice the largest ``|q| |k| / sqrt(D)``, its weight is exactly 0 in
+    float32, so it can be left out without changing a bit of the softmax's
+    sum.  Steep heads need a few hundred keys, however long the input; a cap
+    (bounded bias) or padding (a query's own key may be hidden) skips nothing.
+    """
+    if not bias.causal:
+        return None
+    scaling = bias.scaling
+    slopes = scaling.slopes(bias.base_slopes, k_len, bias.exponents).tolist()
+    scale = q.size(-1) ** -0.5
+    query_norms = q.detach().float().norm(dim=-1).amax(dim=0)  # [H, T]
+    key_norm = k.detach().float().norm(dim=-1).amax(dim=(0, 2))  # [H]
+    offset = k_len - q.size(2)
+
+    def first(start: int, stop: int) -> List[int]:
+        bound = (query_norms[:, start:stop].amax(-1) * key_norm * (2 * scale) + UNDERFLOW).tolist()
+        firsts = []
+        for m, b in zip(slopes, bound):
+            window = scaling.distance_reaching(b / m) if m > 0 else math.inf
+            reach = offset + start - math.ceil(window) if math.isfinite(window) else 0
+            firsts.append(max(0, reach // WINDOW_ALIGN * WINDOW_ALIGN))
+        return firsts
+
+    return first
+
+
 def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
     """Queries in blocks of ``chunk_size`` (default ``CHUNK_SIZE``); each block's
-    bias built on the fly (bidirectional, learned) or a view of the shared ramp
-    (causal), every block with the slopes of all ``k_len`` keys (as the dense
-    kernels, so dynamic scaling agrees across kernels).  Causal blocks read
-    only the keys they can see."""
+    bias built on the fly (bidirectional, learned, ``capnorm``) or a view of the
+    shared ramp (causal), every block with the slopes of all ``k_len`` keys (as
+    the dense kernels, so dynamic scaling agrees across kernels).  Causal blocks
+    read only the keys they can see, and each head only those within its
+    :func:`key_windows` (exact: the others weigh 0 in float32)."""
     chunk_size = chunk_size or CHUNK_SIZE
     q_len, k_len = q.size(2), k.size(2)
     causal = bias.causal
@@ -112,7 +156,8 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
     if ramped:
         top, ramp = chunk_ramp(bias, chunk_size, k_len, q.dtype, q.device)
     pad = padding_mask(key_padding_mask, q.dtype)
-    outputs = []
+    windows = key_windows(bias, q, k, k_len) if pad is None and q_len > chunk_size else None
+    out = q.new_empty(q.shape[:3] + v.shape[-1:])
     for start in range(0, q_len, chunk_size):
         stop = min(start + chunk_size, q_len)
         visible = offset + stop if causal else k_len
@@ -122,10 +167,13 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
         else:
             block = bias.block(offset + start, stop - start, k_len, q.dtype, q.device, keys=visible)
         block = block[None] if pad is None else block[None] + pad[..., :visible]
-        outputs.append(F.scaled_dot_product_attention(
-            q[:, :, start:stop], k[:, :, :visible], v[:, :, :visible], attn_mask=block))
+        groups = head_groups(windows(start, stop)) if windows else [(slice(None), 0)]
+        for heads, first in groups:
+            out[:, heads, start:stop] = F.scaled_dot_product_attention(
+                q[:, heads, start:stop], k[:, heads, first:visible], v[:, heads, first:visible],
+                attn_mask=block[:, heads, :, first:])
         del block
-    return torch.cat(outputs, dim=2), None
+    return out, None
 
 
 # ----------------------------------------------------------------- FlexAttention
@@ -294,9 +342,11 @@ def choose_kernel(
 
     Weights wanted: ``reference``.  An explicit kernel: that kernel.  ``auto``:
     FlexAttention on CUDA for full forwards without attention dropout when the
-    bias supports it; ``blocked`` for CPU training with attention dropout
-    (causal bias); ``chunked`` for long inference (linear memory); ``sdpa`` for
-    everything else (training, short inference, KV-cache steps).
+    bias supports it; ``blocked`` for CPU training of a causal stack (it skips
+    the keys right of each query block, and with key windows the far keys of
+    steep heads); ``chunked`` for long inference (linear memory, key windows);
+    ``sdpa`` for everything else (bidirectional training, short inference,
+    KV-cache steps).  docs/performance.md has the measurements behind each choice.
     """
     if need_weights:
         return "reference"
@@ -306,7 +356,7 @@ def choose_kernel(
     grad = torch.is_grad_enabled()
     if device.type == "cuda" and bias.supports_flex and dropout_p == 0 and not incremental and flex_available():
         return "flex"
-    if device.type == "cpu" and grad and dropout_p > 0 and bias.causal:
+    if device.type == "cpu" and grad and bias.causal and not incremental and q_len > 1:
         return "blocked"
     if not grad and q_len * k_len > CHUNK_THRESHOLD:
         return "chunked"

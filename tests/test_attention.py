@@ -147,6 +147,47 @@ def test_chunked_without_grad_matches_reference(mode, padded, monkeypatch):
     assert_close(real_rows(out, pad), real_rows(ref, pad), torch.float32)
 
 
+@pytest.mark.parametrize("scaling", [alibi.NO_SCALING, alibi.Scaling("ntk", 0, 64), alibi.Scaling("log", 1, 256, 1.0),
+                                     alibi.Scaling("cap", 1, 16)], ids=["none", "ntk", "log", "cap"])
+def test_chunked_key_windows_skip_far_keys_and_change_nothing(scaling, monkeypatch):
+    """ALiBi's own sparsity: steep heads read only the keys whose weight is not
+    exactly 0 in float32, and the output is the reference's; a cap (bounded
+    bias) skips nothing; the flattest head reads everything."""
+    monkeypatch.setattr(K, "CHUNK_SIZE", 64)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (3 * torch.randn(2, 8, 1000, 16, generator=gen) for _ in range(3))  # |q||k|/sqrt(D) up to ~100
+    bias = AlibiBias(8, scaling=scaling)
+    firsts = K.key_windows(bias, q, k, 1000)(936, 1000)
+    if scaling.method == "cap":
+        assert firsts == [0] * 8
+    else:
+        assert firsts[0] > 0 and firsts[-1] == 0 and firsts == sorted(firsts, reverse=True), firsts
+    with torch.no_grad():
+        out, _ = K.chunked_kernel(q, k, v, bias, None, 0.0)
+        ref, _ = K.reference_kernel(q, k, v, bias, None, 0.0)
+        monkeypatch.setattr(K, "key_windows", lambda *a: None)
+        whole, _ = K.chunked_kernel(q, k, v, bias, None, 0.0)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-6)
+
+
+def test_key_windows_bound_holds_for_adversarial_scores():
+    """Keys aligned with the query at the window's edge still weigh exactly 0:
+    the bound uses |q| |k|, the largest a score can be."""
+    heads, dim, length = 8, 16, 1200
+    q = torch.zeros(1, heads, length, dim)
+    k = torch.zeros(1, heads, length, dim)
+    q[..., 0], k[..., 0] = 4.0, 4.0  # every score is the largest |q||k|/sqrt(D) = 4
+    k[:, :, -1, 0] = -4.0  # the last query's own key scores the lowest possible
+    v = torch.randn(1, heads, length, dim)
+    bias = AlibiBias(heads)
+    firsts = K.key_windows(bias, q, k, length)(length - 1, length)
+    scores = (q[:, :, -1:] @ k.transpose(-1, -2)) / dim ** 0.5 + bias.block(length - 1, 1, length, torch.float32, "cpu")
+    weights = torch.softmax(scores, dim=-1)[0, :, 0]
+    for h, first in enumerate(firsts):
+        assert bool((weights[h, :first] == 0).all()), (h, first)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
 @pytest.mark.parametrize("padded", [False, True])
@@ -321,9 +362,10 @@ def _choice(bias, q_len, k_len, grad=True, need_weights=False, incremental=False
 def test_auto_choice():
     b = AlibiBias(4)
     big = 4096
-    assert _choice(b, 512, 512) == "sdpa"  # CPU training: cached dense bias
-    assert _choice(b, big, big) == "sdpa"
+    assert _choice(b, 512, 512) == "blocked"  # CPU training: query blocks skip the keys right of them
+    assert _choice(b, big, big) == "blocked"
     assert _choice(b, 512, 512, dropout=0.1) == "blocked"  # SDPA would use its math kernel
+    assert _choice(AlibiBias(4, "symmetric"), 512, 512) == "sdpa"
     assert _choice(AlibiBias(4, "symmetric"), 512, 512, dropout=0.1) == "sdpa"  # blocked: causal only
     assert _choice(b, 512, 512, grad=False) == "sdpa"
     assert _choice(b, big, big, grad=False) == "chunked"  # long evaluation

@@ -187,10 +187,10 @@ def _choice(module, grad=True, dropout=0.0, device="cpu"):
         return K.choose_kernel(module.kernel, module.alibi, False, 512, 512, dropout, False, torch.device(device))
 
 
-def test_auto_picks_blocked_only_for_cpu_training_with_dropout():
+def test_auto_picks_blocked_for_cpu_training():
     m = make_attention("auto")
     assert _choice(m, dropout=0.1) == "blocked"
-    assert _choice(m, dropout=0.0) == "sdpa"  # blocked is opt-in there (docs/performance.md)
+    assert _choice(m, dropout=0.0) == "blocked"  # measured faster there too (docs/performance.md)
     assert _choice(m, grad=False, dropout=0.1) == "sdpa"
     assert _choice(m, grad=False) == "sdpa"
     assert _choice(m, dropout=0.1, device="cuda") == "sdpa"
@@ -240,3 +240,34 @@ def test_lm_training_with_attention_dropout_takes_blocked_path(tmp_path):
         model(tokens)[0].float().logsumexp(-1).sum().backward()
     assert spy.call_count == 2
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("scaling", [alibi.NO_SCALING, alibi.Scaling("ntk", 2.0)], ids=["none", "ntk2"])
+def test_blocked_key_windows_give_the_reference_forward_and_gradients(scaling, monkeypatch):
+    """Without dropout each head's query block reads only the keys within its
+    key window (kernels.key_windows): steep heads skip keys whose weight is
+    exactly 0; the forward and every gradient are those of the blocked path
+    without windows, and the fp64 reference's (to fp32 rounding of scores up to ~80)."""
+    heads, length = 8, 1200
+    bias = AlibiBias(heads, scaling=scaling)
+    q, k, v = (3 * x.detach() for x in qkv(2, heads, length, 16, torch.float32))
+    firsts = K.key_windows(bias, q, k, length)(length - 128, length)
+    assert firsts[0] > 0 and firsts[-1] == 0, firsts  # the steepest head skips, the flattest does not
+    weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+
+    def forward_backward(dtype=torch.float32):
+        leaves = [x.clone().to(dtype).requires_grad_() for x in (q, k, v)]
+        if dtype == torch.float64:
+            out = explicit_attention(*leaves, bias.dense(length, length, torch.float32, "cpu"))
+        else:
+            out, _ = K.blocked_kernel(*leaves, bias, None, 0.0)
+        (out * weight.to(dtype)).sum().backward()
+        return [out.float()] + [x.grad.float() for x in leaves]
+
+    windowed = forward_backward()
+    expected = forward_backward(torch.float64)
+    monkeypatch.setattr(K, "key_windows", lambda *a: None)
+    whole = forward_backward()
+    for got, plain, want in zip(windowed, whole, expected):
+        torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
