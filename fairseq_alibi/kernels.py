@@ -54,11 +54,12 @@ FLEX_BLOCK = 128
 
 
 # ----------------------------------------------------------------- dense kernels
-def reference_attention(q, k, v, bias, key_padding_mask=None, dropout_p=0.0):
-    """Explicit softmax(q k^T / sqrt(d) + bias) v.  Shapes: q ``[B,H,T,D]``,
-    k/v ``[B,H,S,D]``, bias ``[H,T,S]``.  Returns (output, probabilities)."""
+def reference_attention(q, k, v, mask, key_padding_mask=None, dropout_p=0.0):
+    """Explicit softmax(q k^T / sqrt(d) + mask) v, with ``mask`` the additive
+    ``[H, T, S]`` bias tensor.  Shapes: q ``[B,H,T,D]``, k/v ``[B,H,S,D]``.
+    Returns (output, probabilities)."""
     scores = torch.matmul(q.float() * q.size(-1) ** -0.5, k.float().transpose(-1, -2))
-    scores = scores + bias.float()
+    scores = scores + mask.float()
     pad = padding_mask(key_padding_mask, torch.float32)
     if pad is not None:
         scores = scores + pad

@@ -18,41 +18,11 @@ from typing import Dict, List
 import torch
 
 from ..errors import ExportError
-
-BLOOM_ACTIVATIONS = ("gelu_accurate", "gelu_fast")
-
-
-def unbloomlike(fields: dict) -> List[str]:
-    """What BLOOM cannot hold of a model described by ``custom.describe``."""
-    found = []
-    if not fields["normalize_before"]:
-        found.append("post-norm layers")
-    if not fields["layernorm_embedding"]:
-        found.append("no embedding layer norm")
-    if not fields["final_layer_norm"]:
-        found.append("no final layer norm")
-    if fields["activation_function"] not in BLOOM_ACTIVATIONS:
-        found.append(f"activation {fields['activation_function']} (BLOOM: gelu_accurate)")
-    if fields["ffn_dim"] != 4 * fields["hidden_size"]:
-        found.append(f"FFN {fields['ffn_dim'] / fields['hidden_size']:.3g}x d (BLOOM: 4x d)")
-    if fields["embed_scale"] != 1.0:
-        found.append("a scaled embedding (BLOOM: --no-scale-embedding)")
-    if fields["project_in"] or fields["project_out"] or fields["embed_quant_noise"]:
-        found.append("input/output projections")
-    if fields["adaptive_input"]:
-        found.append("adaptive input")
-    if fields["adaptive_softmax"]:
-        found.append("adaptive softmax")
-    if any(fields[k] for k in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")):
-        found.append("NormFormer scales")
-    if fields["unk_aliases"]:
-        found.append(f"{fields['unk_aliases']} tokenizer pieces the dictionary lacks (read as <unk>)")
-    return found
-
+from ..models.facts import bloom_shape_problems
 
 def check_bloom(fields: dict, scaling) -> None:
     """One line naming every feature BLOOM cannot hold, pointing to the default format."""
-    found = unbloomlike(fields)
+    found = bloom_shape_problems(fields)
     if scaling.method != "none":
         found.append(f"context extension {scaling.spelling} (BLOOM's config has none: apply "
                      "fairseq_alibi.hf.apply_alibi_scaling after loading)")

@@ -2,7 +2,7 @@
 encoder without position embeddings (shared by ``roberta_alibi`` and
 ``transformer_alibi``).
 
-Three ``--alibi-bidirectional`` modes, all ``attention.AlibiBias`` modes:
+Three ``--alibi-bidirectional`` modes, all ``bias.AlibiBias`` modes:
 
 * ``symmetric``: ``-m_h * |i - j|`` for every head, the paper's slopes;
 * ``split``: half the heads see only keys to their left, half only keys to
@@ -10,7 +10,7 @@ Three ``--alibi-bidirectional`` modes, all ``attention.AlibiBias`` modes:
   share the slopes of ``ceil(H / 2)`` heads); with an odd head count the last
   head sees both sides with the symmetric bias (``alibi.split_directions``);
 * ``learned``: separate left and right slopes per head and per layer, trained
-  (``attention.LearnedAlibiBias``, the state dict's ``...self_attn.alibi.left``
+  (``bias.LearnedAlibiBias``, the state dict's ``...self_attn.alibi.left``
   and ``.right``), initialised to the paper's slopes on both sides.
 
 ``symmetric`` and ``split`` have no parameters: one ``AlibiBias`` per encoder

@@ -111,3 +111,39 @@ def checkpoint_train_length(model_cfg: Dict[str, Any], task_cfg: Dict[str, Any])
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+#: BLOOM's layer shape (``transformer_lm_bloom_alibi`` trains it, ``alibi-export-hf
+#: --format bloom`` holds it): the fairseq activations equal to BLOOM's tanh GELU.
+BLOOM_ACTIVATIONS = ("gelu_accurate", "gelu_fast")
+
+
+def bloom_shape_problems(fields: dict) -> List[str]:
+    """What BLOOM's layer shape cannot hold of a decoder described field by field
+    (``export.custom.describe``'s names, ``AlibiLMConfig``'s): pre-norm layers,
+    embedding and final layer norms, tanh GELU, FFN = 4 x d, no embedding scale,
+    projections, adaptive input/softmax or NormFormer scales."""
+    found = []
+    if not fields["normalize_before"]:
+        found.append("post-norm layers")
+    if not fields["layernorm_embedding"]:
+        found.append("no embedding layer norm")
+    if not fields["final_layer_norm"]:
+        found.append("no final layer norm")
+    if fields["activation_function"] not in BLOOM_ACTIVATIONS:
+        found.append(f"activation {fields['activation_function']} (BLOOM: gelu_accurate)")
+    if fields["ffn_dim"] != 4 * fields["hidden_size"]:
+        found.append(f"FFN {fields['ffn_dim'] / fields['hidden_size']:.3g}x d (BLOOM: 4x d)")
+    if fields["embed_scale"] != 1.0:
+        found.append("a scaled embedding (BLOOM: --no-scale-embedding)")
+    if fields["project_in"] or fields["project_out"] or fields["embed_quant_noise"]:
+        found.append("input/output projections")
+    if fields["adaptive_input"]:
+        found.append("adaptive input")
+    if fields["adaptive_softmax"]:
+        found.append("adaptive softmax")
+    if any(fields[k] for k in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")):
+        found.append("NormFormer scales")
+    if fields["unk_aliases"]:
+        found.append(f"{fields['unk_aliases']} tokenizer pieces the dictionary lacks (read as <unk>)")
+    return found

@@ -140,33 +140,33 @@ for _name in facts.stock_archs(facts.STOCK_LM):
         register_model_architecture(facts.ALIBI_LM, facts.twin_name(_name))(_fn)
 
 
-#: The BLOOM-shaped preset and the activations BLOOM's tanh GELU equals.
+#: The BLOOM-shaped preset.
 BLOOM_ARCH = "transformer_lm_bloom_alibi"
-BLOOM_ACTIVATIONS = ("gelu_accurate", "gelu_fast")
 
 
 @register_model_architecture(facts.ALIBI_LM, BLOOM_ARCH)
 def transformer_lm_bloom_alibi(args):
-    """BLOOM's layer shape: pre-norm, embedding layer norm, tanh GELU
-    (``gelu_accurate``), FFN = 4 x d, no embedding scale, no input/output
-    projections; sizes as ``transformer_lm_alibi`` (d=512, 6 layers, 8 heads).
-    A given option that breaks the shape is refused (one line)."""
+    """BLOOM's layer shape (``facts.bloom_shape_problems``): pre-norm, embedding
+    layer norm, tanh GELU (``gelu_accurate``), FFN = 4 x d, no embedding scale,
+    no input/output projections; sizes as ``transformer_lm_alibi`` (d=512, 6
+    layers, 8 heads).  A given option that breaks the shape is refused (one line)."""
     for flag in ("decoder_normalize_before", "layernorm_embedding", "no_scale_embedding"):
         setattr(args, flag, True)
-    args.activation_fn = safe_getattr(args, "activation_fn", BLOOM_ACTIVATIONS[0])
+    args.activation_fn = safe_getattr(args, "activation_fn", facts.BLOOM_ACTIVATIONS[0])
     args.decoder_embed_dim = safe_getattr(args, "decoder_embed_dim", 512)
     args.decoder_ffn_embed_dim = safe_getattr(args, "decoder_ffn_embed_dim", 4 * args.decoder_embed_dim)
     ARCH_CONFIG_REGISTRY[facts.ALIBI_LM](args)
     dim = args.decoder_embed_dim
-    broken = [f"{name}={safe_getattr(args, name)!r}" for name, ok in (
-        ("activation_fn", args.activation_fn in BLOOM_ACTIVATIONS),
-        ("decoder_ffn_embed_dim", args.decoder_ffn_embed_dim == 4 * dim),
-        ("decoder_input_dim", args.decoder_input_dim == dim), ("decoder_output_dim", args.decoder_output_dim == dim),
-        ("no_decoder_final_norm", not safe_getattr(args, "no_decoder_final_norm", False)),
-        ("adaptive_input", not safe_getattr(args, "adaptive_input", False)),
-        ("adaptive_softmax_cutoff", safe_getattr(args, "adaptive_softmax_cutoff", None) is None),
-    ) if not ok]
+    broken = facts.bloom_shape_problems(dict(
+        normalize_before=True, layernorm_embedding=True, embed_scale=1.0, embed_quant_noise=False, unk_aliases=0,
+        final_layer_norm=not safe_getattr(args, "no_decoder_final_norm", False),
+        activation_function=args.activation_fn, ffn_dim=args.decoder_ffn_embed_dim, hidden_size=dim,
+        project_in=args.decoder_input_dim != dim, project_out=args.decoder_output_dim != dim,
+        adaptive_input=safe_getattr(args, "adaptive_input", False),
+        adaptive_softmax=safe_getattr(args, "adaptive_softmax_cutoff", None) is not None,
+        **{name: safe_getattr(args, name, False) for name in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")},
+    ))
     if broken:
         raise ConfigError(f"--arch {BLOOM_ARCH} has BLOOM's shape (gelu_accurate, FFN = 4 x d = {4 * dim}, "
-                          f"input/output dims = d, final norm, no adaptive input/softmax); {', '.join(broken)} "
-                          "breaks it: use --arch transformer_lm_alibi for other shapes")
+                          f"input/output dims = d, final norm, no adaptive input/softmax); this model has "
+                          f"{'; '.join(broken)}: use --arch transformer_lm_alibi for other shapes")
