@@ -35,8 +35,9 @@ demo: install
 retrieval-demo: install
 	VENV_BIN=$(BIN) examples/retrieval/run.sh
 
+# Tests in parallel, one worker per core (pytest-xdist); PYTEST_ARGS adds options.
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
