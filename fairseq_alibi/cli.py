@@ -94,6 +94,42 @@ def check_training_blocks(argv: List[str]) -> None:
         )
 
 
+#: fairseq-eval-lm's batch limit when no --max-tokens is given (fairseq_cli/eval_lm.py).
+EVAL_LM_MAX_TOKENS = 36000
+
+
+def eval_lm_batches(argv: List[str]) -> List[str]:
+    """``argv`` with the batch limit made explicit where the user gave no ``--max-tokens``:
+    fairseq-eval-lm then limits batches to 36000 tokens, so a block longer than that
+    was refused, with ``--batch-size N`` alone too (docs/usage.md: use it alone).
+    The limit becomes ``max(36000, N x --tokens-per-sample)`` (N = 1 without
+    ``--batch-size``): the stock limit wherever it held a block, never one that refuses it."""
+    if _flag(argv, "--max-tokens") is not None:
+        return argv
+    try:
+        blocks = int(_flag(argv, "--batch-size", "--max-sentences") or 1)
+        tokens = int(_flag(argv, "--tokens-per-sample") or 1024)  # the language_modeling default
+    except ValueError:
+        return argv  # argparse reports the bad number
+    limit = min(max(EVAL_LM_MAX_TOKENS, blocks * tokens), 2**31 - 1)
+    return argv if limit == EVAL_LM_MAX_TOKENS else argv + ["--max-tokens", str(limit)]
+
+
+def training_defaults(argv: List[str]) -> List[str]:
+    """``alibi-train``'s defaults, as its ``--help`` shows them: ``--task language_modeling``
+    (stock fairseq-train's is translation, which rejects ``--tokens-per-sample``) and, for
+    that task, ``--arch transformer_lm_alibi`` (fairseq raised a bare RuntimeError without
+    an ``--arch``); another task needs its ``--arch``."""
+    task = _flag(argv, "--task")
+    if task is None:
+        argv = argv + ["--task", "language_modeling"]
+    if _flag(argv, "--arch", "-a") is None:
+        if task not in (None, "language_modeling"):
+            raise UserError(f"--task {task} needs an --arch (`alibi-train --task {task} --help` lists them)")
+        argv = argv + ["--arch", "transformer_lm_alibi"]
+    return argv
+
+
 def check_model_overrides(argv: List[str]) -> None:
     """``--model-overrides`` must be a dict literal (fairseq ``eval``s the string:
     anything else is a SyntaxError or runs as code); its ``alibi_*`` values are
@@ -203,7 +239,7 @@ def training_help(argv: List[str]) -> None:
     raise SystemExit(0)
 
 
-def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=None) -> None:
+def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=None, defaults=None) -> None:
     import fairseq_alibi  # noqa: F401  (patches fairseq, registers the models)
 
     # fairseq.tasks.text_to_speech calls logging.basicConfig on import, before
@@ -213,6 +249,8 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=Non
         logging.root.removeHandler(handler)
     with report_errors(interrupted=f"{sys.argv[0].rsplit('/', 1)[-1]} interrupted"):
         module = importlib.import_module(module_name)
+        if defaults is not None and not {"-h", "--help"} & set(sys.argv[1:]):
+            sys.argv[1:] = defaults(sys.argv[1:])
         for check in (check_numeric_flags, check_model_overrides) + checks:
             check(sys.argv[1:])
         if guard is not None:
@@ -225,11 +263,12 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=Non
 
 
 def train():
-    _run("fairseq_cli.train", training_help, check_arch, check_training_blocks)
+    _run("fairseq_cli.train", training_help, check_arch, check_training_blocks, defaults=training_defaults)
 
 
 def eval_lm():
-    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True, guard=guard_eval_lm)
+    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True, guard=guard_eval_lm,
+         defaults=eval_lm_batches)
 
 
 def generate():

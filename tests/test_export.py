@@ -596,9 +596,11 @@ class Guard(importlib.abc.MetaPathFinder):
             raise ImportError("guard: " + name)
 sys.meta_path.insert(0, Guard())
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 out, ids = sys.argv[1], json.loads(sys.argv[2])
-tokenizer = AutoTokenizer.from_pretrained(out)
+tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=True)  # the two ways docs/export.md gives
+stock = PreTrainedTokenizerFast.from_pretrained(out)
+assert type(stock) is type(tokenizer) and stock("w1 w2 nope").input_ids == tokenizer("w1 w2 nope").input_ids
 model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True,
                                              alibi_scaling={"type": "ntk", "train_seq_len": 16}).eval()
 with torch.no_grad():
@@ -620,7 +622,9 @@ def test_loads_with_transformers_alone_without_the_package(data_dir, tmp_path):
                             capture_output=True, text=True, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    got = json.loads(result.stdout.split("RESULT ", 1)[1])  # after transformers' trust question
+    got = json.loads(result.stdout.split("RESULT ", 1)[1])
+    assert "You are using a model of type" not in result.stderr, result.stderr[-2000:]
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert got["module"].startswith("transformers_modules.") and got["imported"] == []
     assert got["ids"] == [2, 5, 6, 3]
     dynamic = alibi.Scaling("ntk", 0, L)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..alibi import Scaling
@@ -72,7 +73,7 @@ class HFBackend:
 
     def __init__(self, args, text_file: bool):
         self.cpu, self.dtype, self.train_length = args.cpu, args.dtype, args.train_length
-        self.quiet = getattr(args, "no_progress", False)
+        self.quiet = getattr(args, "no_progress", False) or not sys.stderr.isatty()  # no bars in a log
         if args.train_length is not None and args.train_length < 1:
             raise EvaluationError(f"--train-length {args.train_length} is not valid: a positive number of tokens")
         self.text = None

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -317,10 +318,38 @@ def usable_methods(info: ModelInfo, methods: Sequence[Scaling]) -> List[Scaling]
 
 
 def progress(total: int, initial: int, desc: str, disable: bool):
+    """The progress bar, on a terminal only: redirected to a log, a bar is lines of
+    carriage returns and padding (each finished cell's line says the time left)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, disable=disable, desc=desc, unit="cell",
-                dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=total, initial=initial, disable=disable or not sys.stderr.isatty(), desc=desc,
+                unit="cell", dynamic_ncols=True, file=sys.stderr)
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``7m05s``, ``2h03m``."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Countdown:
+    """Cells finished in this run and the time left, from their mean time so far."""
+
+    def __init__(self, total: int, done: int):
+        self.total, self.done, self.ran = total, done, 0
+        self.start = time.monotonic()
+
+    def finished(self) -> str:
+        """Count one finished cell; ``[cell 12/48, 3m10s so far, about 9m20s left]``."""
+        self.done, self.ran = self.done + 1, self.ran + 1
+        spent = time.monotonic() - self.start
+        left = spent / self.ran * (self.total - self.done)
+        return (f"[cell {self.done}/{self.total}, {duration(spent)} so far"
+                + (f", about {duration(left)} left]" if self.done < self.total else ", done]"))
 
 
 def quiet_logging(verbose: bool) -> None:
@@ -417,9 +446,11 @@ def run(args, methods: List[Scaling], measure, backend) -> List[dict]:
                     sum(map(len, todo)))
         meta = dict(measure.meta(), methods=[m.spelling for m in methods])
         bar = progress(total, total - sum(map(len, todo)), measure.tool, args.no_progress)
+        countdown = Countdown(total, total - sum(map(len, todo)))
         for plan, cells in zip(plans, todo):
             if cells:
-                _run_model(plan, cells, measure, backend, store, identities[plan.described.info.name], meta, bar)
+                _run_model(plan, cells, measure, backend, store, identities[plan.described.info.name], meta, bar,
+                           countdown)
         bar.close()
         store.write(meta)
         results = sorted(store.cells.values(), key=measure.order)
@@ -437,7 +468,8 @@ def record_key(record: dict, measure) -> tuple:
     return (record["checkpoint"], record["method"], float(record["factor"])) + tuple(measure.cell_key(record))
 
 
-def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure, backend, store, identity, meta, bar) -> None:
+def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure, backend, store, identity, meta, bar,
+               countdown: Countdown) -> None:
     """Load one model once and run its cells, method by method."""
     info = plan.described.info
     model = backend.load(plan.described, measure.max_length(plan.cells))
@@ -454,7 +486,7 @@ def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure, backend, s
                           identity=identity)
             store.put(record, meta)  # the resume point, after every cell
             bar.update(1)
-            bar.write(measure.log_line(record))
+            bar.write(f"{measure.log_line(record)} {countdown.finished()}")
     finally:
         model.close()
 
