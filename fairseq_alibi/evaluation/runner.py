@@ -482,7 +482,8 @@ def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure, backend, s
             bar.set_postfix_str(f"{info.name} {method.label} {cell.label}")
             record = measure.run(model, method, cell)
             record.update(checkpoint=info.name, path=info.path, model=info.model, method=method.method,
-                          factor=float(method.factor), label=method.label, train_length=info.train_length,
+                          factor=float(method.factor), label=method.label, spelling=method.spelling,
+                          train_length=info.train_length,
                           identity=identity)
             store.put(record, meta)  # the resume point, after every cell
             bar.update(1)
