@@ -402,3 +402,21 @@ def test_the_hub_keeps_its_whole_config_for_debug(alibi_checkpoint, lm_data_bin,
         assert load() == []
     with caplog.at_level(logging.DEBUG, logger="fairseq.models.fairseq_model"):
         assert len(load()) == 1  # still there for DEBUG: the filter drops what it should only
+
+
+@pytest.mark.parametrize("data,models,expected", [
+    ("FILE", ["-c", "m=CK", "--hf", "x=HF"], "DATA must be the checkpoints' fairseq-preprocess directory"),
+    ("DATA", ["-c", "m=CK", "--hf", "m=HF"], "a checkpoint and a --hf model are both named m"),
+])
+def test_checkpoints_beside_hf_models_need_one_directory_and_distinct_names(data, models, expected, alibi_checkpoint,
+                                                                             lm_data_bin, tmp_path, capsys):
+    from fairseq_alibi.evaluation import perplexity
+
+    (tmp_path / "text.txt").write_text("one the cat sees a tree .\n")
+    named = {"FILE": str(tmp_path / "text.txt"), "DATA": str(lm_data_bin), "CK": str(alibi_checkpoint),
+             "HF": str(tmp_path)}
+    argv = [named[data]] + [a.replace("CK", named["CK"]).replace("HF", named["HF"]) for a in models]
+    with pytest.raises(SystemExit) as exit_status:
+        perplexity.main(argv + ["--cpu", "--no-progress", "-o", str(tmp_path / "out")])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_status.value.code == 1 and len(lines) == 1 and expected in lines[0], lines

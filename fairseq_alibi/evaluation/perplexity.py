@@ -26,7 +26,8 @@ This module is the *measure* (what a cell is, how to run and report it); the
 grid, resuming and loading are the runner's (``runner.py``), the models the
 backend's (``backends.py``: fairseq's own pieces -- the eval-lm argument
 parser, ``load_model_ensemble_and_task``, the task's ``eval_lm_dataloader`` and
-``SequenceScorer``; ``hf_backend.py`` with ``--hf``).  Each model is loaded
+``SequenceScorer``; ``hf_backend.py`` with ``--hf``; both in one grid and one
+table with ``--checkpoint`` and ``--hf`` together).  Each model is loaded
 once and put under each method in turn.  ``loss`` is fairseq-eval-lm's:
 mean negative log-likelihood per token in base 2, and ``ppl = 2 ** loss``.
 
@@ -82,7 +83,8 @@ class Perplexity:
         self.stride, self.per_position = args.stride, args.per_position
         self.hf = bool(args.hf)
         self.max_tokens, self.batch_size = check_batching(args)
-        self.subset = os.path.basename(args.data) if self.hf else args.subset
+        text_file = self.hf and not os.path.isdir(args.data or "")  # else a split of a data directory
+        self.subset = os.path.basename(args.data) if text_file else args.subset
         self.data = os.path.abspath(args.data)
 
     def settings_identity(self) -> str:
@@ -99,7 +101,7 @@ class Perplexity:
         lengths = resolve_lengths(self.lengths, info.train_length, info.name)
         check_lengths(info.name, lengths, self.stride if "sliding" in self.modes else None, self.max_tokens,
                       self.backend.text_tokens(described), self.subset)
-        max_tokens = None if self.hf else self.max_tokens or 4 * max(lengths)
+        max_tokens = None if info.model.startswith("hf:") else self.max_tokens or 4 * max(lengths)
         return [Cell((mode, length, length if mode == "nonoverlapping" else self.stride, self.subset),
                      (mode, length, length if mode == "nonoverlapping" else self.stride, max_tokens),
                      f"{mode} L={length}")
@@ -225,7 +227,7 @@ def score_tokens(scored, length: int, per_position: bool, where: str) -> dict:
 
 def check_batching(args):
     """(--max-tokens, --batch-size): positive, and for fairseq checkpoints only."""
-    if args.hf and (args.max_tokens is not None or args.batch_size is not None):
+    if args.hf and not args.checkpoint and (args.max_tokens is not None or args.batch_size is not None):
         raise EvaluationError("--max-tokens and --batch-size apply to fairseq checkpoints; --hf models "
                               "score one window at a time")
     for name in ("max_tokens", "batch_size"):
@@ -256,7 +258,7 @@ def get_parser() -> argparse.ArgumentParser:
         "example:\n  alibi-sweep data-bin/embedded --checkpoint alibi=ck/alibi.pt --checkpoint sin=ck/sin.pt "
         "\\\n      --lengths 1x,2x,4x,8x,16x --methods none,linear:2,linear,ntk:2,ntk,cap "
         "--modes nonoverlapping,sliding --stride 32 --output-dir outputs/sweep --cpu",
-        "fairseq-preprocess output directory (with --hf: a raw text file)", "outputs/sweep",
+        "fairseq-preprocess output directory (with --hf alone also a raw text file)", "outputs/sweep",
     )
     p.add_argument("--lengths", default="1x,2x,4x,8x,16x",
                    help="evaluation lengths: integers (2k = 2048), or Nx = N times the training length "
