@@ -324,6 +324,9 @@ def hydra_train():
     if "--help-all" in argv:
         sys.argv = [a if a != "--help-all" else "--help" for a in sys.argv]
     else:
+        # Hydra prints an error raised in the job as its own traceback and exits; with this it
+        # re-raises, so a user-fixable one is one ``error:`` line as in every script (bugs keep theirs)
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
         run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
         sys.stderr.write("alibi-hydra-train: Hydra writes .hydra/ (the composed config) and hydra_train.log "
                          f"into {run_dir or 'its run directory (the working directory with fairseq configs)'}\n")

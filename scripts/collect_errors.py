@@ -108,6 +108,8 @@ def build_fixtures(work):
     os.symlink("missing_target.pt", path("dangling.pt"))
     os.makedirs(path("configs"))
     open(path("configs/tiny_lm.yaml"), "w").write("# a Hydra config\n")
+    shutil.copy(os.path.join(ROOT, "examples", "language_model", "config", "wikitext103_alibi_L512.yaml"),
+                path("configs"))
     open(path("empty.jsonl"), "w").close()
     os.makedirs(path("foreign_results"))
     open(path("foreign_results/results.json"), "w").write('{"accuracy": 0.5}\n')
@@ -184,6 +186,10 @@ CASES = [
                "--adaptive-softmax-cutoff", "20,10")),
         ("`--task masked_lm` without `--arch` (alibi-train's default arch is for language_modeling)",
          ["alibi-train", "data", "--task", "masked_lm", "--cpu"]),
+        ("`alibi-hydra-train` with a config whose model fairseq cannot build (the paper's adaptive cutoffs on "
+         "a 32-word dictionary)",
+         ["alibi-hydra-train", "--config-dir", "configs", "--config-name", "wikitext103_alibi_L512", "task.data=data",
+          "common.cpu=true", "hydra.run.dir=hydra_run", "checkpoint.save_dir=hydra_ckpt"]),
         ("`alibi-hydra-train` with a `--config-name` that is not in `--config-dir`",
          ["alibi-hydra-train", "--config-dir", "configs", "--config-name", "tiny"]),
     ]),
@@ -237,6 +243,8 @@ CASES = [
         ("a sliding stride below 1", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--modes", "sliding", "--stride", "0"]),
         ("an output directory whose results.json another program wrote",
          ["alibi-sweep", "data", "-c", "alibi/checkpoint_last.pt", "--output-dir", "foreign_results", "--cpu"]),
+        ("`--checkpoint` beside `--hf` with DATA a text file (the two read one data directory's split)",
+         ["alibi-sweep", "train.txt", "-c", "alibi/checkpoint_last.pt", "--hf", "hf=hf_out", "--cpu"]),
         ("an output directory that cannot be written", ["alibi-sweep", "data", "-c", "alibi/checkpoint_last.pt",
                                                         "--output-dir", READ_ONLY, "--cpu"]),
     ]),

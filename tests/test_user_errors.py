@@ -318,6 +318,8 @@ BUILD_CASES = [
                      "--adaptive-softmax-cutoff", "20,10"], "negative dimension -10: [-10, 12] (fairseq/modules/adaptive_input.py"),
     # the same check reached through a checkpoint's overrides ("another model family?" before)
     ("alibi-eval-lm", ["--model-overrides", "{'decoder_attention_heads': 5}"], "embed_dim must be divisible by num_heads"),
+    # the paper's config on a 32-word dictionary: Hydra printed its own traceback
+    ("alibi-hydra-train", ["model.decoder_layers=1"], "cannot specify cutoff larger than vocab size"),
 ]
 
 
@@ -326,8 +328,13 @@ def test_options_fairseq_cannot_build_from_are_one_line(script, extra, expected,
                                                          tmp_path):
     from conftest import train_args
 
+    from conftest import EXAMPLES
+
     args = {"alibi-train": train_args(lm_data_bin, tmp_path / "ckpt", max_update=1),
-            "alibi-eval-lm": [lm_data_bin, "--path", alibi_checkpoint, "--gen-subset", "valid", "--cpu"]}[script]
+            "alibi-eval-lm": [lm_data_bin, "--path", alibi_checkpoint, "--gen-subset", "valid", "--cpu"],
+            "alibi-hydra-train": ["--config-dir", EXAMPLES / "language_model" / "config", "--config-name",
+                                  "wikitext103_alibi_L512", f"task.data={lm_data_bin}", "common.cpu=true",
+                                  f"hydra.run.dir={tmp_path}", f"checkpoint.save_dir={tmp_path / 'ckpt'}"]}[script]
     result = run_cli([tool(script), *args, *extra], expect_ok=False, cwd=tmp_path)
     line = assert_one_error(result, "fairseq cannot build the model from the options given", expected)
     assert "model family" not in line and not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
