@@ -8,7 +8,7 @@ order of ``--methods`` (``rank``: a record -> its method's place).
 Every number a reader compares carries its 95 % interval (``intervals.py``):
 perplexity a bootstrap over the cell's windows (cells written before windows
 were recorded have none), accuracy Wilson's, a mean log-probability a
-bootstrap over prompts; in tables as ``45.26 [44.9, 45.6]``, in plots as bands
+bootstrap over prompts; in tables as ``PPL [LOW, HIGH]``, in plots as bands
 or error bars.  Each method has one colour and marker in every plot
 (``styles.py``), each checkpoint a line style; panels compared side by side
 share their axes; every line, band and mark is named in the figure.
@@ -295,7 +295,7 @@ def _pool(cells: Iterable[dict]) -> tuple:
 
 
 def _accuracy(k: int, n: int, *_) -> str:
-    """``80 [62, 91]``: accuracy % and its Wilson interval."""
+    """``80 [49, 94]`` (8 of 10): accuracy % and its Wilson interval."""
     return f"{100.0 * k / n:.0f}{bounds(intervals.wilson(k, n), 100.0 * k / n, scale=100)}"
 
 
