@@ -189,7 +189,7 @@ CASES = [
         ("`alibi-hydra-train` with a config whose model fairseq cannot build (the paper's adaptive cutoffs on "
          "a 32-word dictionary)",
          ["alibi-hydra-train", "--config-dir", "configs", "--config-name", "wikitext103_alibi_L512", "task.data=data",
-          "common.cpu=true", "hydra.run.dir=hydra_run", "checkpoint.save_dir=hydra_ckpt"]),
+          "common.cpu=true", "checkpoint.save_dir=hydra_ckpt"]),
         ("`alibi-hydra-train` with a `--config-name` that is not in `--config-dir`",
          ["alibi-hydra-train", "--config-dir", "configs", "--config-name", "tiny"]),
     ]),
