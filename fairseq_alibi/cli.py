@@ -93,6 +93,42 @@ def check_training_blocks(argv: List[str]) -> None:
         )
 
 
+#: fairseq-eval-lm's batch limit when no --max-tokens is given (fairseq_cli/eval_lm.py).
+EVAL_LM_MAX_TOKENS = 36000
+
+
+def eval_lm_batches(argv: List[str]) -> List[str]:
+    """``argv`` with the batch limit made explicit where the user gave no ``--max-tokens``:
+    fairseq-eval-lm then limits batches to 36000 tokens, so a block longer than that
+    was refused, with ``--batch-size N`` alone too (docs/usage.md: use it alone).
+    The limit becomes ``max(36000, N x --tokens-per-sample)`` (N = 1 without
+    ``--batch-size``): the stock limit wherever it held a block, never one that refuses it."""
+    if _flag(argv, "--max-tokens") is not None:
+        return argv
+    try:
+        blocks = int(_flag(argv, "--batch-size", "--max-sentences") or 1)
+        tokens = int(_flag(argv, "--tokens-per-sample") or 1024)  # the language_modeling default
+    except ValueError:
+        return argv  # argparse reports the bad number
+    limit = min(max(EVAL_LM_MAX_TOKENS, blocks * tokens), 2**31 - 1)
+    return argv if limit == EVAL_LM_MAX_TOKENS else argv + ["--max-tokens", str(limit)]
+
+
+def training_defaults(argv: List[str]) -> List[str]:
+    """``alibi-train``'s defaults, as its ``--help`` shows them: ``--task language_modeling``
+    (stock fairseq-train's is translation, which rejects ``--tokens-per-sample``) and, for
+    that task, ``--arch transformer_lm_alibi`` (fairseq raised a bare RuntimeError without
+    an ``--arch``); another task needs its ``--arch``."""
+    task = _flag(argv, "--task")
+    if task is None:
+        argv = argv + ["--task", "language_modeling"]
+    if _flag(argv, "--arch", "-a") is None:
+        if task not in (None, "language_modeling"):
+            raise UserError(f"--task {task} needs an --arch (`alibi-train --task {task} --help` lists them)")
+        argv = argv + ["--arch", "transformer_lm_alibi"]
+    return argv
+
+
 def check_model_overrides(argv: List[str]) -> None:
     """``--model-overrides`` must be a dict literal (fairseq ``eval``s the string:
     anything else is a SyntaxError or runs as code); its ``alibi_*`` values are
@@ -164,7 +200,7 @@ def training_help(argv: List[str]) -> None:
     raise SystemExit(0)
 
 
-def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=None) -> None:
+def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=None, defaults=None) -> None:
     import fairseq_alibi.models  # noqa: F401  (patches fairseq, registers the models)
 
     # fairseq.tasks.text_to_speech calls logging.basicConfig on import, before
@@ -174,6 +210,8 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=Non
         logging.root.removeHandler(handler)
     with report_errors(interrupted=f"{sys.argv[0].rsplit('/', 1)[-1]} interrupted"):
         module = importlib.import_module(module_name)
+        if defaults is not None and not {"-h", "--help"} & set(sys.argv[1:]):
+            sys.argv[1:] = defaults(sys.argv[1:])
         for check in (check_numeric_flags, check_model_overrides) + checks:
             check(sys.argv[1:])
         if guard is not None:
@@ -186,13 +224,14 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=Non
 
 
 def train():
-    _run("fairseq_cli.train", training_help, check_arch, check_training_blocks)
+    _run("fairseq_cli.train", training_help, check_arch, check_training_blocks, defaults=training_defaults)
 
 
 def eval_lm():
     from .patches import guarded_eval_lm
 
-    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True, guard=guarded_eval_lm)
+    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True, guard=guarded_eval_lm,
+         defaults=eval_lm_batches)
 
 
 def generate():
@@ -248,6 +287,9 @@ def hydra_train():
     if "--help-all" in argv:
         sys.argv = [a if a != "--help-all" else "--help" for a in sys.argv]
     else:
+        # Hydra prints an error raised in the job as its own traceback and exits; with this it
+        # re-raises, so a user-fixable one is one ``error:`` line as in every script (bugs keep theirs)
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
         run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
         sys.stderr.write("alibi-hydra-train: Hydra writes .hydra/ (the composed config) and hydra_train.log "
                          f"into {run_dir or 'its run directory (the working directory with fairseq configs)'}\n")

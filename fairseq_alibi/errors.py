@@ -49,6 +49,10 @@ class ForkCheckpointError(CheckpointError):
     """An unconverted checkpoint of the ALiBi fork reached fairseq's loader."""
 
 
+class ModelOptionsError(UserError, ValueError):
+    """Options fairseq cannot build a model or task from (one of fairseq's own checks failed)."""
+
+
 class UnsupportedModelError(UserError, ValueError):
     """A Hugging Face model without an ALiBi bias ``fairseq_alibi.hf`` knows how to scale."""
 
@@ -254,9 +258,10 @@ def describe(exc: BaseException) -> Optional[str]:
     match = re.match(r"Sentences lengths should not exceed max_tokens=(\d+)", str(exc))
     if isinstance(exc, AssertionError) and match:
         return (
-            f"a sample is longer than --max-tokens {match.group(1)}: fairseq puts at least one whole sample in a "
-            "batch (a block of --tokens-per-sample tokens, less --context-window; a line with --sample-break-mode "
-            "eos; a prompt); raise --max-tokens to the longest sample, or give --batch-size N instead"
+            f"a sample is longer than the batch limit of {match.group(1)} tokens (--max-tokens): fairseq puts at "
+            "least one whole sample in a batch (a block of --tokens-per-sample tokens; a line with "
+            "--sample-break-mode eos; a prompt); give --max-tokens at least the longest sample, or --batch-size N "
+            "without --max-tokens"
         )
     frame = _loading_frame(exc.__traceback__)
     if frame is not None and isinstance(exc, (AttributeError, KeyError, ValueError, TypeError, RuntimeError, AssertionError)):

@@ -108,6 +108,8 @@ def build_fixtures(work):
     os.symlink("missing_target.pt", path("dangling.pt"))
     os.makedirs(path("configs"))
     open(path("configs/tiny_lm.yaml"), "w").write("# a Hydra config\n")
+    shutil.copy(os.path.join(ROOT, "examples", "language_model", "config", "wikitext103_alibi_L512.yaml"),
+                path("configs"))
     open(path("empty.jsonl"), "w").close()
     os.makedirs(path("foreign_results"))
     open(path("foreign_results/results.json"), "w").write('{"accuracy": 0.5}\n')
@@ -177,6 +179,17 @@ CASES = [
         ("`--max-tokens` smaller than one training sample (`--tokens-per-sample 32`)",
          train("small_batch", "--max-tokens", "10")),
         ("`--seed -1` (numpy takes 0 to 2**32 - 1)", train("seed", "--seed", "-1")),
+        ("sizes fairseq cannot build a model from (its own assertion)",
+         train("heads", "--decoder-embed-dim", "30", "--decoder-attention-heads", "4")),
+        ("adaptive cutoffs out of order (torch's error on a size fairseq computed)",
+         train("cutoffs", "--arch", "transformer_lm_wiki103_alibi", "--adaptive-input-cutoff", "20,10",
+               "--adaptive-softmax-cutoff", "20,10")),
+        ("`--task masked_lm` without `--arch` (alibi-train's default arch is for language_modeling)",
+         ["alibi-train", "data", "--task", "masked_lm", "--cpu"]),
+        ("`alibi-hydra-train` with a config whose model fairseq cannot build (the paper's adaptive cutoffs on "
+         "a 32-word dictionary)",
+         ["alibi-hydra-train", "--config-dir", "configs", "--config-name", "wikitext103_alibi_L512", "task.data=data",
+          "common.cpu=true", "checkpoint.save_dir=hydra_ckpt"]),
         ("`alibi-hydra-train` with a `--config-name` that is not in `--config-dir`",
          ["alibi-hydra-train", "--config-dir", "configs", "--config-name", "tiny"]),
     ]),
@@ -206,6 +219,8 @@ CASES = [
          EVAL + ["--path", "alibi/checkpoint_last.pt", "--tokens-per-sample", "2147483648"]),
         ("`--max-tokens` smaller than one block", EVAL + ["--path", "alibi/checkpoint_last.pt",
                                                           "--tokens-per-sample", "64", "--max-tokens", "10"]),
+        ("a model override fairseq cannot build the model from",
+         EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'decoder_attention_heads': 5}"]),
         ("DATA that is a file", ["alibi-eval-lm", "train.txt", "--cpu", "--path", "alibi/checkpoint_last.pt"]),
         ("a dict.txt in another format", ["alibi-eval-lm", "bad_dict", "--cpu", "--gen-subset", "valid",
                                           "--path", "alibi/checkpoint_last.pt"]),
@@ -228,6 +243,8 @@ CASES = [
         ("a sliding stride below 1", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--modes", "sliding", "--stride", "0"]),
         ("an output directory whose results.json another program wrote",
          ["alibi-sweep", "data", "-c", "alibi/checkpoint_last.pt", "--output-dir", "foreign_results", "--cpu"]),
+        ("`--checkpoint` beside `--hf` with DATA a text file (the two read one data directory's split)",
+         ["alibi-sweep", "train.txt", "-c", "alibi/checkpoint_last.pt", "--hf", "hf=hf_out", "--cpu"]),
         ("an output directory that cannot be written", ["alibi-sweep", "data", "-c", "alibi/checkpoint_last.pt",
                                                         "--output-dir", READ_ONLY, "--cpu"]),
     ]),

@@ -16,7 +16,8 @@ script next to the running Python, ``run_cli`` runs one with single-threaded
 BLAS and fails the test with the output's tail if it exits non-zero,
 ``preprocess`` binarizes a corpus, ``parse_eval`` reads an eval-lm result,
 ``free_port`` gives torchrun a port, ``error_lines`` the ``error:`` lines of
-a run, and the bias forms name ``alibi.alibi_bias`` per mode.
+a run, ``wilson_by_hand`` Wilson's interval from its formula, and the bias
+forms name ``alibi.alibi_bias`` per mode.
 
 The corpus: each line picks one subject and repeats it in 1-4 numbered clauses
 (``one the cat sees a tree . two the cat likes the ball .``), so a model learns
@@ -160,6 +161,17 @@ def train_args(data_bin, save_dir, max_update: int = 10, batch_size: int = 8) ->
         "--cpu", "--num-workers", "0", "--save-dir", str(save_dir),
         "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "20",
     ]
+
+
+def wilson_by_hand(k: int, n: int):
+    """The 95 % Wilson score interval of ``k`` successes in ``n``, written out from its formula."""
+    import math
+
+    z = 1.959963984540054
+    p = k / n
+    centre = (p + z ** 2 / (2 * n)) / (1 + z ** 2 / n)
+    half = z / (1 + z ** 2 / n) * math.sqrt(p * (1 - p) / n + z ** 2 / (4 * n ** 2))
+    return centre - half, centre + half
 
 
 # ---------------------------------------------------------------- bias forms

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO, cli_env, fork_layout
+from conftest import REPO, cli_env, fork_layout, run_cli, tool
 from fairseq_alibi import alibi, attention, hf
 from fairseq_alibi.alibi import ScalingError
 from fairseq_alibi.configuration_alibi import AlibiLMConfig
@@ -113,6 +114,17 @@ def exported(model, cfg, tmp_path, *options, name="out") -> Path:
     status, output = export(checkpoint, tmp_path / name, *options)
     assert status == 0, output
     return tmp_path / name
+
+
+def checkpoint_and_export(data_dir, tmp_path) -> tuple:
+    """(a checkpoint fairseq's own loader reads, its export) of a default model."""
+    model, cfg = build(data_dir, [])
+    checkpoint = save(model, cfg, tmp_path / "model.pt")
+    state = torch.load(checkpoint, weights_only=True)  # fairseq's loader reads the last optimizer history entry
+    state["optimizer_history"] = [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
+                                   "lr_scheduler_state": {}, "num_updates": 0}]
+    torch.save(state, checkpoint)
+    return checkpoint, exported(model, cfg, tmp_path)
 
 
 def tokens(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
@@ -600,9 +612,11 @@ class Guard(importlib.abc.MetaPathFinder):
             raise ImportError("guard: " + name)
 sys.meta_path.insert(0, Guard())
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 out, ids = sys.argv[1], json.loads(sys.argv[2])
-tokenizer = AutoTokenizer.from_pretrained(out)
+tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=True)  # the two ways docs/export.md gives
+stock = PreTrainedTokenizerFast.from_pretrained(out)
+assert type(stock) is type(tokenizer) and stock("w1 w2 nope").input_ids == tokenizer("w1 w2 nope").input_ids
 model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True,
                                              alibi_scaling={"type": "ntk", "train_seq_len": 16}).eval()
 with torch.no_grad():
@@ -624,7 +638,9 @@ def test_loads_with_transformers_alone_without_the_package(data_dir, tmp_path):
                             capture_output=True, text=True, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    got = json.loads(result.stdout.split("RESULT ", 1)[1])  # after transformers' trust question
+    got = json.loads(result.stdout.split("RESULT ", 1)[1])
+    assert "You are using a model of type" not in result.stderr, result.stderr[-2000:]
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert got["module"].startswith("transformers_modules.") and got["imported"] == []
     assert got["ids"] == [2, 5, 6, 3]
     dynamic = alibi.Scaling("ntk", 0, L)
@@ -674,6 +690,69 @@ def test_alibi_sweep_hf_accepts_an_exported_model(data_dir, tmp_path):
                      "--output-dir", str(tmp_path / "sweep"), "--no-progress", "--cpu"])
     cells = json.loads((tmp_path / "sweep" / "results.json").read_text())["cells"]
     assert {(c["length"], c["method"]) for c in cells} >= {(L, "none"), (2 * L, "ntk")}
+
+
+def test_alibi_sweep_scores_a_checkpoint_and_its_export_alike_on_one_text(data_dir, tmp_path, capsys):
+    """One alibi-sweep command, the fairseq checkpoint (--checkpoint) beside its export (--hf)
+    on one data directory's split, unknown words and an empty line included: the same
+    tokens scored and the same loss in every cell (the export reads the split's text as
+    fairseq does: </s> first, each line then </s>, unknown words as <unk>); the raw text
+    file the split was binarized from gives the export the same numbers again."""
+    from fairseq_alibi.evaluation import perplexity
+
+    checkpoint, out = checkpoint_and_export(data_dir, tmp_path)
+    rng = random.Random(3)
+    lines = [" ".join(rng.choice([f"w{rng.randrange(WORDS)}"] * 9 + ["zebra"]) for _ in range(rng.randint(3, 12)))
+             for _ in range(14)]
+    lines[5] = ""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "valid.txt").write_text("\n".join(lines) + "\n")
+    shutil.copy(data_dir / "dict.txt", raw / "dict.txt")
+    run_cli([tool("fairseq-preprocess"), "--only-source", "--srcdict", raw / "dict.txt", "--validpref",
+             raw / "valid.txt", "--destdir", raw / "bin", "--workers", "1"])
+    common = ["--lengths", "16,48", "--methods", "none,ntk,cap:0.5", "--modes", "nonoverlapping,sliding",
+              "--stride", "8", "--cpu", "--no-progress"]
+    # --batch-size 1: fairseq's dynamic factor follows the padded batch, a short last window
+    # padded to full length would take the full length's factor (the export scores it alone)
+    assert perplexity.main([str(raw / "bin"), "-c", f"fairseq={checkpoint}", "--hf", f"export={out}", *common,
+                            "--batch-size", "1", "-o", str(tmp_path / "both")]) == 0
+    printed = capsys.readouterr()
+    unknown = sum(line.split().count("zebra") for line in lines)
+    assert unknown > 3 and f"export: {unknown} of the text's" in printed.err and "scored, as fairseq-eval-lm" in printed.err
+    cells = json.loads((tmp_path / "both" / "results.json").read_text())["cells"]
+    by = {(c["checkpoint"], c["label"], c["mode"], c["length"]): c for c in cells}
+    assert len(by) == 2 * 3 * 2 * 2
+    for (name, label, mode, length), fs in by.items():
+        if name != "fairseq":
+            continue
+        hf_cell = by[("export", label, mode, length)]
+        assert hf_cell["tokens"] == fs["tokens"] == sum(len(line.split()) + 1 for line in lines)
+        # fairseq right-pads a sliding window with less context than the window (the first ones) to the
+        # full window and a dynamic method takes the full window's factor there; the export, each window's own
+        close = 1e-3 if (label, mode) == ("ntk dynamic", "sliding") and length > L else 1e-5
+        assert hf_cell["loss"] == pytest.approx(fs["loss"], abs=close), (label, mode, length)
+    assert len({round(by[("fairseq", label, "nonoverlapping", 48)]["loss"], 4)
+                for label in ("none", "ntk dynamic", "cap x0.5")}) == 3  # past L the methods differ: not vacuous
+    table = (tmp_path / "both" / "results.md").read_text().split("### sliding")[0]
+    assert "| fairseq | none |" in table and "| export | none |" in table  # one table, side by side
+    assert perplexity.main([str(raw / "valid.txt"), "--hf", f"export={out}", *common,
+                            "-o", str(tmp_path / "text")]) == 0
+    for c in json.loads((tmp_path / "text" / "results.json").read_text())["cells"]:
+        assert c["loss"] == pytest.approx(by[("export", c["label"], c["mode"], c["length"])]["loss"], abs=1e-6)
+
+
+def test_unknown_words_are_scored_in_text_and_refused_in_prompts(data_dir, tmp_path):
+    from fairseq_alibi.errors import EvaluationError
+    from fairseq_alibi.evaluation.hf_backend import HFEncoder
+
+    model, cfg = build(data_dir, [])
+    _, tokenizer = hf.load_hf_model(str(exported(model, cfg, tmp_path)), progress=False)
+    encoder = HFEncoder(tokenizer, by_lines=True)
+    assert encoder.encode_text("w1 zebra\n\nw2\n") == [2, 5, 3, 2, 2, 6, 2]
+    assert encoder.unknown(encoder.encode_text("w1 zebra\n\nw2\n")) == 1
+    with pytest.raises(EvaluationError, match="1 word.* the model's tokenizer reads as <unk>: zebra"):
+        encoder.encode("w1 zebra w2")
 
 
 # ------------------------------------------------------------------ lm-evaluation-harness
@@ -734,13 +813,7 @@ def test_alibi_retrieval_gives_the_same_scores_on_a_checkpoint_and_its_export(da
     kind of method, static, dynamic and the cap (the export's bos is fairseq's eos)."""
     from fairseq_alibi.evaluation import retrieval
 
-    model, cfg = build(data_dir, [])
-    checkpoint = save(model, cfg, tmp_path / "model.pt")
-    state = torch.load(checkpoint, weights_only=True)  # fairseq's loader reads the last optimizer history entry
-    state["optimizer_history"] = [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam",
-                                   "lr_scheduler_state": {}, "num_updates": 0}]
-    torch.save(state, checkpoint)
-    out = exported(model, cfg, tmp_path)
+    checkpoint, out = checkpoint_and_export(data_dir, tmp_path)
     rng = random.Random(0)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.randrange(WORDS)}" for _ in range(n)),

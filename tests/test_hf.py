@@ -721,9 +721,9 @@ def test_sweep_hf_model_on_a_text_file(saved_mpt, monkeypatch):
     argv = [str(saved_mpt / "text.txt"), "--hf", f"mpt={saved_mpt / 'mpt'}", "--lengths", "1x,2x",
             "--methods", "none,linear:2,ntk", "--modes", "nonoverlapping,sliding", "--stride", "4",
             "--output-dir", str(out), "--cpu", "--no-progress"]
-    encoded, encode = [], hf_backend.HFEncoder.encode
-    monkeypatch.setattr(hf_backend.HFEncoder, "encode",
-                        lambda self, text, where="": encoded.append(len(text)) or encode(self, text, where))
+    encoded, encode = [], hf_backend.HFEncoder._ids
+    monkeypatch.setattr(hf_backend.HFEncoder, "_ids",
+                        lambda self, text: encoded.append(len(text)) or encode(self, text))
     assert perplexity.main(argv) == 0
     text_length = len((saved_mpt / "text.txt").read_text())
     assert encoded.count(text_length) == 1  # the plan (lengths against the text) and the cells share one encoding

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import EXAMPLES, TRAIN_LENGTH, run_cli, tool, train_args
+from conftest import EXAMPLES, TRAIN_LENGTH, run_cli, tool, train_args, wilson_by_hand
 
 from fairseq_alibi.evaluation import backends
 from fairseq_alibi.evaluation import prompts as P
@@ -205,13 +205,16 @@ def test_jsonl_outputs_and_groups(jsonl_run, jsonl_prompts):
         assert field in rows[0]
     for row in rows:
         assert float(row["accuracy"]) == pytest.approx(int(row["correct"]) / int(row["n"]), abs=1e-5)
+        low, high = wilson_by_hand(int(row["correct"]), int(row["n"]))
+        assert (float(row["accuracy_low"]), float(row["accuracy_high"])) == pytest.approx((low, high), abs=1e-5)
     md = (out / "results.md").read_text()
     assert "accuracy % by group" in md
     for label in ("none", "linear x2", "ntk dynamic"):
         pooled = [c for c in cells if c["label"] == label]
         k = sum(c["correct"] for c in pooled if c["group"] == "a")
         n = sum(c["n"] for c in pooled if c["group"] == "a")
-        assert f"| alibi | {label} | {100 * k / n:.0f} ({n}) |" in md
+        low, high = wilson_by_hand(k, n)  # the interval beside the unchanged accuracy
+        assert f"| alibi | {label} | {100 * k / n:.0f} [{100 * low:.0f}, {100 * high:.0f}] ({n}) |" in md
     assert (out / "accuracy.png").stat().st_size > 0
     assert not (out / "depth.png").exists()  # no depths in JSONL prompts
 
@@ -387,7 +390,7 @@ def test_heads_example_runs(kv_data_bin, kv_checkpoint):
 def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
     """examples/retrieval/summary.py pools runs: the mean and [min, max] of each
     method's accuracy at each length equal those computed from the runs' cells,
-    rows in the --methods order."""
+    rows in the --methods order; each run's accuracy with its Wilson interval."""
     runs = {}
     for seed in (1, 2):
         out = tmp_path / f"seed{seed}"
@@ -409,6 +412,15 @@ def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
                       for cells in runs.values()]
             expected = f"{sum(values) / 2:.0f} [{min(values):.0f}, {max(values):.0f}]"
             assert shown.strip() == expected
+    per_run = result.stdout.strip().split("\n\n")[-1].splitlines()  # each run with its Wilson interval
+    assert len(per_run) == 2 + 3 * len(runs)
+    for row in per_run[2:]:
+        label, name = (part.strip() for part in row.split("|")[1:3])
+        for length, shown in zip((48, 100), row.split("|")[3:5]):
+            these = [c for c in runs[name] if c["label"] == label and c["length"] == length]
+            k, n = sum(c["correct"] for c in these), sum(c["n"] for c in these)
+            low, high = wilson_by_hand(k, n)
+            assert shown.strip() == f"{100 * k / n:.0f} [{100 * low:.0f}, {100 * high:.0f}] ({n})"
     assert plot.stat().st_size > 0
 
 

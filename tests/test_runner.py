@@ -41,7 +41,6 @@ class ToyBackend:
     """Models ``NAME=VALUE``: VALUE is the model's identity (changing it is a new file)."""
 
     data_identity = "toy-data"
-    train_length_hint = " (toy models record one)"
 
     def __init__(self, log):
         self.log = log

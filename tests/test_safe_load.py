@@ -212,3 +212,110 @@ def test_describe_error_leaves_bugs_alone():
     assert errors.describe(ZeroDivisionError("x")) is None
     assert errors.describe(FileNotFoundError(2, "No such file", "data/dict.txt")).startswith(
         "dictionary not found: data/dict.txt")
+
+
+# ------------------------------------------------------------- marker buffers
+# fairseq's ``_float_tensor`` buffers (AdaptiveInput, AdaptiveSoftmax's tied head,
+# the fork's sinusoidal positions) mark a device and dtype and hold whatever the
+# memory held: a checkpoint must load whatever they hold, through every loader.
+ADAPTIVE = ["--adaptive-input-cutoff", "10,20", "--adaptive-softmax-cutoff", "10,20", "--decoder-layers", "2",
+            "--decoder-embed-dim", "24", "--decoder-input-dim", "24", "--decoder-output-dim", "24",
+            "--decoder-ffn-embed-dim", "32", "--decoder-attention-heads", "4", "--dropout", "0"]
+MARKED_ARCHS = {  # every architecture whose state dict holds a marker buffer
+    "wiki103_alibi": ["--arch", "transformer_lm_wiki103_alibi", *ADAPTIVE],
+    "alibi_adaptive_input": ["--arch", "transformer_lm_alibi", "--adaptive-input", *ADAPTIVE],
+    "stock_wiki103": ["--arch", "transformer_lm_wiki103", *ADAPTIVE],
+}
+
+
+def _built(data_bin, extra):
+    """A fairseq LM built as fairseq-train builds it, with random weights, and its checkpoint dict."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [
+        str(data_bin), "--task", "language_modeling", "--tokens-per-sample", "16", "--cpu", *extra])
+    cfg = convert_namespace_to_omegaconf(args)
+    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    history = [{"criterion_name": "AdaptiveLoss", "optimizer_name": "Adam", "lr_scheduler_state": {},
+                "num_updates": 0}]
+    return {"cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "model": model.state_dict(),
+            "args": None, "optimizer_history": history, "extra_state": {}}
+
+
+def _marked(state, dtype, value=float("nan")):
+    """``state`` with its float weights in ``dtype`` and every marker buffer holding ``value``."""
+    out = dict(state, model=collections.OrderedDict(state["model"]))
+    markers = 0
+    for name, tensor in out["model"].items():
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        if safe_load.is_marker(name):
+            tensor, markers = torch.full_like(tensor, value), markers + 1
+        out["model"][name] = tensor
+    assert markers, sorted(out["model"])  # not vacuous: the architecture has marker buffers
+    return out
+
+
+def _log_probs(path, data_bin):
+    from fairseq import checkpoint_utils
+
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task([str(path)], arg_overrides={"data": str(data_bin)})
+    ids = torch.tensor([[2, 5, 9, 4, 12, 7, 6, 8]])
+    with torch.no_grad():
+        return models[0].eval().get_normalized_probs(models[0](ids), log_probs=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("arch", sorted(MARKED_ARCHS))
+def test_a_marker_buffer_holding_nan_or_inf_loads_everywhere(arch, dtype, lm_data_bin, tmp_path):
+    """The NaN (fp32) or inf (fp16, as the fork saved) in every marker buffer changes
+    nothing: every loader accepts the file and the model computes what the clean file's
+    does; a NaN in a real weight is still refused (the check still checks)."""
+    from fairseq_alibi.evaluation import perplexity
+    from fairseq_alibi.export import main as export_main
+    from fairseq_alibi.models.transformer_lm import AlibiTransformerLanguageModel
+
+    state = _built(lm_data_bin, MARKED_ARCHS[arch])
+    clean, marked = tmp_path / "clean.pt", tmp_path / "marked.pt"
+    torch.save(_marked(state, dtype, 0.0), clean)
+    torch.save(_marked(state, dtype, float("nan") if dtype == torch.float32 else float("inf")), marked)
+    assert not bool(torch.isfinite(torch.load(marked, weights_only=True)["model"]["decoder.embed_tokens._float_tensor"]).all())
+    safe_load.load(str(marked))
+    assert torch.equal(_log_probs(marked, lm_data_bin), _log_probs(clean, lm_data_bin))
+    sweep = [str(lm_data_bin), "-c", f"m={marked}", "--lengths", "16,32", "--methods", "none", "--cpu",
+             "--no-progress", "-o"]
+    assert perplexity.main(sweep + [str(tmp_path / "sweep")]) == 0
+    if arch != "stock_wiki103":
+        hub = AlibiTransformerLanguageModel.from_pretrained(str(tmp_path), "marked.pt", data_name_or_path=str(lm_data_bin))
+        assert hub.score("the cat sees a tree .")["positional_scores"].isfinite().all()
+        assert export_main([str(marked), str(tmp_path / "hf")]) == 0
+    weight = dict(state, model=collections.OrderedDict(state["model"]))
+    weight["model"]["decoder.layers.0.fc1.weight"] = weight["model"]["decoder.layers.0.fc1.weight"].clone()
+    weight["model"]["decoder.layers.0.fc1.weight"].view(-1)[3] = float("nan")
+    torch.save(weight, tmp_path / "nan_weight.pt")
+    with pytest.raises(CorruptCheckpointError, match="weight decoder.layers.0.fc1.weight holds 1 NaN/inf"):
+        safe_load.load(str(tmp_path / "nan_weight.pt"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_a_fork_checkpoint_with_nan_markers_converts_and_evaluates(dtype, lm_data_bin, tmp_path):
+    """The fork's layout (a sinusoidal-position marker besides the adaptive ones), through
+    alibi-convert-checkpoint and alibi-eval-lm: the converted model computes what the
+    fork file with clean markers converts to."""
+    from conftest import fork_layout
+
+    from fairseq_alibi import fork
+
+    state = fork_layout(_built(lm_data_bin, MARKED_ARCHS["wiki103_alibi"]), 16)
+    for name, value in (("clean", 0.0), ("marked", float("nan") if dtype == torch.float32 else float("inf"))):
+        torch.save(_marked(state, dtype, value), tmp_path / f"fork_{name}.pt")
+        assert fork.main([str(tmp_path / f"fork_{name}.pt"), str(tmp_path / f"{name}.pt")]) == 0
+    assert torch.equal(_log_probs(tmp_path / "marked.pt", lm_data_bin), _log_probs(tmp_path / "clean.pt", lm_data_bin))
+    result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", tmp_path / "marked.pt", "--cpu",
+                      "--gen-subset", "valid", "--tokens-per-sample", "16"])
+    assert "Perplexity" in result.output

@@ -2,15 +2,20 @@
 
 Reads the ``results.json`` of one ``alibi-retrieval`` run per seed (the same
 task, lengths and methods; each seed's model under the name given) and prints
-Markdown tables of the mean over seeds with the range ``[min, max]``:
+Markdown tables of the spread across seeds, ``mean [min, max]``: each seed's
+value is computed from all its prompts in the table cell (depths pooled), then
+the mean of those per-seed values and the lowest and highest of them:
 
 * exact-match accuracy (%) by prompt length, a row per method;
 * accuracy by needle distance (tokens from the queried record to the end of
   the prompt), in bins of the training length L, a row per method;
 * the mean answer log-probability by length;
 
+then the uncertainty within each seed: accuracy by length per seed with its
+95 % Wilson interval (the binomial interval of that seed's prompts);
 and, with ``--plot``, accuracy vs length and vs needle distance (mean line,
-min-max band) per method.
+min-max band) per method, in the colours and markers of ``alibi-sweep`` and
+``alibi-retrieval`` (``fairseq_alibi/evaluation/styles.py``).
 
     python examples/retrieval/summary.py seed1=out/seed1/lines/results.json \\
         seed2=out/seed2/lines/results.json seed3=out/seed3/lines/results.json \\
@@ -85,6 +90,23 @@ def accuracy(cells):
     return 100.0 * k / n if n else None
 
 
+def per_seed_table(runs, rows, columns, column_name) -> List[str]:
+    """Accuracy % per method and seed, with the Wilson interval of that seed's prompts."""
+    from fairseq_alibi.evaluation.intervals import wilson
+
+    out = ["| method | run | " + " | ".join(column_name(c) for c in columns) + " |",
+           "|---|---|" + "---|" * len(columns)]
+    for label, match in rows:
+        for name, cells in runs.items():
+            line = []
+            for column in columns:
+                k, n, _ = pooled([c for c in cells if match(c) and column[1](c)])
+                low, high = wilson(k, n) if n else (None, None)
+                line.append(f"{100.0 * k / n:.0f} [{100 * low:.0f}, {100 * high:.0f}] ({n})" if n else "")
+            out.append(f"| {label} | {name} | " + " | ".join(line) + " |")
+    return out
+
+
 def summary(runs: Dict[str, List[dict]], given=()) -> Tuple[str, dict]:
     train_length = next(iter(runs.values()))[0]["train_length"]
     lengths = sorted({c["length"] for cells in runs.values() for c in cells})
@@ -95,7 +117,8 @@ def summary(runs: Dict[str, List[dict]], given=()) -> Tuple[str, dict]:
             for lo, hi in distance_bins(train_length)]
     bins = [b for b in bins if any(b[1](c) for cells in runs.values() for c in cells)]
     name = ", ".join(runs)
-    text = [f"Accuracy % by prompt length, mean [min, max] over {len(runs)} runs ({name}); L = {train_length}\n"]
+    text = [f"Accuracy % by prompt length, mean [min, max] over {len(runs)} runs ({name}): each run's accuracy over "
+            f"its prompts, then their mean, lowest and highest; L = {train_length}\n"]
     text += table(runs, rows, by_length, accuracy, "method",
                   lambda col: f"{col[0]} ({col[0] / train_length:g}x)")
     text += ["", "Accuracy % by needle distance (tokens from the queried record to the prompt's end)\n"]
@@ -103,6 +126,8 @@ def summary(runs: Dict[str, List[dict]], given=()) -> Tuple[str, dict]:
     text += ["", "Mean answer log-probability (nats per answer token) x 100, by prompt length\n"]
     text += table(runs, rows, by_length, lambda cells: 100 * pooled(cells)[2] if cells else None, "method",
                   lambda col: str(col[0]))
+    text += ["", "Accuracy % by prompt length in each run, [95 % Wilson interval] (prompts)\n"]
+    text += per_seed_table(runs, rows, by_length, lambda col: str(col[0]))
     return "\n".join(text) + "\n", dict(train_length=train_length, rows=rows, by_length=by_length, bins=bins)
 
 
@@ -112,12 +137,14 @@ def plot(path: str, runs, layout) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), layout="constrained")
+    from fairseq_alibi.evaluation import styles
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), layout="constrained", sharey=True)
     for ax, columns, xs_of, xlabel in (
         (axes[0], layout["by_length"], lambda col: col[0], "prompt length (tokens)"),
         (axes[1], layout["bins"], lambda col: (col[0][0] + col[0][1]) / 2, "needle distance (tokens, bin centre)"),
     ):
-        for (label, match), style in zip(layout["rows"], ["-", "--", ":", "-."] * 8):
+        for label, match in layout["rows"]:
             xs, mean, lo, hi = [], [], [], []
             for column in columns:
                 values = [accuracy([c for c in cells if match(c) and column[1](c)]) for cells in runs.values()]
@@ -127,15 +154,18 @@ def plot(path: str, runs, layout) -> None:
                     mean.append(sum(values) / len(values))
                     lo.append(min(values))
                     hi.append(max(values))
-            line, = ax.plot(xs, mean, style, marker="o", ms=3, label=label)
-            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12)
-        ax.axvline(layout["train_length"], color="grey", lw=0.8, ls=":")
+            method = next(c for cells in runs.values() for c in cells if match(c))
+            line, = ax.plot(xs, mean, label=label, **styles.plot_kwargs(method))
+            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12, lw=0)
+        ax.axvline(layout["train_length"], color="grey", lw=0.8, ls=":",
+                   label=f"training length: {layout['train_length']} tokens")
         ax.set_xscale("log", base=2)
         ax.set_ylim(-3, 103)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("exact-match accuracy (%)")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_title(f"mean and min-max over {len(runs)} runs")
+    axes[0].set_title(f"line: mean over {len(runs)} runs; shaded: lowest to highest run")
+    axes[1].set_title("the same by needle distance")
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -15,7 +15,9 @@ A backend turns the tool's model arguments into models the measures can use:
 This module is the fairseq backend (checkpoints of ``transformer_lm_alibi``
 and the stock ``transformer_lm``, data from a ``fairseq-preprocess``
 directory); ``hf_backend.py`` is the Hugging Face one.  :func:`backend_for`
-picks one from the arguments.
+picks one from the arguments, or :class:`Both` for ``--checkpoint`` and
+``--hf`` together: one grid, one table, the same text (a checkpoint beside its
+export, ``docs/export.md``).
 """
 
 from __future__ import annotations
@@ -32,15 +34,49 @@ from .runner import (
 
 
 def backend_for(args, subset: Optional[str] = None):
-    """The Hugging Face backend with ``--hf``, else the fairseq one."""
-    if args.hf:
-        from .hf_backend import HFBackend
+    """The Hugging Face backend with ``--hf``, the fairseq one with ``--checkpoint``,
+    :class:`Both` with both (``subset``: the split perplexity reads)."""
+    if not args.hf:
+        return FairseqBackend(args, subset)
+    from .hf_backend import HFBackend
 
-        if args.checkpoint:
-            raise EvaluationError("give either --checkpoint (fairseq checkpoints) or --hf (Hugging Face models), "
-                                  "not both")
-        return HFBackend(args, text_file=subset is not None)
-    return FairseqBackend(args, subset)
+    if not args.checkpoint:
+        return HFBackend(args, subset)
+    if not args.data or not os.path.isdir(args.data):
+        raise EvaluationError(f"--checkpoint with --hf: DATA must be the checkpoints' fairseq-preprocess directory "
+                              f"(the --hf models read {'its split as text' if subset else 'their own tokenizer'}); "
+                              f"{args.data} is not a directory")
+    return Both(FairseqBackend(args, subset, beside_hf=True), HFBackend(args, subset, beside_checkpoints=True))
+
+
+class Both:
+    """Fairseq checkpoints and Hugging Face models in one grid: each model described,
+    loaded and given its text by its own backend."""
+
+    def __init__(self, *backends):
+        self.backends = backends
+        self.owner = {}
+        self.data_identity = "|".join(b.data_identity for b in backends)
+
+    def specs(self, args) -> List[Tuple[str, Tuple[Any, str]]]:
+        pairs = [(name, (backend, source)) for backend in self.backends for name, source in backend.specs(args)]
+        names = [name for name, _ in pairs]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise EvaluationError(f"a checkpoint and a --hf model are both named {', '.join(twice)}: name them "
+                                  "apart with NAME=...")
+        return pairs
+
+    def describe(self, name: str, spec) -> Described:
+        backend, source = spec
+        self.owner[name] = backend
+        return backend.describe(name, source)
+
+    def text_tokens(self, described: Described) -> int:
+        return self.owner[described.info.name].text_tokens(described)
+
+    def load(self, described: Described, max_length: int):
+        return self.owner[described.info.name].load(described, max_length)
 
 
 class Encoder:
@@ -92,11 +128,9 @@ class FairseqBackend:
     """Checkpoints of fairseq language models, evaluated on a ``fairseq-preprocess``
     directory (its dictionary; with ``subset``, that split's text for perplexity)."""
 
-    #: Said when a method needs a training length the model does not record.
-    train_length_hint = " (the checkpoint records no training length: no alibi_train_length or tokens_per_sample)"
-
-    def __init__(self, args, subset: Optional[str] = None):
-        if getattr(args, "train_length", None) is not None or getattr(args, "dtype", None) is not None:
+    def __init__(self, args, subset: Optional[str] = None, beside_hf: bool = False):
+        given = getattr(args, "train_length", None) is not None or getattr(args, "dtype", None) is not None
+        if given and not beside_hf:
             raise EvaluationError("--train-length and --dtype apply to --hf models only: a fairseq checkpoint "
                                   "records its training length and is evaluated in its own precision")
         if not args.data:
@@ -153,7 +187,8 @@ class FairseqBackend:
             )
         info = ModelInfo(name, path, family, arch, family == facts.ALIBI_LM,
                          facts.checkpoint_train_length(model_cfg, task_cfg),
-                         f"{os.path.abspath(path)}:{file_identity(path)}")
+                         f"{os.path.abspath(path)}:{file_identity(path)}",
+                         " (the checkpoint records no training length: no alibi_train_length or tokens_per_sample)")
         cfg = eval_lm_config(self.data, path, 64, {}, cpu=True)
         lm_task = tasks.setup_task(cfg.task)
         saved = state.get("cfg") or {}
@@ -286,6 +321,25 @@ def scored_windows(model, use_cuda: bool, cfg, task, dataset, context: int, skip
 
 
 # ------------------------------------------------------------------ fairseq-eval-lm
+
+
+def split_text(data: str, subset: str) -> str:
+    """A fairseq-preprocess split as text: each sentence's ids read back as words through
+    ``dict.txt``, a line per sentence (its ``</s>`` is the line's end), so that a tokenizer
+    with the same vocabulary reads back the same ids."""
+    from fairseq.data import Dictionary, data_utils
+
+    check_data(data, subset)
+    dictionary = Dictionary.load(os.path.join(data, "dict.txt"))
+    dataset = data_utils.load_indexed_dataset(os.path.join(data, subset), dictionary)
+    lines = []
+    for i in range(len(dataset)):
+        ids = dataset[i].tolist()
+        if not ids or ids[-1] != dictionary.eos():
+            raise EvaluationError(f"{os.path.join(data, subset)}: sentence {i} does not end with </s>; it was not "
+                                  "binarized line by line by fairseq-preprocess, so it cannot be read back as text")
+        lines.append(" ".join(dictionary[t] for t in ids[:-1]))
+    return "\n".join(lines) + "\n"
 
 
 def check_data(data: str, subset: Optional[str] = None) -> None:

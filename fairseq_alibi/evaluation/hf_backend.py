@@ -4,19 +4,32 @@ A transformers model (a local directory or a hub name: BLOOM, MPT, Falcon
 with ALiBi, or a model exported by ``alibi-export-hf``) loaded by
 ``hf.load_hf_model``, each method applied with ``hf.apply_alibi_scaling``,
 text read through the model's own tokenizer.  For perplexity, DATA is a raw
-text file, scored in the windows ``fairseq-eval-lm`` would use.
+text file or a ``fairseq-preprocess`` directory (its ``--subset`` split, read
+back as words), scored in the windows ``fairseq-eval-lm`` would use.
+
+The perplexity text of an exported fairseq model is read as fairseq reads it:
+each line, then ``</s>`` (as ``fairseq-preprocess`` binarizes a line), with
+``</s>`` before the first (what ``fairseq-eval-lm`` feeds before the data), and
+words its tokenizer does not know are ``<unk>``, scored as ``fairseq-eval-lm``
+scores them (their count is logged): the checkpoint and its export give the
+same numbers on the same text.  Prompts (``alibi-retrieval``) never hold an
+unknown word: an unanswerable prompt is refused, never scored.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import sys
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..alibi import Scaling
 from ..errors import EvaluationError
 from .prompts import Vocabulary
 from .runner import Described, ModelInfo, answer_result, file_identity, parse_named
+
+logger = logging.getLogger("fairseq_alibi.evaluation")
 
 
 def model_identity(model: str) -> str:
@@ -32,21 +45,43 @@ def model_identity(model: str) -> str:
 
 
 class HFEncoder:
-    """Text -> token ids through the model's own tokenizer (no dictionary to check)."""
+    """Text -> token ids through the model's own tokenizer (no dictionary to check);
+    ``by_lines``: the perplexity text as fairseq reads it (an exported fairseq model)."""
 
     subword = True
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, by_lines: bool = False):
         self.tokenizer = tokenizer
         bos = tokenizer.bos_token_id
         self.prefix = [bos] if bos is not None else []  # as fairseq prepends its eos
+        self.by_lines = by_lines and tokenizer.eos_token_id is not None
         self._text: Optional[Tuple[str, List[int]]] = None
 
     def encode_text(self, text: str) -> List[int]:
-        """The perplexity text's ids, encoded once: the plan counts them, the cells score them."""
+        """The perplexity text's ids, encoded once: the plan counts them, the cells score them.
+        Unknown words are the tokenizer's unknown token here (scored, as fairseq-eval-lm
+        scores ``<unk>``); ``by_lines``: ``</s>``, then each line followed by ``</s>``."""
         if self._text is None or self._text[0] is not text:
-            self._text = (text, self.encode(text))
+            if self.by_lines:
+                eos = self.tokenizer.eos_token_id
+                lines = text.split("\n")  # the lines fairseq-preprocess reads (after universal newlines)
+                if lines[-1] == "":
+                    lines.pop()
+                ids = [eos]
+                for line in lines:
+                    ids += self._ids(line) + [eos]
+            else:
+                ids = self._ids(text)
+            self._text = (text, ids)
         return self._text[1]
+
+    def unknown(self, ids: Sequence[int]) -> int:
+        """How many of ``ids`` are the tokenizer's unknown token."""
+        unk = self.tokenizer.unk_token_id
+        return 0 if unk is None else sum(1 for i in ids if i == unk)
+
+    def _ids(self, text: str) -> List[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def vocabulary(self) -> Vocabulary:
         return Vocabulary(None)
@@ -55,7 +90,9 @@ class HFEncoder:
         return self.encode(" ".join(words))
 
     def encode(self, text: str, where: str = "") -> List[int]:
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """A prompt's ids; a word the tokenizer reads as unknown is refused (an unanswerable
+        or altered prompt is never scored)."""
+        ids = self._ids(text)
         unk = self.tokenizer.unk_token_id
         if unk is not None and unk in ids:
             missing = sorted({w for w in text.split()
@@ -68,21 +105,25 @@ class HFEncoder:
 
 
 class HFBackend:
-    """Hugging Face causal LMs with ALiBi; for perplexity (``text_file``) DATA is a text file."""
+    """Hugging Face causal LMs with ALiBi; for perplexity DATA is a text file or a data directory."""
 
-    #: Said when a method needs a training length the model's config does not record.
-    train_length_hint = " (the model's config does not record its training length: pass --train-length L)"
-
-    def __init__(self, args, text_file: bool):
+    def __init__(self, args, subset: Optional[str] = None, beside_checkpoints: bool = False):
+        """``subset``: perplexity, DATA a text file or a fairseq-preprocess directory (its
+        ``subset``); without, prompts, and DATA only beside fairseq checkpoints (their dictionary)."""
         self.cpu, self.dtype, self.train_length = args.cpu, args.dtype, args.train_length
-        self.quiet = getattr(args, "no_progress", False)
+        self.quiet = getattr(args, "no_progress", False) or not sys.stderr.isatty()  # no bars in a log
         if args.train_length is not None and args.train_length < 1:
             raise EvaluationError(f"--train-length {args.train_length} is not valid: a positive number of tokens")
         self.text = None
-        if text_file:
-            self.text = read_text(args.data)
-            self.data_identity = f"{os.path.abspath(args.data)}={file_identity(args.data)}|{args.dtype}"
-        elif args.data:
+        if subset is not None:
+            if args.data and os.path.isdir(args.data):
+                from .backends import split_text
+
+                self.text, read = split_text(args.data, subset), os.path.join(args.data, f"{subset}.bin")
+            else:
+                self.text, read = read_text(args.data), args.data
+            self.data_identity = f"{os.path.abspath(read)}={file_identity(read)}|{args.dtype}"
+        elif args.data and not beside_checkpoints:
             raise EvaluationError("--hf models read their prompts through their own tokenizer: give no DATA "
                                   "directory with --hf")
         else:
@@ -102,12 +143,19 @@ class HFBackend:
         train_length = self.train_length or hf.hf_train_length(config)
         arch = (getattr(config, "architectures", None) or [config.model_type])[0]
         info = ModelInfo(name, spec, f"hf:{family}", arch, True, train_length,
-                         f"{model_identity(spec)}|L={self.train_length}")
-        return Described(info, HFEncoder(tokenizer))
+                         f"{model_identity(spec)}|L={self.train_length}",
+                         " (the model's config does not record its training length: pass --train-length L)")
+        return Described(info, HFEncoder(tokenizer, by_lines=family == hf.EXPORTED))
 
     def text_tokens(self, described: Described) -> int:
         """Tokens of the text after its first (which no window scores): the longest window."""
-        return len(described.encoder.encode_text(self.text)) - 1
+        ids = described.encoder.encode_text(self.text)
+        unknown = described.encoder.unknown(ids)
+        if unknown:
+            logger.info("%s: %d of the text's %d tokens are %s (words its tokenizer does not know); they are scored, "
+                        "as fairseq-eval-lm scores <unk>", described.info.name, unknown, len(ids) - 1,
+                        described.encoder.tokenizer.unk_token)
+        return len(ids) - 1
 
     def load(self, described: Described, max_length: int) -> "HFModel":
         from .. import hf
@@ -127,7 +175,8 @@ def _device() -> str:
 def read_text(path: Optional[str]) -> str:
     """The text of ``alibi-sweep --hf DATA`` (UTF-8, not empty)."""
     if not path or not os.path.isfile(path):
-        raise EvaluationError(f"with --hf, DATA is a raw text file; {path} is not a file")
+        raise EvaluationError(f"with --hf, DATA is a raw text file or a fairseq-preprocess directory; {path} is "
+                              "neither")
     try:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()

@@ -26,12 +26,14 @@ This module is the *measure* (what a cell is, how to run and report it); the
 grid, resuming and loading are the runner's (``runner.py``), the models the
 backend's (``backends.py``: fairseq's own pieces -- the eval-lm argument
 parser, ``load_model_ensemble_and_task``, the task's ``eval_lm_dataloader`` and
-``SequenceScorer``; ``hf_backend.py`` with ``--hf``).  Each model is loaded
+``SequenceScorer``; ``hf_backend.py`` with ``--hf``; both in one grid and one
+table with ``--checkpoint`` and ``--hf`` together).  Each model is loaded
 once and put under each method in turn.  ``loss`` is fairseq-eval-lm's:
 mean negative log-likelihood per token in base 2, and ``ppl = 2 ** loss``.
 
 Outputs in ``--output-dir``: ``results.json`` (every cell; the resume state),
-``results.csv``, ``results.md`` (a table per mode, perplexity by length),
+``results.csv``, ``results.md`` (a table per mode, perplexity by length with
+its 95 % interval: a bootstrap over the cell's windows, ``intervals.py``),
 ``perplexity.png``, and with ``--per-position`` ``per_position.csv`` and
 ``per_position.png`` (mean loss by token position within the window).  Cells
 already in ``results.json`` are skipped, so an interrupted sweep continues
@@ -58,9 +60,9 @@ logger = logging.getLogger("fairseq_alibi.sweep")
 MODES = ("nonoverlapping", "sliding")  # the window modes
 RESULT_FIELDS = (
     "checkpoint", "method", "factor", "label", "mode", "length", "stride", "context_window",
-    "length_ratio", "train_length", "subset", "loss", "ppl", "tokens", "seconds",
+    "length_ratio", "train_length", "subset", "loss", "ppl", "ppl_low", "ppl_high", "windows", "tokens", "seconds",
 )
-FLOAT_FIELDS = ("loss", "ppl", "seconds", "length_ratio")
+FLOAT_FIELDS = ("loss", "ppl", "ppl_low", "ppl_high", "seconds", "length_ratio")
 
 
 class Perplexity:
@@ -81,7 +83,8 @@ class Perplexity:
         self.stride, self.per_position = args.stride, args.per_position
         self.hf = bool(args.hf)
         self.max_tokens, self.batch_size = check_batching(args)
-        self.subset = os.path.basename(args.data) if self.hf else args.subset
+        text_file = self.hf and not os.path.isdir(args.data or "")  # else a split of a data directory
+        self.subset = os.path.basename(args.data) if text_file else args.subset
         self.data = os.path.abspath(args.data)
 
     def settings_identity(self) -> str:
@@ -98,7 +101,7 @@ class Perplexity:
         lengths = resolve_lengths(self.lengths, info.train_length, info.name)
         check_lengths(info.name, lengths, self.stride if "sliding" in self.modes else None, self.max_tokens,
                       self.backend.text_tokens(described), self.subset)
-        max_tokens = None if self.hf else self.max_tokens or 4 * max(lengths)
+        max_tokens = None if info.model.startswith("hf:") else self.max_tokens or 4 * max(lengths)
         return [Cell((mode, length, length if mode == "nonoverlapping" else self.stride, self.subset),
                      (mode, length, length if mode == "nonoverlapping" else self.stride, max_tokens),
                      f"{mode} L={length}")
@@ -137,15 +140,19 @@ class Perplexity:
 
     @staticmethod
     def log_line(cell: dict) -> str:
+        interval = report.ppl_interval(cell)
         return (f"{cell['checkpoint']:>12} {cell['label']:>14} {cell['mode']:>14} L={cell['length']:<6} "
-                f"stride={cell['stride']:<6} ppl={cell['ppl']:.2f} ({cell['tokens']} tokens, {cell['seconds']:.1f}s)")
+                f"stride={cell['stride']:<6} ppl={cell['ppl']:.2f}{report.bounds(interval, cell['ppl'])} "
+                f"({cell['tokens']} tokens, {cell['seconds']:.1f}s)")
 
     def table(self, cells: List[dict], rank) -> str:
         """The printed summary: the tables of the evaluated subset."""
-        return report.perplexity_table([c for c in cells if c["subset"] == self.subset], rank)
+        return report.perplexity_table(report.with_ppl_intervals([c for c in cells if c["subset"] == self.subset]),
+                                       rank)
 
     def report(self, outdir: str, cells: List[dict], methods) -> None:
         """CSV, Markdown and plots of every cell (tables and legends in --methods order)."""
+        cells = report.with_ppl_intervals(cells)
         report.write_csv(os.path.join(outdir, "results.csv"), cells, RESULT_FIELDS, FLOAT_FIELDS)
         report.atomic_write(os.path.join(outdir, "results.md"), report.perplexity_table(cells, method_rank(methods)))
         if cells:
@@ -181,6 +188,7 @@ def score_tokens(scored, length: int, per_position: bool, where: str) -> dict:
     import torch
 
     total, count, skipped = 0.0, 0, 0
+    window_loss, window_tokens = [], []  # per window: summed loss (bits), tokens (for the interval)
     pos_sum = torch.zeros(length, dtype=torch.float64)
     pos_count = torch.zeros(length, dtype=torch.float64)
     for scores, positions in scored:
@@ -193,8 +201,12 @@ def score_tokens(scored, length: int, per_position: bool, where: str) -> dict:
         if not bool(finite.all()):
             skipped += int((~finite).sum())
             scores, positions = scores[finite], positions[finite]
-        total += float(scores.double().sum())
+        summed = float(scores.double().sum())
+        total += summed
         count += scores.numel()
+        if scores.numel():
+            window_loss.append(round(-summed / math.log(2), 4))
+            window_tokens.append(scores.numel())
         if per_position:
             pos_sum.index_add_(0, positions, -scores.double())
             pos_count.index_add_(0, positions, torch.ones_like(positions, dtype=torch.float64))
@@ -204,7 +216,8 @@ def score_tokens(scored, length: int, per_position: bool, where: str) -> dict:
         raise EvaluationError(f"{where}: no token was scored (every window was longer than the model accepts, "
                               "or the subset is empty)")
     loss = -total / count / math.log(2)
-    result = {"loss": loss, "ppl": 2.0 ** loss, "tokens": count}
+    result = {"loss": loss, "ppl": 2.0 ** loss, "tokens": count, "window_loss": window_loss,
+              "window_tokens": window_tokens}
     if per_position:
         mean = (pos_sum / pos_count.clamp(min=1)) / math.log(2)
         result["per_position"] = [round(float(v), 6) if c > 0 else None for v, c in zip(mean, pos_count)]
@@ -214,7 +227,7 @@ def score_tokens(scored, length: int, per_position: bool, where: str) -> dict:
 
 def check_batching(args):
     """(--max-tokens, --batch-size): positive, and for fairseq checkpoints only."""
-    if args.hf and (args.max_tokens is not None or args.batch_size is not None):
+    if args.hf and not args.checkpoint and (args.max_tokens is not None or args.batch_size is not None):
         raise EvaluationError("--max-tokens and --batch-size apply to fairseq checkpoints; --hf models "
                               "score one window at a time")
     for name in ("max_tokens", "batch_size"):
@@ -245,7 +258,7 @@ def get_parser() -> argparse.ArgumentParser:
         "example:\n  alibi-sweep data-bin/embedded --checkpoint alibi=ck/alibi.pt --checkpoint sin=ck/sin.pt "
         "\\\n      --lengths 1x,2x,4x,8x,16x --methods none,linear:2,linear,ntk:2,ntk,cap "
         "--modes nonoverlapping,sliding --stride 32 --output-dir outputs/sweep --cpu",
-        "fairseq-preprocess output directory (with --hf: a raw text file)", "outputs/sweep",
+        "fairseq-preprocess output directory (with --hf alone also a raw text file)", "outputs/sweep",
     )
     p.add_argument("--lengths", default="1x,2x,4x,8x,16x",
                    help="evaluation lengths: integers (2k = 2048), or Nx = N times the training length "

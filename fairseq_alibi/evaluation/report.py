@@ -4,17 +4,100 @@
 module writes everything derived from the cells: ``results.csv``,
 ``results.md`` and the figures.  Tables and legends list the methods in the
 order of ``--methods`` (``rank``: a record -> its method's place).
+
+Every number a reader compares carries its 95 % interval (``intervals.py``):
+perplexity a bootstrap over the cell's windows (cells written before windows
+were recorded have none), accuracy Wilson's, a mean log-probability a
+bootstrap over prompts; in tables as ``PPL [LOW, HIGH]``, in plots as bands
+or error bars.  Each method has one colour and marker in every plot
+(``styles.py``), each checkpoint a line style; panels compared side by side
+share their axes; every line, band and mark is named in the figure.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-from typing import Callable, Dict, Iterable, List, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from . import intervals, styles
 from .runner import atomic_write
 
 Rank = Callable[[dict], int]
+Interval = Optional[Tuple[float, float]]
+PPL_INTERVAL = "95 % interval: bootstrap over windows"
+ACCURACY_INTERVAL = "95 % Wilson interval"
+LOGPROB_INTERVAL = "95 % interval: bootstrap over prompts"
+
+
+def ppl_interval(cell: dict) -> Interval:
+    """The perplexity interval of a cell from its per-window losses, or None (an older cell)."""
+    if not cell.get("window_loss") or not cell.get("window_tokens"):
+        return None
+    return intervals.perplexity_interval(cell["window_loss"], cell["window_tokens"])
+
+
+def accuracy_interval(cell: dict) -> Interval:
+    return intervals.wilson(cell["correct"], cell["n"])
+
+
+def with_intervals(cells: Iterable[dict], name: str, interval_of: Callable[[dict], Interval]) -> List[dict]:
+    """Copies of ``cells`` with ``NAME_low`` and ``NAME_high`` (None where there is no interval)."""
+    out = []
+    for cell in cells:
+        interval = interval_of(cell)
+        out.append(dict(cell, **{f"{name}_low": interval[0] if interval else None,
+                                 f"{name}_high": interval[1] if interval else None}))
+    return out
+
+
+def with_ppl_intervals(cells: Iterable[dict]) -> List[dict]:
+    """``with_intervals`` for perplexity, and ``windows``: how many windows a cell scored."""
+    return [dict(c, windows=len(c.get("window_tokens") or []) or None) for c in with_intervals(cells, "ppl",
+                                                                                             ppl_interval)]
+
+
+def bounds(interval: Interval, value: float, scale: float = 1.0) -> str:
+    """`` [44.9, 45.6]`` (one decimal from 10 on, two below; ``scale`` x the bounds), or
+    ``""`` without an interval."""
+    if interval is None:
+        return ""
+    digits = 0 if scale == 100 else 1 if abs(value) >= 10 else 2
+    return f" [{scale * interval[0]:.{digits}f}, {scale * interval[1]:.{digits}f}]"
+
+
+def cell_bounds(cell: dict, name: str, scale: float = 1.0) -> str:
+    """:func:`bounds` of a cell's ``NAME_low``/``NAME_high``."""
+    low, high = cell.get(f"{name}_low"), cell.get(f"{name}_high")
+    return bounds(None if low is None else (low, high), cell[name], scale)
+
+
+def _legend(ax, notes: Sequence[Tuple[object, str]] = (), **kwargs) -> None:
+    """The axes' legend, with ``(handle, text)`` notes after its lines (bands, bars)."""
+    handles, labels = ax.get_legend_handles_labels()
+    for handle, text in notes:
+        handles.append(handle)
+        labels.append(text)
+    ax.legend(handles, labels, fontsize=7, **kwargs)
+
+
+def _band_note(drawn: bool):
+    from matplotlib.patches import Patch
+
+    return [(Patch(facecolor="grey", alpha=0.25, lw=0), f"shaded: {PPL_INTERVAL}")] if drawn else []
+
+
+def _train_lengths(ax, cells: Iterable[dict]) -> None:
+    """The training length(s) as dotted vertical lines, named in the legend."""
+    lengths: Dict[int, List[str]] = {}
+    for c in cells:
+        if c.get("train_length"):
+            lengths.setdefault(c["train_length"], [])
+            if c["checkpoint"] not in lengths[c["train_length"]]:
+                lengths[c["train_length"]].append(c["checkpoint"])
+    for length, names in sorted(lengths.items()):
+        which = f" of {', '.join(sorted(names))}" if len(lengths) > 1 else ""
+        ax.axvline(length, color="grey", lw=0.8, ls=":", label=f"training length{which}: {length} tokens")
 
 def write_csv(path: str, cells: List[dict], fields: Sequence[str], float_fields: Sequence[str] = ()) -> None:
     """One row per cell, the columns ``fields``; floats in ``float_fields`` to 6 digits."""
@@ -67,14 +150,16 @@ def length_table(title: str, cells: List[dict], rank: Rank, value: Callable[[Lis
 
 
 def perplexity_table(cells: List[dict], rank: Rank) -> str:
-    """One table per (mode, subset): a row per checkpoint+method, a column per length."""
+    """One table per (mode, subset): a row per checkpoint+method, a column per length;
+    ``ppl [low, high]`` where the cells carry intervals (:func:`with_ppl_intervals`)."""
     out = []
     groups: Dict[tuple, List[dict]] = {}
     for cell in cells:
         groups.setdefault((cell["mode"], cell["subset"], cell["stride"] if cell["mode"] == "sliding" else None), []).append(cell)
     for (mode, subset, stride), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
-        title = f"{mode}" + (f", stride {stride}" if stride else "") + f" ({subset} perplexity)"
-        out += length_table(title, group, rank, lambda at: f"{at[0]['ppl']:.2f}")
+        note = f" [{PPL_INTERVAL}]" if any(c.get("ppl_low") is not None for c in group) else ""
+        title = f"{mode}" + (f", stride {stride}" if stride else "") + f" ({subset} perplexity{note})"
+        out += length_table(title, group, rank, lambda at: f"{at[0]['ppl']:.2f}{cell_bounds(at[0], 'ppl')}")
     return "\n".join(out)
 
 
@@ -87,34 +172,41 @@ def _lines_in_order(keys: Iterable[tuple], rank: Rank) -> List[tuple]:
 
 
 def plot_perplexity(path: str, cells: List[dict], rank: Rank) -> None:
+    """Perplexity vs window length, a panel per mode (and subset) on one shared y axis,
+    a line per checkpoint and method with its interval band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = sorted({(c["mode"], c["stride"] if c["mode"] == "sliding" else 0, c["subset"]) for c in cells})
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.8), squeeze=False, sharey=True)
+    line_style = styles.line_styles(c["checkpoint"] for c in cells)
+    values = [v for c in cells for v in (c["ppl"], c.get("ppl_low"), c.get("ppl_high")) if v is not None]
     for ax, (mode, stride, subset) in zip(axes[0], panels):
         group = [c for c in cells if c["mode"] == mode and c["subset"] == subset and (mode != "sliding" or c["stride"] == stride)]
         lines: Dict[tuple, List[dict]] = {}
         for c in group:
             lines.setdefault(_line_key(c), []).append(c)
-        ppls = [c["ppl"] for c in group]
+        banded = False
         for key in _lines_in_order(lines, rank):
             pts = sorted(lines[key], key=lambda c: c["length"])
-            style = "-" if key[1] == "none" else "--"
-            ax.plot([c["length"] for c in pts], [c["ppl"] for c in pts], style, marker="o", ms=3,
-                    label=f"{key[0]}: {key[3]}")
-        for train_length in sorted({c["train_length"] for c in group if c["train_length"]}):
-            ax.axvline(train_length, color="grey", lw=0.8, ls=":")
+            style = styles.plot_kwargs(pts[0], line_style[key[0]])
+            ax.plot([c["length"] for c in pts], [c["ppl"] for c in pts], label=f"{key[0]}: {key[3]}", **style)
+            known = [c for c in pts if c.get("ppl_low") is not None]
+            if known:
+                ax.fill_between([c["length"] for c in known], [c["ppl_low"] for c in known],
+                                [c["ppl_high"] for c in known], color=style["color"], alpha=0.15, lw=0)
+                banded = True
+        _train_lengths(ax, group)
         ax.set_xscale("log", base=2)
-        if ppls and max(ppls) / max(min(ppls), 1e-9) > 4:
+        if values and max(values) / max(min(values), 1e-9) > 4:
             ax.set_yscale("log")
-        ax.set_xlabel("evaluation length (tokens)")
+        ax.set_xlabel("evaluation window length (tokens)")
         ax.set_ylabel(f"{subset} perplexity")
         ax.set_title(mode + (f", stride {stride}" if mode == "sliding" else ""))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax, _band_note(banded))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -145,7 +237,8 @@ def position_bins(losses: Sequence, counts: Sequence[int]) -> List[tuple]:
 
 def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
     """Mean loss by token position (log2 bins of positions) at each line's longest
-    evaluated length, the training length marked."""
+    evaluated window, a panel per mode on one shared y axis, the training length marked;
+    the legend says how many windows each line's points pool."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,7 +248,8 @@ def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
     if not cells:
         return
     panels = sorted({(c["mode"], c["stride"] if c["mode"] == "sliding" else 0) for c in cells})
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 5.0), squeeze=False, sharey=True)
+    line_style = styles.line_styles(c["checkpoint"] for c in cells)
     for ax, (mode, stride) in zip(axes[0], panels):
         longest: Dict[tuple, dict] = {}
         for c in cells:
@@ -166,18 +260,21 @@ def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
                 longest[key] = c
         for key in _lines_in_order(longest, rank):
             c = longest[key]
-            bins = position_bins(c["per_position"], c.get("per_position_count") or [1] * len(c["per_position"]))
-            ax.plot([(lo + hi) / 2 + 1 for lo, hi, _, _ in bins], [v for _, _, v, _ in bins], marker="o", ms=3,
-                    lw=1, ls="-" if key[1] == "none" else "--", label=f"{key[0]}: {key[3]} (L={c['length']})")
-        for train_length in sorted({c["train_length"] for c in longest.values() if c["train_length"]}):
-            ax.axvline(train_length, color="grey", lw=0.8, ls=":")
+            counts = c.get("per_position_count") or [1] * len(c["per_position"])
+            bins = position_bins(c["per_position"], counts)
+            ax.plot([(lo + hi) / 2 + 1 for lo, hi, _, _ in bins], [v for _, _, v, _ in bins],
+                    label=f"{key[0]}: {key[3]} (window {c['length']}, {max(counts)} windows)",
+                    **styles.plot_kwargs(c, line_style[key[0]]))
+        _train_lengths(ax, longest.values())
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("token position within the window (log2 bins; dotted: training length)")
-        ax.set_ylabel("mean loss (bits)")
-        ax.set_title(mode + (f", stride {stride}" if mode == "sliding" else "")
-                     + f" (positions scored < {THIN_SHARE:.0%} as often as the most left out)", fontsize=9)
+        ax.set_xlabel("token position within the window (log2 bins of positions)")
+        ax.set_ylabel("mean loss (bits per token)")
+        ax.set_title(mode + (f", stride {stride}" if mode == "sliding" else ""))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        _legend(ax)
+    fig.suptitle("Each point: the mean loss of the positions in its bin over every window that scored them (the "
+                 "legend gives the windows);\npositions that fewer than "
+                 f"{THIN_SHARE:.0%} of those windows scored (a sliding window's first) are left out", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -187,17 +284,28 @@ def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
 
 
 def _pool(cells: Iterable[dict]) -> tuple:
-    """(correct, n, n-weighted mean log-prob) of cells pooled together."""
+    """(correct, n, n-weighted mean log-prob, every prompt's log-prob or None) of cells pooled together."""
     cells = list(cells)
     n = sum(c["n"] for c in cells)
     correct = sum(c["correct"] for c in cells)
     logprob = sum(c["answer_logprob"] * c["n"] for c in cells) / n if n else float("nan")
-    return correct, n, logprob
+    samples = None if any(c.get("sample_logprob") is None for c in cells) else [
+        v for c in cells for v in c["sample_logprob"]]
+    return correct, n, logprob, samples
+
+
+def _accuracy(k: int, n: int, *_) -> str:
+    """``80 [49, 94]`` (8 of 10): accuracy % and its Wilson interval."""
+    return f"{100.0 * k / n:.0f}{bounds(intervals.wilson(k, n), 100.0 * k / n, scale=100)}"
+
+
+def _logprob(k: int, n: int, logprob: float, samples) -> str:
+    return f"{logprob:.2f}{bounds(intervals.mean_interval(samples) if samples else None, logprob)}"
 
 
 def retrieval_tables(cells: List[dict], rank: Rank) -> str:
     """Per task: accuracy (%) by length, all depths pooled; the answer's mean log-prob
-    by length; and, for JSONL tasks with groups, accuracy by group."""
+    by length; and, for JSONL tasks with groups, accuracy by group; each with its interval."""
     out = []
     for task in sorted({c["task"] for c in cells}):
         group = [c for c in cells if c["task"] == task]
@@ -205,54 +313,61 @@ def retrieval_tables(cells: List[dict], rank: Rank) -> str:
         rows = _rows(group)
         depths = sorted({c["depth"] for c in group if c.get("depth") is not None})
         pooled = f", {len(depths)} depths pooled" if depths else ""
-        for title, fmt in (("accuracy %", lambda k, n, lp: f"{100.0 * k / n:.0f}"),
-                           ("mean answer log-prob", lambda k, n, lp: f"{lp:.2f}")):
+        for title, fmt, note in (("accuracy %", _accuracy, ACCURACY_INTERVAL),
+                                 ("mean answer log-prob", _logprob, LOGPROB_INTERVAL)):
             if len(lengths) <= 24:  # prompt files of many lengths: no length columns
-                out += length_table(f"{task}: {title} by prompt length (tokens{pooled})", group, rank,
+                out += length_table(f"{task}: {title} by prompt length (tokens{pooled}) [{note}]", group, rank,
                                     lambda at, fmt=fmt: fmt(*_pool(at)))
         groups = sorted({c.get("group", "") for c in group})
         if groups != [""] or len(lengths) > 24:
-            out.append(f"### {task}: accuracy % by group (n prompts)\n")
+            out.append(f"### {task}: accuracy % by group (n prompts) [{ACCURACY_INTERVAL}]\n")
             out.append("| checkpoint | method | " + " | ".join(g or "(none)" for g in groups) + " | all |")
             out.append("|---|---|" + "---|" * (len(groups) + 1))
             for (ckpt, _, _, label, _), row in sorted(rows.items(), key=_row_order(rank)):
                 vals = []
                 for g in groups + [None]:
-                    k, n, _ = _pool(c for c in row if g is None or c.get("group", "") == g)
-                    vals.append(f"{100.0 * k / n:.0f} ({n})" if n else "")
+                    k, n, _, _ = _pool(c for c in row if g is None or c.get("group", "") == g)
+                    vals.append(f"{_accuracy(k, n)} ({n})" if n else "")
                 out.append(f"| {ckpt} | {label} | " + " | ".join(vals) + " |")
             out.append("")
     return "\n".join(out)
 
 
 def plot_retrieval_accuracy(path: str, cells: List[dict], rank: Rank) -> None:
-    """Accuracy vs prompt length (log x), one line per checkpoint and method, a panel per task."""
+    """Accuracy vs prompt length (log x) with Wilson error bars, one line per checkpoint
+    and method, a panel per task (one shared y axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     tasks = sorted({c["task"] for c in cells})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(8.0 * len(tasks), 4.6), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(1, len(tasks), figsize=(8.0 * len(tasks), 4.6), squeeze=False, layout="constrained",
+                             sharey=True)
+    line_style = styles.line_styles(c["checkpoint"] for c in cells)
     for ax, task in zip(axes[0], tasks):
         group = [c for c in cells if c["task"] == task]
         for key, row in sorted(_rows(group).items(), key=_row_order(rank)):
             lengths = sorted({c["length"] for c in row})
-            acc = []
+            acc, low, high = [], [], []
             for n in lengths:
-                k, total, _ = _pool(c for c in row if c["length"] == n)
+                k, total, _, _ = _pool(c for c in row if c["length"] == n)
+                lo, hi = intervals.wilson(k, total)
                 acc.append(100.0 * k / total)
-            style = "-" if key[1] == "none" else "--"
-            ax.plot(lengths, acc, style, marker="o", ms=3, label=f"{key[0]}: {key[3]}")
-        for train_length in sorted({c["train_length"] for c in group if c.get("train_length")}):
-            ax.axvline(train_length, color="grey", lw=0.8, ls=":")
+                low.append(acc[-1] - 100.0 * lo)
+                high.append(100.0 * hi - acc[-1])
+            ax.errorbar(lengths, acc, yerr=[low, high], capsize=2, elinewidth=0.7, label=f"{key[0]}: {key[3]}",
+                        **styles.plot_kwargs(row[0], line_style[key[0]]))
+        _train_lengths(ax, group)
         ax.set_xscale("log", base=2)
         ax.set_ylim(-3, 103)
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel("exact-match accuracy (%)")
         ax.set_title(task)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        bar = Line2D([], [], color="grey", marker="|", ms=10, lw=0)
+        _legend(ax, [(bar, f"bars: {ACCURACY_INTERVAL}")], loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -301,5 +416,9 @@ def plot_retrieval_depth(path: str, cells: List[dict], rank: Rank) -> None:
                 ax.set_xlabel("prompt length", fontsize=7)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy (%)")
+        widest = max(hi - lo for lo, hi in (intervals.wilson(c["correct"], c["n"]) for c in cells))
+        sizes = sorted({c["n"] for c in cells})
+        fig.suptitle(f"each square: accuracy of {'/'.join(map(str, sizes))} prompts; {ACCURACY_INTERVAL}s up to "
+                     f"{100 * widest:.0f} points wide", fontsize=8)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -39,7 +39,9 @@ exported model instead (no DATA directory): prompts through its own tokenizer
 backends' (``backends.py``, ``hf_backend.py``).
 
 Outputs in ``--output-dir``: ``results.json`` (every cell; the resume state),
-``results.csv``, ``results.md``, ``accuracy.png`` (accuracy vs length) and, for
+``results.csv``, ``results.md`` (accuracy with its 95 % Wilson interval, the
+mean log-prob with a bootstrap interval over prompts), ``accuracy.png``
+(accuracy vs length, Wilson error bars) and, for
 the built-in tasks, ``depth.png`` (depth x length accuracy per checkpoint and
 method).  Finished cells are reused when the checkpoint file, data dictionary
 and prompt settings are unchanged.
@@ -69,9 +71,10 @@ logger = logging.getLogger("fairseq_alibi.retrieval")
 
 RESULT_FIELDS = (
     "checkpoint", "task", "method", "factor", "label", "effective_factor", "group", "length",
-    "length_ratio", "train_length", "depth", "needle_distance", "n", "correct", "accuracy", "answer_logprob", "seconds",
+    "length_ratio", "train_length", "depth", "needle_distance", "n", "correct", "accuracy", "accuracy_low",
+    "accuracy_high", "answer_logprob", "seconds",
 )
-FLOAT_FIELDS = ("accuracy", "answer_logprob", "length_ratio", "effective_factor", "seconds", "depth",
+FLOAT_FIELDS = ("accuracy", "accuracy_low", "accuracy_high", "answer_logprob", "length_ratio", "effective_factor", "seconds", "depth",
                 "needle_distance")
 #: The built-in tasks' options and their defaults (None in argparse: a file task refuses them when given).
 BUILTIN_DEFAULTS = {"lengths": "1x,2x,4x,8x", "depths": 5, "samples": 10, "seed": 1, "digits": None,
@@ -274,7 +277,8 @@ class Retrieval:
         depth, group = cell.get("depth"), cell.get("group")
         return (f"{cell['checkpoint']:>12} {cell['label']:>14} L={cell['length']:<6}"
                 + (f" depth={depth:.2f}" if depth is not None else "") + (f" group={group}" if group else "")
-                + f" accuracy={cell['accuracy']:.2f} logprob={cell['answer_logprob']:.3f} ({cell['seconds']:.1f}s)")
+                + f" accuracy={cell['accuracy']:.2f}{report.bounds(report.accuracy_interval(cell), cell['accuracy'])}"
+                + f" logprob={cell['answer_logprob']:.3f} ({cell['seconds']:.1f}s)")
 
     @staticmethod
     def table(cells: List[dict], rank) -> str:
@@ -282,7 +286,8 @@ class Retrieval:
 
     def report(self, outdir: str, cells: List[dict], methods) -> None:
         rank = method_rank(methods)
-        report.write_csv(os.path.join(outdir, "results.csv"), cells, RESULT_FIELDS, FLOAT_FIELDS)
+        report.write_csv(os.path.join(outdir, "results.csv"),
+                         report.with_intervals(cells, "accuracy", report.accuracy_interval), RESULT_FIELDS, FLOAT_FIELDS)
         report.atomic_write(os.path.join(outdir, "results.md"), report.retrieval_tables(cells, rank))
         if cells:
             report.plot_retrieval_accuracy(os.path.join(outdir, "accuracy.png"), cells, rank)

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -59,7 +60,7 @@ def parse_methods(spec: str) -> List[Scaling]:
     return methods
 
 
-def methods_for(info: "ModelInfo", methods: Sequence[Scaling], hint: str) -> List[Scaling]:
+def methods_for(info: "ModelInfo", methods: Sequence[Scaling]) -> List[Scaling]:
     """The methods of one model, complete with its training length: every
     method for an ALiBi model; ``none`` only for any other (no slopes to scale)."""
     if not info.alibi:
@@ -69,7 +70,7 @@ def methods_for(info: "ModelInfo", methods: Sequence[Scaling], hint: str) -> Lis
         try:
             out.append(method.with_train_length(info.train_length).complete())
         except ScalingError as exc:
-            raise EvaluationError(f"{info.name}: {method.spelling}: {exc.reason}{hint}") from None
+            raise EvaluationError(f"{info.name}: {method.spelling}: {exc.reason}{info.missing_length_hint}") from None
     return out
 
 
@@ -281,6 +282,8 @@ class ModelInfo:
     alibi: bool
     train_length: Optional[int]
     identity: str  # the model file(s) and whatever else changes its numbers
+    #: What to do when a method needs the training length and ``train_length`` is None.
+    missing_length_hint: str = ""
 
 
 @dataclass
@@ -320,10 +323,38 @@ class Plan:
 
 
 def progress(total: int, initial: int, desc: str, disable: bool):
+    """The progress bar, on a terminal only: redirected to a log, a bar is lines of
+    carriage returns and padding (each finished cell's line says the time left)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, disable=disable, desc=desc, unit="cell",
-                dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=total, initial=initial, disable=disable or not sys.stderr.isatty(), desc=desc,
+                unit="cell", dynamic_ncols=True, file=sys.stderr)
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``7m05s``, ``2h03m``."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class Countdown:
+    """Cells finished in this run and the time left, from their mean time so far."""
+
+    def __init__(self, total: int, done: int):
+        self.total, self.done, self.ran = total, done, 0
+        self.start = time.monotonic()
+
+    def finished(self) -> str:
+        """Count one finished cell; ``[cell 12/48, 3m10s so far, about 9m20s left]``."""
+        self.done, self.ran = self.done + 1, self.ran + 1
+        spent = time.monotonic() - self.start
+        left = spent / self.ran * (self.total - self.done)
+        return (f"[cell {self.done}/{self.total}, {duration(spent)} so far"
+                + (f", about {duration(left)} left]" if self.done < self.total else ", done]"))
 
 
 def quiet_logging(verbose: bool) -> None:
@@ -354,8 +385,9 @@ def add_grid_arguments(parser, output_dir: str) -> None:
     parser.add_argument("--checkpoint", "-c", action="append", default=[], metavar="[NAME=]PATH",
                         help="a checkpoint to evaluate (repeatable)")
     parser.add_argument("--hf", action="append", default=[], metavar="[NAME=]MODEL",
-                        help="a Hugging Face model instead: BLOOM, MPT, Falcon (alibi) or a model exported by "
-                        "alibi-export-hf; a directory written by save_pretrained or a hub name (repeatable)")
+                        help="a Hugging Face model, instead of or beside --checkpoint: BLOOM, MPT, Falcon (alibi) "
+                        "or a model exported by alibi-export-hf; a directory written by save_pretrained or a hub "
+                        "name (repeatable)")
     parser.add_argument("--train-length", type=int, default=None,
                         help="with --hf: the model's training length, for Nx lengths, dynamic methods and cap "
                         "(default: from its config where recorded)")
@@ -399,8 +431,7 @@ def run(args, methods: List[Scaling], measure, backend) -> List[dict]:
     prepare_output_dir(args.output_dir)
     with OutputLock(args.output_dir, measure.tool):
         described = [backend.describe(name, source) for name, source in specs]
-        plans = [Plan(d, methods_for(d.info, methods, backend.train_length_hint), measure.cells(d))
-                 for d in described]
+        plans = [Plan(d, methods_for(d.info, methods), measure.cells(d)) for d in described]
         for d, plan in zip(described, plans):
             kept = {m.key for m in plan.methods}
             skipped = [m.spelling for m in methods if m.key not in kept]
@@ -421,9 +452,11 @@ def run(args, methods: List[Scaling], measure, backend) -> List[dict]:
                     sum(map(len, todo)))
         meta = dict(measure.meta(), methods=[m.spelling for m in methods])
         bar = progress(total, total - sum(map(len, todo)), measure.tool, args.no_progress)
+        countdown = Countdown(total, total - sum(map(len, todo)))
         for plan, cells in zip(plans, todo):
             if cells:
-                _run_model(plan, cells, measure, backend, store, identities[plan.described.info.name], meta, bar)
+                _run_model(plan, cells, measure, backend, store, identities[plan.described.info.name], meta, bar,
+                           countdown)
         bar.close()
         store.write(meta)
         results = sorted(store.cells.values(), key=measure.order)
@@ -441,7 +474,8 @@ def record_key(record: dict, measure) -> tuple:
     return (record["checkpoint"],) + Scaling.from_record(record).key + tuple(measure.cell_key(record))
 
 
-def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure, backend, store, identity, meta, bar) -> None:
+def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure, backend, store, identity, meta, bar,
+               countdown: Countdown) -> None:
     """Load one model once and run its cells, method by method."""
     info = plan.described.info
     model = backend.load(plan.described, measure.max_length(plan.cells))
@@ -454,13 +488,14 @@ def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure, backend, s
             bar.set_postfix_str(f"{info.name} {method.label} {cell.label}")
             record = measure.run(model, method, cell)
             record.update(checkpoint=info.name, path=info.path, model=info.model, method=method.method,
-                          factor=float(method.factor), label=method.label, train_length=info.train_length,
+                          factor=float(method.factor), label=method.label, spelling=method.spelling,
+                          train_length=info.train_length,
                           identity=identity)
             if method.alpha is not None:
                 record["alpha"] = method.alpha
             store.put(record, meta)  # the resume point, after every cell
             bar.update(1)
-            bar.write(measure.log_line(record))
+            bar.write(f"{measure.log_line(record)} {countdown.finished()}")
     finally:
         model.close()
 

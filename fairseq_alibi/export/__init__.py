@@ -85,7 +85,7 @@ def export(checkpoint: str, output_dir: str, fmt: str = "custom", alibi_scaling:
            force: bool = False, dict_path: Optional[str] = None, bpe_files: Optional[Dict[str, str]] = None,
            dtype: str = "float32") -> dict:
     """Export ``checkpoint`` to ``output_dir``; a summary of what was written."""
-    from .tokenizer import build_tokenizer
+    from .tokenizer import build_tokenizer, save_tokenizer
 
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r} is not valid; allowed: {', '.join(FORMATS)}")
@@ -105,7 +105,7 @@ def export(checkpoint: str, output_dir: str, fmt: str = "custom", alibi_scaling:
         if fmt == "custom":
             for path in traveling_files():
                 shutil.copy(path, stage)
-        tokenizer.save_pretrained(stage)
+        save_tokenizer(tokenizer, stage)
     return {"output_dir": output_dir, "format": fmt, "class": type(model).__name__, "scaling": scaling,
             "train_length": source.train_length, "vocabulary": len(source.dictionary), "difference": difference}
 

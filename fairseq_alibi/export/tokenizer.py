@@ -29,6 +29,11 @@ from typing import Dict, List, Optional, Tuple
 
 from ..errors import ExportError, one_line
 
+#: The class ``tokenizer_config.json`` names: the stock fast tokenizer under the name
+#: docs/export.md gives (transformers 5 saves its new name for the same class,
+#: ``TokenizersBackend``, which older releases do not know).
+TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
 #: The fairseq BPE schemes whose tokenizer can be exported, and the files each needs.
 BPE_FILES = {"gpt2": ("gpt2_encoder_json", "gpt2_vocab_bpe")}
 
@@ -138,3 +143,15 @@ def build_tokenizer(source, given_bpe: Dict[str, Optional[str]]):
         return word_level(source.dictionary, source.start)
     paths = bpe_paths(bpe_cfg, given_bpe)
     return gpt2(source.dictionary, source.start, paths["gpt2_encoder_json"], paths["gpt2_vocab_bpe"])
+
+
+def save_tokenizer(tokenizer, directory: str) -> None:
+    """``tokenizer.save_pretrained(directory)``, its class named :data:`TOKENIZER_CLASS`."""
+    tokenizer.save_pretrained(directory)
+    path = os.path.join(directory, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["tokenizer_class"] = TOKENIZER_CLASS
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+        f.write("\n")
