@@ -10,6 +10,7 @@ runner's, whatever is measured.  The real tools run through the same code
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 import json
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from conftest import cli_env, tool
 from fairseq_alibi.alibi import Scaling
 from fairseq_alibi.errors import EvaluationError
 from fairseq_alibi.evaluation import runner
-from fairseq_alibi.evaluation.runner import Cell, Described, ModelInfo
+from fairseq_alibi.evaluation.runner import Described, ModelInfo
 
 
 class ToyModel:
@@ -58,6 +59,19 @@ class ToyBackend:
         return ToyModel(self.log, described.info)
 
 
+@dataclass(frozen=True)
+class ToyCell:
+    n: int
+
+    @property
+    def key(self):
+        return (self.n,)
+
+    @property
+    def label(self):
+        return f"n={self.n}"
+
+
 class ToyMeasure:
     tool = "toy-tool"
 
@@ -71,11 +85,11 @@ class ToyMeasure:
         return {}
 
     def cells(self, described):
-        return [Cell((n,), n, f"n={n}") for n in self.ns]
+        return [ToyCell(n) for n in self.ns]
 
     @staticmethod
     def max_length(cells):
-        return max(c.data for c in cells)
+        return max(c.n for c in cells)
 
     @staticmethod
     def needs_run(stored):
@@ -90,8 +104,8 @@ class ToyMeasure:
         return (record["checkpoint"], record["method"], record["factor"], record["n"])
 
     def run(self, model, method, cell):
-        self.log.append(("run", model.info.name, method.spelling, cell.data))
-        return {"n": cell.data, "value": cell.data * 10 + len(method.spelling)}
+        self.log.append(("run", model.info.name, method.spelling, cell.n))
+        return {"n": cell.n, "value": cell.n * 10 + len(method.spelling)}
 
     @staticmethod
     def log_line(record):

@@ -266,7 +266,7 @@ class FairseqModel:
             logprobs = torch.log_softmax(self.model.decoder.output_layer(features[:, positions, :]).float(), dim=-1)
         return [answer_result(logprobs[b], answer) for b, (_, answer) in enumerate(batch)]
 
-    def windows(self, length: int, stride: int, max_tokens: Optional[int], batch_size: Optional[int]):
+    def windows(self, length: int, stride: int, max_tokens: Optional[int] = None, batch_size: Optional[int] = None):
         """(tokens to score, iterator of (natural log-probs, positions in the window))
         over the subset, window by window, exactly as ``fairseq-eval-lm
         --tokens-per-sample length --context-window (length - stride)`` scores
@@ -286,7 +286,8 @@ class FairseqModel:
         b = self.backend
         return (b.data, self.info.path, length, overrides, length - stride, b.subset, max_tokens, batch_size, b.cpu)
 
-    def command(self, length: int, stride: int, max_tokens: Optional[int], batch_size: Optional[int]) -> str:
+    def command(self, length: int, stride: int, max_tokens: Optional[int] = None,
+                batch_size: Optional[int] = None) -> str:
         """The equivalent ``fairseq-eval-lm`` command line (for the record)."""
         argv = eval_lm_argv(*self._eval_lm_args(length, stride, max_tokens, batch_size))
         parts = ["fairseq-eval-lm", argv[0], '--user-dir "$(alibi-user-dir)"'] + argv[1:-2]

@@ -230,8 +230,10 @@ class HFModel:
                 out.append(answer_result(head(hidden).float().log_softmax(-1), answer))
         return out
 
-    def windows(self, length: int, stride: int, **unused) -> Tuple[int, Iterator]:
-        """(tokens to score, iterator of (log-probs, positions in the window)):
+    def windows(self, length: int, stride: int, max_tokens: Optional[int] = None,
+                batch_size: Optional[int] = None) -> Tuple[int, Iterator]:
+        """(tokens to score, iterator of (log-probs, positions in the window)), one
+        window per forward (``max_tokens`` and ``batch_size`` do not apply):
         every token after the first scored once, in blocks of ``stride`` tokens,
         each predicted with the ``length - stride`` tokens before the block as
         extra context (at most ``length`` inputs per window): the windows of
@@ -259,7 +261,8 @@ class HFModel:
             yield scored, torch.arange(logprobs.numel() - scored.numel(), logprobs.numel())
             end = new_end
 
-    def command(self, length: int, stride: int, **unused) -> str:
+    def command(self, length: int, stride: int, max_tokens: Optional[int] = None,
+                batch_size: Optional[int] = None) -> str:
         return (f"alibi-sweep TEXT --hf {self.info.name}={self.info.path} --lengths {length}"
                 + (f" --modes sliding --stride {stride}" if stride != length else ""))
 

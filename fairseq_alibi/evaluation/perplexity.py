@@ -48,12 +48,13 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from ..errors import EvaluationError
 from . import report, runner
 from .backends import backend_for
-from .runner import Cell, method_rank, parse_lengths, resolve_lengths, tool_parser
+from .runner import method_rank, parse_lengths, resolve_lengths, tool_parser
 
 logger = logging.getLogger("fairseq_alibi.sweep")
 
@@ -63,6 +64,25 @@ RESULT_FIELDS = (
     "length_ratio", "train_length", "subset", "loss", "ppl", "ppl_low", "ppl_high", "windows", "tokens", "seconds",
 )
 FLOAT_FIELDS = ("loss", "ppl", "ppl_low", "ppl_high", "seconds", "length_ratio")
+
+
+@dataclass(frozen=True)
+class WindowCell:
+    """One cell of ``alibi-sweep``: the windows of one mode, length and stride."""
+
+    mode: str
+    length: int
+    stride: int
+    subset: str
+    max_tokens: Optional[int]  # per batch (None: the backend's own batching)
+
+    @property
+    def key(self) -> tuple:
+        return (self.mode, self.length, self.stride, self.subset)
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} L={self.length}"
 
 
 class Perplexity:
@@ -95,21 +115,19 @@ class Perplexity:
                 "batch_size": self.batch_size}
         return dict(meta, hf=True) if self.hf else meta
 
-    def cells(self, described) -> List[Cell]:
+    def cells(self, described) -> List[WindowCell]:
         """Every (mode, length) of one model, validated before anything runs."""
         info = described.info
         lengths = resolve_lengths(self.lengths, info.train_length, info.name)
         check_lengths(info.name, lengths, self.stride if "sliding" in self.modes else None, self.max_tokens,
                       self.backend.text_tokens(described), self.subset)
         max_tokens = None if info.model.startswith("hf:") else self.max_tokens or 4 * max(lengths)
-        return [Cell((mode, length, length if mode == "nonoverlapping" else self.stride, self.subset),
-                     (mode, length, length if mode == "nonoverlapping" else self.stride, max_tokens),
-                     f"{mode} L={length}")
+        return [WindowCell(mode, length, length if mode == "nonoverlapping" else self.stride, self.subset, max_tokens)
                 for mode in self.modes for length in lengths]
 
     @staticmethod
-    def max_length(cells: List[Cell]) -> int:
-        return max(cell.data[1] for cell in cells)
+    def max_length(cells: List[WindowCell]) -> int:
+        return max(cell.length for cell in cells)
 
     def needs_run(self, stored: Optional[dict]) -> bool:
         return stored is None or (self.per_position and not stored.get("per_position"))
@@ -120,13 +138,13 @@ class Perplexity:
 
     @staticmethod
     def order(record: dict) -> tuple:
-        return (record["checkpoint"], record["mode"], record["method"], record["factor"], record["length"],
-                record["stride"])
+        return (record["checkpoint"], record["mode"], record["method"], record["factor"], record.get("alpha") or 0,
+                record["length"], record["stride"])
 
-    def run(self, model, method, cell: Cell) -> dict:
-        mode, length, stride, max_tokens = cell.data
+    def run(self, model, method, cell: WindowCell) -> dict:
+        mode, length, stride = cell.mode, cell.length, cell.stride
         start = time.perf_counter()
-        settings = dict(max_tokens=max_tokens, batch_size=self.batch_size)
+        settings = dict(max_tokens=cell.max_tokens, batch_size=self.batch_size)
         expected, scored = model.windows(length, stride, **settings)
         result = score_tokens(scored, length, self.per_position, f"{model.info.name} ({method.label}, L={length})")
         if expected is not None and result["tokens"] != expected:

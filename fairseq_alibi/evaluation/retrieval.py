@@ -64,7 +64,7 @@ from ..errors import EvaluationError
 from . import prompts as P
 from . import report, runner
 from .backends import backend_for
-from .runner import Cell, file_identity, method_rank, parse_lengths, resolve_lengths, tool_parser
+from .runner import file_identity, method_rank, parse_lengths, resolve_lengths, tool_parser
 from .task_files import read_task_file
 
 logger = logging.getLogger("fairseq_alibi.retrieval")
@@ -95,6 +95,27 @@ class Sample:
     @staticmethod
     def make(prompt: List[int], answer: List[int], depth, group, distance=None) -> "Sample":
         return Sample(prompt, answer, depth, group, len(prompt) + len(answer), distance)
+
+
+@dataclass
+class PromptCell:
+    """One cell of ``alibi-retrieval``: the prompts of one task, group, length and depth."""
+
+    task: str
+    group: str
+    length: int
+    depth: Optional[float]
+    samples: List[Sample]
+    max_tokens: int  # per batch
+
+    @property
+    def key(self) -> tuple:
+        return (self.task, self.group, self.length, self.depth)
+
+    @property
+    def label(self) -> str:
+        return (f"L={self.length}" + (f" depth={self.depth:.2f}" if self.depth is not None else "")
+                + (f" group={self.group}" if self.group else ""))
 
 
 def file_samples(items, encoder, path: str) -> List[Sample]:
@@ -221,7 +242,7 @@ class Retrieval:
         return {"data": os.path.abspath(a.data) if a.data else None, "hf": a.hf, "task": a.task,
                 "depths": a.depths, "samples": a.samples, "seed": a.seed}
 
-    def cells(self, described) -> List[Cell]:
+    def cells(self, described) -> List[PromptCell]:
         """The prompts of one model (the same for every method), as cells."""
         if self.file:
             grouped: Dict[tuple, List[Sample]] = {}
@@ -230,14 +251,13 @@ class Retrieval:
         else:
             grouped = builtin_cells(self.args, self.lengths, described)
         max_tokens = batch_tokens(self.args.max_tokens, grouped, described.info.name)
-        return [Cell((self.task_name,) + key, (samples, max_tokens),
-                     f"L={key[1]}" + (f" depth={key[2]:.2f}" if key[2] is not None else "") +
-                     (f" group={key[0]}" if key[0] else ""))
-                for key, samples in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0))]
+        return [PromptCell(self.task_name, group, length, depth, samples, max_tokens)
+                for (group, length, depth), samples in sorted(grouped.items(),
+                                                              key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0))]
 
     @staticmethod
-    def max_length(cells: List[Cell]) -> int:
-        return max(s.length for cell in cells for s in cell.data[0]) + 1
+    def max_length(cells: List[PromptCell]) -> int:
+        return max(s.length for cell in cells for s in cell.samples) + 1
 
     @staticmethod
     def needs_run(stored: Optional[dict]) -> bool:
@@ -251,14 +271,13 @@ class Retrieval:
 
     @staticmethod
     def order(record: dict) -> tuple:
-        return (record["checkpoint"], record["task"], record["method"], record["factor"], record.get("group", ""),
-                record["length"], -1 if record.get("depth") is None else record["depth"])
+        return (record["checkpoint"], record["task"], record["method"], record["factor"], record.get("alpha") or 0,
+                record.get("group", ""), record["length"], -1 if record.get("depth") is None else record["depth"])
 
-    def run(self, model, method, cell: Cell) -> dict:
-        samples, max_tokens = cell.data
-        task, group, length, depth = cell.key
+    def run(self, model, method, cell: PromptCell) -> dict:
+        samples, task, group, length, depth = cell.samples, cell.task, cell.group, cell.length, cell.depth
         start = time.perf_counter()
-        scored = score(model, samples, max_tokens)
+        scored = score(model, samples, cell.max_tokens)
         correct = sum(1 for ok, _, _ in scored if ok)
         train_length = model.info.train_length
         return {

@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from ..alibi import METHOD_SYNTAX, Scaling, ScalingError
 from ..errors import EvaluationError, no_space, not_a_file, report_errors
+from .protocols import Backend, Cell, Described, EvaluationModel, Measure, ModelInfo  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("fairseq_alibi.evaluation")
 
@@ -60,7 +61,7 @@ def parse_methods(spec: str) -> List[Scaling]:
     return methods
 
 
-def methods_for(info: "ModelInfo", methods: Sequence[Scaling]) -> List[Scaling]:
+def methods_for(info: ModelInfo, methods: Sequence[Scaling]) -> List[Scaling]:
     """The methods of one model, complete with its training length: every
     method for an ALiBi model; ``none`` only for any other (no slopes to scale)."""
     if not info.alibi:
@@ -271,30 +272,6 @@ class ResultStore:
 # ------------------------------------------------------------------ the run
 
 
-@dataclass
-class ModelInfo:
-    """What the runner and the reports know of one model."""
-
-    name: str
-    path: str
-    model: str  # family: a registered fairseq model, or hf:<family>
-    arch: str
-    alibi: bool
-    train_length: Optional[int]
-    identity: str  # the model file(s) and whatever else changes its numbers
-    #: What to do when a method needs the training length and ``train_length`` is None.
-    missing_length_hint: str = ""
-
-
-@dataclass
-class Described:
-    """One model as planned: its info, its encoder, and what loading it needs."""
-
-    info: ModelInfo
-    encoder: Any
-    source: Any = None  # the backend's own (a checkpoint's unpickled state, ...)
-
-
 def answer_result(logprobs, answer: Sequence[int]) -> Tuple[bool, float, List[int]]:
     """(greedy exact match, mean log-prob, greedy ids) from ``[n_answer, V]`` log-probs."""
     import torch
@@ -306,18 +283,8 @@ def answer_result(logprobs, answer: Sequence[int]) -> Tuple[bool, float, List[in
 
 
 @dataclass
-class Cell:
-    """One cell of a measure, for one model: ``key`` identifies it (with the
-    model and method), ``data`` is what the measure needs to run it."""
-
-    key: tuple
-    data: Any = None
-    label: str = ""  # for the progress bar
-
-
-@dataclass
 class Plan:
-    described: Any  # a backend's description of one model (has .info)
+    described: Described
     methods: List[Scaling]
     cells: List[Cell] = field(default_factory=list)
 
@@ -423,7 +390,7 @@ def main(argv: Optional[Sequence[str]], parser, measure_class) -> int:
     return 0
 
 
-def run(args, methods: List[Scaling], measure, backend) -> List[dict]:
+def run(args, methods: List[Scaling], measure: Measure, backend: Backend) -> List[dict]:
     """Evaluate ``measure`` on every model of ``backend`` under every method
     (``parse_methods(args.methods)``); returns every cell of the output
     directory (this run's and the ones kept from earlier runs)."""
@@ -474,11 +441,11 @@ def record_key(record: dict, measure) -> tuple:
     return (record["checkpoint"],) + Scaling.from_record(record).key + tuple(measure.cell_key(record))
 
 
-def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure, backend, store, identity, meta, bar,
-               countdown: Countdown) -> None:
+def _run_model(plan: Plan, todo: List[Tuple[Scaling, Cell]], measure: Measure, backend: Backend, store, identity,
+               meta, bar, countdown: Countdown) -> None:
     """Load one model once and run its cells, method by method."""
     info = plan.described.info
-    model = backend.load(plan.described, measure.max_length(plan.cells))
+    model: EvaluationModel = backend.load(plan.described, measure.max_length(plan.cells))
     try:
         current = None
         for method, cell in todo:
