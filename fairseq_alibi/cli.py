@@ -32,6 +32,19 @@ def _flag(argv: List[str], *names: str) -> Optional[str]:
     return value
 
 
+def check_training_method(argv: List[str]) -> None:
+    """A context-extension method given to training is trained with and stored in
+    the checkpoint, which every later evaluation then uses: said, once."""
+    method = _flag(argv, "--alibi-interpolation")
+    if method is not None and method != "none":
+        logger.warning(
+            "--alibi-interpolation %s is a method for evaluating past the training length: the model trains "
+            "with it and the checkpoint stores it, so every later evaluation uses it unless overridden; to train "
+            "plain ALiBi leave it out and choose a method when evaluating (--model-overrides, alibi-sweep "
+            "--methods)", method,
+        )
+
+
 def check_arch(argv: List[str]) -> None:
     """An unknown ``--arch`` names its closest matches (argparse would list all
     ~200); a stock ``transformer_lm*`` name warns that it is not ALiBi here."""
@@ -224,7 +237,8 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=Non
 
 
 def train():
-    _run("fairseq_cli.train", training_help, check_arch, check_training_blocks, defaults=training_defaults)
+    _run("fairseq_cli.train", training_help, check_arch, check_training_blocks, check_training_method,
+         defaults=training_defaults)
 
 
 def eval_lm():

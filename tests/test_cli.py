@@ -718,9 +718,19 @@ def test_fork_training_command_warns(lm_data_bin, tmp_path):
     assert "not ALiBi" in warnings[0]
 
 
+def test_training_with_an_evaluation_method_warns_once(lm_data_bin, tmp_path):
+    """A method given to alibi-train is trained with and stored: said; without one, nothing."""
+    args = train_args(lm_data_bin, tmp_path / "ckpt", max_update=1)
+    result = run_cli([tool("alibi-train"), *args, "--alibi-interpolation", "cap"])
+    warnings = [line for line in result.output.splitlines() if "| WARNING | fairseq_alibi |" in line]
+    assert len(warnings) == 1 and "--alibi-interpolation cap" in warnings[0] and "stores it" in warnings[0]
+    plain = run_cli([tool("alibi-train"), *train_args(lm_data_bin, tmp_path / "plain", max_update=1)])
+    assert "--alibi-interpolation" not in plain.output
+
+
 def test_help_lists_the_alibi_options():
     train_help = run_cli([tool("alibi-train"), "--help"]).stdout
-    for flag in ("--alibi-interpolation", "--alibi-scale-factor", "--alibi-attention"):
+    for flag in ("--alibi-interpolation", "--alibi-scale-factor", "--alibi-log-alpha", "--alibi-attention"):
         assert flag in train_help
     assert "'alibi_interpolation'" in run_cli([tool("alibi-eval-lm"), "--help"]).stdout
 
