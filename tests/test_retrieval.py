@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 import sys
 
@@ -459,3 +460,68 @@ def test_corpus_generator_refuses_a_length_that_holds_no_record(tmp_path):
                       "--max-length", "20", "--digits", "2"], expect_ok=False)
     assert result.returncode == 2 and "Traceback" not in result.output
     assert "--max-length 20 is too short" in result.stderr and "at least 41 words" in result.stderr
+
+
+def _fake_cells(path, cells):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": {}, "cells": cells}))
+
+
+def test_frontier_example_tables_choice_goal_and_plot(tmp_path):
+    """examples/retrieval/frontier.py on hand-made results: accuracies pooled per
+    seed (mean [min, max] over seeds), costs against none on the same windows
+    (point and paired interval), the family member chosen on the tune side, the
+    goal judged on the report side, and the figure."""
+    import random
+
+    rng = random.Random(0)
+    methods = {"none": (0.30, 0.0), "cap": (0.80, 0.020), "log:1:0.25": (0.78, 0.004), "log": (0.60, 0.001),
+               "capnorm": (0.50, 0.009)}  # (accuracy, perplexity cost)
+    base = [rng.uniform(4.0, 6.0) for _ in range(40)]  # per-window summed loss (bits), 10 tokens each
+
+    def sweep_cells(name, jitter):
+        cells = []
+        for spelling, (_, cost) in methods.items():
+            from fairseq_alibi.alibi import Scaling
+
+            s = Scaling.parse(spelling)
+            losses = [b + 10 * math.log2(1 + cost) + jitter * rng.uniform(-0.01, 0.01) for b in base]
+            loss = sum(losses) / (10 * len(losses))
+            cells.append(dict(checkpoint=name, method=s.method, factor=s.factor, alpha=s.alpha, mode="nonoverlapping",
+                              length_ratio=16.0, ppl=2 ** loss, window_loss=losses, window_tokens=[10] * len(losses)))
+        return cells
+
+    def side(root, seeds, shift):
+        for i, seed in enumerate(seeds):
+            for task in ("lines", "passkey"):
+                cells = []
+                for spelling, (acc, _) in methods.items():
+                    from fairseq_alibi.alibi import Scaling
+
+                    s = Scaling.parse(spelling)
+                    correct = round(100 * min(1.0, acc + shift + 0.02 * i))
+                    for ratio in (1.0, 8.0):
+                        cells.append(dict(checkpoint="alibi", method=s.method, factor=s.factor, alpha=s.alpha,
+                                          length_ratio=ratio, correct=correct if ratio == 8.0 else 100, n=100))
+                _fake_cells(root / f"seed{seed}" / task / "results.json", cells)
+        _fake_cells(root / "sweep" / "results.json", sum((sweep_cells(f"seed{s}", 1) for s in seeds), []))
+
+    side(tmp_path / "tune", ["1", "2"], 0.0)
+    side(tmp_path / "report", ["5", "6", "7"], 0.01)
+    _fake_cells(tmp_path / "demo.json", sweep_cells("demo-s1", 0) + sweep_cells("demo-s2", 0))
+    out = run_cli([sys.executable, EXAMPLES / "retrieval" / "frontier.py", "--methods", ",".join(methods),
+                   "--tune", tmp_path / "tune", "--tune-seeds", "1 2", "--report", tmp_path / "report",
+                   "--report-seeds", "5 6 7", "--demo-sweep", tmp_path / "demo.json", "--output", tmp_path / "fig"]).stdout
+    rows = {line.split("`")[1]: [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.split("## Report")[1].splitlines() if line.startswith("| `")}
+    # log:1:0.25 is the log family's best tune retrieval within 0.5 % (log:1:0.25 costs 0.4 %)
+    assert "Chosen per family" in out and "log: `log:1:0.25`" in out and "capnorm: `capnorm`" in out
+    assert rows["log:1:0.25"][-1] == "yes"  # within 5 points of cap at <= 0.5 %
+    assert rows["cap"][-1] == "cost" and rows["log"][-1] == "retrieval" and rows["capnorm"][-1] == "neither"
+    # lines at 8x on the report seeds: 79, 81, 83 % -> mean 81 [79, 83]
+    assert rows["log:1:0.25"][0].startswith("81 [79, 83]")
+    # the demo cost: the point from the perplexities, and a paired interval around it
+    cost, interval = rows["cap"][2].split(" ", 1)
+    low, high = (float(x.strip("%")) for x in interval.strip("[]").split(", "))
+    assert cost == "+2.00%" and low <= 2.0 + 1e-9 and high >= 2.0 - 1e-9 and high - low < 0.01
+    assert (tmp_path / "fig" / "frontier.png").stat().st_size > 0

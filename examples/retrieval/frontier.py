@@ -169,12 +169,13 @@ def plot(path: str, order: List[str], tasks: Dict[str, Dict[str, Retrieval]], co
         for m in shown:
             style, r, c = method_style(m), results[m], cost[m]
             low, high = r.pooled_wilson()
-            xerr = [[100 * (c.value - c.low)], [100 * (c.high - c.value)]] if c.low is not None else None
+            xerr = ([[100 * max(0.0, c.value - c.low)], [100 * max(0.0, c.high - c.value)]]
+                    if c.low is not None else None)  # a percentile interval may miss its point by a rounding
             ax.errorbar(100 * c.value, 100 * r.mean, xerr=xerr,
                         yerr=[[100 * (r.mean - min(r.accuracies))], [100 * (max(r.accuracies) - r.mean)]],
                         color=style.color, marker=style.marker, mfc="none", ms=8, capsize=3, lw=1, ls="none",
                         label=m)
-            ax.errorbar(100 * c.value, 100 * r.mean, yerr=[[100 * (r.mean - low)], [100 * (high - r.mean)]],
+            ax.errorbar(100 * c.value, 100 * r.mean, yerr=[[100 * max(0.0, r.mean - low)], [100 * max(0.0, high - r.mean)]],
                         color=style.color, lw=3, alpha=0.3, ls="none")
             ax.annotate(m, (100 * c.value, 100 * r.mean), textcoords="offset points", xytext=(5, 4), fontsize=7)
         edge = frontier({m: (cost[m].value, results[m].mean) for m in shown})

@@ -86,6 +86,14 @@ stamp "perplexity: demo models (test split) at $PPL_LENGTHS x {$METHODS}"
 OMP_NUM_THREADS=$THREADS alibi-sweep "$OUT/data/embedded" "${demo[@]}" --subset test --lengths "$PPL_LENGTHS" \
   --methods "$METHODS" --modes nonoverlapping --per-position --output-dir "$OUT/demo-sweep" --cpu --no-progress
 
+for pair in "$TUNE_CORPUS:$TUNE_SEEDS" "$REPORT_CORPUS:$REPORT_SEEDS"; do
+  corpus=${pair%%:*}; seeds=${pair#*:}; dir=$(corpus_dir "$corpus")
+  for task in lines passkey; do  # by length and by needle distance, across seeds
+    runs=(); for seed in $seeds; do runs+=("seed$seed=$dir/seed$seed/$task/results.json"); done
+    python examples/retrieval/summary.py "${runs[@]}" --checkpoint alibi --plot "$dir/summary-$task.png" \
+      > "$dir/summary-$task.md"
+  done
+done
 stamp "frontier: tuned on seeds $TUNE_SEEDS, reported on $REPORT_SEEDS"
 python examples/retrieval/frontier.py --methods "$METHODS" \
   --tune "$(corpus_dir "$TUNE_CORPUS")" --tune-seeds "$TUNE_SEEDS" \
