@@ -3,9 +3,10 @@
     python benchmarks/fairseq_train_wps.py                  # both at once, one thread each
     python benchmarks/fairseq_train_wps.py --sequential     # one after the other, all threads
     python benchmarks/fairseq_train_wps.py --attention-dropout 0.1 --repeats 5
+    python benchmarks/fairseq_train_wps.py --length 2048               # L = 2048, 2 sequences per update
 
 The attention-bound configuration of ``train_throughput.py`` (6 layers, d=256,
-8 heads, FFN 1024, 8 x 512 tokens per update, dropout 0.1, vocabulary of 504
+8 heads, FFN 1024, 4096 tokens per update (8 x 512; ``--length`` sets L), dropout 0.1, vocabulary of 504
 symbols), trained by the stock ``fairseq-train`` command (the ALiBi model through
 ``--user-dir``) on a throw-away corpus of random words (``fairseq-preprocess``
 binarizes it), ``--log-interval 1``: fairseq prints the words/s (``wps``) of
@@ -63,7 +64,7 @@ def train_command(data: str, arch: str, opts, attention_dropout: float):
         "--decoder-output-dim", "256", "--decoder-attention-heads", "8", "--decoder-ffn-embed-dim", "1024",
         "--share-decoder-input-output-embed", "--dropout", "0.1",
         "--attention-dropout", str(attention_dropout),
-        "--tokens-per-sample", "512", "--sample-break-mode", "none", "--batch-size", str(opts.batch),
+        "--tokens-per-sample", str(opts.length), "--sample-break-mode", "none", "--batch-size", str(opts.batch),
         "--optimizer", "adam", "--lr", "1e-4", "--max-update", str(opts.updates), "--seed", "1",
         "--log-format", "json", "--log-interval", "1", "--no-save", "--disable-validation",
         "--num-workers", "0", "--cpu",
@@ -115,7 +116,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--attention-dropout", type=float, nargs="+", default=[0.0, 0.1])
     p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--batch", type=int, default=8, help="sequences of 512 tokens per update")
+    p.add_argument("--length", type=int, default=512, help="--tokens-per-sample (the training length L)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="sequences per update (default: 4096 tokens per update, 8 at L=512, 2 at L=2048)")
     p.add_argument("--updates", type=int, default=10, help="updates per run")
     p.add_argument("--skip", type=int, default=3, help="warm-up updates not counted")
     p.add_argument("--repeats", type=int, default=3, help="runs per model and attention dropout")
@@ -126,11 +129,12 @@ def main():
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--analyze", help="only recompute the ratios from the logs kept in this directory")
     opts = p.parse_args()
+    opts.batch = opts.batch or max(1, 4096 // opts.length)
 
     workdir = opts.analyze or opts.keep or tempfile.mkdtemp(prefix="alibi_wps_")
     os.makedirs(workdir, exist_ok=True)
     if not opts.analyze:
-        data = make_corpus(workdir, opts.words, tokens=(opts.updates + 2) * opts.batch * 512 * 2)
+        data = make_corpus(workdir, opts.words, tokens=(opts.updates + 2) * opts.batch * opts.length * 2)
     results = {"machine": machine_description(), "config": vars(opts), "runs": {}}
     for drop in opts.attention_dropout:
         runs = {"sinusoidal": [], "alibi": []}
