@@ -159,11 +159,11 @@ def check_model_overrides(argv: List[str]) -> None:
 
 
 def check_numeric_flags(argv: List[str]) -> None:
-    """Every integer flag of ``models.config.INTEGER_OPTIONS`` given (``--tokens-per-sample``
+    """Every integer flag of ``options.INTEGER_OPTIONS`` given (``--tokens-per-sample``
     for ``tokens_per_sample``) is in its range: fairseq checks none of them (0
     tokens per sample is a ZeroDivisionError, 2**31 an OverflowError, seed -1 a
     numpy ValueError)."""
-    from .models.config import integer_problem, INTEGER_OPTIONS
+    from .options import INTEGER_OPTIONS, integer_problem
 
     for key in INTEGER_OPTIONS:
         flag = "--" + key.replace("_", "-")
@@ -214,6 +214,10 @@ def training_help(argv: List[str]) -> None:
 
 
 def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=None, defaults=None) -> None:
+    interrupted = f"{sys.argv[0].rsplit('/', 1)[-1]} interrupted"
+    with report_errors(interrupted=interrupted):  # numbers and overrides first: before fairseq loads
+        for check in (check_numeric_flags, check_model_overrides):
+            check(sys.argv[1:])
     import fairseq_alibi.models  # noqa: F401  (patches fairseq, registers the models)
 
     # fairseq.tasks.text_to_speech calls logging.basicConfig on import, before
@@ -221,11 +225,11 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=Non
     # (timestamps, INFO, stdout).
     for handler in logging.root.handlers[:]:
         logging.root.removeHandler(handler)
-    with report_errors(interrupted=f"{sys.argv[0].rsplit('/', 1)[-1]} interrupted"):
+    with report_errors(interrupted=interrupted):
         module = importlib.import_module(module_name)
         if defaults is not None and not {"-h", "--help"} & set(sys.argv[1:]):
             sys.argv[1:] = defaults(sys.argv[1:])
-        for check in (check_numeric_flags, check_model_overrides) + checks:
+        for check in checks:
             check(sys.argv[1:])
         if guard is not None:
             guard(module)
@@ -242,9 +246,12 @@ def train():
 
 
 def eval_lm():
-    from .patches import guarded_eval_lm
+    def guard(module):
+        from .patches import guarded_eval_lm  # after the checks that need no fairseq
 
-    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True, guard=guarded_eval_lm,
+        guarded_eval_lm(module)
+
+    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True, guard=guard,
          defaults=eval_lm_batches)
 
 

@@ -31,12 +31,13 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 from ..alibi import METHOD_SYNTAX, Scaling, ScalingError
 from ..errors import EvaluationError, no_space, not_a_file, report_errors
+from ..options import INT32_MAX
 from .protocols import Backend, Cell, Described, EvaluationModel, Measure, ModelInfo  # noqa: F401  (re-exported)
 
 logger = logging.getLogger("fairseq_alibi.evaluation")
 
 DEFAULT_METHODS = "none,linear:2,linear,ntk:2,ntk"
-MAX_LENGTH = 2**31 - 1  # fairseq's block code counts tokens in int32 (models.config.INTEGER_OPTIONS)
+MAX_LENGTH = INT32_MAX  # fairseq's block code counts tokens in int32 (options.INTEGER_OPTIONS)
 
 
 # ------------------------------------------------------------------ the axes
