@@ -68,11 +68,10 @@ class AlibiMultiheadAttention(MultiheadAttention):
         out, weights = kernels.attend(q, k, v, self.alibi, self.kernel, key_padding_mask, dropout_p,
                                       need_weights, incremental_state is not None)
         out = self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim))
-        if need_weights and weights is not None:
-            weights = weights.transpose(0, 1)  # [H, B, T, S], fairseq's layout
-            if not need_head_weights:
-                weights = weights.mean(dim=0)
-        return out, weights
+        if not need_weights or weights is None:
+            return out, None  # the reference kernel computes weights either way: not asked, not returned
+        weights = weights.transpose(0, 1)  # [H, B, T, S], fairseq's layout
+        return out, weights if need_head_weights else weights.mean(dim=0)
 
     def _extend_cache(self, incremental_state, k: Tensor, v: Tensor, key_padding_mask, bsz: int):
         """Keys, values and padding mask with the cached ones prepended; the cache updated."""

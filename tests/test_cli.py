@@ -167,6 +167,18 @@ def test_eval_8x_training_length_without_overrides(eval_lm):
     assert long.loss < 2.5  # far below uniform over the vocabulary (log2 ~ 5)
 
 
+@pytest.mark.parametrize("length", [TRAIN_LENGTH, 16 * TRAIN_LENGTH])
+def test_fast_kernels_print_the_reference_perplexity(eval_lm, length):
+    """End to end at 1x and 16x L: the long-evaluation kernel (chunked, with
+    its key windows: 512 tokens are two chunks) and the training kernel
+    (blocked) print the reference kernel's perplexity to the printed digits."""
+    reference = eval_lm(length, {"alibi_attention": "reference"})
+    for kernel in ("chunked", "blocked", "auto"):
+        result = eval_lm(length, {"alibi_attention": kernel})
+        assert (result.ppl, result.tokens) == (reference.ppl, reference.tokens), kernel
+        assert result.loss == pytest.approx(reference.loss, abs=1e-4), kernel
+
+
 def test_none_equals_linear_factor_one_and_scripts_agree(eval_lm):
     """alibi-eval-lm with linear factor 1 reports exactly what stock
     fairseq-eval-lm --user-dir reports with no override."""
