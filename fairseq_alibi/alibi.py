@@ -16,9 +16,10 @@ module holds the two ideas of this project, each once:
   the dense bias, the chunked kernel's ramp, FlexAttention's ``score_mod``,
   the Hugging Face hooks and the exported model all call it.
 
-A new method is a branch of :meth:`Scaling.distance` (a distance transform),
-of :func:`slope_exponents` (a slope scaling) or of :func:`far_penalty`, plus an
-entry in :data:`METHODS`; every path then has it.
+A new method is a branch of :meth:`Scaling.distance` (a distance transform,
+times the slope), of :meth:`Scaling.penalty` (a bias term of its own) or of
+:func:`slope_exponents` (a slope scaling), plus an entry in :data:`METHODS`;
+every path then has it.
 
 Conventions:
 
@@ -45,16 +46,20 @@ import torch
 from torch import Tensor
 
 #: Context-extension methods (docs/usage.md has the table):
-#: ``linear`` and ``ntk`` scale the slopes; ``cap``, ``log`` and ``capnorm``
-#: transform distances past ``C = factor x train_length``; ``none`` changes nothing.
-METHODS = ("none", "linear", "ntk", "cap", "log", "capnorm")
+#: ``linear`` and ``ntk`` scale the slopes; ``cap``, ``log``, ``power`` and
+#: ``capnorm`` change the bias past ``C = factor x train_length``; ``none`` changes nothing.
+METHODS = ("none", "linear", "ntk", "cap", "log", "power", "capnorm")
 SLOPE_METHODS = ("linear", "ntk")
-DISTANCE_METHODS = ("cap", "log", "capnorm")
-#: ``alpha`` of a bare ``log``: the tail's growth, ``C * alpha * ln(d / C)``
-#: past ``C`` (docs/retrieval.md, "Which method, when", has the measurements).
-DEFAULT_LOG_ALPHA = 0.5
+DISTANCE_METHODS = ("cap", "log", "power", "capnorm")
+#: The methods with a tail parameter ``alpha``, and its value when none is given
+#: (docs/retrieval.md, "Which method, when", has the measurements):
+#: ``log``: past C the distance grows as ``C + alpha C ln(d / C)``;
+#: ``power``: past C the bias is the cap's minus ``alpha ln(d / C)`` (weights fall as ``(C / d) ** alpha``).
+DEFAULT_ALPHA = {"log": 0.5, "power": 1.0}
+TAIL_METHODS = tuple(DEFAULT_ALPHA)
 #: The ``--methods`` grammar, for messages and ``--help``.
-METHOD_SYNTAX = "none, linear[:F|:dynamic], ntk[:F|:dynamic], cap[:F], log[:F[:ALPHA]] or capnorm[:F]"
+METHOD_SYNTAX = ("none, linear[:F|:dynamic], ntk[:F|:dynamic], cap[:F], log[:F[:ALPHA]], power[:F[:ALPHA]] "
+                 "or capnorm[:F]")
 
 BIAS_MODES = ("causal", "symmetric", "split", "learned")
 BIDIRECTIONAL_MODES = ("symmetric", "split", "learned")
@@ -168,16 +173,16 @@ def _checked_factor(method: str, factor) -> float:
 
 
 def _checked_alpha(method: str, alpha) -> Optional[float]:
-    """The log tail's ``alpha`` (its default when not given); None for other methods."""
-    if method != "log":
+    """A tail method's ``alpha`` (its default when not given); None for other methods."""
+    if method not in TAIL_METHODS:
         if alpha is not None:
-            raise ScalingError("alpha", alpha, "only the log tail (log) takes alpha")
+            raise ScalingError("alpha", alpha, f"only the tails ({', '.join(TAIL_METHODS)}) take alpha")
         return None
     if alpha is None:
-        return DEFAULT_LOG_ALPHA
+        return DEFAULT_ALPHA[method]
     value = _real(alpha)
     if value is None or not math.isfinite(value) or value <= 0:
-        raise ScalingError("alpha", alpha, "the log tail's growth must be a finite number > 0 (alpha = 0 is cap)")
+        raise ScalingError("alpha", alpha, "the tail's growth must be a finite number > 0 (alpha = 0 is cap)")
     return value
 
 
@@ -206,7 +211,7 @@ def _parsed_factor(method: str, arg: str) -> float:
 
 #: The config key of each field of the spec (fairseq model configs, ``--model-overrides``).
 CONFIG_KEYS = {"method": "alibi_interpolation", "factor": "alibi_scale_factor", "train_length": "alibi_train_length",
-               "alpha": "alibi_log_alpha"}
+               "alpha": "alibi_tail_alpha"}
 #: The keys an ``alibi_scaling`` dictionary (Hugging Face configs) may hold.
 HF_KEYS = ("type", "factor", "train_seq_len", "alpha")
 
@@ -217,17 +222,19 @@ class Scaling:
 
     * ``method``: ``none``; ``linear`` (every slope / factor) or ``ntk``
       (steepest head kept, flattest / factor, geometric in between); or a
-      distance transform past ``C = factor x train_length``: ``cap`` (every
+      change of the bias past ``C = factor x train_length``: ``cap`` (every
       distance above ``C`` seen as ``C``, LM-Infinite's distance limit),
-      ``log`` (a log tail, ``C + alpha C ln(d / C)``) or ``capnorm`` (the cap,
-      and the far keys' total weight held at that of ``C`` keys);
+      ``log`` (a log tail, distances ``C + alpha C ln(d / C)``), ``power``
+      (the cap minus ``alpha ln(d / C)``: far weights fall as ``(C / d) **
+      alpha`` in every head) or ``capnorm`` (the cap, and the far keys' total
+      weight held at that of ``C`` keys);
     * ``factor``: for ``linear``/``ntk`` ``0`` means dynamic,
       ``max(1, keys / train_length)`` per forward pass, else a static factor
       ``>= 1``; for the distance methods ``C`` in training lengths (any
       ``F > 0``; ``0`` means 1); ``none`` stores 1 whatever is given;
     * ``train_length``: the length the model was trained at; dynamic methods and
       the distance methods need it (:meth:`complete` checks);
-    * ``alpha``: the log tail's growth (``log`` only; default ``DEFAULT_LOG_ALPHA``).
+    * ``alpha``: the tail's growth (``log`` and ``power`` only; defaults ``DEFAULT_ALPHA``).
     """
 
     method: str = "none"
@@ -249,13 +256,14 @@ class Scaling:
     @classmethod
     def parse(cls, text: str, train_length: Optional[int] = None) -> "Scaling":
         """A ``--methods`` item: ``none``, ``linear[:F|:dynamic]``,
-        ``ntk[:F|:dynamic]``, ``cap[:F]``, ``log[:F[:ALPHA]]``, ``capnorm[:F]``."""
+        ``ntk[:F|:dynamic]``, ``cap[:F]``, ``log[:F[:ALPHA]]``, ``power[:F[:ALPHA]]``,
+        ``capnorm[:F]``."""
         name, _, arg = str(text).strip().partition(":")
         name, arg = name.strip().lower(), arg.strip().lower()
         if name == "none" and arg:
             raise ScalingError("method", text, "'none' takes no factor")
         alpha = None
-        if name == "log" and ":" in arg:
+        if name in TAIL_METHODS and ":" in arg:
             arg, _, text_alpha = arg.partition(":")
             alpha = _parsed_number(name, text_alpha.strip(), "alpha")
         elif ":" in arg:
@@ -269,8 +277,8 @@ class Scaling:
         """The ``--methods`` item: ``none``, ``ntk``, ``ntk:2``, ``cap``, ``cap:0.5``, ``log:1:0.25``."""
         if self.method == "none" or self.dynamic:
             return self.method
-        if self.method == "log" and self.alpha != DEFAULT_LOG_ALPHA:
-            return f"log:{self.factor:g}:{self.alpha:g}"
+        if self.method in TAIL_METHODS and self.alpha != DEFAULT_ALPHA[self.method]:
+            return f"{self.method}:{self.factor:g}:{self.alpha:g}"
         if self.method in DISTANCE_METHODS and self.factor == 1:
             return self.method
         return f"{self.method}:{self.factor:g}"
@@ -282,7 +290,7 @@ class Scaling:
             return "none"
         if self.dynamic:
             return f"{self.method} dynamic"
-        tail = f" a{self.alpha:g}" if self.method == "log" else ""
+        tail = f" a{self.alpha:g}" if self.method in TAIL_METHODS else ""
         return f"{self.method} x{self.factor:g}{tail}"
 
     @property
@@ -319,7 +327,7 @@ class Scaling:
         """The spec of an ``alibi_scaling`` value (BTLM's convention, extended):
         ``None`` or ``{"type": "none"}``; ``{"type": "linear" | "ntk", "factor": F}``
         (static) or ``{..., "train_seq_len": N}`` (dynamic); ``{"type": "cap" |
-        "capnorm", "factor": F}`` and ``{"type": "log", "factor": F, "alpha": A}``
+        "capnorm", "factor": F}`` and ``{"type": "log" | "power", "factor": F, "alpha": A}``
         (C in training lengths, ``train_length``: the model's
         ``alibi_train_length``).  Errors name ``alibi_scaling``."""
 
@@ -344,9 +352,9 @@ class Scaling:
                           "(dynamic, max(1, length / N)), exactly one of them")
         if method in DISTANCE_METHODS and (has_length or not has_factor):
             raise invalid(f'{method} takes "factor": F (C in training lengths, alibi_train_length)'
-                          + (' and optionally "alpha": A' if method == "log" else "") + ", no train_seq_len")
-        if "alpha" in value and method != "log":
-            raise invalid("only type 'log' takes alpha")
+                          + (' and optionally "alpha": A' if method in TAIL_METHODS else "") + ", no train_seq_len")
+        if "alpha" in value and method not in TAIL_METHODS:
+            raise invalid(f"only types {' and '.join(repr(m) for m in TAIL_METHODS)} take alpha")
         factor = value.get("factor", 0.0)
         lowest = 1 if method in SLOPE_METHODS else 0
         if has_factor and (_real(factor) is None or not factor >= lowest or factor == 0):
@@ -418,30 +426,49 @@ class Scaling:
         whose far-key term depends on how many keys lie past ``C``)."""
         return self.method != "capnorm"
 
-    def distance_reaching(self, value: float) -> float:
-        """The smallest distance whose transformed distance is at least ``value``
-        (``math.inf`` where the transform never gets there: past a cap): the
-        inverse of :meth:`distance`, for the kernels' key windows."""
-        if self.method not in DISTANCE_METHODS or value <= self.distance_limit:
-            return max(0.0, float(value))
-        if self.method != "log":
+    def reach(self, bias: float, slope: float) -> float:
+        """The smallest distance at which a head of ``slope`` has a bias of at
+        least ``bias`` in magnitude, ``math.inf`` where it never gets there
+        (past a cap): the inverse of :func:`bias`, for the kernels' key windows.
+        (``capnorm``'s extra far term is left out: the window only grows.)"""
+        if slope <= 0:
             return math.inf
+        plain = max(0.0, float(bias) / slope)
+        if self.method not in DISTANCE_METHODS or plain <= self.distance_limit:
+            return plain
         limit = float(self.distance_limit)
-        exponent = (value - limit) / (self.alpha * limit)
+        if self.method == "log":
+            exponent = (plain - limit) / (self.alpha * limit)
+        elif self.method == "power":
+            exponent = (bias - slope * limit) / self.alpha
+        else:
+            return math.inf
         return limit * math.exp(exponent) if exponent < 700 else math.inf
 
     def distance(self, d: Tensor) -> Tensor:
-        """The transformed distance ``d'`` of non-negative float32 distances:
-        ``d`` itself but past ``C`` (``limit``): ``C`` (``cap``, ``capnorm``) or
-        ``C + alpha C ln(d / C)`` (``log``; continuous at ``C``, and so is its
-        slope for ``alpha = 1``).  Branch-free, so a compiled ``score_mod`` can
-        call it on index tensors."""
+        """The transformed distance ``d'`` of non-negative float32 distances,
+        which the slope multiplies: ``d`` itself but past ``C`` (``limit``):
+        ``C`` (``cap``, ``power``, ``capnorm``) or ``C + alpha C ln(d / C)``
+        (``log``; continuous at ``C``, and so is its slope for ``alpha = 1``).
+        Branch-free, so a compiled ``score_mod`` can call it on index tensors."""
         if self.method not in DISTANCE_METHODS:
             return d
         limit = float(self.distance_limit)
         if self.method == "log":
             return d.clamp(max=limit) + (self.alpha * limit) * torch.log(d.clamp(min=limit) / limit)
         return d.clamp(max=limit)
+
+    def penalty(self, d: Tensor, query: Tensor, direction, k_len: Optional[int]) -> Optional[Tensor]:
+        """The bias term of its own a method subtracts past ``C`` (None for the
+        others): ``power``: ``alpha ln(d / C)``, the same in every head;
+        ``capnorm``: :func:`far_penalty` of the query, for keys past ``C``."""
+        if self.method == "power":
+            limit = float(self.distance_limit)
+            return self.alpha * torch.log(d.clamp(min=limit) / limit)
+        if self.method == "capnorm":
+            far = far_penalty(self, query.to(torch.float32), direction, k_len)
+            return torch.where(d > float(self.distance_limit), far, 0.0)
+        return None
 
 
 NO_SCALING = Scaling()
@@ -496,8 +523,8 @@ def bias(
 ) -> Tensor:
     """float32 ALiBi bias of queries at positions ``query`` over keys at ``key``
     (any broadcastable shapes; integer-valued, float32 or integer tensors):
-    ``-slope * d'(|i - j|)`` (``d'`` = :meth:`Scaling.distance`; ``capnorm``
-    also subtracts :func:`far_penalty` past ``C``) where the head looks
+    ``-slope * d'(|i - j|) - p`` (``d'`` = :meth:`Scaling.distance`, ``p`` =
+    :meth:`Scaling.penalty` where a method has one) where the head looks
     (``direction``: ``LOOK_LEFT``, ``LOOK_BOTH``, ``LOOK_RIGHT`` or a tensor of
     them broadcastable to the result), ``masked_value`` on the hidden side.
 
@@ -510,10 +537,9 @@ def bias(
     if isinstance(slopes, tuple):
         slopes = torch.where(distance >= 0, slopes[0], slopes[1])
     out = -slopes * scaling.distance(distance.abs())
-    if scaling.method == "capnorm":
-        limit = float(scaling.distance_limit)
-        penalty = far_penalty(scaling, query.to(torch.float32), direction, k_len)
-        out = out - torch.where(distance.abs() > limit, penalty, 0.0)
+    penalty = scaling.penalty(distance.abs(), query, direction, k_len)
+    if penalty is not None:
+        out = out - penalty
     if isinstance(direction, int):
         if direction == LOOK_BOTH:
             return out

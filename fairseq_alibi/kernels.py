@@ -134,7 +134,7 @@ def key_windows(bias: AlibiBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
         bound = (query_norms[:, start:stop].amax(-1) * key_norm * (2 * scale) + UNDERFLOW).tolist()
         firsts = []
         for m, b in zip(slopes, bound):
-            window = scaling.distance_reaching(b / m) if m > 0 else math.inf
+            window = scaling.reach(b, m)
             reach = offset + start - math.ceil(window) if math.isfinite(window) else 0
             firsts.append(max(0, reach // WINDOW_ALIGN * WINDOW_ALIGN))
         return firsts

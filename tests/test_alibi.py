@@ -102,10 +102,12 @@ def test_factor_of_a_forward_pass():
     ("cap:1", "cap", 1.0, "cap", "cap x1"),
     ("cap:0.5", "cap", 0.5, "cap:0.5", "cap x0.5"),
     ("cap:3", "cap", 3.0, "cap:3", "cap x3"),
-    ("log", "log", 1.0, "log", f"log x1 a{alibi.DEFAULT_LOG_ALPHA:g}"),
-    ("log:2", "log", 2.0, "log:2", f"log x2 a{alibi.DEFAULT_LOG_ALPHA:g}"),
+    ("log", "log", 1.0, "log", f"log x1 a{alibi.DEFAULT_ALPHA['log']:g}"),
+    ("log:2", "log", 2.0, "log:2", f"log x2 a{alibi.DEFAULT_ALPHA['log']:g}"),
     ("log:1:0.25", "log", 1.0, "log:1:0.25", "log x1 a0.25"),
-    (f"log:1:{alibi.DEFAULT_LOG_ALPHA}", "log", 1.0, "log", f"log x1 a{alibi.DEFAULT_LOG_ALPHA:g}"),
+    (f"log:1:{alibi.DEFAULT_ALPHA['log']}", "log", 1.0, "log", f"log x1 a{alibi.DEFAULT_ALPHA['log']:g}"),
+    ("power", "power", 1.0, "power", f"power x1 a{alibi.DEFAULT_ALPHA['power']:g}"),
+    ("power:2:1.5", "power", 2.0, "power:2:1.5", "power x2 a1.5"),
     ("capnorm", "capnorm", 1.0, "capnorm", "capnorm x1"),
     ("capnorm:0.5", "capnorm", 0.5, "capnorm:0.5", "capnorm x0.5"),
 ])
@@ -131,7 +133,9 @@ def test_scaling_parse_spelling_label(text, method, factor, spelling, label):
     (dict(method="log", factor=1, alpha=0), "alpha"),
     (dict(method="log", factor=1, alpha=-1), "alpha"),
     (dict(method="log", factor=1, alpha="0.5"), "alpha"),
-    (dict(method="ntk", factor=2, alpha=0.5), "alpha"),  # only the log tail takes alpha
+    (dict(method="ntk", factor=2, alpha=0.5), "alpha"),  # only the tails take alpha
+    (dict(method="cap", factor=2, alpha=0.5), "alpha"),
+    (dict(method="power", factor=1, alpha=0), "alpha"),
 ])
 def test_scaling_refuses_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(alibi.ScalingError) as error:
@@ -140,7 +144,8 @@ def test_scaling_refuses_bad_values_naming_the_field(kwargs, field):
 
 
 @pytest.mark.parametrize("text", ["none:2", "linear:0.5", "ntk:0", "cap:0", "cap:-1", "cap:dynamic", "linear:x",
-                                  "log:1:0", "log:1:x", "log:dynamic", "cap:1:2", "capnorm:dynamic", "ntk:2:1", "tail"])
+                                  "log:1:0", "log:1:x", "log:dynamic", "cap:1:2", "capnorm:dynamic", "ntk:2:1", "tail",
+                                  "power:dynamic", "power:1:-1"])
 def test_scaling_parse_refuses(text):
     with pytest.raises(alibi.ScalingError):
         alibi.Scaling.parse(text)
@@ -184,6 +189,7 @@ def naive_distance_bias(slopes, q_len, k_len, directions, method, limit, alpha=N
     """Written from the definitions, one entry at a time, where a head looks
     (left: j <= i, right: j >= i), -inf elsewhere; distance d = |i - j|, C = limit:
     cap: -m min(d, C); log: -m d within C, -m (C + alpha C ln(d / C)) beyond;
+    power: the cap, minus alpha ln(d / C) past C;
     capnorm: the cap, minus ln(max(n, C) / C) past C, n the keys past C on the sides the head sees."""
     bias = torch.empty(len(slopes), q_len, k_len)
     for h, (m, look) in enumerate(zip(slopes, directions)):
@@ -200,12 +206,15 @@ def naive_distance_bias(slopes, q_len, k_len, directions, method, limit, alpha=N
                     value = -m * min(d, limit)
                 if method == "capnorm" and d > limit:
                     value -= math.log(max(n, limit) / limit)
+                if method == "power" and d > limit:
+                    value -= alpha * math.log(d / limit)
                 bias[h, a, j] = value if seen else float("-inf")
     return bias
 
 
 @pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
-@pytest.mark.parametrize("method,alpha", [("cap", None), ("log", 0.5), ("log", 1.0), ("capnorm", None)])
+@pytest.mark.parametrize("method,alpha", [("cap", None), ("log", 0.5), ("log", 1.0), ("power", 1.0), ("power", 2.0),
+                                          ("capnorm", None)])
 @pytest.mark.parametrize("limit", [1, 3, 8, 100])
 def test_distance_methods_against_loop(mode, method, alpha, limit):
     heads = 5

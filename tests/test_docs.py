@@ -43,7 +43,7 @@ def test_config_table_lists_every_field_and_value():
         assert ticked(row[0])[1] == "--" + name.replace("_", "-")
     assert ticked(rows["alibi_interpolation"][1]) == list(alibi.METHODS)
     assert set(ticked(rows["alibi_attention"][1])) == set(KERNEL_NAMES)
-    assert f"`{alibi.DEFAULT_LOG_ALPHA:g}`" in rows["alibi_log_alpha"][1]
+    assert all(f"`{m}` {a:g}" in rows["alibi_tail_alpha"][1] for m, a in alibi.DEFAULT_ALPHA.items())
 
 
 def test_sample_error_is_what_the_code_prints():

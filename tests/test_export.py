@@ -56,7 +56,7 @@ VARIANTS = {
                         "--scale-resids", "--activation-fn", "tanh"],
 }
 #: Every context-extension method, static and dynamic.
-METHODS = ["none", "linear:2", "linear", "ntk:3", "ntk", "cap", "cap:0.5", "log", "log:0.5:1", "capnorm"]
+METHODS = ["none", "linear:2", "linear", "ntk:3", "ntk", "cap", "cap:0.5", "log", "log:0.5:1", "power", "capnorm"]
 BLOOM_ARGS = ["--arch", "transformer_lm_bloom_alibi", "--decoder-ffn-embed-dim", str(4 * DIM)]
 
 
@@ -261,8 +261,8 @@ def test_alibi_scaling_dictionary_round_trips(spelling):
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"type": "rope", "factor": 2}, "type must be one of none, linear, ntk, cap, log, capnorm"),
-    ({"type": "cap", "factor": 1, "alpha": 0.5}, "only type 'log' takes alpha"),
+    ({"type": "rope", "factor": 2}, "type must be one of none, linear, ntk, cap, log, power, capnorm"),
+    ({"type": "cap", "factor": 1, "alpha": 0.5}, "only types 'log' and 'power' take alpha"),
     ({"type": "log", "factor": 1, "alpha": 0}, "alpha=0"),
     ({"type": "linear", "factor": 2, "train_seq_len": 8}, "exactly one of them"),
     ({"type": "linear", "factor": 0.5}, "factor must be a number >= 1"),

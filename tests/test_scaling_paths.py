@@ -35,9 +35,11 @@ CASES = [
     ("ntk:dynamic", {"alibi_interpolation": "ntk"}, {"type": "ntk", "train_seq_len": L}, dict(method="ntk")),
     ("cap:0.5", {"alibi_interpolation": "cap", "alibi_scale_factor": 0.5}, {"type": "cap", "factor": 0.5},
      dict(method="cap", factor=0.5)),
-    ("log:1:0.25", {"alibi_interpolation": "log", "alibi_scale_factor": 1.0, "alibi_log_alpha": 0.25},
+    ("log:1:0.25", {"alibi_interpolation": "log", "alibi_scale_factor": 1.0, "alibi_tail_alpha": 0.25},
      {"type": "log", "factor": 1.0, "alpha": 0.25}, dict(method="log", factor=1.0, alpha=0.25)),
     ("log", {"alibi_interpolation": "log"}, {"type": "log", "factor": 1.0}, dict(method="log")),
+    ("power:0.5:2", {"alibi_interpolation": "power", "alibi_scale_factor": 0.5, "alibi_tail_alpha": 2.0},
+     {"type": "power", "factor": 0.5, "alpha": 2.0}, dict(method="power", factor=0.5, alpha=2.0)),
     ("capnorm", {"alibi_interpolation": "capnorm", "alibi_scale_factor": 1.0}, {"type": "capnorm", "factor": 1.0},
      dict(method="capnorm", factor=1.0)),
 ]
@@ -62,6 +64,8 @@ def naive_causal(scaling: alibi.Scaling, slopes, length: int) -> torch.Tensor:
                     value = -m * d
                 elif scaling.method == "log":
                     value = -m * (limit + scaling.alpha * limit * math.log(d / limit))
+                elif scaling.method == "power":
+                    value = -m * limit - scaling.alpha * math.log(d / limit)
                 else:
                     value = -m * limit
                     if scaling.method == "capnorm":

@@ -22,7 +22,7 @@ class Style(NamedTuple):
 
 
 #: Marker of each method family (the known ones and those the core is adding).
-MARKERS = {"none": "o", "linear": "s", "ntk": "^", "cap": "D", "log": "v", "capnorm": "P"}
+MARKERS = {"none": "o", "linear": "s", "ntk": "^", "cap": "D", "log": "v", "power": "X", "capnorm": "P"}
 
 #: The fixed styles: spelling -> (colour, marker).  Shades go darker with the factor;
 #: the dynamic variants (spelled without a factor) take the family's darkest.
@@ -35,13 +35,14 @@ STYLES: Dict[str, Style] = {
     "cap:0.5": Style("#fc9272", "D"), "cap": Style("#e6550d", "D"), "cap:2": Style("#cb181d", "D"),
     "cap:4": Style("#7f0000", "D"),
     "log": Style("#9e9ac8", "v"), "log:2": Style("#6a51a3", "v"), "log:1:0.5": Style("#3f007d", "v"),
+    "power": Style("#1d91c0", "X"), "power:1:0.5": Style("#7fcdbb", "X"), "power:1:2": Style("#0c2c84", "X"),
     "capnorm": Style("#d8b365", "P"), "capnorm:2": Style("#8c510a", "P"),
 }
 
 #: Colours and markers for spellings outside :data:`STYLES` (none of them used there).
 FALLBACK_COLORS = ("#e7298a", "#66a61e", "#7570b3", "#d95f02", "#1b9e77", "#a6761d", "#17becf", "#bcbd22",
                    "#8c564b", "#ff7f0e", "#9467bd", "#2ca02c")
-FALLBACK_MARKERS = ("X", "h", "*", "p", "<", ">", "d", "8")
+FALLBACK_MARKERS = ("H", "h", "*", "p", "<", ">", "d", "8")
 
 
 def _pick(spelling: str, choices, salt: str):

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 
 from fairseq.dataclass import FairseqDataclass
 
-from ..alibi import BIDIRECTIONAL_MODES, CONFIG_KEYS, DEFAULT_LOG_ALPHA, METHODS, Scaling, ScalingError
+from ..alibi import BIDIRECTIONAL_MODES, CONFIG_KEYS, DEFAULT_ALPHA, METHODS, Scaling, ScalingError
 from ..bias import AlibiBias
 from ..errors import ConfigError, closest, warn_once
 from ..options import INTEGER_OPTIONS, integer_problem  # noqa: F401  (the table override values are checked against)
@@ -34,13 +34,14 @@ class AlibiConfig(FairseqDataclass):
     alibi_interpolation: str = option(
         "none", f"context extension at evaluation: {' | '.join(METHODS)} (linear: every slope / factor; ntk: "
         "steepest head kept, flattest / factor, geometric in between; past C = factor x alibi_train_length: "
-        "cap: every distance counted as C (LM-Infinite); log: C + alpha C ln(distance / C); capnorm: the cap "
-        "with the far keys' total weight held at that of C keys)")
+        "cap: every distance counted as C (LM-Infinite); log: C + alpha C ln(distance / C); power: the cap "
+        "minus alpha ln(distance / C); capnorm: the cap with the far keys' total weight held at that of C keys)")
     alibi_scale_factor: float = option(
         0.0, "linear/ntk: 0 = dynamic, max(1, length / alibi_train_length), otherwise a static factor >= 1; "
-        "cap/log/capnorm: C in training lengths (any > 0; 0 = 1)")
-    alibi_log_alpha: Optional[float] = option(
-        None, f"log only: the tail's growth alpha (> 0; default {DEFAULT_LOG_ALPHA:g})")
+        "cap/log/power/capnorm: C in training lengths (any > 0; 0 = 1)")
+    alibi_tail_alpha: Optional[float] = option(
+        None, "log and power only: the tail's growth alpha (> 0; defaults: "
+        + ", ".join(f"{m} {a:g}" for m, a in DEFAULT_ALPHA.items()) + ")")
     alibi_attention: str = option("auto", f"attention kernel: {' | '.join(KERNEL_NAMES)} (docs/performance.md)")
 
 
@@ -169,7 +170,7 @@ SHARED_FIELDS = tuple(f.name for f in dataclasses.fields(AlibiConfig))
 
 def adopt_new_fields(overrides, cfg) -> None:
     """Add to an ALiBi checkpoint's model config the shared ALiBi fields that
-    ``overrides`` set and it predates (``alibi_log_alpha``): fairseq sets only
+    ``overrides`` set and it predates (``alibi_tail_alpha``): fairseq sets only
     keys a config already has, and would drop them silently."""
     from omegaconf import DictConfig, open_dict
 
