@@ -19,7 +19,9 @@ from torch._dynamo.utils import counters
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from conftest import error_lines, run_cli, tool, train_args
-from test_attention import build_lm, dict_dir, log_probs, make_attention, right_padding  # noqa: F401 (dict_dir: a fixture)
+from test_attention import (  # noqa: F401 (dict_dir: a fixture)
+    assert_close, build_lm, dict_dir, log_probs, make_attention, real_rows, right_padding, run,
+)
 
 from fairseq_alibi import alibi, attention, errors, flex
 from fairseq_alibi import kernels as K
@@ -116,7 +118,8 @@ def test_compiled_flex_sequence_of_lengths_then_methods(dict_dir, dynamic_from_t
     for mode in ("symmetric", "split"):
         for spelling in ("none", "capnorm"):
             scaling = alibi.Scaling.parse(spelling, L)
-            layers = {kernel: make_attention(kernel, heads=4, mode=mode, scaling=scaling) for kernel in ("flex", "reference")}
+            layers = {kernel: make_attention(kernel, heads=4, mode=mode, scaling=scaling)
+                      for kernel in ("flex", "reference")}
             for length in (200, 260):
                 pad = right_padding([length, 90], length)
                 with torch.no_grad():
@@ -158,3 +161,22 @@ def test_alibi_train_with_flex_on_cpu_stops_with_one_error_line(lm_data_bin, tmp
     lines = error_lines(result)
     assert len(lines) == 1 and "alibi_attention=flex cannot train on cpu" in lines[0], result.output[-2000:]
     assert "Traceback" not in result.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path; no GPU available")
+@pytest.mark.parametrize("mode,spelling,padded", [
+    ("causal", "none", False), ("causal", "capnorm", True), ("causal", "log:1:0.25", False),
+    ("symmetric", "capnorm", True), ("split", "capnorm", True), ("split", "cap:0.5", False),
+])
+def test_cuda_compiled_flex_forward_and_backward_against_reference(mode, spelling, padded):
+    """The Triton kernels, with their backward, through a fairseq layer; 300
+    tokens (not a multiple of the 128-blocks)."""
+    scaling = alibi.Scaling.parse(spelling, L)
+    x = torch.randn(300, 2, 64).cuda()
+    pad = right_padding([300, 170], 300).cuda() if padded else None
+    ref_out, ref_grads = run(make_attention("reference", embed_dim=64, mode=mode, scaling=scaling).cuda(), x, pad,
+                             grad=True)
+    out, grads = run(make_attention("flex", embed_dim=64, mode=mode, scaling=scaling).cuda(), x, pad, grad=True)
+    assert_close(real_rows(out, pad), real_rows(ref_out, pad), torch.float32)
+    for g, ref in zip(grads, ref_grads):
+        assert_close(g, ref, torch.float32)
