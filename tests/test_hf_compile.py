@@ -69,13 +69,18 @@ def test_bloom_compiled_static_cache_generation_equals_eager_without_recompiling
     prompts = [tokens(12, batch=2, seed=s) for s in (1, 2)]
     if method != "none":  # the scaling acts on these prompts
         assert all(max_diff(logits(model, p), before) > 1e-3 for p, before in zip(prompts, plain))
+    # attention masks with holes, as transformers' testers make them (the last column attended)
+    masks = [(torch.rand(2, 12, generator=torch.Generator().manual_seed(s)) > 0.3).long() for s in (3, 4)]
+    for mask in masks:
+        mask[:, -1] = 1
     config = CompileConfig(fullgraph=True, dynamic=False)
     config._compile_all_devices = True  # transformers compiles on CUDA only unless asked
     settings = dict(GENERATE, cache_implementation="static", compile_config=config)
     with torch.compiler.set_stance("force_eager"):
-        eager = [model.generate(p, **settings) for p in prompts]
+        eager = [model.generate(p, attention_mask=m, **settings) for p, m in zip(prompts, masks)]
     compiled = []
-    log = recompilations(lambda: compiled.extend(model.generate(p, **settings) for p in prompts))
+    log = recompilations(lambda: compiled.extend(model.generate(p, attention_mask=m, **settings)
+                                                 for p, m in zip(prompts, masks)))
     assert log == ""
     assert hasattr(model, "_compiled_call")  # generate did compile the forward
     for a, b in zip(eager, compiled):
