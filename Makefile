@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 FAIRSEQ := fairseq-fixed==0.12.3.1
 
-.PHONY: install test demo retrieval-demo clean
+.PHONY: install test demo retrieval-demo gpu-check clean
 
 install: $(STAMP)
 
@@ -38,6 +38,14 @@ retrieval-demo: install
 # Tests in parallel, one worker per core (pytest-xdist); PYTEST_ARGS adds options.
 test: install
 	$(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS) tests
+
+# On a machine with a CUDA GPU (about 10 minutes): the CUDA tests, the kernel
+# benchmark against bias-free flash attention, compile costs, paired
+# fairseq-train runs (ALiBi vs sinusoidal, bf16, 512 and 2048 tokens) and a
+# 16K-64K evaluation; writes the numbers, the device named, into
+# docs/performance.md.  Options: scripts/gpu_check.py --help.
+gpu-check: install
+	$(BIN)/python scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

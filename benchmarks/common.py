@@ -80,6 +80,14 @@ def machine_description() -> str:
     )
 
 
+def device_name(device) -> str:
+    """The GPU's name for a CUDA device, else the CPU's (``machine_description``'s first part)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return machine_description().split(";")[0]
+
+
 def median(values):
     values = sorted(values)
     n = len(values)

@@ -2,6 +2,8 @@
 
     python benchmarks/eval_memory.py                      # 1K..16K, 2 passes, ~10 min on 2 cores
     python benchmarks/eval_memory.py --lengths 1024 2048 --repeats 1   # quick look
+    python benchmarks/eval_memory.py --device cuda --dtype bfloat16 --lengths 16384 32768 65536 \
+        --methods alibi sinusoidal --repeats 1                             # a GPU
 
 Every cell (method x length x pass) runs in a fresh subprocess, so its peak
 resident memory (``ru_maxrss``, the kernel's high-water mark) belongs to that
@@ -24,6 +26,12 @@ Methods (same sizes, same vocabulary, same weights initialisation seed):
 
 The ``--features`` variant stops after the decoder stack (no vocabulary
 projection), which isolates the attention's own memory from the ``T x V`` logits.
+
+``--device cuda``: the model and the sequence on the GPU (``--dtype`` of the
+weights), peak = ``torch.cuda.max_memory_allocated`` of the scored forward
+(``peak_mib``; ``ready_mib`` is what was allocated before it), times after
+``torch.cuda.synchronize``.  A cell that runs out of GPU memory is reported
+as such.
 """
 
 from __future__ import annotations
@@ -86,21 +94,24 @@ def run_cell(opts) -> dict:
     from common import build_lm, make_dict_dir, model_args
     from fairseq.sequence_scorer import SequenceScorer
 
+    device = torch.device(opts.device)
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
     data_dir = make_dict_dir(opts.vocab)
     extra = model_args(opts.embed_dim, opts.layers, opts.heads, opts.ffn, dropout=0.0)
     if opts.method == "fork":
         extra.append("--no-token-positional-embeddings")
     task, model, _, _ = build_lm(ARCH[opts.method], data_dir, extra, tokens_per_sample=opts.length)
-    model.eval()
+    model = model.to(device=device, dtype=getattr(torch, opts.dtype)).eval()
     if opts.method == "fork":
         install_fork_mask(model.decoder, opts.heads, batch=1)
     scorer = SequenceScorer(task.target_dictionary)
 
     def sample(length):
         tokens = torch.randint(4, opts.vocab, (1, length + 1), generator=torch.Generator().manual_seed(length))
+        tokens = tokens.to(device)
         return {
-            "net_input": {"src_tokens": tokens[:, :-1], "src_lengths": torch.tensor([length])},
+            "net_input": {"src_tokens": tokens[:, :-1], "src_lengths": torch.tensor([length], device=device)},
             "target": tokens[:, 1:],
             "ntokens": length,
         }
@@ -112,16 +123,22 @@ def run_cell(opts) -> dict:
         return scorer.generate([model], s)[0][0]["positional_scores"].sum()
 
     forward(sample(64))  # lazy initialisation, allocator warm-up
-    ready = rss_mib()
     s = sample(opts.length)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    ready = torch.cuda.memory_allocated() / 2**20 if cuda else rss_mib()
     start = time.perf_counter()
-    total = float(forward(s))
+    try:
+        total = float(forward(s))
+    except torch.cuda.OutOfMemoryError:
+        return {"method": opts.method, "length": opts.length, "failed": "out of GPU memory"}
     elapsed = time.perf_counter() - start
     return {
         "method": opts.method,
         "length": opts.length,
         "seconds": elapsed,
-        "peak_mib": rss_mib(),
+        "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mib(),
         "ready_mib": ready,
         "finite": bool(torch.isfinite(torch.tensor(total))),
         "params": sum(p.numel() for p in model.parameters()),
@@ -146,6 +163,8 @@ def main():
     p.add_argument("--memory-fraction", type=float, default=0.6,
                    help="skip a fork cell whose mask alone would exceed this fraction of MemAvailable "
                    "(the machine may be shared; an OOM would hit other people's jobs)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--json", help="write all cells here")
     p.add_argument("--cell-method", help=argparse.SUPPRESS)
     p.add_argument("--cell-length", type=int, help=argparse.SUPPRESS)
@@ -156,7 +175,7 @@ def main():
         print("CELL " + json.dumps(run_cell(opts)), flush=True)
         return
 
-    from common import machine_description, median
+    from common import device_name, machine_description, median
 
     cells = []
     for r in range(opts.repeats):
@@ -172,7 +191,8 @@ def main():
                 cmd = [sys.executable, os.path.abspath(__file__), "--cell-method", method,
                        "--cell-length", str(length), "--vocab", str(opts.vocab),
                        "--embed-dim", str(opts.embed_dim), "--layers", str(opts.layers),
-                       "--heads", str(opts.heads), "--ffn", str(opts.ffn)]
+                       "--heads", str(opts.heads), "--ffn", str(opts.ffn), "--device", opts.device,
+                       "--dtype", opts.dtype]
                 if opts.features:
                     cmd.append("--features")
                 proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -184,6 +204,9 @@ def main():
                 cell = json.loads(lines[-1][5:])
                 cell["pass"] = r
                 cells.append(cell)
+                if "failed" in cell:
+                    print(f"pass {r} {method:10s} {length:6d}: {cell['failed']}", flush=True)
+                    continue
                 print(f"pass {r} {method:10s} {length:6d}: {cell['seconds']:7.2f} s  "
                       f"peak {cell['peak_mib']:8.0f} MiB (after warm-up {cell['ready_mib']:.0f})", flush=True)
 
@@ -204,7 +227,7 @@ def main():
                 summary[(method, length)] = (t, m)
                 row += [f"{t:.2f}", f"{m:.0f}"]
             else:
-                why = next((c.get("skipped") or f"failed" for c in cells
+                why = next((c.get("skipped") or c.get("failed") or "failed" for c in cells
                             if c["method"] == method and c["length"] == length), "-")
                 row += ["-", f"not run ({why})"]
         a, s = summary.get(("alibi", length)), summary.get(("sinusoidal", length))
@@ -212,7 +235,8 @@ def main():
         print(" | ".join(row) + " |")
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump({"machine": machine_description(), "config": vars(opts), "cells": cells}, f, indent=1)
+            json.dump({"machine": machine_description(), "device": device_name(opts.device), "config": vars(opts),
+                       "cells": cells}, f, indent=1)
 
 
 if __name__ == "__main__":

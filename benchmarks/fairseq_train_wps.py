@@ -4,6 +4,7 @@
     python benchmarks/fairseq_train_wps.py --sequential     # one after the other, all threads
     python benchmarks/fairseq_train_wps.py --attention-dropout 0.1 --repeats 5
     python benchmarks/fairseq_train_wps.py --length 2048               # L = 2048, 2 sequences per update
+    python benchmarks/fairseq_train_wps.py --device cuda --length 2048 --embed-dim 1024 --heads 16   # a GPU
 
 The attention-bound configuration of ``train_throughput.py`` (6 layers, d=256,
 8 heads, FFN 1024, 4096 tokens per update (8 x 512; ``--length`` sets L), dropout 0.1, vocabulary of 504
@@ -21,6 +22,11 @@ jobs only ever slow an update down, so the best update is the least disturbed
 estimate); the reported ratios are medians over repeats of ALiBi / sinusoidal
 from the same repeat, for both summaries.  ``--analyze DIR`` recomputes them
 from the logs of a run made with ``--keep DIR``.
+
+``--device cuda`` trains on the GPU in bf16 (``--bf16``), one run after the
+other (there is one GPU), without ``--cpu``; ALiBi's ``auto`` kernel is then
+compiled FlexAttention (no attention dropout), whose compilation falls in the
+``--skip`` warm-up updates.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_description, median  # noqa: E402
+from common import device_name, machine_description, median  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
@@ -58,17 +64,19 @@ def make_corpus(workdir: str, words: int, tokens: int) -> str:
 
 
 def train_command(data: str, arch: str, opts, attention_dropout: float):
+    dim = str(opts.embed_dim)
     cmd = [
         os.path.join(BIN, "fairseq-train"), data, "--task", "language_modeling", "--arch", arch,
-        "--decoder-layers", str(opts.layers), "--decoder-embed-dim", "256", "--decoder-input-dim", "256",
-        "--decoder-output-dim", "256", "--decoder-attention-heads", "8", "--decoder-ffn-embed-dim", "1024",
-        "--share-decoder-input-output-embed", "--dropout", "0.1",
+        "--decoder-layers", str(opts.layers), "--decoder-embed-dim", dim, "--decoder-input-dim", dim,
+        "--decoder-output-dim", dim, "--decoder-attention-heads", str(opts.heads),
+        "--decoder-ffn-embed-dim", str(opts.ffn), "--share-decoder-input-output-embed", "--dropout", "0.1",
         "--attention-dropout", str(attention_dropout),
         "--tokens-per-sample", str(opts.length), "--sample-break-mode", "none", "--batch-size", str(opts.batch),
         "--optimizer", "adam", "--lr", "1e-4", "--max-update", str(opts.updates), "--seed", "1",
         "--log-format", "json", "--log-interval", "1", "--no-save", "--disable-validation",
-        "--num-workers", "0", "--cpu",
+        "--num-workers", "0",
     ]
+    cmd += ["--bf16"] if opts.device == "cuda" else ["--cpu"]
     if arch.endswith("_alibi"):
         cmd += ["--user-dir", os.path.join(ROOT, "fairseq_alibi")]
     return cmd
@@ -115,8 +123,12 @@ def summarize(rows, skip: int, until: float = float("inf")):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--attention-dropout", type=float, nargs="+", default=[0.0, 0.1])
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--length", type=int, default=512, help="--tokens-per-sample (the training length L)")
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--embed-dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=1024)
     p.add_argument("--batch", type=int, default=None,
                    help="sequences per update (default: 4096 tokens per update, 8 at L=512, 2 at L=2048)")
     p.add_argument("--updates", type=int, default=10, help="updates per run")
@@ -130,14 +142,18 @@ def main():
     p.add_argument("--analyze", help="only recompute the ratios from the logs kept in this directory")
     opts = p.parse_args()
     opts.batch = opts.batch or max(1, 4096 // opts.length)
+    if opts.device == "cuda":
+        opts.sequential = True  # one GPU: one run at a time
 
     workdir = opts.analyze or opts.keep or tempfile.mkdtemp(prefix="alibi_wps_")
     os.makedirs(workdir, exist_ok=True)
     if not opts.analyze:
         data = make_corpus(workdir, opts.words, tokens=(opts.updates + 2) * opts.batch * opts.length * 2)
-    results = {"machine": machine_description(), "config": vars(opts), "runs": {}}
+    results = {"machine": machine_description(), "device": device_name(opts.device), "config": vars(opts),
+               "runs": {}}
     for drop in opts.attention_dropout:
         runs = {"sinusoidal": [], "alibi": []}
+        median_wps = {"sinusoidal": [], "alibi": []}
         ratios, best_ratios = [], []
         for r in range(opts.repeats):
             order = ("sinusoidal", "alibi") if r % 2 == 0 else ("alibi", "sinusoidal")
@@ -155,12 +171,14 @@ def main():
             for name in order:
                 wps[name], best[name] = summarize(rows[name], opts.skip, until)
                 runs[name].append(rows[name])
+                median_wps[name].append(wps[name])
             ratios.append(wps["alibi"] / wps["sinusoidal"])
             best_ratios.append(best["alibi"] / best["sinusoidal"])
             print(f"attention dropout {drop}, repeat {r}: median wps sinusoidal {wps['sinusoidal']:.0f}, "
                   f"alibi {wps['alibi']:.0f}, ratio {ratios[-1]:.3f}; best wps sinusoidal "
                   f"{best['sinusoidal']:.0f}, alibi {best['alibi']:.0f}, ratio {best_ratios[-1]:.3f}", flush=True)
-        results["runs"][str(drop)] = {"wps_per_update": runs, "ratios": ratios, "median_ratio": median(ratios),
+        results["runs"][str(drop)] = {"wps_per_update": runs, "median_wps": median_wps, "ratios": ratios,
+                                      "median_ratio": median(ratios),
                                       "best_ratios": best_ratios, "median_best_ratio": median(best_ratios)}
         print(f"attention dropout {drop}: ALiBi / sinusoidal fairseq-train wps over {opts.repeats} repeats: "
               f"median-wps ratio {median(ratios):.3f} (range {min(ratios):.3f}..{max(ratios):.3f}), "

@@ -28,6 +28,7 @@ alternating update by update; the ratio is the median over rounds.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -63,6 +64,7 @@ def kernels(opts, device):
     heads, head_dim = 16, 64
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shared = AlibiBias(heads)
+    rows = []
     print("| T | batch | path | ms fwd+bwd (median) | peak MiB | time / flash-causal |")
     print("|---|---|---|---|---|---|")
     for length in opts.lengths:
@@ -102,6 +104,7 @@ def kernels(opts, device):
             ms = median([m for m, _ in results[name]])
             mib = max(m for _, m in results[name])
             print(f"| {length} | {batch} | {name} | {ms:.2f} | {mib:.0f} | {ms / base:.2f} |", flush=True)
+            rows.append(dict(length=length, batch=batch, path=name, ms=ms, peak_mib=mib, ratio=ms / base))
         for name in ("alibi-sdpa",):
             if name not in paths:
                 print(f"| {length} | {batch} | {name} | skipped: dense bias {dense_gib:.1f} GiB | | |")
@@ -109,6 +112,7 @@ def kernels(opts, device):
         del q, k, v, grad
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    return rows
 
 
 def train(opts, device):
@@ -185,6 +189,7 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", help="write the kernel rows here")
     opts = p.parse_args()
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -193,7 +198,11 @@ def main():
     if device.type == "cuda":
         print(torch.cuda.get_device_name(device))
     if opts.part in ("kernels", "both"):
-        kernels(opts, device)
+        rows = kernels(opts, device)
+        if opts.json:
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_description()
+            with open(opts.json, "w") as f:
+                json.dump({"device": name, "torch": torch.__version__, "rows": rows}, f, indent=1)
     if opts.part in ("train", "both"):
         train(opts, device)
 

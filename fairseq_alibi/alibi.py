@@ -397,16 +397,19 @@ class Scaling:
     def with_train_length(self, train_length: Optional[int]) -> "Scaling":
         return replace(self, train_length=train_length)
 
-    def factor_at(self, key_length: int) -> float:
+    def factor_at(self, key_length: Union[int, Tensor]) -> Union[float, Tensor]:
         """The slope-scaling factor of a forward pass over ``key_length`` keys
-        (always 1 for the methods that leave slopes alone)."""
+        (always 1 for the methods that leave slopes alone).  A tensor length (a
+        static KV cache's, under ``torch.compile``) gives a tensor factor,
+        without a branch on its value."""
         if self.method not in SLOPE_METHODS:
             return 1.0
         if not self.dynamic:
             return self.factor
-        return max(1.0, key_length / float(self.complete().train_length))
+        ratio = key_length / float(self.complete().train_length)
+        return ratio.clamp(min=1.0) if isinstance(ratio, Tensor) else max(1.0, ratio)
 
-    def slopes(self, base: Tensor, key_length: int, exponents: Optional[Tensor] = None) -> Tensor:
+    def slopes(self, base: Tensor, key_length: Union[int, Tensor], exponents: Optional[Tensor] = None) -> Tensor:
         """float32 ``[H]``: ``base`` scaled for a forward pass over ``key_length``
         keys; pass ``slope_exponents(base, method)`` when computed once already."""
         if exponents is None:

@@ -133,7 +133,11 @@ class AlibiBias:
     def cached(self, name: str, key: Hashable, build: Callable[[], Any]) -> Any:
         """``build()``, or its value from the last call with the same ``name``
         and ``key`` (one entry per name: the old value is freed before a new
-        one is built)."""
+        one is built).  Under ``torch.compile`` nothing is cached: the graph
+        builds each helper once per forward, and the keys (tensor identities
+        and versions) mean nothing while tracing."""
+        if torch.compiler.is_compiling():
+            return build()
         entry = self._cache.get(name)
         if entry is not None and entry[0] == key:
             return entry[1]

@@ -2,8 +2,8 @@
 
 This file travels with every exported model (``alibi-export-hf``), next to
 ``modeling_alibi.py`` and the maths modules it imports (``alibi.py``,
-``bias.py``, ``kernels.py``, ``causal_blocks.py``): it imports only torch,
-transformers and its siblings, so ``AutoConfig.from_pretrained(OUT,
+``bias.py``, ``kernels.py``, ``causal_blocks.py``, ``flex.py``): it imports
+only torch, transformers and its siblings, so ``AutoConfig.from_pretrained(OUT,
 trust_remote_code=True)`` works without this package installed.
 
 Context extension is ``alibi_scaling``, Cerebras BTLM's convention extended to

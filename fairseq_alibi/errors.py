@@ -226,8 +226,10 @@ def no_space(exc: BaseException) -> Optional[str]:
 
 
 def describe(exc: BaseException) -> Optional[str]:
-    """A one-line message for an error a user can fix, or None (a bug: show it all)."""
-    if isinstance(exc, UserError):
+    """A one-line message for an error a user can fix, or None (a bug: show it all).
+    The modules that travel with exported models cannot import this one: their
+    user-fixable errors carry a ``user_error = True`` class attribute instead."""
+    if isinstance(exc, UserError) or getattr(exc, "user_error", False) is True:
         return one_line(exc)
     full = no_space(exc)
     if full:

@@ -15,9 +15,9 @@ and keeps it in the bias object's cache:
   and the only kernel that returns attention weights;
 * ``sdpa``: ``F.scaled_dot_product_attention`` with one ``[1, H, T, S]`` bias
   broadcast over the batch (``AlibiBias.dense``, cached across layers);
-* ``flex``: FlexAttention (CUDA, compiled), ALiBi as a ``score_mod`` with a
-  cached causal block mask: nothing ``T x T`` is materialized, forward or
-  backward; no attention dropout, no learned slopes;
+* ``flex``: FlexAttention (``flex.py``; compiled, on CUDA forward and backward,
+  on the CPU forward only), ALiBi as a ``score_mod`` with a cached causal block
+  mask: nothing ``T x T`` is materialized; no attention dropout, no learned slopes;
 * ``chunked``: queries in blocks, each block's bias a view of one cached ramp,
   so memory grows linearly with the length (long evaluation); no dropout;
 * ``blocked``: causal attention in query blocks that only compute the keys they
@@ -31,16 +31,15 @@ depends on the call (``auto``, attention weights wanted).
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import alibi
-from .bias import AlibiBias, masked_value_for, padding_mask
+from .bias import AlibiBias, padding_mask
 from .causal_blocks import blocked_causal_attention, head_groups
+from .flex import flex_available, flex_kernel
 
 Kernel = Callable[[Tensor, Tensor, Tensor, AlibiBias, Optional[Tensor], float], Tuple[Tensor, Optional[Tensor]]]
 
@@ -49,8 +48,6 @@ CHUNK_THRESHOLD = 1024 * 1024
 # Queries per block of the chunked kernel; its ramp is H x CHUNK_SIZE x
 # (T + CHUNK_SIZE) values (docs/performance.md has the measurement behind it).
 CHUNK_SIZE = 256
-# FlexAttention's block size (queries and keys).
-FLEX_BLOCK = 128
 
 
 # ----------------------------------------------------------------- dense kernels
@@ -175,124 +172,6 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
                 attn_mask=block[:, heads, :, first:])
         del block
     return out, None
-
-
-# ----------------------------------------------------------------- FlexAttention
-_compiled_flex: Optional[Callable] = None
-
-
-def flex_available() -> bool:
-    """FlexAttention can be imported (torch >= 2.5)."""
-    try:
-        from torch.nn.attention import flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _flex_function(device: torch.device) -> Callable:
-    """Compiled FlexAttention on CUDA (fused, nothing T x T); elsewhere the eager
-    implementation, which materializes the scores and exists only so that the
-    score_mod can be checked against the reference without a GPU."""
-    if device.type != "cuda":
-        return _eager_flex
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
-
-
-_eager_flex_warned = False
-
-
-def _eager_flex(*args, **kwargs):
-    """FlexAttention's eager implementation, with one warning of ours instead of
-    torch's (whose "may produce incorrect results" concerns debugging score_mods)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    global _eager_flex_warned
-    if not _eager_flex_warned:
-        _eager_flex_warned = True
-        warnings.warn(f"alibi_attention=flex on {args[0].device.type}: FlexAttention is compiled on CUDA only; here its "
-                      "eager implementation runs (exact, but it materializes the T x T scores); auto picks sdpa "
-                      "or chunked off CUDA", stacklevel=2)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(*args, **kwargs)
-
-
-def score_mod(bias: AlibiBias, q_len: int, k_len: int, device, key_padding_mask: Optional[Tensor] = None):
-    """FlexAttention ``score_mod`` equal to ``bias.dense``: :func:`alibi.bias`
-    of one (head, query, key), with ``-inf`` at the keys a ``[B, S]`` padding
-    mask marks.  The causal ``-inf`` also comes from :func:`causal_block_mask`,
-    which skips the blocks above the diagonal."""
-    slopes, scaling = bias.slopes(k_len, device), bias.scaling
-    offset = k_len - q_len
-    masked = masked_value_for(bias.mode, torch.float32)
-    direction = bias.direction(device)
-    per_head = direction.flatten() if isinstance(direction, Tensor) else None
-
-    def bias_mod(score, b, h, q_idx, kv_idx):
-        look = direction if per_head is None else per_head[h]
-        return score + alibi.bias(slopes[h], q_idx + offset, kv_idx, scaling, look, masked, k_len)
-
-    return with_key_padding(bias_mod, key_padding_mask)
-
-
-def with_key_padding(mod, key_padding_mask: Optional[Tensor]):
-    """``mod`` with ``-inf`` at the keys a ``[B, S]`` padding mask marks."""
-    if key_padding_mask is None:
-        return mod
-    pad = key_padding_mask.to(torch.bool)
-
-    def padded_mod(score, b, h, q_idx, kv_idx):
-        return torch.where(pad[b, kv_idx], float("-inf"), mod(score, b, h, q_idx, kv_idx))
-
-    return padded_mod
-
-
-def causal_mask_mod(offset: int):
-    def mask_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + offset
-
-    return mask_mod
-
-
-def causal_block_mask(q_len: int, k_len: int, device):
-    """The causal ``BlockMask`` for queries that are the last ``q_len`` of
-    ``k_len`` keys.  For ``q_len == k_len`` (every full forward) it is written
-    down directly, block by block, in O((T / 128)^2) memory: query block ``i``
-    sees key blocks ``0 .. i-1`` in full and block ``i`` through the mask_mod.
-    Other shapes go through ``create_block_mask``."""
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
-
-    mask_mod = causal_mask_mod(k_len - q_len)
-    if q_len != k_len:
-        return create_block_mask(mask_mod, None, None, q_len, k_len, device=device)
-    n = (q_len + FLEX_BLOCK - 1) // FLEX_BLOCK
-    rows = torch.arange(n, device=device, dtype=torch.int32)
-    cols = torch.arange(n, device=device, dtype=torch.int32)
-    kv_num_blocks = torch.ones(1, 1, n, device=device, dtype=torch.int32)
-    # Row i: its diagonal block first, the remaining entries are never read.
-    kv_indices = ((rows[:, None] + cols[None, :]) % n)[None, None].contiguous()
-    full_kv_num_blocks = rows[None, None].clone()
-    full_kv_indices = cols.expand(n, n)[None, None].contiguous()
-    return BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-        BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(q_len, k_len),
-    )
-
-
-def flex_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
-    q_len, k_len = q.size(2), k.size(2)
-    mod = score_mod(bias, q_len, k_len, q.device, key_padding_mask)
-    block_mask = None
-    if bias.causal:
-        block_mask = bias.cached("block_mask", (q_len, k_len, str(q.device)),
-                                 lambda: causal_block_mask(q_len, k_len, q.device))
-    return _flex_function(q.device)(q, k, v, score_mod=mod, block_mask=block_mask), None
 
 
 # ----------------------------------------------------------------- registry and choice

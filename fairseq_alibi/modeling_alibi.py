@@ -286,7 +286,9 @@ class AlibiPreTrainedModel(PreTrainedModel):
 
 
 def key_padding(attention_mask: Optional[Tensor], batch: int, keys: int) -> Optional[Tensor]:
-    """``[B, S]`` True at padded keys, or None (no mask, or nothing padded)."""
+    """``[B, S]`` True at padded keys, or None (no mask, or nothing padded;
+    under ``torch.compile`` whether anything is padded is not asked: a branch
+    on the mask's values, and an all-False mask changes no score)."""
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, keys):
@@ -295,7 +297,7 @@ def key_padding(attention_mask: Optional[Tensor], batch: int, keys: int) -> Opti
             f"got shape {tuple(attention_mask.shape)}"
         )
     pad = attention_mask == 0
-    return pad if bool(pad.any()) else None
+    return pad if torch.compiler.is_compiling() or bool(pad.any()) else None
 
 
 def row_groups(alibi: AlibiBias, static: Dict[float, AlibiBias], pad: Optional[Tensor]):
@@ -305,6 +307,10 @@ def row_groups(alibi: AlibiBias, static: Dict[float, AlibiBias], pad: Optional[T
     scaling = alibi.scaling
     if pad is None or not scaling.dynamic:
         return [(None, alibi)]
+    if torch.compiler.is_compiling():
+        raise ValueError("dynamic alibi_scaling with an attention_mask groups the batch's rows by their length, "
+                         "which torch.compile cannot trace; compile with a static factor, or pass no "
+                         "attention_mask (unpadded batches)")
     factors = [scaling.factor_at(int(n)) for n in (~pad).sum(-1).tolist()]
     groups = []
     for factor in sorted(set(factors)):

@@ -4,8 +4,7 @@ and the distance cap on every path.
 
 Fast (well under a minute on 2 CPU cores).  The CUDA-only paths (compiled
 FlexAttention, memory-efficient SDPA) have their own tests that skip without a
-GPU; FlexAttention's score_mod is also checked on CPU through its eager
-(no-grad) implementation.
+GPU; FlexAttention compiled on the CPU is checked in ``test_flex.py``.
 """
 
 from __future__ import annotations
@@ -188,54 +187,6 @@ def test_key_windows_bound_holds_for_adversarial_scores():
         assert bool((weights[h, :first] == 0).all()), (h, first)
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
-@pytest.mark.parametrize("padded", [False, True])
-def test_flex_score_mod_matches_reference_eager_cpu(mode, padded):
-    """FlexAttention's score_mod and mask, through its eager (unfused) CPU
-    implementation: same maths as the compiled CUDA kernel."""
-    if not K.flex_available():
-        pytest.skip("no FlexAttention in this torch")
-    x = torch.randn(150, 2, 32)  # two 128-blocks, the second partial
-    pad = right_padding([150, 70], 150) if padded else None
-    ref, _ = run(make_attention("reference", mode=mode), x, pad)
-    out, _ = run(make_attention("flex", mode=mode), x, pad)
-    assert_close(real_rows(out, pad), real_rows(ref, pad), torch.float32)
-
-
-def test_explicit_flex_off_cuda_warns_once_in_its_own_words(monkeypatch):
-    """flex on CPU runs the eager implementation: one warning of ours per process
-    (naming the kernels to use), not torch's debugging note on every call."""
-    if not K.flex_available():
-        pytest.skip("no FlexAttention in this torch")
-    import warnings
-
-    monkeypatch.setattr(K, "_eager_flex_warned", False)
-    x = torch.randn(40, 2, 32)
-    attention = make_attention("flex")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            run(attention, x, None)
-    messages = [str(w.message) for w in caught]
-    assert len(messages) == 1, messages
-    assert "alibi_attention=flex on cpu" in messages[0] and "auto picks sdpa or chunked" in messages[0]
-
-
-@pytest.mark.parametrize("length", [1, 127, 128, 300])
-def test_flex_causal_block_mask_is_causal(length):
-    if not K.flex_available():
-        pytest.skip("no FlexAttention in this torch")
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    direct = K.causal_block_mask(length, length, "cpu")
-    generic = create_block_mask(K.causal_mask_mod(0), None, None, length, length, device="cpu")
-    assert torch.equal(direct.to_dense(), generic.to_dense())
-    # and the element mask it applies is the causal one
-    q, k = torch.arange(length)[:, None], torch.arange(length)[None, :]
-    assert torch.equal(direct.mask_mod(0, 0, q, k), k <= q)
-
-
 def test_reference_returns_weights_for_need_weights():
     module = make_attention("sdpa")
     x = torch.randn(6, 2, 32)
@@ -304,19 +255,6 @@ def test_capped_chunked_matches_reference(mode, dtype, padded, monkeypatch):
     ref, _ = run(make_attention("reference", mode=mode, scaling=CAP), x, pad)
     out, _ = run(make_attention("chunked", mode=mode, scaling=CAP), x, pad, dtype=dtype)
     assert_close(real_rows(out, pad), real_rows(ref, pad), dtype)
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
-def test_capped_flex_score_mod_matches_reference_eager_cpu(mode):
-    if not K.flex_available():
-        pytest.skip("no FlexAttention in this torch")
-    x = torch.randn(150, 2, 32)
-    pad = right_padding([150, 70], 150)
-    scaling = alibi.Scaling("cap", 0.5, 64)  # C = 32, inside the 128-blocks
-    ref, _ = run(make_attention("reference", mode=mode, scaling=scaling), x, pad)
-    out, _ = run(make_attention("flex", mode=mode, scaling=scaling), x, pad)
-    assert_close(real_rows(out, pad), real_rows(ref, pad), torch.float32)
 
 
 def test_cap_changes_nothing_within_the_cap():

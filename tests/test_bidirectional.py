@@ -168,7 +168,7 @@ def test_split_left_heads_ignore_the_right(heads, kernel):
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_paths_agree(mode):
     """Same weights, the bias dense (reference, sdpa), per block
-    (chunked, two blocks at 300 queries) or as a FlexAttention score_mod (eager
+    (chunked, two blocks at 300 queries) or as a FlexAttention score_mod (compiled
     on CPU), with left padding in one row."""
     x = torch.randn(300, 2, 32)
     pad = torch.zeros(2, 300, dtype=torch.bool)

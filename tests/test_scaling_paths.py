@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from fairseq_alibi import alibi, kernels
+from fairseq_alibi import alibi, flex, kernels
 from fairseq_alibi.bias import AlibiBias
 
 L = 8  # training length
@@ -102,7 +102,7 @@ def visible(bias: torch.Tensor) -> torch.Tensor:
 
 def score_mod_bias(stack: AlibiBias) -> torch.Tensor:
     """FlexAttention's score_mod evaluated on index grids (zero scores)."""
-    mod = kernels.score_mod(stack, T, T, torch.device("cpu"))
+    mod = flex.score_mod(stack, T, T, torch.device("cpu"))
     h = torch.arange(HEADS)[:, None, None]
     q = torch.arange(T)[None, :, None]
     k = torch.arange(T)[None, None, :]

@@ -53,21 +53,34 @@ _MISSING = object()
 @dataclass
 class ScalingState:
     """What one scaled model instance holds: its spec, slopes and hooks, and
-    the lengths and bias of the forward pass under way (``current``)."""
+    the lengths and bias of the forward pass under way (``current``).
+
+    The slopes are numbers, not tensors: a tensor held here would be neither
+    parameter nor buffer, left behind by ``model.to()``, and on the meta
+    device (or uninitialized after ``to_empty``) when the model was built
+    there.  Each forward pass makes them on its own device
+    (:meth:`scaled_slopes`); under ``torch.compile`` they are constants."""
 
     family: str
     scaling: Scaling
     bias_form: str
-    slopes: torch.Tensor  # unscaled, CPU
-    exponents: torch.Tensor  # alibi.slope_exponents of the method, CPU
+    slopes: Tuple[float, ...]  # unscaled
+    exponents: Tuple[float, ...]  # alibi.slope_exponents of the method, computed once
+    forward_parameters: Tuple[str, ...]  # the base model's forward arguments, in order
     handles: List[Any] = field(default_factory=list)
     saved_attrs: Dict[str, Any] = field(default_factory=dict)
     current: Optional[Dict[str, Any]] = None  # per forward pass
-    last_factor: Optional[float] = None  # the factor of the latest forward pass
+    last_factor: Any = None  # the factor of the latest forward pass (a tensor with a static cache)
 
     @property
     def num_heads(self) -> int:
-        return self.slopes.numel()
+        return len(self.slopes)
+
+    def scaled_slopes(self, kv_len, device) -> torch.Tensor:
+        """float32 ``[H]`` on ``device``: the slopes of a pass over ``kv_len`` keys
+        (an int, or a static cache's length tensor: no branch on its value)."""
+        base, exponents = (torch.tensor(v, dtype=torch.float32, device=device) for v in (self.slopes, self.exponents))
+        return self.scaling.slopes(base, kv_len, exponents)
 
     def settings(self) -> Dict[str, Any]:
         s = self.scaling
@@ -75,15 +88,11 @@ class ScalingState:
                     bias_form=self.bias_form)
 
 
-def _call_arguments(module, args, kwargs) -> Dict[str, Any]:
-    """The base model's forward arguments by name, however they were passed."""
-    signature = inspect.signature(module.forward)
-    return signature.bind_partial(*args, **kwargs).arguments
-
-
 def _start_forward(state: ScalingState, module, args, kwargs) -> None:
-    """Forward pre-hook of the base model: record lengths and slopes for this pass."""
-    arguments = _call_arguments(module, args, kwargs)
+    """Forward pre-hook of the base model: record lengths and slopes for this pass.
+    Traceable by ``torch.compile(fullgraph=True)``: the argument names were read
+    when the hooks were installed, and a static cache's length stays a tensor."""
+    arguments = dict(zip(state.forward_parameters, args), **kwargs)
     tokens = arguments.get("input_ids")
     if tokens is None:
         tokens = arguments.get("inputs_embeds")
@@ -96,7 +105,7 @@ def _start_forward(state: ScalingState, module, args, kwargs) -> None:
         raise TypeError(
             f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}"
         )
-    past = int(cache.get_seq_length()) if cache is not None else 0
+    past = cache.get_seq_length() if cache is not None else 0  # an int, or a tensor (StaticCache)
     # a cache made without a config has no layers before its first update (and no maximum)
     cache_max = int(cache.get_max_length()) if cache is not None and getattr(cache, "layers", True) else -1
     mask = arguments.get("attention_mask")
@@ -107,7 +116,7 @@ def _start_forward(state: ScalingState, module, args, kwargs) -> None:
     kv_len = past + q_len
     state.last_factor = state.scaling.factor_at(kv_len)
     state.current = dict(q_len=q_len, past=past, kv_len=kv_len, cache_max=cache_max, mask=mask, built=None,
-                         slopes=state.scaling.slopes(state.slopes, kv_len, state.exponents))
+                         slopes=state.scaled_slopes(kv_len, tokens.device))
 
 
 def _end_forward(state: ScalingState, *unused) -> None:
@@ -130,9 +139,10 @@ def _positions(current: Dict[str, Any], kv: int, device) -> Tuple[torch.Tensor, 
         attended = mask.to(device=device, dtype=torch.long)
         keys = (attended.cumsum(-1) - 1) * attended
     start, q_len = current["past"], current["q_len"]
-    if start + q_len > kv:
+    if isinstance(start, int) and start + q_len > kv:
         raise RuntimeError(f"{start} cached + {q_len} new tokens exceed the {kv} keys")
-    return keys[:, start : start + q_len], keys
+    # gathered, not sliced: a static cache's start is a tensor (data, not a shape)
+    return keys[:, torch.arange(q_len, device=device) + start], keys
 
 
 def relative_bias(state: ScalingState, kv: int, batch: int, device) -> torch.Tensor:
@@ -220,7 +230,7 @@ def _mpt_alibi_builder(state: ScalingState):
     def build_mpt_alibi_tensor(num_heads, sequence_length, alibi_bias_max=8, device=None):
         current, scaling = state.current, state.scaling
         if current is None:  # called outside a forward pass: the static or unscaled slopes
-            slopes, length = scaling.slopes(state.slopes, sequence_length, state.exponents), sequence_length
+            slopes, length = state.scaled_slopes(sequence_length, device), sequence_length
         else:
             slopes = current["slopes"]
             length = max(sequence_length, current["kv_len"], current["cache_max"])
@@ -283,8 +293,9 @@ def apply_alibi_scaling(model, method="none", factor: float = 0.0, train_length:
     if getattr(base, _STATE_ATTR, None) is not None:
         remove_alibi_scaling(model)
     slopes = base_slopes(model)
-    state = ScalingState(family=family, scaling=scaling, bias_form=bias_form, slopes=slopes,
-                         exponents=alibi.slope_exponents(slopes, scaling.method))
+    state = ScalingState(family=family, scaling=scaling, bias_form=bias_form, slopes=tuple(slopes.tolist()),
+                         exponents=tuple(alibi.slope_exponents(slopes, scaling.method).tolist()),
+                         forward_parameters=tuple(inspect.signature(base.forward).parameters))
     if family == EXPORTED:
         _scale_exported(state, base)
         return model
@@ -349,7 +360,8 @@ def alibi_scaling_settings(model) -> Optional[Dict[str, Any]]:
     state = getattr(base, _STATE_ATTR, None)
     if state is None:
         return None
-    return dict(state.settings(), last_factor=state.last_factor)
+    last = state.last_factor
+    return dict(state.settings(), last_factor=float(last) if last is not None else None)
 
 
 @contextlib.contextmanager

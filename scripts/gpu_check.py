@@ -1,0 +1,237 @@
+"""One command for a lent GPU: ``make gpu-check`` (or ``python scripts/gpu_check.py``).
+
+On a machine with a CUDA GPU, in about 10 minutes (``--budget``), each step a
+subprocess with its own share of the time:
+
+* ``tests``: the CUDA tests (``pytest tests/test_attention.py tests/test_flex.py -k cuda``:
+  flex and sdpa against the reference kernel, forward and backward, fp32 and bf16, padding);
+* ``kernels``: one attention call, forward + backward, bf16, 2K-16K tokens:
+  ALiBi's compiled FlexAttention and dense-bias SDPA against bias-free causal
+  flash attention (``benchmarks/gpu_attention.py --part kernels``);
+* ``compile``: graphs and seconds of compilation over 10 lengths, then per
+  method (``benchmarks/flex_compile.py --device cuda``);
+* ``train``: paired stock ``fairseq-train`` runs, ALiBi against sinusoidal,
+  bf16, at 512 and 2048 tokens (``benchmarks/fairseq_train_wps.py --device cuda``);
+* ``eval``: 16K-64K tokens scored in one forward, time and peak GPU memory,
+  ALiBi against sinusoidal (``benchmarks/eval_memory.py --device cuda``).
+
+It then writes the numbers, with the device named, between the ``gpu-check``
+markers of docs/performance.md (``--no-write``: print them only).  A step that
+fails or runs out of time is written as such; the others still run.  Without
+CUDA it stops at once, in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+DOCS = os.path.join(ROOT, "docs", "performance.md")
+BEGIN, END = "<!-- gpu-check: begin -->", "<!-- gpu-check: end -->"
+
+#: name -> (share of the budget in seconds, command after the interpreter; {json} is the output file).
+STEPS: Dict[str, tuple] = {
+    "tests": (120, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py", "tests/test_flex.py",
+                    "-k", "cuda"]),
+    "kernels": (90, ["benchmarks/gpu_attention.py", "--part", "kernels", "--device", "cuda",
+                     "--lengths", "2048", "4096", "8192", "16384", "--repeats", "3", "--json", "{json}"]),
+    "compile": (80, ["benchmarks/flex_compile.py", "--device", "cuda", "--dtype", "bfloat16",
+                     "--methods", "ntk", "cap", "capnorm", "--json", "{json}"]),
+    "train": (190, ["benchmarks/fairseq_train_wps.py", "--device", "cuda", "--attention-dropout", "0",
+                    "--repeats", "1", "--layers", "6", "--embed-dim", "1024", "--heads", "16", "--ffn", "4096",
+                    "--updates", "25", "--skip", "10", "--json", "{json}"]),
+    "eval": (120, ["benchmarks/eval_memory.py", "--device", "cuda", "--dtype", "bfloat16", "--lengths", "16384",
+                   "32768", "65536", "--methods", "alibi", "sinusoidal", "--repeats", "1", "--json", "{json}"]),
+}
+#: Training lengths of the ``train`` step, and sequences per update at each (32K tokens per update).
+TRAIN_LENGTHS = {512: 64, 2048: 16}
+
+
+def commands(step: str, out_dir: str) -> List[List[str]]:
+    """The command lines of one step (``train`` runs once per training length)."""
+    _, args = STEPS[step]
+    if step != "train":
+        return [[sys.executable] + [a.replace("{json}", os.path.join(out_dir, f"{step}.json")) for a in args]]
+    return [[sys.executable] + [a.replace("{json}", os.path.join(out_dir, f"train_{length}.json")) for a in args]
+            + ["--length", str(length), "--batch", str(batch)] for length, batch in TRAIN_LENGTHS.items()]
+
+
+def run_step(step: str, out_dir: str, seconds: float) -> dict:
+    """Run a step within ``seconds``: {"status": ok | failed | timed out, "seconds", "tail"}."""
+    start, tail = time.monotonic(), ""
+    for cmd in commands(step, out_dir):
+        left = seconds - (time.monotonic() - start)
+        if left <= 0:
+            return {"status": "timed out", "seconds": time.monotonic() - start, "tail": tail}
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left, env=env)
+        except subprocess.TimeoutExpired:
+            return {"status": f"timed out after {seconds:.0f} s", "seconds": seconds, "tail": tail}
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        with open(os.path.join(out_dir, f"{step}.log"), "a") as log:
+            log.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}\n")
+        if proc.returncode != 0 and step != "tests":
+            return {"status": f"failed (exit {proc.returncode})", "seconds": time.monotonic() - start, "tail": tail}
+    status = "ok"
+    if step == "tests":
+        status = _pytest_summary(tail) or f"failed (exit {proc.returncode})"
+    return {"status": status, "seconds": time.monotonic() - start, "tail": tail}
+
+
+def _pytest_summary(output: str) -> Optional[str]:
+    """``"9 passed, 1 skipped"`` from pytest's last line, or None."""
+    found = re.findall(r"^=*\s*((?:\d+ \w+(?:, )?)+) in [\d.]+s", output, re.MULTILINE)
+    return found[-1].strip() if found else None
+
+
+def _load(path: str) -> Optional[dict]:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------- Markdown
+def kernels_table(result: dict) -> List[str]:
+    by = {(r["length"], r["path"]): r for r in result["rows"]}
+    lines = ["| T | batch | flash causal, no bias: ms | ALiBi flex: ms (x flash) | ALiBi sdpa: ms (x flash) | "
+             "peak MiB: flash / flex / sdpa |", "|---|---|---|---|---|---|"]
+    for length in sorted({r["length"] for r in result["rows"]}):
+        flash = by[(length, "flash-causal")]
+        cells = []
+        for path in ("alibi-flex", "alibi-sdpa"):
+            r = by.get((length, path))
+            cells.append(f"{r['ms']:.2f} ({r['ratio']:.2f})" if r else "not run")
+        peaks = " / ".join(f"{by[(length, p)]['peak_mib']:.0f}" if (length, p) in by else "-"
+                           for p in ("flash-causal", "alibi-flex", "alibi-sdpa"))
+        lines.append(f"| {length} | {flash['batch']} | {flash['ms']:.2f} | {cells[0]} | {cells[1]} | {peaks} |")
+    return lines
+
+
+def train_table(results: Dict[int, dict]) -> List[str]:
+    from common import median
+
+    lines = ["| tokens per sample | sinusoidal wps | ALiBi wps | ALiBi / sinusoidal |", "|---|---|---|---|"]
+    for length, result in sorted(results.items()):
+        run = result["runs"]["0.0"]
+        wps = {name: median(values) for name, values in run["median_wps"].items()}
+        lines.append(f"| {length} | {wps['sinusoidal']:.0f} | {wps['alibi']:.0f} | {run['median_ratio']:.3f} |")
+    return lines
+
+
+def eval_table(result: dict) -> List[str]:
+    lines = ["| tokens | ALiBi s | ALiBi peak MiB | sinusoidal s | sinusoidal peak MiB |", "|---|---|---|---|---|"]
+    for length in sorted({c["length"] for c in result["cells"]}):
+        row = [str(length)]
+        for method in ("alibi", "sinusoidal"):
+            cell = next((c for c in result["cells"] if c["method"] == method and c["length"] == length), {})
+            if "seconds" in cell:
+                row += [f"{cell['seconds']:.2f}", f"{cell['peak_mib']:.0f}"]
+            else:
+                row += ["-", cell.get("failed") or cell.get("skipped") or "not run"]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def render(device: str, torch_version: str, statuses: Dict[str, dict], out_dir: str, when: str) -> str:
+    """The docs section: what ran where, and each step's table (or why there is none)."""
+    from flex_compile import markdown as compile_table
+
+    lines = [BEGIN, f"### Measured by `make gpu-check` on {device} ({when}, torch {torch_version})", ""]
+    lines.append("| step | result | seconds |")
+    lines.append("|---|---|---|")
+    for step, status in statuses.items():
+        lines.append(f"| {step} | {status['status']} | {status['seconds']:.0f} |")
+    sections = {
+        "kernels": ("One attention call, forward + backward, bf16, 16 heads of 64, 16K tokens per call "
+                    "(`benchmarks/gpu_attention.py --part kernels`); median of 3:",
+                    lambda: kernels_table(_load(os.path.join(out_dir, "kernels.json")))),
+        "compile": ("Compilation of the `flex` kernel, bf16, from an empty inductor cache "
+                    "(`benchmarks/flex_compile.py --device cuda`):",
+                    lambda: compile_table(_load(os.path.join(out_dir, "compile.json"))).splitlines()),
+        "train": ("Stock `fairseq-train`, bf16, 6 layers, d=1024, 16 heads, 32K tokens per update, ALiBi "
+                  "(`auto`: compiled FlexAttention) against sinusoidal, median words/s after 10 warm-up updates "
+                  "(`benchmarks/fairseq_train_wps.py --device cuda`):",
+                  lambda: train_table({length: _load(os.path.join(out_dir, f"train_{length}.json"))
+                                       for length in TRAIN_LENGTHS
+                                       if os.path.exists(os.path.join(out_dir, f"train_{length}.json"))})),
+        "eval": ("One sequence scored in one forward (`SequenceScorer`), bf16, 4 layers, d=256, vocabulary "
+                 "32,768 (`benchmarks/eval_memory.py --device cuda`):",
+                 lambda: eval_table(_load(os.path.join(out_dir, "eval.json")))),
+    }
+    for step, (caption, table) in sections.items():
+        if statuses.get(step, {}).get("status") != "ok":
+            continue
+        lines += ["", caption, ""]
+        try:
+            lines += table()
+        except (KeyError, TypeError, ZeroDivisionError) as exc:
+            lines.append(f"(its output could not be read: {type(exc).__name__}: {exc})")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def replace_section(text: str, section: str) -> str:
+    """``text`` with the part between the markers (the markers included) replaced by ``section``."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"{DOCS} has no '{BEGIN}' ... '{END}' section to write into")
+    return text[:start] + section + text[end + len(END):]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", nargs="+", default=list(STEPS), metavar="STEP",
+                   help=f"which steps, in this order (default all: {' '.join(STEPS)})")
+    p.add_argument("--budget", type=float, default=600.0, help="seconds for all steps (shared in proportion)")
+    p.add_argument("--out", help="keep the steps' JSON and logs in this directory (default: a temporary one)")
+    p.add_argument("--no-write", action="store_true", help=f"print the section; do not write {DOCS}")
+    opts = p.parse_args(argv)
+    unknown = [s for s in opts.steps if s not in STEPS]
+    if unknown:
+        p.error(f"unknown step(s) {', '.join(unknown)}; allowed: {', '.join(STEPS)}")
+    if not opts.budget > 0:
+        p.error(f"--budget must be a positive number of seconds, got {opts.budget:g}")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"error: gpu-check needs a CUDA GPU, and torch {torch.__version__} sees none here "
+              "(torch.cuda.is_available() is False); run it on a machine with one", file=sys.stderr)
+        return 1
+    device = torch.cuda.get_device_name(0)
+    out_dir = opts.out or tempfile.mkdtemp(prefix="alibi_gpu_check_")
+    os.makedirs(out_dir, exist_ok=True)
+    total = sum(STEPS[s][0] for s in opts.steps)
+    statuses, deadline = {}, time.monotonic() + opts.budget
+    for step in opts.steps:
+        share = min(opts.budget * STEPS[step][0] / total, deadline - time.monotonic())
+        print(f"gpu-check: {step} (up to {share:.0f} s)", flush=True)
+        statuses[step] = run_step(step, out_dir, share)
+        print(f"gpu-check: {step}: {statuses[step]['status']} in {statuses[step]['seconds']:.0f} s", flush=True)
+        if statuses[step]["status"] != "ok" and step != "tests":
+            print(statuses[step]["tail"], flush=True)
+    section = render(device, torch.__version__, statuses, out_dir, datetime.date.today().isoformat())
+    print(section)
+    if not opts.no_write:
+        with open(DOCS) as f:
+            text = f.read()
+        with open(DOCS, "w") as f:
+            f.write(replace_section(text, section))
+        print(f"gpu-check: written into {os.path.relpath(DOCS, ROOT)}; outputs in {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The ``flex`` kernel (``fairseq_alibi/flex.py``), compiled on the CPU as the
+stand-in for the CUDA kernel.
+
+torch 2.13 compiles FlexAttention for the CPU with inductor's C++ backend
+(forward only): the same tracing of the ``score_mod`` closures, the same
+guards, recompilations and block masks as on CUDA.  Every output is checked
+against the ``reference`` kernel.  A graph takes seconds to compile (more on a
+cold inductor cache), so the compiled checks are two loops in one process: every
+bias mode x method x padding, then the order the evaluation tools run (one
+model, lengths, then methods) through fairseq layers, where a float that
+changed between compiles and a symbolic length once broke the compile.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
+from conftest import error_lines, run_cli, tool, train_args
+from test_attention import (  # noqa: F401 (dict_dir: a fixture)
+    assert_close, build_lm, dict_dir, log_probs, make_attention, real_rows, right_padding, run,
+)
+
+from fairseq_alibi import alibi, attention, errors, flex
+from fairseq_alibi import kernels as K
+from fairseq_alibi.bias import AlibiBias
+
+pytestmark = pytest.mark.skipif(not flex.flex_available(), reason="no FlexAttention in this torch")
+
+HEADS, HEAD_DIM, L = 5, 16, 64  # 5 heads: split mode's middle head looks both ways
+MODES = ("causal", "symmetric", "split")
+#: Static and dynamic slope scaling and every distance method (150 keys: dynamic factor 2.3).
+METHODS = ("none", "linear:2", "ntk", "cap:0.5", "log:1:0.25", "capnorm")
+
+
+def graphs() -> int:
+    """Graphs dynamo has compiled in this process."""
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture
+def dynamic_from_this_process():
+    """Automatic dynamic shapes decided by what this process sees, not by an
+    earlier run's profile (local PGO in the inductor cache directory)."""
+    with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
+        yield
+
+
+def max_error(bias: AlibiBias, length: int, padded: bool, seed: int = 0) -> float:
+    """Max |compiled flex - reference| over the real queries of a batch of two
+    (the second right-padded to about half its length)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, HEADS, length, HEAD_DIM, generator=g) for _ in range(3))
+    pad = right_padding([length, length // 2 + 1], length) if padded else None
+    with torch.no_grad():
+        out, _ = flex.flex_kernel(q, k, v, bias, pad, 0.0)
+        ref, _ = K.reference_kernel(q, k, v, bias, pad, 0.0)
+    diff = (out - ref).abs().transpose(1, 2)  # [B, T, H, D]
+    return float((diff[~pad] if padded else diff).max())
+
+
+@pytest.mark.parametrize("length", [1, 127, 128, 300])
+def test_causal_block_mask_is_the_causal_mask(length):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    direct = flex.causal_block_mask(length, length, "cpu")
+    generic = create_block_mask(flex.causal_mask_mod(0), None, None, length, length, device="cpu")
+    assert torch.equal(direct.to_dense(), generic.to_dense())
+    q, k = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    assert torch.equal(direct.mask_mod(0, 0, q, k), k <= q)
+
+
+def test_compiled_flex_every_mode_method_and_padding(dynamic_from_this_process):
+    """150 keys (two blocks, the second partial): each (mode, distance method,
+    padding) compiles its own graphs; slope methods reuse those of ``none``."""
+    wrong, uncompiled = [], []
+    for mode in MODES:
+        for padded in (False, True):
+            for spelling in METHODS:
+                bias = AlibiBias(HEADS, mode, alibi.Scaling.parse(spelling, L))
+                before = graphs()
+                error = max_error(bias, 150, padded)
+                if error > 5e-6:
+                    wrong.append(f"{mode} {spelling} padded={padded}: max error {error:.1e}")
+                new = graphs() - before
+                slope_only = spelling in ("linear:2", "ntk")
+                if new != (0 if slope_only else 1):
+                    uncompiled.append(f"{mode} {spelling} padded={padded}: {new} new graphs")
+    assert not wrong, wrong
+    assert not uncompiled, uncompiled
+
+
+def test_compiled_flex_sequence_of_lengths_then_methods(dict_dir, dynamic_from_this_process):
+    """What alibi-sweep does in one process: a model at 10 lengths, then
+    rescaled under one method after another (two cap factors included), each
+    at two lengths (a static, then a dynamic graph); then the encoders'
+    padded attention.  Recompilations: at most 2 for the 10 lengths."""
+    _, model = build_lm(dict_dir, "--alibi-attention", "flex", layers=2)
+    _, reference = build_lm(dict_dir, "--alibi-attention", "reference", layers=2)
+    tokens = torch.randint(4, 60, (2, 1600), generator=torch.Generator().manual_seed(1))
+
+    def error(length: int) -> float:
+        ids = tokens[:, :length]
+        return float((log_probs(model, ids) - log_probs(reference, ids)).abs().max())
+
+    before = graphs()
+    sweep = [error(length) for length in range(160, 1601, 160)]
+    assert max(sweep) < 1e-4, sweep
+    assert 1 <= graphs() - before <= 2
+    for spelling in ("ntk", "linear:2", "cap:0.5", "cap:2", "log:1:0.25", "capnorm"):
+        for net in (model, reference):
+            attention.rescale(net, alibi.Scaling.parse(spelling, 16))
+        errors_at = [error(length) for length in (300, 200)]
+        assert max(errors_at) < 1e-4, (spelling, errors_at)
+    x = torch.randn(260, 2, 32)
+    for mode in ("symmetric", "split"):
+        for spelling in ("none", "capnorm"):
+            scaling = alibi.Scaling.parse(spelling, L)
+            layers = {kernel: make_attention(kernel, heads=4, mode=mode, scaling=scaling)
+                      for kernel in ("flex", "reference")}
+            for length in (200, 260):
+                pad = right_padding([length, 90], length)
+                with torch.no_grad():
+                    out, ref = (layers[kernel](x[:length], x[:length], x[:length], key_padding_mask=pad,
+                                               need_weights=False)[0] for kernel in ("flex", "reference"))
+                real = ~pad.t()
+                assert float((out - ref).abs()[real].max()) < 1e-5, (mode, spelling, length)
+
+
+def test_slope_methods_share_one_variant_and_distance_methods_do_not():
+    """What decides how many compiled functions a sweep builds: slope methods
+    only change the slopes (tensor data), a distance method's numbers are
+    constants of its graph."""
+    def key(spelling, mode="causal", padded=False):
+        bias = AlibiBias(HEADS, mode, alibi.Scaling.parse(spelling, L))
+        return flex.variant(bias, 100, 100, "cpu", torch.zeros(1, 100, dtype=torch.bool) if padded else None)
+
+    assert key("none") == key("linear:2") == key("ntk") == key("ntk:3")
+    assert len({key("none"), key("cap"), key("cap:2"), key("log"), key("capnorm")}) == 5
+    assert key("none") != key("none", padded=True) != key("none", mode="split")
+
+
+def test_training_with_flex_off_cuda_is_refused_in_one_line():
+    attention_layer = make_attention("flex")
+    x = torch.randn(20, 2, 32, requires_grad=True)
+    with pytest.raises(flex.FlexUnsupportedError) as caught:
+        attention_layer(x, x, x, need_weights=False)
+    message = errors.describe(caught.value)
+    assert message == str(caught.value) and "\n" not in message
+    assert "cannot train on cpu" in message and "alibi_attention=auto" in message
+    with torch.no_grad():  # evaluation is fine
+        attention_layer(x, x, x, need_weights=False)
+
+
+def test_alibi_train_with_flex_on_cpu_stops_with_one_error_line(lm_data_bin, tmp_path):
+    result = run_cli([tool("alibi-train"), *train_args(lm_data_bin, tmp_path, max_update=1),
+                      "--alibi-attention", "flex"], expect_ok=False)
+    assert result.returncode == 1, result.output[-2000:]
+    lines = error_lines(result)
+    assert len(lines) == 1 and "alibi_attention=flex cannot train on cpu" in lines[0], result.output[-2000:]
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path; no GPU available")
+@pytest.mark.parametrize("mode,spelling,padded", [
+    ("causal", "none", False), ("causal", "capnorm", True), ("causal", "log:1:0.25", False),
+    ("symmetric", "capnorm", True), ("split", "capnorm", True), ("split", "cap:0.5", False),
+])
+def test_cuda_compiled_flex_forward_and_backward_against_reference(mode, spelling, padded):
+    """The Triton kernels, with their backward, through a fairseq layer; 300
+    tokens (not a multiple of the 128-blocks)."""
+    scaling = alibi.Scaling.parse(spelling, L)
+    x = torch.randn(300, 2, 64).cuda()
+    pad = right_padding([300, 170], 300).cuda() if padded else None
+    ref_out, ref_grads = run(make_attention("reference", embed_dim=64, mode=mode, scaling=scaling).cuda(), x, pad,
+                             grad=True)
+    out, grads = run(make_attention("flex", embed_dim=64, mode=mode, scaling=scaling).cuda(), x, pad, grad=True)
+    assert_close(real_rows(out, pad), real_rows(ref_out, pad), torch.float32)
+    for g, ref in zip(grads, ref_grads):
+        assert_close(g, ref, torch.float32)

@@ -1,0 +1,178 @@
+"""``make gpu-check`` (``scripts/gpu_check.py``) without a GPU: its arguments,
+its refusal without CUDA, the commands of its steps, and the Markdown it
+writes into docs/performance.md, from fake numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, cli_env
+
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_check  # noqa: E402
+
+SCRIPT = str(REPO / "scripts" / "gpu_check.py")
+
+
+def run_script(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, env=cli_env(),
+                          cwd=REPO, timeout=120)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check would run")
+def test_refuses_without_cuda_in_one_line():
+    before = (REPO / "docs" / "performance.md").read_text()
+    result = run_script()
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: gpu-check needs a CUDA GPU, and torch {torch.__version__} sees none here "
+        "(torch.cuda.is_available() is False); run it on a machine with one"]
+    assert (REPO / "docs" / "performance.md").read_text() == before
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--steps", "tests", "bogus"], "unknown step(s) bogus; allowed: tests, kernels, compile, train, eval"),
+    (["--budget", "0"], "--budget must be a positive number of seconds, got 0"),
+    (["--budget", "ten"], "argument --budget: invalid float value: 'ten'"),
+])
+def test_bad_arguments_are_one_error_line(args, message):
+    result = run_script(*args)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].endswith(message), result.stderr
+
+
+def test_step_commands(tmp_path):
+    train = gpu_check.commands("train", str(tmp_path))
+    assert [cmd[cmd.index("--length") + 1:] for cmd in train] == [["512", "--batch", "64"], ["2048", "--batch", "16"]]
+    assert [cmd[cmd.index("--json") + 1] for cmd in train] == [str(tmp_path / "train_512.json"),
+                                                                str(tmp_path / "train_2048.json")]
+    for step in ("kernels", "compile", "eval"):
+        (cmd,) = gpu_check.commands(step, str(tmp_path))
+        assert cmd[0] == sys.executable and cmd[cmd.index("--json") + 1] == str(tmp_path / f"{step}.json")
+        assert "cuda" in cmd
+    (tests,) = gpu_check.commands("tests", str(tmp_path))
+    assert tests[1:3] == ["-m", "pytest"] and tests[-2:] == ["-k", "cuda"]
+
+
+def test_pytest_summary():
+    assert gpu_check._pytest_summary("....\n9 passed, 200 deselected in 61.20s\n") == "9 passed, 200 deselected"
+    assert gpu_check._pytest_summary("= 1 failed, 8 passed in 3.00s =") == "1 failed, 8 passed"
+    assert gpu_check._pytest_summary("ImportError: no module") is None
+
+
+def fake_outputs(out):
+    """What the steps' JSON files hold, with made-up numbers."""
+    def write(name, data):
+        (out / name).write_text(json.dumps(data))
+
+    write("kernels.json", {"device": "Fake GPU", "rows": [
+        dict(length=2048, batch=8, path="flash-causal", ms=1.0, peak_mib=100.0, ratio=1.0),
+        dict(length=2048, batch=8, path="alibi-flex", ms=1.5, peak_mib=120.0, ratio=1.5),
+        dict(length=2048, batch=8, path="alibi-sdpa", ms=3.0, peak_mib=900.0, ratio=3.0),
+        dict(length=16384, batch=1, path="flash-causal", ms=8.0, peak_mib=800.0, ratio=1.0),
+        dict(length=16384, batch=1, path="alibi-flex", ms=10.0, peak_mib=810.0, ratio=1.25)]})
+    write("compile.json", {"device": "Fake GPU", "torch": "9.9", "rows": [
+        dict(step="none", length=200, new_graphs=1, first_s=20.0, steady_s=0.001),
+        dict(step="none", length=400, new_graphs=1, first_s=10.5, steady_s=0.002),
+        dict(step="none", length=600, new_graphs=0, first_s=0.003, steady_s=0.003),
+        dict(step="cap", length=600, new_graphs=1, first_s=9.0, steady_s=0.003)]})
+    for length, (sinusoidal, alibi, ratio) in {512: ([90e3, 100e3, 130e3], [110e3], 1.1),
+                                               2048: ([80e3], [100e3], 1.25)}.items():
+        write(f"train_{length}.json", {"runs": {"0.0": {"median_wps": {"sinusoidal": sinusoidal, "alibi": alibi},
+                                                        "median_ratio": ratio}}})
+    write("eval.json", {"device": "Fake GPU", "cells": [
+        dict(method="alibi", length=16384, seconds=0.5, peak_mib=2000.0),
+        dict(method="sinusoidal", length=16384, seconds=0.7, peak_mib=9000.0),
+        dict(method="alibi", length=65536, seconds=4.0, peak_mib=8000.0),
+        dict(method="sinusoidal", length=65536, failed="out of GPU memory")]})
+
+
+EXPECTED = """\
+<!-- gpu-check: begin -->
+### Measured by `make gpu-check` on Fake GPU (2030-01-02, torch 9.9)
+
+| step | result | seconds |
+|---|---|---|
+| tests | 9 passed, 200 deselected | 60 |
+| kernels | ok | 50 |
+| compile | ok | 40 |
+| train | ok | 150 |
+| eval | ok | 100 |
+
+One attention call, forward + backward, bf16, 16 heads of 64, 16K tokens per call \
+(`benchmarks/gpu_attention.py --part kernels`); median of 3:
+
+| T | batch | flash causal, no bias: ms | ALiBi flex: ms (x flash) | ALiBi sdpa: ms (x flash) | \
+peak MiB: flash / flex / sdpa |
+|---|---|---|---|---|---|
+| 2048 | 8 | 1.00 | 1.50 (1.50) | 3.00 (3.00) | 100 / 120 / 900 |
+| 16384 | 1 | 8.00 | 10.00 (1.25) | not run | 800 / 810 / - |
+
+Compilation of the `flex` kernel, bf16, from an empty inductor cache (`benchmarks/flex_compile.py --device cuda`):
+
+| calls | length | new graphs | first call s | steady call ms |
+|---|---|---|---|---|
+| none | 200 | 1 | 20.00 | 1.00 |
+| none | 400 | 1 | 10.50 | 2.00 |
+| none | 600 | 0 | 0.00 | 3.00 |
+| cap | 600 | 1 | 9.00 | 3.00 |
+
+Fake GPU, torch 9.9: 2 graphs for 3 lengths, 30.5 s of compilation in all.
+
+Stock `fairseq-train`, bf16, 6 layers, d=1024, 16 heads, 32K tokens per update, ALiBi (`auto`: compiled \
+FlexAttention) against sinusoidal, median words/s after 10 warm-up updates \
+(`benchmarks/fairseq_train_wps.py --device cuda`):
+
+| tokens per sample | sinusoidal wps | ALiBi wps | ALiBi / sinusoidal |
+|---|---|---|---|
+| 512 | 100000 | 110000 | 1.100 |
+| 2048 | 80000 | 100000 | 1.250 |
+
+One sequence scored in one forward (`SequenceScorer`), bf16, 4 layers, d=256, vocabulary 32,768 \
+(`benchmarks/eval_memory.py --device cuda`):
+
+| tokens | ALiBi s | ALiBi peak MiB | sinusoidal s | sinusoidal peak MiB |
+|---|---|---|---|---|
+| 16384 | 0.50 | 2000 | 0.70 | 9000 |
+| 65536 | 4.00 | 8000 | - | out of GPU memory |
+<!-- gpu-check: end -->"""
+
+
+def test_markdown_from_fake_numbers(tmp_path):
+    fake_outputs(tmp_path)
+    statuses = {"tests": dict(status="9 passed, 200 deselected", seconds=60.2),
+                "kernels": dict(status="ok", seconds=50), "compile": dict(status="ok", seconds=40),
+                "train": dict(status="ok", seconds=150), "eval": dict(status="ok", seconds=100)}
+    assert gpu_check.render("Fake GPU", "9.9", statuses, str(tmp_path), "2030-01-02") == EXPECTED
+    # a step that did not finish has its line in the first table and no table of its own
+    statuses["eval"] = dict(status="timed out after 120 s", seconds=120)
+    section = gpu_check.render("Fake GPU", "9.9", statuses, str(tmp_path), "2030-01-02")
+    assert "| eval | timed out after 120 s | 120 |" in section and "SequenceScorer" not in section
+
+
+def test_section_replaced_between_the_markers_of_the_docs():
+    docs = (REPO / "docs" / "performance.md").read_text()
+    assert docs.count(gpu_check.BEGIN) == 1 and docs.count(gpu_check.END) == 1
+    assert "Not run yet" in docs.split(gpu_check.BEGIN)[1].split(gpu_check.END)[0]
+    replaced = gpu_check.replace_section(docs, EXPECTED)
+    assert replaced.split(gpu_check.BEGIN)[0] == docs.split(gpu_check.BEGIN)[0]
+    assert replaced.split(gpu_check.END)[1] == docs.split(gpu_check.END)[1]
+    assert gpu_check.BEGIN + replaced.split(gpu_check.BEGIN)[1].split(gpu_check.END)[0] + gpu_check.END == EXPECTED
+    with pytest.raises(ValueError, match="has no '<!-- gpu-check: begin -->'"):
+        gpu_check.replace_section("no markers here", EXPECTED)
+
+
+def test_a_step_that_fails_or_overruns_is_reported_as_such(tmp_path, monkeypatch):
+    monkeypatch.setitem(gpu_check.STEPS, "kernels", (10, ["-c", "import sys; print('boom'); sys.exit(3)"]))
+    failed = gpu_check.run_step("kernels", str(tmp_path), 30)
+    assert failed["status"] == "failed (exit 3)" and "boom" in failed["tail"]
+    assert "boom" in (tmp_path / "kernels.log").read_text()
+    monkeypatch.setitem(gpu_check.STEPS, "kernels", (10, ["-c", "import time; time.sleep(30)"]))
+    assert gpu_check.run_step("kernels", str(tmp_path), 1)["status"] == "timed out after 1 s"
