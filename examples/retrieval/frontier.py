@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 TASKS = ("lines", "passkey")
-FAMILIES = ("cap", "log", "capnorm")
+FAMILIES = ("ntk", "cap", "log", "power", "capnorm")
 
 
 def spelling(cell: dict) -> str:
@@ -199,8 +199,8 @@ def table(order: List[str], tasks: Dict[str, Dict[str, Retrieval]], cost: Dict[s
             "ppl cost at 16x, retrieval models mean [min, max]", "goal"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in order:
-        if m not in cost:
-            continue
+        if m not in cost or not any(m in results for results in tasks.values()):
+            continue  # not evaluated on this side
         mark = " (chosen)" if m in chosen.values() else ""
         retrieval_cells = [tasks[t][m].text() if m in tasks[t] else "" for t in tasks]
         spread = model_costs.get(m, [])

@@ -32,7 +32,9 @@ REPORT_CORPUS=${REPORT_CORPUS:-5}
 DEMO_SEEDS=${DEMO_SEEDS:-1 2}
 L=${L:-128}
 DIGITS=${DIGITS:-3}
-METHODS=${METHODS:-none,ntk,ntk:2,cap,cap:2,cap:4,log:1:0.25,log,log:1:1,log:2:0.5,power:1:0.5,power,power:1:2,capnorm:0.5,capnorm,capnorm:2}
+# The grid: every candidate on the tune side; the report side takes the informative ones (default: the same).
+METHODS=${METHODS:-none,ntk,ntk:2,cap,cap:2,cap:4,log:1:0.25,log,log:1:1,log:2:0.5,power:1:0.5,power,power:1:1.5,power:1:2,capnorm:0.5,capnorm,capnorm:2}
+REPORT_METHODS=${REPORT_METHODS:-$METHODS}
 LENGTHS=${LENGTHS:-1x,2x,4x,8x}
 DEPTHS=${DEPTHS:-5}
 SAMPLES=${SAMPLES:-20}   # per (length, depth): 100 prompts per length
@@ -62,22 +64,24 @@ PASSKEY=(--task passkey --filler dictionary
          --template "header=below is a record of lines i want you to remember ."
          --template "needle=line k1 : REGISTER_CONTENT is {number} ."
          --template "question=now the record is over . tell me the REGISTER_CONTENT in line k1 . line k1 : REGISTER_CONTENT is")
-for pair in "$TUNE_CORPUS:$TUNE_SEEDS" "$REPORT_CORPUS:$REPORT_SEEDS"; do
-  corpus=${pair%%:*}; seeds=${pair#*:}; dir=$(corpus_dir "$corpus"); data=$(data_dir "$corpus")
+for side in tune report; do
+  if [ $side = tune ]; then corpus=$TUNE_CORPUS; seeds=$TUNE_SEEDS; grid=$METHODS
+  else corpus=$REPORT_CORPUS; seeds=$REPORT_SEEDS; grid=$REPORT_METHODS; fi
+  dir=$(corpus_dir "$corpus"); data=$(data_dir "$corpus")
   checkpoints=()
   for seed in $seeds; do
     ckpt="$dir/seed$seed/alibi/checkpoint_last.pt"
     checkpoints+=(-c "seed$seed=$ckpt")
     for task in lines passkey; do
-      stamp "retrieval: corpus $corpus seed $seed $task at $LENGTHS x {$METHODS}"
+      stamp "retrieval: corpus $corpus seed $seed $task at $LENGTHS x {$grid}"
       args=(--task lines); [ "$task" = passkey ] && args=("${PASSKEY[@]}")
       OMP_NUM_THREADS=$THREADS alibi-retrieval "$data" -c "alibi=$ckpt" "${args[@]}" --digits "$DIGITS" \
-        --lengths "$LENGTHS" --methods "$METHODS" --depths "$DEPTHS" --samples "$SAMPLES" --seed "$seed" \
+        --lengths "$LENGTHS" --methods "$grid" --depths "$DEPTHS" --samples "$SAMPLES" --seed "$seed" \
         --output-dir "$dir/seed$seed/$task" --cpu --no-progress
     done
   done
-  stamp "perplexity: corpus $corpus retrieval models at $PPL_LENGTHS x {$METHODS}"
-  OMP_NUM_THREADS=$THREADS alibi-sweep "$data" "${checkpoints[@]}" --lengths "$PPL_LENGTHS" --methods "$METHODS" \
+  stamp "perplexity: corpus $corpus retrieval models at $PPL_LENGTHS x {$grid}"
+  OMP_NUM_THREADS=$THREADS alibi-sweep "$data" "${checkpoints[@]}" --lengths "$PPL_LENGTHS" --methods "$grid" \
     --modes nonoverlapping --per-position --output-dir "$dir/sweep" --cpu --no-progress
 done
 demo=()
