@@ -2,6 +2,7 @@
 
     python benchmarks/attention_cost.py                    # the table of docs/performance.md
     python benchmarks/attention_cost.py --repeats 3 --lengths 2048
+    python benchmarks/attention_cost.py --package /tmp/before     # the fairseq_alibi of another checkout
 
 One call, B x H x T x D with H=8, D=32, fp32, q/k/v laid out as the layer makes
 them: ``kernels.attend`` with ``alibi_attention=auto`` (what the model runs:
@@ -88,7 +89,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--lengths", type=int, nargs="*", help="only these T")
+    p.add_argument("--package", help="import fairseq_alibi from this checkout (e.g. a git worktree of an older commit)")
     args = p.parse_args(argv)
+    if args.package:
+        sys.path.insert(0, os.path.abspath(args.package))
     print(machine_description())
     print("| call | T | B | ALiBi kernel | bias-free ms | ALiBi / bias-free (median [min, max]) | stock mask / bias-free |")
     print("|---|---|---|---|---|---|---|")
