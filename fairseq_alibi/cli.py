@@ -45,6 +45,19 @@ def check_training_method(argv: List[str]) -> None:
         )
 
 
+def check_training_kernel(argv: List[str]) -> None:
+    """``--alibi-attention flex`` cannot train without CUDA: refused before the data
+    loader's thread starts (an error raised inside the training loop can race it at exit)."""
+    if _flag(argv, "--alibi-attention") != "flex":
+        return
+    import torch
+
+    if "--cpu" in argv or not torch.cuda.is_available():
+        from .flex import cannot_train_on
+
+        raise UserError(cannot_train_on("cpu"))
+
+
 def check_arch(argv: List[str]) -> None:
     """An unknown ``--arch`` names its closest matches (argparse would list all
     ~200); a stock ``transformer_lm*`` name warns that it is not ALiBi here."""
@@ -242,6 +255,7 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=Non
 
 def train():
     _run("fairseq_cli.train", training_help, check_arch, check_training_blocks, check_training_method,
+         check_training_kernel,
          defaults=training_defaults)
 
 

@@ -167,12 +167,16 @@ def flex_function(key: Hashable) -> Callable:
     return _compiled[key]
 
 
-def _refuse_cpu_backward(q: Tensor, k: Tensor, v: Tensor) -> None:
-    if q.device.type != "cuda" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise FlexUnsupportedError(
-            f"alibi_attention=flex cannot train on {q.device.type}: torch's FlexAttention has a backward on CUDA "
+def cannot_train_on(device: str) -> str:
+    """Why flex cannot train on ``device``, and what to do instead."""
+    return (f"alibi_attention=flex cannot train on {device}: torch's FlexAttention has a backward on CUDA "
             "only; train with alibi_attention=auto (sdpa or blocked here), or evaluate without gradients "
             "(torch.no_grad())")
+
+
+def _refuse_cpu_backward(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.device.type != "cuda" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise FlexUnsupportedError(cannot_train_on(q.device.type))
 
 
 def flex_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):

@@ -742,7 +742,7 @@ def test_training_with_an_evaluation_method_warns_once(lm_data_bin, tmp_path):
 
 def test_help_lists_the_alibi_options():
     train_help = run_cli([tool("alibi-train"), "--help"]).stdout
-    for flag in ("--alibi-interpolation", "--alibi-scale-factor", "--alibi-log-alpha", "--alibi-attention"):
+    for flag in ("--alibi-interpolation", "--alibi-scale-factor", "--alibi-tail-alpha", "--alibi-attention"):
         assert flag in train_help
     assert "'alibi_interpolation'" in run_cli([tool("alibi-eval-lm"), "--help"]).stdout
 

@@ -23,11 +23,24 @@ def far_shares(model, tokens, train_length: int, bands):
     """Per layer: the mean attention share on keys >= ``train_length`` away, per query band."""
     import torch
 
-    shares = []
-    for layer in range(len(model.decoder.layers)):
+    weights = {}
+
+    def recompute_with_weights(module, args, kwargs, output):
+        # the decoder layer asks its self-attention for no weights; ask again, same input
+        query = kwargs.get("query", args[0] if args else None)
+        weights[module] = module.forward(query, query, query, need_weights=True)[1]  # [B, T, S], heads averaged
+
+    attentions = [layer.self_attn for layer in model.decoder.layers]
+    hooks = [a.register_forward_hook(recompute_with_weights, with_kwargs=True) for a in attentions]
+    try:
         with torch.no_grad():
-            _, extra = model.decoder.extract_features(tokens, None, alignment_layer=layer)
-        attn = extra["attn"][0]  # [B, T, S], heads averaged
+            model.decoder.extract_features(tokens, None)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    shares = []
+    for attention in attentions:
+        attn = weights[attention]
         length = attn.size(-1)
         far = (torch.arange(length)[:, None] - torch.arange(length)[None, :]) >= train_length
         share = (attn * far).sum(-1)
