@@ -104,3 +104,37 @@ def test_builds_from_argparse_namespace(data_dir):
     task = tasks.setup_task(args)
     model = task.build_model(args)
     assert model.decoder.alibi.scaling.train_length == 96
+
+
+def test_fairseq_imports_without_loading_the_metrics_it_never_uses_here():
+    """patches.deferred_metric_imports: importing the plugin loads neither
+    scikit-learn nor SciPy's statistics, and fairseq's names from them still
+    compute what the real functions compute (loading them on first use)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, json, fairseq_alibi.models\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy'))\n"
+        "from fairseq.criterions import sentence_prediction as sp\n"
+        "from fairseq.tasks import audio_classification as ac\n"
+        "import sklearn.metrics, scipy.stats\n"
+        "print(json.dumps({'loaded': loaded,\n"
+        "  'f1': [sp.f1_score([0, 1, 1, 0], [0, 1, 0, 0]), sklearn.metrics.f1_score([0, 1, 1, 0], [0, 1, 0, 0])],\n"
+        "  'mcc': [sp._matthews_corrcoef([0, 1, 1, 0], [0, 1, 0, 0]),\n"
+        "          sklearn.metrics.matthews_corrcoef([0, 1, 1, 0], [0, 1, 0, 0])],\n"
+        "  'pearson': [float(sp.pearsonr([1, 2, 3], [1, 2, 4])[0]), float(scipy.stats.pearsonr([1, 2, 3], [1, 2, 4])[0])],\n"
+        "  'spearman': [float(sp.spearmanr([1, 2, 3], [3, 1, 2])[0]), float(scipy.stats.spearmanr([1, 2, 3], [3, 1, 2])[0])],\n"
+        "  'roc_curve_is_real': ac.sklearn_metrics.roc_curve is sklearn.metrics.roc_curve,\n"
+        "  'real_modules': [sys.modules['sklearn'].__file__ is not None, sys.modules['scipy'].__file__ is not None]}))\n"
+    )
+    import json
+
+    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                    check=True).stdout.strip().splitlines()[-1])
+    assert out["loaded"] == []
+    for name in ("f1", "mcc", "pearson", "spearman"):
+        deferred, real = out[name]
+        assert deferred == real, (name, deferred, real)
+    assert out["f1"][0] == pytest.approx(2 / 3)
+    assert out["roc_curve_is_real"] and out["real_modules"] == [True, True]
