@@ -27,12 +27,15 @@ the earlier clauses: context matters, which evaluation tests can observe.
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
@@ -40,6 +43,7 @@ from typing import Iterable, List, Optional
 import pytest
 import torch
 
+import forkserver
 from fairseq_alibi import alibi
 
 BIN = Path(sys.executable).parent
@@ -82,18 +86,38 @@ def run_cli(
     expect_ok: bool = True,
     timeout: float = 300,
     cwd=None,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run a command; ``result.output`` is stdout + stderr."""
+    """Run a command; ``result.output`` is stdout + stderr.  Console scripts and
+    ``python -c|-m|script`` run as forks of a process that has imported torch
+    and fairseq (``forkserver.py``) unless ``fresh`` (a test of what a run
+    imports) or ``FAIRSEQ_ALIBI_TEST_FORKS=0``."""
     args = [str(a) for a in args]
-    result = subprocess.run(
-        args, input=stdin, capture_output=True, text=True, env=cli_env(), timeout=timeout, cwd=cwd
-    )
+    if not fresh and os.environ.get("FAIRSEQ_ALIBI_TEST_FORKS", "1") != "0" and forkserver.routed(args):
+        result = _fork_server().run(args, cli_env(), cwd, stdin, timeout, _FORK_SCRATCH)
+    else:
+        result = subprocess.run(
+            args, input=stdin, capture_output=True, text=True, env=cli_env(), timeout=timeout, cwd=cwd
+        )
     result.output = result.stdout + result.stderr
     if expect_ok and result.returncode != 0:
         pytest.fail(
             f"{' '.join(args[:3])} ... exited with {result.returncode}:\n{result.output[-4000:]}"
         )
     return result
+
+
+_FORK_SERVER: List = []
+_FORK_SCRATCH = tempfile.mkdtemp(prefix="forkserver-")
+
+
+def _fork_server() -> "forkserver.ForkServer":
+    """This test process's fork server, started on first use, stopped at exit."""
+    if not _FORK_SERVER:
+        _FORK_SERVER.append(forkserver.ForkServer(cli_env()))
+        atexit.register(_FORK_SERVER[0].close)
+        atexit.register(shutil.rmtree, _FORK_SCRATCH, True)
+    return _FORK_SERVER[0]
 
 
 def error_lines(result: subprocess.CompletedProcess) -> List[str]:
