@@ -35,8 +35,10 @@ def _flag(argv: List[str], *names: str) -> Optional[str]:
 def check_training_method(argv: List[str]) -> None:
     """A context-extension method given to training is trained with and stored in
     the checkpoint, which every later evaluation then uses: said, once."""
+    from .alibi import METHODS
+
     method = _flag(argv, "--alibi-interpolation")
-    if method is not None and method != "none":
+    if method in METHODS and method != "none":  # an unknown name is the model build's one error line
         logger.warning(
             "--alibi-interpolation %s is a method for evaluating past the training length: the model trains "
             "with it and the checkpoint stores it, so every later evaluation uses it unless overridden; to train "

@@ -494,6 +494,7 @@ def test_bad_value_fails_at_build_naming_the_field(
     result = run_cli(args, expect_ok=False)
     assert_reports(result, messages, script)
     assert "done training" not in result.output
+    assert "| WARNING | fairseq_alibi |" not in result.output  # a bad method is an error, not also a warning
     assert not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
 
 
