@@ -73,7 +73,7 @@ def scaling_from_config(args) -> Scaling:
     if scaling.method == "none" and factor not in (0, 1):
         warn_once(
             f"alibi_scale_factor={factor!r} has no effect with alibi_interpolation='none'; "
-            "set alibi_interpolation to linear, ntk or cap"
+            f"set alibi_interpolation to one of {', '.join(m for m in METHODS if m != 'none')}"
         )
     return scaling
 
