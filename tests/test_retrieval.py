@@ -391,12 +391,14 @@ def test_heads_example_runs(kv_data_bin, kv_checkpoint):
 def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
     """examples/retrieval/summary.py pools runs: the mean and [min, max] of each
     method's accuracy at each length equal those computed from the runs' cells,
-    rows in the --methods order; each run's accuracy with its Wilson interval."""
+    rows in the --methods order, one per method (two alphas of one method and
+    factor are two rows); each run's accuracy with its Wilson interval."""
     runs = {}
     for seed in (1, 2):
         out = tmp_path / f"seed{seed}"
         argv = [str(kv_data_bin), "-c", f"kv={kv_checkpoint}", "--task", "lines", "--digits", "2", "--lengths",
-                "48,100", "--methods", "ntk,none,cap", "--depths", "1", "--samples", "3", "--seed", str(seed),
+                "48,100", "--methods", "ntk,none,cap,log:1:0.25,log:1:2", "--depths", "1", "--samples", "3",
+                "--seed", str(seed),
                 "--output-dir", str(out), "--cpu", "--no-progress"]
         assert retrieval.main(argv) == 0
         runs[f"s{seed}"] = json.loads((out / "results.json").read_text())["cells"]
@@ -404,7 +406,8 @@ def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
     result = run_cli([sys.executable, EXAMPLES / "retrieval" / "summary.py", "--checkpoint", "kv", "--plot", plot,
                       *(f"{name}={tmp_path / ('seed' + name[1:])}/results.json" for name in runs)])
     table = result.stdout.split("\n\n")[1].splitlines()
-    assert [row.split("|")[1].strip() for row in table[2:]] == ["ntk dynamic", "none", "cap x1"]
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["ntk dynamic", "none", "cap x1", "log x1 a0.25",
+                                                                "log x1 a2"]
     for row in table[2:]:
         label = row.split("|")[1].strip()
         for length, shown in zip((48, 100), row.split("|")[2:4]):
@@ -414,7 +417,7 @@ def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
             expected = f"{sum(values) / 2:.0f} [{min(values):.0f}, {max(values):.0f}]"
             assert shown.strip() == expected
     per_run = result.stdout.strip().split("\n\n")[-1].splitlines()  # each run with its Wilson interval
-    assert len(per_run) == 2 + 3 * len(runs)
+    assert len(per_run) == 2 + 5 * len(runs)
     for row in per_run[2:]:
         label, name = (part.strip() for part in row.split("|")[1:3])
         for length, shown in zip((48, 100), row.split("|")[3:5]):

@@ -125,11 +125,12 @@ def costs(cells: List[dict], checkpoint: str, ratio: float) -> Dict[str, Cost]:
     return out
 
 
-def choose(tune_retrieval: Dict[str, Retrieval], tune_cost: Dict[str, Cost], max_cost: float) -> Dict[str, str]:
-    """Per family, the member with the best tune retrieval within ``max_cost`` (else the cheapest)."""
+def choose(grid: Sequence[str], tune_retrieval: Dict[str, Retrieval], tune_cost: Dict[str, Cost],
+           max_cost: float) -> Dict[str, str]:
+    """Per family, the member of ``grid`` with the best tune retrieval within ``max_cost`` (else the cheapest)."""
     chosen = {}
     for family in FAMILIES:
-        members = [m for m in tune_retrieval if m.split(":")[0] == family and m in tune_cost]
+        members = [m for m in grid if m.split(":")[0] == family and m in tune_retrieval and m in tune_cost]
         if not members:
             continue
         affordable = [m for m in members if tune_cost[m].value <= max_cost]
@@ -163,7 +164,7 @@ def plot(path: str, order: List[str], tasks: Dict[str, Dict[str, Retrieval]], co
 
     from fairseq_alibi.evaluation.styles import method_style
 
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 5), sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 6.2), sharex=True, sharey=True, squeeze=False)
     for ax, (task, results) in zip(axes[0], tasks.items()):
         shown = [m for m in order if m in results and m in cost]
         for m in shown:
@@ -182,13 +183,14 @@ def plot(path: str, order: List[str], tasks: Dict[str, Dict[str, Retrieval]], co
         ax.plot([100 * cost[m].value for m in edge], [100 * results[m].mean for m in edge], "k--", lw=0.8,
                 label="frontier (no method better on both)")
         ax.set_title(task)
-        ax.set_xlabel("perplexity cost at 16x L vs none (%), demo model; bar: 95% paired bootstrap over windows")
+        ax.set_xlabel("perplexity cost at 16x L vs none (%), demo model")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("retrieval at 8x L (%): mean over seeds; thin bar: seed min-max, "
-                          "thick: pooled 95% Wilson")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    axes[0][0].set_ylabel("retrieval at 8x L (%), mean over seeds")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=min(9, len(labels)), frameon=False)
+    fig.suptitle(f"{title}\nhorizontal bar: 95% paired bootstrap over windows; vertical: thin = seed min-max, "
+                 "thick = pooled 95% Wilson", fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -242,7 +244,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     tune_seeds, report_seeds = args.tune_seeds.split(), args.report_seeds.split()
     tune_tasks, tune_cost, tune_models = side(args.tune, tune_seeds, args.demo_tune)
-    chosen = choose(tune_tasks["lines"], tune_cost, args.max_cost)
+    chosen = choose(order, tune_tasks["lines"], tune_cost, args.max_cost)
     report_tasks, report_cost, report_models = side(args.report, report_seeds, args.demo_report)
     os.makedirs(args.output, exist_ok=True)
     plot(os.path.join(args.output, "frontier.png"), order, report_tasks, report_cost,
@@ -255,6 +257,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              *table(order, report_tasks, report_cost, report_models, chosen, args.within, args.max_cost), "",
              f"goal: lines retrieval at {args.at:g}x within {100 * args.within:g} points of `cap` at a demo "
              f"perplexity cost at {args.ppl_at:g}x of at most {100 * args.max_cost:g}% (yes / which part fails)"]
+    unreported = [m for m in chosen.values() if m not in report_tasks.get("lines", {})]
+    if unreported:
+        lines += ["", "warning: chosen on the tune side but not evaluated on the report side: "
+                  + ", ".join(f"`{m}`" for m in unreported) + " (add them to REPORT_METHODS)"]
     print("\n".join(lines))
     return 0
 

@@ -48,11 +48,21 @@ def load(specs: Sequence[str], checkpoint: str) -> Tuple[Dict[str, List[dict]], 
     return out, [Scaling.parse(m) for m in order]
 
 
-def methods_in_order(runs: Dict[str, List[dict]], given) -> List[Tuple[str, float, str]]:
-    """(method, factor, label) in the order the runs' --methods gave them (others after)."""
-    rank = {(m.method, m.factor): i for i, m in enumerate(given)}
-    seen = {(c["method"], float(c["factor"]), c["label"]) for cells in runs.values() for c in cells}
-    return sorted(seen, key=lambda k: (rank.get(k[:2], len(rank)), k))
+def method_key(cell: dict) -> tuple:
+    """What identifies a cell's method: (method, factor, alpha), alpha included
+    (``log:1:0.25`` and ``log:1:1`` share method and factor)."""
+    if "_key" not in cell:
+        from fairseq_alibi.alibi import Scaling
+
+        cell["_key"] = Scaling.from_record(cell).key
+    return cell["_key"]
+
+
+def methods_in_order(runs: Dict[str, List[dict]], given) -> List[Tuple[tuple, str]]:
+    """(key, label) in the order the runs' --methods gave them (others after)."""
+    rank = {m.key: i for i, m in enumerate(given)}
+    seen = {method_key(c): c["label"] for cells in runs.values() for c in cells}
+    return sorted(seen.items(), key=lambda item: (rank.get(item[0], len(rank)), repr(item[0])))
 
 
 def pooled(cells: List[dict]) -> Tuple[int, int, float]:
@@ -110,8 +120,7 @@ def per_seed_table(runs, rows, columns, column_name) -> List[str]:
 def summary(runs: Dict[str, List[dict]], given=()) -> Tuple[str, dict]:
     train_length = next(iter(runs.values()))[0]["train_length"]
     lengths = sorted({c["length"] for cells in runs.values() for c in cells})
-    rows = [(label, lambda c, m=m, f=f: (c["method"], float(c["factor"])) == (m, f))
-            for m, f, label in methods_in_order(runs, given)]
+    rows = [(label, lambda c, k=k: method_key(c) == k) for k, label in methods_in_order(runs, given)]
     by_length = [(n, lambda c, n=n: c["length"] == n) for n in lengths]
     bins = [((lo, hi), lambda c, lo=lo, hi=hi: c.get("needle_distance") is not None and lo <= c["needle_distance"] < hi)
             for lo, hi in distance_bins(train_length)]
