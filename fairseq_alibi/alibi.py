@@ -55,7 +55,7 @@ DISTANCE_METHODS = ("cap", "log", "power", "capnorm")
 #: (docs/retrieval.md, "Which method, when", has the measurements):
 #: ``log``: past C the distance grows as ``C + alpha C ln(d / C)``;
 #: ``power``: past C the bias is the cap's minus ``alpha ln(d / C)`` (weights fall as ``(C / d) ** alpha``).
-DEFAULT_ALPHA = {"log": 0.5, "power": 1.0}
+DEFAULT_ALPHA = {"log": 1.0, "power": 1.5}  # the members frontier.sh chose on its tune side (docs/retrieval.md)
 TAIL_METHODS = tuple(DEFAULT_ALPHA)
 #: The ``--methods`` grammar, for messages and ``--help``.
 METHOD_SYNTAX = ("none, linear[:F|:dynamic], ntk[:F|:dynamic], cap[:F], log[:F[:ALPHA]], power[:F[:ALPHA]] "

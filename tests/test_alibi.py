@@ -107,7 +107,7 @@ def test_factor_of_a_forward_pass():
     ("log:1:0.25", "log", 1.0, "log:1:0.25", "log x1 a0.25"),
     (f"log:1:{alibi.DEFAULT_ALPHA['log']}", "log", 1.0, "log", f"log x1 a{alibi.DEFAULT_ALPHA['log']:g}"),
     ("power", "power", 1.0, "power", f"power x1 a{alibi.DEFAULT_ALPHA['power']:g}"),
-    ("power:2:1.5", "power", 2.0, "power:2:1.5", "power x2 a1.5"),
+    ("power:2:0.75", "power", 2.0, "power:2:0.75", "power x2 a0.75"),
     ("capnorm", "capnorm", 1.0, "capnorm", "capnorm x1"),
     ("capnorm:0.5", "capnorm", 0.5, "capnorm:0.5", "capnorm x0.5"),
 ])

@@ -33,7 +33,7 @@ DEMO_SEEDS=${DEMO_SEEDS:-1 2}
 L=${L:-128}
 DIGITS=${DIGITS:-3}
 # The grid: every candidate on the tune side; the report side takes the informative ones (default: the same).
-METHODS=${METHODS:-none,ntk,ntk:2,cap,cap:2,cap:4,log:1:0.25,log,log:1:1,log:2:0.5,power:1:0.5,power,power:1:1.5,power:1:2,capnorm:0.5,capnorm,capnorm:2}
+METHODS=${METHODS:-none,ntk,ntk:2,cap,cap:2,cap:4,log:1:0.25,log:1:0.5,log:1:1,power:1:0.5,power:1:1,power:1:1.5,power:1:2,capnorm:0.5,capnorm,capnorm:2}
 REPORT_METHODS=${REPORT_METHODS:-$METHODS}
 LENGTHS=${LENGTHS:-1x,2x,4x,8x}
 DEPTHS=${DEPTHS:-5}
