@@ -46,6 +46,10 @@ would crash or silently do the wrong thing:
 * scikit-learn and SciPy's statistics, which fairseq imports on import for
   tasks this plugin never runs (1.3 s of every console script's start), load
   on first use instead (``deferred_metric_imports``).
+* fairseq's batch-loading thread (a daemon, ``BackgroundConsumer``) is stopped
+  and joined at exit: killed at interpreter shutdown in the middle of a torch
+  operation, it aborts a finished run ("terminate called without an active
+  exception", exit status -6) (``loader_threads_stop_at_exit``).
 * third-party warnings known to be harmless here (hydra deprecations, CPU-only
   torch notices) are filtered; ``FAIRSEQ_ALIBI_WARNINGS=1`` shows them.
 
@@ -66,11 +70,15 @@ import functools
 import importlib.util
 import logging
 import os
+import queue
 import shutil
 import sys
+import threading
+import time
 import traceback
 import types
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -539,6 +547,47 @@ def quiet_hub_config() -> None:
         logger.addFilter(_ConfigRecordAtDebug())
 
 
+def loader_threads_stop_at_exit() -> None:
+    """fairseq's loader thread is a daemon that keeps collating batches (torch ops)
+    after training stops; at interpreter exit it is stopped between batches and joined."""
+    from fairseq.data import iterators
+
+    if getattr(iterators.BackgroundConsumer, "stops_at_exit", False):
+        return
+    stock = iterators.BackgroundConsumer
+
+    class BackgroundConsumer(stock):
+        stops_at_exit = True
+        live: "weakref.WeakSet" = weakref.WeakSet()
+
+        def __init__(self, queue, source, max_len, cuda_device):
+            super().__init__(queue, source, max_len, cuda_device)
+            self.stopping = threading.Event()
+
+            def until_stopped(items):
+                for item in items:
+                    if self.stopping.is_set():
+                        return
+                    yield item
+
+            self._source = until_stopped(source)
+            BackgroundConsumer.live.add(self)
+
+    def stop_all(timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in list(BackgroundConsumer.live):
+            thread.stopping.set()
+            while thread.is_alive() and time.monotonic() < deadline:
+                with contextlib.suppress(queue.Empty):
+                    while True:  # make room: a blocked put() returns, the loop sees the stop
+                        thread._queue.get_nowait()
+                thread.join(0.02)
+
+    BackgroundConsumer.stop_all = staticmethod(stop_all)
+    iterators.BackgroundConsumer = BackgroundConsumer
+    atexit.register(stop_all)
+
+
 #: What fairseq imports on import, by name, for tasks this plugin never runs
 #: (sentence prediction, audio classification): 1.3 s of every start, loaded on first use.
 DEFERRED_IMPORTS = {"sklearn.metrics": ("f1_score", "matthews_corrcoef"), "scipy.stats": ("pearsonr", "spearmanr")}
@@ -594,6 +643,7 @@ def deferred_metric_imports() -> None:
 def apply() -> None:
     """Apply every global change above (idempotent)."""
     deferred_metric_imports()  # first: before anything imports fairseq
+    loader_threads_stop_at_exit()
     restore_numpy_compat_long()
     quiet_harmless_warnings()
     torchrun_on_cpu()

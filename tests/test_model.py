@@ -138,3 +138,33 @@ def test_fairseq_imports_without_loading_the_metrics_it_never_uses_here():
         assert deferred == real, (name, deferred, real)
     assert out["f1"][0] == pytest.approx(2 / 3)
     assert out["roc_curve_is_real"] and out["real_modules"] == [True, True]
+
+
+def test_the_loader_thread_is_stopped_before_the_interpreter_exits():
+    """patches.loader_threads_stop_at_exit: a run that stops consuming batches while
+    fairseq's loader thread is busy with torch operations exits with status 0, and
+    no loader thread is alive when the interpreter finalizes (a daemon killed in a
+    torch op aborts the process: "terminate called without an active exception")."""
+    import subprocess
+    import sys
+
+    code = (
+        "import atexit, threading\n"
+        "alive = []\n"
+        "atexit.register(lambda: print('alive at exit:', sum(type(t).__name__ == 'BackgroundConsumer'\n"
+        "                                                  and t.is_alive() for t in threading.enumerate())))\n"
+        "import torch, fairseq_alibi.models\n"
+        "from fairseq.data import iterators\n"
+        "def batches():\n"
+        "    while True:\n"
+        "        yield torch.randn(64, 64) @ torch.randn(64, 64)  # torch work in the loader thread\n"
+        "class Source:\n"
+        "    def __len__(self): return 10 ** 6\n"
+        "    def __iter__(self): return batches()\n"
+        "it = iterators.BufferedIterator(2, Source())\n"
+        "print('first batch', tuple(next(it).shape))\n"
+    )
+    for _ in range(3):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.splitlines()[-2:] == ["first batch (64, 64)", "alive at exit: 0"], result.stdout

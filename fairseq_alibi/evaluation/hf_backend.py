@@ -26,6 +26,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..alibi import Scaling
 from ..errors import EvaluationError
+from .data_dir import split_text
 from .prompts import Vocabulary
 from .runner import Described, ModelInfo, answer_result, file_identity, parse_named
 
@@ -117,8 +118,6 @@ class HFBackend:
         self.text = None
         if subset is not None:
             if args.data and os.path.isdir(args.data):
-                from .backends import split_text
-
                 self.text, read = split_text(args.data, subset), os.path.join(args.data, f"{subset}.bin")
             else:
                 self.text, read = read_text(args.data), args.data
