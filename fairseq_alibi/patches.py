@@ -634,10 +634,18 @@ def deferred_metric_imports() -> None:
     sys.modules.update(stand_ins)
     try:
         import fairseq  # noqa: F401
+    except ImportError:  # something in fairseq needed more of these packages than the stand-ins have
+        retire(stand_ins)
+        import fairseq  # noqa: F401,F811  (the real packages, as without this patch)
     finally:
-        for name, module in stand_ins.items():
-            if sys.modules.get(name) is module:
-                del sys.modules[name]
+        retire(stand_ins)
+
+
+def retire(stand_ins: dict) -> None:
+    """Take the stand-ins out of ``sys.modules`` (the real modules load on the next import)."""
+    for name, module in stand_ins.items():
+        if sys.modules.get(name) is module:
+            del sys.modules[name]
 
 
 def apply() -> None:
