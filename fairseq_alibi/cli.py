@@ -48,8 +48,8 @@ def check_training_method(argv: List[str]) -> None:
 
 
 def check_training_kernel(argv: List[str]) -> None:
-    """``--alibi-attention flex`` cannot train without CUDA: refused before the data
-    loader's thread starts (an error raised inside the training loop can race it at exit)."""
+    """``--alibi-attention flex`` cannot train without CUDA: refused in one line at
+    once, not after fairseq has loaded the data and compiled a validation pass."""
     if _flag(argv, "--alibi-attention") != "flex":
         return
     import torch

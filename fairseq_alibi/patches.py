@@ -583,7 +583,6 @@ def loader_threads_stop_at_exit() -> None:
                         thread._queue.get_nowait()
                 thread.join(0.02)
 
-    BackgroundConsumer.stop_all = staticmethod(stop_all)
     iterators.BackgroundConsumer = BackgroundConsumer
     atexit.register(stop_all)
 
@@ -596,9 +595,8 @@ DEFERRED_IMPORTS = {"sklearn.metrics": ("f1_score", "matthews_corrcoef"), "scipy
 def _stand_in(full_name: str, names, stand_ins: dict) -> types.ModuleType:
     """A module whose attributes load the real ``full_name`` (and retire the stand-ins)."""
     def real():
-        for name, module in list(stand_ins.items()):
-            if name.split(".")[0] == full_name.split(".")[0] and sys.modules.get(name) is module:
-                del sys.modules[name]
+        package = full_name.split(".")[0]
+        retire({name: module for name, module in stand_ins.items() if name.split(".")[0] == package})
         return importlib.import_module(full_name)
 
     def any_name(name):

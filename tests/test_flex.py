@@ -161,7 +161,7 @@ def test_alibi_train_with_flex_on_cpu_stops_with_one_error_line(lm_data_bin, tmp
     lines = error_lines(result)
     assert len(lines) == 1 and "alibi_attention=flex cannot train on cpu" in lines[0], result.output[-2000:]
     assert "Traceback" not in result.output
-    assert "loading train data" not in result.output  # refused before fairseq starts its loader thread
+    assert "loading train data" not in result.output  # refused at once, before fairseq loads the data
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA path; no GPU available")
