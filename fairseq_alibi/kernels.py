@@ -98,25 +98,36 @@ def chunk_ramp(bias: AlibiBias, rows: int, k_len: int, dtype, device) -> Tuple[i
     return top, bias.cached("ramp", key, lambda: bias.block(top, rows, k_len, dtype, device, keys=width))
 
 
-#: float32 ``exp`` is exactly 0 below about -103.97: a key whose score lies
-#: more than this below its row's maximum adds nothing to the softmax.
-UNDERFLOW = 110.0
+#: Keys left out of a row together weigh at most this share of one rounding
+#: unit (``eps``) of the row's softmax sum: 2^-40 of it in float32.
+SKIPPED_SHARE = 2.0**-16
 #: Key windows start at multiples of this (fewer distinct head groups per block).
 WINDOW_ALIGN = 64
 
 
+def negligible_gap(k_len: int, dtype: torch.dtype) -> float:
+    """How far below its row's largest score a key may be left out: ``k_len``
+    keys that each weigh less than ``exp(-gap)`` of the row's largest weight
+    move its softmax sum by less than ``SKIPPED_SHARE * eps`` (relative), and
+    an output by less than twice that times the largest ``|v|``: 2^16 times
+    below the rounding of ``dtype`` itself.  36.7 for 16K float32 keys."""
+    return math.log(k_len / (torch.finfo(dtype).eps * SKIPPED_SHARE))
+
+
 def key_windows(bias: AlibiBias, q: Tensor, k: Tensor, k_len: int) -> Optional[Callable[[int, int], List[int]]]:
-    """ALiBi's own sparsity, exactly: ``first(start, stop)`` -> the first key
-    each head needs for the queries ``start .. stop - 1`` of a causal call, or
-    None where no key can be skipped.
+    """ALiBi's own sparsity: ``first(start, stop)`` -> the first key each head
+    needs for the queries ``start .. stop - 1`` of a causal call, or None where
+    no key can be skipped.
 
     A key at distance ``d`` scores at most ``|q_i| (|k_j| + |k_i|) / sqrt(D) -
     m d'(d)`` against its row's maximum (at least the query's own key, ``-|q_i|
-    |k_i| / sqrt(D)``); past the distance where ``m d'(d)`` exceeds ``UNDERFLOW``
-    plus twice the largest ``|q| |k| / sqrt(D)``, its weight is exactly 0 in
-    float32, so it can be left out without changing a bit of the softmax's
-    sum.  Steep heads need a few hundred keys, however long the input; a cap
-    (bounded bias) or padding (a query's own key may be hidden) skips nothing.
+    |k_i| / sqrt(D)``); past the distance where ``m d'(d)`` exceeds
+    :func:`negligible_gap` plus twice the largest ``|q| |k| / sqrt(D)``, all such
+    keys together change the softmax by less than ``SKIPPED_SHARE`` of a
+    rounding unit, so leaving them out is exact to the dtype's precision (the
+    bound is in :func:`negligible_gap`).  Steep heads need a few hundred keys,
+    however long the input; a cap (bounded bias) or padding (a query's own key
+    may be hidden) skips nothing.
     """
     if not bias.causal:
         return None
@@ -126,9 +137,10 @@ def key_windows(bias: AlibiBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
     query_norms = q.detach().float().norm(dim=-1).amax(dim=0)  # [H, T]
     key_norm = k.detach().float().norm(dim=-1).amax(dim=(0, 2))  # [H]
     offset = k_len - q.size(2)
+    gap = negligible_gap(k_len, q.dtype)
 
     def first(start: int, stop: int) -> List[int]:
-        bound = (query_norms[:, start:stop].amax(-1) * key_norm * (2 * scale) + UNDERFLOW).tolist()
+        bound = (query_norms[:, start:stop].amax(-1) * key_norm * (2 * scale) + gap).tolist()
         firsts = []
         for m, b in zip(slopes, bound):
             window = scaling.reach(b, m)
@@ -145,7 +157,8 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
     shared ramp (causal), every block with the slopes of all ``k_len`` keys (as
     the dense kernels, so dynamic scaling agrees across kernels).  Causal blocks
     read only the keys they can see, and each head only those within its
-    :func:`key_windows` (exact: the others weigh 0 in float32)."""
+    :func:`key_windows` (exact to the dtype: the others together weigh less
+    than 2^-16 of its rounding unit)."""
     chunk_size = chunk_size or CHUNK_SIZE
     q_len, k_len = q.size(2), k.size(2)
     causal = bias.causal

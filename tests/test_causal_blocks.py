@@ -245,8 +245,8 @@ def test_lm_training_with_attention_dropout_takes_blocked_path(tmp_path):
 @pytest.mark.parametrize("scaling", [alibi.NO_SCALING, alibi.Scaling("ntk", 2.0)], ids=["none", "ntk2"])
 def test_blocked_key_windows_give_the_reference_forward_and_gradients(scaling, monkeypatch):
     """Without dropout each head's query block reads only the keys within its
-    key window (kernels.key_windows): steep heads skip keys whose weight is
-    exactly 0; the forward and every gradient are those of the blocked path
+    key window (kernels.key_windows): steep heads skip keys whose weights
+    together are below float32's rounding; the forward and every gradient are those of the blocked path
     without windows, and the fp64 reference's (to fp32 rounding of scores up to ~80)."""
     heads, length = 8, 1200
     bias = AlibiBias(heads, scaling=scaling)
@@ -269,5 +269,7 @@ def test_blocked_key_windows_give_the_reference_forward_and_gradients(scaling, m
     monkeypatch.setattr(K, "key_windows", lambda *a: None)
     whole = forward_backward()
     for got, plain, want in zip(windowed, whole, expected):
-        torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
+        # the calls differ (head groups), and so does rounding: a few float32
+        # ulps of values up to ~40, well below either side's error against fp64
+        torch.testing.assert_close(got, plain, atol=4e-5, rtol=1e-5)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
