@@ -160,6 +160,9 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
     :func:`key_windows` (exact to the dtype: the others together weigh less
     than 2^-16 of its rounding unit)."""
     chunk_size = chunk_size or CHUNK_SIZE
+    # the flash kernel reads [B, H, T, D] rows ~15% faster than the projections'
+    # [T, B, H, D] layout: one copy of each, then ~100 calls at 8K on them
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     q_len, k_len = q.size(2), k.size(2)
     causal = bias.causal
     offset = k_len - q_len if causal else 0
@@ -168,7 +171,8 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
         top, ramp = chunk_ramp(bias, chunk_size, k_len, q.dtype, q.device)
     pad = padding_mask(key_padding_mask, q.dtype)
     windows = key_windows(bias, q, k, k_len) if pad is None and q_len > chunk_size else None
-    out = q.new_empty(q.shape[:3] + v.shape[-1:])
+    # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
+    out = q.new_empty(q_len, q.size(0), q.size(1), v.size(-1))
     for start in range(0, q_len, chunk_size):
         stop = min(start + chunk_size, q_len)
         visible = offset + stop if causal else k_len
@@ -180,11 +184,11 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
         block = block[None] if pad is None else block[None] + pad[..., :visible]
         groups = head_groups(windows(start, stop)) if windows else [(slice(None), 0)]
         for heads, first in groups:
-            out[:, heads, start:stop] = F.scaled_dot_product_attention(
+            out[start:stop, :, heads] = F.scaled_dot_product_attention(
                 q[:, heads, start:stop], k[:, heads, first:visible], v[:, heads, first:visible],
-                attn_mask=block[:, heads, :, first:])
+                attn_mask=block[:, heads, :, first:]).permute(2, 0, 1, 3)
         del block
-    return out, None
+    return out.permute(1, 2, 0, 3), None
 
 
 # ----------------------------------------------------------------- registry and choice
