@@ -177,7 +177,6 @@ class _FlashBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, calls):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
         out = q.new_empty(q.size(2), q.size(0), q.size(1), v.size(-1)).permute(1, 2, 0, 3)
         lse = []

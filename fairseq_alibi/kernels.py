@@ -75,9 +75,17 @@ def sdpa_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
 
 
 def blocked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
+    q, k, v = _contiguous(q, k, v)
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     windows = key_windows(bias, q, k, k.size(2)) if key_padding_mask is None and dropout_p == 0 else None
     return blocked_causal_attention(q, k, v, mask, dropout_p, windows=windows), None
+
+
+def _contiguous(*tensors: Tensor) -> List[Tensor]:
+    """``[B, H, T, D]``-contiguous copies: the CPU flash kernel reads them ~15%
+    faster than the projections' ``[T, B, H, D]`` layout, and it is called
+    per block (and group of heads) on the same tensors."""
+    return [t.contiguous() for t in tensors]
 
 
 def _dense(q, k, bias: AlibiBias) -> Tensor:
@@ -160,9 +168,7 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
     :func:`key_windows` (exact to the dtype: the others together weigh less
     than 2^-16 of its rounding unit)."""
     chunk_size = chunk_size or CHUNK_SIZE
-    # the flash kernel reads [B, H, T, D] rows ~15% faster than the projections'
-    # [T, B, H, D] layout: one copy of each, then ~100 calls at 8K on them
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = _contiguous(q, k, v)
     q_len, k_len = q.size(2), k.size(2)
     causal = bias.causal
     offset = k_len - q_len if causal else 0
