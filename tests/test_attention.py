@@ -90,7 +90,9 @@ def test_chunk_block_equals_causal_bias(q_start, q_len, k_len, dtype):
 
 
 @pytest.mark.parametrize("chunk", [4, 16])
-@pytest.mark.parametrize("scaling", [alibi.Scaling("linear", 0, 8), alibi.Scaling("cap", 0.5, 8)])
+@pytest.mark.parametrize("scaling", [alibi.Scaling("linear", 0, 8), alibi.Scaling("cap", 0.5, 8),
+                                     alibi.Scaling("log", 1, 8, 1.0), alibi.Scaling("power", 1, 8, 1.5)],
+                         ids=["linear", "cap", "log", "power"])
 def test_chunk_ramp_windows_equal_causal_bias(chunk, scaling):
     """The chunked kernel's blocks (views of one shared ramp) against the
     whole bias, with the slopes of the whole length (dynamic scaling) and the
