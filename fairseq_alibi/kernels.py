@@ -138,28 +138,31 @@ def key_windows(bias: AlibiBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
     needs for the queries ``start .. stop - 1`` of a causal call, or None where
     no key can be skipped.
 
-    A key at distance ``d`` scores at most ``|q_i| (|k_j| + |k_i|) / sqrt(D) -
-    m d'(d)`` against its row's maximum (at least the query's own key, ``-|q_i|
-    |k_i| / sqrt(D)``); past the distance where ``m d'(d)`` exceeds
-    :func:`negligible_gap` plus twice the largest ``|q| |k| / sqrt(D)``, all such
-    keys together change the softmax by less than ``SKIPPED_SHARE`` of a
-    rounding unit, so leaving them out is exact to the dtype's precision (the
-    bound is in :func:`negligible_gap`).  Steep heads need a few hundred keys,
-    however long the input; a cap (bounded bias) or padding (a query's own key
-    may be hidden) skips nothing.
+    A key at distance ``d`` scores at most ``|q_i| K / sqrt(D) - m d'(d)``
+    (``K`` the head's largest key norm), and its row's maximum is at least the
+    query's score of its own key ``s_ii`` (distance 0, no bias); past the
+    distance where ``m d'(d)`` exceeds :func:`negligible_gap` plus the block's
+    largest ``|q_i| K / sqrt(D) - s_ii``, all such keys together change the
+    softmax by less than ``SKIPPED_SHARE`` of a rounding unit, so leaving them
+    out is exact to the dtype's precision (the bound is in
+    :func:`negligible_gap`).  Steep heads need a few hundred keys, however long
+    the input; a cap (bounded bias) or padding (a query's own key may be
+    hidden) skips nothing.
     """
     if not bias.causal:
         return None
     scaling = bias.scaling
     slopes = scaling.slopes(bias.base_slopes, k_len, bias.exponents).tolist()
     scale = q.size(-1) ** -0.5
-    query_norms = q.detach().float().norm(dim=-1).amax(dim=0)  # [H, T]
-    key_norm = k.detach().float().norm(dim=-1).amax(dim=(0, 2))  # [H]
     offset = k_len - q.size(2)
+    queries, keys = q.detach().float(), k.detach().float()
+    key_norm = keys.norm(dim=-1).amax(dim=(0, 2))  # [H]
+    own = (queries * keys[:, :, offset:]).sum(-1)  # [B, H, T]: a floor of each row's maximum
+    margins = ((queries.norm(dim=-1) * key_norm[:, None] - own) * scale).amax(dim=0)  # [H, T]
     gap = negligible_gap(k_len, q.dtype)
 
     def first(start: int, stop: int) -> List[int]:
-        bound = (query_norms[:, start:stop].amax(-1) * key_norm * (2 * scale) + gap).tolist()
+        bound = (margins[:, start:stop].amax(-1) + gap).tolist()
         firsts = []
         for m, b in zip(slopes, bound):
             window = scaling.reach(b, m)

@@ -196,6 +196,26 @@ def test_key_windows_bound_holds_for_adversarial_scores(dtype):
     assert float(weights[0, : firsts[0] + K.WINDOW_ALIGN + 8].sum()) > allowed * 1e-6
 
 
+@pytest.mark.parametrize("own", ["aligned", "random"])
+def test_key_windows_leave_out_negligible_mass_for_every_query(own):
+    """Every query of a block and every head: the keys before the head's first
+    key weigh together at most SKIPPED_SHARE * eps of the row (fp64 softmax),
+    also where the window is narrowed by queries scoring high on their own key
+    (the row maximum's floor)."""
+    heads, dim, length, start = 8, 16, 1500, 1372
+    gen = torch.Generator().manual_seed(11)
+    k = 3 * torch.randn(1, heads, length, dim, generator=gen)
+    q = k.clone() if own == "aligned" else 3 * torch.randn(1, heads, length, dim, generator=gen)
+    bias = AlibiBias(heads)
+    firsts = K.key_windows(bias, q, k, length)(start, length)
+    assert firsts[0] > 0, firsts
+    scores = (q[:, :, start:] @ k.transpose(-1, -2)).double() / dim ** 0.5
+    weights = torch.softmax(scores + bias.block(start, length - start, length, torch.float64, "cpu"), dim=-1)[0]
+    allowed = K.SKIPPED_SHARE * torch.finfo(torch.float32).eps
+    for h, first in enumerate(firsts):
+        assert float(weights[h, :, :first].sum(-1).max()) <= allowed, (h, first)
+
+
 def test_reference_returns_weights_for_need_weights():
     module = make_attention("sdpa")
     x = torch.randn(6, 2, 32)
