@@ -152,16 +152,19 @@ def head_groups(firsts: List[int]) -> List[Tuple[slice, int]]:
     return runs
 
 
-def _block_calls(q_len: int, k_len: int, block: int, windows=None) -> List[Tuple[int, int, slice, int, int]]:
+def _block_calls(q_len: int, k_len: int, block: int, heads: int, windows=None,
+                 per_head: bool = False) -> List[Tuple[int, int, slice, int, int]]:
     """(first query, end query, heads, first key, end key) of each call of the
     path without dropout: per query block, per group of heads with the same
-    key window; the calls' (queries, heads) partition the output."""
+    key window (``per_head``: per head); the calls' (queries, heads) partition
+    the output."""
     offset = k_len - q_len
     calls = []
     for start in range(0, q_len, block):
         stop = min(start + block, q_len)
-        groups = head_groups(windows(start, stop)) if windows else [(slice(None), 0)]
-        calls += [(start, stop, heads, first, offset + stop) for heads, first in groups]
+        firsts = windows(start, stop) if windows else [0] * heads
+        groups = [(slice(h, h + 1), f) for h, f in enumerate(firsts)] if per_head else head_groups(firsts)
+        calls += [(start, stop, group, first, offset + stop) for group, first in groups]
     return calls
 
 
@@ -208,11 +211,14 @@ class _FlashBlocks(torch.autograd.Function):
 
 def _sdpa_blocks(q, k, v, mask, block: int, windows=None) -> Tensor:
     """Without dropout: one fused flash call per query block and group of
-    heads, against the keys they can see and need, with their slice of the
+    heads (or head), against the keys they can see and need, with their slice of the
     mask; nothing ``T x T`` is saved for the backward.  On CPU with gradients
     the calls and their backward run in :class:`_FlashBlocks`; elsewhere
     (another device, no gradients) through ``F.scaled_dot_product_attention``."""
-    calls = _block_calls(q.size(2), k.size(2), block, windows)
+    # With several rows, one head per call: the kernel reads that head's slice
+    # of the (batch-broadcast) mask for every row, and one head's slice stays
+    # in cache (128 x 512 floats at T=512), all heads' do not (~6% faster).
+    calls = _block_calls(q.size(2), k.size(2), block, q.size(1), windows, per_head=q.size(0) > 1)
     if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _FlashBlocks.apply(q, k, v, mask, calls)
     # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
