@@ -133,7 +133,8 @@ def blocked_causal_attention(
     ``AlibiBias.merged_mask`` returns: inside a block that is the causal mask;
     the part right of a block is never read).  Without dropout, ``windows``
     (``kernels.key_windows``) gives each head's first key per block: the keys
-    before it together weigh less than 2^-16 of a rounding unit of the softmax.  Returns ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
+    before it together weigh less than 2^-16 of a rounding unit of the
+    softmax.  Returns ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
     if mask.requires_grad:
         raise ValueError("the blocked path computes no gradient for the bias; use sdpa for a learned bias")
     mask = mask.to(q.dtype)

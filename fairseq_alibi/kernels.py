@@ -175,38 +175,50 @@ def key_windows(bias: AlibiBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
 
 def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
     """Queries in blocks of ``chunk_size`` (default ``CHUNK_SIZE``); each block's
-    bias built on the fly (bidirectional, learned, ``capnorm``) or a view of the
-    shared ramp (causal), every block with the slopes of all ``k_len`` keys (as
+    bias a view of the shared ramp (causal) or built on the fly (bidirectional,
+    learned, ``capnorm``), every block with the slopes of all ``k_len`` keys (as
     the dense kernels, so dynamic scaling agrees across kernels).  Causal blocks
     read only the keys they can see, and each head only those within its
     :func:`key_windows` (exact to the dtype: the others together weigh less
-    than 2^-16 of its rounding unit)."""
+    than 2^-16 of its rounding unit).  Ramp views run head by head: one head's
+    plane of the ramp (``chunk_size x T`` values) stays in cache across its
+    blocks, all heads' do not (~15% faster at 8K than block by block)."""
     chunk_size = chunk_size or CHUNK_SIZE
     q, k, v = _contiguous(q, k, v)
     q_len, k_len = q.size(2), k.size(2)
     causal = bias.causal
     offset = k_len - q_len if causal else 0
-    ramped = causal and bias.scaling.relative
-    if ramped:
-        top, ramp = chunk_ramp(bias, chunk_size, k_len, q.dtype, q.device)
     pad = padding_mask(key_padding_mask, q.dtype)
     windows = key_windows(bias, q, k, k_len) if pad is None and q_len > chunk_size else None
+    starts = range(0, q_len, chunk_size)
+    firsts = [windows(s, min(s + chunk_size, q_len)) if windows else [0] * q.size(1) for s in starts]
     # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
     out = q.new_empty(q_len, q.size(0), q.size(1), v.size(-1))
-    for start in range(0, q_len, chunk_size):
+
+    def attend_block(start: int, heads: slice, first: int, mask: Tensor) -> None:
+        """Queries ``start ..`` of ``heads`` against their keys ``first ..``, ``mask`` over all visible keys."""
         stop = min(start + chunk_size, q_len)
         visible = offset + stop if causal else k_len
-        if ramped:
-            column = top - (offset + start)
-            block = ramp[:, : stop - start, column : column + visible]
-        else:
-            block = bias.block(offset + start, stop - start, k_len, q.dtype, q.device, keys=visible)
-        block = block[None] if pad is None else block[None] + pad[..., :visible]
-        groups = head_groups(windows(start, stop)) if windows else [(slice(None), 0)]
-        for heads, first in groups:
-            out[start:stop, :, heads] = F.scaled_dot_product_attention(
-                q[:, heads, start:stop], k[:, heads, first:visible], v[:, heads, first:visible],
-                attn_mask=block[:, heads, :, first:]).permute(2, 0, 1, 3)
+        mask = mask if pad is None else mask + pad[..., :visible]
+        out[start:stop, :, heads] = F.scaled_dot_product_attention(
+            q[:, heads, start:stop], k[:, heads, first:visible], v[:, heads, first:visible],
+            attn_mask=mask[..., first:]).permute(2, 0, 1, 3)
+
+    if causal and bias.scaling.relative:
+        top, ramp = chunk_ramp(bias, chunk_size, k_len, q.dtype, q.device)
+        for h in range(q.size(1)):
+            for start, first in zip(starts, (f[h] for f in firsts)):
+                rows = min(chunk_size, q_len - start)
+                column = top - (offset + start)
+                visible = offset + start + rows
+                attend_block(start, slice(h, h + 1), first, ramp[None, h : h + 1, :rows, column : column + visible])
+        return out.permute(1, 2, 0, 3), None
+    for start, block_firsts in zip(starts, firsts):
+        rows = min(chunk_size, q_len - start)
+        visible = offset + start + rows if causal else k_len
+        block = bias.block(offset + start, rows, k_len, q.dtype, q.device, keys=visible)
+        for heads, first in head_groups(block_firsts):
+            attend_block(start, heads, first, block[None, heads])
         del block
     return out.permute(1, 2, 0, 3), None
 
