@@ -75,16 +75,17 @@ def sdpa_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
 
 
 def blocked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
-    q, k, v = _contiguous(q, k, v)
+    k, v = _contiguous(k, v)
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     windows = key_windows(bias, q, k, k.size(2)) if key_padding_mask is None and dropout_p == 0 else None
     return blocked_causal_attention(q, k, v, mask, dropout_p, windows=windows), None
 
 
 def _contiguous(*tensors: Tensor) -> List[Tensor]:
-    """``[B, H, T, D]``-contiguous copies: the CPU flash kernel reads them ~15%
-    faster than the projections' ``[T, B, H, D]`` layout, and it is called
-    per block (and group of heads) on the same tensors."""
+    """``[B, H, T, D]``-contiguous copies of keys and values: the CPU flash
+    kernel reads them ~15% faster than the projections' ``[T, B, H, D]``
+    layout, and every query block reads them again (the queries, read once,
+    gain nothing from a copy)."""
     return [t.contiguous() for t in tensors]
 
 
@@ -184,7 +185,7 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
     plane of the ramp (``chunk_size x T`` values) stays in cache across its
     blocks, all heads' do not (~15% faster at 8K than block by block)."""
     chunk_size = chunk_size or CHUNK_SIZE
-    q, k, v = _contiguous(q, k, v)
+    k, v = _contiguous(k, v)
     q_len, k_len = q.size(2), k.size(2)
     causal = bias.causal
     offset = k_len - q_len if causal else 0
