@@ -273,3 +273,30 @@ def test_blocked_key_windows_give_the_reference_forward_and_gradients(scaling, m
         # ulps of values up to ~40, well below either side's error against fp64
         torch.testing.assert_close(got, plain, atol=4e-5, rtol=1e-5)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("item", ["none", "linear", "ntk:2", "ntk", "cap:0.5", "log:1:0.25", "power:1:2"])
+def test_blocked_without_dropout_matches_reference_for_every_method(item, monkeypatch):
+    """The path without dropout (the flash kernel and its backward per block
+    and head, key windows) against the reference kernel for every scaling
+    method, static and dynamic: queries the last 200 of 300 keys (a KV cache's
+    offset), blocks of 32 (boundaries inside), 2 rows; outputs and gradients."""
+    heads, q_len, k_len, train_length = 8, 200, 300, 64
+    bias = AlibiBias(heads, scaling=alibi.Scaling.parse(item, train_length))
+    monkeypatch.setattr(CB, "block_size", lambda n: 32)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, heads, q_len, 16, generator=gen)
+    k, v = (torch.randn(2, heads, k_len, 16, generator=gen) for _ in range(2))
+    firsts = K.key_windows(bias, q, k, k_len)(q_len - 32, q_len)
+    # the steepest head skips keys where the bias grows fast enough over 300 keys
+    # (not under a cap, nor with slopes divided by 300 / 64 or distances bent past 64)
+    assert (firsts[0] > 0) == (item in ("none", "ntk:2", "ntk")), firsts
+    weight = torch.randn(2, heads, q_len, 16, generator=gen)
+    results = []
+    for kernel in (K.blocked_kernel, K.reference_kernel):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, _ = kernel(*leaves, bias, None, 0.0)
+        (out * weight).sum().backward()
+        results.append([out] + [x.grad for x in leaves])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
