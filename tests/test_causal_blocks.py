@@ -1,6 +1,6 @@
 """The query-blocked causal path (``fairseq_alibi.causal_blocks``, ``alibi_attention
-=blocked``, CPU training with attention dropout) against independent references:
-forward and gradients, fp32 and bf16, right padding, lengths that are not a
+=blocked``, CPU training of causal stacks) against independent references:
+forward and gradients, fp32, bf16 and fp16, right padding, lengths that are not a
 multiple of the block, with and without attention dropout."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ BF16_REL, BF16_ABS = 5e-2, 5e-2
 
 
 def assert_close(actual, expected, dtype):
-    if dtype == torch.bfloat16:
+    if dtype in (torch.bfloat16, torch.float16):
         err, size = (actual.float() - expected).norm(), expected.norm()
         assert err <= BF16_REL * size + BF16_ABS, f"|error| {err:.4f} for |expected| {size:.4f}"
     else:
@@ -72,7 +72,7 @@ def outputs_and_grads(fn, q, k, v, weight):
     return result
 
 
-CASES = list(itertools.product((torch.float32, torch.bfloat16), (False, True), (0.0, 0.3)))
+CASES = list(itertools.product((torch.float32, torch.bfloat16, torch.float16), (False, True), (0.0, 0.3)))
 
 
 @pytest.mark.parametrize("dtype,padded,p", CASES)

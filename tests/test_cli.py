@@ -170,12 +170,13 @@ def test_eval_8x_training_length_without_overrides(eval_lm):
     assert long.loss < 2.5  # far below uniform over the vocabulary (log2 ~ 5)
 
 
-def test_fast_kernels_print_the_reference_perplexity(eval_lm):
-    """End to end at 16x L: the long-evaluation kernel (chunked, with its key
-    windows: 512 tokens are two chunks) and the training kernel (blocked) print
-    the reference kernel's perplexity to the printed digits (auto's choice
-    between them is tested in test_attention)."""
-    length = 16 * TRAIN_LENGTH
+@pytest.mark.parametrize("times", [1, 16])
+def test_fast_kernels_print_the_reference_perplexity(eval_lm, times):
+    """End to end at 1x and 16x L: the long-evaluation kernel (chunked, with its
+    key windows: 512 tokens are two chunks) and the training kernel (blocked)
+    print the reference kernel's perplexity to the printed digits (auto's
+    choice between them is tested in test_attention)."""
+    length = times * TRAIN_LENGTH
     reference = eval_lm(length, {"alibi_attention": "reference"})
     for kernel in ("chunked", "blocked"):
         result = eval_lm(length, {"alibi_attention": kernel})
