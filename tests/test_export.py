@@ -832,3 +832,37 @@ def test_alibi_retrieval_gives_the_same_scores_on_a_checkpoint_and_its_export(da
     longest = max(length for _, length in cells["fs"])
     assert len({round(cells["fs"][(label, longest)]["answer_logprob"], 5) for label in
                 ("none", "ntk dynamic", "cap x0.5")}) == 3  # past L the methods differ: not vacuous
+
+
+def test_exported_model_runs_the_fast_kernels_exactly(data_dir, tmp_path, monkeypatch):
+    """The exported model runs the plugin's kernels: chunked (long inference,
+    key windows) and blocked (CPU training) give the reference kernel's
+    log-probs, and blocked its gradients, over several 16-query blocks."""
+    model, cfg = build(data_dir, [])
+    loaded, _ = hf.load_hf_model(str(exported(model, cfg, tmp_path)), progress=False)
+    package = type(loaded).__module__.rsplit(".", 1)[0]  # the kernels next to the loaded modeling file
+    kernels_module, blocks_module = sys.modules[package + ".kernels"], sys.modules[package + ".causal_blocks"]
+    monkeypatch.setattr(kernels_module, "CHUNK_SIZE", 16)
+    monkeypatch.setattr(blocks_module, "block_size", lambda n: 16)
+    calls = []
+    for name in ("chunked_kernel", "blocked_kernel"):
+        monkeypatch.setitem(kernels_module.KERNELS, name.split("_")[0],
+                            lambda *a, _name=name, _fn=getattr(kernels_module, name): calls.append(_name) or _fn(*a))
+    holder = next(m for m in loaded.modules() if isinstance(getattr(m, "kernel", None), str))
+    ids = tokens(6 * L, batch=2)
+    results = {}
+    for kernel in ("reference", "chunked", "blocked"):
+        holder.kernel = kernel
+        loaded.zero_grad()
+        with torch.set_grad_enabled(kernel != "chunked"):
+            log_probs = loaded(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
+        if kernel != "chunked":
+            log_probs.gather(-1, ids[..., None]).sum().backward()
+        grads = [p.grad.clone() for p in loaded.parameters() if p.grad is not None]
+        results[kernel] = (log_probs.detach(), grads)
+    assert calls == ["chunked_kernel"] * 2 + ["blocked_kernel"] * 2  # two layers each
+    assert max_diff(results["chunked"][0], results["reference"][0]) < 1e-5
+    assert max_diff(results["blocked"][0], results["reference"][0]) < 1e-5
+    assert len(results["blocked"][1]) == len(results["reference"][1]) > 0
+    for got, want in zip(results["blocked"][1], results["reference"][1]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
