@@ -15,10 +15,11 @@ square (and draws 10/16 of the dropout mask).
   style, ``delta = rowsum(dO * O)``) over the saved probabilities and dropped
   probabilities of each block; the ``1 / (1 - p)`` dropout scale is folded into
   ``v`` (and into the gradient of ``v``) instead of a pass over the square;
-* without dropout: one call of the CPU flash kernel per block (and group of
-  heads with the same key window), with the block's slice of the bias as its
-  mask, and one call of its backward; the gradients go straight into whole
-  ``dq, dk, dv`` tensors; nothing ``T x T`` is saved.
+* without dropout: one call of the CPU flash kernel per block and head (per
+  group of heads with the same key window when the batch has one row), with
+  the block's slice of the bias as its mask, and one call of its backward; the
+  gradients go straight into whole ``dq, dk, dv`` tensors; nothing ``T x T``
+  is saved.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def blocked_causal_attention(
     mask = mask.to(q.dtype)
     if dropout_p > 0:
         return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK)
-    return _sdpa_blocks(q, k, v, mask, block or block_size(q.size(2)), windows)
+    return _flash_blocks(q, k, v, mask, block or block_size(q.size(2)), windows)
 
 
 def head_groups(firsts: List[int]) -> List[Tuple[slice, int]]:
@@ -210,9 +211,9 @@ class _FlashBlocks(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def _sdpa_blocks(q, k, v, mask, block: int, windows=None) -> Tensor:
-    """Without dropout: one fused flash call per query block and group of
-    heads (or head), against the keys they can see and need, with their slice of the
+def _flash_blocks(q, k, v, mask, block: int, windows=None) -> Tensor:
+    """Without dropout: one flash call per query block and head (or group of
+    heads), against the keys they can see and need, with their slice of the
     mask; nothing ``T x T`` is saved for the backward.  On CPU with gradients
     the calls and their backward run in :class:`_FlashBlocks`; elsewhere
     (another device, no gradients) through ``F.scaled_dot_product_attention``."""
