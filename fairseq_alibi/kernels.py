@@ -197,30 +197,33 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
     out = q.new_empty(q_len, q.size(0), q.size(1), v.size(-1))
 
     def attend_block(start: int, heads: slice, first: int, mask: Tensor) -> None:
-        """Queries ``start ..`` of ``heads`` against their keys ``first ..``, ``mask`` over all visible keys."""
-        stop = min(start + chunk_size, q_len)
-        visible = offset + stop if causal else k_len
+        """Queries ``start ..`` of ``heads`` against keys ``first ..``; ``mask``
+        is their bias over every key they see (its shape gives both extents)."""
+        stop, visible = start + mask.size(-2), mask.size(-1)
         mask = mask if pad is None else mask + pad[..., :visible]
         out[start:stop, :, heads] = F.scaled_dot_product_attention(
             q[:, heads, start:stop], k[:, heads, first:visible], v[:, heads, first:visible],
             attn_mask=mask[..., first:]).permute(2, 0, 1, 3)
 
+    def extent(start: int) -> Tuple[int, int]:
+        """(queries, keys they see) of the block from ``start``."""
+        rows = min(chunk_size, q_len - start)
+        return rows, offset + start + rows if causal else k_len
+
     if causal and bias.scaling.relative:
         top, ramp = chunk_ramp(bias, chunk_size, k_len, q.dtype, q.device)
         for h in range(q.size(1)):
             for start, first in zip(starts, (f[h] for f in firsts)):
-                rows = min(chunk_size, q_len - start)
+                rows, visible = extent(start)
                 column = top - (offset + start)
-                visible = offset + start + rows
                 attend_block(start, slice(h, h + 1), first, ramp[None, h : h + 1, :rows, column : column + visible])
-        return out.permute(1, 2, 0, 3), None
-    for start, block_firsts in zip(starts, firsts):
-        rows = min(chunk_size, q_len - start)
-        visible = offset + start + rows if causal else k_len
-        block = bias.block(offset + start, rows, k_len, q.dtype, q.device, keys=visible)
-        for heads, first in head_groups(block_firsts):
-            attend_block(start, heads, first, block[None, heads])
-        del block
+    else:
+        for start, block_firsts in zip(starts, firsts):
+            rows, visible = extent(start)
+            block = bias.block(offset + start, rows, k_len, q.dtype, q.device, keys=visible)
+            for heads, first in head_groups(block_firsts):
+                attend_block(start, heads, first, block[None, heads])
+            del block
     return out.permute(1, 2, 0, 3), None
 
 
