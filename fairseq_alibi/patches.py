@@ -11,6 +11,10 @@ would crash or silently do the wrong thing:
 * torchrun on a machine without CUDA: fairseq would make every worker train
   alone (world size = number of GPUs = 1) or crash in ``rank % 0``; the config
   is taken from torchrun's environment, with gloo (the only CPU backend).
+* a distributed run's process group is destroyed after fairseq's final
+  barrier (``process_group_destroyed_after_training``): fairseq never tears it
+  down, and a gloo group left to interpreter exit can abort a finished worker
+  ("terminate called without an active exception").
 * ``DistributedDataParallel`` of a CPU module: fairseq passes ``device_ids``,
   which PyTorch rejects for CPU modules; they are dropped.
 * checkpoint reading in ``fairseq.checkpoint_utils``: every file goes through
@@ -134,6 +138,26 @@ def torchrun_on_cpu() -> None:
 
     infer_init_method._alibi_cpu_torchrun = True
     dist_utils.infer_init_method = infer_init_method
+
+
+def _distributed_main_then_destroy(i, main, cfg, kwargs):
+    """fairseq's ``distributed_main`` (train, then a barrier of all ranks), then
+    the process group torn down while every rank is alive and idle."""
+    from fairseq.distributed import utils as dist_utils
+
+    dist_utils._alibi_stock_distributed_main(i, main, cfg, kwargs)
+    _destroy_process_group()
+
+
+def process_group_destroyed_after_training() -> None:
+    """A finished worker's gloo group left to interpreter exit could still
+    abort it (seen once in ~50 torchrun runs, after the last checkpoint)."""
+    from fairseq.distributed import utils as dist_utils
+
+    if dist_utils.distributed_main is _distributed_main_then_destroy:
+        return
+    dist_utils._alibi_stock_distributed_main = dist_utils.distributed_main
+    dist_utils.distributed_main = _distributed_main_then_destroy  # call_main looks it up by name
 
 
 def cpu_ddp() -> None:
@@ -653,6 +677,7 @@ def apply() -> None:
     restore_numpy_compat_long()
     quiet_harmless_warnings()
     torchrun_on_cpu()
+    process_group_destroyed_after_training()
     cpu_ddp()
     safe_checkpoint_io()
     full_disk_checkpoints()

@@ -168,3 +168,25 @@ def test_torchrun_gloo_sigkill_then_resume(lm_data_bin, tmp_path):
         _state(os.path.join(crashed_dir, "checkpoint_last.pt")),
         _state(os.path.join(reference_dir, "checkpoint_last.pt")),
     )
+
+
+def test_a_finished_distributed_run_destroys_its_process_group(tmp_path, monkeypatch):
+    """After fairseq's distributed_main (training, then a barrier of all ranks)
+    the process group is gone: fairseq never destroys it, and one left to
+    interpreter exit can abort a finished worker (patches.py)."""
+    import torch.distributed as dist
+    from fairseq.distributed import utils as dist_utils
+    from omegaconf import OmegaConf
+
+    import fairseq_alibi.models  # noqa: F401  (applies patches.py)
+
+    def init(cfg):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+        return 0
+
+    monkeypatch.setattr(dist_utils, "distributed_init", init)
+    cfg = OmegaConf.create({"distributed_training": {"device_id": 0, "distributed_rank": 0},
+                            "common": {"cpu": True, "tpu": False}})
+    during = []
+    dist_utils.distributed_main(0, lambda c: during.append(dist.is_initialized()), cfg, {})
+    assert during == [True] and not dist.is_initialized()
