@@ -41,8 +41,8 @@ EVALUATION = ((2048, 1), (8192, 1), (16384, 1))
 
 def calls(T: int, B: int, grad: bool, heads: int = 8, dim: int = 32):
     """name -> a function running one call (and its backward when ``grad``)."""
-    from fairseq_alibi import kernels
-    from fairseq_alibi.bias import AlibiBias
+    from fairseq_alibi.core import kernels
+    from fairseq_alibi.core.bias import AlibiBias
 
     gen = torch.Generator().manual_seed(0)
     # [T, B, H, D] storage seen as [B, H, T, D], as the layer makes them

@@ -39,8 +39,8 @@ def kernels(embed_dim=256, heads=8, length=512, batch=8):
     from fairseq.modules import MultiheadAttention
     from fairseq import utils
 
-    from fairseq_alibi.attention import AlibiMultiheadAttention
-    from fairseq_alibi.bias import AlibiBias
+    from fairseq_alibi.models.attention import AlibiMultiheadAttention
+    from fairseq_alibi.core.bias import AlibiBias
 
     x = torch.randn(length, batch, embed_dim)
     future = torch.triu(utils.fill_with_neg_inf(torch.zeros(length, length)), 1)  # the decoder's mask
@@ -57,8 +57,8 @@ def kernels(embed_dim=256, heads=8, length=512, batch=8):
 
 
 def costs(repeats: int):
-    from fairseq_alibi import alibi
-    from fairseq_alibi.causal_blocks import blocked_causal_attention
+    from fairseq_alibi.core import alibi
+    from fairseq_alibi.core.causal_blocks import blocked_causal_attention
 
     torch.manual_seed(0)
     B, H, T, D = 8, 8, 512, 32

@@ -35,8 +35,8 @@ def main():
     from fairseq import utils
     from fairseq.modules import MultiheadAttention
 
-    from fairseq_alibi.attention import AlibiMultiheadAttention
-    from fairseq_alibi.bias import AlibiBias
+    from fairseq_alibi.models.attention import AlibiMultiheadAttention
+    from fairseq_alibi.core.bias import AlibiBias
 
     torch.manual_seed(0)
     stock = MultiheadAttention(opts.embed_dim, opts.heads, self_attention=True)

@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_description, median  # noqa: E402
 
-from fairseq_alibi import kernels as K  # noqa: E402
-from fairseq_alibi.attention import AlibiMultiheadAttention  # noqa: E402
-from fairseq_alibi.bias import AlibiBias  # noqa: E402
+from fairseq_alibi.core import kernels as K  # noqa: E402
+from fairseq_alibi.models.attention import AlibiMultiheadAttention  # noqa: E402
+from fairseq_alibi.core.bias import AlibiBias  # noqa: E402
 
 
 def main():

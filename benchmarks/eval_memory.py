@@ -68,7 +68,7 @@ def install_fork_mask(decoder, num_heads: int, batch: int) -> None:
     cached and shared by all layers (rebuilt here for the comparison only)."""
     import torch
     from fairseq import utils
-    from fairseq_alibi import alibi
+    from fairseq_alibi.core import alibi
 
     slopes = alibi.get_slopes(num_heads)
     cache = {}

@@ -34,7 +34,7 @@ def export_copy(model, cfg, directory: str):
 
     from fairseq_alibi.export import export
     from fairseq_alibi.hf import quiet_transformers
-    from fairseq_alibi.modeling_alibi import AlibiForCausalLM
+    from fairseq_alibi.core.modeling_alibi import AlibiForCausalLM
 
     checkpoint = os.path.join(directory, "model.pt")
     torch.save({"cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "model": model.state_dict()},

@@ -54,7 +54,7 @@ def main():
     from fairseq_alibi.export.source import load_source
     from fairseq_alibi import hf
     from fairseq_alibi.hf import quiet_transformers
-    from fairseq_alibi.modeling_alibi import AlibiForCausalLM
+    from fairseq_alibi.core.modeling_alibi import AlibiForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
         work = write_corpus(Path(tmp))

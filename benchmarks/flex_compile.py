@@ -35,8 +35,9 @@ def measure(opts) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    from fairseq_alibi import alibi, flex
-    from fairseq_alibi.bias import AlibiBias
+    from fairseq_alibi.core import flex
+    from fairseq_alibi.core.scaling import Scaling
+    from fairseq_alibi.core.bias import AlibiBias
 
     device, dtype = torch.device(opts.device), getattr(torch, opts.dtype)
     bias = AlibiBias(opts.heads, "causal")
@@ -65,7 +66,7 @@ def measure(opts) -> dict:
 
     rows = [row("none", length) for length in opts.lengths]
     for spelling in opts.methods:
-        bias.rescale(alibi.Scaling.parse(spelling, opts.train_length))
+        bias.rescale(Scaling.parse(spelling, opts.train_length))
         rows += [row(spelling, length) for length in (opts.lengths[-1], opts.lengths[len(opts.lengths) // 2])]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     return dict(device=name, torch=torch.__version__, config={k: v for k, v in vars(opts).items() if k != "json"},

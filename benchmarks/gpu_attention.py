@@ -39,8 +39,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_lm, machine_description, make_dict_dir, median  # noqa: E402
 
-from fairseq_alibi import kernels as K  # noqa: E402
-from fairseq_alibi.bias import AlibiBias  # noqa: E402
+from fairseq_alibi.core import kernels as K  # noqa: E402
+from fairseq_alibi.core.bias import AlibiBias  # noqa: E402
 
 
 def timed(fn, device):

@@ -13,7 +13,7 @@ cast once keeps all 64.
 
 import torch
 
-from fairseq_alibi.alibi import get_slopes
+from fairseq_alibi.core.alibi import get_slopes
 
 
 def report(name: str, heads: int, length: int, upstream) -> None:

@@ -35,7 +35,7 @@ def _flag(argv: List[str], *names: str) -> Optional[str]:
 def check_training_method(argv: List[str]) -> None:
     """A context-extension method given to training is trained with and stored in
     the checkpoint, which every later evaluation then uses: said, once."""
-    from .alibi import METHODS
+    from .core.scaling import METHODS
 
     method = _flag(argv, "--alibi-interpolation")
     if method in METHODS and method != "none":  # an unknown name is the model build's one error line
@@ -55,7 +55,7 @@ def check_training_kernel(argv: List[str]) -> None:
     import torch
 
     if "--cpu" in argv or not torch.cuda.is_available():
-        from .flex import cannot_train_on
+        from .core.flex import cannot_train_on
 
         raise UserError(cannot_train_on("cpu"))
 
@@ -65,7 +65,7 @@ def check_arch(argv: List[str]) -> None:
     ~200); a stock ``transformer_lm*`` name warns that it is not ALiBi here."""
     from fairseq.models import ARCH_MODEL_REGISTRY
 
-    from .models import facts
+    from . import facts
 
     arch = _flag(argv, "--arch", "-a")
     if arch is None:
@@ -196,8 +196,8 @@ def check_numeric_flags(argv: List[str]) -> None:
 
 def overrides_help() -> str:
     """The ALiBi ``--model-overrides`` keys, printed after argparse's help."""
-    from .alibi import METHODS
-    from .kernels import KERNEL_NAMES
+    from .core.scaling import METHODS
+    from .core.kernels import KERNEL_NAMES
 
     def choices(names):
         return "|".join(repr(n) for n in names)

@@ -1,7 +1,8 @@
 """Every error a user can fix, and the one way the console scripts report them.
 
-* :class:`UserError` and its subclasses carry a message that says what was
-  wrong, what is allowed and what to do.  Models, tools and CLIs raise them.
+* :class:`UserError` (``core/errors.py``, the root: the core raises it too) and
+  its subclasses carry a message that says what was wrong, what is allowed and
+  what to do.  Models, tools and CLIs raise them; nobody rewords them.
 * :func:`describe` turns a known foreign exception (a missing file, a
   checkpoint whose weights do not fit its model, ...) into such a message, or
   returns None for a bug, whose traceback must be seen.
@@ -24,13 +25,7 @@ import re
 import sys
 from typing import Iterable, Optional
 
-
-class UserError(Exception):
-    """Bad input a user can fix; ``str(exc)`` is the whole explanation."""
-
-
-class ConfigError(UserError, ValueError):
-    """An invalid ALiBi config value; the message names the field and the allowed values."""
+from .core.errors import ConfigError, InputError, KernelUnsupportedError, ScalingError, UserError  # noqa: F401
 
 
 class CheckpointError(UserError):
@@ -227,9 +222,9 @@ def no_space(exc: BaseException) -> Optional[str]:
 
 def describe(exc: BaseException) -> Optional[str]:
     """A one-line message for an error a user can fix, or None (a bug: show it all).
-    The modules that travel with exported models cannot import this one: their
-    user-fixable errors carry a ``user_error = True`` class attribute instead."""
-    if isinstance(exc, UserError) or getattr(exc, "user_error", False) is True:
+    ``user_error``: every :class:`UserError`, also of the copy of ``core/errors.py``
+    that transformers loads from an exported model's folder."""
+    if getattr(exc, "user_error", False) is True:
         return one_line(exc)
     full = no_space(exc)
     if full:

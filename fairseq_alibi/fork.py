@@ -33,7 +33,7 @@ import torch
 
 from . import safe_load
 from .errors import CheckpointError, ForkCheckpointError, no_space, one_line, report_errors
-from .models import facts
+from . import facts
 
 FORK_ONLY_MODEL_FIELDS = ("max_tokens",)
 _INTERPOLATION = re.compile(r"^\$\{([A-Za-z_][\w.]*)\}$")
@@ -45,11 +45,11 @@ def model_name(state: Dict[str, Any]) -> Optional[str]:
 
 
 def alibi_twin(arch: str) -> str:
-    """The registered ALiBi twin of a stock ``transformer_lm*`` arch."""
-    twin = facts.twin_name(arch)
-    if facts.model_family(twin) != facts.ALIBI_LM:
+    """The ALiBi twin of a stock ``transformer_lm*`` arch (``models/transformer_lm.py``
+    registers one for every arch fairseq registers for ``transformer_lm``)."""
+    if arch not in facts.stock_archs(facts.STOCK_LM):
         raise CheckpointError(f"architecture {arch!r} has no ALiBi twin in this plugin")
-    return twin
+    return facts.twin_name(arch)
 
 
 def fork_signature(state: Dict[str, Any]) -> Optional[str]:

@@ -83,11 +83,13 @@ import traceback
 import types
 import warnings
 import weakref
+from typing import Any, Callable, List
 
 import numpy as np
 import torch
 
 from . import safe_load
+from .fork import refuse_fork
 
 TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
@@ -226,16 +228,16 @@ class _AtomicCopyPathManager:
         return True
 
 
+#: What runs on a checkpoint's config and its model overrides before fairseq
+#: applies them (``models/`` registers its checks here: this module imports none of it).
+OVERRIDE_CHECKS: List[Callable[[Any, Any], None]] = []
+
+
 def safe_checkpoint_io() -> None:
     """Safe loading + fork refusal, atomic copies, safe broadcast, checked
     override keys (see the module docstring)."""
     from fairseq import checkpoint_utils
     from fairseq.distributed import utils as distributed_utils
-
-    def refuse_fork(name, obj):
-        from .fork import refuse_fork as check  # here: fork.py imports the models, which apply these patches
-
-        check(name, obj)
 
     if isinstance(checkpoint_utils.torch, _SafeTorch):
         return
@@ -246,11 +248,9 @@ def safe_checkpoint_io() -> None:
     depth = [0]  # fairseq recurses into each section through this name: check the whole config once
 
     def overwrite_args_by_name(cfg, overrides):
-        from .models.config import adopt_new_fields, check_override_keys
-
         if depth[0] == 0:
-            adopt_new_fields(overrides, cfg)
-            check_override_keys(overrides, cfg)
+            for check in OVERRIDE_CHECKS:
+                check(overrides, cfg)
         depth[0] += 1
         try:
             return stock_overwrite(cfg, overrides)

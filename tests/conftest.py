@@ -44,7 +44,7 @@ import pytest
 import torch
 
 import forkserver
-from fairseq_alibi import alibi
+from fairseq_alibi.core import alibi
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,8 @@ import torch
 
 from conftest import causal_bias, fork_causal_bias, symmetric_bias
 
-from fairseq_alibi import alibi
+from fairseq_alibi.core import alibi
+from fairseq_alibi.core.scaling import Scaling
 
 
 def naive_slopes(num_heads):
@@ -56,11 +57,12 @@ def test_bad_head_counts(bad):
 def test_scaling_against_naive(num_heads, factor):
     slopes = alibi.get_slopes(num_heads)
     ref = naive_slopes(num_heads)
-    torch.testing.assert_close(alibi.scale_slopes(slopes, "none", factor), slopes)
-    torch.testing.assert_close(
-        alibi.scale_slopes(slopes, "linear", factor), torch.tensor([m / factor for m in ref])
-    )
-    ntk = alibi.scale_slopes(slopes, "ntk", factor)
+    def scaled(method):
+        return alibi.scaled_slopes(Scaling(method, factor), slopes, 10**6)
+
+    torch.testing.assert_close(scaled("none"), slopes)
+    torch.testing.assert_close(scaled("linear"), torch.tensor([m / factor for m in ref]))
+    ntk = scaled("ntk")
     if num_heads == 1:
         expected = [ref[0] / factor]
     else:
@@ -75,114 +77,14 @@ def test_scaling_against_naive(num_heads, factor):
         assert ntk.min().item() == pytest.approx(min(ref) / factor, rel=1e-5)
 
 
-@pytest.mark.parametrize("method,factor", [("cubic", 2.0), ("linear", 0.5), ("ntk", 0.0), ("linear", float("inf"))])
-def test_bad_scaling_values(method, factor):
-    with pytest.raises(ValueError, match="allowed values|>= 1"):
-        alibi.scale_slopes(alibi.get_slopes(8), method, factor)
-
-
-def test_factor_of_a_forward_pass():
-    assert alibi.Scaling("none", 0, 64).factor_at(4096) == 1.0
-    assert alibi.Scaling("linear", 0, 64).factor_at(32) == 1.0
-    assert alibi.Scaling("linear", 0, 64).factor_at(512) == 8.0
-    assert alibi.Scaling("ntk", 3.0, 64).factor_at(512) == 3.0
-    assert alibi.Scaling("log", 2.0, 64).factor_at(512) == 1.0  # distance methods leave slopes alone
-    with pytest.raises(ValueError, match="train_length=None is not valid; dynamic scaling needs"):
-        alibi.Scaling("linear", 0).factor_at(512)
-
-
-# --------------------------------------------------------------------- the scaling spec
-@pytest.mark.parametrize("text,method,factor,spelling,label", [
-    ("none", "none", 1.0, "none", "none"),
-    ("linear", "linear", 0.0, "linear", "linear dynamic"),
-    ("linear:dynamic", "linear", 0.0, "linear", "linear dynamic"),
-    ("ntk:2", "ntk", 2.0, "ntk:2", "ntk x2"),
-    (" NTK : 4.5 ", "ntk", 4.5, "ntk:4.5", "ntk x4.5"),
-    ("cap", "cap", 1.0, "cap", "cap x1"),
-    ("cap:1", "cap", 1.0, "cap", "cap x1"),
-    ("cap:0.5", "cap", 0.5, "cap:0.5", "cap x0.5"),
-    ("cap:3", "cap", 3.0, "cap:3", "cap x3"),
-    ("log", "log", 1.0, "log", f"log x1 a{alibi.DEFAULT_ALPHA['log']:g}"),
-    ("log:2", "log", 2.0, "log:2", f"log x2 a{alibi.DEFAULT_ALPHA['log']:g}"),
-    ("log:1:0.25", "log", 1.0, "log:1:0.25", "log x1 a0.25"),
-    (f"log:1:{alibi.DEFAULT_ALPHA['log']}", "log", 1.0, "log", f"log x1 a{alibi.DEFAULT_ALPHA['log']:g}"),
-    ("power", "power", 1.0, "power", f"power x1 a{alibi.DEFAULT_ALPHA['power']:g}"),
-    ("power:2:0.75", "power", 2.0, "power:2:0.75", "power x2 a0.75"),
-    ("capnorm", "capnorm", 1.0, "capnorm", "capnorm x1"),
-    ("capnorm:0.5", "capnorm", 0.5, "capnorm:0.5", "capnorm x0.5"),
-])
-def test_scaling_parse_spelling_label(text, method, factor, spelling, label):
-    s = alibi.Scaling.parse(text)
-    assert (s.method, s.factor, s.spelling, s.label) == (method, factor, spelling, label)
-    assert alibi.Scaling.parse(s.spelling) == s  # the spelling reads back as the same method
-
-
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(method="cubic"), "method"),
-    (dict(method="linear", factor=0.5), "factor"),
-    (dict(method="ntk", factor=-1), "factor"),
-    (dict(method="cap", factor=-0.5), "factor"),
-    (dict(method="linear", factor=float("inf")), "factor"),
-    (dict(method="linear", factor=float("nan")), "factor"),
-    (dict(method="linear", factor="2"), "factor"),
-    (dict(method="linear", factor=True), "factor"),
-    (dict(method="linear", factor=2, train_length=0), "train_length"),
-    (dict(method="linear", factor=2, train_length=12.0), "train_length"),
-    (dict(method="linear", factor=2, train_length=True), "train_length"),
-    (dict(method="cap", factor=0.01, train_length=64), "factor"),  # C = 0.64 tokens: no cap a user means
-    (dict(method="log", factor=1, alpha=0), "alpha"),
-    (dict(method="log", factor=1, alpha=-1), "alpha"),
-    (dict(method="log", factor=1, alpha="0.5"), "alpha"),
-    (dict(method="ntk", factor=2, alpha=0.5), "alpha"),  # only the tails take alpha
-    (dict(method="cap", factor=2, alpha=0.5), "alpha"),
-    (dict(method="power", factor=1, alpha=0), "alpha"),
-])
-def test_scaling_refuses_bad_values_naming_the_field(kwargs, field):
-    with pytest.raises(alibi.ScalingError) as error:
-        alibi.Scaling(**kwargs)
-    assert error.value.field == field and "is not valid;" in str(error.value)
-
-
-@pytest.mark.parametrize("text", ["none:2", "linear:0.5", "ntk:0", "cap:0", "cap:-1", "cap:dynamic", "linear:x",
-                                  "log:1:0", "log:1:x", "log:dynamic", "cap:1:2", "capnorm:dynamic", "ntk:2:1", "tail",
-                                  "power:dynamic", "power:1:-1"])
-def test_scaling_parse_refuses(text):
-    with pytest.raises(alibi.ScalingError):
-        alibi.Scaling.parse(text)
-
-
-def test_a_cap_below_zero_is_refused_like_a_zero_cap():
-    """``--methods cap:0`` is refused (the cap must be positive); ``cap:-1`` must
-    not answer that 0 is allowed."""
-    for text in ("cap:0", "cap:-1"):
-        with pytest.raises(alibi.ScalingError, match="the cap must be a positive number of training lengths"):
-            alibi.Scaling.parse(text)
-
-
-def test_scaling_needs_the_training_length_where_it_uses_it():
-    for spec in (alibi.Scaling("linear"), alibi.Scaling("ntk", 0), alibi.Scaling("cap", 2), alibi.Scaling("log"),
-                 alibi.Scaling("capnorm", 3)):
-        assert spec.needs_train_length
-        with pytest.raises(alibi.ScalingError, match="train_length=None"):
-            spec.complete()
-        assert spec.with_train_length(64).complete().train_length == 64
-    for spec in (alibi.NO_SCALING, alibi.Scaling("linear", 2), alibi.Scaling("ntk", 4)):
-        assert not spec.needs_train_length and spec.complete() is spec
-
-
-def test_scaling_factors_and_caps():
-    ntk = alibi.Scaling("ntk", 0, 64)
-    assert [ntk.factor_at(n) for n in (1, 64, 96, 512)] == [1.0, 1.0, 1.5, 8.0]
-    assert alibi.Scaling("linear", 3, 64).factor_at(10) == 3.0
-    cap = alibi.Scaling("cap", 0.5, 64)
-    assert cap.factor_at(4096) == 1.0 and cap.distance_limit == 32
-    assert alibi.Scaling("cap", 0, 100).distance_limit == 100  # 0: the training length itself
-    assert alibi.Scaling("cap", 2.5, 10).distance_limit == 25
-    assert alibi.Scaling("cap", 0.1, 10).distance_limit == 1  # one token at least
-    assert alibi.Scaling("log", 0.5, 64).distance_limit == 32 == alibi.Scaling("capnorm", 0.5, 64).distance_limit
-    assert alibi.Scaling("ntk", 2, 64).distance_limit is None
-    slopes = alibi.get_slopes(8)
-    assert torch.equal(cap.slopes(slopes, 4096), slopes)  # cap changes distances, not slopes
+def test_dynamic_slopes_per_row():
+    """One key count per row (a padded batch under dynamic scaling) gives each row its own slopes."""
+    slopes, spec = alibi.get_slopes(8), Scaling("ntk", 0, 64)
+    rows = alibi.scaled_slopes(spec, slopes, torch.tensor([32, 64, 256]))
+    assert rows.shape == (3, 8)
+    for row, n in zip(rows, (32, 64, 256)):
+        torch.testing.assert_close(row, alibi.scaled_slopes(spec, slopes, n))
+    torch.testing.assert_close(rows[2], alibi.scaled_slopes(Scaling("ntk", 4.0), slopes, 1))
 
 
 def naive_distance_bias(slopes, q_len, k_len, directions, method, limit, alpha=None):
@@ -220,7 +122,7 @@ def test_distance_methods_against_loop(mode, method, alpha, limit):
     heads = 5
     slopes = alibi.mode_slopes(mode, heads)
     directions = alibi.head_directions(mode, heads)
-    scaling = alibi.Scaling(method, 1, limit, alpha)
+    scaling = Scaling(method, 1, limit, alpha)
     for q_len, k_len in ((12, 12), (1, 15), (4, 9)):
         got = alibi.alibi_bias(slopes, q_len, k_len, directions, scaling=scaling)
         want = naive_distance_bias(slopes.tolist(), q_len, k_len, directions, method, limit, scaling.alpha)
@@ -235,10 +137,10 @@ def test_log_tail_is_continuous_at_c_and_grows_slowly(alpha):
     alpha = 1 so is its slope; beyond C it lies below the cap (and above
     ALiBi for alpha <= 1)."""
     slopes, limit, length = alibi.get_slopes(8), 64, 4096
-    scaling = alibi.Scaling("log", 1, limit, alpha)
+    scaling = Scaling("log", 1, limit, alpha)
     row = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8, scaling=scaling)[:, 0].flip(-1)  # by distance
     plain = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8)[:, 0].flip(-1)
-    capped = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8, scaling=alibi.Scaling("cap", 1, limit))[:, 0].flip(-1)
+    capped = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8, scaling=Scaling("cap", 1, limit))[:, 0].flip(-1)
     assert torch.equal(row[:, : limit + 1], plain[:, : limit + 1])
     step_in, step_out = row[:, limit] - row[:, limit - 1], row[:, limit + 1] - row[:, limit]
     torch.testing.assert_close(step_out, step_in * alpha * limit * math.log1p(1 / limit), rtol=1e-4, atol=0)
@@ -253,7 +155,7 @@ def test_capnorm_holds_the_far_keys_weight_at_that_of_c_keys():
     C keys at distance C would (sum exp(bias) = C exp(-m C)), however many there
     are; within C it is the cap, so ALiBi."""
     slopes, limit = alibi.get_slopes(4), 16
-    scaling = alibi.Scaling("capnorm", 1, limit)
+    scaling = Scaling("capnorm", 1, limit)
     for length in (3 * limit, 10 * limit, 100 * limit):
         row = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 4, scaling=scaling)[:, 0].double()
         far = row[:, : length - 1 - limit]  # distances > C
@@ -266,7 +168,7 @@ def test_capped_bias_is_flat_past_the_cap_and_unchanged_before_it():
     """The property only ``cap`` has: past C every key gets the same bias, at
     most ``m * C`` in magnitude, whatever the length; within C it is ALiBi's."""
     slopes, cap, length = alibi.get_slopes(8), 64, 4096
-    capped = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8, scaling=alibi.Scaling("cap", 1, cap))[:, 0]
+    capped = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8, scaling=Scaling("cap", 1, cap))[:, 0]
     plain = alibi.alibi_bias(slopes, 1, length, [alibi.LOOK_LEFT] * 8)[:, 0]
     far = capped[:, : length - cap]  # distances >= cap
     assert torch.equal(far, (-slopes * cap)[:, None].expand_as(far))
@@ -276,7 +178,7 @@ def test_capped_bias_is_flat_past_the_cap_and_unchanged_before_it():
 
 def test_asymmetric_bias_caps_both_sides():
     left, right = torch.tensor([0.5, 0.25]), torch.tensor([0.125, 1.0])
-    got = alibi.alibi_bias((left, right), 9, 9, [alibi.LOOK_BOTH] * 2, scaling=alibi.Scaling("cap", 1, 3))
+    got = alibi.alibi_bias((left, right), 9, 9, [alibi.LOOK_BOTH] * 2, scaling=Scaling("cap", 1, 3))
     for h in range(2):
         for i in range(9):
             for j in range(9):

@@ -19,11 +19,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from conftest import causal_bias
 
-from fairseq_alibi import alibi
-from fairseq_alibi import bias as B
-from fairseq_alibi import kernels as K
-from fairseq_alibi.attention import AlibiMultiheadAttention
-from fairseq_alibi.bias import AlibiBias
+from fairseq_alibi.core import alibi
+from fairseq_alibi.core.scaling import NO_SCALING, Scaling
+from fairseq_alibi.core import bias as B
+from fairseq_alibi.core import kernels as K
+from fairseq_alibi.models.attention import AlibiMultiheadAttention
+from fairseq_alibi.core.bias import AlibiBias
 from fairseq_alibi.errors import ConfigError
 
 CUDA = torch.cuda.is_available()
@@ -38,7 +39,7 @@ BF16_REL, BF16_ABS = 5e-2, 5e-2
 
 
 # --------------------------------------------------------------------- helpers
-def make_attention(kernel, heads=4, embed_dim=32, seed=0, mode="causal", scaling=alibi.NO_SCALING, **kwargs):
+def make_attention(kernel, heads=4, embed_dim=32, seed=0, mode="causal", scaling=NO_SCALING, **kwargs):
     torch.manual_seed(seed)
     return AlibiMultiheadAttention(embed_dim, heads, AlibiBias(heads, mode, scaling), kernel=kernel, **kwargs)
 
@@ -82,7 +83,7 @@ def assert_close(actual, expected, dtype):
 @pytest.mark.parametrize("q_start,q_len,k_len", [(0, 7, 7), (5, 3, 9), (10, 1, 11), (256, 256, 700)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_block_equals_causal_bias(q_start, q_len, k_len, dtype):
-    shared = AlibiBias(6, scaling=alibi.Scaling("ntk", 2.0))
+    shared = AlibiBias(6, scaling=Scaling("ntk", 2.0))
     slopes = shared.slopes(k_len)
     block = shared.block(q_start, q_len, k_len, dtype, "cpu")
     assert block.dtype == dtype
@@ -90,8 +91,8 @@ def test_chunk_block_equals_causal_bias(q_start, q_len, k_len, dtype):
 
 
 @pytest.mark.parametrize("chunk", [4, 16])
-@pytest.mark.parametrize("scaling", [alibi.Scaling("linear", 0, 8), alibi.Scaling("cap", 0.5, 8),
-                                     alibi.Scaling("log", 1, 8, 1.0), alibi.Scaling("power", 1, 8, 1.5)],
+@pytest.mark.parametrize("scaling", [Scaling("linear", 0, 8), Scaling("cap", 0.5, 8),
+                                     Scaling("log", 1, 8, 1.0), Scaling("power", 1, 8, 1.5)],
                          ids=["linear", "cap", "log", "power"])
 def test_chunk_ramp_windows_equal_causal_bias(chunk, scaling):
     """The chunked kernel's blocks (views of one shared ramp) against the
@@ -110,7 +111,7 @@ def test_chunk_ramp_windows_equal_causal_bias(chunk, scaling):
 def test_chunked_dynamic_scaling_matches_reference(monkeypatch):
     monkeypatch.setattr(K, "CHUNK_SIZE", 8)
     x = torch.randn(40, 1, 32)
-    scaling = alibi.Scaling("ntk", 0.0, 10)
+    scaling = Scaling("ntk", 0.0, 10)
     ref, _ = run(make_attention("reference", scaling=scaling), x)
     out, _ = run(make_attention("chunked", scaling=scaling), x)
     assert_close(out, ref, torch.float32)
@@ -148,8 +149,8 @@ def test_chunked_without_grad_matches_reference(mode, padded, monkeypatch):
     assert_close(real_rows(out, pad), real_rows(ref, pad), torch.float32)
 
 
-@pytest.mark.parametrize("scaling", [alibi.NO_SCALING, alibi.Scaling("ntk", 0, 64), alibi.Scaling("log", 1, 256, 1.0),
-                                     alibi.Scaling("cap", 1, 16)], ids=["none", "ntk", "log", "cap"])
+@pytest.mark.parametrize("scaling", [NO_SCALING, Scaling("ntk", 0, 64), Scaling("log", 1, 256, 1.0),
+                                     Scaling("cap", 1, 16)], ids=["none", "ntk", "log", "cap"])
 def test_chunked_key_windows_skip_far_keys_and_change_nothing(scaling, monkeypatch):
     """ALiBi's own sparsity: steep heads read only the keys whose weight is not
     negligible (kernels.negligible_gap), and the output is the reference's; a cap (bounded
@@ -227,7 +228,7 @@ def test_reference_returns_weights_for_need_weights():
 
 
 # --------------------------------------------------------------------- the distance cap
-CAP = alibi.Scaling("cap", 0.25, 20)  # C = 5 tokens
+CAP = Scaling("cap", 0.25, 20)  # C = 5 tokens
 
 
 def naive_attention(q, k, v, slopes, cap, pad=None):
@@ -291,7 +292,7 @@ def test_cap_changes_nothing_within_the_cap():
     x = torch.randn(20, 2, 32)
     for kernel in ("reference", "sdpa", "chunked"):
         plain, _ = run(make_attention(kernel), x)
-        capped, _ = run(make_attention(kernel, scaling=alibi.Scaling("cap", 1, 19)), x)
+        capped, _ = run(make_attention(kernel, scaling=Scaling("cap", 1, 19)), x)
         assert torch.equal(plain, capped), kernel
 
 
@@ -308,9 +309,9 @@ def test_cap_property_far_keys_are_interchangeable_at_16k():
     k2, v2 = k.clone(), v.clone()
     k2[:, :, : first - cap + 1] = k[:, :, far]
     v2[:, :, : first - cap + 1] = v[:, :, far]
-    scaling = alibi.Scaling("cap", 1, cap)
+    scaling = Scaling("cap", 1, cap)
     with torch.no_grad():
-        for spec, same in ((scaling, True), (alibi.NO_SCALING, False)):
+        for spec, same in ((scaling, True), (NO_SCALING, False)):
             bias = AlibiBias(heads, scaling=spec)
             assert K.choose_kernel("auto", bias, False, length, length) == "chunked"
             a, _ = K.attend(q, k, v, bias, "auto")

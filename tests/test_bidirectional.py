@@ -20,13 +20,14 @@ from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_NAME_REGISTRY
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from conftest import causal_bias, error_lines, run_cli, split_bias, symmetric_bias, tool
 
-from fairseq_alibi import alibi
-from fairseq_alibi.attention import AlibiMultiheadAttention
-from fairseq_alibi.bias import AlibiBias, LearnedAlibiBias
-from fairseq_alibi.kernels import flex_available
+from fairseq_alibi.core import alibi
+from fairseq_alibi.core.scaling import NO_SCALING, Scaling
+from fairseq_alibi.models.attention import AlibiMultiheadAttention
+from fairseq_alibi.core.bias import AlibiBias, LearnedAlibiBias
+from fairseq_alibi.core.kernels import flex_available
 from fairseq_alibi.errors import ConfigError
 from fairseq_alibi.models.config import build_bias
-from fairseq_alibi.models.facts import UNBOUNDED_POSITIONS
+from fairseq_alibi.facts import UNBOUNDED_POSITIONS
 
 BIN = os.path.dirname(sys.executable)
 USER_DIR = os.path.dirname(os.path.abspath(fairseq_alibi.__file__))
@@ -132,7 +133,7 @@ def test_learned_slope_parametrization():
 # --------------------------------------------------------------------------
 
 
-def attention(mode, heads=4, dim=32, kernel="reference", scaling=alibi.NO_SCALING):
+def attention(mode, heads=4, dim=32, kernel="reference", scaling=NO_SCALING):
     torch.manual_seed(0)
     shared = AlibiBias(heads, mode, scaling)
     return AlibiMultiheadAttention(dim, heads, shared, kernel=kernel).eval(), shared
@@ -199,16 +200,16 @@ def test_shared_modes_share_one_cached_bias():
 
 
 def test_encoder_interpolation_dynamic_and_learned():
-    shared = AlibiBias(8, "symmetric", alibi.Scaling("linear", 0, 64))
+    shared = AlibiBias(8, "symmetric", Scaling("linear", 0, 64))
     torch.testing.assert_close(shared.slopes(64), alibi.get_slopes(8))
     torch.testing.assert_close(shared.slopes(256), alibi.get_slopes(8) / 4)
     torch.testing.assert_close(
         shared.dense(256, 256, torch.float32, "cpu"),
         symmetric_bias(alibi.get_slopes(8) / 4, 256, 256),
     )
-    ntk = AlibiBias(8, "split", alibi.Scaling("ntk", 4.0))
-    torch.testing.assert_close(ntk.slopes(10), alibi.scale_slopes(alibi.split_slopes(8), "ntk", 4.0))
-    module, _ = attention("learned", 8, 32, scaling=alibi.Scaling("linear", 0, 16))
+    ntk = AlibiBias(8, "split", Scaling("ntk", 4.0))
+    torch.testing.assert_close(ntk.slopes(10), alibi.scaled_slopes(Scaling("ntk", 4.0), alibi.split_slopes(8), 10))
+    module, _ = attention("learned", 8, 32, scaling=Scaling("linear", 0, 16))
     left, right = module.alibi.side_slopes(48)
     torch.testing.assert_close(left, alibi.get_slopes(8) / 3)
     torch.testing.assert_close(right, alibi.get_slopes(8) / 3)

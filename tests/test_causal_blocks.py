@@ -1,4 +1,4 @@
-"""The query-blocked causal path (``fairseq_alibi.causal_blocks``, ``alibi_attention
+"""The query-blocked causal path (``fairseq_alibi.core.causal_blocks``, ``alibi_attention
 =blocked``, CPU training of causal stacks) against independent references:
 forward and gradients, fp32, bf16 and fp16, right padding, lengths that are not a
 multiple of the block, with and without attention dropout."""
@@ -13,11 +13,12 @@ import torch
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from conftest import causal_bias
-from fairseq_alibi import alibi
-from fairseq_alibi import kernels as K
-from fairseq_alibi import causal_blocks as CB
-from fairseq_alibi.attention import AlibiMultiheadAttention
-from fairseq_alibi.bias import AlibiBias
+from fairseq_alibi.core import alibi
+from fairseq_alibi.core.scaling import NO_SCALING, Scaling
+from fairseq_alibi.core import kernels as K
+from fairseq_alibi.core import causal_blocks as CB
+from fairseq_alibi.models.attention import AlibiMultiheadAttention
+from fairseq_alibi.core.bias import AlibiBias
 
 BF16_REL, BF16_ABS = 5e-2, 5e-2
 
@@ -242,7 +243,7 @@ def test_lm_training_with_attention_dropout_takes_blocked_path(tmp_path):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("scaling", [alibi.NO_SCALING, alibi.Scaling("ntk", 2.0)], ids=["none", "ntk2"])
+@pytest.mark.parametrize("scaling", [NO_SCALING, Scaling("ntk", 2.0)], ids=["none", "ntk2"])
 def test_blocked_key_windows_give_the_reference_forward_and_gradients(scaling, monkeypatch):
     """Without dropout each head's query block reads only the keys within its
     key window (kernels.key_windows): steep heads skip keys whose weights
@@ -282,7 +283,7 @@ def test_blocked_without_dropout_matches_reference_for_every_method(item, monkey
     method, static and dynamic: queries the last 200 of 300 keys (a KV cache's
     offset), blocks of 32 (boundaries inside), 2 rows; outputs and gradients."""
     heads, q_len, k_len, train_length = 8, 200, 300, 64
-    bias = AlibiBias(heads, scaling=alibi.Scaling.parse(item, train_length))
+    bias = AlibiBias(heads, scaling=Scaling.parse(item, train_length))
     monkeypatch.setattr(CB, "block_size", lambda n: 32)
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, heads, q_len, 16, generator=gen)

@@ -25,6 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import BIN, FORK_MAX_TOKENS, TRAIN_LENGTH, cli_env, error_lines, fork_layout, parse_eval, run_cli, tool
+import fairseq_alibi.models  # noqa: F401  (registers the models with fairseq)
 from fairseq_alibi import errors, fork, safe_load
 
 MODEL_ARGS = [

@@ -86,7 +86,7 @@ def ntk(factor):
 
 
 def chunked_test_length() -> int:
-    from fairseq_alibi import kernels
+    from fairseq_alibi.core import kernels
 
     return 2 * kernels.CHUNK_SIZE
 
@@ -220,13 +220,15 @@ def test_dynamic_scaling_is_a_no_op_at_training_length(eval_lm):
     assert eval_lm(TRAIN_LENGTH, linear(0)).text == eval_lm(TRAIN_LENGTH).text
 
 
-def test_dynamic_scaling_at_8x_is_static_factor_8(eval_lm):
-    """Dynamic factor = length / alibi_train_length with the train length read
-    from the checkpoint (32), not from eval's --tokens-per-sample (256): every
-    batch is padded to 256, so it is exactly the static factor 8."""
+def test_dynamic_scaling_takes_each_rows_own_length(eval_lm):
+    """Dynamic factor = a row's own keys / alibi_train_length, the train length
+    read from the checkpoint (32), not from eval's --tokens-per-sample (256): a
+    batch scores as its rows one at a time (the last, shorter block with a
+    factor of its own, not the padded batch's 8)."""
     dynamic = eval_lm(EVAL_LENGTH, linear(0))
-    assert dynamic.text == eval_lm(EVAL_LENGTH, linear(8)).text
+    assert dynamic.text == eval_lm(EVAL_LENGTH, linear(0), batch=("--batch-size", "1")).text
     assert dynamic.loss != eval_lm(EVAL_LENGTH).loss
+    assert dynamic.loss != eval_lm(EVAL_LENGTH, linear(8)).loss
 
 
 def test_ntk_dynamic_at_8x_changes_the_loss(eval_lm):
@@ -594,7 +596,7 @@ def n_params(model) -> int:
 
 
 def test_wiki103_twin_is_the_paper_model_with_stock_parameter_count(wiki103_dict):
-    from fairseq_alibi.attention import AlibiMultiheadAttention
+    from fairseq_alibi.models.attention import AlibiMultiheadAttention
 
     stock, _ = build_on_meta(wiki103_dict, "transformer_lm_wiki103")
     twin, cfg = build_on_meta(wiki103_dict, "transformer_lm_wiki103_alibi")

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_alibi import alibi
-from fairseq_alibi.kernels import KERNEL_NAMES
+from fairseq_alibi.core import alibi
+from fairseq_alibi.core.scaling import DEFAULT_ALPHA, METHODS, Scaling
+from fairseq_alibi.core.kernels import KERNEL_NAMES
 
 USAGE = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text(encoding="utf-8")
 L = 64
@@ -41,9 +42,9 @@ def test_config_table_lists_every_field_and_value():
     assert sorted(rows) == sorted(shared)
     for name, row in rows.items():
         assert ticked(row[0])[1] == "--" + name.replace("_", "-")
-    assert ticked(rows["alibi_interpolation"][1]) == list(alibi.METHODS)
+    assert ticked(rows["alibi_interpolation"][1]) == list(METHODS)
     assert set(ticked(rows["alibi_attention"][1])) == set(KERNEL_NAMES)
-    assert all(f"`{m}` {a:g}" in rows["alibi_tail_alpha"][1] for m, a in alibi.DEFAULT_ALPHA.items())
+    assert all(f"`{m}` {a:g}" in rows["alibi_tail_alpha"][1] for m, a in DEFAULT_ALPHA.items())
 
 
 def test_sample_error_is_what_the_code_prints():
@@ -60,18 +61,18 @@ def test_sample_error_is_what_the_code_prints():
 
 def test_methods_table_covers_every_method_in_every_spelling():
     rows = table("method")
-    assert [ticked(row[0])[0] for row in rows] == list(alibi.METHODS)
+    assert [ticked(row[0])[0] for row in rows] == list(METHODS)
     for row in rows:
         method = ticked(row[0])[0]
         items = [t for t in ticked(row[2]) if ":" in t or t == method]
         overrides = [ast.literal_eval(t) for t in ticked(row[3]) if t.startswith("{")]
         hf_dicts = [json.loads(t.replace(": L}", f": {L}}}")) for t in ticked(row[4]) if t.startswith("{")] or [None]
         assert items and overrides and hf_dicts
-        specs = ([alibi.Scaling.parse(t, L) for t in items]
-                 + [alibi.Scaling.from_config(dict(o, alibi_train_length=L)) for o in overrides]
-                 + [alibi.Scaling.from_hf(d, L) for d in hf_dicts])
+        specs = ([Scaling.parse(t, L) for t in items]
+                 + [Scaling.from_config(dict(o, alibi_train_length=L)) for o in overrides]
+                 + [Scaling.from_hf(d, L) for d in hf_dicts])
         assert {s.method for s in specs} == {method}, row
         keywords = ticked(row[5])[0]
         args = ast.literal_eval(f"[{keywords.split(', alpha=')[0]}]")
         alpha = float(keywords.split("alpha=")[1]) if "alpha=" in keywords else None
-        assert alibi.Scaling(*args, train_length=L, alpha=alpha).method == method
+        assert Scaling(*args, train_length=L, alpha=alpha).method == method

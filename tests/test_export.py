@@ -24,14 +24,17 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import REPO, cli_env, fork_layout, run_cli, tool
-from fairseq_alibi import alibi, attention, hf
-from fairseq_alibi.alibi import ScalingError
-from fairseq_alibi.configuration_alibi import AlibiLMConfig
+from fairseq_alibi import hf
+from fairseq_alibi.models import attention
+from fairseq_alibi.core import alibi
+from fairseq_alibi.core.scaling import NO_SCALING, Scaling
+from fairseq_alibi.core.errors import ScalingError
+from fairseq_alibi.core.configuration_alibi import AlibiLMConfig
 from fairseq_alibi.errors import ConfigError, ExportError, HFLoadError
 from fairseq_alibi.evaluation.hf_backend import token_log_probs
 from fairseq_alibi.export import main as export_main
 from fairseq_alibi.export import writer
-from fairseq_alibi.modeling_alibi import AlibiForCausalLM
+from fairseq_alibi.core.modeling_alibi import AlibiForCausalLM
 
 L = 16
 WORDS = 40
@@ -133,7 +136,7 @@ def tokens(length: int, batch: int = 1, seed: int = 1) -> torch.Tensor:
     return ids
 
 
-def fairseq_log_probs(model, ids, scaling=alibi.NO_SCALING) -> torch.Tensor:
+def fairseq_log_probs(model, ids, scaling=NO_SCALING) -> torch.Tensor:
     attention.rescale(model, scaling)
     with torch.no_grad():
         return model.get_normalized_probs(model(ids), log_probs=True).float()
@@ -164,7 +167,7 @@ def test_every_variant_matches_fairseq_under_every_method(variant, data_dir, tmp
     assert type(loaded) is AlibiForCausalLM
     ids = tokens(4 * L)
     for spelling in METHODS:
-        scaling = alibi.Scaling.parse(spelling, L).complete()
+        scaling = Scaling.parse(spelling, L).complete()
         loaded.set_alibi_scaling(scaling)
         difference = max_diff(hf_log_probs(loaded, ids), fairseq_log_probs(model, ids, scaling))
         assert difference < 1e-4, (spelling, difference)
@@ -245,27 +248,27 @@ def test_scaling_set_at_export_and_at_load_time(data_dir, tmp_path):
     out = exported(model, cfg, tmp_path, "--alibi-scaling", "ntk")
     assert json.loads((out / "config.json").read_text())["alibi_scaling"] == {"type": "ntk", "train_seq_len": L}
     ids = tokens(4 * L)
-    dynamic = alibi.Scaling("ntk", 0, L)
+    dynamic = Scaling("ntk", 0, L)
     loaded, _ = hf.load_hf_model(str(out), progress=False)
     assert max_diff(hf_log_probs(loaded, ids), fairseq_log_probs(model, ids, dynamic)) < 1e-4
     override = AlibiForCausalLM.from_pretrained(out, alibi_scaling={"type": "cap", "factor": 2.0}).eval()
-    assert max_diff(hf_log_probs(override, ids), fairseq_log_probs(model, ids, alibi.Scaling("cap", 2.0, L))) < 1e-4
+    assert max_diff(hf_log_probs(override, ids), fairseq_log_probs(model, ids, Scaling("cap", 2.0, L))) < 1e-4
     with pytest.raises(ScalingError, match=r"^alibi_scaling=\{'type': 'ntk'\} is not valid; .*exactly one"):
         AlibiForCausalLM.from_pretrained(out, alibi_scaling={"type": "ntk"})
 
 
 @pytest.mark.parametrize("spelling", METHODS)
 def test_alibi_scaling_dictionary_round_trips(spelling):
-    scaling = alibi.Scaling.parse(spelling, L).complete()
-    assert alibi.Scaling.from_hf(scaling.to_hf(), L) == scaling
+    scaling = Scaling.parse(spelling, L).complete()
+    assert Scaling.from_hf(scaling.to_hf(), L) == scaling
 
 
 @pytest.mark.parametrize("value, message", [
     ({"type": "rope", "factor": 2}, "type must be one of none, linear, ntk, cap, log, power, capnorm"),
-    ({"type": "cap", "factor": 1, "alpha": 0.5}, "only types 'log' and 'power' take alpha"),
+    ({"type": "cap", "factor": 1, "alpha": 0.5}, "only the tails \\(log, power\\) take alpha"),
     ({"type": "log", "factor": 1, "alpha": 0}, "alpha=0"),
     ({"type": "linear", "factor": 2, "train_seq_len": 8}, "exactly one of them"),
-    ({"type": "linear", "factor": 0.5}, "factor must be a number >= 1"),
+    ({"type": "linear", "factor": 0.5}, "linear takes a static factor >= 1"),
     ({"type": "cap", "train_seq_len": 8}, "cap takes"),
     ({"type": "linear", "factor": 2, "scale": 1}, "unknown key"),
     ({"type": "linear", "train_seq_len": 0}, "train_seq_len=0"),
@@ -273,7 +276,7 @@ def test_alibi_scaling_dictionary_round_trips(spelling):
 ])
 def test_bad_alibi_scaling_is_one_line_naming_it(value, message):
     with pytest.raises(ScalingError, match=message) as error:
-        alibi.Scaling.from_hf(value, L)
+        Scaling.from_hf(value, L)
     assert str(error.value).startswith("alibi_scaling=") and "\n" not in str(error.value)
 
 
@@ -288,7 +291,7 @@ def test_left_padded_rows_score_as_their_unpadded_runs(data_dir, tmp_path):
     for r, row in enumerate(rows):
         batch[r, -len(row):], mask[r, -len(row):] = row, 1
     for spelling in ("none", "ntk", "linear:2", "cap:0.5"):
-        loaded.set_alibi_scaling(alibi.Scaling.parse(spelling, L))
+        loaded.set_alibi_scaling(Scaling.parse(spelling, L))
         padded = hf_log_probs(loaded, batch, attention_mask=mask)
         assert torch.isfinite(padded[mask.bool()]).all()
         for r, row in enumerate(rows):
@@ -321,7 +324,7 @@ def test_generate_equals_fairseq_greedy_decoding_and_the_cache_equals_a_full_for
     prompt = tokens(L)
     steps = 3 * L
     unscaled = fairseq_greedy(model, prompt, steps)
-    attention.rescale(model, alibi.Scaling("linear", 2.0, L))
+    attention.rescale(model, Scaling("linear", 2.0, L))
     expected = fairseq_greedy(model, prompt, steps)
     assert expected != unscaled and len(set(expected[L:])) > 2  # not vacuous
     assert loaded.generation_config.suppress_tokens == [1]
@@ -409,7 +412,7 @@ def test_generate_starts_as_fairseqs_generator_does_also_with_add_bos_token(task
     assert prompt[0].tolist() == [start] + [4 + int(word[1:]) for word in text.split()]
     steps = 3 * L
     unscaled = fairseq_generator_greedy(model, cfg, prompt[0, 1:].tolist(), steps)
-    attention.rescale(model, alibi.Scaling.parse(spelling, L).complete())
+    attention.rescale(model, Scaling.parse(spelling, L).complete())
     expected = fairseq_generator_greedy(model, cfg, prompt[0, 1:].tolist(), steps)
     assert expected != unscaled  # past L the scaling changes what fairseq generates: not vacuous
     generated = loaded.generate(prompt, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
@@ -528,8 +531,8 @@ def test_bad_inputs_are_one_error_line_each(data_dir, tmp_path):
         ((no_dict, tmp_path / "o"), "no dictionary for .*--dict PATH"),
         ((good, tmp_path / "o", "--dict", wrong_dict), "has 6 symbols but the checkpoint's embedding has 44 rows"),
         ((good, tmp_path / "o", "--dict", tmp_path / "none.txt"), "dictionary not found"),
-        ((good, tmp_path / "o", "--alibi-scaling", "rope:2"), "--alibi-scaling 'rope:2' is not valid"),
-        ((good, tmp_path / "o", "--alibi-scaling", "ntk:0.5"), "static factor must be >= 1"),
+        ((good, tmp_path / "o", "--alibi-scaling", "rope:2"), "method='rope' is not valid; allowed values: none, linear"),
+        ((good, tmp_path / "o", "--alibi-scaling", "ntk:0.5"), "ntk takes a static factor >= 1"),
         ((good, tmp_path / "full"), "is not empty; .*--force"),
         ((good, corrupt), "exists and is not a directory"),
         # --force must never replace a directory that holds an input
@@ -559,10 +562,10 @@ def test_command_line_module_reports_one_error_line(tmp_path):
 def test_dynamic_scaling_without_a_training_length_is_refused(data_dir):
     from fairseq_alibi.export import Source, resolve_scaling
 
-    unknown = Source("m.pt", None, None, None, None, alibi.NO_SCALING)
+    unknown = Source("m.pt", None, None, None, None, NO_SCALING)
     with pytest.raises(ExportError, match="--alibi-scaling linear needs the training length, which m.pt does not"):
         resolve_scaling("linear", unknown)
-    assert resolve_scaling("linear:2", unknown) == alibi.Scaling("linear", 2.0)
+    assert resolve_scaling("linear:2", unknown) == Scaling("linear", 2.0)
 
 
 def test_writing_is_atomic_and_force_replaces(data_dir, tmp_path, monkeypatch):
@@ -587,21 +590,43 @@ def test_writing_is_atomic_and_force_replaces(data_dir, tmp_path, monkeypatch):
     assert sorted(os.listdir(out.parent)) == ["out"]
 
 
-def test_traveling_files_are_what_transformers_copies_and_import_only_torch_and_transformers():
+def test_the_core_travels_whole_and_imports_nothing_outside_it():
+    """An export carries every file of ``core/``; transformers' remote-code
+    loader copies what ``modeling_alibi.py`` reaches, which must all be there;
+    and the core imports only the standard library, torch, transformers and its
+    own siblings (never fairseq, nor the rest of this package)."""
     import ast
 
     from transformers.dynamic_module_utils import get_relative_import_files
 
     files = writer.traveling_files()
-    modeling = os.path.join(writer.PACKAGE_DIR, "modeling_alibi.py")
-    assert set(files) == {modeling, *get_relative_import_files(modeling)}
-    allowed = set(sys.stdlib_module_names) | {"torch", "transformers"}  # nothing of this package, no other library
-    for path in files:
+    assert {os.path.basename(f) for f in files} == {
+        n for n in os.listdir(writer.CORE_DIR) if n.endswith(".py") and n != "__init__.py"}
+    modeling = os.path.join(writer.CORE_DIR, "modeling_alibi.py")
+    assert {modeling, *get_relative_import_files(modeling)} <= set(files)
+    allowed = set(sys.stdlib_module_names) | {"torch", "transformers"}
+    for path in [*files, os.path.join(writer.CORE_DIR, "__init__.py")]:
         for node in ast.walk(ast.parse(Path(path).read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0:
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                assert node.level == 1 and node.module, (path, "only 'from .sibling import name' travels")
+                assert os.path.exists(os.path.join(writer.CORE_DIR, node.module + ".py")), (path, node.module)
+            elif isinstance(node, ast.ImportFrom):
                 assert node.module.split(".")[0] in allowed, (path, node.module)
             elif isinstance(node, ast.Import):
                 assert all(a.name.split(".")[0] in allowed for a in node.names), (path, [a.name for a in node.names])
+
+
+def test_the_core_imports_without_fairseq(tmp_path):
+    """Importing every core module in a process where fairseq cannot be imported."""
+    code = GUARD.split("import torch")[0].replace('("fairseq_alibi", "fairseq")', '("fairseq",)') + (
+        "import importlib, os, sys\n"
+        "import fairseq_alibi.core as core\n"
+        "for name in sorted(os.listdir(os.path.dirname(core.__file__))):\n"
+        "    if name.endswith('.py'): importlib.import_module('fairseq_alibi.core.' + name[:-3])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'fairseq'))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(),
+                            cwd=tmp_path, stdin=subprocess.DEVNULL, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
 
 
 GUARD = """
@@ -643,7 +668,7 @@ def test_loads_with_transformers_alone_without_the_package(data_dir, tmp_path):
     assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert got["module"].startswith("transformers_modules.") and got["imported"] == []
     assert got["ids"] == [2, 5, 6, 3]
-    dynamic = alibi.Scaling("ntk", 0, L)
+    dynamic = Scaling("ntk", 0, L)
     assert max_diff(torch.tensor(got["logp"]), fairseq_log_probs(model, ids, dynamic)[0]) < 1e-4
     assert got["generated"] == fairseq_greedy(model, ids[:, :8], 5)
 
@@ -662,7 +687,7 @@ def test_hf_loads_exported_models_with_its_own_class_and_scales_them(data_dir, t
     with hf.alibi_scaling(loaded, "ntk", 0):
         scaled = token_log_probs(loaded, ids[0])
         assert hf.alibi_scaling_settings(loaded)["method"] == "ntk"
-    expected = fairseq_log_probs(model, ids, alibi.Scaling("ntk", 0, L))[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+    expected = fairseq_log_probs(model, ids, Scaling("ntk", 0, L))[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
     assert max_diff(scaled, expected) < 1e-4
     assert loaded.config.alibi_scaling is None and hf.alibi_scaling_settings(loaded) is None
     with pytest.raises(ValueError, match="bias_form='upstream' applies to BLOOM and Falcon"):

@@ -58,7 +58,7 @@ def upstream_slopes(family: str, heads: int, alibi_bias_max: float = 8) -> torch
 
 
 def expected_slopes(slopes: torch.Tensor, method: str, factor: float) -> torch.Tensor:
-    """Scaled slopes written out independently of fairseq_alibi.alibi."""
+    """Scaled slopes written out independently of fairseq_alibi.core.alibi."""
     values = [float(m) for m in slopes]
     count = len(values)
     if method == "none" or factor == 1:
@@ -366,10 +366,10 @@ def test_unsupported_models_are_refused():
     "kwargs,message",
     [
         (dict(method="yarn", factor=2.0), "method='yarn' is not valid; allowed values: none, linear, ntk, cap"),
-        (dict(method="ntk", factor=0.5), "factor=0.5 is not valid; use 0 for dynamic"),
+        (dict(method="ntk", factor=0.5), "factor=0.5 is not valid; ntk takes a static factor >= 1, or dynamic"),
         (dict(method="ntk", factor=None), "factor=None is not valid"),
-        (dict(method="ntk"), "train_length=None is not valid; dynamic scaling .* pass train_length=L"),
-        (dict(method="cap", factor=2.0), "train_length=None is not valid; cap needs"),
+        (dict(method="ntk"), "train_length=None is not valid; dynamic scaling .* pass it \\(train_length=L"),
+        (dict(method="cap", factor=2.0), "train_length=None is not valid; cap \\(which starts at F x L\\) needs"),
         (dict(method="ntk", factor=2.0, train_length=0), "train_length=0 is not valid"),
         (dict(method="ntk", factor=2.0, bias_form="absolute"), "bias_form='absolute' is not valid"),
         (dict(method="cap", factor=2.0, train_length=8, bias_form="upstream"), "cannot transform distances"),

@@ -29,10 +29,10 @@ from transformers import CompileConfig
 from test_hf import logits, make_model, max_diff, tokens
 
 from fairseq_alibi import hf
-from fairseq_alibi.alibi import Scaling
-from fairseq_alibi.configuration_alibi import AlibiLMConfig
+from fairseq_alibi.core.scaling import Scaling
+from fairseq_alibi.core.configuration_alibi import AlibiLMConfig
 from fairseq_alibi.hf.scaling import ScalingState
-from fairseq_alibi.modeling_alibi import AlibiForCausalLM
+from fairseq_alibi.core.modeling_alibi import AlibiForCausalLM
 
 TRAIN = 8  # training length: 12-token prompts and 5 new tokens run past it
 METHODS = {"ntk static": dict(method="ntk", factor=2.0), "ntk dynamic": dict(method="ntk", factor=0.0),
@@ -130,7 +130,7 @@ def test_exported_model_with_dynamic_scaling_and_padding_under_compile():
     mask = torch.ones_like(prompt)
     mask[1, :3] = 0
     expected = model(input_ids=prompt, attention_mask=mask).logits
-    with pytest.raises(Exception, match="dynamic alibi_scaling with an attention_mask groups the batch's rows"):
+    with pytest.raises(Exception, match="dynamic scaling or capnorm on a padded batch groups the rows by their length"):
         torch.compile(model.forward, fullgraph=True)(input_ids=prompt, attention_mask=mask)
     got = torch.compile(model.forward)(input_ids=prompt, attention_mask=mask).logits
     assert max_diff(got, expected) < 1e-5

@@ -6,7 +6,7 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
-from fairseq_alibi.models.facts import UNBOUNDED_POSITIONS
+from fairseq_alibi.facts import UNBOUNDED_POSITIONS
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_train_length_defaults_to_tokens_per_sample(data_dir):
     assert model.decoder.alibi.scaling.train_length == 64
     # dynamic linear: trained at 64, a 256-token forward divides slopes by 4
     slopes = model.decoder.alibi.slopes(256)
-    torch.testing.assert_close(slopes, fairseq_alibi.alibi.get_slopes(6) / 4)
+    torch.testing.assert_close(slopes, fairseq_alibi.core.alibi.get_slopes(6) / 4)
 
 
 def test_forward_runs_longer_than_training(data_dir):

@@ -29,7 +29,7 @@ import torch
 
 from conftest import causal_bias, fork_causal_bias
 
-from fairseq_alibi import alibi
+from fairseq_alibi.core import alibi
 
 LENGTH = 16384
 QUERIES = 128  # the last QUERIES positions of the sequence

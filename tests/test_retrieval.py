@@ -311,7 +311,7 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, kv_data_bin, kv_
     # header 12 words + one record 8 + question 19 + answer 2 = 41
     fails([*kv, "--task", "lines", "--digits", "2", "--lengths", "1x"],
           "length 32 is shorter than the shortest lines prompt (41 tokens")
-    fails([*kv, "--task", "lines", "--methods", "cubic"], "unknown method 'cubic'")
+    fails([*kv, "--task", "lines", "--methods", "cubic"], "method='cubic' is not valid; allowed values")
     fails([*kv, "--task", "lines", "--template", "answer=x"], "unknown template field(s) answer")
     # templates whose prompts could not be built (a KeyError, a ZeroDivisionError) or answered (no number, no key)
     lines = [*kv, "--task", "lines", "--digits", "2", "--lengths", "64", "--samples", "1", "--depths", "1"]
@@ -485,7 +485,7 @@ def test_frontier_example_tables_choice_goal_and_plot(tmp_path):
     def sweep_cells(name, jitter):
         cells = []
         for spelling, (_, cost) in methods.items():
-            from fairseq_alibi.alibi import Scaling
+            from fairseq_alibi.core.scaling import Scaling
 
             s = Scaling.parse(spelling)
             losses = [b + 10 * math.log2(1 + cost) + jitter * rng.uniform(-0.01, 0.01) for b in base]
@@ -499,7 +499,7 @@ def test_frontier_example_tables_choice_goal_and_plot(tmp_path):
             for task in ("lines", "passkey"):
                 cells = []
                 for spelling, (acc, _) in methods.items():
-                    from fairseq_alibi.alibi import Scaling
+                    from fairseq_alibi.core.scaling import Scaling
 
                     s = Scaling.parse(spelling)
                     correct = round(100 * min(1.0, acc + shift + 0.02 * i))

@@ -20,8 +20,8 @@ import pytest
 
 from conftest import cli_env, tool
 
-from fairseq_alibi.alibi import Scaling
-from fairseq_alibi.errors import EvaluationError
+from fairseq_alibi.core.scaling import Scaling
+from fairseq_alibi.errors import EvaluationError, UserError
 from fairseq_alibi.evaluation import runner
 from fairseq_alibi.evaluation.runner import Described, ModelInfo
 
@@ -171,11 +171,12 @@ def test_a_damaged_or_foreign_results_file_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("cubic", "unknown method 'cubic'"), ("ntk:0.5", "bad factor in method 'ntk:0.5'"),
-    ("cap:0", "bad factor in method 'cap:0'"), ("none:2", "unknown method 'none:2'"), ("", "no methods given"),
+    ("cubic", "method='cubic' is not valid; allowed values"), ("ntk:0.5", "factor=0.5 is not valid; ntk takes"),
+    ("cap:0", "factor='0' is not valid; the cap must be a positive"), ("none:2", "method='none:2' is not valid; 'none' takes no"),
+    ("", "no methods given"),
 ])
 def test_bad_methods(spec, message):
-    with pytest.raises(EvaluationError, match=message):
+    with pytest.raises(UserError, match=message):
         runner.parse_methods(spec)
 
 

@@ -1,6 +1,6 @@
 """Every method, through every spelling and every path, gives the same bias.
 
-The one home of the idea (``alibi.Scaling`` and ``alibi.bias``) is checked
+The one home of the idea (``Scaling`` and ``alibi.bias``) is checked
 from the outside: each row of ``CASES`` spells one method four ways -- a
 ``--methods`` item, model config fields (``--model-overrides``), the Hugging
 Face ``alibi_scaling`` dictionary, ``apply_alibi_scaling`` keywords -- and
@@ -18,8 +18,9 @@ import math
 import pytest
 import torch
 
-from fairseq_alibi import alibi, flex, kernels
-from fairseq_alibi.bias import AlibiBias
+from fairseq_alibi.core import alibi, flex, kernels
+from fairseq_alibi.core.scaling import Scaling
+from fairseq_alibi.core.bias import AlibiBias
 
 L = 8  # training length
 T = 3 * L  # keys of the forward pass: dynamic factor 3, past C for every distance method
@@ -46,7 +47,7 @@ CASES = [
 IDS = [case[0] for case in CASES]
 
 
-def naive_causal(scaling: alibi.Scaling, slopes, length: int) -> torch.Tensor:
+def naive_causal(scaling: Scaling, slopes, length: int) -> torch.Tensor:
     """[H, T, T] from the definitions, one entry at a time (float64)."""
     factor = scaling.factor_at(length)
     if scaling.method == "linear":
@@ -76,10 +77,10 @@ def naive_causal(scaling: alibi.Scaling, slopes, length: int) -> torch.Tensor:
 
 def spec_of_every_spelling(item, config, hf_dict, keywords):
     specs = {
-        "--methods": alibi.Scaling.parse(item, L),
-        "config": alibi.Scaling.from_config(dict(config, alibi_train_length=L)),
-        "alibi_scaling": alibi.Scaling.from_hf(hf_dict, L),
-        "keywords": alibi.Scaling(**dict(dict(factor=0.0, alpha=None), **keywords), train_length=L),
+        "--methods": Scaling.parse(item, L),
+        "config": Scaling.from_config(dict(config, alibi_train_length=L)),
+        "alibi_scaling": Scaling.from_hf(hf_dict, L),
+        "keywords": Scaling(**dict(dict(factor=0.0, alpha=None), **keywords), train_length=L),
     }
     return specs
 
@@ -89,9 +90,9 @@ def test_every_spelling_is_one_spec_that_reads_back(item, config, hf_dict, keywo
     specs = spec_of_every_spelling(item, config, hf_dict, keywords)
     first = specs["--methods"]
     assert all(spec == first for spec in specs.values()), specs
-    assert alibi.Scaling.parse(first.spelling, L) == first
-    assert alibi.Scaling.from_hf(first.to_hf(), L) == first
-    assert alibi.Scaling.from_config(dict(first.config_values(), alibi_train_length=L)) == first
+    assert Scaling.parse(first.spelling, L) == first
+    assert Scaling.from_hf(first.to_hf(), L) == first
+    assert Scaling.from_config(dict(first.config_values(), alibi_train_length=L)) == first
 
 
 def visible(bias: torch.Tensor) -> torch.Tensor:
@@ -136,8 +137,8 @@ def bloom_bias(keywords) -> torch.Tensor:
 
 
 def exported_bias(hf_dict) -> torch.Tensor:
-    from fairseq_alibi.configuration_alibi import AlibiLMConfig
-    from fairseq_alibi.modeling_alibi import AlibiForCausalLM
+    from fairseq_alibi.core.configuration_alibi import AlibiLMConfig
+    from fairseq_alibi.core.modeling_alibi import AlibiForCausalLM
 
     config = AlibiLMConfig(vocab_size=32, hidden_size=16, layers=1, attention_heads=HEADS, ffn_dim=32,
                            alibi_train_length=L, alibi_scaling=hf_dict)
@@ -154,7 +155,7 @@ def row_normalized(bias: torch.Tensor) -> torch.Tensor:
 def test_every_path_builds_the_same_bias(item, config, hf_dict, keywords):
     from fairseq_alibi.models.config import build_bias
 
-    scaling = alibi.Scaling.parse(item, L)
+    scaling = Scaling.parse(item, L)
     expected = naive_causal(scaling, alibi.get_slopes(HEADS).tolist(), T)
     fairseq_stack = build_bias(argparse.Namespace(**dict(config, alibi_train_length=L)), HEADS)
     paths = {

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     from fairseq.data import data_utils
 
     import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
-    from fairseq_alibi.attention import biases, rescale
+    from fairseq_alibi.models.attention import biases, rescale
     from fairseq_alibi.evaluation.runner import parse_methods
 
     logging.disable(logging.WARNING)  # importing fairseq set the root logger to DEBUG

@@ -39,7 +39,7 @@ FAMILIES = ("ntk", "cap", "log", "power", "capnorm")
 
 
 def spelling(cell: dict) -> str:
-    from fairseq_alibi.alibi import Scaling
+    from fairseq_alibi.core.scaling import Scaling
 
     return Scaling.from_record(cell).spelling
 
@@ -229,7 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-cost", type=float, default=0.005, help="goal: perplexity cost at most this")
     p.add_argument("--output", required=True, help="directory for frontier.png")
     args = p.parse_args(argv)
-    from fairseq_alibi.alibi import Scaling
+    from fairseq_alibi.core.scaling import Scaling
 
     order = [Scaling.parse(m).spelling for m in args.methods.split(",") if m.strip()]
     demo_cells = read_cells(args.demo_sweep)

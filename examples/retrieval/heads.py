@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     import fairseq_alibi.models  # noqa: F401  (registers the models)
     from fairseq import checkpoint_utils
-    from fairseq_alibi import alibi
+    from fairseq_alibi.core import alibi
     from fairseq_alibi.evaluation import prompts as P
     from fairseq_alibi.evaluation.runner import parse_methods
 

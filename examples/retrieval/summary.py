@@ -33,7 +33,7 @@ from typing import Dict, List, Sequence, Tuple
 
 def load(specs: Sequence[str], checkpoint: str) -> Tuple[Dict[str, List[dict]], List[str]]:
     """(seed name -> the cells of ``checkpoint`` in that seed's results, the --methods spellings)."""
-    from fairseq_alibi.alibi import Scaling
+    from fairseq_alibi.core.scaling import Scaling
 
     out, order = {}, []
     for spec in specs:
@@ -52,7 +52,7 @@ def method_key(cell: dict) -> tuple:
     """What identifies a cell's method: (method, factor, alpha), alpha included
     (``log:1:0.25`` and ``log:1:1`` share method and factor)."""
     if "_key" not in cell:
-        from fairseq_alibi.alibi import Scaling
+        from fairseq_alibi.core.scaling import Scaling
 
         cell["_key"] = Scaling.from_record(cell).key
     return cell["_key"]

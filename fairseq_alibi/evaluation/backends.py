@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-from ..alibi import Scaling
+from ..core.scaling import Scaling
 from ..errors import EvaluationError
 from .data_dir import check_data
 from .prompts import Vocabulary
@@ -171,7 +171,7 @@ class FairseqBackend:
         import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
         from fairseq import checkpoint_utils, tasks
 
-        from ..models import facts
+        from .. import facts
 
         state = checkpoint_utils.load_checkpoint_to_cpu(path)
         state.pop("last_optimizer_state", None)  # kept until load: Adam's moments would triple its memory
@@ -233,7 +233,7 @@ class FairseqModel:
         """Evaluate under ``method`` (complete: the runner's ``methods_for``) from
         now on: the ALiBi biases rescaled in place (the same numbers as loading
         with the method's ``--model-overrides``)."""
-        from ..attention import rescale
+        from ..models.attention import rescale
 
         if self.info.alibi:
             rescale(self.model, method)

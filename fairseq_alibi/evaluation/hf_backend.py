@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-from ..alibi import Scaling
+from ..core.scaling import Scaling
 from ..errors import EvaluationError
 from .data_dir import split_text
 from .prompts import Vocabulary

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Protocol, Sequence, Tuple
 
-from ..alibi import Scaling
+from ..core.scaling import Scaling
 
 
 @dataclass

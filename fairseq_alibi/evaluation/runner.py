@@ -6,7 +6,7 @@ models of a *backend* (``backends.py``: fairseq checkpoints; ``hf_backend.py``:
 Hugging Face models).  The runner owns everything else, once:
 
 * the axes every tool shares: models (``NAME=PATH``), methods
-  (``alibi.Scaling`` spellings), lengths (``64``, ``2k``, ``4x``);
+  (``Scaling`` spellings), lengths (``64``, ``2k``, ``4x``);
 * the output directory: a lock (a second run writing the same directory is
   refused, never interleaved), ``results.json`` rewritten atomically after each
   cell (the resume state), and a cell reused only when its identity -- the
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..alibi import METHOD_SYNTAX, Scaling, ScalingError
+from ..core.scaling import METHOD_SYNTAX, Scaling
 from ..errors import EvaluationError, no_space, not_a_file, report_errors
 from ..options import INT32_MAX
 from .protocols import Backend, Cell, Described, EvaluationModel, Measure, ModelInfo  # noqa: F401  (re-exported)
@@ -50,11 +50,7 @@ def parse_methods(spec: str) -> List[Scaling]:
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
-        try:
-            method = Scaling.parse(item)
-        except ScalingError as exc:
-            what = {"method": "unknown method", "alpha": "bad alpha in method"}.get(exc.field, "bad factor in method")
-            raise EvaluationError(f"{what} {item!r} ({exc.reason}): use {METHOD_SYNTAX}") from None
+        method = Scaling.parse(item)
         if method not in methods:
             methods.append(method)
     if not methods:
@@ -67,13 +63,11 @@ def methods_for(info: ModelInfo, methods: Sequence[Scaling]) -> List[Scaling]:
     method for an ALiBi model; ``none`` only for any other (no slopes to scale)."""
     if not info.alibi:
         return [Scaling()]
-    out = []
     for method in methods:
-        try:
-            out.append(method.with_train_length(info.train_length).complete())
-        except ScalingError as exc:
-            raise EvaluationError(f"{info.name}: {method.spelling}: {exc.reason}{info.missing_length_hint}") from None
-    return out
+        if method.needs_train_length and info.train_length is None:
+            raise EvaluationError(f"{info.name}: {method.spelling} needs the length the model was trained at, "
+                                  f"which it does not record{info.missing_length_hint}")
+    return [method.with_train_length(info.train_length).complete() for method in methods]
 
 
 def parse_lengths(spec: str) -> List[Tuple[str, float]]:

@@ -52,8 +52,9 @@ def _pick(spelling: str, choices, salt: str):
 
 def canonical(spelling: str) -> str:
     """``linear:dynamic`` -> ``linear``, ``cap:1`` -> ``cap``, ``ntk:2.0`` -> ``ntk:2``
-    (what ``alibi.Scaling`` spells); an unknown method is kept as written."""
-    from ..alibi import Scaling, ScalingError
+    (what ``Scaling`` spells); an unknown method is kept as written."""
+    from ..core.errors import ScalingError
+    from ..core.scaling import Scaling
 
     try:
         return Scaling.parse(spelling).spelling
@@ -74,7 +75,8 @@ def cell_spelling(cell: dict) -> str:
     """The ``--methods`` spelling of a result cell (recorded; rebuilt for older cells)."""
     if cell.get("spelling"):
         return cell["spelling"]
-    from ..alibi import Scaling, ScalingError
+    from ..core.errors import ScalingError
+    from ..core.scaling import Scaling
 
     try:
         return Scaling(cell["method"], float(cell["factor"])).spelling

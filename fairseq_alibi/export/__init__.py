@@ -23,7 +23,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ..alibi import Scaling, ScalingError
+from ..core.scaling import Scaling
 from ..errors import ExportError, report_errors
 from ..hf import quiet_transformers
 from .source import Source, load_source
@@ -41,19 +41,17 @@ def resolve_scaling(text: Optional[str], source: Source) -> Scaling:
     """``--alibi-scaling METHOD[:F]``, else what the checkpoint's config asks for."""
     if text is None:
         return source.scaling
-    try:
-        return Scaling.parse(text, source.train_length).complete()
-    except ScalingError as exc:
-        if exc.field == "train_length":
-            raise ExportError(f"--alibi-scaling {text} needs the training length, which {source.path} does not "
-                              "record (no alibi_train_length or tokens_per_sample)") from None
-        raise ExportError(f"--alibi-scaling {text!r} is not valid; {exc.reason}") from None
+    scaling = Scaling.parse(text, source.train_length)
+    if scaling.needs_train_length and source.train_length is None:
+        raise ExportError(f"--alibi-scaling {text} needs the training length, which {source.path} does not "
+                          "record (no alibi_train_length or tokens_per_sample)")
+    return scaling.complete()
 
 
 def self_check(source: Source, model, scaling: Scaling) -> float:
     """max |log-prob difference| between the exported and the fairseq model on
     random tokens (fp32); ``ExportError`` above ``SELF_CHECK_TOLERANCE``."""
-    from ..attention import rescale
+    from ..models.attention import rescale
 
     rescale(source.model, scaling)
     vocab, first = len(source.dictionary), source.dictionary.nspecial

@@ -18,7 +18,7 @@ from typing import Dict, List
 import torch
 
 from ..errors import ExportError
-from ..models.facts import bloom_shape_problems
+from ..facts import bloom_shape_problems
 
 def check_bloom(fields: dict, scaling) -> None:
     """One line naming every feature BLOOM cannot hold, pointing to the default format."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Dict, FrozenSet, Set
 
-from ..configuration_alibi import AlibiLMConfig
+from ..core.configuration_alibi import AlibiLMConfig
 from ..errors import ExportError
-from ..modeling_alibi import ACTIVATIONS, AlibiForCausalLM
+from ..core.modeling_alibi import ACTIVATIONS, AlibiForCausalLM
 
 #: ``auto_map`` of every exported model: the classes of the files that travel with it.
 AUTO_MAP = {

@@ -7,9 +7,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from ..alibi import Scaling
+from ..core.scaling import Scaling
 from ..errors import ExportError, checkpoint_files, one_line
-from ..models import facts
+from .. import facts
 
 #: fairseq-preprocess pads dictionaries to a multiple of this (``--padding-factor``).
 PADDING_FACTOR = 8

@@ -10,31 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import tempfile
 from typing import Iterable, Iterator, List
 
 from ..errors import ExportError
 
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: The modules an exported model loads by name (``auto_map``); their relative imports travel too.
-ENTRY_MODULES = ("configuration_alibi", "modeling_alibi")
-_RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.MULTILINE)
+#: The portable core: every file of it travels with an exported model.
+CORE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
 
 
 def traveling_files() -> List[str]:
-    """``configuration_alibi.py``, ``modeling_alibi.py`` and every sibling they
-    import (``from .module import name``, the form transformers' loader follows)."""
-    todo, seen = list(ENTRY_MODULES), []
-    while todo:
-        name = todo.pop(0)
-        if name in seen:
-            continue
-        seen.append(name)
-        with open(os.path.join(PACKAGE_DIR, f"{name}.py"), encoding="utf-8") as f:
-            todo.extend(_RELATIVE_IMPORT.findall(f.read()))
-    return [os.path.join(PACKAGE_DIR, f"{name}.py") for name in seen]
+    """Every module of the core folder (``core/*.py`` but its ``__init__``):
+    ``modeling_alibi.py`` loads its siblings by relative imports, and the
+    core imports nothing outside itself (a test checks both)."""
+    return sorted(os.path.join(CORE_DIR, name) for name in os.listdir(CORE_DIR)
+                  if name.endswith(".py") and name != "__init__.py")
 
 
 def check_output_dir(path: str, force: bool, inputs: Iterable[str] = ()) -> None:

@@ -1,7 +1,7 @@
 """Hugging Face ALiBi models: context extension and safe loading.
 
 BLOOM, MPT, Falcon with ALiBi (transformers 5.23) and fairseq models exported
-by ``alibi-export-hf``, under every method of ``fairseq_alibi.alibi.Scaling``
+by ``alibi-export-hf``, under every method of ``fairseq_alibi.core.Scaling``
 (docs/hf.md).  Split by job: ``families`` (which model is this: slopes,
 training length), ``scaling`` (the hooks of ``apply_alibi_scaling``),
 ``loading`` (``load_hf_model``).  Importing it never imports fairseq or

@@ -11,9 +11,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..alibi import get_slopes
-from ..configuration_alibi import MODEL_TYPE
-from ..errors import UnsupportedModelError
+from ..core.alibi import get_slopes
+from ..core.configuration_alibi import MODEL_TYPE
+from ..errors import ConfigError, UnsupportedModelError
 
 SUPPORTED_MODELS = (
     "BLOOM (BloomModel, BloomForCausalLM), MPT (MptModel, MptForCausalLM), "
@@ -91,7 +91,7 @@ def mpt_slopes(num_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
     ``b = 8``, ignoring ``attn_config.alibi_bias_max``; this honours it.
     """
     if not alibi_bias_max > 0:
-        raise ValueError(f"alibi_bias_max must be > 0, got {alibi_bias_max!r}")
+        raise ConfigError(f"alibi_bias_max={alibi_bias_max!r} is not valid; it must be a number > 0")
     paper = get_slopes(num_heads).to(torch.float64)
     return torch.exp2(paper.log2() * (float(alibi_bias_max) / 8.0)).to(torch.float32)
 

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ..configuration_alibi import MODEL_TYPE
+from ..core.configuration_alibi import MODEL_TYPE
 from ..errors import HFLoadError
 from .families import SUPPORTED_MODELS
 
@@ -61,8 +61,8 @@ def _exported_classes():
     (so transformers uses them, not the directory's copies, without trust_remote_code)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..configuration_alibi import AlibiLMConfig
-    from ..modeling_alibi import AlibiForCausalLM
+    from ..core.configuration_alibi import AlibiLMConfig
+    from ..core.modeling_alibi import AlibiForCausalLM
 
     AutoConfig.register(MODEL_TYPE, AlibiLMConfig, exist_ok=True)
     AutoModelForCausalLM.register(AlibiLMConfig, AlibiForCausalLM, exist_ok=True)

@@ -1,13 +1,13 @@
 """Context extension for Hugging Face ALiBi models: the hooks of ``apply_alibi_scaling``.
 
 ``apply_alibi_scaling(model, method, factor, train_length, alpha)`` makes a
-transformers 5.23 model use the bias of ``fairseq_alibi.alibi.Scaling`` -- the
+transformers 5.23 model use the bias of ``fairseq_alibi.core.Scaling`` -- the
 one scaling spec of fairseq models too, with the same spelling -- so a sweep
 compares like with like.  It hooks into the model *instance* (forward
 pre-hooks and one instance attribute), copies no modeling code, and
 ``remove_alibi_scaling`` / ``alibi_scaling`` undo it exactly.
 
-While scaled, the bias is :func:`fairseq_alibi.alibi.bias` of the attended
+While scaled, the bias is :func:`fairseq_alibi.core.alibi.bias` of the attended
 positions: distances ``i - j`` as integers, times the slope in float32, one
 final cast.  That also repairs three upstream defects that corrupt
 long-context measurements (see docs/hf.md):
@@ -41,8 +41,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import alibi
-from ..alibi import DISTANCE_METHODS, Scaling, ScalingError
+from ..core import alibi
+from ..core.errors import ConfigError, InputError
+from ..core.scaling import DISTANCE_METHODS, Scaling
+from ..errors import UnsupportedModelError
 from .families import EXPORTED, base_slopes, hf_train_length, resolve
 
 BIAS_FORMS = ("relative", "upstream")
@@ -77,10 +79,12 @@ class ScalingState:
         return len(self.slopes)
 
     def scaled_slopes(self, kv_len, device) -> torch.Tensor:
-        """float32 ``[H]`` on ``device``: the slopes of a pass over ``kv_len`` keys
-        (an int, or a static cache's length tensor: no branch on its value)."""
+        """float32 slopes on ``device`` of a pass over ``kv_len`` keys: ``[H]``
+        for an int or a 0-d tensor (a static cache's length: no branch on its
+        value), ``[B, H]`` for one key count per row (dynamic scaling of a
+        padded batch: each row's factor from its own keys)."""
         base, exponents = (torch.tensor(v, dtype=torch.float32, device=device) for v in (self.slopes, self.exponents))
-        return self.scaling.slopes(base, kv_len, exponents)
+        return alibi.scaled_slopes(self.scaling, base, kv_len, exponents)
 
     def settings(self) -> Dict[str, Any]:
         s = self.scaling
@@ -102,7 +106,7 @@ def _start_forward(state: ScalingState, module, args, kwargs) -> None:
     q_len = tokens.shape[1]
     cache = arguments.get("past_key_values")
     if cache is not None and not hasattr(cache, "get_seq_length"):
-        raise TypeError(
+        raise InputError(
             f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(cache).__name__}"
         )
     past = cache.get_seq_length() if cache is not None else 0  # an int, or a tensor (StaticCache)
@@ -110,13 +114,22 @@ def _start_forward(state: ScalingState, module, args, kwargs) -> None:
     cache_max = int(cache.get_max_length()) if cache is not None and getattr(cache, "layers", True) else -1
     mask = arguments.get("attention_mask")
     if mask is not None and mask.dim() != 2:
-        raise ValueError(
-            f"ALiBi scaling needs a 2-D [batch, keys] attention_mask (or none), got shape {tuple(mask.shape)}"
+        raise InputError(
+            f"ALiBi scaling needs a 2-D [batch, keys] attention_mask (or none), got shape {tuple(mask.shape)}: "
+            "pass the tokenizer's attention_mask (a static cache takes it 2-D too)"
         )
     kv_len = past + q_len
-    state.last_factor = state.scaling.factor_at(kv_len)
+    # dynamic scaling: each row's factor from its own keys (docs/usage.md, "Padded batches")
+    lengths = mask.sum(-1) if mask is not None and state.scaling.dynamic else kv_len
+    state.last_factor = state.scaling.factor_at(lengths)
     state.current = dict(q_len=q_len, past=past, kv_len=kv_len, cache_max=cache_max, mask=mask, built=None,
-                         slopes=state.scaled_slopes(kv_len, tokens.device))
+                         slopes=state.scaled_slopes(lengths, tokens.device))
+
+
+def _row_slopes(current: Dict[str, Any], device) -> torch.Tensor:
+    """float32 ``[B', H]`` slopes of this pass, ``B'`` 1 or one row each."""
+    slopes = current["slopes"].to(device)
+    return slopes if slopes.dim() == 2 else slopes[None]
 
 
 def _end_forward(state: ScalingState, *unused) -> None:
@@ -135,7 +148,7 @@ def _positions(current: Dict[str, Any], kv: int, device) -> Tuple[torch.Tensor, 
         keys = torch.arange(kv, device=device)[None, :]
     else:
         if mask.shape[-1] != kv:
-            raise RuntimeError(f"attention_mask has {mask.shape[-1]} columns for {kv} keys")
+            raise InputError(f"attention_mask has {mask.shape[-1]} columns for {kv} keys (cached + new tokens)")
         attended = mask.to(device=device, dtype=torch.long)
         keys = (attended.cumsum(-1) - 1) * attended
     start, q_len = current["past"], current["q_len"]
@@ -151,7 +164,7 @@ def relative_bias(state: ScalingState, kv: int, batch: int, device) -> torch.Ten
     its own additive mask stays finite."""
     current = state.current
     queries, keys = _positions(current, kv, device)
-    slopes = current["slopes"].to(device)[None, :, None, None]
+    slopes = _row_slopes(current, device)[:, :, None, None]
     bias = alibi.bias(slopes, queries[:, None, :, None], keys[:, None, None, :], state.scaling,
                       alibi.LOOK_LEFT, masked_value=0.0)
     return bias.expand(batch, -1, -1, -1)
@@ -163,7 +176,8 @@ def _bloom_block_hook(state: ScalingState, block, args, kwargs):
     if current is None:
         return None
     if "alibi" not in kwargs:
-        raise RuntimeError("BloomBlock was not called with alibi=...: unsupported transformers version")
+        raise UnsupportedModelError("BloomBlock was not called with alibi=...: this transformers version is not "
+                                    "supported (install the one requirements.txt pins)")
     if current["built"] is None:
         upstream = kwargs["alibi"]
         heads = state.num_heads
@@ -172,7 +186,7 @@ def _bloom_block_hook(state: ScalingState, block, args, kwargs):
             bias = relative_bias(state, kv, batch, upstream.device).reshape(batch * heads, current["q_len"], kv)
         else:  # BLOOM's own form: slope * key position, cast as a whole
             _, keys = _positions(current, kv, upstream.device)
-            bias = current["slopes"].to(upstream.device)[None, :, None] * keys[:, None, :]
+            bias = _row_slopes(current, upstream.device)[:, :, None] * keys[:, None, :]
             bias = bias.expand(batch, -1, -1).reshape(batch * heads, 1, kv)
         current["built"] = bias.to(upstream.dtype)
     kwargs["alibi"] = current["built"]
@@ -191,9 +205,9 @@ def _falcon_block_hook(state: ScalingState, block, args, kwargs):
         return None
     upstream = kwargs.get("attention_mask")
     if upstream is None or upstream.dim() != 4 or not upstream.is_floating_point() or "alibi" not in kwargs:
-        raise RuntimeError(
-            "Falcon did not fold ALiBi into a float 4-D attention mask: unsupported attention "
-            "implementation or transformers version"
+        raise UnsupportedModelError(
+            "Falcon did not fold ALiBi into a float 4-D attention mask: load it with attn_implementation='sdpa' "
+            "or 'eager', under the transformers version requirements.txt pins"
         )
     if current["built"] is None:
         batch, kv = upstream.shape[0], upstream.shape[-1]
@@ -203,8 +217,8 @@ def _falcon_block_hook(state: ScalingState, block, args, kwargs):
             bias = (relative_bias(state, kv, batch, device) / math.sqrt(head_dim)).to(dtype)
         else:  # Falcon's own form: bfloat16 slope * key position, then the model dtype
             _, keys = _positions(current, kv, device)
-            slopes = current["slopes"].to(device)
-            bias = (slopes.to(torch.bfloat16)[None, :, None] * keys[:, None, :]).to(dtype)
+            slopes = _row_slopes(current, device)
+            bias = (slopes.to(torch.bfloat16)[:, :, None] * keys[:, None, :]).to(dtype)
             bias = (bias / math.sqrt(head_dim))[:, :, None, :].expand(batch, -1, current["q_len"], -1)
         # Upstream's mask is its (non-negative) bias where attended, dtype-min elsewhere.
         hidden = upstream < -1
@@ -232,7 +246,7 @@ def _mpt_alibi_builder(state: ScalingState):
         if current is None:  # called outside a forward pass: the static or unscaled slopes
             slopes, length = state.scaled_slopes(sequence_length, device), sequence_length
         else:
-            slopes = current["slopes"]
+            slopes = _mpt_slopes(current, scaling)
             length = max(sequence_length, current["kv_len"], current["cache_max"])
         slopes = slopes.to(device)[:, None, None]
         if scaling.method in DISTANCE_METHODS and current is not None:
@@ -245,28 +259,45 @@ def _mpt_alibi_builder(state: ScalingState):
     return build_mpt_alibi_tensor
 
 
-def _checked_scaling(model, method, factor, train_length, alpha, bias_form: str) -> Scaling:
-    """The complete scaling spec of the arguments (``ValueError`` naming the bad one)."""
+def _mpt_slopes(current: Dict[str, Any], scaling: Scaling) -> torch.Tensor:
+    """The ``[H]`` slopes of an MPT pass: MPT adds one bias to every row of the
+    batch, so rows whose own numbers would differ are refused, never scored
+    under another row's bias."""
+    slopes = current["slopes"]
+    if slopes.dim() == 2:
+        if not bool((slopes == slopes[:1]).all()):
+            raise InputError("MPT adds one ALiBi bias to every row of a batch, and with dynamic scaling the "
+                             "padded rows of this batch have factors of their own: score rows of one length "
+                             "together (or one at a time), or use a static factor")
+        slopes = slopes[0]
+    mask = current["mask"]
+    if not scaling.relative and mask is not None and bool((mask[:, 0] == 0).any()):
+        raise InputError(f"{scaling.method} counts a query's keys from the first column, and MPT's bias is "
+                         "shared by the batch's rows: left-padded rows would count their padding; pad on the "
+                         "right or score rows one at a time")
+    return slopes
+
+
+def _checked_scaling(model, family: str, method, factor, train_length, alpha, bias_form: str) -> Scaling:
+    """The complete scaling spec of the arguments (``ConfigError`` naming the
+    bad one).  The training length defaults to what the config records; an
+    exported model's is its own (``Scaling.for_model``), another model's a
+    record the user may correct."""
     if bias_form not in BIAS_FORMS:
-        raise ValueError(f"bias_form={bias_form!r} is not valid; allowed: {', '.join(BIAS_FORMS)}")
+        raise ConfigError(f"bias_form={bias_form!r} is not valid; allowed values: {', '.join(BIAS_FORMS)}")
     if isinstance(method, Scaling):
         if factor != 0.0 or train_length is not None or alpha is not None:
-            raise ValueError("give a Scaling alone, or method, factor, train_length and alpha, not both")
+            raise ConfigError("give a Scaling alone, or method, factor, train_length and alpha, not both")
         scaling = method
     else:
-        recorded = hf_train_length(getattr(model, "config", None)) if train_length is None else train_length
-        scaling = Scaling(method, factor, recorded, alpha)
-    try:
-        scaling.complete()
-    except ScalingError:
-        what = "dynamic scaling (factor=0)" if scaling.dynamic else scaling.method
-        raise ValueError(
-            f"train_length=None is not valid; {what} needs the length the model was trained at, "
-            "which this model's config does not record: pass train_length=L"
-        ) from None
+        scaling = Scaling(method, factor, train_length, alpha)
+    recorded = hf_train_length(getattr(model, "config", None))
+    if family == EXPORTED or scaling.train_length is None:
+        scaling = scaling.for_model(recorded)
+    scaling = scaling.complete()
     if bias_form == "upstream" and scaling.method in DISTANCE_METHODS:
-        raise ValueError(f"bias_form='upstream' builds a bias of key positions only, which cannot transform "
-                         f"distances; use the default bias_form='relative' with {scaling.method}")
+        raise ConfigError(f"bias_form='upstream' builds a bias of key positions only, which cannot transform "
+                          f"distances; use the default bias_form='relative' with {scaling.method}")
     return scaling
 
 
@@ -275,7 +306,7 @@ def apply_alibi_scaling(model, method="none", factor: float = 0.0, train_length:
     """Extend the context of a BLOOM, MPT, Falcon (alibi=True) or exported model in place.
 
     ``method``, ``factor``, ``train_length`` and ``alpha`` are
-    ``fairseq_alibi.alibi.Scaling``'s (or pass a ``Scaling`` as ``method``):
+    ``fairseq_alibi.core.Scaling``'s (or pass a ``Scaling`` as ``method``):
     ``none``; ``linear`` or ``ntk`` with a static ``factor >= 1`` or
     ``factor=0`` for dynamic scaling (``max(1, kv_length / train_length)`` per
     forward pass, ``kv_length`` the cached plus new tokens); ``cap``, ``log``
@@ -289,7 +320,7 @@ def apply_alibi_scaling(model, method="none", factor: float = 0.0, train_length:
     belong to this instance: copy a model before scaling it, not after.
     """
     family, base = resolve(model)
-    scaling = _checked_scaling(model, method, factor, train_length, alpha, bias_form)
+    scaling = _checked_scaling(model, family, method, factor, train_length, alpha, bias_form)
     if getattr(base, _STATE_ATTR, None) is not None:
         remove_alibi_scaling(model)
     slopes = base_slopes(model)
@@ -323,15 +354,11 @@ def apply_alibi_scaling(model, method="none", factor: float = 0.0, train_length:
 
 def _scale_exported(state: ScalingState, base) -> None:
     """An exported model rescales its own bias; its loaded ``alibi_scaling`` is kept to restore."""
-    scaling, recorded = state.scaling, base.config.alibi_train_length
     if state.bias_form != "relative":
-        raise ValueError(f"bias_form={state.bias_form!r} applies to BLOOM and Falcon; an exported model always "
-                         "forms -slope * (i - j) (bias_form='relative')")
-    if scaling.method in DISTANCE_METHODS and scaling.train_length != recorded:
-        raise ValueError(f"train_length={scaling.train_length} is not valid for {scaling.method} on an exported "
-                         f"model: C is factor x its alibi_train_length ({recorded})")
+        raise ConfigError(f"bias_form={state.bias_form!r} applies to BLOOM and Falcon; an exported model always "
+                          "forms -slope * (i - j) (bias_form='relative')")
     state.saved_attrs["alibi_scaling"] = base.config.alibi_scaling
-    base.set_alibi_scaling(scaling.to_hf())
+    base.set_alibi_scaling(state.scaling)
     setattr(base, _STATE_ATTR, state)
 
 
@@ -360,8 +387,16 @@ def alibi_scaling_settings(model) -> Optional[Dict[str, Any]]:
     state = getattr(base, _STATE_ATTR, None)
     if state is None:
         return None
-    last = state.last_factor
-    return dict(state.settings(), last_factor=float(last) if last is not None else None)
+    last = base.last_alibi_factor if state.family == EXPORTED else state.last_factor
+    return dict(state.settings(), last_factor=plain_factor(last))
+
+
+def plain_factor(factor) -> Any:
+    """A pass's factor as plain numbers: one float, or one per row where rows differ (None before any pass)."""
+    if factor is None or not isinstance(factor, torch.Tensor):
+        return None if factor is None else float(factor)
+    values = factor.flatten().tolist()
+    return values[0] if len(set(values)) == 1 else values
 
 
 @contextlib.contextmanager

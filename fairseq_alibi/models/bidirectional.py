@@ -24,8 +24,8 @@ forward pass.
 from fairseq.models.transformer import TransformerConfig, TransformerEncoder
 from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
-from ..bias import AlibiBias
-from . import facts
+from ..core.bias import AlibiBias
+from .. import facts
 from .config import AlibiEncoderConfig, build_bias
 from .transformer_lm import self_attention, wrap_layer
 

@@ -1,7 +1,7 @@
 """The ALiBi config fields of the plugin's models, and their one reader.
 
 ``AlibiConfig`` declares the fields every stack shares; ``AlibiEncoderConfig``
-adds the encoders' own.  ``alibi.Scaling.from_config`` reads the scaling fields
+adds the encoders' own.  ``Scaling.from_config`` reads the scaling fields
 (its errors name the config keys), :func:`build_bias` makes a stack's bias
 from them, and :func:`check_override_keys` checks model overrides (hub keywords):
 ``alibi*`` values by declared type, fairseq's integer options by range
@@ -17,11 +17,12 @@ from typing import Iterator, Optional
 
 from fairseq.dataclass import FairseqDataclass
 
-from ..alibi import BIDIRECTIONAL_MODES, CONFIG_KEYS, DEFAULT_ALPHA, METHODS, Scaling, ScalingError
-from ..bias import AlibiBias
+from ..core.alibi import BIDIRECTIONAL_MODES
+from ..core.scaling import CONFIG_KEYS, DEFAULT_ALPHA, METHODS, Scaling
+from ..core.bias import AlibiBias
 from ..errors import ConfigError, closest, warn_once
 from ..options import INTEGER_OPTIONS, integer_problem  # noqa: F401  (the table override values are checked against)
-from ..kernels import KERNEL_NAMES
+from ..core.kernels import KERNEL_NAMES
 
 
 def option(default, help: str):
@@ -65,10 +66,7 @@ ALIBI_FIELDS = tuple(f.name for f in dataclasses.fields(AlibiEncoderConfig) if f
 def scaling_from_config(args) -> Scaling:
     """The complete scaling spec of a model config (``Scaling.from_config``):
     ``ConfigError`` for an invalid value, a warning for a factor ``none`` ignores."""
-    try:
-        scaling = Scaling.from_config(args).complete()
-    except ScalingError as exc:
-        raise ConfigError(str(exc.renamed(CONFIG_KEYS))) from None
+    scaling = Scaling.from_config(args).complete()
     factor = getattr(args, CONFIG_KEYS["factor"], 0.0)
     if scaling.method == "none" and factor not in (0, 1):
         warn_once(

@@ -21,7 +21,7 @@ from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_
 from fairseq.models.roberta import model as stock
 from omegaconf import OmegaConf
 
-from . import facts
+from .. import facts
 from .bidirectional import AlibiTransformerEncoder, encoder_twin
 from .config import AlibiEncoderConfig
 

@@ -24,7 +24,7 @@ from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_architecture
 from fairseq.models.transformer import TransformerModel
 
-from . import facts
+from .. import facts
 from .bidirectional import AlibiTransformerEncoder, encoder_twin
 from .config import AlibiEncoderConfig
 from .transformer_lm import AlibiTransformerDecoder

@@ -25,9 +25,9 @@ from fairseq.utils import safe_getattr
 from omegaconf import II
 
 from .. import patches
-from ..attention import AlibiMultiheadAttention
-from ..bias import AlibiBias
-from . import facts
+from .attention import AlibiMultiheadAttention
+from ..core.bias import AlibiBias
+from .. import facts
 from ..errors import ConfigError
 from .config import AlibiConfig, build_bias, option
 

@@ -28,7 +28,6 @@ were computed with (as in fairseq).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -38,9 +37,10 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .alibi import Scaling
+from .scaling import Scaling
 from .bias import AlibiBias
 from .configuration_alibi import AlibiLMConfig
+from .errors import InputError
 from .kernels import attend, check_kernel
 
 
@@ -63,25 +63,14 @@ ACTIVATIONS = {
 
 class AttentionContext:
     """What every layer's attention needs for one forward pass: the cache, the
-    padding mask and, per group of batch rows, the bias they use."""
+    padding mask, the stack's bias and kernel."""
 
-    def __init__(self, cache, past: int, pad: Optional[Tensor], groups, kernel: str, need_weights: bool):
-        self.cache, self.past, self.pad, self.groups = cache, past, pad, groups
+    def __init__(self, cache, past: int, pad: Optional[Tensor], alibi: AlibiBias, kernel: str, need_weights: bool):
+        self.cache, self.past, self.pad, self.alibi = cache, past, pad, alibi
         self.kernel, self.need_weights = kernel, need_weights
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tuple[Tensor, Optional[Tensor]]:
-        incremental = self.past > 0
-        if len(self.groups) == 1:
-            return attend(q, k, v, self.groups[0][1], self.kernel, self.pad, dropout_p, self.need_weights, incremental)
-        out, weights = torch.empty_like(q), None
-        for rows, bias in self.groups:  # dynamic scaling: one factor per distinct row length
-            o, w = attend(q[rows], k[rows], v[rows], bias, self.kernel, self.pad[rows], dropout_p,
-                          self.need_weights, incremental)
-            out[rows] = o
-            if w is not None:
-                weights = weights if weights is not None else w.new_zeros(q.shape[:3] + (k.size(2),))
-                weights[rows] = w
-        return out, weights
+        return attend(q, k, v, self.alibi, self.kernel, self.pad, dropout_p, self.need_weights, self.past > 0)
 
 
 class AlibiSelfAttention(nn.Module):
@@ -106,7 +95,7 @@ class AlibiSelfAttention(nn.Module):
         if context.cache is not None:
             k, v = context.cache.update(k, v, self.layer_idx)
             if k.size(2) != context.past + length:
-                raise ValueError(
+                raise InputError(
                     f"the cache returned {k.size(2)} keys for {context.past} cached + {length} new tokens: only "
                     "growing caches (DynamicCache, generate()'s default) are supported"
                 )
@@ -292,33 +281,12 @@ def key_padding(attention_mask: Optional[Tensor], batch: int, keys: int) -> Opti
     if attention_mask is None:
         return None
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, keys):
-        raise ValueError(
+        raise InputError(
             f"attention_mask must be 2-D [batch, cached + new tokens] = [{batch}, {keys}], "
             f"got shape {tuple(attention_mask.shape)}"
         )
     pad = attention_mask == 0
     return pad if torch.compiler.is_compiling() or bool(pad.any()) else None
-
-
-def row_groups(alibi: AlibiBias, static: Dict[float, AlibiBias], pad: Optional[Tensor]):
-    """``[(rows, bias)]``: the stack's bias for the whole batch, or with dynamic
-    scaling and padding one static bias (kept in ``static``) per factor
-    ``max(1, row keys / L)``, so that a padded row scores as its unpadded run."""
-    scaling = alibi.scaling
-    if pad is None or not scaling.dynamic:
-        return [(None, alibi)]
-    if torch.compiler.is_compiling():
-        raise ValueError("dynamic alibi_scaling with an attention_mask groups the batch's rows by their length, "
-                         "which torch.compile cannot trace; compile with a static factor, or pass no "
-                         "attention_mask (unpadded batches)")
-    factors = [scaling.factor_at(int(n)) for n in (~pad).sum(-1).tolist()]
-    groups = []
-    for factor in sorted(set(factors)):
-        if factor not in static:
-            static[factor] = AlibiBias(alibi.num_heads, "causal", replace(scaling, factor=factor))
-        rows = torch.tensor([i for i, f in enumerate(factors) if f == factor], device=pad.device)
-        groups.append((rows, static[factor]))
-    return groups
 
 
 class AlibiLMModel(AlibiPreTrainedModel):
@@ -345,7 +313,7 @@ class AlibiLMModel(AlibiPreTrainedModel):
             self.alibi = AlibiBias(config.attention_heads, "causal",
                                    Scaling.from_hf(config.alibi_scaling, config.alibi_train_length))
         self.kernel = check_kernel(config.alibi_attention, self.alibi, config.attention_dropout)
-        self._row_biases: Dict[float, AlibiBias] = {}
+        self.last_alibi_factor = None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -358,14 +326,10 @@ class AlibiLMModel(AlibiPreTrainedModel):
         """Context extension from the next forward on: an ``alibi_scaling`` dict
         (see ``configuration_alibi``), None, or an ``alibi.Scaling``; the config follows."""
         if isinstance(value, Scaling):
-            scaling = value.complete()
-            if scaling.distance_limit is not None and scaling.train_length != self.config.alibi_train_length:
-                raise ValueError(f"{scaling.method} counts in the model's training length alibi_train_length="
-                                 f"{self.config.alibi_train_length}, got train_length={scaling.train_length}")
+            scaling = value.for_model(self.config.alibi_train_length)
         else:
             scaling = Scaling.from_hf(value, self.config.alibi_train_length)
         self.alibi.rescale(scaling)
-        self._row_biases.clear()
         self.config.alibi_scaling = scaling.to_hf()
 
     def embed(self, input_ids: Tensor) -> Tensor:
@@ -383,15 +347,16 @@ class AlibiLMModel(AlibiPreTrainedModel):
                 output_attentions: Optional[bool] = None, output_hidden_states: Optional[bool] = None,
                 return_dict: Optional[bool] = None, **kwargs) -> BaseModelOutputWithPast:
         if input_ids is None or inputs_embeds is not None:
-            raise ValueError("this model takes input_ids (inputs_embeds is not supported)")
+            raise InputError("this model takes input_ids (inputs_embeds is not supported)")
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         batch, length = input_ids.shape
         pad = key_padding(attention_mask, batch, past + length)
-        context = AttentionContext(past_key_values, past, pad, row_groups(self.alibi, self._row_biases, pad),
-                                   self.kernel, bool(output_attentions))
+        context = AttentionContext(past_key_values, past, pad, self.alibi, self.kernel, bool(output_attentions))
+        #: the factor of this pass (per row under dynamic scaling with padding: each row's own keys)
+        self.last_alibi_factor = self.alibi.scaling.factor_at(past + length if pad is None else (~pad).sum(-1))
         query_pad = pad[:, past:, None] if pad is not None else None
         x = self.embed(input_ids)
         states, attentions = [x], []

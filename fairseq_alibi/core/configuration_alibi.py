@@ -7,7 +7,7 @@ only torch, transformers and its siblings, so ``AutoConfig.from_pretrained(OUT,
 trust_remote_code=True)`` works without this package installed.
 
 Context extension is ``alibi_scaling``, Cerebras BTLM's convention extended to
-every method of ``alibi.Scaling``, whose ``from_hf`` and ``to_hf`` are the one
+every method of ``scaling.Scaling``, whose ``from_hf`` and ``to_hf`` are the one
 translation (their docstrings list the forms): ``None`` (as trained),
 ``{"type": "linear" | "ntk", "factor": F}`` (static) or ``{..., "train_seq_len":
 N}`` (dynamic), ``{"type": "cap" | "capnorm", "factor": F}`` and ``{"type":
@@ -20,7 +20,8 @@ from typing import Optional
 
 from transformers import PreTrainedConfig
 
-from .alibi import Scaling, ScalingError
+from .errors import ScalingError
+from .scaling import Scaling
 
 #: ``model_type`` of every exported model (``config.json``).
 MODEL_TYPE = "fairseq_alibi_lm"
@@ -90,5 +91,5 @@ class AlibiLMConfig(PreTrainedConfig):
         self.scaling()  # refuse an invalid alibi_scaling when the config is read
 
     def scaling(self) -> Scaling:
-        """The ``alibi.Scaling`` of ``alibi_scaling`` (``ScalingError`` if invalid)."""
+        """The ``scaling.Scaling`` of ``alibi_scaling`` (``ScalingError`` if invalid)."""
         return Scaling.from_hf(self.alibi_scaling, self.alibi_train_length)

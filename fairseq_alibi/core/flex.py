@@ -24,19 +24,14 @@ from typing import Callable, Dict, Hashable, Optional
 import torch
 from torch import Tensor
 
-from . import alibi
+from .alibi import bias as alibi_bias
 from .bias import AlibiBias, masked_value_for
+from .errors import KernelUnsupportedError
+from .scaling import DISTANCE_METHODS, NO_SCALING, Scaling
 
 #: FlexAttention's block size (queries and keys).
 FLEX_BLOCK = 128
 
-
-class FlexUnsupportedError(NotImplementedError):
-    """``flex`` asked for what it cannot do here (a CPU backward); the message says
-    what to use.  ``user_error``: the console scripts print it as one line
-    (this module travels with exported models and cannot import ``errors``)."""
-
-    user_error = True
 
 
 def flex_available() -> bool:
@@ -66,7 +61,7 @@ def score_mod(bias: AlibiBias, q_len: int, k_len: int, device, key_padding_mask:
 
     def bias_mod(score, b, h, q_idx, kv_idx):
         look = direction if per_head is None else per_head[h]
-        return score + alibi.bias(slopes[h], q_idx + offset, kv_idx, scaling, look, masked, keys)
+        return score + alibi_bias(slopes[h], q_idx + offset, kv_idx, scaling, look, masked, keys)
 
     return with_key_padding(bias_mod, key_padding_mask)
 
@@ -132,11 +127,11 @@ def variant(bias: AlibiBias, q_len: int, k_len: int, device, key_padding_mask: O
             q_len == k_len)
 
 
-def distance_scaling(scaling: alibi.Scaling) -> alibi.Scaling:
+def distance_scaling(scaling: Scaling) -> Scaling:
     """The part of ``scaling`` the ``score_mod`` needs beyond the slopes: the
     spec of a distance method, else no scaling (``linear``/``ntk`` are already
     in ``AlibiBias.slopes``; passing them would only add guards on their name)."""
-    return scaling if scaling.method in alibi.DISTANCE_METHODS else alibi.NO_SCALING
+    return scaling if scaling.method in DISTANCE_METHODS else NO_SCALING
 
 
 def flex_function(key: Hashable) -> Callable:
@@ -176,7 +171,7 @@ def cannot_train_on(device: str) -> str:
 
 def _refuse_cpu_backward(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.device.type != "cuda" and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise FlexUnsupportedError(cannot_train_on(q.device.type))
+        raise KernelUnsupportedError(cannot_train_on(q.device.type))
 
 
 def flex_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):

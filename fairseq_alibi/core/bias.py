@@ -6,7 +6,7 @@ Face model both read their bias from here.
 ``AlibiBias`` is created once per layer stack and shared by all its layers: it
 holds the stack's base slopes (a ``mode`` says where each head looks:
 ``causal`` for the LM, ``symmetric`` or ``split`` for encoders) and its
-:class:`~fairseq_alibi.alibi.Scaling`, and it owns the caches the kernels
+:class:`~.scaling.Scaling`, and it owns the caches the kernels
 fill through :meth:`AlibiBias.cached` (the dense bias, the merged padding mask,
 FlexAttention's block mask, the chunked kernel's ramp): one entry per helper,
 the most recent key, so a bias is built once per forward, never per layer or
@@ -17,6 +17,7 @@ slopes, and its bias carries gradients, so nothing of it is cached.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
@@ -24,9 +25,7 @@ from torch import Tensor, nn
 
 from .alibi import (
     BIAS_MODES,
-    NO_SCALING,
     Direction,
-    Scaling,
     alibi_bias,
     direction_of,
     get_slopes,
@@ -34,8 +33,11 @@ from .alibi import (
     learned_slopes,
     learned_slopes_inverse,
     mode_slopes,
+    scaled_slopes,
     slope_exponents,
 )
+from .errors import ConfigError
+from .scaling import NO_SCALING, Scaling
 
 
 def masked_value_for(mode: str, dtype: torch.dtype) -> float:
@@ -103,12 +105,13 @@ class AlibiBias:
 
     def __init__(self, num_heads: int, mode: str = "causal", scaling: Scaling = NO_SCALING):
         if mode not in BIAS_MODES:
-            raise ValueError(f"unknown ALiBi bias mode {mode!r}; allowed: {', '.join(BIAS_MODES)}")
+            raise ConfigError(f"ALiBi bias mode {mode!r} is not valid; allowed values: {', '.join(BIAS_MODES)}")
         self.num_heads = num_heads
         self.mode = mode
         self.directions = head_directions(mode, num_heads)
         self.base_slopes = mode_slopes(mode, num_heads)
         self._cache: Dict[str, Tuple[Hashable, Any]] = {}
+        self._fixed: Dict[float, "AlibiBias"] = {}
         self.rescale(scaling)
 
     @property
@@ -122,6 +125,23 @@ class AlibiBias:
         self.scaling = scaling.complete()
         self.exponents = slope_exponents(self.base_slopes, self.scaling.method)
         self._cache.clear()
+        self._fixed.clear()
+
+    def at_factor(self, factor: float) -> "AlibiBias":
+        """This bias with a dynamic factor fixed at ``factor`` (one row's, whose
+        own key count gives it), kept for reuse; ``self`` when not dynamic.  A
+        shallow copy: learned slopes stay the same parameters."""
+        if not self.scaling.dynamic:
+            return self
+        fixed = self._fixed.get(factor)
+        if fixed is None:
+            fixed = copy.copy(self)
+            fixed._cache, fixed._fixed = {}, {}
+            fixed.rescale(self.scaling.at_factor(factor))
+            if len(self._fixed) >= 64:  # one per distinct row length: bounded
+                self._fixed.clear()
+            self._fixed[factor] = fixed
+        return fixed
 
     def for_layer(self) -> "AlibiBias":
         """The bias one layer's attention uses: this shared object, or for
@@ -151,7 +171,7 @@ class AlibiBias:
         factor = self.scaling.factor_at(k_len)
         return self.cached(
             "slopes", (factor, str(device)),
-            lambda: self.scaling.slopes(self.base_slopes, k_len, self.exponents).to(device),
+            lambda: scaled_slopes(self.scaling, self.base_slopes, k_len, self.exponents).to(device),
         )
 
     def direction(self, device=None) -> Direction:
@@ -213,7 +233,7 @@ class LearnedAlibiBias(nn.Module, AlibiBias):
         left, right = learned_slopes(self.left), learned_slopes(self.right)
         if k_len is None:
             return left, right
-        both = self.scaling.slopes(torch.cat([left, right]), k_len)
+        both = scaled_slopes(self.scaling, torch.cat([left, right]), k_len)
         return both[: self.num_heads], both[self.num_heads :]
 
     def slopes(self, k_len: int, device=None) -> Tensor:

@@ -16,9 +16,9 @@ import torch
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
-from . import alibi, kernels
-from .bias import AlibiBias
-from .errors import ConfigError
+from ..core import kernels
+from ..core.bias import AlibiBias
+from ..core.scaling import Scaling
 
 
 class AlibiMultiheadAttention(MultiheadAttention):
@@ -29,10 +29,7 @@ class AlibiMultiheadAttention(MultiheadAttention):
         if alibi_bias.num_heads != num_heads:
             raise ValueError(f"ALiBi bias has {alibi_bias.num_heads} heads, attention has {num_heads}")
         self.alibi = alibi_bias.for_layer()  # a submodule only when it has parameters
-        try:
-            self.kernel = kernels.check_kernel(kernel, self.alibi, self.dropout_module.p)
-        except ValueError as exc:
-            raise ConfigError(f"alibi_attention={kernel!r} is not valid; {exc}") from None
+        self.kernel = kernels.check_kernel(kernel, self.alibi, self.dropout_module.p)
 
     def forward(
         self,
@@ -101,7 +98,7 @@ def biases(model: torch.nn.Module):
     return list(seen.values())
 
 
-def rescale(model: torch.nn.Module, scaling: alibi.Scaling) -> None:
+def rescale(model: torch.nn.Module, scaling: Scaling) -> None:
     """Evaluate a built model under ``scaling`` from its next forward on: the
     same numbers as rebuilding it with the method's ``--model-overrides``."""
     found = biases(model)

@@ -37,7 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .alibi import reach, scaled_slopes
 from .bias import AlibiBias, padding_mask
+from .errors import ConfigError
 from .causal_blocks import blocked_causal_attention, head_groups
 from .flex import flex_available, flex_kernel
 
@@ -153,7 +155,7 @@ def key_windows(bias: AlibiBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
     if not bias.causal:
         return None
     scaling = bias.scaling
-    slopes = scaling.slopes(bias.base_slopes, k_len, bias.exponents).tolist()
+    slopes = scaled_slopes(scaling, bias.base_slopes, k_len, bias.exponents).tolist()
     scale = q.size(-1) ** -0.5
     offset = k_len - q.size(2)
     queries, keys = q.detach().float(), k.detach().float()
@@ -166,9 +168,9 @@ def key_windows(bias: AlibiBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
         bound = (margins[:, start:stop].amax(-1) + gap).tolist()
         firsts = []
         for m, b in zip(slopes, bound):
-            window = scaling.reach(b, m)
-            reach = offset + start - math.ceil(window) if math.isfinite(window) else 0
-            firsts.append(max(0, reach // WINDOW_ALIGN * WINDOW_ALIGN))
+            window = reach(scaling, b, m)
+            nearest = offset + start - math.ceil(window) if math.isfinite(window) else 0
+            firsts.append(max(0, nearest // WINDOW_ALIGN * WINDOW_ALIGN))
         return firsts
 
     return first
@@ -243,18 +245,20 @@ NO_DROPOUT = ("flex", "chunked")
 
 def check_kernel(name: str, bias: AlibiBias, dropout: float = 0.0) -> str:
     """The kernel a layer with ``bias`` and attention dropout ``dropout`` runs
-    for the configured ``name``, resolved once when it is built; ``ValueError``
+    for the configured ``name``, resolved once when it is built; ``ConfigError``
     (naming what is allowed) for a combination that can never run.
     ``blocked`` skips the keys right of each query, so a bidirectional stack
     runs ``sdpa`` instead."""
     if name not in KERNEL_NAMES:
-        raise ValueError(f"allowed values: {', '.join(KERNEL_NAMES)}")
+        raise ConfigError(f"alibi_attention={name!r} is not valid; allowed values: {', '.join(KERNEL_NAMES)}")
     if name == "flex" and not bias.supports_flex:
-        raise ValueError("flex has no score_mod for learned slopes; use auto, sdpa or chunked")
+        raise ConfigError("alibi_attention='flex' is not valid here; flex has no score_mod for learned slopes: "
+                          "use auto, sdpa or chunked")
     if name in NO_DROPOUT and dropout > 0:
-        raise ValueError(
-            f"{name} has no attention dropout and this model has attention_dropout={dropout:g}; use auto "
-            f"(which takes {name} where it can), or to evaluate, also override attention_dropout to 0"
+        raise ConfigError(
+            f"alibi_attention={name!r} is not valid here; {name} has no attention dropout and this model has "
+            f"attention_dropout={dropout:g}: use auto (which takes {name} where it can), or to evaluate, also "
+            "override attention_dropout to 0"
         )
     if name == "blocked" and not bias.causal:
         return "sdpa"
@@ -298,6 +302,55 @@ def choose_kernel(
 
 def attend(q, k, v, bias: AlibiBias, name: str, key_padding_mask=None, dropout_p: float = 0.0,
            need_weights: bool = False, incremental: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
-    """Run the kernel :func:`choose_kernel` picks; (output ``[B, H, T, D]``, weights or None)."""
-    chosen = choose_kernel(name, bias, need_weights, q.size(2), k.size(2), dropout_p, incremental, q.device)
-    return KERNELS[chosen](q, k, v, bias, key_padding_mask, dropout_p)
+    """Run the kernel :func:`choose_kernel` picks; (output ``[B, H, T, D]``,
+    weights or None).  Every row scores as it would alone (:func:`row_groups`)."""
+    groups = row_groups(bias, key_padding_mask, q.size(2), k.size(2))
+    if groups is None:
+        chosen = choose_kernel(name, bias, need_weights, q.size(2), k.size(2), dropout_p, incremental, q.device)
+        return KERNELS[chosen](q, k, v, bias, key_padding_mask, dropout_p)
+    out, weights = q.new_zeros(q.shape[:3] + (v.size(-1),)), None
+    for rows, cut, row_bias in groups:
+        first_query = max(0, cut - (k.size(2) - q.size(2)))  # a full forward's leading padded queries go too
+        q_rows, k_rows, v_rows = q[rows, :, first_query:], k[rows, :, cut:], v[rows, :, cut:]
+        pad = key_padding_mask[rows, cut:]
+        chosen = choose_kernel(name, row_bias, need_weights, q_rows.size(2), k_rows.size(2), dropout_p, incremental,
+                               q.device)
+        o, w = KERNELS[chosen](q_rows, k_rows, v_rows, row_bias, pad if bool(pad.any()) else None, dropout_p)
+        out[rows, :, first_query:] = o
+        if w is not None:
+            weights = weights if weights is not None else w.new_zeros(q.shape[:3] + (k.size(2),))
+            weights[rows, :, first_query:, cut:] = w
+    return out, weights
+
+
+def row_groups(bias: AlibiBias, key_padding_mask: Optional[Tensor], q_len: int, k_len: int):
+    """``[(rows, cut, bias)]``: the batch's rows grouped so that each scores as it
+    would alone, or None where the batch needs no grouping.
+
+    ALiBi's bias depends on ``i - j`` only, so padding changes nothing, except
+    where the bias depends on more: dynamic scaling, whose factor is ``max(1,
+    n / L)`` with ``n`` **the row's own keys** (cached and new, padding not
+    counted), and ``capnorm``, which counts the keys past ``C`` (so a row's
+    leading padding is ``cut`` away: positions count from its first real
+    token).  The one definition of every path: fairseq's layers, the exported
+    model (left- and right-padded), and the Hugging Face hooks
+    (``hf.scaling``) all follow it.
+    """
+    scaling = bias.scaling
+    if key_padding_mask is None or (not scaling.dynamic and scaling.relative):
+        return None
+    if torch.compiler.is_compiling():
+        raise ConfigError("dynamic scaling or capnorm on a padded batch groups the rows by their length, which "
+                          "torch.compile cannot trace; compile with a static method, or pass unpadded batches")
+    pad = key_padding_mask.to(torch.bool)
+    real = (~pad).sum(-1)
+    leading = torch.where(real > 0, (~pad).int().argmax(-1), 0)
+    cuts = leading.clamp(max=k_len - q_len if q_len < k_len else k_len).tolist()
+    if scaling.relative:
+        cuts = [0] * len(cuts)
+    keys = [(cut, scaling.factor_at(int(n))) for cut, n in zip(cuts, real.tolist())]
+    groups = []
+    for cut, factor in sorted(set(keys)):
+        rows = torch.tensor([i for i, key in enumerate(keys) if key == (cut, factor)], device=pad.device)
+        groups.append((rows, cut, bias.at_factor(factor)))
+    return groups
