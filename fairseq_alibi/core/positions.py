@@ -1,0 +1,60 @@
+"""Position methods: one registry entry each, the one place that says what a
+method is and which context-extension methods apply to it.
+
+A position method is one of three kinds:
+
+* ``bias``: a ``[H, q, k]`` term added to the attention scores (ALiBi, T5's
+  bucketed bias, Kerple, FIRE); its stack object is a bias of ``bias.py``'s
+  protocol, so every kernel of ``kernels.py`` runs it;
+* ``rotation``: queries and keys rotated by their positions (RoPE), then
+  bias-free causal attention;
+* ``none``: no position information at all (NoPE): bias-free causal attention.
+
+Adding a method: its maths in a module of this folder, one :class:`Position`
+line in :data:`POSITIONS`; the fairseq decoder (``models/transformer_lm.py``)
+registers a ``transformer_lm_<name>`` twin for every entry, and the sweep, the
+retrieval tool and the KV cache find it here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+from .errors import ConfigError, ScalingError
+from .scaling import METHODS, Scaling
+
+
+@dataclass(frozen=True)
+class Position:
+    """One position method: its ``name``, its ``kind`` (``bias``, ``rotation``
+    or ``none``), the context-extension methods that apply to it
+    (``extensions``, ``none`` always among them) and a one-line summary."""
+
+    name: str
+    kind: str
+    extensions: Tuple[str, ...]
+    summary: str
+
+
+#: Every position method, in the order tables list them.
+POSITIONS: Dict[str, Position] = {p.name: p for p in (
+    Position("alibi", "bias", METHODS, "-m_h (i - j): a fixed slope per head (Press et al. 2022)"),
+)}
+
+
+def position(name: str) -> Position:
+    """The registry entry of ``name`` (``ConfigError`` naming the allowed ones)."""
+    if name not in POSITIONS:
+        raise ConfigError(f"position method {name!r} is not valid; allowed values: {', '.join(POSITIONS)}")
+    return POSITIONS[name]
+
+
+def check_extension(name: str, scaling: Scaling) -> Scaling:
+    """``scaling`` if its method applies to position method ``name``, else a
+    ``ScalingError`` naming the methods that do."""
+    allowed = position(name).extensions
+    if scaling.method not in allowed:
+        raise ScalingError("method", scaling.method, f"{scaling.method} does not apply to {name} models; "
+                           f"the methods that do: {', '.join(allowed)}")
+    return scaling
