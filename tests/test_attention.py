@@ -359,7 +359,7 @@ def test_kernel_checked_once_at_build():
         ("cubic", {}, "alibi_attention='cubic' is not valid; allowed values: auto, reference"),
         ("flex", dict(dropout=0.1), "flex has no attention dropout"),
         ("chunked", dict(dropout=0.1), "chunked has no attention dropout"),
-        ("flex", dict(mode="learned"), "flex has no score_mod for learned slopes"),
+        ("flex", dict(mode="learned"), "flex has a score_mod for ALiBi.s fixed slopes only"),
     ):
         with pytest.raises(ConfigError, match=message):
             make_attention(kernel, **kwargs)

@@ -130,7 +130,7 @@ def test_exported_model_with_dynamic_scaling_and_padding_under_compile():
     mask = torch.ones_like(prompt)
     mask[1, :3] = 0
     expected = model(input_ids=prompt, attention_mask=mask).logits
-    with pytest.raises(Exception, match="dynamic scaling or capnorm on a padded batch groups the rows by their length"):
+    with pytest.raises(Exception, match="dynamic scaling or a non-Toeplitz bias \\(capnorm\\) on a padded batch groups the rows"):
         torch.compile(model.forward, fullgraph=True)(input_ids=prompt, attention_mask=mask)
     got = torch.compile(model.forward)(input_ids=prompt, attention_mask=mask).logits
     assert max_diff(got, expected) < 1e-5

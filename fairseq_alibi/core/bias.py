@@ -1,18 +1,24 @@
-"""The ALiBi bias of one layer stack: slopes, scaling and caches, shared by its layers.
+"""The position bias of one layer stack, shared by its layers: the protocol
+every kernel reads, and its implementations.
 
 Pure torch (no fairseq): the fairseq attention layer and an exported Hugging
 Face model both read their bias from here.
 
-``AlibiBias`` is created once per layer stack and shared by all its layers: it
-holds the stack's base slopes (a ``mode`` says where each head looks:
-``causal`` for the LM, ``symmetric`` or ``split`` for encoders) and its
-:class:`~.scaling.Scaling`, and it owns the caches the kernels
-fill through :meth:`AlibiBias.cached` (the dense bias, the merged padding mask,
-FlexAttention's block mask, the chunked kernel's ramp): one entry per helper,
-the most recent key, so a bias is built once per forward, never per layer or
-batch row, and no cache grows.  ``LearnedAlibiBias`` (mode ``learned``) is the
-one subclass with parameters: each encoder layer trains its own left/right
-slopes, and its bias carries gradients, so nothing of it is cached.
+:class:`StackBias` is the protocol (``kernels.py`` reads nothing else): the
+bias of a block of queries over their keys (:meth:`~StackBias.block`), the
+dense bias and the merged padding mask, cached once per forward pass and
+shared by the layers (:meth:`~StackBias.cached`: one entry per helper, the
+most recent key, so nothing is built per layer or batch row and no cache
+grows), and what a kernel may rely on (``toeplitz``, ``has_slopes``,
+``learned``, ``zero``, ``supports_flex``).  Its implementations:
+
+* :class:`AlibiBias`: ALiBi's slopes and their scaling (``causal`` for the LM,
+  ``symmetric`` or ``split`` for encoders); :class:`LearnedAlibiBias` (mode
+  ``learned``) trains each encoder layer's own left/right slopes;
+* :class:`ModuleBias`: a learned bias of a position module (T5's buckets,
+  Kerple, FIRE: ``positions.py``), built once per forward pass for the stack;
+* :class:`CausalMask`: no bias at all, the causal mask alone (NoPE; rotary
+  methods subclass it and rotate queries and keys instead).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from .alibi import (
     learned_slopes,
     learned_slopes_inverse,
     mode_slopes,
+    positions,
     scaled_slopes,
     slope_exponents,
 )
@@ -90,7 +97,93 @@ class Same:
         return id(self.obj)
 
 
-class AlibiBias:
+class StackBias:
+    """What every kernel reads of a stack's position bias, and its caches.
+
+    Class attributes say what a kernel may rely on: ``toeplitz`` (the bias
+    depends on ``i - j`` only: the chunked kernel's ramp), ``has_slopes``
+    (ALiBi's slopes: the key windows), ``learned`` (carries gradients: nothing
+    kept across forward passes, no ``blocked`` kernel), ``zero`` (no bias, the
+    causal mask alone), ``supports_flex`` (a FlexAttention ``score_mod``).
+    """
+
+    supports_flex = False
+    has_slopes = False
+    learned = False
+    zero = False
+    mode = "causal"
+    scaling = NO_SCALING
+
+    def __init__(self, num_heads: int):
+        self.num_heads = num_heads
+        self._cache: Dict[str, Tuple[Hashable, Any]] = {}
+
+    @property
+    def causal(self) -> bool:
+        return self.mode == "causal"
+
+    @property
+    def toeplitz(self) -> bool:
+        return True
+
+    def cached(self, name: str, key: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()``, or its value from the last call with the same ``name``
+        and ``key`` (one entry per name: the old value is freed before a new
+        one is built).  Under ``torch.compile`` nothing is cached: the graph
+        builds each helper once per forward, and the keys (tensor identities
+        and versions) mean nothing while tracing."""
+        if torch.compiler.is_compiling():
+            return build()
+        entry = self._cache.get(name)
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        self._cache.pop(name, None)
+        value = build()
+        self._cache[name] = (key, value)
+        return value
+
+    def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
+        """``[H, q_len, keys]`` bias for queries ``q_start ..`` over the first
+        ``keys`` (default all) of a forward pass's ``k_len`` keys, ``-inf`` (or
+        a finite stand-in) where a head does not look."""
+        raise NotImplementedError
+
+    def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
+        """The whole ``[H, q_len, k_len]`` bias (queries the last ``q_len`` of
+        the keys), cached: the first layer of a forward builds it, the others
+        (and, for biases without parameters, later batches of the same shape)
+        reuse it.  Built directly in the activation dtype."""
+        return self.cached("dense", (q_len, k_len, dtype, str(device), self.scaling.factor_at(k_len)),
+                           lambda: _aligned(self.block(k_len - q_len, q_len, k_len, dtype, device)))
+
+    def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        """The additive mask for SDPA: ``[1, H, T, S]`` without padding (a view of
+        ``bias``, nothing copied), else ``[B, H, T, S]`` with ``-inf`` at padded
+        keys, built once per forward and shared by the layers (they all receive
+        the same padding-mask tensor)."""
+        if key_padding_mask is None:
+            return bias[None]
+        key = (Same(bias), Same(key_padding_mask), key_padding_mask._version)
+        return self.cached("merged", key, lambda: bias[None] + padding_mask(key_padding_mask, bias.dtype))
+
+    def at_factor(self, factor: float) -> "StackBias":
+        """This bias with a dynamic factor fixed at ``factor`` (one row's); ``self`` without one."""
+        return self
+
+    def rotate(self, q: Tensor, k: Tensor, q_start: int, k_len: int) -> Tuple[Tensor, Tensor]:
+        """Queries and keys at positions ``q_start ..`` as attention sees them
+        (rotary methods rotate them; every bias leaves them alone)."""
+        return q, k
+
+    def start_pass(self) -> None:
+        """A new forward pass of the stack begins (learned biases rebuild then)."""
+
+    def for_layer(self) -> "StackBias":
+        """The bias one layer's attention uses: the stack's own, shared."""
+        return self
+
+
+class AlibiBias(StackBias):
     """Slopes and bias of one layer stack, shared by all its attention layers.
 
     A plain object rather than an ``nn.Module``: it has no parameters, nothing
@@ -100,23 +193,22 @@ class AlibiBias:
     one loaded checkpoint under several methods).
     """
 
-    #: FlexAttention can express this bias as a ``score_mod`` (its kernel checks).
     supports_flex = True
+    has_slopes = True
 
     def __init__(self, num_heads: int, mode: str = "causal", scaling: Scaling = NO_SCALING):
         if mode not in BIAS_MODES:
             raise ConfigError(f"ALiBi bias mode {mode!r} is not valid; allowed values: {', '.join(BIAS_MODES)}")
-        self.num_heads = num_heads
+        StackBias.__init__(self, num_heads)
         self.mode = mode
         self.directions = head_directions(mode, num_heads)
         self.base_slopes = mode_slopes(mode, num_heads)
-        self._cache: Dict[str, Tuple[Hashable, Any]] = {}
         self._fixed: Dict[float, "AlibiBias"] = {}
         self.rescale(scaling)
 
     @property
-    def causal(self) -> bool:
-        return self.mode == "causal"
+    def toeplitz(self) -> bool:
+        return self.scaling.relative
 
     def rescale(self, scaling: Scaling) -> None:
         """Use ``scaling`` from the next forward on (every cache is dropped)."""
@@ -150,22 +242,6 @@ class AlibiBias:
             return LearnedAlibiBias(self.num_heads, self.scaling)
         return self
 
-    def cached(self, name: str, key: Hashable, build: Callable[[], Any]) -> Any:
-        """``build()``, or its value from the last call with the same ``name``
-        and ``key`` (one entry per name: the old value is freed before a new
-        one is built).  Under ``torch.compile`` nothing is cached: the graph
-        builds each helper once per forward, and the keys (tensor identities
-        and versions) mean nothing while tracing."""
-        if torch.compiler.is_compiling():
-            return build()
-        entry = self._cache.get(name)
-        if entry is not None and entry[0] == key:
-            return entry[1]
-        self._cache.pop(name, None)
-        value = build()
-        self._cache[name] = (key, value)
-        return value
-
     def slopes(self, k_len: int, device=None) -> Tensor:
         """float32 ``[H]`` slopes for a forward pass over ``k_len`` keys."""
         factor = self.scaling.factor_at(k_len)
@@ -186,26 +262,6 @@ class AlibiBias:
             masked_value_for(self.mode, dtype), self.scaling,
         )
 
-    def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
-        """The whole ``[H, q_len, k_len]`` bias (queries the last ``q_len`` of
-        the keys), cached: the first layer of a forward builds it, the others
-        and later batches of the same shape reuse it.  Built directly in the
-        activation dtype."""
-        return self.cached(
-            "dense", (q_len, k_len, dtype, str(device), self.scaling.factor_at(k_len)),
-            lambda: _aligned(self.block(k_len - q_len, q_len, k_len, dtype, device)),
-        )
-
-    def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
-        """The additive mask for SDPA: ``[1, H, T, S]`` without padding (a view of
-        ``bias``, nothing copied), else ``[B, H, T, S]`` with ``-inf`` at padded
-        keys, built once per forward and shared by the layers (they all receive
-        the same padding-mask tensor)."""
-        if key_padding_mask is None:
-            return bias[None]
-        key = (Same(bias), Same(key_padding_mask), key_padding_mask._version)
-        return self.cached("merged", key, lambda: bias[None] + padding_mask(key_padding_mask, bias.dtype))
-
 
 class LearnedAlibiBias(nn.Module, AlibiBias):
     """One layer's trained left/right slopes (encoder mode ``learned``).
@@ -217,6 +273,8 @@ class LearnedAlibiBias(nn.Module, AlibiBias):
     """
 
     supports_flex = False  # no score_mod for trained slopes
+    has_slopes = False  # trained: no key windows
+    learned = True
 
     def __init__(self, num_heads: int, scaling: Scaling = NO_SCALING):
         nn.Module.__init__(self)
@@ -250,3 +308,52 @@ class LearnedAlibiBias(nn.Module, AlibiBias):
     def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         pad = padding_mask(key_padding_mask, bias.dtype)
         return bias[None] if pad is None else bias[None] + pad
+
+
+class ModuleBias(nn.Module, StackBias):
+    """A learned causal bias of a position module (``positions.py``: T5's
+    buckets, Kerple, FIRE): ``values(query, key)`` gives ``[H, q, k]`` float32
+    for integer positions, keys right of a query are masked here.  One per
+    stack, shared by its layers (T5's convention); the dense bias is built once
+    per forward pass (:meth:`start_pass`, which the decoder calls) and carries
+    gradients to the module's parameters."""
+
+    learned = True
+
+    def __init__(self, module: nn.Module, num_heads: int, toeplitz: bool):
+        nn.Module.__init__(self)
+        StackBias.__init__(self, num_heads)
+        self.method = module
+        self._toeplitz = toeplitz
+        self._pass = 0
+
+    @property
+    def toeplitz(self) -> bool:
+        return self._toeplitz
+
+    def start_pass(self) -> None:
+        self._pass += 1
+
+    def cached(self, name: str, key: Hashable, build: Callable[[], Any]) -> Any:
+        """Cached within one forward pass, with the parameters as they are now."""
+        versions = tuple(p._version for p in self.parameters())
+        return StackBias.cached(self, name, (key, self._pass, versions, torch.is_grad_enabled()), build)
+
+    def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
+        query, key = (p.long() for p in positions(q_len, keys or k_len, q_start, device))
+        values = self.method.values(query, key).to(torch.float32)
+        return values.masked_fill(key > query, float("-inf")).to(dtype)
+
+
+class CausalMask(StackBias):
+    """No bias: the causal mask alone (NoPE).  ``zero``: the kernels run
+    bias-free causal attention where they can (SDPA's ``is_causal``); the dense
+    form (``0`` where a query sees a key, ``-inf`` to its right) serves the
+    reference kernel and padded or cached calls."""
+
+    zero = True
+
+    def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
+        query, key = positions(q_len, keys or k_len, q_start, device)
+        hidden = (key > query).expand(self.num_heads, -1, -1)
+        return torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill(hidden, float("-inf"))

@@ -7,14 +7,14 @@ the same kernels.  Every kernel is
     kernel(q, k, v, bias, key_padding_mask, dropout_p) -> (output, weights or None)
 
 with q ``[B, H, T, D]``, k/v ``[B, H, S, D]`` (queries the last ``T`` of the
-``S`` keys, as with a KV cache), ``bias`` the stack's :class:`AlibiBias` and
+``S`` keys, as with a KV cache), ``bias`` the stack's :class:`StackBias` and
 ``key_padding_mask`` ``[B, S]`` (True at padding).  Each kernel owns its helper
 and keeps it in the bias object's cache:
 
 * ``reference``: explicit scores + bias + softmax in fp32; the ground truth,
   and the only kernel that returns attention weights;
 * ``sdpa``: ``F.scaled_dot_product_attention`` with one ``[1, H, T, S]`` bias
-  broadcast over the batch (``AlibiBias.dense``, cached across layers);
+  broadcast over the batch (``StackBias.dense``, cached across layers);
 * ``flex``: FlexAttention (``flex.py``; compiled, on CUDA forward and backward,
   on the CPU forward only), ALiBi as a ``score_mod`` with a cached causal block
   mask: nothing ``T x T`` is materialized; no attention dropout, no learned slopes;
@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .alibi import reach, scaled_slopes
-from .bias import AlibiBias, padding_mask
+from .bias import StackBias, padding_mask
 from .errors import ConfigError
 from .causal_blocks import blocked_causal_attention, head_groups
 from .flex import flex_available, flex_kernel
 
-Kernel = Callable[[Tensor, Tensor, Tensor, AlibiBias, Optional[Tensor], float], Tuple[Tensor, Optional[Tensor]]]
+Kernel = Callable[[Tensor, Tensor, Tensor, StackBias, Optional[Tensor], float], Tuple[Tensor, Optional[Tensor]]]
 
 # Inference with more query x key pairs than this is "long" (auto: chunked).
 CHUNK_THRESHOLD = 1024 * 1024
@@ -67,16 +67,18 @@ def reference_attention(q, k, v, mask, key_padding_mask=None, dropout_p=0.0):
     return torch.matmul(dropped, v.float()).to(q.dtype), probs.to(q.dtype)
 
 
-def reference_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
+def reference_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
     return reference_attention(q, k, v, _dense(q, k, bias), key_padding_mask, dropout_p)
 
 
-def sdpa_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
+def sdpa_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
+    if bias.zero and key_padding_mask is None and q.size(2) in (k.size(2), 1):  # no bias: causal alone
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=q.size(2) > 1), None
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
 
 
-def blocked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
+def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
     k, v = _contiguous(k, v)
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     windows = key_windows(bias, q, k, k.size(2)) if key_padding_mask is None and dropout_p == 0 else None
@@ -91,12 +93,12 @@ def _contiguous(*tensors: Tensor) -> List[Tensor]:
     return [t.contiguous() for t in tensors]
 
 
-def _dense(q, k, bias: AlibiBias) -> Tensor:
+def _dense(q, k, bias: StackBias) -> Tensor:
     return bias.dense(q.size(2), k.size(2), q.dtype, q.device)
 
 
 # ----------------------------------------------------------------- chunked
-def chunk_ramp(bias: AlibiBias, rows: int, k_len: int, dtype, device) -> Tuple[int, Tensor]:
+def chunk_ramp(bias: StackBias, rows: int, k_len: int, dtype, device) -> Tuple[int, Tensor]:
     """(``P``, ramp ``R[h, i, j] = bias of distance P + i - j``) of a causal
     stack, cached: ``rows`` x ``P + rows`` values with ``P = k_len - 1`` (the
     slopes of a ``k_len``-key forward).  A causal bias that depends on ``query -
@@ -136,7 +138,7 @@ def negligible_gap(k_len: int, dtype: torch.dtype) -> float:
     return math.log(k_len / (torch.finfo(dtype).eps * SKIPPED_SHARE))
 
 
-def key_windows(bias: AlibiBias, q: Tensor, k: Tensor, k_len: int) -> Optional[Callable[[int, int], List[int]]]:
+def key_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[Callable[[int, int], List[int]]]:
     """ALiBi's own sparsity: ``first(start, stop)`` -> the first key each head
     needs for the queries ``start .. stop - 1`` of a causal call, or None where
     no key can be skipped.
@@ -152,7 +154,7 @@ def key_windows(bias: AlibiBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
     the input; a cap (bounded bias) or padding (a query's own key may be
     hidden) skips nothing.
     """
-    if not bias.causal:
+    if not (bias.causal and bias.has_slopes):
         return None
     scaling = bias.scaling
     slopes = scaled_slopes(scaling, bias.base_slopes, k_len, bias.exponents).tolist()
@@ -176,7 +178,7 @@ def key_windows(bias: AlibiBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
     return first
 
 
-def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
+def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
     """Queries in blocks of ``chunk_size`` (default ``CHUNK_SIZE``); each block's
     bias a view of the shared ramp (causal) or built on the fly (bidirectional,
     learned, ``capnorm``), every block with the slopes of all ``k_len`` keys (as
@@ -212,7 +214,7 @@ def chunked_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p, chunk_
         rows = min(chunk_size, q_len - start)
         return rows, offset + start + rows if causal else k_len
 
-    if causal and bias.scaling.relative:
+    if causal and bias.toeplitz:
         top, ramp = chunk_ramp(bias, chunk_size, k_len, q.dtype, q.device)
         for h in range(q.size(1)):
             for start, first in zip(starts, (f[h] for f in firsts)):
@@ -243,7 +245,7 @@ KERNEL_NAMES = ("auto",) + tuple(KERNELS)
 NO_DROPOUT = ("flex", "chunked")
 
 
-def check_kernel(name: str, bias: AlibiBias, dropout: float = 0.0) -> str:
+def check_kernel(name: str, bias: StackBias, dropout: float = 0.0) -> str:
     """The kernel a layer with ``bias`` and attention dropout ``dropout`` runs
     for the configured ``name``, resolved once when it is built; ``ConfigError``
     (naming what is allowed) for a combination that can never run.
@@ -252,22 +254,22 @@ def check_kernel(name: str, bias: AlibiBias, dropout: float = 0.0) -> str:
     if name not in KERNEL_NAMES:
         raise ConfigError(f"alibi_attention={name!r} is not valid; allowed values: {', '.join(KERNEL_NAMES)}")
     if name == "flex" and not bias.supports_flex:
-        raise ConfigError("alibi_attention='flex' is not valid here; flex has no score_mod for learned slopes: "
-                          "use auto, sdpa or chunked")
+        raise ConfigError("alibi_attention='flex' is not valid here; flex has a score_mod for ALiBi's fixed slopes "
+                          "only, not for learned slopes or other position methods: use auto, sdpa or chunked")
     if name in NO_DROPOUT and dropout > 0:
         raise ConfigError(
             f"alibi_attention={name!r} is not valid here; {name} has no attention dropout and this model has "
             f"attention_dropout={dropout:g}: use auto (which takes {name} where it can), or to evaluate, also "
             "override attention_dropout to 0"
         )
-    if name == "blocked" and not bias.causal:
+    if name == "blocked" and (not bias.causal or bias.learned or bias.zero):
         return "sdpa"
     return name
 
 
 def choose_kernel(
     name: str,
-    bias: AlibiBias,
+    bias: StackBias,
     need_weights: bool,
     q_len: int,
     k_len: int,
@@ -289,18 +291,20 @@ def choose_kernel(
         return "reference"
     if name != "auto":
         return name
+    if bias.zero:
+        return "sdpa"
     device = device or torch.device("cpu")
     grad = torch.is_grad_enabled()
     if device.type == "cuda" and bias.supports_flex and dropout_p == 0 and not incremental and flex_available():
         return "flex"
-    if device.type == "cpu" and grad and bias.causal and not incremental and q_len > 1:
+    if device.type == "cpu" and grad and bias.causal and not bias.learned and not incremental and q_len > 1:
         return "blocked"
     if not grad and q_len * k_len > CHUNK_THRESHOLD:
         return "chunked"
     return "sdpa"
 
 
-def attend(q, k, v, bias: AlibiBias, name: str, key_padding_mask=None, dropout_p: float = 0.0,
+def attend(q, k, v, bias: StackBias, name: str, key_padding_mask=None, dropout_p: float = 0.0,
            need_weights: bool = False, incremental: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """Run the kernel :func:`choose_kernel` picks; (output ``[B, H, T, D]``,
     weights or None).  Every row scores as it would alone (:func:`row_groups`)."""
@@ -323,30 +327,32 @@ def attend(q, k, v, bias: AlibiBias, name: str, key_padding_mask=None, dropout_p
     return out, weights
 
 
-def row_groups(bias: AlibiBias, key_padding_mask: Optional[Tensor], q_len: int, k_len: int):
+def row_groups(bias: StackBias, key_padding_mask: Optional[Tensor], q_len: int, k_len: int):
     """``[(rows, cut, bias)]``: the batch's rows grouped so that each scores as it
     would alone, or None where the batch needs no grouping.
 
-    ALiBi's bias depends on ``i - j`` only, so padding changes nothing, except
-    where the bias depends on more: dynamic scaling, whose factor is ``max(1,
-    n / L)`` with ``n`` **the row's own keys** (cached and new, padding not
-    counted), and ``capnorm``, which counts the keys past ``C`` (so a row's
-    leading padding is ``cut`` away: positions count from its first real
-    token).  The one definition of every path: fairseq's layers, the exported
+    A Toeplitz bias (``i - j`` only: ALiBi, T5's, Kerple's) is not moved by
+    padding, which is masked, so a batch needs no grouping, except where the
+    numbers depend on more: dynamic scaling, whose factor is ``max(1, n / L)``
+    with ``n`` **the row's own keys** (cached and new, padding not counted),
+    and a bias that is not Toeplitz (``capnorm`` counts the keys past ``C``,
+    FIRE normalizes by the query's position), for which a row's leading
+    padding is ``cut`` away: positions count from its first real token.  The one definition of every path: fairseq's layers, the exported
     model (left- and right-padded), and the Hugging Face hooks
     (``hf.scaling``) all follow it.
     """
     scaling = bias.scaling
-    if key_padding_mask is None or (not scaling.dynamic and scaling.relative):
+    if key_padding_mask is None or (not scaling.dynamic and bias.toeplitz):
         return None
     if torch.compiler.is_compiling():
-        raise ConfigError("dynamic scaling or capnorm on a padded batch groups the rows by their length, which "
-                          "torch.compile cannot trace; compile with a static method, or pass unpadded batches")
+        raise ConfigError("dynamic scaling or a non-Toeplitz bias (capnorm) on a padded batch groups the rows by "
+                          "their length, which torch.compile cannot trace; compile with a static method, or pass "
+                          "unpadded batches")
     pad = key_padding_mask.to(torch.bool)
     real = (~pad).sum(-1)
     leading = torch.where(real > 0, (~pad).int().argmax(-1), 0)
     cuts = leading.clamp(max=k_len - q_len if q_len < k_len else k_len).tolist()
-    if scaling.relative:
+    if bias.toeplitz:
         cuts = [0] * len(cuts)
     keys = [(cut, scaling.factor_at(int(n))) for cut, n in zip(cuts, real.tolist())]
     groups = []
