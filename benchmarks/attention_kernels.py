@@ -6,7 +6,7 @@
 Part 1 (kernels): one forward + backward of a whole self-attention layer, fairseq's
 stock ``MultiheadAttention`` with the decoder's ``[T, T]`` float future mask (what
 ``transformer_lm`` trains with: fairseq calls ``F.multi_head_attention_forward``
-with ``need_weights=False``, which calls SDPA) and ``AlibiMultiheadAttention``
+with ``need_weights=False``, which calls SDPA) and ``PositionMultiheadAttention``
 (``auto``), with and without attention dropout, under the profiler: prints the
 attention operators each runs.
 
@@ -39,14 +39,14 @@ def kernels(embed_dim=256, heads=8, length=512, batch=8):
     from fairseq.modules import MultiheadAttention
     from fairseq import utils
 
-    from fairseq_alibi.models.attention import AlibiMultiheadAttention
+    from fairseq_alibi.models.attention import PositionMultiheadAttention
     from fairseq_alibi.core.bias import AlibiBias
 
     x = torch.randn(length, batch, embed_dim)
     future = torch.triu(utils.fill_with_neg_inf(torch.zeros(length, length)), 1)  # the decoder's mask
     for drop in (0.0, 0.1):
         stock = MultiheadAttention(embed_dim, heads, dropout=drop, self_attention=True).train()
-        alibi = AlibiMultiheadAttention(embed_dim, heads, AlibiBias(heads), dropout=drop).train()
+        alibi = PositionMultiheadAttention(embed_dim, heads, AlibiBias(heads), dropout=drop).train()
         for name, module, mask in (("stock transformer_lm", stock, future), ("ALiBi (auto)", alibi, None)):
             xi = x.clone().requires_grad_()
             with torch.profiler.profile() as prof:

@@ -35,12 +35,12 @@ def main():
     from fairseq import utils
     from fairseq.modules import MultiheadAttention
 
-    from fairseq_alibi.models.attention import AlibiMultiheadAttention
+    from fairseq_alibi.models.attention import PositionMultiheadAttention
     from fairseq_alibi.core.bias import AlibiBias
 
     torch.manual_seed(0)
     stock = MultiheadAttention(opts.embed_dim, opts.heads, self_attention=True)
-    ours = AlibiMultiheadAttention(opts.embed_dim, opts.heads, AlibiBias(opts.heads))
+    ours = PositionMultiheadAttention(opts.embed_dim, opts.heads, AlibiBias(opts.heads))
     ours.load_state_dict(stock.state_dict())
     print(machine_description())
     print("| T | batch | fairseq ms | alibi ms | time ratio wall | time ratio cpu |")

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_description, median  # noqa: E402
 
 from fairseq_alibi.core import kernels as K  # noqa: E402
-from fairseq_alibi.models.attention import AlibiMultiheadAttention  # noqa: E402
+from fairseq_alibi.models.attention import PositionMultiheadAttention  # noqa: E402
 from fairseq_alibi.core.bias import AlibiBias  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def main():
     opts = p.parse_args()
 
     torch.manual_seed(0)
-    module = AlibiMultiheadAttention(opts.embed_dim, opts.heads, AlibiBias(opts.heads), kernel="chunked").eval()
+    module = PositionMultiheadAttention(opts.embed_dim, opts.heads, AlibiBias(opts.heads), kernel="chunked").eval()
     print(machine_description())
     print("| tokens | chunk | wall s (median) | cpu s (median) | bias ramp MiB |")
     print("|---|---|---|---|---|")

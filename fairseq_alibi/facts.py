@@ -11,10 +11,29 @@ from __future__ import annotations
 import argparse
 from typing import Any, Dict, List, Optional, Tuple
 
+from .core.positions import POSITIONS
+
 #: The registered model of the causal ALiBi LM, and fairseq's stock (sinusoidal) LM.
 ALIBI_LM = "transformer_lm_alibi"
 STOCK_LM = "transformer_lm"
-LANGUAGE_MODELS = (STOCK_LM, ALIBI_LM)
+
+
+def position_model(position: str) -> str:
+    """The registered LM of a ``core.positions`` method: ``transformer_lm_<name>``."""
+    return f"{STOCK_LM}_{position}"
+
+
+#: Every causal LM the tools evaluate: the stock one and one per position method.
+LANGUAGE_MODELS = (STOCK_LM,) + tuple(position_model(name) for name in POSITIONS)
+
+
+def position_of(model: Optional[str]) -> Optional[str]:
+    """The position method of a registered LM (``alibi``, ``rotary``, ...), or
+    None for fairseq's stock sinusoidal LM and anything else."""
+    for name in POSITIONS:
+        if model == position_model(name):
+            return name
+    return None
 
 #: ``max_positions`` of every ALiBi model: no position table, so no cap on the
 #: input length (fairseq takes the minimum over task and model).

@@ -23,7 +23,7 @@ from fairseq_alibi.core import alibi
 from fairseq_alibi.core.scaling import NO_SCALING, Scaling
 from fairseq_alibi.core import bias as B
 from fairseq_alibi.core import kernels as K
-from fairseq_alibi.models.attention import AlibiMultiheadAttention
+from fairseq_alibi.models.attention import PositionMultiheadAttention
 from fairseq_alibi.core.bias import AlibiBias
 from fairseq_alibi.errors import ConfigError
 
@@ -41,7 +41,7 @@ BF16_REL, BF16_ABS = 5e-2, 5e-2
 # --------------------------------------------------------------------- helpers
 def make_attention(kernel, heads=4, embed_dim=32, seed=0, mode="causal", scaling=NO_SCALING, **kwargs):
     torch.manual_seed(seed)
-    return AlibiMultiheadAttention(embed_dim, heads, AlibiBias(heads, mode, scaling), kernel=kernel, **kwargs)
+    return PositionMultiheadAttention(embed_dim, heads, AlibiBias(heads, mode, scaling), kernel=kernel, **kwargs)
 
 
 def right_padding(lengths, total):
@@ -465,7 +465,7 @@ def test_shared_bias_built_once_per_forward_without_batch_dim(dict_dir):
         model(tokens[:, :20])[0].sum().backward()
         assert counter.calls[1:] == [(4, 20, 20)]
     layers = model.decoder.layers
-    assert all(layer.self_attn.alibi is layers[0].self_attn.alibi for layer in layers)
+    assert all(layer.self_attn.positions is layers[0].self_attn.positions for layer in layers)
 
 
 def test_padding_mask_merged_once_per_forward(dict_dir):

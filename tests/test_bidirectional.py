@@ -22,7 +22,7 @@ from conftest import causal_bias, error_lines, run_cli, split_bias, symmetric_bi
 
 from fairseq_alibi.core import alibi
 from fairseq_alibi.core.scaling import NO_SCALING, Scaling
-from fairseq_alibi.models.attention import AlibiMultiheadAttention
+from fairseq_alibi.models.attention import PositionMultiheadAttention
 from fairseq_alibi.core.bias import AlibiBias, LearnedAlibiBias
 from fairseq_alibi.core.kernels import flex_available
 from fairseq_alibi.errors import ConfigError
@@ -136,7 +136,7 @@ def test_learned_slope_parametrization():
 def attention(mode, heads=4, dim=32, kernel="reference", scaling=NO_SCALING):
     torch.manual_seed(0)
     shared = AlibiBias(heads, mode, scaling)
-    return AlibiMultiheadAttention(dim, heads, shared, kernel=kernel).eval(), shared
+    return PositionMultiheadAttention(dim, heads, shared, kernel=kernel).eval(), shared
 
 
 @pytest.mark.parametrize("heads", [4, 5])
@@ -194,8 +194,8 @@ def test_shared_modes_share_one_cached_bias():
     _, shared = attention("split", 4, 32)
     a = shared.dense(9, 9, torch.float32, "cpu")
     assert shared.dense(9, 9, torch.float32, "cpu") is a
-    module = AlibiMultiheadAttention(32, 4, shared)
-    assert module.alibi is shared and not module.alibi.causal
+    module = PositionMultiheadAttention(32, 4, shared)
+    assert module.positions is shared and not module.positions.causal
     assert all(k.split(".")[0] in ("q_proj", "k_proj", "v_proj", "out_proj") for k in module.state_dict())
 
 
@@ -210,7 +210,7 @@ def test_encoder_interpolation_dynamic_and_learned():
     ntk = AlibiBias(8, "split", Scaling("ntk", 4.0))
     torch.testing.assert_close(ntk.slopes(10), alibi.scaled_slopes(Scaling("ntk", 4.0), alibi.split_slopes(8), 10))
     module, _ = attention("learned", 8, 32, scaling=Scaling("linear", 0, 16))
-    left, right = module.alibi.side_slopes(48)
+    left, right = module.positions.side_slopes(48)
     torch.testing.assert_close(left, alibi.get_slopes(8) / 3)
     torch.testing.assert_close(right, alibi.get_slopes(8) / 3)
 
@@ -218,7 +218,7 @@ def test_encoder_interpolation_dynamic_and_learned():
 def test_learned_slopes_train_and_stay_negative():
     module, _ = attention("learned", 4, 32, kernel="sdpa")
     module.train()
-    learned = module.alibi
+    learned = module.positions
     assert {"alibi.left", "alibi.right"} <= set(module.state_dict())
     x = torch.randn(10, 3, 32)
     module(x, x, x, need_weights=False)[0].pow(2).sum().backward()
@@ -290,7 +290,7 @@ def test_roberta_structure(dict_dir, mode):
         assert len(learned) == 2 * 2  # left and right, per layer
     else:
         assert not learned
-        assert {id(layer.self_attn.alibi) for layer in encoder.layers} == {id(encoder.alibi)}
+        assert {id(layer.self_attn.positions) for layer in encoder.layers} == {id(encoder.positions)}
     assert model.max_positions() == UNBOUNDED_POSITIONS
     assert cfg.model.alibi_train_length == 32
     # longer than tokens_per_sample: no position table caps it
@@ -343,9 +343,9 @@ def test_transformer_structure(dict_dir, mode):
     assert not [k for k in model.state_dict() if "pos" in k]
     assert model.max_positions() == (UNBOUNDED_POSITIONS, UNBOUNDED_POSITIONS)
     encoder_attn = model.encoder.layers[0].self_attn
-    assert isinstance(encoder_attn.alibi, LearnedAlibiBias) == (mode == "learned")
+    assert isinstance(encoder_attn.positions, LearnedAlibiBias) == (mode == "learned")
     decoder_self = model.decoder.layers[0].self_attn
-    assert isinstance(decoder_self, AlibiMultiheadAttention) and decoder_self.alibi.causal
+    assert isinstance(decoder_self, PositionMultiheadAttention) and decoder_self.positions.causal
     cross = model.decoder.layers[0].encoder_attn
     assert type(cross).__name__ == "MultiheadAttention"  # stock: no position information
 

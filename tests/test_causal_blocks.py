@@ -17,7 +17,7 @@ from fairseq_alibi.core import alibi
 from fairseq_alibi.core.scaling import NO_SCALING, Scaling
 from fairseq_alibi.core import kernels as K
 from fairseq_alibi.core import causal_blocks as CB
-from fairseq_alibi.models.attention import AlibiMultiheadAttention
+from fairseq_alibi.models.attention import PositionMultiheadAttention
 from fairseq_alibi.core.bias import AlibiBias
 
 BF16_REL, BF16_ABS = 5e-2, 5e-2
@@ -131,7 +131,7 @@ def test_blocked_dropout_is_unbiased_and_drops_p():
 # --------------------------------------------------------------------- in the module
 def make_attention(path, heads=4, embed_dim=32, seed=0, **kwargs):
     torch.manual_seed(seed)
-    return AlibiMultiheadAttention(embed_dim, heads, AlibiBias(heads), kernel=path, **kwargs)
+    return PositionMultiheadAttention(embed_dim, heads, AlibiBias(heads), kernel=path, **kwargs)
 
 
 @pytest.mark.parametrize("dtype,padded", list(itertools.product((torch.float32, torch.bfloat16), (False, True))))
@@ -185,7 +185,7 @@ def test_blocked_path_with_dropout_in_module_matches_reference(monkeypatch):
 
 def _choice(module, grad=True, dropout=0.0, device="cpu"):
     with torch.set_grad_enabled(grad), mock.patch.object(K, "flex_available", return_value=True):
-        return K.choose_kernel(module.kernel, module.alibi, False, 512, 512, dropout, False, torch.device(device))
+        return K.choose_kernel(module.kernel, module.positions, False, 512, 512, dropout, False, torch.device(device))
 
 
 def test_auto_picks_blocked_for_cpu_training():
@@ -201,7 +201,7 @@ def test_blocked_falls_back_to_sdpa_for_a_non_causal_or_learned_bias():
     """Symmetric (bidirectional) bias: the blocked path would skip keys the
     queries must see; it is never used there."""
     torch.manual_seed(0)
-    m = AlibiMultiheadAttention(32, 4, AlibiBias(4, "symmetric"), kernel="auto", dropout=0.1)
+    m = PositionMultiheadAttention(32, 4, AlibiBias(4, "symmetric"), kernel="auto", dropout=0.1)
     assert _choice(m, dropout=0.1) == "sdpa"
     x = torch.randn(9, 2, 32)
     with mock.patch.object(K, "blocked_causal_attention", wraps=K.blocked_causal_attention) as spy:

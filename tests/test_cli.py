@@ -596,7 +596,7 @@ def n_params(model) -> int:
 
 
 def test_wiki103_twin_is_the_paper_model_with_stock_parameter_count(wiki103_dict):
-    from fairseq_alibi.models.attention import AlibiMultiheadAttention
+    from fairseq_alibi.models.attention import PositionMultiheadAttention
 
     stock, _ = build_on_meta(wiki103_dict, "transformer_lm_wiki103")
     twin, cfg = build_on_meta(wiki103_dict, "transformer_lm_wiki103_alibi")
@@ -608,7 +608,7 @@ def test_wiki103_twin_is_the_paper_model_with_stock_parameter_count(wiki103_dict
     assert cfg.model.decoder_attention_heads == 8
     assert cfg.model.adaptive_input and cfg.model.alibi_train_length == 512
     attn = twin.decoder.layers[0].self_attn
-    assert isinstance(attn, AlibiMultiheadAttention) and attn.num_heads == 8
+    assert isinstance(attn, PositionMultiheadAttention) and attn.num_heads == 8
 
 
 def test_base_arch_builds_without_any_dimension_flags(wiki103_dict):

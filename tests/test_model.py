@@ -33,9 +33,9 @@ def test_no_positions_and_one_shared_bias(data_dir):
     model, _ = build(data_dir)
     assert model.decoder.embed_positions is None
     assert not [k for k in model.state_dict() if "pos" in k]
-    biases = {id(layer.self_attn.alibi) for layer in model.decoder.layers}
-    assert biases == {id(model.decoder.alibi)}
-    assert model.decoder.alibi.num_heads == 6
+    biases = {id(layer.self_attn.positions) for layer in model.decoder.layers}
+    assert biases == {id(model.decoder.positions)}
+    assert model.decoder.positions.num_heads == 6
     assert model.max_positions() == UNBOUNDED_POSITIONS
 
 
@@ -50,9 +50,9 @@ def test_train_length_defaults_to_tokens_per_sample(data_dir):
     _, cfg = build(data_dir)
     assert cfg.model.alibi_train_length == 128
     model, cfg = build(data_dir, "--alibi-train-length", "64", "--alibi-interpolation", "linear")
-    assert model.decoder.alibi.scaling.train_length == 64
+    assert model.decoder.positions.scaling.train_length == 64
     # dynamic linear: trained at 64, a 256-token forward divides slopes by 4
-    slopes = model.decoder.alibi.slopes(256)
+    slopes = model.decoder.positions.slopes(256)
     torch.testing.assert_close(slopes, fairseq_alibi.core.alibi.get_slopes(6) / 4)
 
 
@@ -103,7 +103,7 @@ def test_builds_from_argparse_namespace(data_dir):
     args = options.parse_args_and_arch(options.get_training_parser(), argv)
     task = tasks.setup_task(args)
     model = task.build_model(args)
-    assert model.decoder.alibi.scaling.train_length == 96
+    assert model.decoder.positions.scaling.train_length == 96
 
 
 def test_fairseq_imports_without_loading_the_metrics_it_never_uses_here():

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         task = P.Lines(vocab, digits=args.digits)
         layers = model.decoder.layers
         heads = layers[0].self_attn.num_heads
-        bias = model.decoder.alibi  # the stack's bias under this method
+        bias = model.decoder.positions  # the stack's bias under this method
         base = bias.base_slopes
         captured = {}
 

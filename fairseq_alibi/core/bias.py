@@ -43,7 +43,7 @@ from .alibi import (
     scaled_slopes,
     slope_exponents,
 )
-from .errors import ConfigError
+from .errors import ConfigError, ScalingError
 from .scaling import NO_SCALING, Scaling
 
 
@@ -170,13 +170,25 @@ class StackBias:
         """This bias with a dynamic factor fixed at ``factor`` (one row's); ``self`` without one."""
         return self
 
-    def rotate(self, q: Tensor, k: Tensor, q_start: int, k_len: int) -> Tuple[Tensor, Tensor]:
-        """Queries and keys at positions ``q_start ..`` as attention sees them
-        (rotary methods rotate them; every bias leaves them alone)."""
+    def rotate(self, q: Tensor, k: Tensor, q_start: int, k_len: int,
+               key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """Queries and keys ``[B, H, T, D]`` at positions ``q_start ..`` of a
+        pass over ``k_len`` keys, as attention sees them (rotary methods rotate
+        them; every bias leaves them alone)."""
         return q, k
 
     def start_pass(self) -> None:
         """A new forward pass of the stack begins (learned biases rebuild then)."""
+
+    def rescale(self, scaling: Scaling) -> None:
+        """Use ``scaling`` from the next forward on; a bias without extension
+        methods takes ``none`` only (``positions.check_extension`` names the
+        methods of each position method where the model is built)."""
+        if scaling.method != "none":
+            raise ScalingError("method", scaling.method, f"{type(self).__name__} has no context-extension "
+                               "methods; only none applies")
+        self.scaling = scaling
+        self._cache.clear()
 
     def for_layer(self) -> "StackBias":
         """The bias one layer's attention uses: the stack's own, shared."""

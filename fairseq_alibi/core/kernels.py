@@ -1,7 +1,7 @@
 """ALiBi attention kernels: free functions with one signature, in one registry.
 
 Pure torch (no fairseq), like ``bias.py``: the fairseq layer
-(``attention.AlibiMultiheadAttention``) and an exported Hugging Face model run
+(``attention.PositionMultiheadAttention``) and an exported Hugging Face model run
 the same kernels.  Every kernel is
 
     kernel(q, k, v, bias, key_padding_mask, dropout_p) -> (output, weights or None)

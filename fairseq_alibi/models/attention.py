@@ -1,11 +1,12 @@
-"""ALiBi self-attention for fairseq: the layer, and rescaling a built model.
+"""Self-attention with a position method for fairseq: the layer, and rescaling a built model.
 
-``AlibiMultiheadAttention`` subclasses fairseq's ``MultiheadAttention`` and
+``PositionMultiheadAttention`` subclasses fairseq's ``MultiheadAttention`` and
 keeps its parameter names (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``) and
 its KV-cache layout, so checkpoints and beam-search reordering work unchanged.
-Only ``forward`` is replaced: the bias comes from the stack's shared
-``bias.AlibiBias`` (its ``alibi`` attribute) and the kernel from
-``kernels.py``, resolved once when the layer is built (``kernel``).
+Only ``forward`` is replaced: the stack's shared position object
+(``positions``, a ``core.bias.StackBias``: ALiBi, a learned bias, or the causal
+mask with rotated queries and keys) gives the bias and the rotation, and the
+kernel comes from ``core/kernels.py``, resolved once when the layer is built.
 """
 
 from __future__ import annotations
@@ -17,19 +18,29 @@ from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
 from ..core import kernels
-from ..core.bias import AlibiBias
+from ..core.bias import StackBias
 from ..core.scaling import Scaling
 
 
-class AlibiMultiheadAttention(MultiheadAttention):
-    """Self-attention with ALiBi; a drop-in for fairseq's ``MultiheadAttention``."""
+def attach_shared(module: torch.nn.Module, name: str, shared) -> None:
+    """``module.<name> = shared`` without making it ``module``'s submodule: a
+    stack's position object belongs to the stack (its parameters are saved and
+    moved once), its layers only read it (also before ``Module.__init__``)."""
+    module.__dict__[name] = shared
 
-    def __init__(self, embed_dim: int, num_heads: int, alibi_bias: AlibiBias, kernel: str = "auto", **kwargs):
+
+class PositionMultiheadAttention(MultiheadAttention):
+    """Self-attention with a position method; a drop-in for fairseq's ``MultiheadAttention``."""
+
+    def __init__(self, embed_dim: int, num_heads: int, positions: StackBias, kernel: str = "auto", **kwargs):
         super().__init__(embed_dim, num_heads, self_attention=True, **kwargs)
-        if alibi_bias.num_heads != num_heads:
-            raise ValueError(f"ALiBi bias has {alibi_bias.num_heads} heads, attention has {num_heads}")
-        self.alibi = alibi_bias.for_layer()  # a submodule only when it has parameters
-        self.kernel = kernels.check_kernel(kernel, self.alibi, self.dropout_module.p)
+        if positions.num_heads != num_heads:
+            raise ValueError(f"the position bias has {positions.num_heads} heads, attention has {num_heads}")
+        own = positions.for_layer()
+        if own is not positions:  # a layer's own learned slopes: a submodule, named as checkpoints hold it
+            self.alibi = own
+        attach_shared(self, "positions", own)
+        self.kernel = kernels.check_kernel(kernel, own, self.dropout_module.p)
 
     def forward(
         self,
@@ -58,17 +69,26 @@ class AlibiMultiheadAttention(MultiheadAttention):
         q = split_heads(self.q_proj(query))
         k = split_heads(self.k_proj(query))
         v = split_heads(self.v_proj(query))
+        past = self._cached_length(incremental_state)
+        q, k = self.positions.rotate(q, k, past, past + tgt_len, key_padding_mask if past == 0 else None)
         if incremental_state is not None:
             k, v, key_padding_mask = self._extend_cache(incremental_state, k, v, key_padding_mask, bsz)
 
         dropout_p = self.dropout_module.p if self.training else 0.0
-        out, weights = kernels.attend(q, k, v, self.alibi, self.kernel, key_padding_mask, dropout_p,
+        out, weights = kernels.attend(q, k, v, self.positions, self.kernel, key_padding_mask, dropout_p,
                                       need_weights, incremental_state is not None)
         out = self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim))
         if not need_weights or weights is None:
             return out, None  # the reference kernel computes weights either way: not asked, not returned
         weights = weights.transpose(0, 1)  # [H, B, T, S], fairseq's layout
         return out, weights if need_head_weights else weights.mean(dim=0)
+
+    def _cached_length(self, incremental_state) -> int:
+        """Keys already in the KV cache (the new tokens' first position)."""
+        if incremental_state is None:
+            return 0
+        saved = self._get_input_buffer(incremental_state)
+        return saved["prev_key"].size(2) if "prev_key" in saved else 0
 
     def _extend_cache(self, incremental_state, k: Tensor, v: Tensor, key_padding_mask, bsz: int):
         """Keys, values and padding mask with the cached ones prepended; the cache updated."""
@@ -90,19 +110,20 @@ class AlibiMultiheadAttention(MultiheadAttention):
 
 
 def biases(model: torch.nn.Module):
-    """Every distinct ALiBi bias object of a model (one per stack; one per layer when learned)."""
+    """Every distinct position object of a model (one per stack; one per layer when learned)."""
     seen = {}
     for module in model.modules():
-        if isinstance(module, AlibiMultiheadAttention):
-            seen.setdefault(id(module.alibi), module.alibi)
+        if isinstance(module, PositionMultiheadAttention):
+            seen.setdefault(id(module.positions), module.positions)
     return list(seen.values())
 
 
 def rescale(model: torch.nn.Module, scaling: Scaling) -> None:
     """Evaluate a built model under ``scaling`` from its next forward on: the
-    same numbers as rebuilding it with the method's ``--model-overrides``."""
+    same numbers as rebuilding it with the method's ``--model-overrides``
+    (``ScalingError`` for a method that does not apply to its position method)."""
     found = biases(model)
     if not found:
-        raise ValueError(f"{type(model).__name__} has no ALiBi attention to rescale")
+        raise ValueError(f"{type(model).__name__} has no position attention to rescale")
     for bias in found:
         bias.rescale(scaling)

@@ -27,6 +27,7 @@ from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 from ..core.bias import AlibiBias
 from .. import facts
 from .config import AlibiEncoderConfig, build_bias
+from .attention import attach_shared
 from .transformer_lm import self_attention, wrap_layer
 
 
@@ -34,7 +35,8 @@ class AlibiEncoderLayer(TransformerEncoderLayerBase):
     """Stock encoder layer whose self-attention is bidirectional ALiBi."""
 
     def __init__(self, cfg, alibi_bias: AlibiBias, kernel: str = "auto", return_fc=False):
-        self.alibi, self.alibi_kernel = alibi_bias, kernel  # plain attributes, read by build_self_attention
+        attach_shared(self, "positions", alibi_bias)  # read by build_self_attention
+        self.alibi_kernel = kernel
         super().__init__(cfg, return_fc=return_fc)
 
     def build_self_attention(self, embed_dim, cfg):
@@ -49,13 +51,13 @@ class AlibiTransformerEncoder(TransformerEncoder):
 
     def __init__(self, args, dictionary, embed_tokens, return_fc=False):
         args.no_token_positional_embeddings = True
-        self.alibi = build_bias(args, args.encoder_attention_heads, encoder=True)
+        self.positions = build_bias(args, args.encoder_attention_heads, encoder=True)
         self.alibi_kernel = getattr(args, "alibi_attention", "auto")
         super().__init__(args, dictionary, embed_tokens, return_fc=return_fc)
 
     def build_encoder_layer(self, cfg):
         cfg = TransformerConfig.from_namespace(cfg)
-        return wrap_layer(AlibiEncoderLayer(cfg, self.alibi, self.alibi_kernel, return_fc=self.return_fc), cfg)
+        return wrap_layer(AlibiEncoderLayer(cfg, self.positions, self.alibi_kernel, return_fc=self.return_fc), cfg)
 
     def max_positions(self):
         """ALiBi has no position table: the input length is not capped."""

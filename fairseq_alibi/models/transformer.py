@@ -27,7 +27,7 @@ from fairseq.models.transformer import TransformerModel
 from .. import facts
 from .bidirectional import AlibiTransformerEncoder, encoder_twin
 from .config import AlibiEncoderConfig
-from .transformer_lm import AlibiTransformerDecoder
+from .transformer_lm import PositionTransformerDecoder
 
 
 @register_model("transformer_alibi")
@@ -55,7 +55,7 @@ class AlibiTransformerModel(TransformerModel):
 
     @classmethod
     def build_decoder(cls, args, tgt_dict, embed_tokens):
-        return AlibiTransformerDecoder(
+        return PositionTransformerDecoder(
             args, tgt_dict, embed_tokens, no_encoder_attn=getattr(args, "no_cross_attention", False)
         )
 

@@ -1,18 +1,28 @@
-"""``transformer_lm_alibi``: fairseq's transformer LM with ALiBi instead of positions.
+"""``transformer_lm_alibi`` and its siblings: fairseq's transformer LM with
+another position method instead of sinusoidal embeddings.
 
 What changes against the stock model, and nothing else:
 
 * the decoder has no position embeddings and no cap on its input length;
-* every decoder self-attention is ``AlibiMultiheadAttention``, all layers sharing
-  one causal ``AlibiBias`` (slopes scaled once per forward, one cached bias);
-* three config fields choose the eval-time context extension and one the kernel.
+* every decoder self-attention is ``PositionMultiheadAttention``, all layers
+  sharing one position object of ``core/positions.py`` (ALiBi's causal bias;
+  a learned bias built once per forward; the causal mask with rotated queries
+  and keys; or nothing but the mask);
+* config fields choose the eval-time context extension (``alibi_*``: the one
+  scaling spec of every position method), the kernel, and the position
+  method's own parameters.
 
-Every stock ``transformer_lm*`` architecture gets an ``<arch>_alibi`` twin, and
-``transformer_lm_bloom_alibi`` trains BLOOM's layer shape (``alibi-export-hf
---format bloom`` exports it to stock transformers' ``BloomForCausalLM``).
+``transformer_lm_alibi``: every stock ``transformer_lm*`` architecture gets an
+``<arch>_alibi`` twin, and ``transformer_lm_bloom_alibi`` trains BLOOM's layer
+shape (``alibi-export-hf --format bloom`` exports it to stock transformers'
+``BloomForCausalLM``).  Every other entry of ``core.positions.POSITIONS`` is a
+model ``transformer_lm_<name>`` (one architecture of the same name, the stock
+``transformer_lm`` sizes) whose config adds the entry's ``params``.
 """
 
+import dataclasses
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 from fairseq.distributed import fsdp_wrap
@@ -22,14 +32,15 @@ from fairseq.models.transformer import TransformerConfig, TransformerDecoder
 from fairseq.modules import TransformerDecoderLayer
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.utils import safe_getattr
+import torch
 from omegaconf import II
 
-from .. import patches
-from .attention import AlibiMultiheadAttention
-from ..core.bias import AlibiBias
-from .. import facts
+from .. import facts, patches
+from ..core import positions as P
+from ..core.bias import StackBias
 from ..errors import ConfigError
-from .config import AlibiConfig, build_bias, option
+from .attention import PositionMultiheadAttention, attach_shared
+from .config import AlibiConfig, option, scaling_from_config
 
 
 @dataclass
@@ -43,25 +54,26 @@ class AlibiLanguageModelConfig(stock.TransformerLanguageModelConfig, AlibiConfig
     decoder_output_dim: Optional[int] = option(None, "decoder output dimension (default: decoder_embed_dim)")
 
 
-class AlibiDecoderLayer(TransformerDecoderLayer):
-    """Stock decoder layer whose self-attention is ALiBi attention."""
+class PositionDecoderLayer(TransformerDecoderLayer):
+    """Stock decoder layer whose self-attention reads the stack's position object."""
 
-    def __init__(self, args, alibi_bias: AlibiBias, kernel: str = "auto", no_encoder_attn=False):
-        self.alibi, self.alibi_kernel = alibi_bias, kernel  # plain attributes, read by build_self_attention
+    def __init__(self, args, positions: StackBias, kernel: str = "auto", no_encoder_attn=False):
+        attach_shared(self, "positions", positions)  # read by build_self_attention
+        self.alibi_kernel = kernel
         super().__init__(args, no_encoder_attn=no_encoder_attn)
 
     def build_self_attention(self, embed_dim, args, add_bias_kv=False, add_zero_attn=False):
         cfg = TransformerConfig.from_namespace(args)
         if add_bias_kv or add_zero_attn or cfg.cross_self_attention:
-            raise ValueError("ALiBi attention does not support bias_kv, zero_attn or cross_self_attention")
+            raise ValueError("position attention does not support bias_kv, zero_attn or cross_self_attention")
         return self_attention(self, embed_dim, cfg.decoder.attention_heads, cfg.attention_dropout)
 
 
-def self_attention(layer, embed_dim: int, heads: int, dropout: float) -> AlibiMultiheadAttention:
-    """The ALiBi self-attention of a stock layer that holds its stack's ``alibi``
-    bias and ``alibi_kernel`` name (and fairseq's quant-noise settings)."""
-    return AlibiMultiheadAttention(
-        embed_dim, heads, layer.alibi, kernel=layer.alibi_kernel, dropout=dropout,
+def self_attention(layer, embed_dim: int, heads: int, dropout: float) -> PositionMultiheadAttention:
+    """The self-attention of a stock layer that holds its stack's ``positions``
+    object and ``alibi_kernel`` name (and fairseq's quant-noise settings)."""
+    return PositionMultiheadAttention(
+        embed_dim, heads, layer.positions, kernel=layer.alibi_kernel, dropout=dropout,
         q_noise=layer.quant_noise, qn_block_size=layer.quant_noise_block_size,
     )
 
@@ -74,29 +86,52 @@ def wrap_layer(layer, args):
     return fsdp_wrap(layer, min_num_params=getattr(args, "min_params_to_wrap", 0))
 
 
-class AlibiTransformerDecoder(TransformerDecoder):
-    """Stock decoder without position embeddings, built from ALiBi layers."""
+class PositionTransformerDecoder(TransformerDecoder):
+    """Stock decoder without position embeddings, its layers sharing the
+    position object of ``position`` (a ``core.positions`` name)."""
 
-    def __init__(self, args, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
+    def __init__(self, args, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None,
+                 position: str = "alibi"):
         args.no_token_positional_embeddings = True
-        self.alibi = build_bias(args, args.decoder_attention_heads)  # before the layers are built
+        positions = build_positions(args, position)
+        attach_shared(self, "positions", positions)  # before the layers are built (and Module.__init__)
         self.alibi_kernel = getattr(args, "alibi_attention", "auto")
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn, output_projection)
+        if isinstance(positions, torch.nn.Module):  # learned: the stack's submodule, trained and saved once
+            del self.__dict__["positions"]
+            self.positions = positions
 
     def build_decoder_layer(self, args, no_encoder_attn=False):
-        return wrap_layer(AlibiDecoderLayer(args, self.alibi, self.alibi_kernel, no_encoder_attn), args)
+        return wrap_layer(PositionDecoderLayer(args, self.positions, self.alibi_kernel, no_encoder_attn), args)
+
+    def extract_features_scriptable(self, prev_output_tokens, *args, **kwargs):
+        self.positions.start_pass()  # a learned bias is built once per pass, for every layer
+        return super().extract_features_scriptable(prev_output_tokens, *args, **kwargs)
 
     def max_positions(self):
-        """ALiBi has no position table: the input length is not capped."""
+        """No position table: the input length is not capped."""
         return facts.UNBOUNDED_POSITIONS
 
     def buffered_future_mask(self, tensor):
-        """Only a causal flag for the layers: the ALiBi bias carries the mask."""
+        """Only a causal flag for the layers: the position object carries the mask."""
         return tensor.new_zeros(())
+
+
+def build_positions(args, position: str) -> StackBias:
+    """The position object of a decoder stack from its config: the scaling spec
+    (``alibi_*`` fields, checked against the methods that apply) and the
+    position method's own parameters."""
+    entry = P.position(position)
+    heads = args.decoder_attention_heads
+    params = {p.name: getattr(args, p.name, p.default) for p in entry.params}
+    return P.build(position, heads, args.decoder_embed_dim // heads, params, scaling_from_config(args))
 
 
 @register_model(facts.ALIBI_LM, dataclass=AlibiLanguageModelConfig)
 class AlibiTransformerLanguageModel(stock.TransformerLanguageModel):
+    #: The ``core.positions`` method of this model's decoder.
+    position = "alibi"
+
     @classmethod
     def hub_models(cls):
         return {}
@@ -107,7 +142,7 @@ class AlibiTransformerLanguageModel(stock.TransformerLanguageModel):
         # filled in, so with no --decoder-embed-dim it could not set these.
         _default_io_dims(args)
         facts.resolve_train_length(args, task)
-        with patches.decoder_class(stock, AlibiTransformerDecoder):
+        with patches.decoder_class(stock, partial(PositionTransformerDecoder, position=cls.position)):
             return super().build_model(args, task)
 
 
@@ -170,3 +205,23 @@ def transformer_lm_bloom_alibi(args):
         raise ConfigError(f"--arch {BLOOM_ARCH} has BLOOM's shape (gelu_accurate, FFN = 4 x d = {4 * dim}, "
                           f"input/output dims = d, final norm, no adaptive input/softmax); this model has "
                           f"{'; '.join(broken)}: use --arch transformer_lm_alibi for other shapes")
+
+
+# ----------------------------------------------------------------- the other position methods
+def _position_model(entry: P.Position):
+    """Register ``transformer_lm_<name>``: the ALiBi LM's config plus the
+    entry's parameters, its decoder built with that position method, and one
+    architecture of the same name (the stock ``transformer_lm`` sizes)."""
+    name = facts.position_model(entry.name)
+    fields = [(p.name, type(p.default), option(p.default, p.help)) for p in entry.params]
+    config = dataclasses.make_dataclass(f"{entry.name.capitalize()}LanguageModelConfig", fields,
+                                        bases=(AlibiLanguageModelConfig,))
+    model = type(f"{entry.name.capitalize()}TransformerLanguageModel", (AlibiTransformerLanguageModel,),
+                 {"position": entry.name, "__doc__": f"fairseq's transformer LM with {entry.summary}."})
+    register_model(name, dataclass=config)(model)
+    ARCH_CONFIG_REGISTRY[name] = _twin(ARCH_CONFIG_REGISTRY[facts.STOCK_LM])  # register_model made the arch name
+
+
+for _entry in P.POSITIONS.values():
+    if _entry.name != "alibi":
+        _position_model(_entry)
