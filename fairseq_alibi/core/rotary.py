@@ -1,0 +1,172 @@
+"""Rotary position embedding (RoPE, Su et al. 2021, "RoFormer") and its
+context-extension methods, as pure functions.
+
+RoPE rotates each pair of a head's query and key dimensions by an angle
+proportional to the token's position, ``p * theta_i`` with ``theta_i =
+base^(-2i/d)``, so the score ``q_m . k_n`` depends on the offset ``m - n``
+only (a relative method with no bias term; attention then runs bias-free).
+It extrapolates poorly: past the training length the slow pairs reach angles
+never seen in training, and perplexity rises soon after ``L`` (the ALiBi
+paper's first figure).  Its extension methods change the frequencies at
+evaluation instead: position interpolation, NTK-aware scaling, YaRN
+(:func:`extended_frequencies`).
+
+Conventions:
+
+* pairing: GPT-NeoX / Llama, dimension ``k`` with dimension ``k + d/2`` of the
+  rotated part (not GPT-J's adjacent pairs ``2k, 2k + 1``), as transformers'
+  Llama does, so its ``apply_rotary_pos_emb`` is an oracle for :func:`rotate`;
+* partial rotary: only the first ``rotary_dim = 2 * len(inv_freq)`` dimensions
+  of each head are rotated, the rest pass through untouched;
+* frequencies are float32 ``[rotary_dim // 2]``, formed from Python floats
+  (double) and rounded once, on the CPU (also under a ``meta`` device block);
+* angles are float32 ``position * inv_freq`` (positions cast once, exact
+  below 2**24), as in every float32 RoPE: at position 65535 the rounding of
+  the product shifts an angle by up to ~0.004 rad, equally for queries and
+  keys of the same position.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .errors import ConfigError, ScalingError
+
+#: The extension methods this module computes, at a resolved factor >= 1.
+ROPE_METHODS = ("none", "linear", "ntk", "yarn")
+#: YaRN's ramp ends: pairs turning at least ``beta_fast`` times within the
+#: training length are kept, at most ``beta_slow`` times interpolated.
+YARN_BETA_FAST = 32.0
+YARN_BETA_SLOW = 1.0
+DEFAULT_BASE = 10000.0
+
+
+def _check_rotary_dim(rotary_dim) -> int:
+    if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2:
+        raise ConfigError(f"rotary_dim={rotary_dim!r} is not valid; it must be an even integer >= 2 "
+                          "(the number of rotated dimensions of a head)")
+    return rotary_dim
+
+
+def _check_base(base) -> float:
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
+        raise ConfigError(f"rotary base={base!r} is not valid; it must be a finite number > 1")
+    return float(base)
+
+
+def _frequencies(rotary_dim: int, base: float) -> list:
+    """``base^(-2i/d)`` for ``i = 0 .. d/2 - 1``, in Python floats."""
+    return [base ** (-2.0 * i / rotary_dim) for i in range(rotary_dim // 2)]
+
+
+def _float32(values) -> Tensor:
+    return torch.tensor(values, dtype=torch.float32, device="cpu")
+
+
+def inv_frequencies(rotary_dim: int, base: float = DEFAULT_BASE) -> Tensor:
+    """RoPE's float32 ``[rotary_dim // 2]`` frequencies ``theta_i = base^(-2i/d)``,
+    ``d = rotary_dim`` (the rotated dimensions, so a partial rotary head
+    spreads its frequencies over the part it rotates, as GPT-NeoX does)."""
+    return _float32(_frequencies(_check_rotary_dim(rotary_dim), _check_base(base)))
+
+
+def _check_factor(factor) -> float:
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor < 1:
+        raise ScalingError("factor", factor, "RoPE's extension methods take a resolved factor >= 1 "
+                           "(a dynamic factor is max(1, length / training length))")
+    return float(factor)
+
+
+def yarn_attention_scale(factor: float) -> float:
+    """YaRN's ``0.1 ln(s) + 1`` (1 at ``s <= 1``), applied to queries and keys
+    each, so the logits are scaled by its square (Peng et al. 2023)."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def yarn_ramp(rotary_dim: int, base: float, train_length: int) -> list:
+    """YaRN's share of interpolation per pair: 0 (kept as trained) for the pairs
+    that turn at least ``beta_fast`` times within ``train_length``, 1
+    (divided by the factor) for those that turn at most ``beta_slow`` times,
+    linear in the pair index between the two (fractional) pair indices where
+    the number of turns ``L theta_i / 2 pi`` equals ``beta_fast`` and
+    ``beta_slow``, rounded outwards (floor, ceil).  This is the ramp of the
+    YaRN authors' code, which transformers follows; the paper's equation writes
+    it linear in the number of turns instead."""
+    def pair_index(turns: float) -> float:
+        return rotary_dim * math.log(train_length / (2 * math.pi * turns)) / (2 * math.log(base))
+
+    # low < high whenever the slowest pair turns at least once (_check_train_length)
+    low = max(math.floor(pair_index(YARN_BETA_FAST)), 0)
+    high = math.ceil(pair_index(YARN_BETA_SLOW))
+    return [min(max((i - low) / (high - low), 0.0), 1.0) for i in range(rotary_dim // 2)]
+
+
+def _check_train_length(train_length) -> int:
+    minimum = math.ceil(2 * math.pi * YARN_BETA_SLOW)
+    if isinstance(train_length, bool) or not isinstance(train_length, int) or train_length < minimum:
+        raise ConfigError(f"train_length={train_length!r} is not valid for yarn; it needs the training length, "
+                          f"an integer >= {minimum} (the slowest kept pair turns once within it)")
+    return train_length
+
+
+def extended_frequencies(method: str, factor: float, rotary_dim: int, base: float = DEFAULT_BASE,
+                         train_length: Optional[int] = None) -> Tuple[Tensor, float]:
+    """``(inv_freq, attention_scale)`` of RoPE extended by ``method`` at a
+    resolved factor ``s = factor >= 1`` (the caller resolves a dynamic factor,
+    ``max(1, length / train_length)``):
+
+    * ``none``: RoPE as trained, scale 1 (``factor`` is ignored);
+    * ``linear``, position interpolation (Chen et al. 2023, "Extending Context
+      Window of Large Language Models via Positional Interpolation"): positions
+      divided by ``s``, i.e. every ``theta_i / s``; scale 1;
+    * ``ntk``, NTK-aware scaling (bloc97, 2023, a Reddit post; its dynamic form is NTK with
+      ``s = max(1, length / L)``): the base raised to ``base * s^(d / (d - 2))``,
+      so the fastest pair is unchanged and the slowest is divided by ``s``;
+      scale 1; needs ``rotary_dim >= 4``;
+    * ``yarn`` (Peng et al. 2023, "YaRN: Efficient Context Window Extension of
+      Large Language Models"): ``theta_i ((1 - r_i) + r_i / s)`` with ``r_i``
+      :func:`yarn_ramp` over ``train_length`` (``beta_fast = 32``,
+      ``beta_slow = 1``), and ``attention_scale = 0.1 ln(s) + 1`` multiplying
+      the rotated queries and keys each (:func:`rotate`).
+    """
+    if method not in ROPE_METHODS:
+        raise ScalingError("method", method, f"RoPE's extension methods are {', '.join(ROPE_METHODS)}")
+    rotary_dim, base, factor = _check_rotary_dim(rotary_dim), _check_base(base), _check_factor(factor)
+    plain = _frequencies(rotary_dim, base)
+    if method == "none":
+        return _float32(plain), 1.0
+    if method == "linear":
+        return _float32([theta / factor for theta in plain]), 1.0
+    if method == "ntk":
+        if rotary_dim < 4:
+            raise ConfigError(f"rotary_dim={rotary_dim} is not valid for ntk; it needs rotary_dim >= 4 "
+                              "(the base's exponent d / (d - 2))")
+        return _float32(_frequencies(rotary_dim, base * factor ** (rotary_dim / (rotary_dim - 2)))), 1.0
+    ramp = yarn_ramp(rotary_dim, base, _check_train_length(train_length))
+    return _float32([theta * ((1 - r) + r / factor) for theta, r in zip(plain, ramp)]), yarn_attention_scale(factor)
+
+
+def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, attention_scale: float = 1.0) -> Tensor:
+    """``x`` (``[B, H, T, D]`` queries or keys) rotated by RoPE at ``positions``
+    (integers, ``[T]`` or ``[B, T]``): pair ``(x_k, x_{k + r/2})`` of the first
+    ``r = 2 * len(inv_freq)`` dimensions turned by ``position * inv_freq[k]``
+    and multiplied by ``attention_scale`` (YaRN's; 1 otherwise); dimensions
+    ``r ..`` pass through untouched.  Computed in float32, returned in ``x``'s
+    dtype."""
+    half = inv_freq.shape[-1]
+    if inv_freq.dim() != 1 or 2 * half > x.shape[-1]:
+        raise ConfigError(f"inv_freq of shape {tuple(inv_freq.shape)} is not valid for heads of {x.shape[-1]} "
+                          "dimensions; it must be 1-D, the rotated part (2 x its length) within a head")
+    angles = positions.to(device=x.device, dtype=torch.float32)[..., None] * inv_freq.to(x.device, torch.float32)
+    if angles.dim() == 3:  # [B, T, half] -> [B, 1, T, half]: one angle per batch row, shared by the heads
+        angles = angles[:, None]
+    cos, sin = angles.cos(), angles.sin()
+    first, second = x[..., :half].to(torch.float32), x[..., half: 2 * half].to(torch.float32)
+    turned = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    if attention_scale != 1.0:
+        turned = turned * attention_scale
+    return torch.cat((turned.to(x.dtype), x[..., 2 * half:]), dim=-1)
