@@ -43,6 +43,9 @@ from torch import Tensor
 from .errors import ConfigError
 from .scaling import DISTANCE_METHODS, NO_SCALING, Scaling
 
+#: The extension methods ALiBi's maths handles (slopes and distances).
+EXTENSIONS = ("none", "linear", "ntk") + DISTANCE_METHODS
+
 BIAS_MODES = ("causal", "symmetric", "split", "learned")
 BIDIRECTIONAL_MODES = ("symmetric", "split", "learned")
 

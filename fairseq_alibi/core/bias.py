@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from .alibi import (
+    EXTENSIONS,
     BIAS_MODES,
     Direction,
     alibi_bias,
@@ -43,8 +44,8 @@ from .alibi import (
     scaled_slopes,
     slope_exponents,
 )
-from .errors import ConfigError, ScalingError
-from .scaling import NO_SCALING, Scaling
+from .errors import ConfigError
+from .scaling import NO_SCALING, Scaling, check_applies
 
 
 def masked_value_for(mode: str, dtype: torch.dtype) -> float:
@@ -184,10 +185,7 @@ class StackBias:
         """Use ``scaling`` from the next forward on; a bias without extension
         methods takes ``none`` only (``positions.check_extension`` names the
         methods of each position method where the model is built)."""
-        if scaling.method != "none":
-            raise ScalingError("method", scaling.method, f"{type(self).__name__} has no context-extension "
-                               "methods; only none applies")
-        self.scaling = scaling
+        self.scaling = check_applies(scaling, type(self).__name__, ("none",))
         self._cache.clear()
 
     def for_layer(self) -> "StackBias":
@@ -226,7 +224,7 @@ class AlibiBias(StackBias):
         """Use ``scaling`` from the next forward on (every cache is dropped)."""
         if not isinstance(scaling, Scaling):
             raise TypeError(f"scaling must be a Scaling, got {type(scaling).__name__}")
-        self.scaling = scaling.complete()
+        self.scaling = check_applies(scaling, "alibi", EXTENSIONS).complete()
         self.exponents = slope_exponents(self.base_slopes, self.scaling.method)
         self._cache.clear()
         self._fixed.clear()

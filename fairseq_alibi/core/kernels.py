@@ -342,7 +342,7 @@ def row_groups(bias: StackBias, key_padding_mask: Optional[Tensor], q_len: int, 
     (``hf.scaling``) all follow it.
     """
     scaling = bias.scaling
-    if key_padding_mask is None or (not scaling.dynamic and bias.toeplitz):
+    if key_padding_mask is None or bias.zero or (not scaling.dynamic and bias.toeplitz):
         return None
     if torch.compiler.is_compiling():
         raise ConfigError("dynamic scaling or a non-Toeplitz bias (capnorm) on a padded batch groups the rows by "

@@ -22,9 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Tuple
 
-from .bias import AlibiBias, CausalMask, StackBias
-from .errors import ConfigError, ScalingError
-from .scaling import METHODS, Scaling
+from .alibi import EXTENSIONS
+from .bias import AlibiBias, CausalMask, ModuleBias, StackBias
+from .errors import ConfigError
+from .fire import INIT_THRESHOLD, Fire
+from .kerple import KerpleLog
+from .rotary import DEFAULT_BASE, ROPE_METHODS, RotaryPositions
+from .scaling import Scaling, check_applies
+from .t5bias import T5Bias
 
 
 @dataclass(frozen=True)
@@ -60,15 +65,46 @@ def _alibi(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scali
     return AlibiBias(num_heads, "causal", scaling)
 
 
+def _rotary(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
+    return RotaryPositions(num_heads, head_dim, params["rotary_base"], params["rotary_fraction"], scaling)
+
+
+def _t5bias(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
+    return ModuleBias(T5Bias(num_heads, params["t5_buckets"], params["t5_max_distance"]), num_heads, toeplitz=True)
+
+
 def _nope(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
     return CausalMask(num_heads)
 
 
+def _kerple(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
+    return ModuleBias(KerpleLog(num_heads), num_heads, toeplitz=True)
+
+
+def _fire(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
+    threshold = params["fire_threshold"] or scaling.train_length or INIT_THRESHOLD
+    return ModuleBias(Fire(num_heads, params["fire_hidden"], init_threshold=threshold), num_heads, toeplitz=False)
+
+
 #: Every position method, in the order tables list them.
 POSITIONS: Dict[str, Position] = {p.name: p for p in (
-    Position("alibi", "bias", METHODS, "-m_h (i - j): a fixed slope per head (Press et al. 2022)", _alibi),
+    Position("alibi", "bias", EXTENSIONS, "-m_h (i - j): a fixed slope per head (Press et al. 2022)", _alibi),
+    Position("rotary", "rotation", ROPE_METHODS, "queries and keys rotated by position (RoPE, Su et al. 2021)",
+             _rotary, (Param("rotary_base", DEFAULT_BASE, "RoPE's base (frequencies base^(-2i/d))"),
+                       Param("rotary_fraction", 1.0, "the fraction of each head's dimensions rotated (partial "
+                                                     "rotary; the rest carry no position)"))),
+    Position("t5bias", "bias", ("none",), "a learned scalar per (log-bucketed distance, head), one table for every "
+             "layer (T5, Raffel et al. 2020)", _t5bias,
+             (Param("t5_buckets", 32, "T5 bias buckets (half exact distances, half logarithmic)"),
+              Param("t5_max_distance", 128, "distance from which every key shares the last bucket"))),
     Position("nope", "none", ("none",), "no position information: the causal mask alone (Haviv et al. 2022)",
              _nope),
+    Position("kerple", "bias", ("none",), "-r1 log(1 + r2 (i - j)), r1 and r2 learned per head (Kerple's log "
+             "variant, Chi et al. 2022)", _kerple),
+    Position("fire", "bias", ("none",), "a learned MLP of log-distance normalized by the query position (FIRE, "
+             "Li et al. 2023)", _fire,
+             (Param("fire_hidden", 32, "width of FIRE's MLP"),
+              Param("fire_threshold", 0.0, "FIRE's initial threshold L (learned; 0 = the training length)"))),
 )}
 
 
@@ -82,11 +118,7 @@ def position(name: str) -> Position:
 def check_extension(name: str, scaling: Scaling) -> Scaling:
     """``scaling`` if its method applies to position method ``name``, else a
     ``ScalingError`` naming the methods that do."""
-    allowed = position(name).extensions
-    if scaling.method not in allowed:
-        raise ScalingError("method", scaling.method, f"{scaling.method} does not apply to {name} models; "
-                           f"the methods that do: {', '.join(allowed)}")
-    return scaling
+    return check_applies(scaling, name, position(name).extensions)
 
 
 def build(name: str, num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:

@@ -34,7 +34,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .bias import CausalMask
 from .errors import ConfigError, ScalingError
+from .scaling import NO_SCALING, Scaling, check_applies
 
 #: The extension methods this module computes, at a resolved factor >= 1.
 ROPE_METHODS = ("none", "linear", "ntk", "yarn")
@@ -170,3 +172,54 @@ def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, attention_scale: floa
     if attention_scale != 1.0:
         turned = turned * attention_scale
     return torch.cat((turned.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+class RotaryPositions(CausalMask):
+    """A decoder stack's RoPE: queries and keys rotated by their positions
+    (:meth:`rotate`, before a KV cache stores the keys), then bias-free causal
+    attention (``zero``: SDPA's ``is_causal`` where it can).  ``rotary_dim``:
+    the first ``fraction`` of each head's dimensions, rounded down to an even
+    number.  The extension spec's method applies to the frequencies
+    (:func:`extended_frequencies`); a dynamic factor is the pass's (each row's
+    own under padding, as ``kernels.row_groups`` defines it); keys already in
+    a cache keep the frequencies they were rotated with, so dynamic scaling is
+    an approximation in incremental decoding (a static factor stays exact)."""
+
+    def __init__(self, num_heads: int, head_dim: int, base: float = DEFAULT_BASE, fraction: float = 1.0,
+                 scaling: Scaling = NO_SCALING):
+        super().__init__(num_heads)
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"rotary_fraction={fraction!r} is not valid; it must be in (0, 1]")
+        self.rotary_dim = _check_rotary_dim(int(head_dim * fraction) // 2 * 2)
+        self.base = _check_base(base)
+        self.rescale(scaling)
+
+    def rescale(self, scaling: Scaling) -> None:
+        self.scaling = check_applies(scaling, "rotary", ROPE_METHODS).complete()
+        self._cache.clear()
+        extended_frequencies(self.scaling.method, 1.0, self.rotary_dim, self.base, self.scaling.train_length)
+
+    def frequencies(self, factor: float, device) -> Tuple[Tensor, float]:
+        """``(inv_freq, attention_scale)`` at a resolved factor, kept for the pass's layers."""
+
+        def build() -> Tuple[Tensor, float]:
+            inv_freq, scale = extended_frequencies(self.scaling.method, factor, self.rotary_dim, self.base,
+                                                   self.scaling.train_length)
+            return inv_freq.to(device), scale
+
+        return self.cached("frequencies", (factor, str(device)), build)
+
+    def rotate(self, q: Tensor, k: Tensor, q_start: int, k_len: int,
+               key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        positions = torch.arange(q_start, q_start + q.size(2), device=q.device)
+        if not (self.scaling.dynamic and key_padding_mask is not None):
+            inv_freq, scale = self.frequencies(float(self.scaling.factor_at(k_len)), q.device)
+            return rotate(q, positions, inv_freq, scale), rotate(k, positions, inv_freq, scale)
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        factors = [float(self.scaling.factor_at(int(n))) for n in (~key_padding_mask.bool()).sum(-1).tolist()]
+        for factor in sorted(set(factors)):  # each row at its own keys' factor
+            rows = torch.tensor([i for i, f in enumerate(factors) if f == factor], device=q.device)
+            inv_freq, scale = self.frequencies(factor, q.device)
+            q_out[rows] = rotate(q[rows], positions, inv_freq, scale)
+            k_out[rows] = rotate(k[rows], positions, inv_freq, scale)
+        return q_out, k_out

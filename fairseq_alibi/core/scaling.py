@@ -43,8 +43,12 @@ class MethodInfo:
 #: Every context-extension method, in the order tables list them.
 METHOD_TABLE: Tuple[MethodInfo, ...] = (
     MethodInfo("none", "none", "as trained"),
-    MethodInfo("linear", "scale", "every slope / factor (position interpolation)"),
-    MethodInfo("ntk", "scale", "steepest head kept, flattest / factor, geometric in between (NTK-ALiBi)"),
+    MethodInfo("linear", "scale", "position interpolation: distances / factor (ALiBi: every slope / factor; RoPE: "
+               "every frequency / factor)"),
+    MethodInfo("ntk", "scale", "NTK-aware: fast components kept, slow ones / factor, geometric in between (ALiBi: "
+               "steepest head kept, flattest slope / factor; RoPE: base x factor^(d / (d - 2)))"),
+    MethodInfo("yarn", "scale", "RoPE only: each frequency between kept and / factor by its wavelength against L "
+               "(beta 32 and 1), logits scaled by (0.1 ln factor + 1)^2 (YaRN)"),
     MethodInfo("cap", "distance", "every distance past C counted as C (LM-Infinite's distance limit)"),
     MethodInfo("log", "distance", "distances past C grow as C + alpha C ln(d / C)", default_alpha=1.0),
     MethodInfo("power", "distance", "the cap minus alpha ln(d / C): far weights fall as (C / d) ** alpha",
@@ -355,3 +359,12 @@ class Scaling:
 
 
 NO_SCALING = Scaling()
+
+
+def check_applies(scaling: Scaling, position: str, allowed) -> Scaling:
+    """``scaling`` if its method is among ``allowed`` (what a position method's
+    maths handles), else one ``ScalingError`` naming the methods that apply."""
+    if scaling.method not in allowed:
+        raise ScalingError("method", scaling.method, f"{scaling.method} does not apply to {position} models; "
+                           f"the methods that do: {', '.join(allowed)}")
+    return scaling

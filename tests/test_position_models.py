@@ -1,0 +1,198 @@
+"""Every ``transformer_lm_<position>`` model built in-process: its attention
+against a naive reference written here, the KV cache equal to the full
+forward, every kernel equal to the reference, extension methods that apply
+accepted and the others refused in one line."""
+
+import math
+
+import pytest
+import torch
+from fairseq import options, tasks
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
+from fairseq_alibi import facts
+from fairseq_alibi.core import kernels, rotary
+from fairseq_alibi.core.errors import ScalingError
+from fairseq_alibi.core.positions import POSITIONS
+from fairseq_alibi.core.scaling import Scaling
+from fairseq_alibi.models.attention import rescale
+
+TRAIN = 16
+METHODS = list(POSITIONS)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dict")
+    (path / "dict.txt").write_text("".join(f"w{i} {100 - i}\n" for i in range(40)))
+    return path
+
+
+def build(data_dir, position: str, *extra):
+    argv = [str(data_dir), "--task", "language_modeling", "--arch", facts.position_model(position),
+            "--tokens-per-sample", str(TRAIN), "--decoder-layers", "2", "--decoder-embed-dim", "32",
+            "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", *extra]
+    args = options.parse_args_and_arch(options.get_training_parser(), argv)
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # learned position parameters away from their init, so they shape the scores
+        for name, parameter in model.decoder.positions.named_parameters() if isinstance(
+                model.decoder.positions, torch.nn.Module) else []:
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    return model.eval()
+
+
+def tokens(length: int, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(4, 40, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def naive_scores(name: str, position, q, k):
+    """``[B, H, T, T]`` attention logits written from each method's definition, entry by entry where it is cheap."""
+    B, H, T, D = q.shape
+    if name == "rotary":  # pairs (x_k, x_{k+r/2}) as complex numbers times exp(i p theta)
+        r = position.rotary_dim
+        theta = torch.tensor([position.base ** (-2 * i / r) for i in range(r // 2)], dtype=torch.float64)
+        turn = torch.exp(1j * torch.arange(T, dtype=torch.float64)[:, None] * theta)
+
+        def rot(x):
+            x = x.double()
+            z = torch.complex(x[..., : r // 2], x[..., r // 2: r]) * turn
+            return torch.cat([z.real, z.imag, x[..., r:]], dim=-1)
+
+        q, k = rot(q), rot(k)
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)
+    bias = torch.zeros(H, T, T, dtype=torch.float64)
+    for i in range(T):
+        for j in range(i + 1):
+            d = i - j
+            if name == "alibi":
+                bias[:, i, j] = -position.base_slopes.double() * d
+            elif name in ("t5bias", "kerple", "fire"):
+                bias[:, i, j] = position.method.values(torch.tensor([[i]]), torch.tensor([[j]]))[:, 0, 0].double()
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    return (scores + bias).masked_fill(~causal, float("-inf"))
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_attention_equals_the_naive_definition(data_dir, name):
+    model = build(data_dir, name)
+    attention = model.decoder.layers[0].self_attn
+    x = torch.randn(12, 2, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out, _ = attention(x, x, x, need_weights=False)
+        q = attention.q_proj(x).view(12, 2, 4, 8).permute(1, 2, 0, 3)
+        k = attention.k_proj(x).view(12, 2, 4, 8).permute(1, 2, 0, 3)
+        v = attention.v_proj(x).view(12, 2, 4, 8).permute(1, 2, 0, 3)
+        probs = torch.softmax(naive_scores(name, attention.positions, q, k), -1)
+        expected = attention.out_proj((probs @ v.double()).float().permute(2, 0, 1, 3).reshape(12, 2, 32))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def incremental(model, ids) -> torch.Tensor:
+    state, steps = {}, []
+    for t in range(ids.size(1)):
+        out, _ = model.decoder(ids[:, : t + 1], incremental_state=state)
+        steps.append(out[:, -1:])
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_kv_cache_equals_the_full_forward(data_dir, name):
+    model = build(data_dir, name)
+    ids = tokens(3 * TRAIN)
+    with torch.no_grad():
+        full, _ = model.decoder(ids)
+        torch.testing.assert_close(incremental(model, ids), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("kernel", ["sdpa", "chunked"])
+def test_kernels_equal_the_reference_past_the_training_length(data_dir, name, kernel):
+    model = build(data_dir, name)
+    ids = tokens(20 * TRAIN, batch=1)
+    outputs = {}
+    for path in ("reference", kernel):
+        for layer in model.decoder.layers:
+            layer.self_attn.kernel = path
+        with torch.no_grad():
+            outputs[path], _ = model.decoder(ids)
+    torch.testing.assert_close(outputs[kernel], outputs["reference"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_training_gradients_reach_the_position_parameters(data_dir, name):
+    model = build(data_dir, name).train()
+    ids = tokens(TRAIN)
+    out, _ = model.decoder(ids)
+    out.float().logsumexp(-1).mean().backward()
+    positions = model.decoder.positions
+    if isinstance(positions, torch.nn.Module):
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in positions.parameters())
+        state = model.state_dict()
+        assert sum(k.startswith("decoder.positions.") for k in state) == len(list(positions.parameters()))
+        assert not [k for k in state if ".self_attn.positions." in k]  # shared: saved once, not per layer
+
+
+def test_learned_bias_is_built_once_per_pass(data_dir, monkeypatch):
+    """T5's table is evaluated once per forward pass for all layers, and again in the next pass."""
+    model = build(data_dir, "t5bias")
+    calls = []
+    values = type(model.decoder.positions.method).values
+    monkeypatch.setattr(type(model.decoder.positions.method), "values",
+                        lambda self, q, k: calls.append(1) or values(self, q, k))
+    for layer in model.decoder.layers:
+        layer.self_attn.kernel = "sdpa"
+    with torch.no_grad():
+        model.decoder(tokens(TRAIN))
+        model.decoder(tokens(TRAIN))
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("name,spelling", [("rotary", "linear:4"), ("rotary", "ntk:4"), ("rotary", "yarn:4"),
+                                           ("rotary", "ntk"), ("alibi", "ntk:4"), ("alibi", "cap")])
+def test_extension_methods_that_apply(data_dir, name, spelling):
+    model = build(data_dir, name)
+    ids = tokens(4 * TRAIN, batch=1)
+    with torch.no_grad():
+        plain, _ = model.decoder(ids)
+        rescale(model, Scaling.parse(spelling, TRAIN))
+        scaled, _ = model.decoder(ids)
+    assert (scaled - plain).abs().max() > 1e-3  # the method changes the numbers past L
+
+
+def test_rotary_frequencies_follow_the_method(data_dir):
+    model = build(data_dir, "rotary", "--rotary-fraction", "0.5", "--rotary-base", "500")
+    positions = model.decoder.positions
+    assert positions.rotary_dim == 4
+    rescale(model, Scaling.parse("ntk:4", TRAIN))
+    inv_freq, scale = positions.frequencies(4.0, "cpu")
+    torch.testing.assert_close(inv_freq, rotary.extended_frequencies("ntk", 4.0, 4, 500.0)[0])
+    rescale(model, Scaling.parse("ntk", TRAIN))  # dynamic: the factor of a 64-token pass is 4
+    assert positions.scaling.factor_at(4 * TRAIN) == 4.0
+
+
+@pytest.mark.parametrize("name,spelling", [("rotary", "cap"), ("rotary", "power:1:2"), ("alibi", "yarn:2"),
+                                           ("t5bias", "linear:2"), ("nope", "ntk"), ("kerple", "cap"),
+                                           ("fire", "yarn:2")])
+def test_a_method_that_does_not_apply_is_refused_in_one_line(data_dir, name, spelling):
+    model = build(data_dir, name)
+    with pytest.raises(ScalingError) as caught:
+        rescale(model, Scaling.parse(spelling, TRAIN))
+    message = str(caught.value)
+    assert "\n" not in message and "does not apply to" in message
+    assert ", ".join(POSITIONS[name].extensions) in message or name not in ("alibi", "rotary")
+    with pytest.raises(ScalingError, match="does not apply to"):
+        method, _, factor = spelling.partition(":")
+        build(data_dir, name, "--alibi-interpolation", method, "--alibi-scale-factor", factor.split(":")[0] or "0")
+
+
+def test_position_models_refuse_flex_and_keep_no_dense_bias(data_dir):
+    for name in ("t5bias", "kerple", "fire", "rotary", "nope"):
+        model = build(data_dir, name)
+        positions = model.decoder.positions
+        assert not positions.supports_flex
+        with pytest.raises(Exception, match="flex has a score_mod for ALiBi"):
+            kernels.check_kernel("flex", positions)
