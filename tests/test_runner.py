@@ -1,5 +1,5 @@
-"""The evaluation runner (``evaluation/runner.py``), tested once for every tool:
-the axes, resuming, cell identities, loading each model once, the order of
+"""The evaluation runner (``evaluation/runner.py``, ``axes.py``, ``store.py``), tested
+once for every tool: the axes, resuming, cell identities, loading each model once, the order of
 --methods in reports, and the output-directory lock (with two real processes).
 
 A toy backend and a toy measure stand in for the real ones: the rules are the
@@ -22,8 +22,8 @@ from conftest import cli_env, tool
 
 from fairseq_alibi.core.scaling import Scaling
 from fairseq_alibi.errors import EvaluationError, UserError
-from fairseq_alibi.evaluation import runner
-from fairseq_alibi.evaluation.runner import Described, ModelInfo
+from fairseq_alibi.evaluation import axes, runner
+from fairseq_alibi.evaluation.protocols import Described, ModelInfo
 
 
 class ToyModel:
@@ -47,7 +47,7 @@ class ToyBackend:
         self.log = log
 
     def specs(self, args):
-        return runner.parse_named(args.checkpoint, lambda v: v, "checkpoints")
+        return axes.parse_named(args.checkpoint, lambda v: v, "checkpoints")
 
     def describe(self, name, value):
         self.log.append(("describe", name))
@@ -112,7 +112,7 @@ class ToyMeasure:
         return f"{record['checkpoint']} {record['label']} {record['n']}"
 
     def report(self, outdir, cells, methods):
-        rank = runner.method_rank(methods)
+        rank = axes.method_rank(methods)
         rows = sorted({(c["checkpoint"], c["label"], rank(c)) for c in cells}, key=lambda r: (r[0], r[2]))
         (outdir / "results.md").write_text("\n".join(f"{name} {label}" for name, label, _ in rows))
 
@@ -120,7 +120,7 @@ class ToyMeasure:
 def toy_run(tmp_path, checkpoints, methods="none,ntk:2,cap", cells=(1, 2, 3)):
     log = []
     args = argparse.Namespace(checkpoint=list(checkpoints), methods=methods, output_dir=tmp_path, no_progress=True)
-    results = runner.run(args, runner.parse_methods(methods), ToyMeasure(log, cells), ToyBackend(log))
+    results = runner.run(args, axes.parse_methods(methods), ToyMeasure(log, cells), ToyBackend(log))
     return log, results
 
 
@@ -177,19 +177,19 @@ def test_a_damaged_or_foreign_results_file_is_named(tmp_path):
 ])
 def test_bad_methods(spec, message):
     with pytest.raises(UserError, match=message):
-        runner.parse_methods(spec)
+        axes.parse_methods(spec)
 
 
 def test_axes():
-    assert runner.parse_methods("none,ntk,ntk:dynamic,cap:1,cap") == [Scaling(), Scaling("ntk"), Scaling("cap", 1)]
-    assert runner.resolve_lengths(runner.parse_lengths("2k,1x,0.5x,64"), 64) == [32, 64, 2048]
+    assert axes.parse_methods("none,ntk,ntk:dynamic,cap:1,cap") == [Scaling(), Scaling("ntk"), Scaling("cap", 1)]
+    assert axes.resolve_lengths(axes.parse_lengths("2k,1x,0.5x,64"), 64) == [32, 64, 2048]
     for bad in ("abc", "-1", "0x", "nanx", "infx", "100000000000"):
         with pytest.raises(EvaluationError, match="bad length"):
-            runner.parse_lengths(bad)
+            axes.parse_lengths(bad)
     with pytest.raises(EvaluationError, match="relative lengths .* need the model's training length"):
-        runner.resolve_lengths(runner.parse_lengths("2x"), None)
+        axes.resolve_lengths(axes.parse_lengths("2x"), None)
     with pytest.raises(EvaluationError, match="two checkpoints named 'a'"):
-        runner.parse_named(["a=x", "a=y"], str, "checkpoints")
+        axes.parse_named(["a=x", "a=y"], str, "checkpoints")
 
 
 def test_output_dir_that_is_a_file_is_refused(tmp_path):
@@ -223,7 +223,7 @@ def test_a_second_writer_of_the_same_output_dir_is_refused(lm_data_bin, alibi_ch
 
 def test_lock_is_released_when_the_holder_dies(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from fairseq_alibi.evaluation.runner import OutputLock;"
+        [sys.executable, "-c", "import sys, time; from fairseq_alibi.evaluation.store import OutputLock;"
          f"lock = OutputLock({str(tmp_path)!r}, 'holder').__enter__(); print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True, env=cli_env(),
     )

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
 
     import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
     from fairseq_alibi.models.attention import biases, rescale
-    from fairseq_alibi.evaluation.runner import parse_methods
+    from fairseq_alibi.evaluation.axes import parse_methods
 
     logging.disable(logging.WARNING)  # importing fairseq set the root logger to DEBUG
     models, _ = checkpoint_utils.load_model_ensemble([args.checkpoint], arg_overrides={"data": args.data})

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from fairseq import checkpoint_utils
     from fairseq_alibi.core import alibi
     from fairseq_alibi.evaluation import prompts as P
-    from fairseq_alibi.evaluation.runner import parse_methods
+    from fairseq_alibi.evaluation.axes import parse_methods
 
     lengths = [int(x) for x in args.lengths.split(",")]
     for method in parse_methods(args.methods):

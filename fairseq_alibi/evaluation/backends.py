@@ -29,9 +29,9 @@ from ..core.scaling import Scaling
 from ..errors import EvaluationError
 from .data_dir import check_data
 from .prompts import Vocabulary
-from .runner import (
-    Described, ModelInfo, answer_result, check_checkpoint_paths, file_identity, parse_named,
-)
+from .axes import check_checkpoint_paths, parse_named
+from .protocols import Described, ModelInfo, answer_result
+from .store import file_identity
 
 
 def backend_for(args, subset: Optional[str] = None):

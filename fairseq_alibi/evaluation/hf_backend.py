@@ -28,7 +28,9 @@ from ..core.scaling import Scaling
 from ..errors import EvaluationError
 from .data_dir import split_text
 from .prompts import Vocabulary
-from .runner import Described, ModelInfo, answer_result, file_identity, parse_named
+from .axes import parse_named
+from .protocols import Described, ModelInfo, answer_result
+from .store import file_identity
 
 logger = logging.getLogger("fairseq_alibi.evaluation")
 

@@ -53,8 +53,9 @@ from typing import List, Optional, Sequence
 
 from ..errors import EvaluationError
 from . import report, runner
+from .axes import check_max_tokens, method_rank, parse_lengths, resolve_lengths
 from .backends import backend_for
-from .runner import method_rank, parse_lengths, resolve_lengths, tool_parser
+from .runner import tool_parser
 
 logger = logging.getLogger("fairseq_alibi.sweep")
 
@@ -189,7 +190,7 @@ def check_lengths(name: str, lengths: List[int], stride: Optional[int], max_toke
             f"--stride {stride} is not below every evaluation length of {name} (shortest: {min(lengths)}); a "
             "sliding window scores its last STRIDE tokens, so choose a stride smaller than the shortest length"
         )
-    runner.check_max_tokens(max_tokens, max(lengths), f"the longest evaluation length of {name}", "one window")
+    check_max_tokens(max_tokens, max(lengths), f"the longest evaluation length of {name}", "one window")
     if max(lengths) > available:
         raise EvaluationError(
             f"{name}: evaluation length(s) {', '.join(str(n) for n in lengths if n > available)} exceed the "

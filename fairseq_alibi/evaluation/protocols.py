@@ -53,6 +53,16 @@ class Cell(Protocol):
 AnswerScore = Tuple[bool, float, List[int]]  # greedy exact match, mean answer log-prob, greedy ids
 
 
+def answer_result(logprobs, answer: Sequence[int]) -> Tuple[bool, float, List[int]]:
+    """(greedy exact match, mean log-prob, greedy ids) from ``[n_answer, V]`` log-probs."""
+    import torch
+
+    target = torch.tensor(list(answer), device=logprobs.device)
+    chosen = logprobs.gather(-1, target[:, None])[:, 0]
+    greedy = logprobs.argmax(-1)
+    return bool((greedy == target).all()), float(chosen.double().mean()), greedy.tolist()
+
+
 class EvaluationModel(Protocol):
     """One model, loaded once, put under each method in turn."""
 

@@ -1,6 +1,6 @@
 """Reports of the evaluation tools: CSV, Markdown tables and plots.
 
-``results.json`` (the resume state) is written by ``runner.ResultStore``; this
+``results.json`` (the resume state) is written by ``store.ResultStore``; this
 module writes everything derived from the cells: ``results.csv``,
 ``results.md`` and the figures.  Tables and legends list the methods in the
 order of ``--methods`` (``rank``: a record -> its method's place).
@@ -21,7 +21,7 @@ import io
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import intervals, styles
-from .runner import atomic_write
+from .store import atomic_write
 
 Rank = Callable[[dict], int]
 Interval = Optional[Tuple[float, float]]

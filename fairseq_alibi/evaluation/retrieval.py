@@ -63,8 +63,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..errors import EvaluationError
 from . import prompts as P
 from . import report, runner
+from .axes import check_max_tokens, method_rank, parse_lengths, resolve_lengths
 from .backends import backend_for
-from .runner import file_identity, method_rank, parse_lengths, resolve_lengths, tool_parser
+from .runner import tool_parser
+from .store import file_identity
 from .task_files import read_task_file
 
 logger = logging.getLogger("fairseq_alibi.retrieval")
@@ -210,7 +212,7 @@ def score(model, samples: Sequence[Sample], max_tokens: int) -> List[Tuple[bool,
 def batch_tokens(max_tokens: Optional[int], grouped: Dict[tuple, List[Sample]], name: str) -> int:
     """Tokens per forward batch: ``--max-tokens`` (at least the longest prompt), or 4 x the longest."""
     longest = max(s.length for v in grouped.values() for s in v)
-    runner.check_max_tokens(max_tokens, longest, f"the longest prompt of {name}", "one prompt")
+    check_max_tokens(max_tokens, longest, f"the longest prompt of {name}", "one prompt")
     return max_tokens or max(4 * longest, 4096)
 
 
