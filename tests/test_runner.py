@@ -51,8 +51,8 @@ class ToyBackend:
 
     def describe(self, name, value):
         self.log.append(("describe", name))
-        alibi = not name.startswith("sin")  # "sin..." models have no slopes to scale
-        return Described(ModelInfo(name, value, "toy", "toy", alibi, 8, value), encoder=None)
+        position = None if name.startswith("sin") else "rotary" if name.startswith("rope") else "alibi"
+        return Described(ModelInfo(name, value, "toy", "toy", position, 8, value), encoder=None)
 
     def load(self, described, max_length):
         self.log.append(("load", described.info.name, max_length))
@@ -240,4 +240,18 @@ def test_a_model_without_alibi_gets_none_only_and_the_skipped_methods_are_named(
     with caplog.at_level("WARNING"):
         log, results = toy_run(tmp_path, ["a=1", "sin=1"])
     assert {(r["checkpoint"], r["method"]) for r in results if r["checkpoint"] == "sin"} == {("sin", "none")}
-    assert any("sin (toy) is not an ALiBi model: ntk:2, cap do(es) not apply" in r.message for r in caplog.records)
+    assert any("sin (toy): ntk:2, cap do(es) not apply to it (the methods that do: none); evaluated with none"
+               in r.message for r in caplog.records)
+
+
+def test_each_model_gets_the_methods_of_its_position_method(tmp_path, caplog):
+    """RoPE takes ntk but not cap; a method no model of the run takes is refused in one line."""
+    with caplog.at_level("WARNING"):
+        log, results = toy_run(tmp_path, ["a=1", "rope=1"])
+    assert {r["method"] for r in results if r["checkpoint"] == "rope"} == {"none", "ntk"}
+    assert {r["method"] for r in results if r["checkpoint"] == "a"} == {"none", "ntk", "cap"}
+    assert any("rope (rotary): cap do(es) not apply to it (the methods that do: none, linear, ntk, yarn)"
+               in r.message for r in caplog.records)
+    with pytest.raises(EvaluationError, match="yarn:2 does not apply to any model of this run; the methods that "
+                                              "do: a \\(alibi\\): none, linear, ntk, cap"):
+        toy_run(tmp_path / "other", ["a=1"], methods="none,yarn:2")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
+from ..core.positions import POSITIONS
 from ..core.scaling import Scaling
 from ..errors import EvaluationError, not_a_file
 from ..options import INT32_MAX
@@ -31,11 +32,25 @@ def parse_methods(spec: str) -> List[Scaling]:
     return methods
 
 
+def applicable(info: ModelInfo) -> Tuple[str, ...]:
+    """The extension methods that apply to a model (``core.positions``; ``none`` only without a position method)."""
+    return POSITIONS[info.position].extensions if info.position in POSITIONS else ("none",)
+
+
+def check_methods_apply(infos: Sequence[ModelInfo], methods: Sequence[Scaling]) -> None:
+    """Refuse, in one line, a method that applies to none of the models."""
+    for method in methods:
+        if not any(method.method in applicable(info) for info in infos):
+            which = "; ".join(f"{info.name} ({info.position or 'sinusoidal'}): {', '.join(applicable(info))}"
+                              for info in infos)
+            raise EvaluationError(f"{method.spelling} does not apply to any model of this run; the methods that "
+                                  f"do: {which}")
+
+
 def methods_for(info: ModelInfo, methods: Sequence[Scaling]) -> List[Scaling]:
-    """The methods of one model, complete with its training length: every
-    method for an ALiBi model; ``none`` only for any other (no slopes to scale)."""
-    if not info.alibi:
-        return [Scaling()]
+    """The methods of one model that apply to it (``none`` alone where none
+    does), complete with its training length."""
+    methods = [m for m in methods if m.method in applicable(info)] or [Scaling()]
     for method in methods:
         if method.needs_train_length and info.train_length is None:
             raise EvaluationError(f"{info.name}: {method.spelling} needs the length the model was trained at, "

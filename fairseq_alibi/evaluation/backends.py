@@ -186,7 +186,7 @@ class FairseqBackend:
                 f"{name}: {path} is a {family} checkpoint (arch {arch}, task {task or '?'}); this tool "
                 f"evaluates causal language models ({', '.join(facts.LANGUAGE_MODELS)}, task language_modeling)"
             )
-        info = ModelInfo(name, path, family, arch, family == facts.ALIBI_LM,
+        info = ModelInfo(name, path, family, arch, facts.position_of(family),
                          facts.checkpoint_train_length(model_cfg, task_cfg),
                          f"{os.path.abspath(path)}:{file_identity(path)}",
                          " (the checkpoint records no training length: no alibi_train_length or tokens_per_sample)")
@@ -212,7 +212,7 @@ class FairseqModel:
 
         self.backend, self.info = backend, described.info
         # A sinusoidal model would silently skip every window longer than it was trained on.
-        self.overrides = {} if self.info.alibi else {"max_target_positions": max_length,
+        self.overrides = {} if self.info.position else {"max_target_positions": max_length,
                                                      "tokens_per_sample": max_length}
         self.cfg = eval_lm_config(backend.data, self.info.path, max_length, self.overrides,
                                   subset=backend.subset or "valid", cpu=backend.cpu)
@@ -235,10 +235,10 @@ class FairseqModel:
         with the method's ``--model-overrides``)."""
         from ..models.attention import rescale
 
-        if self.info.alibi:
+        if self.info.position:
             rescale(self.model, method)
         elif method.method != "none":
-            raise EvaluationError(f"{self.info.name}: context-extension methods apply to ALiBi models only")
+            raise EvaluationError(f"{self.info.name}: context-extension methods do not apply to sinusoidal models")
         self.method = method
 
     def close(self) -> None:
@@ -283,7 +283,7 @@ class FairseqModel:
         return expected, scored_windows(self.model, self.use_cuda, cfg, task, dataset, length - stride, skip_bos)
 
     def _eval_lm_args(self, length, stride, max_tokens, batch_size) -> tuple:
-        overrides = self.method.config_values() if self.info.alibi else self.overrides
+        overrides = self.method.config_values() if self.info.position else self.overrides
         b = self.backend
         return (b.data, self.info.path, length, overrides, length - stride, b.subset, max_tokens, batch_size, b.cpu)
 

@@ -24,7 +24,7 @@ class ModelInfo:
     path: str
     model: str  # family: a registered fairseq model, or hf:<family>
     arch: str
-    alibi: bool
+    position: Optional[str]  # its core.positions method; None: positions it cannot change (sinusoidal)
     train_length: Optional[int]
     identity: str  # the model file(s) and whatever else changes its numbers
     #: What to do when a method needs the training length and ``train_length`` is None.

@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from ..core.scaling import METHOD_SYNTAX, Scaling
 from ..errors import report_errors
-from .axes import DEFAULT_METHODS, method_rank, methods_for, parse_methods
+from .axes import DEFAULT_METHODS, applicable, check_methods_apply, method_rank, methods_for, parse_methods
 from .progress import Countdown, progress, quiet_logging
 from .protocols import Backend, Cell, Described, EvaluationModel, Measure
 from .store import OutputLock, ResultStore, prepare_output_dir
@@ -105,13 +105,15 @@ def run(args, methods: List[Scaling], measure: Measure, backend: Backend) -> Lis
     prepare_output_dir(args.output_dir)
     with OutputLock(args.output_dir, measure.tool):
         described = [backend.describe(name, source) for name, source in specs]
+        check_methods_apply([d.info for d in described], methods)
         plans = [Plan(d, methods_for(d.info, methods), measure.cells(d)) for d in described]
         for d, plan in zip(described, plans):
             kept = {m.key for m in plan.methods}
             skipped = [m.spelling for m in methods if m.key not in kept]
             if skipped:
-                logger.warning("%s (%s) is not an ALiBi model: %s do(es) not apply to it; it is evaluated with "
-                               "'none' only", d.info.name, d.info.model, ", ".join(skipped))
+                logger.warning("%s (%s): %s do(es) not apply to it (the methods that do: %s); evaluated with %s",
+                               d.info.name, d.info.position or d.info.model, ", ".join(skipped),
+                               ", ".join(applicable(d.info)), ", ".join(m.spelling for m in plan.methods))
         store = ResultStore(args.output_dir, lambda cell: record_key(cell, measure), measure.order)
         identities = {d.info.name: f"{d.info.identity}|{backend.data_identity}|{measure.settings_identity()}"
                       for d in described}
