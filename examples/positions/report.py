@@ -1,0 +1,146 @@
+"""The comparison's figure and tables from alibi-sweep results (``compare.sh``).
+
+Checkpoints are named ``METHOD_sSEED``; for every method and evaluation length
+this prints the mean perplexity over seeds with the lowest and highest seed
+``mean [min, max]`` (three seeds give no useful interval of their own: the
+band is the seeds' range, and says so), and draws ``positions.png``:
+perplexity against evaluation length, one line per method, the band the
+seeds' range.  With ``--extensions`` it also tabulates and draws the
+context-extension methods of the families that have them (``extensions.png``).
+
+    python examples/positions/report.py outputs/compare/sweep/results.json \\
+        --extensions outputs/compare/extensions/results.json --output outputs/compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from collections import defaultdict
+from typing import Dict, List, Tuple
+
+#: Line colours of the position methods (the paper's four first, then the field's).
+COLOURS = {"sinusoidal": "#7f7f7f", "alibi": "#d62728", "rotary": "#1f77b4", "t5bias": "#2ca02c",
+           "nope": "#9467bd", "kerple": "#ff7f0e", "fire": "#8c564b"}
+NAME = re.compile(r"^(?P<method>.+)_s(?P<seed>\d+)$")
+
+Series = Dict[Tuple[str, str], Dict[int, List[float]]]  # (position, extension label) -> length -> ppl per seed
+
+
+def load(path: str) -> Tuple[Series, int]:
+    """Perplexities by (position method, extension label) and length, one per seed; and L."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            cells = json.load(f)["cells"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"error: cannot read sweep results {path}: {exc}") from None
+    series: Series = defaultdict(lambda: defaultdict(list))
+    train_lengths = set()
+    for cell in cells:
+        match = NAME.match(str(cell.get("checkpoint", "")))
+        if not match or cell.get("mode") != "nonoverlapping" or cell.get("ppl") is None:
+            continue
+        series[(match["method"], cell["label"])][int(cell["length"])].append(float(cell["ppl"]))
+        train_lengths.add(cell.get("train_length"))
+    if not series:
+        raise SystemExit(f"error: {path} holds no nonoverlapping cells of checkpoints named METHOD_sSEED")
+    lengths = {length for length in train_lengths if length}
+    return series, (min(lengths) if lengths else 0)
+
+
+def summary(values: List[float]) -> Tuple[float, float, float]:
+    """(mean, min, max); a diverged seed (inf) makes the mean inf."""
+    return sum(values) / len(values), min(values), max(values)
+
+
+def cell_text(values: List[float]) -> str:
+    if not values:
+        return "-"
+    mean, low, high = summary(values)
+    if len(values) == 1:
+        return f"{mean:.2f}"
+    return f"{mean:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def table(series: Series, keys: List[Tuple[str, str]], train_length: int, title: str) -> str:
+    lengths = sorted({n for key in keys for n in series[key]})
+    head = "| method | " + " | ".join(f"{n} ({n / train_length:g}x)" if train_length else str(n)
+                                      for n in lengths) + " | seeds |"
+    rows = [f"### {title}", "", head, "|" + "---|" * (len(lengths) + 2)]
+    for key in keys:
+        label = key[0] if key[1] == "none" else f"{key[0]} {key[1]}"
+        seeds = max(len(v) for v in series[key].values())
+        rows.append(f"| {label} | " + " | ".join(cell_text(series[key].get(n, [])) for n in lengths)
+                    + f" | {seeds} |")
+    return "\n".join(rows)
+
+
+def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Series, train_length: int) -> None:
+    """One panel per (title, keys): perplexity against length, a line per key, the seeds' range as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
+    for ax, (title, keys) in zip(axes[0], panels):
+        for index, key in enumerate(keys):
+            lengths = sorted(series[key])
+            means = [summary(series[key][n])[0] for n in lengths]
+            lows = [summary(series[key][n])[1] for n in lengths]
+            highs = [summary(series[key][n])[2] for n in lengths]
+            colour = COLOURS.get(key[0]) if key[1] == "none" else plt.cm.tab10(index % 10)
+            label = key[0] if key[1] == "none" else f"{key[0]} {key[1]}"
+            ax.plot(lengths, means, marker="o", ms=3, color=colour, label=label)
+            ax.fill_between(lengths, lows, highs, color=colour, alpha=0.18, linewidth=0)
+        if train_length:
+            ax.axvline(train_length, color="black", lw=0.8, ls=":")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        finite = [v for key in keys for values in series[key].values() for v in values if math.isfinite(v)]
+        if finite:
+            ax.set_ylim(min(finite) * 0.95, min(max(finite), 8 * min(finite)) * 1.05)
+        ax.set_xlabel("evaluation length (tokens; dotted: training length L)")
+        ax.set_ylabel("valid perplexity (mean over seeds; band: their range)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", help="results.json of the sweep over every model (methods: none)")
+    parser.add_argument("--extensions", help="results.json of the extension-method sweep (alibi, rotary)")
+    parser.add_argument("--output", default=".", help="where positions.png and extensions.png go")
+    args = parser.parse_args(argv)
+    series, train_length = load(args.results)
+    order = [m for m in COLOURS if (m, "none") in series] + sorted(
+        m for m, label in series if label == "none" and m not in COLOURS)
+    keys = [(m, "none") for m in order]
+    os.makedirs(args.output, exist_ok=True)
+    print(table(series, keys, train_length, "Perplexity against evaluation length (mean over seeds [min, max])"))
+    plot(os.path.join(args.output, "positions.png"),
+         [(f"trained at L = {train_length}, evaluated longer", keys)], series, train_length)
+    if args.extensions and os.path.exists(args.extensions):
+        extended, _ = load(args.extensions)
+        panels = []
+        for family in ("alibi", "rotary"):
+            family_keys = sorted((k for k in extended if k[0] == family), key=lambda k: (k[1] != "none", k[1]))
+            if family_keys:
+                print("\n" + table(extended, family_keys, train_length, f"{family}: context-extension methods"))
+                panels.append((f"{family}: extension methods at evaluation", family_keys))
+        if panels:
+            plot(os.path.join(args.output, "extensions.png"), panels, extended, train_length)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
