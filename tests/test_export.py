@@ -11,9 +11,11 @@ output; 6 heads (not a power of two), trained length ``L`` = 16.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -278,6 +280,156 @@ def test_bad_alibi_scaling_is_one_line_naming_it(value, message):
     with pytest.raises(ScalingError, match=message) as error:
         Scaling.from_hf(value, L)
     assert str(error.value).startswith("alibi_scaling=") and "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------ the export's check (what it prints)
+#: The check's input, as docs/export.md states it: 24 ids of dict.txt's words (seed 0), </s> first.
+CHECK_IDS = torch.randint(4, 4 + WORDS, (1, 24), generator=torch.Generator().manual_seed(0))
+CHECK_IDS[0, 0] = 2
+CHECK_LINE = re.compile(r"^check: the written files loaded back, against the checkpoint \((\S+) weights, computed in "
+                        r"float32\), on 24 random tokens: max \|log-prob difference\| (\S+)(?: \((\w+) rounding\); "
+                        r"same-precision difference (\S+) \(against the fairseq model given the same (\w+) weights, "
+                        r"both computed in float32\))?$", re.MULTILINE)
+#: name -> (build arguments, weight std, the checkpoint's weights in float16, export options, the files' dtype)
+CHECKED = {
+    "custom-bfloat16": ([], 0.4, False, ["--dtype", "bfloat16"], torch.bfloat16),
+    "custom-float16-adaptive": (VARIANTS["wiki103-adaptive-tied"], 0.4, False, ["--dtype", "float16"], torch.float16),
+    "bloom-bfloat16": (BLOOM_ARGS, 0.2, False, ["--format", "bloom", "--dtype", "bfloat16"], torch.bfloat16),
+    "custom-float32-linear2": (VARIANTS["prenorm-gelu-tied-lnemb"], 0.4, False, ["--alibi-scaling", "linear:2"],
+                               torch.float32),
+    "float16-checkpoint-float32-export": ([], 0.4, True, [], torch.float32),
+}
+
+
+def read_back(out: Path, custom: bool):
+    """The written model as a user loads it (transformers alone, the files' dtype),
+    its remote code cached away from the user's cache."""
+    from transformers import AutoModelForCausalLM
+
+    from fairseq_alibi.export.check import private_module_cache
+
+    with private_module_cache(), hf.quiet_transformers():
+        return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=custom).eval()
+
+
+@pytest.mark.parametrize("name", list(CHECKED))
+def test_the_printed_check_is_what_the_written_files_compute(name, data_dir, tmp_path):
+    """Each number alibi-export-hf prints equals one computed here from the files
+    it wrote, loaded back with transformers: the precision the files lost against
+    the checkpoint as given (nonzero for bfloat16 and float16), and the difference
+    left when fairseq is given the same rounded weights (0 up to float32 rounding)."""
+    extra, std, half_checkpoint, options, dtype = CHECKED[name]
+    model, cfg = build(data_dir, extra, std=std)
+    if half_checkpoint:  # a checkpoint saved by --fp16 training: its float16 values are the model
+        model.half().float()
+    checkpoint = save(model, cfg, tmp_path / "m.pt")
+    if half_checkpoint:
+        state = torch.load(checkpoint, weights_only=False)
+        state["model"] = {k: v.half() if v.is_floating_point() else v for k, v in state["model"].items()}
+        torch.save(state, checkpoint)
+    status, output = export(checkpoint, tmp_path / "out", *options)
+    assert status == 0, output
+    printed = CHECK_LINE.search(output)
+    assert printed, output
+    custom = "bloom" not in options
+    loaded = read_back(tmp_path / "out", custom)
+    assert loaded.dtype == dtype
+    assert type(loaded).__module__.startswith("transformers_modules." if custom else "transformers.models.bloom")
+    assert f"wrote {tmp_path / 'out'}: {type(loaded).__name__} " in output and f", {str(dtype)[6:]}, " in output
+    scaling = Scaling.parse(options[options.index("--alibi-scaling") + 1], L) if "--alibi-scaling" in options \
+        else NO_SCALING
+    rounding = max_diff(hf_log_probs(loaded, CHECK_IDS), fairseq_log_probs(model, CHECK_IDS, scaling))
+    assert printed[1] == ("float16" if half_checkpoint else "float32")
+    assert float(printed[2]) == pytest.approx(rounding, rel=0.05, abs=1e-12)
+    if dtype == torch.float32:
+        assert printed[3] is None and rounding < 1e-4
+        return
+    assert printed[3] == printed[5] == str(dtype)[6:] and rounding > 1e-3  # lossy: never printed as 0
+    rounded = model.to(dtype).float()
+    same = max_diff(hf_log_probs(loaded.float(), CHECK_IDS), fairseq_log_probs(rounded, CHECK_IDS, scaling))
+    assert float(printed[4]) == pytest.approx(same, rel=0.05, abs=1e-12) and same < 1e-5
+
+
+def perturbing_save(cls):
+    """``cls.save_pretrained`` that first adds 1 to one weight of the first layer: a conversion bug."""
+    original = cls.save_pretrained
+
+    def save_pretrained(self, *args, **kwargs):
+        name, weight = next((n, p) for n, p in self.named_parameters() if ".0." in n and p.dim() == 2)
+        with torch.no_grad():
+            weight[0, 0] += 1
+        return original(self, *args, **kwargs)
+
+    return save_pretrained
+
+
+def tampered_code(tmp_path):
+    """The traveling files with a modeling_alibi.py whose logits are off by 0.01 at one id."""
+    files = []
+    for path in writer.traveling_files():
+        if path.endswith("modeling_alibi.py"):
+            (tmp_path / "code").mkdir()
+            text = Path(path).read_text() + (
+                "\n_forward = AlibiForCausalLM.forward\n\n\n"
+                "def _tampered(self, *args, **kwargs):\n"
+                "    out = _forward(self, *args, **kwargs)\n"
+                "    out.logits[..., 5] += 0.01\n"
+                "    return out\n\n\nAlibiForCausalLM.forward = _tampered\n")
+            path = tmp_path / "code" / "modeling_alibi.py"
+            path.write_text(text)
+        files.append(str(path))
+    return lambda: files
+
+
+#: name -> (build arguments, weight std, export options, what to break, the error's words)
+REFUSED = {
+    "custom-float32-perturbed": ([], 0.4, [], "weight", "by .* in log-probabilities beyond float32 rounding"),
+    "custom-bfloat16-perturbed": ([], 0.4, ["--dtype", "bfloat16"], "weight", "beyond bfloat16 rounding"),
+    "bloom-float16-perturbed": (BLOOM_ARGS, 0.2, ["--format", "bloom", "--dtype", "float16"], "weight",
+                                "beyond float16 rounding"),
+    "custom-tampered-code": ([], 0.4, [], "code", "beyond float32 rounding .*a bug, please report it"),
+    "custom-float16-overflow": ([], 10.0, ["--dtype", "float16"], None,
+                                "written float16 model's log-probabilities are not finite .*--dtype bfloat16 or float32"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_written_model_that_is_not_the_checkpoint_is_refused_and_nothing_written(name, data_dir, tmp_path,
+                                                                                   monkeypatch):
+    """The check reads the staged files: a weight changed on its way to the file,
+    modeling code that computes something else, or float16 activations that
+    overflow are refused in one line, and the output directory never appears."""
+    from transformers import BloomForCausalLM
+
+    import fairseq_alibi.export as export_module
+
+    extra, std, options, broken, message = REFUSED[name]
+    model, cfg = build(data_dir, extra, std=std)
+    checkpoint = save(model, cfg, tmp_path / "m.pt")
+    if broken == "weight":
+        cls = BloomForCausalLM if "bloom" in options else AlibiForCausalLM
+        monkeypatch.setattr(cls, "save_pretrained", perturbing_save(cls))
+    elif broken == "code":
+        monkeypatch.setattr(export_module, "traveling_files", tampered_code(tmp_path))
+    status, output = export(checkpoint, tmp_path / "models" / "out", *options)
+    assert status == 1 and re.search(message, one_error_line(output)), output
+    assert "nothing written" in output and "wrote" not in output
+    assert not (tmp_path / "models" / "out").exists() and os.listdir(tmp_path / "models") == []
+
+
+def test_the_check_leaves_the_users_remote_code_cache_and_modules_alone(data_dir, tmp_path, monkeypatch):
+    """Reading back the staged directory runs its code through transformers'
+    remote-code cache: none of it lands in the user's cache (a folder named
+    after the temporary stage) or stays in ``sys.modules``."""
+    from transformers import dynamic_module_utils
+
+    user_cache = tmp_path / "user-modules"
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(user_cache))
+    before = {n for n in sys.modules if n.startswith("transformers_modules")}
+    model, cfg = build(data_dir, [])
+    exported(model, cfg, tmp_path)
+    assert not user_cache.exists() and dynamic_module_utils.HF_MODULES_CACHE == str(user_cache)
+    assert {n for n in sys.modules if n.startswith("transformers_modules")} == before
 
 
 # ------------------------------------------------------------------ in use
