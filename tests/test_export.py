@@ -100,18 +100,23 @@ def save(model, cfg, path: Path) -> Path:
     return path
 
 
-def export(*args) -> tuple:
-    """(exit status, stdout + stderr) of ``alibi-export-hf ARGS`` run in-process."""
+def captured(main, *args) -> tuple:
+    """(exit status, stdout + stderr) of a console script's ``main(ARGS)`` run in-process."""
     from io import StringIO
     from contextlib import redirect_stderr, redirect_stdout
 
     out = StringIO()
     with redirect_stdout(out), redirect_stderr(out):
         try:
-            status = export_main([str(a) for a in args])
+            status = main([str(a) for a in args])
         except SystemExit as exc:
             status = exc.code
     return status, out.getvalue()
+
+
+def export(*args) -> tuple:
+    """(exit status, stdout + stderr) of ``alibi-export-hf ARGS`` run in-process."""
+    return captured(export_main, *args)
 
 
 def exported(model, cfg, tmp_path, *options, name="out") -> Path:
@@ -245,6 +250,54 @@ def test_converted_fork_checkpoint_exports_and_an_unconverted_one_is_refused(dat
     assert max_diff(hf_log_probs(loaded, ids), fairseq_log_probs(model, ids)) < 1e-4
 
 
+#: name -> (the fork file's float dtype, a weight changed on its way to the file)
+CONVERTED = {"float32": (torch.float32, False), "float16": (torch.float16, False),
+             "float32-perturbed-write": (torch.float32, True)}
+
+
+@pytest.mark.parametrize("name", list(CONVERTED))
+def test_alibi_convert_checkpoint_prints_what_the_file_it_wrote_holds(name, data_dir, tmp_path, monkeypatch):
+    """alibi-convert-checkpoint reads back the file it wrote before the rename: what it
+    prints (arch, training length, weight count and dtype, bit for bit the input's)
+    is counted here from the written file; a write that changed a weight is refused
+    and leaves nothing."""
+    from fairseq_alibi import fork
+
+    dtype, perturbed = CONVERTED[name]
+    model, cfg = build(data_dir, VARIANTS["wiki103-adaptive-tied"])
+    state = fork_layout({"cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                         "model": model.state_dict(), "args": None, "optimizer_history": [], "extra_state": {}}, L)
+    state["model"] = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state["model"].items()}
+    torch.save(state, tmp_path / "fork.pt")
+    if perturbed:
+        save = torch.save
+
+        def perturbing_save(obj, path, *args, **kwargs):
+            weights = dict(obj["model"])
+            weights["decoder.layers.0.fc1.weight"] = weights["decoder.layers.0.fc1.weight"] + 1e-3
+            return save(dict(obj, model=weights), path, *args, **kwargs)
+
+        monkeypatch.setattr(fork.torch, "save", perturbing_save)
+    (tmp_path / "out").mkdir()
+    status, output = captured(fork.main, tmp_path / "fork.pt", tmp_path / "out" / "converted.pt")
+    if perturbed:
+        assert status == 1 and "does not hold the input's weights" in one_error_line(output)
+        assert "nothing written" in output and os.listdir(tmp_path / "out") == []
+        return
+    assert status == 0, output
+    print(output)  # docs/export.md quotes it (pytest -s)
+    written = torch.load(tmp_path / "out" / "converted.pt", weights_only=True)
+    kept = {k: v for k, v in state["model"].items() if "embed_positions" not in k}
+    assert len(kept) == len(state["model"]) - 1 and set(written["model"]) == set(kept)
+    assert all(v.dtype == kept[k].dtype and torch.equal(v, kept[k]) for k, v in written["model"].items())
+    assert output.splitlines() == [
+        f"wrote {tmp_path / 'out' / 'converted.pt'}: arch {written['cfg']['model']['_name']}, alibi_train_length "
+        f"{written['cfg']['model']['alibi_train_length']}; read back: {len(written['model'])} weight tensors "
+        f"({str(dtype)[6:]}), bit for bit the input's (its unused position buffer dropped)"]
+    assert written["cfg"]["model"]["_name"] == "transformer_lm_wiki103_alibi" and \
+        written["cfg"]["model"]["alibi_train_length"] == L
+
+
 def test_scaling_set_at_export_and_at_load_time(data_dir, tmp_path):
     model, cfg = build(data_dir, [])
     out = exported(model, cfg, tmp_path, "--alibi-scaling", "ntk")
@@ -329,6 +382,7 @@ def test_the_printed_check_is_what_the_written_files_compute(name, data_dir, tmp
         torch.save(state, checkpoint)
     status, output = export(checkpoint, tmp_path / "out", *options)
     assert status == 0, output
+    print(output)  # docs/export.md quotes these lines (pytest -s)
     printed = CHECK_LINE.search(output)
     assert printed, output
     custom = "bloom" not in options
