@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import os
 import re
@@ -971,6 +972,57 @@ def test_alibi_sweep_scores_a_checkpoint_and_its_export_alike_on_one_text(data_d
                             "-o", str(tmp_path / "text")]) == 0
     for c in json.loads((tmp_path / "text" / "results.json").read_text())["cells"]:
         assert c["loss"] == pytest.approx(by[("export", c["label"], c["mode"], c["length"])]["loss"], abs=1e-6)
+
+
+#: The exports one sweep scores side by side: name -> alibi-export-hf options.
+SWEPT = {"float32": [], "bfloat16": ["--dtype", "bfloat16"], "float16": ["--dtype", "float16"]}
+
+
+def window_loss(model, ids: torch.Tensor, length: int) -> float:
+    """Bits per token over non-overlapping windows of ``length`` tokens (each
+    window's first token from the previous one's last), written out here."""
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, length):
+        window = ids[start: start + length + 1]
+        log_probs = hf_log_probs(model, window[None, :-1])[0]
+        total -= log_probs.gather(-1, window[1:, None]).sum().item()
+        count += len(window) - 1
+    return total / count / math.log(2)
+
+
+def test_alibi_sweep_scores_each_export_as_its_files_compute(data_dir, tmp_path, capsys):
+    """alibi-sweep over float32, bfloat16 and float16 exports of one checkpoint: each
+    row is what that export's files compute in their own dtype (loaded here with
+    transformers and scored window by window), the rows differ by the rounding,
+    and the log says, per model, the dtype saved and computed in, and that its
+    code files are this package's (or which are not: a directory's own code is
+    never run, so a changed file is named)."""
+    from fairseq_alibi.evaluation import perplexity
+
+    model, cfg = build(data_dir, [])
+    checkpoint = save(model, cfg, tmp_path / "m.pt")
+    for name, options in SWEPT.items():
+        assert export(checkpoint, tmp_path / name, *options)[0] == 0
+    changed = tmp_path / "changed"
+    shutil.copytree(tmp_path / "float32", changed)
+    with open(changed / "kernels.py", "a") as f:
+        f.write("\n# edited after the export\n")
+    words = [f"w{i % WORDS}" for i in range(7 * L)]
+    (tmp_path / "text.txt").write_text(" ".join(words) + "\n")
+    models = [f"--hf={name}={tmp_path / name}" for name in [*SWEPT, "changed"]]
+    assert perplexity.main([str(tmp_path / "text.txt"), *models, "--lengths", "1x", "--methods", "none",
+                            "--output-dir", str(tmp_path / "sweep"), "--no-progress", "--cpu"]) == 0
+    log = capsys.readouterr().err
+    cells = {c["checkpoint"]: c for c in json.loads((tmp_path / "sweep" / "results.json").read_text())["cells"]}
+    ids = torch.tensor([2] + [4 + int(w[1:]) for w in words] + [2])
+    losses = {name: window_loss(read_back(tmp_path / name, True), ids, L) for name in SWEPT}
+    for name, loss in losses.items():
+        assert cells[name]["loss"] == pytest.approx(loss, abs=1e-5), name
+        assert f"{name}: {name} weights as saved, computed in {name}; its code files are this package's" in log
+    # the rounding moves the mean loss by a few 1e-4 bits (6e-4 and 9e-4 here), far more than the 1e-5 allowed
+    assert abs(losses["bfloat16"] - losses["float32"]) > 1e-4 and abs(losses["float16"] - losses["float32"]) > 1e-4
+    assert cells["changed"]["loss"] == cells["float32"]["loss"]
+    assert "changed: its code files differ from this package's (kernels.py)" in log
 
 
 def test_unknown_words_are_scored_in_text_and_refused_in_prompts(data_dir, tmp_path):
