@@ -356,14 +356,22 @@ CHECKED = {
 
 
 def read_back(out: Path, custom: bool):
-    """The written model as a user loads it (transformers alone, the files' dtype),
-    its remote code cached away from the user's cache."""
+    """The written model as a user loads it with transformers alone (the files'
+    dtype): stock BLOOM, or the class ``config.json``'s ``auto_map`` names from the
+    directory's code, which ``AutoModelForCausalLM.from_pretrained(out,
+    trust_remote_code=True)`` takes in a fresh process (in this one, once
+    ``hf.load_hf_model`` has registered this package's class, it would take
+    that); its remote code cached away from the user's cache."""
     from transformers import AutoModelForCausalLM
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     from fairseq_alibi.export.check import private_module_cache
 
     with private_module_cache(), hf.quiet_transformers():
-        return AutoModelForCausalLM.from_pretrained(out, trust_remote_code=custom).eval()
+        if not custom:
+            return AutoModelForCausalLM.from_pretrained(out).eval()
+        reference = json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+        return get_class_from_dynamic_module(reference, str(out)).from_pretrained(out).eval()
 
 
 @pytest.mark.parametrize("name", list(CHECKED))

@@ -21,6 +21,8 @@ checkpoint, computed in float32.  Two numbers, max |log-prob difference|:
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -82,11 +84,10 @@ def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @contextlib.contextmanager
-def private_module_cache() -> Iterator[None]:
-    """transformers' cache of remote code in a temporary directory for the block,
-    and the modules it imported forgotten after: reading back the staged
-    directory (a temporary name) leaves nothing in the user's cache or in this
-    process's ``sys.modules``."""
+def private_module_cache() -> Iterator[str]:
+    """A scratch directory, and transformers' cache of remote code in it for the
+    block, the modules it imported forgotten after: reading back the staged
+    directory leaves nothing in the user's cache or in this process's ``sys.modules``."""
     from transformers import dynamic_module_utils
 
     package = dynamic_module_utils.TRANSFORMERS_DYNAMIC_MODULE_NAME
@@ -96,12 +97,12 @@ def private_module_cache() -> Iterator[None]:
 
     saved_cache, saved_path = dynamic_module_utils.HF_MODULES_CACHE, list(sys.path)
     saved = {name: module for name, module in sys.modules.items() if ours(name)}
-    with tempfile.TemporaryDirectory(prefix="alibi_export_check_") as cache:
+    with tempfile.TemporaryDirectory(prefix="alibi_export_check_") as scratch:
         for name in saved:
             del sys.modules[name]
-        dynamic_module_utils.HF_MODULES_CACHE = cache
+        dynamic_module_utils.HF_MODULES_CACHE = os.path.join(scratch, "modules")
         try:
-            yield
+            yield scratch
         finally:
             dynamic_module_utils.HF_MODULES_CACHE = saved_cache
             sys.path[:] = saved_path
@@ -111,17 +112,25 @@ def private_module_cache() -> Iterator[None]:
 
 
 def load_written(directory: str, fmt: str):
-    """The model of ``directory`` as a user loads it: ``AutoModelForCausalLM``,
-    the directory's own code for the default format, stock BLOOM otherwise;
-    the dtype the files hold (transformers' ``dtype="auto"``)."""
+    """The model of ``directory`` as a user loads it, in the dtype its files hold
+    (transformers' ``dtype="auto"``): stock BLOOM, or for the default format the
+    classes ``config.json``'s ``auto_map`` names, from the directory's own code
+    files: what ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)``
+    builds in a fresh process (here, where ``fairseq_alibi.hf`` may have
+    registered this package's class for the model type, the Auto class would take that)."""
     from transformers import AutoModelForCausalLM
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     from ..hf import quiet_transformers
 
+    options = dict(dtype="auto", local_files_only=True)
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=fmt == "custom", dtype="auto",
-                                                     local_files_only=True)
-    return model.eval()
+        if fmt == "bloom":
+            return AutoModelForCausalLM.from_pretrained(directory, **options).eval()
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as handle:
+            reference = json.load(handle)["auto_map"]["AutoModelForCausalLM"]
+        cls = get_class_from_dynamic_module(reference, directory, local_files_only=True)
+        return cls.from_pretrained(directory, **options).eval()
 
 
 def written_scaling(config, fmt: str) -> Scaling:
@@ -178,8 +187,11 @@ def check_written(directory: str, fmt: str, source, scaling: Scaling) -> Written
     from ..hf import hf_train_length
     from ..models.attention import rescale
 
-    with private_module_cache():
-        loaded = load_written(directory, fmt)
+    with private_module_cache() as scratch:
+        # under a plain name: transformers names the code's module after the directory (the stage's is temporary)
+        plain = os.path.join(scratch, "written")
+        os.symlink(os.path.abspath(directory), plain)
+        loaded = load_written(plain, fmt)
     stored = written_scaling(loaded.config, fmt)
     if stored.to_hf() != scaling.to_hf():
         raise ExportError(f"the written config.json holds alibi_scaling {stored.spelling}, not {scaling.spelling}: "
