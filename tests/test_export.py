@@ -453,6 +453,7 @@ REFUSED = {
     "custom-tampered-code": ([], 0.4, [], "code", "beyond float32 rounding .*a bug, please report it"),
     "custom-float16-overflow": ([], 10.0, ["--dtype", "float16"], None,
                                 "written float16 model's log-probabilities are not finite .*--dtype bfloat16 or float32"),
+    "checkpoint-overflows-float32": ([], 1e20, [], None, "the checkpoint's own log-probabilities are not finite"),
 }
 
 
@@ -460,8 +461,9 @@ REFUSED = {
 def test_a_written_model_that_is_not_the_checkpoint_is_refused_and_nothing_written(name, data_dir, tmp_path,
                                                                                    monkeypatch):
     """The check reads the staged files: a weight changed on its way to the file,
-    modeling code that computes something else, or float16 activations that
-    overflow are refused in one line, and the output directory never appears."""
+    modeling code that computes something else, float16 activations that
+    overflow (or a checkpoint whose own do in float32) are refused in one line,
+    and the output directory never appears."""
     from transformers import BloomForCausalLM
 
     import fairseq_alibi.export as export_module

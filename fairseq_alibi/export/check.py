@@ -49,9 +49,8 @@ class Check:
 
     def describe(self, checkpoint_dtype: str) -> str:
         """One line: what was compared and the numbers, each with its meaning."""
-        head = (f"check: the written files loaded back, against the checkpoint ({checkpoint_dtype} weights, computed "
-                "in float32), "
-                f"on {TOKENS} random tokens: max |log-prob difference| ")
+        head = (f"check: the written files loaded back, against the checkpoint ({checkpoint_dtype} weights, "
+                f"computed in float32), on {TOKENS} random tokens: max |log-prob difference| ")
         if self.dtype == "float32":
             return head + f"{self.rounding:.2g}"
         return head + (f"{self.rounding:.2g} ({self.dtype} rounding); same-precision difference "
@@ -146,6 +145,9 @@ def measure(loaded, source_model, tokens: torch.Tensor) -> Check:
     written dtype, both in place: neither is used after."""
     dtype = loaded.dtype
     reference = fairseq_log_probs(source_model, tokens)
+    if not torch.isfinite(reference).all():
+        raise ExportError(f"the checkpoint's own log-probabilities are not finite numbers on {TOKENS} random tokens "
+                          "(computed in float32): nothing written; its weights overflow float32")
     rounding = max_difference(hf_log_probs(loaded, tokens), reference)
     if dtype == torch.float32:
         return Check("float32", rounding, rounding)
@@ -155,12 +157,10 @@ def measure(loaded, source_model, tokens: torch.Tensor) -> Check:
 
 
 def refuse_failed(check: Check) -> None:
-    """``ExportError`` for a conversion error, or for a written model whose
-    log-probabilities are not finite numbers (float16 overflows where float32 did not)."""
-    if not abs(check.rounding) < float("inf"):
-        if check.dtype == "float32":
-            raise ExportError(f"the model's log-probabilities are not finite numbers on {TOKENS} random tokens, "
-                              "the checkpoint's own as well: nothing written; check the checkpoint")
+    """``ExportError`` for a conversion error (NaN included), or for a written
+    model whose log-probabilities are not finite numbers (float16 overflows
+    where the checkpoint in float32 did not)."""
+    if check.dtype != "float32" and not abs(check.rounding) < float("inf"):
         raise ExportError(f"the written {check.dtype} model's log-probabilities are not finite numbers on {TOKENS} "
                           f"random tokens (its activations overflow {check.dtype}): nothing written; export with "
                           "--dtype bfloat16 or float32")
