@@ -163,7 +163,7 @@ def refuse_failed(check: Check) -> None:
     if check.dtype != "float32" and not abs(check.rounding) < float("inf"):
         raise ExportError(f"the written {check.dtype} model's log-probabilities are not finite numbers on {TOKENS} "
                           f"random tokens (its activations overflow {check.dtype}): nothing written; export with "
-                          "--dtype bfloat16 or float32")
+                          f"--dtype {'bfloat16 or float32' if check.dtype == 'float16' else 'float32'}")
     if not check.same_precision <= TOLERANCE:
         raise ExportError(f"the written model, loaded back, differs from the checkpoint by {check.same_precision:.3g} "
                           f"in log-probabilities beyond {check.dtype} rounding (tolerance {TOLERANCE:g}): nothing "
