@@ -234,9 +234,11 @@ def main():
         row += [f"{a[1] / s[1]:.2f}", f"{a[0] / s[0]:.2f}"] if a and s else ["-", "-"]
         print(" | ".join(row) + " |")
     if opts.json:
+        import torch  # the cells' own (one environment)
+
         with open(opts.json, "w") as f:
-            json.dump({"machine": machine_description(), "device": device_name(opts.device), "config": vars(opts),
-                       "cells": cells}, f, indent=1)
+            json.dump({"machine": machine_description(), "device": device_name(opts.device),
+                       "torch": torch.__version__, "config": vars(opts), "cells": cells}, f, indent=1)
 
 
 if __name__ == "__main__":

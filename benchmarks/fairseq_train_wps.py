@@ -149,8 +149,10 @@ def main():
     os.makedirs(workdir, exist_ok=True)
     if not opts.analyze:
         data = make_corpus(workdir, opts.words, tokens=(opts.updates + 2) * opts.batch * opts.length * 2)
-    results = {"machine": machine_description(), "device": device_name(opts.device), "config": vars(opts),
-               "runs": {}}
+    import torch  # its version is fairseq-train's (one environment)
+
+    results = {"machine": machine_description(), "device": device_name(opts.device), "torch": torch.__version__,
+               "dtype": "bfloat16" if opts.device == "cuda" else "float32", "config": vars(opts), "runs": {}}
     for drop in opts.attention_dropout:
         runs = {"sinusoidal": [], "alibi": []}
         median_wps = {"sinusoidal": [], "alibi": []}

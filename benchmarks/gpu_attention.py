@@ -60,9 +60,17 @@ def timed(fn, device):
     return (time.perf_counter() - t) * 1e3, float("nan")
 
 
+#: The attention call part ``kernels`` times: 16 heads of 64 (d=1024).
+HEADS, HEAD_DIM = 16, 64
+
+
+def kernel_dtype(device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def kernels(opts, device):
-    heads, head_dim = 16, 64
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads, head_dim = HEADS, HEAD_DIM
+    dtype = kernel_dtype(device)
     shared = AlibiBias(heads)
     rows = []
     print("| T | batch | path | ms fwd+bwd (median) | peak MiB | time / flash-causal |")
@@ -202,7 +210,9 @@ def main():
         if opts.json:
             name = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_description()
             with open(opts.json, "w") as f:
-                json.dump({"device": name, "torch": torch.__version__, "rows": rows}, f, indent=1)
+                config = {"dtype": str(kernel_dtype(device)).replace("torch.", ""), "heads": HEADS,
+                          "head_dim": HEAD_DIM, "tokens": opts.tokens, "repeats": opts.repeats}
+                json.dump({"device": name, "torch": torch.__version__, "config": config, "rows": rows}, f, indent=1)
     if opts.part in ("train", "both"):
         train(opts, device)
 

@@ -175,9 +175,44 @@ def convert_fork_state(state: Dict[str, Any], train_length: Optional[int] = None
     return out
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, dtype and shape included (NaN markers equal themselves)."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def kept_weights(state: Dict[str, Any]) -> Dict[str, Any]:
+    """The input's weights a conversion keeps: all but the unused position buffer."""
+    return {key: value for key, value in state["model"].items() if ".embed_positions." not in key}
+
+
+def read_back(path: str, state: Dict[str, Any]) -> Dict[str, Any]:
+    """The written file at ``path``, read as the loaders read it (allowlisted
+    unpickling); ``CheckpointError`` unless its weights are the input's, bit for bit."""
+    written = safe_load.load(path)
+    expected, got = kept_weights(state), written.get("model") or {}
+    differ = sorted(key for key in expected.keys() | got.keys()
+                    if key not in expected or key not in got or not same_bits(expected[key], got[key]))
+    if differ:
+        raise CheckpointError(f"the written file does not hold the input's weights ({len(differ)} differ, e.g. "
+                              f"{differ[0]}): nothing written; a bug, please report it")
+    return written
+
+
+def describe_written(path: str, written: Dict[str, Any]) -> str:
+    """What ``alibi-convert-checkpoint`` prints, all read from the file it wrote."""
+    model_cfg = facts.checkpoint_sections(written)[0]
+    weights = written["model"]
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in weights.values() if t.is_floating_point()})
+    return (f"wrote {path}: arch {facts.checkpoint_arch(model_cfg)}, alibi_train_length "
+            f"{model_cfg.get('alibi_train_length')}; read back: {len(weights)} weight tensors "
+            f"({'/'.join(dtypes) or 'none floating'}), bit for bit the input's (its unused position buffer dropped)\n")
+
+
 def convert(in_path: str, out_path: str, train_length: Optional[int] = None, force: bool = False) -> Dict[str, Any]:
     """Read a fork checkpoint safely, write the converted one atomically (an
-    existing output only with ``force``, never the input); returns its cfg."""
+    existing output only with ``force``, never the input), read back and
+    checked before it is renamed into place; returns the written state."""
     parent = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(parent):
         raise CheckpointError(f"cannot write {out_path}: directory {os.path.dirname(out_path)} does not exist")
@@ -193,6 +228,7 @@ def convert(in_path: str, out_path: str, train_length: Optional[int] = None, for
     tmp = f"{out_path}.tmp{os.getpid()}"
     try:
         torch.save(converted, tmp)
+        written = read_back(tmp, state)
         os.replace(tmp, out_path)
     except (OSError, RuntimeError) as exc:
         reason = no_space(exc) or one_line(getattr(exc, "strerror", None) or exc)
@@ -200,7 +236,7 @@ def convert(in_path: str, out_path: str, train_length: Optional[int] = None, for
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    return converted["cfg"]
+    return written
 
 
 def main(argv=None) -> int:
@@ -221,12 +257,9 @@ def main(argv=None) -> int:
     parser.add_argument("--force", action="store_true", help="replace an existing output file (never the input)")
     args = parser.parse_args(argv)
     with report_errors():
-        cfg = convert(args.input, args.output, args.train_length, args.force)
-        model = cfg["model"]
-        sys.stdout.write(
-            f"wrote {args.output}: arch {model['_name']}, alibi_train_length "
-            f"{model['alibi_train_length']}\n"
-        )
+        written = convert(args.input, args.output, args.train_length, args.force)
+        model = facts.checkpoint_sections(written)[0]
+        sys.stdout.write(describe_written(args.output, written))
         dangling = sorted(k for k, v in model.items() if isinstance(v, str) and _INTERPOLATION.match(v))
         if dangling:
             sys.stderr.write(

@@ -57,13 +57,21 @@ STEPS: Dict[str, tuple] = {
 TRAIN_LENGTHS = {512: 64, 2048: 16}
 
 
+def outputs(step: str) -> List[str]:
+    """The JSON files a step writes (``train``: one per training length); ``tests`` writes none."""
+    if step == "tests":
+        return []
+    return [f"train_{length}.json" for length in TRAIN_LENGTHS] if step == "train" else [f"{step}.json"]
+
+
 def commands(step: str, out_dir: str) -> List[List[str]]:
     """The command lines of one step (``train`` runs once per training length)."""
     _, args = STEPS[step]
     if step != "train":
         return [[sys.executable] + [a.replace("{json}", os.path.join(out_dir, f"{step}.json")) for a in args]]
-    return [[sys.executable] + [a.replace("{json}", os.path.join(out_dir, f"train_{length}.json")) for a in args]
-            + ["--length", str(length), "--batch", str(batch)] for length, batch in TRAIN_LENGTHS.items()]
+    return [[sys.executable] + [a.replace("{json}", os.path.join(out_dir, name)) for a in args]
+            + ["--length", str(length), "--batch", str(batch)]
+            for name, (length, batch) in zip(outputs("train"), TRAIN_LENGTHS.items())]
 
 
 def run_step(step: str, out_dir: str, seconds: float) -> dict:
@@ -103,10 +111,20 @@ def _load(path: str) -> Optional[dict]:
 
 
 # ---------------------------------------------------------------- Markdown
-def kernels_table(result: dict) -> List[str]:
-    by = {(r["length"], r["path"]): r for r in result["rows"]}
-    lines = ["| T | batch | flash causal, no bias: ms | ALiBi flex: ms (x flash) | ALiBi sdpa: ms (x flash) | "
+# Every caption says what its step's own output records (dtype, sizes, repeats,
+# device), never what this script meant to run: a changed STEPS entry or a
+# benchmark that fell back to other settings is described as it ran.
+
+
+def kernels_section(results: List[dict]) -> List[str]:
+    (result,) = results
+    config = result["config"]
+    lines = [f"One attention call, forward + backward, {config['dtype']}, {config['heads']} heads of "
+             f"{config['head_dim']}, {config['tokens']:,} tokens per call (`benchmarks/gpu_attention.py --part "
+             f"kernels`); median of {config['repeats']}:", "",
+             "| T | batch | flash causal, no bias: ms | ALiBi flex: ms (x flash) | ALiBi sdpa: ms (x flash) | "
              "peak MiB: flash / flex / sdpa |", "|---|---|---|---|---|---|"]
+    by = {(r["length"], r["path"]): r for r in result["rows"]}
     for length in sorted({r["length"] for r in result["rows"]}):
         flash = by[(length, "flash-causal")]
         cells = []
@@ -119,19 +137,40 @@ def kernels_table(result: dict) -> List[str]:
     return lines
 
 
-def train_table(results: Dict[int, dict]) -> List[str]:
+def compile_section(results: List[dict]) -> List[str]:
+    from flex_compile import markdown as compile_table
+
+    (result,) = results
+    config = result["config"]
+    cache = "the usual inductor cache" if config.get("warm_cache") else "an empty inductor cache"
+    return [f"Compilation of the `flex` kernel, {config['dtype']}, from {cache} "
+            "(`benchmarks/flex_compile.py --device cuda`):", "", *compile_table(result).splitlines()]
+
+
+def train_section(results: List[dict]) -> List[str]:
     from common import median
 
-    lines = ["| tokens per sample | sinusoidal wps | ALiBi wps | ALiBi / sinusoidal |", "|---|---|---|---|"]
-    for length, result in sorted(results.items()):
-        run = result["runs"]["0.0"]
+    config = results[0]["config"]
+    lines = [f"Stock `fairseq-train`, {results[0]['dtype']}, {config['layers']} layers, d={config['embed_dim']}, "
+             f"{config['heads']} heads, ALiBi (`auto`: compiled FlexAttention) against sinusoidal, median words/s "
+             f"after {config['skip']} warm-up updates (`benchmarks/fairseq_train_wps.py --device cuda`):", "",
+             "| tokens per sample | sequences per update | sinusoidal wps | ALiBi wps | ALiBi / sinusoidal |",
+             "|---|---|---|---|---|"]
+    for result in sorted(results, key=lambda r: r["config"]["length"]):
+        config = result["config"]
+        run = result["runs"][str(float(config["attention_dropout"][0]))]
         wps = {name: median(values) for name, values in run["median_wps"].items()}
-        lines.append(f"| {length} | {wps['sinusoidal']:.0f} | {wps['alibi']:.0f} | {run['median_ratio']:.3f} |")
+        lines.append(f"| {config['length']} | {config['batch']} | {wps['sinusoidal']:.0f} | {wps['alibi']:.0f} | "
+                     f"{run['median_ratio']:.3f} |")
     return lines
 
 
-def eval_table(result: dict) -> List[str]:
-    lines = ["| tokens | ALiBi s | ALiBi peak MiB | sinusoidal s | sinusoidal peak MiB |", "|---|---|---|---|---|"]
+def eval_section(results: List[dict]) -> List[str]:
+    (result,) = results
+    config = result["config"]
+    lines = [f"One sequence scored in one forward (`SequenceScorer`), {config['dtype']}, {config['layers']} layers, "
+             f"d={config['embed_dim']}, vocabulary {config['vocab']:,} (`benchmarks/eval_memory.py --device cuda`):",
+             "", "| tokens | ALiBi s | ALiBi peak MiB | sinusoidal s | sinusoidal peak MiB |", "|---|---|---|---|---|"]
     for length in sorted({c["length"] for c in result["cells"]}):
         row = [str(length)]
         for method in ("alibi", "sinusoidal"):
@@ -144,40 +183,38 @@ def eval_table(result: dict) -> List[str]:
     return lines
 
 
+SECTIONS = {"kernels": kernels_section, "compile": compile_section, "train": train_section, "eval": eval_section}
+
+
+def elsewhere(results: List[dict], device: str, torch_version: str) -> List[str]:
+    """A line for outputs that record another device or torch than the section's header."""
+    seen = sorted({(r.get("device") or device, r.get("torch") or torch_version) for r in results} -
+                  {(device, torch_version)})
+    return [f"(its output records {', '.join(f'{d}, torch {t}' for d, t in seen)}, not the header's)"] if seen else []
+
+
+def step_section(step: str, out_dir: str, device: str, torch_version: str) -> List[str]:
+    """A finished step's caption and table, from the JSON it wrote."""
+    results = [_load(os.path.join(out_dir, name)) for name in outputs(step)]
+    results = [r for r in results if r is not None]
+    if not results:
+        return [f"({step} wrote no output to read)"]
+    try:
+        return SECTIONS[step](results) + elsewhere(results, device, torch_version)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        return [f"({step}: its output could not be read: {type(exc).__name__}: {exc})"]
+
+
 def render(device: str, torch_version: str, statuses: Dict[str, dict], out_dir: str, when: str) -> str:
     """The docs section: what ran where, and each step's table (or why there is none)."""
-    from flex_compile import markdown as compile_table
-
     lines = [BEGIN, f"### Measured by `make gpu-check` on {device} ({when}, torch {torch_version})", ""]
     lines.append("| step | result | seconds |")
     lines.append("|---|---|---|")
     for step, status in statuses.items():
         lines.append(f"| {step} | {status['status']} | {status['seconds']:.0f} |")
-    sections = {
-        "kernels": ("One attention call, forward + backward, bf16, 16 heads of 64, 16K tokens per call "
-                    "(`benchmarks/gpu_attention.py --part kernels`); median of 3:",
-                    lambda: kernels_table(_load(os.path.join(out_dir, "kernels.json")))),
-        "compile": ("Compilation of the `flex` kernel, bf16, from an empty inductor cache "
-                    "(`benchmarks/flex_compile.py --device cuda`):",
-                    lambda: compile_table(_load(os.path.join(out_dir, "compile.json"))).splitlines()),
-        "train": ("Stock `fairseq-train`, bf16, 6 layers, d=1024, 16 heads, 32K tokens per update, ALiBi "
-                  "(`auto`: compiled FlexAttention) against sinusoidal, median words/s after 10 warm-up updates "
-                  "(`benchmarks/fairseq_train_wps.py --device cuda`):",
-                  lambda: train_table({length: _load(os.path.join(out_dir, f"train_{length}.json"))
-                                       for length in TRAIN_LENGTHS
-                                       if os.path.exists(os.path.join(out_dir, f"train_{length}.json"))})),
-        "eval": ("One sequence scored in one forward (`SequenceScorer`), bf16, 4 layers, d=256, vocabulary "
-                 "32,768 (`benchmarks/eval_memory.py --device cuda`):",
-                 lambda: eval_table(_load(os.path.join(out_dir, "eval.json")))),
-    }
-    for step, (caption, table) in sections.items():
-        if statuses.get(step, {}).get("status") != "ok":
-            continue
-        lines += ["", caption, ""]
-        try:
-            lines += table()
-        except (KeyError, TypeError, ZeroDivisionError) as exc:
-            lines.append(f"(its output could not be read: {type(exc).__name__}: {exc})")
+    for step in SECTIONS:
+        if statuses.get(step, {}).get("status") == "ok":
+            lines += ["", *step_section(step, out_dir, device, torch_version)]
     lines.append(END)
     return "\n".join(lines)
 

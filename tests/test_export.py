@@ -11,9 +11,12 @@ output; 6 heads (not a power of two), trained length ``L`` = 16.
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import random
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,18 +101,23 @@ def save(model, cfg, path: Path) -> Path:
     return path
 
 
-def export(*args) -> tuple:
-    """(exit status, stdout + stderr) of ``alibi-export-hf ARGS`` run in-process."""
+def captured(main, *args) -> tuple:
+    """(exit status, stdout + stderr) of a console script's ``main(ARGS)`` run in-process."""
     from io import StringIO
     from contextlib import redirect_stderr, redirect_stdout
 
     out = StringIO()
     with redirect_stdout(out), redirect_stderr(out):
         try:
-            status = export_main([str(a) for a in args])
+            status = main([str(a) for a in args])
         except SystemExit as exc:
             status = exc.code
     return status, out.getvalue()
+
+
+def export(*args) -> tuple:
+    """(exit status, stdout + stderr) of ``alibi-export-hf ARGS`` run in-process."""
+    return captured(export_main, *args)
 
 
 def exported(model, cfg, tmp_path, *options, name="out") -> Path:
@@ -243,6 +251,54 @@ def test_converted_fork_checkpoint_exports_and_an_unconverted_one_is_refused(dat
     assert max_diff(hf_log_probs(loaded, ids), fairseq_log_probs(model, ids)) < 1e-4
 
 
+#: name -> (the fork file's float dtype, a weight changed on its way to the file)
+CONVERTED = {"float32": (torch.float32, False), "float16": (torch.float16, False),
+             "float32-perturbed-write": (torch.float32, True)}
+
+
+@pytest.mark.parametrize("name", list(CONVERTED))
+def test_alibi_convert_checkpoint_prints_what_the_file_it_wrote_holds(name, data_dir, tmp_path, monkeypatch):
+    """alibi-convert-checkpoint reads back the file it wrote before the rename: what it
+    prints (arch, training length, weight count and dtype, bit for bit the input's)
+    is counted here from the written file; a write that changed a weight is refused
+    and leaves nothing."""
+    from fairseq_alibi import fork
+
+    dtype, perturbed = CONVERTED[name]
+    model, cfg = build(data_dir, VARIANTS["wiki103-adaptive-tied"])
+    state = fork_layout({"cfg": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                         "model": model.state_dict(), "args": None, "optimizer_history": [], "extra_state": {}}, L)
+    state["model"] = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state["model"].items()}
+    torch.save(state, tmp_path / "fork.pt")
+    if perturbed:
+        save = torch.save
+
+        def perturbing_save(obj, path, *args, **kwargs):
+            weights = dict(obj["model"])
+            weights["decoder.layers.0.fc1.weight"] = weights["decoder.layers.0.fc1.weight"] + 1e-3
+            return save(dict(obj, model=weights), path, *args, **kwargs)
+
+        monkeypatch.setattr(fork.torch, "save", perturbing_save)
+    (tmp_path / "out").mkdir()
+    status, output = captured(fork.main, tmp_path / "fork.pt", tmp_path / "out" / "converted.pt")
+    if perturbed:
+        assert status == 1 and "does not hold the input's weights" in one_error_line(output)
+        assert "nothing written" in output and os.listdir(tmp_path / "out") == []
+        return
+    assert status == 0, output
+    print(output)  # docs/export.md quotes it (pytest -s)
+    written = torch.load(tmp_path / "out" / "converted.pt", weights_only=True)
+    kept = {k: v for k, v in state["model"].items() if "embed_positions" not in k}
+    assert len(kept) == len(state["model"]) - 1 and set(written["model"]) == set(kept)
+    assert all(v.dtype == kept[k].dtype and torch.equal(v, kept[k]) for k, v in written["model"].items())
+    assert output.splitlines() == [
+        f"wrote {tmp_path / 'out' / 'converted.pt'}: arch {written['cfg']['model']['_name']}, alibi_train_length "
+        f"{written['cfg']['model']['alibi_train_length']}; read back: {len(written['model'])} weight tensors "
+        f"({str(dtype)[6:]}), bit for bit the input's (its unused position buffer dropped)"]
+    assert written["cfg"]["model"]["_name"] == "transformer_lm_wiki103_alibi" and \
+        written["cfg"]["model"]["alibi_train_length"] == L
+
+
 def test_scaling_set_at_export_and_at_load_time(data_dir, tmp_path):
     model, cfg = build(data_dir, [])
     out = exported(model, cfg, tmp_path, "--alibi-scaling", "ntk")
@@ -278,6 +334,167 @@ def test_bad_alibi_scaling_is_one_line_naming_it(value, message):
     with pytest.raises(ScalingError, match=message) as error:
         Scaling.from_hf(value, L)
     assert str(error.value).startswith("alibi_scaling=") and "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------ the export's check (what it prints)
+#: The check's input, as docs/export.md states it: 24 ids of dict.txt's words (seed 0), </s> first.
+CHECK_IDS = torch.randint(4, 4 + WORDS, (1, 24), generator=torch.Generator().manual_seed(0))
+CHECK_IDS[0, 0] = 2
+CHECK_LINE = re.compile(r"^check: the written files loaded back, against the checkpoint \((\S+) weights, computed in "
+                        r"float32\), on 24 random tokens: max \|log-prob difference\| (\S+)(?: \((\w+) rounding\); "
+                        r"same-precision difference (\S+) \(against the fairseq model given the same (\w+) weights, "
+                        r"both computed in float32\))?$", re.MULTILINE)
+#: name -> (build arguments, weight std, the checkpoint's weights in float16, export options, the files' dtype)
+CHECKED = {
+    "custom-bfloat16": ([], 0.4, False, ["--dtype", "bfloat16"], torch.bfloat16),
+    "custom-float16-adaptive": (VARIANTS["wiki103-adaptive-tied"], 0.4, False, ["--dtype", "float16"], torch.float16),
+    "bloom-bfloat16": (BLOOM_ARGS, 0.2, False, ["--format", "bloom", "--dtype", "bfloat16"], torch.bfloat16),
+    "custom-float32-linear2": (VARIANTS["prenorm-gelu-tied-lnemb"], 0.4, False, ["--alibi-scaling", "linear:2"],
+                               torch.float32),
+    "float16-checkpoint-float32-export": ([], 0.4, True, [], torch.float32),
+}
+
+
+def read_back(out: Path, custom: bool):
+    """The written model as a user loads it with transformers alone (the files'
+    dtype): stock BLOOM, or the class ``config.json``'s ``auto_map`` names from the
+    directory's code, which ``AutoModelForCausalLM.from_pretrained(out,
+    trust_remote_code=True)`` takes in a fresh process (in this one, once
+    ``hf.load_hf_model`` has registered this package's class, it would take
+    that); its remote code cached away from the user's cache."""
+    from transformers import AutoModelForCausalLM
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from fairseq_alibi.export.check import private_module_cache
+
+    with private_module_cache(), hf.quiet_transformers():
+        if not custom:
+            return AutoModelForCausalLM.from_pretrained(out).eval()
+        reference = json.loads((out / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+        return get_class_from_dynamic_module(reference, str(out)).from_pretrained(out).eval()
+
+
+@pytest.mark.parametrize("name", list(CHECKED))
+def test_the_printed_check_is_what_the_written_files_compute(name, data_dir, tmp_path):
+    """Each number alibi-export-hf prints equals one computed here from the files
+    it wrote, loaded back with transformers: the precision the files lost against
+    the checkpoint as given (nonzero for bfloat16 and float16), and the difference
+    left when fairseq is given the same rounded weights (0 up to float32 rounding)."""
+    extra, std, half_checkpoint, options, dtype = CHECKED[name]
+    model, cfg = build(data_dir, extra, std=std)
+    if half_checkpoint:  # a checkpoint saved by --fp16 training: its float16 values are the model
+        model.half().float()
+    checkpoint = save(model, cfg, tmp_path / "m.pt")
+    if half_checkpoint:
+        state = torch.load(checkpoint, weights_only=False)
+        state["model"] = {k: v.half() if v.is_floating_point() else v for k, v in state["model"].items()}
+        torch.save(state, checkpoint)
+    status, output = export(checkpoint, tmp_path / "out", *options)
+    assert status == 0, output
+    print(output)  # docs/export.md quotes these lines (pytest -s)
+    printed = CHECK_LINE.search(output)
+    assert printed, output
+    custom = "bloom" not in options
+    loaded = read_back(tmp_path / "out", custom)
+    assert loaded.dtype == dtype
+    assert type(loaded).__module__.startswith("transformers_modules." if custom else "transformers.models.bloom")
+    assert f"wrote {tmp_path / 'out'}: {type(loaded).__name__} " in output and f", {str(dtype)[6:]}, " in output
+    scaling = Scaling.parse(options[options.index("--alibi-scaling") + 1], L) if "--alibi-scaling" in options \
+        else NO_SCALING
+    rounding = max_diff(hf_log_probs(loaded, CHECK_IDS), fairseq_log_probs(model, CHECK_IDS, scaling))
+    assert printed[1] == ("float16" if half_checkpoint else "float32")
+    assert float(printed[2]) == pytest.approx(rounding, rel=0.05, abs=1e-12)
+    if dtype == torch.float32:
+        assert printed[3] is None and rounding < 1e-4
+        return
+    assert printed[3] == printed[5] == str(dtype)[6:] and rounding > 1e-3  # lossy: never printed as 0
+    rounded = model.to(dtype).float()
+    same = max_diff(hf_log_probs(loaded.float(), CHECK_IDS), fairseq_log_probs(rounded, CHECK_IDS, scaling))
+    assert float(printed[4]) == pytest.approx(same, rel=0.05, abs=1e-12) and same < 1e-5
+
+
+def perturbing_save(cls):
+    """``cls.save_pretrained`` that first adds 1 to one weight of the first layer: a conversion bug."""
+    original = cls.save_pretrained
+
+    def save_pretrained(self, *args, **kwargs):
+        name, weight = next((n, p) for n, p in self.named_parameters() if ".0." in n and p.dim() == 2)
+        with torch.no_grad():
+            weight[0, 0] += 1
+        return original(self, *args, **kwargs)
+
+    return save_pretrained
+
+
+def tampered_code(tmp_path):
+    """The traveling files with a modeling_alibi.py whose logits are off by 0.01 at one id."""
+    files = []
+    for path in writer.traveling_files():
+        if path.endswith("modeling_alibi.py"):
+            (tmp_path / "code").mkdir()
+            text = Path(path).read_text() + (
+                "\n_forward = AlibiForCausalLM.forward\n\n\n"
+                "def _tampered(self, *args, **kwargs):\n"
+                "    out = _forward(self, *args, **kwargs)\n"
+                "    out.logits[..., 5] += 0.01\n"
+                "    return out\n\n\nAlibiForCausalLM.forward = _tampered\n")
+            path = tmp_path / "code" / "modeling_alibi.py"
+            path.write_text(text)
+        files.append(str(path))
+    return lambda: files
+
+
+#: name -> (build arguments, weight std, export options, what to break, the error's words)
+REFUSED = {
+    "custom-float32-perturbed": ([], 0.4, [], "weight", "by .* in log-probabilities beyond float32 rounding"),
+    "custom-bfloat16-perturbed": ([], 0.4, ["--dtype", "bfloat16"], "weight", "beyond bfloat16 rounding"),
+    "bloom-float16-perturbed": (BLOOM_ARGS, 0.2, ["--format", "bloom", "--dtype", "float16"], "weight",
+                                "beyond float16 rounding"),
+    "custom-tampered-code": ([], 0.4, [], "code", "beyond float32 rounding .*a bug, please report it"),
+    "custom-float16-overflow": ([], 10.0, ["--dtype", "float16"], None,
+                                "written float16 model's log-probabilities are not finite .*--dtype bfloat16 or float32"),
+    "checkpoint-overflows-float32": ([], 1e20, [], None, "the checkpoint's own log-probabilities are not finite"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_written_model_that_is_not_the_checkpoint_is_refused_and_nothing_written(name, data_dir, tmp_path,
+                                                                                   monkeypatch):
+    """The check reads the staged files: a weight changed on its way to the file,
+    modeling code that computes something else, float16 activations that
+    overflow (or a checkpoint whose own do in float32) are refused in one line,
+    and the output directory never appears."""
+    from transformers import BloomForCausalLM
+
+    import fairseq_alibi.export as export_module
+
+    extra, std, options, broken, message = REFUSED[name]
+    model, cfg = build(data_dir, extra, std=std)
+    checkpoint = save(model, cfg, tmp_path / "m.pt")
+    if broken == "weight":
+        cls = BloomForCausalLM if "bloom" in options else AlibiForCausalLM
+        monkeypatch.setattr(cls, "save_pretrained", perturbing_save(cls))
+    elif broken == "code":
+        monkeypatch.setattr(export_module, "traveling_files", tampered_code(tmp_path))
+    status, output = export(checkpoint, tmp_path / "models" / "out", *options)
+    assert status == 1 and re.search(message, one_error_line(output)), output
+    assert "nothing written" in output and "wrote" not in output
+    assert not (tmp_path / "models" / "out").exists() and os.listdir(tmp_path / "models") == []
+
+
+def test_the_check_leaves_the_users_remote_code_cache_and_modules_alone(data_dir, tmp_path, monkeypatch):
+    """Reading back the staged directory runs its code through transformers'
+    remote-code cache: none of it lands in the user's cache (a folder named
+    after the temporary stage) or stays in ``sys.modules``."""
+    from transformers import dynamic_module_utils
+
+    user_cache = tmp_path / "user-modules"
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(user_cache))
+    before = {n for n in sys.modules if n.startswith("transformers_modules")}
+    model, cfg = build(data_dir, [])
+    exported(model, cfg, tmp_path)
+    assert not user_cache.exists() and dynamic_module_utils.HF_MODULES_CACHE == str(user_cache)
+    assert {n for n in sys.modules if n.startswith("transformers_modules")} == before
 
 
 # ------------------------------------------------------------------ in use
@@ -765,6 +982,57 @@ def test_alibi_sweep_scores_a_checkpoint_and_its_export_alike_on_one_text(data_d
                             "-o", str(tmp_path / "text")]) == 0
     for c in json.loads((tmp_path / "text" / "results.json").read_text())["cells"]:
         assert c["loss"] == pytest.approx(by[("export", c["label"], c["mode"], c["length"])]["loss"], abs=1e-6)
+
+
+#: The exports one sweep scores side by side: name -> alibi-export-hf options.
+SWEPT = {"float32": [], "bfloat16": ["--dtype", "bfloat16"], "float16": ["--dtype", "float16"]}
+
+
+def window_loss(model, ids: torch.Tensor, length: int) -> float:
+    """Bits per token over non-overlapping windows of ``length`` tokens (each
+    window's first token from the previous one's last), written out here."""
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, length):
+        window = ids[start: start + length + 1]
+        log_probs = hf_log_probs(model, window[None, :-1])[0]
+        total -= log_probs.gather(-1, window[1:, None]).sum().item()
+        count += len(window) - 1
+    return total / count / math.log(2)
+
+
+def test_alibi_sweep_scores_each_export_as_its_files_compute(data_dir, tmp_path, capsys):
+    """alibi-sweep over float32, bfloat16 and float16 exports of one checkpoint: each
+    row is what that export's files compute in their own dtype (loaded here with
+    transformers and scored window by window), the rows differ by the rounding,
+    and the log says, per model, the dtype saved and computed in, and that its
+    code files are this package's (or which are not: a directory's own code is
+    never run, so a changed file is named)."""
+    from fairseq_alibi.evaluation import perplexity
+
+    model, cfg = build(data_dir, [])
+    checkpoint = save(model, cfg, tmp_path / "m.pt")
+    for name, options in SWEPT.items():
+        assert export(checkpoint, tmp_path / name, *options)[0] == 0
+    changed = tmp_path / "changed"
+    shutil.copytree(tmp_path / "float32", changed)
+    with open(changed / "kernels.py", "a") as f:
+        f.write("\n# edited after the export\n")
+    words = [f"w{i % WORDS}" for i in range(7 * L)]
+    (tmp_path / "text.txt").write_text(" ".join(words) + "\n")
+    models = [f"--hf={name}={tmp_path / name}" for name in [*SWEPT, "changed"]]
+    assert perplexity.main([str(tmp_path / "text.txt"), *models, "--lengths", "1x", "--methods", "none",
+                            "--output-dir", str(tmp_path / "sweep"), "--no-progress", "--cpu"]) == 0
+    log = capsys.readouterr().err
+    cells = {c["checkpoint"]: c for c in json.loads((tmp_path / "sweep" / "results.json").read_text())["cells"]}
+    ids = torch.tensor([2] + [4 + int(w[1:]) for w in words] + [2])
+    losses = {name: window_loss(read_back(tmp_path / name, True), ids, L) for name in SWEPT}
+    for name, loss in losses.items():
+        assert cells[name]["loss"] == pytest.approx(loss, abs=1e-5), name
+        assert f"{name}: {name} weights as saved, computed in {name}; its code files are this package's" in log
+    # the rounding moves the mean loss by a few 1e-4 bits (6e-4 and 9e-4 here), far more than the 1e-5 allowed
+    assert abs(losses["bfloat16"] - losses["float32"]) > 1e-4 and abs(losses["float16"] - losses["float32"]) > 1e-4
+    assert cells["changed"]["loss"] == cells["float32"]["loss"]
+    assert "changed: its code files differ from this package's (kernels.py)" in log
 
 
 def test_unknown_words_are_scored_in_text_and_refused_in_prompts(data_dir, tmp_path):

@@ -67,27 +67,37 @@ def test_pytest_summary():
     assert gpu_check._pytest_summary("ImportError: no module") is None
 
 
-def fake_outputs(out):
+#: What each step's command records of its settings (as the benchmarks write them), by default.
+CONFIGS = {
+    "kernels": {"dtype": "bfloat16", "heads": 16, "head_dim": 64, "tokens": 16384, "repeats": 3},
+    "compile": {"dtype": "bfloat16", "warm_cache": False},
+    "train": {"layers": 6, "embed_dim": 1024, "heads": 16, "skip": 10, "attention_dropout": [0.0]},
+    "eval": {"dtype": "bfloat16", "layers": 4, "embed_dim": 256, "vocab": 32768},
+}
+
+
+def fake_outputs(out, configs=CONFIGS, device="Fake GPU", torch_version="9.9", train_dtype="bfloat16"):
     """What the steps' JSON files hold, with made-up numbers."""
     def write(name, data):
-        (out / name).write_text(json.dumps(data))
+        (out / name).write_text(json.dumps(dict(data, device=device, torch=torch_version)))
 
-    write("kernels.json", {"device": "Fake GPU", "rows": [
+    write("kernels.json", {"config": configs["kernels"], "rows": [
         dict(length=2048, batch=8, path="flash-causal", ms=1.0, peak_mib=100.0, ratio=1.0),
         dict(length=2048, batch=8, path="alibi-flex", ms=1.5, peak_mib=120.0, ratio=1.5),
         dict(length=2048, batch=8, path="alibi-sdpa", ms=3.0, peak_mib=900.0, ratio=3.0),
         dict(length=16384, batch=1, path="flash-causal", ms=8.0, peak_mib=800.0, ratio=1.0),
         dict(length=16384, batch=1, path="alibi-flex", ms=10.0, peak_mib=810.0, ratio=1.25)]})
-    write("compile.json", {"device": "Fake GPU", "torch": "9.9", "rows": [
+    write("compile.json", {"config": configs["compile"], "rows": [
         dict(step="none", length=200, new_graphs=1, first_s=20.0, steady_s=0.001),
         dict(step="none", length=400, new_graphs=1, first_s=10.5, steady_s=0.002),
         dict(step="none", length=600, new_graphs=0, first_s=0.003, steady_s=0.003),
         dict(step="cap", length=600, new_graphs=1, first_s=9.0, steady_s=0.003)]})
-    for length, (sinusoidal, alibi, ratio) in {512: ([90e3, 100e3, 130e3], [110e3], 1.1),
-                                               2048: ([80e3], [100e3], 1.25)}.items():
-        write(f"train_{length}.json", {"runs": {"0.0": {"median_wps": {"sinusoidal": sinusoidal, "alibi": alibi},
+    for (length, batch), (sinusoidal, alibi, ratio) in {(512, 64): ([90e3, 100e3, 130e3], [110e3], 1.1),
+                                                        (2048, 16): ([80e3], [100e3], 1.25)}.items():
+        write(f"train_{length}.json", {"dtype": train_dtype, "config": dict(configs["train"], length=length, batch=batch),
+                                       "runs": {"0.0": {"median_wps": {"sinusoidal": sinusoidal, "alibi": alibi},
                                                         "median_ratio": ratio}}})
-    write("eval.json", {"device": "Fake GPU", "cells": [
+    write("eval.json", {"config": configs["eval"], "cells": [
         dict(method="alibi", length=16384, seconds=0.5, peak_mib=2000.0),
         dict(method="sinusoidal", length=16384, seconds=0.7, peak_mib=9000.0),
         dict(method="alibi", length=65536, seconds=4.0, peak_mib=8000.0),
@@ -106,7 +116,7 @@ EXPECTED = """\
 | train | ok | 150 |
 | eval | ok | 100 |
 
-One attention call, forward + backward, bf16, 16 heads of 64, 16K tokens per call \
+One attention call, forward + backward, bfloat16, 16 heads of 64, 16,384 tokens per call \
 (`benchmarks/gpu_attention.py --part kernels`); median of 3:
 
 | T | batch | flash causal, no bias: ms | ALiBi flex: ms (x flash) | ALiBi sdpa: ms (x flash) | \
@@ -115,7 +125,7 @@ peak MiB: flash / flex / sdpa |
 | 2048 | 8 | 1.00 | 1.50 (1.50) | 3.00 (3.00) | 100 / 120 / 900 |
 | 16384 | 1 | 8.00 | 10.00 (1.25) | not run | 800 / 810 / - |
 
-Compilation of the `flex` kernel, bf16, from an empty inductor cache (`benchmarks/flex_compile.py --device cuda`):
+Compilation of the `flex` kernel, bfloat16, from an empty inductor cache (`benchmarks/flex_compile.py --device cuda`):
 
 | calls | length | new graphs | first call s | steady call ms |
 |---|---|---|---|---|
@@ -126,16 +136,16 @@ Compilation of the `flex` kernel, bf16, from an empty inductor cache (`benchmark
 
 Fake GPU, torch 9.9: 2 graphs for 3 lengths, 30.5 s of compilation in all.
 
-Stock `fairseq-train`, bf16, 6 layers, d=1024, 16 heads, 32K tokens per update, ALiBi (`auto`: compiled \
+Stock `fairseq-train`, bfloat16, 6 layers, d=1024, 16 heads, ALiBi (`auto`: compiled \
 FlexAttention) against sinusoidal, median words/s after 10 warm-up updates \
 (`benchmarks/fairseq_train_wps.py --device cuda`):
 
-| tokens per sample | sinusoidal wps | ALiBi wps | ALiBi / sinusoidal |
-|---|---|---|---|
-| 512 | 100000 | 110000 | 1.100 |
-| 2048 | 80000 | 100000 | 1.250 |
+| tokens per sample | sequences per update | sinusoidal wps | ALiBi wps | ALiBi / sinusoidal |
+|---|---|---|---|---|
+| 512 | 64 | 100000 | 110000 | 1.100 |
+| 2048 | 16 | 80000 | 100000 | 1.250 |
 
-One sequence scored in one forward (`SequenceScorer`), bf16, 4 layers, d=256, vocabulary 32,768 \
+One sequence scored in one forward (`SequenceScorer`), bfloat16, 4 layers, d=256, vocabulary 32,768 \
 (`benchmarks/eval_memory.py --device cuda`):
 
 | tokens | ALiBi s | ALiBi peak MiB | sinusoidal s | sinusoidal peak MiB |
@@ -176,3 +186,52 @@ def test_a_step_that_fails_or_overruns_is_reported_as_such(tmp_path, monkeypatch
     assert "boom" in (tmp_path / "kernels.log").read_text()
     monkeypatch.setitem(gpu_check.STEPS, "kernels", (10, ["-c", "import time; time.sleep(30)"]))
     assert gpu_check.run_step("kernels", str(tmp_path), 1)["status"] == "timed out after 1 s"
+
+
+#: name -> (each step's recorded settings changed, the words its caption must then hold)
+RECORDED = {
+    "float16 kernels, 8 heads of 128, 5 repeats": (
+        {"kernels": {"dtype": "float16", "heads": 8, "head_dim": 128, "tokens": 8192, "repeats": 5}},
+        "float16, 8 heads of 128, 8,192 tokens per call (`benchmarks/gpu_attention.py --part kernels`); median of 5:"),
+    "compile from a warm cache": ({"compile": {"dtype": "float32", "warm_cache": True}},
+                                  "Compilation of the `flex` kernel, float32, from the usual inductor cache"),
+    "train: 4 layers, d=512, 3 warm-up updates": (
+        {"train": {"layers": 4, "embed_dim": 512, "heads": 8, "skip": 3, "attention_dropout": [0.1]}},
+        "4 layers, d=512, 8 heads, ALiBi (`auto`: compiled FlexAttention) against sinusoidal, median words/s after "
+        "3 warm-up updates"),
+    "eval: float32, vocabulary 1000": ({"eval": {"dtype": "float32", "layers": 2, "embed_dim": 64, "vocab": 1000}},
+                                       "`SequenceScorer`), float32, 2 layers, d=64, vocabulary 1,000 "),
+}
+
+
+@pytest.mark.parametrize("name", list(RECORDED))
+def test_captions_say_what_each_step_recorded_not_what_was_asked(name, tmp_path):
+    """A caption's dtype, sizes and repeats come from the step's own JSON: a step
+    that ran with other settings (another STEPS entry, a benchmark's fallback) is
+    described as it ran; an output that records another device or torch says so."""
+    changed, words = RECORDED[name]
+    configs = dict(CONFIGS, **changed)
+    if "train" in changed:  # the runs are stored under their attention dropout
+        configs["train"] = changed["train"]
+    fake_outputs(tmp_path, configs, device="Other GPU", torch_version="8.8", train_dtype="float16")
+    if "train" in changed:
+        for path in tmp_path.glob("train_*.json"):
+            data = json.loads(path.read_text())
+            data["runs"] = {"0.1": data["runs"]["0.0"]}
+            path.write_text(json.dumps(data))
+    statuses = {step: dict(status="ok", seconds=1) for step in gpu_check.SECTIONS}
+    section = gpu_check.render("Fake GPU", "9.9", statuses, str(tmp_path), "2030-01-02")
+    assert words in section.replace("\n", " "), section
+    assert "could not be read" not in section
+    assert section.count("(its output records Other GPU, torch 8.8, not the header's)") == len(gpu_check.SECTIONS)
+    assert "Stock `fairseq-train`, float16," in section  # what the train runs record, not bfloat16
+
+
+def test_outputs_that_cannot_be_read_are_said_so(tmp_path):
+    fake_outputs(tmp_path)
+    (tmp_path / "eval.json").write_text(json.dumps({"device": "Fake GPU", "cells": []}))  # no config
+    (tmp_path / "kernels.json").unlink()
+    statuses = {step: dict(status="ok", seconds=1) for step in gpu_check.SECTIONS}
+    section = gpu_check.render("Fake GPU", "9.9", statuses, str(tmp_path), "2030-01-02")
+    assert "(kernels wrote no output to read)" in section
+    assert "(eval: its output could not be read: KeyError: 'config')" in section

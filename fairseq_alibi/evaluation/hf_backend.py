@@ -164,6 +164,10 @@ class HFBackend:
         model, _ = hf.load_hf_model(described.info.path, device="cpu" if self.cpu else _device(),
                                     dtype=self.dtype, progress=not self.quiet)
         hf.resolve(model)  # a Falcon loaded with flash attention is refused before any cell runs
+        note, warning = hf.loaded_notes(described.info.path, model)  # what the numbers are of
+        logger.info("%s: %s", described.info.name, note)
+        if warning:
+            logger.warning("%s: %s", described.info.name, warning)
         return HFModel(described, model, self.text)
 
 

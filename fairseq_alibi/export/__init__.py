@@ -9,9 +9,10 @@
   (``export/bloom.py``), no custom code.
 
 Weights in safetensors, the tokenizer beside them (``export/tokenizer.py``).
-Before anything is written the exported model is run against the fairseq
-model on a short input and refused if their log-probabilities differ; the
-directory appears only when complete (``export/writer.py``).
+The directory is written under a temporary name (``export/writer.py``); its
+files are loaded back as a user loads them and scored against the checkpoint
+(``export/check.py``: the precision lost to ``--dtype`` reported, a conversion
+error refused); only then is it renamed into place.
 """
 
 from __future__ import annotations
@@ -26,17 +27,12 @@ import torch
 from ..core.scaling import Scaling
 from ..errors import ExportError, report_errors
 from ..hf import quiet_transformers
+from .check import check_written
 from .source import Source, load_source
 from .writer import check_output_dir, staged_directory, traveling_files
 
 FORMATS = ("custom", "bloom")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-#: The exported model must give the fairseq model's log-probabilities (fp32) within this on ...
-SELF_CHECK_TOLERANCE = 1e-4
-#: ... this many random tokens.
-SELF_CHECK_TOKENS = 24
-
-
 def resolve_scaling(text: Optional[str], source: Source) -> Scaling:
     """``--alibi-scaling METHOD[:F]``, else what the checkpoint's config asks for."""
     if text is None:
@@ -46,26 +42,6 @@ def resolve_scaling(text: Optional[str], source: Source) -> Scaling:
         raise ExportError(f"--alibi-scaling {text} needs the training length, which {source.path} does not "
                           "record (no alibi_train_length or tokens_per_sample)")
     return scaling.complete()
-
-
-def self_check(source: Source, model, scaling: Scaling) -> float:
-    """max |log-prob difference| between the exported and the fairseq model on
-    random tokens (fp32); ``ExportError`` above ``SELF_CHECK_TOLERANCE``."""
-    from ..models.attention import rescale
-
-    rescale(source.model, scaling)
-    vocab, first = len(source.dictionary), source.dictionary.nspecial
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(first, max(vocab, first + 1), (1, SELF_CHECK_TOKENS), generator=generator)
-    tokens[0, 0] = source.dictionary.eos()
-    with torch.no_grad():
-        expected = source.model.get_normalized_probs(source.model(tokens), log_probs=True).float()
-        got = model(input_ids=tokens, use_cache=False).logits.float().log_softmax(-1)
-    difference = (expected - got).abs().max().item()
-    if not difference <= SELF_CHECK_TOLERANCE:
-        raise ExportError(f"the exported model's log-probabilities differ from the fairseq model's by {difference:.3g} "
-                          f"(tolerance {SELF_CHECK_TOLERANCE:g}): nothing written; a bug, please report it")
-    return difference
 
 
 def build_model(source: Source, fmt: str, scaling: Scaling):
@@ -97,15 +73,16 @@ def export(checkpoint: str, output_dir: str, fmt: str = "custom", alibi_scaling:
     source.unk_aliases = max(0, len(tokenizer) - len(source.dictionary))
     model = build_model(source, fmt, scaling)
     model.generation_config.suppress_tokens = [source.dictionary.pad()]  # fairseq's generator never emits <pad>
-    difference = self_check(source, model, scaling)
-    with staged_directory(output_dir, force, inputs) as stage, quiet_transformers():
-        model.to(DTYPES[dtype]).save_pretrained(stage)
-        if fmt == "custom":
-            for path in traveling_files():
-                shutil.copy(path, stage)
-        save_tokenizer(tokenizer, stage)
-    return {"output_dir": output_dir, "format": fmt, "class": type(model).__name__, "scaling": scaling,
-            "train_length": source.train_length, "vocabulary": len(source.dictionary), "difference": difference}
+    with staged_directory(output_dir, force, inputs) as stage:
+        with quiet_transformers():
+            model.to(DTYPES[dtype]).save_pretrained(stage)
+            if fmt == "custom":
+                for path in traveling_files():
+                    shutil.copy(path, stage)
+            save_tokenizer(tokenizer, stage)
+        del model  # what is checked, and described, is what the files hold
+        written = check_written(stage, fmt, source, scaling)
+    return {"output_dir": output_dir, "format": fmt, "written": written, "checkpoint_dtype": source.weights_dtype}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -130,15 +107,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def summary(done: dict) -> str:
+    """The lines ``alibi-export-hf`` prints: what the written files hold and the check's numbers."""
+    written = done["written"]
+    load = "trust_remote_code=True" if done["format"] == "custom" else "no custom code"
+    return (f"wrote {done['output_dir']}: {written.cls} ({load}), {written.check.dtype}, vocabulary "
+            f"{written.vocabulary}, alibi_train_length {written.train_length}, scaling {written.scaling.label}\n"
+            f"{written.check.describe(done['checkpoint_dtype'])}\n")
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     with report_errors(interrupted="alibi-export-hf interrupted (nothing written)"):
         done = export(args.checkpoint, args.output_dir, args.format, args.alibi_scaling, args.force,
                       args.dict_path, {"gpt2_encoder_json": args.gpt2_encoder_json,
                                        "gpt2_vocab_bpe": args.gpt2_vocab_bpe}, args.dtype)
-        load = "trust_remote_code=True" if done["format"] == "custom" else "no custom code"
-        sys.stdout.write(
-            f"wrote {done['output_dir']}: {done['class']} ({load}), vocabulary {done['vocabulary']}, "
-            f"alibi_train_length {done['train_length']}, scaling {done['scaling'].label}; max |log-prob "
-            f"difference| to fairseq on {SELF_CHECK_TOKENS} tokens: {done['difference']:.2g}\n")
+        sys.stdout.write(summary(done))
     return 0

@@ -27,6 +27,7 @@ class Source:
     scaling: Scaling  # what the checkpoint's config asks for
     unk_aliases: int = 0  # tokenizer ids after the dictionary's, read as <unk> (export/tokenizer.py)
     add_bos_token: bool = False  # the task's --add-bos-token
+    weights_dtype: str = "float32"  # what the checkpoint's weights hold (the model is built in float32)
 
     @property
     def start(self) -> int:
@@ -124,6 +125,16 @@ def load_dictionary(path: str, rows: Optional[int]):
     return dictionary
 
 
+def checkpoint_dtype(weights: Dict[str, Any]) -> str:
+    """The floating dtype(s) of a checkpoint's weights: ``float16`` for a model
+    saved by ``--fp16`` training, ``float32`` usually."""
+    import torch
+
+    found = {str(t.dtype).replace("torch.", "") for t in weights.values()
+             if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return "/".join(sorted(found)) or "float32"
+
+
 def load_source(path: str, dict_path: Optional[str] = None) -> Source:
     """Read, check and build the fairseq model of ``path`` (float32, eval mode)."""
     from fairseq.tasks.language_modeling import LanguageModelingTask
@@ -143,4 +154,5 @@ def load_source(path: str, dict_path: Optional[str] = None) -> Source:
         raise ExportError(f"cannot build the model of {path} from its config: {detail[:300]}") from None
     model.float().eval()
     return Source(path, model, cfg, dictionary, facts.checkpoint_train_length(model_cfg, task_cfg),
-                  scaling_from_config(cfg.model), add_bos_token=bool(task_cfg.get("add_bos_token") or False))
+                  scaling_from_config(cfg.model), add_bos_token=bool(task_cfg.get("add_bos_token") or False),
+                  weights_dtype=checkpoint_dtype(state["model"]))

@@ -11,7 +11,7 @@ changes anything in it.
 from .families import (  # noqa: F401
     EXPORTED, SUPPORTED_MODELS, base_slopes, config_family, hf_train_length, mpt_slopes, resolve,
 )
-from .loading import load_hf_config, load_hf_model, quiet_transformers  # noqa: F401
+from .loading import load_hf_config, load_hf_model, loaded_notes, quiet_transformers  # noqa: F401
 from .scaling import (  # noqa: F401
     BIAS_FORMS, alibi_scaling, alibi_scaling_settings, apply_alibi_scaling, remove_alibi_scaling,
 )

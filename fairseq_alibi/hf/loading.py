@@ -9,8 +9,10 @@ Every failure is one ``HFLoadError`` line saying what was wrong and what to do.
 from __future__ import annotations
 
 import contextlib
+import filecmp
 import json
 import os
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -18,6 +20,10 @@ from ..core.configuration_alibi import MODEL_TYPE
 from ..errors import HFLoadError
 from .families import SUPPORTED_MODELS
 
+#: safetensors' names of the floating dtypes.
+_SAVED_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+#: The modules an exported model carries (``export/writer.py``), as this package has them.
+_CORE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -159,3 +165,42 @@ def _load(name_or_dir: str, progress: bool, read):
                 "pass its directory)") from None
         raise HFLoadError(f"cannot load Hugging Face model {name_or_dir!r}: {reason} (check that the directory "
                           "holds config.json, the weights and the tokenizer files)") from None
+
+
+def saved_dtypes(directory: str) -> List[str]:
+    """The floating dtypes a local model's safetensors files hold, read from
+    their headers (no weight loaded); ``[]`` for a hub name or other formats."""
+    from safetensors import safe_open
+
+    if not os.path.isdir(directory):
+        return []
+    found = set()
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, name), framework="pt") as weights:
+                found |= {weights.get_slice(key).get_dtype() for key in weights.keys()}
+    return sorted(_SAVED_DTYPES[kind] for kind in found if kind in _SAVED_DTYPES)
+
+
+def code_differences(directory: str) -> List[str]:
+    """The code files of an exported ``directory`` that are not this package's
+    modules of the same name byte for byte (changed, or unknown here)."""
+    return sorted(name for name in os.listdir(directory) if name.endswith(".py") and not (
+        os.path.isfile(os.path.join(_CORE_DIR, name))
+        and filecmp.cmp(os.path.join(directory, name), os.path.join(_CORE_DIR, name), shallow=False)))
+
+
+def loaded_notes(name_or_dir: str, model) -> Tuple[str, Optional[str]]:
+    """(what a loaded model computes in, against what its files hold; a warning
+    when an exported model's own code is not what :func:`load_hf_model` ran)."""
+    computed = str(model.dtype).replace("torch.", "")
+    saved = saved_dtypes(name_or_dir)
+    note = (f"{'/'.join(saved)} weights as saved, computed in {computed}" if saved else f"computed in {computed}")
+    if not os.path.isdir(name_or_dir) or getattr(model.config, "model_type", None) != MODEL_TYPE:
+        return note, None
+    differ = code_differences(name_or_dir)
+    if not differ:
+        return note + "; its code files are this package's", None
+    return note, (f"its code files differ from this package's ({', '.join(differ)}): the numbers are this "
+                  "package's AlibiForCausalLM on its weights, not what its own code computes; re-export it with "
+                  "this version, or score it with transformers (trust_remote_code=True)")

@@ -1,0 +1,204 @@
+"""The export's check: the files written, loaded back as a user loads them,
+against the checkpoint as given.
+
+Run on the staged directory before it is renamed into place (``writer.py``):
+the model is read back from its files with transformers
+(``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` for the
+default format, the stock BLOOM class for ``--format bloom``), in the dtype the
+files hold, and scored on random tokens beside the fairseq model of the
+checkpoint, computed in float32.  Two numbers, max |log-prob difference|:
+
+* ``rounding``: the files as loaded (computed in their dtype) against the
+  checkpoint: what the user holds; 0 up to float32 rounding for a float32
+  export, the precision lost for bfloat16 or float16.  Reported, never hidden;
+* ``same_precision``: the files' weights computed in float32 against the
+  fairseq model given the same rounded weights, computed in float32: what is
+  left is a conversion error, refused above ``TOLERANCE`` (nothing written).
+  Both computed in float32 because two correct programs in bfloat16 differ by
+  bfloat16's own rounding (BLOOM's bias form, the adaptive softmax).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from ..core.scaling import Scaling
+from ..errors import ExportError
+
+#: A conversion error: same-precision difference above this, in log-probabilities.
+TOLERANCE = 1e-4
+#: Random tokens the check scores.
+TOKENS = 24
+
+
+@dataclass(frozen=True)
+class Check:
+    """What the check measured on the written files."""
+
+    dtype: str  # what the written weights hold, as loaded back ("bfloat16")
+    rounding: float  # files as loaded vs the checkpoint in float32
+    same_precision: float  # the files' weights vs fairseq's rounded alike, both in float32
+
+    def describe(self, checkpoint_dtype: str) -> str:
+        """One line: what was compared and the numbers, each with its meaning."""
+        head = (f"check: the written files loaded back, against the checkpoint ({checkpoint_dtype} weights, "
+                f"computed in float32), on {TOKENS} random tokens: max |log-prob difference| ")
+        if self.dtype == "float32":
+            return head + f"{self.rounding:.2g}"
+        return head + (f"{self.rounding:.2g} ({self.dtype} rounding); same-precision difference "
+                       f"{self.same_precision:.2g} (against the fairseq model given the same {self.dtype} "
+                       "weights, both computed in float32)")
+
+
+def check_tokens(dictionary) -> torch.Tensor:
+    """``[1, TOKENS]`` random ids of ``dictionary``'s words (seed 0), ``</s>`` first."""
+    vocab, first = len(dictionary), dictionary.nspecial
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(first, max(vocab, first + 1), (1, TOKENS), generator=generator)
+    tokens[0, 0] = dictionary.eos()
+    return tokens
+
+
+def fairseq_log_probs(model, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.get_normalized_probs(model(tokens), log_probs=True).float()
+
+
+def hf_log_probs(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's logits in its own dtype, normalized in float32 (as fairseq normalizes)."""
+    with torch.no_grad():
+        return model(input_ids=tokens, use_cache=False).logits.float().log_softmax(-1)
+
+
+def max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@contextlib.contextmanager
+def private_module_cache() -> Iterator[str]:
+    """A scratch directory, and transformers' cache of remote code in it for the
+    block, the modules it imported forgotten after: reading back the staged
+    directory leaves nothing in the user's cache or in this process's ``sys.modules``."""
+    from transformers import dynamic_module_utils
+
+    package = dynamic_module_utils.TRANSFORMERS_DYNAMIC_MODULE_NAME
+
+    def ours(name: str) -> bool:
+        return name == package or name.startswith(package + ".")
+
+    saved_cache, saved_path = dynamic_module_utils.HF_MODULES_CACHE, list(sys.path)
+    saved = {name: module for name, module in sys.modules.items() if ours(name)}
+    with tempfile.TemporaryDirectory(prefix="alibi_export_check_") as scratch:
+        for name in saved:
+            del sys.modules[name]
+        dynamic_module_utils.HF_MODULES_CACHE = os.path.join(scratch, "modules")
+        try:
+            yield scratch
+        finally:
+            dynamic_module_utils.HF_MODULES_CACHE = saved_cache
+            sys.path[:] = saved_path
+            for name in [name for name in sys.modules if ours(name)]:
+                del sys.modules[name]
+            sys.modules.update(saved)
+
+
+def load_written(directory: str, fmt: str):
+    """The model of ``directory`` as a user loads it, in the dtype its files hold
+    (transformers' ``dtype="auto"``): stock BLOOM, or for the default format the
+    classes ``config.json``'s ``auto_map`` names, from the directory's own code
+    files: what ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)``
+    builds in a fresh process (here, where ``fairseq_alibi.hf`` may have
+    registered this package's class for the model type, the Auto class would take that)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from ..hf import quiet_transformers
+
+    options = dict(dtype="auto", local_files_only=True)
+    with quiet_transformers():
+        if fmt == "bloom":
+            return AutoModelForCausalLM.from_pretrained(directory, **options).eval()
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as handle:
+            reference = json.load(handle)["auto_map"]["AutoModelForCausalLM"]
+        cls = get_class_from_dynamic_module(reference, directory, local_files_only=True)
+        return cls.from_pretrained(directory, **options).eval()
+
+
+def written_scaling(config, fmt: str) -> Scaling:
+    """The context extension the written ``config.json`` holds (BLOOM's holds none)."""
+    if fmt == "bloom":
+        return Scaling()
+    return Scaling.from_hf(config.alibi_scaling, config.alibi_train_length)
+
+
+def measure(loaded, source_model, tokens: torch.Tensor) -> Check:
+    """Both numbers for a loaded model and the (rescaled, float32) fairseq model.
+    Casts ``loaded`` to float32 and rounds ``source_model``'s weights to the
+    written dtype, both in place: neither is used after."""
+    dtype = loaded.dtype
+    reference = fairseq_log_probs(source_model, tokens)
+    if not torch.isfinite(reference).all():
+        raise ExportError(f"the checkpoint's own log-probabilities are not finite numbers on {TOKENS} random tokens "
+                          "(computed in float32): nothing written; its weights overflow float32")
+    rounding = max_difference(hf_log_probs(loaded, tokens), reference)
+    if dtype == torch.float32:
+        return Check("float32", rounding, rounding)
+    source_model.to(dtype).float()
+    same = max_difference(hf_log_probs(loaded.float(), tokens), fairseq_log_probs(source_model, tokens))
+    return Check(str(dtype).replace("torch.", ""), rounding, same)
+
+
+def refuse_failed(check: Check) -> None:
+    """``ExportError`` for a conversion error (NaN included), or for a written
+    model whose log-probabilities are not finite numbers (float16 overflows
+    where the checkpoint in float32 did not)."""
+    if check.dtype != "float32" and not abs(check.rounding) < float("inf"):
+        raise ExportError(f"the written {check.dtype} model's log-probabilities are not finite numbers on {TOKENS} "
+                          f"random tokens (its activations overflow {check.dtype}): nothing written; export with "
+                          f"--dtype {'bfloat16 or float32' if check.dtype == 'float16' else 'float32'}")
+    if not check.same_precision <= TOLERANCE:
+        raise ExportError(f"the written model, loaded back, differs from the checkpoint by {check.same_precision:.3g} "
+                          f"in log-probabilities beyond {check.dtype} rounding (tolerance {TOLERANCE:g}): nothing "
+                          "written; a bug, please report it")
+
+
+@dataclass(frozen=True)
+class Written:
+    """What the staged directory holds, read back from its files."""
+
+    cls: str  # the class transformers loads it as
+    vocabulary: int
+    train_length: Optional[int]
+    scaling: Scaling
+    check: Check
+
+
+def check_written(directory: str, fmt: str, source, scaling: Scaling) -> Written:
+    """Load ``directory`` back, check it against ``source`` (rescaled to
+    ``scaling``); ``ExportError`` if it does not hold them (see :func:`refuse_failed`)."""
+    from ..hf import hf_train_length
+    from ..models.attention import rescale
+
+    with private_module_cache() as scratch:
+        # under a plain name: transformers names the code's module after the directory (the stage's is temporary)
+        plain = os.path.join(scratch, "written")
+        os.symlink(os.path.abspath(directory), plain)
+        loaded = load_written(plain, fmt)
+    stored = written_scaling(loaded.config, fmt)
+    if stored.to_hf() != scaling.to_hf():
+        raise ExportError(f"the written config.json holds alibi_scaling {stored.spelling}, not {scaling.spelling}: "
+                          "nothing written; a bug, please report it")
+    rescale(source.model, scaling)
+    facts = dict(cls=type(loaded).__name__, vocabulary=int(loaded.config.vocab_size),
+                 train_length=hf_train_length(loaded.config), scaling=stored)
+    check = measure(loaded, source.model, check_tokens(source.dictionary))
+    refuse_failed(check)
+    return Written(check=check, **facts)
