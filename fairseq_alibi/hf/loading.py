@@ -16,6 +16,7 @@ import torch
 
 from ..core.configuration_alibi import MODEL_TYPE
 from ..errors import HFLoadError
+from ..inputs import check_text
 from .families import SUPPORTED_MODELS
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -77,6 +78,7 @@ def _model_class(directory: str):
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         return AutoModelForCausalLM  # transformers' error names the missing config.json
+    check_text(path, "model config")
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
