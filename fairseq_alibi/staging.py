@@ -52,8 +52,9 @@ def stage_for_files(destdir: str) -> str:
 
 @contextlib.contextmanager
 def interrupts_held() -> Iterator[None]:
-    """Ctrl-C (SIGINT) during the block is delivered when it ends: a few renames
-    that must all happen, or none."""
+    """Ctrl-C (SIGINT) during the block is delivered when it ends, to whatever
+    handled it before (KeyboardInterrupt, as a rule): a few renames that must
+    all happen, or none."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -63,8 +64,8 @@ def interrupts_held() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if received:
-        raise KeyboardInterrupt
+        if received:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _merge(stage: str, destdir: str, merge: Optional[Callable[[str, str], bool]]) -> None:
