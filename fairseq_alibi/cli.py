@@ -255,9 +255,31 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=Non
                 sys.stdout.write(overrides_help())  # after argparse's help
 
 
+def checked_training_data(module) -> None:
+    """``alibi-train``'s data directories are checked before fairseq's ``main`` creates
+    ``--save-dir`` (or a ``--log-file``): their dictionaries UTF-8 text, the training
+    and validation splits whole (``inputs.data_dir_problem``)."""
+    from .inputs import data_dir_problem
+
+    stock = module.main
+
+    def main(cfg, *args, **kwargs):
+        task, dataset = getattr(cfg, "task", cfg), getattr(cfg, "dataset", cfg)
+        data = getattr(task, "data", None)
+        valid = str(getattr(dataset, "valid_subset", "valid")).split(",")
+        subsets = [getattr(dataset, "train_subset", "train"), *valid]
+        for directory in (data.split(":") if isinstance(data, str) else []):
+            problem = data_dir_problem(directory, subsets)
+            if problem:
+                raise UserError(problem)
+        return stock(cfg, *args, **kwargs)
+
+    module.main = main
+
+
 def train():
     _run("fairseq_cli.train", training_help, check_arch, check_training_blocks, check_training_method,
-         check_training_kernel,
+         check_training_kernel, guard=checked_training_data,
          defaults=training_defaults)
 
 
@@ -275,8 +297,18 @@ def generate():
     _run("fairseq_cli.generate", with_overrides_help=True)
 
 
+def check_input_file(argv: List[str]) -> None:
+    """``alibi-interactive --input FILE`` is UTF-8 text (fairseq met another
+    encoding as a UnicodeDecodeError traceback, after the model had loaded)."""
+    from .inputs import check_text
+
+    path = _flag(argv, "--input")
+    if path not in (None, "-"):
+        check_text(path, "input file", flag="--input")
+
+
 def interactive():
-    _run("fairseq_cli.interactive", with_overrides_help=True)
+    _run("fairseq_cli.interactive", check_input_file, with_overrides_help=True)
 
 
 HYDRA_HELP = """usage: alibi-hydra-train --config-dir DIR --config-name NAME [KEY=VALUE ...]
@@ -310,10 +342,15 @@ def check_hydra_config(argv: List[str]) -> None:
     if name is None:
         return
     dirs = ([directory] if directory else []) + [os.path.join(os.path.dirname(fairseq.__file__), "config")]
-    if not any(os.path.isfile(os.path.join(d, name + ext)) for d in dirs for ext in ("", ".yaml", ".yml")):
+    config = next((os.path.join(d, name + ext) for d in dirs for ext in (".yaml", ".yml", "")
+                   if os.path.isfile(os.path.join(d, name + ext))), None)
+    if config is None:
         found = sorted(n.rsplit(".", 1)[0] for n in os.listdir(dirs[0]) if n.endswith((".yaml", ".yml")))
         raise UserError(f"--config-name {name}: no {name}.yaml in {dirs[0]}"
                         + (closest(name, found) or f"; configs there: {', '.join(found[:12]) or 'none'}"))
+    from .inputs import check_text
+
+    check_text(config, "Hydra config", flag="--config-name")
 
 
 def hydra_train():
@@ -334,7 +371,9 @@ def hydra_train():
 
 
 def preprocess():
-    _run("fairseq_cli.preprocess")
+    from .preprocess import guard
+
+    _run("fairseq_cli.preprocess", guard=guard)
 
 
 def export_hf():

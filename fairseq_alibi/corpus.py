@@ -24,7 +24,7 @@ Pipeline (``python -m fairseq_alibi.corpus``, or
 4. close the vocabulary like WikiText: words seen fewer than ``min_count``
    times in train become ``<unk>`` in every split;
 5. write ``wiki.{train,valid,test}.tokens`` and binarize them with
-   ``fairseq-preprocess --only-source``.
+   ``alibi-preprocess --only-source`` (each split whole or not at all).
 
 The result depends only on the Python version's stdlib (a different CPython
 release gives a slightly different corpus); ``corpus.json`` next to the binary
@@ -50,7 +50,8 @@ import tokenize
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .errors import CorpusError, report_errors
+from .errors import CorpusError, one_line, report_errors
+from .inputs import check_text
 
 logger = logging.getLogger("fairseq_alibi.corpus")
 
@@ -143,7 +144,7 @@ def stdlib_documents(
     root = stdlib_dir or sysconfig.get_paths()["stdlib"]
     if not os.path.isdir(root):
         raise CorpusError(f"standard library directory not found: {root}")
-    docs = []
+    docs, skipped = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
         for filename in sorted(filenames):
@@ -152,16 +153,19 @@ def stdlib_documents(
             path = os.path.join(dirpath, filename)
             rel = os.path.relpath(path, root).replace(os.sep, "/")
             try:
-                with open(path, encoding="utf-8") as f:
+                with tokenize.open(path) as f:  # the encoding its coding line declares (PEP 263), UTF-8 without
                     source = f.read()
                 blocks = _module_blocks(source, docstrings, comments)
             except (SyntaxError, UnicodeDecodeError, tokenize.TokenError, ValueError):
-                continue  # e.g. deliberately broken files: not documentation
+                skipped += 1  # e.g. deliberately broken files: not documentation
+                continue
             paras = [p for _, text in blocks for p in _paragraphs(text)]
             if paras:
                 docs.append(Document(f"module:{rel}", rel[:-3].replace("/", "."), paras))
     if not docs:
         raise CorpusError(f"no Python sources with documentation found under {root}")
+    if skipped:
+        logger.info("%d .py files under %s skipped: not Python, or not in the encoding they declare", skipped, root)
     return docs
 
 
@@ -306,12 +310,12 @@ def is_prepared(cfg: CorpusConfig) -> bool:
 
 
 def binarize(rawdir: str, destdir: str, workers: int = 1) -> None:
-    """``fairseq-preprocess --only-source`` on the three raw splits."""
+    """``alibi-preprocess --only-source`` on the three raw splits: each checked as
+    text first, the binaries written whole or not at all (``fairseq_alibi.preprocess``)."""
     for split in SPLITS:
-        if not os.path.isfile(_raw_path(rawdir, split)):
-            raise CorpusError(f"missing tokenized split {_raw_path(rawdir, split)}")
+        check_text(_raw_path(rawdir, split), f"tokenized {split} split")
     cmd = [
-        sys.executable, "-m", "fairseq_cli.preprocess", "--only-source",
+        sys.executable, "-m", "fairseq_alibi.preprocess", "--only-source",
         "--trainpref", _raw_path(rawdir, "train"),
         "--validpref", _raw_path(rawdir, "valid"),
         "--testpref", _raw_path(rawdir, "test"),
@@ -320,7 +324,9 @@ def binarize(rawdir: str, destdir: str, workers: int = 1) -> None:
     logger.info("binarizing: %s", " ".join(cmd))
     result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
-        raise CorpusError(f"fairseq-preprocess failed ({result.returncode}):\n{result.stdout[-4000:]}")
+        said = [line[len("error: "):] for line in result.stdout.splitlines() if line.startswith("error: ")]
+        raise CorpusError(f"binarizing failed (alibi-preprocess exit status {result.returncode}): "
+                          + (said[-1] if said else one_line(result.stdout[-2000:])))
 
 
 def prepare(cfg: CorpusConfig, force: bool = False) -> dict:
@@ -331,8 +337,6 @@ def prepare(cfg: CorpusConfig, force: bool = False) -> dict:
         with open(manifest_path, encoding="utf-8") as f:
             return json.load(f)
     rawdir = cfg.rawdir or os.path.join(cfg.destdir, "raw")
-    os.makedirs(rawdir, exist_ok=True)
-
     docs = collect_documents(cfg.sources, cfg.stdlib_dir)
     logger.info("tokenizing %d documents", len(docs))
     tokenizer = WikiTextTokenizer(lowercase=cfg.lowercase)
@@ -340,6 +344,7 @@ def prepare(cfg: CorpusConfig, force: bool = False) -> dict:
     splits = split_documents(tokenized, cfg.valid_fraction, cfg.test_fraction)
     vocab_size = close_vocabulary(splits, cfg.min_count)
 
+    os.makedirs(rawdir, exist_ok=True)  # only now: every input was read
     stats = {}
     for split in SPLITS:
         lines = [line for _, doc_lines in splits[split] for line in doc_lines]

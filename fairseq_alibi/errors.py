@@ -72,6 +72,11 @@ class DataError(UserError):
     """A data directory's file (a dictionary, a binarized split) that cannot be read as one."""
 
 
+class TextInputError(UserError):
+    """A text a tool reads (a corpus, a dictionary, a prompt file) that is not a
+    readable, non-empty UTF-8 file (``inputs.check_text``)."""
+
+
 class CorpusError(UserError):
     """A problem with the embedded corpus's inputs or outputs."""
 
@@ -124,11 +129,17 @@ def not_a_file(path: str, what: str = "file") -> str:
 
 
 def _missing_split(message: str) -> str:
-    """fairseq's ``Dataset not found: SPLIT (PATH)`` -> the splits that exist there."""
+    """fairseq's ``Dataset not found: SPLIT (PATH)`` -> the splits that exist there
+    (or that PATH is half a split)."""
     match = re.match(r"Dataset not found: (\S+) \((.*)\)$", message)
     if not match:
         return one_line(message)
     split, prefix = match.groups()
+    from .inputs import split_problem  # a half split is said as that, not as "not found"
+
+    half = split_problem(prefix)
+    if half:
+        return half
     directory = os.path.dirname(prefix) or "."
     try:
         found = sorted({n.split(".")[0] for n in os.listdir(directory) if n.endswith(".bin")})

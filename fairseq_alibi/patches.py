@@ -29,8 +29,8 @@ would crash or silently do the wrong thing:
   the checkpoint's config lacks is warned about, and ``alibi*`` and integer
   values are checked (``models.config.check_override_keys``).
 * a data directory's ``dict.txt`` and binarized splits (``.idx``/``.bin``):
-  one that fairseq cannot read (another format, empty, truncated) is a
-  ``DataError`` naming the file (``checked_data_files``).
+  one that fairseq cannot read (another encoding or format, empty, truncated,
+  half a split) is one error naming the file (``checked_data_files``).
 * checkpoint copies (``checkpoint_last.pt``, ``checkpoint_best.pt``) are
   written atomically, so a crash never leaves a truncated one; a full disk
   while writing one is one error, at once, with no ``.tmp`` left behind.
@@ -350,31 +350,18 @@ def checked_hub_paths() -> None:
     hub_utils.from_pretrained = from_pretrained
 
 
-def _split_problem(path: str, index_class) -> str:
-    """What is wrong with the binarized split ``path`` (``.idx`` + ``.bin``), or ``""``."""
-    index = index_class(path + ".idx")
-    try:
-        if len(index) == 0:
-            return "holds no sentence (it was binarized from an empty text)"
-        expected = int(index.sizes.astype(np.int64).sum()) * index.dtype().itemsize
-    finally:
-        del index
-    actual = os.path.getsize(path + ".bin")
-    if actual != expected:
-        return f"is truncated or mixed up: {path}.bin has {actual} bytes, its index describes {expected}"
-    return ""
-
-
 def checked_data_files() -> None:
     """A data directory's ``dict.txt`` and binarized splits: a file fairseq cannot
-    read (another format, another encoding, empty, truncated) is a ``DataError``
-    naming it, not a traceback from deep inside fairseq, or a crash in the middle
-    of a run (a truncated ``.bin`` is only read batch by batch)."""
+    read (another format, another encoding, empty, truncated, half a split) is a
+    ``DataError`` or ``TextInputError`` naming it, not a traceback from deep inside
+    fairseq, or a crash in the middle of a run (a truncated ``.bin`` is only read
+    batch by batch); the checks are ``inputs.check_text`` and ``inputs.split_problem``."""
     import struct
 
     from fairseq.data import Dictionary, indexed_dataset
 
     from .errors import DataError
+    from .inputs import check_text, split_problem
 
     stock_add, stock_make = Dictionary.add_from_file, indexed_dataset.make_dataset
     if getattr(stock_make, "_alibi_checked", False):
@@ -383,24 +370,24 @@ def checked_data_files() -> None:
     def add_from_file(self, f):
         if not isinstance(f, str):
             return stock_add(self, f)
+        if os.path.isfile(f):  # a missing one, or a directory: describe() names it as a dictionary path
+            check_text(f, "dictionary")
         try:
             return stock_add(self, f)
-        except (ValueError, RuntimeError) as exc:  # UnicodeDecodeError is a ValueError
+        except (ValueError, RuntimeError) as exc:
             raise DataError(f"{f} is not a fairseq dictionary ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); "
                             "it holds one '<token> <count>' line per symbol, in UTF-8, as alibi-preprocess writes "
                             "dict.txt") from None
 
     def make_dataset(path, impl, *args, **kwargs):
-        mmap = impl == "mmap" and indexed_dataset.MMapIndexedDataset.exists(path)
-        try:
-            problem = _split_problem(path, indexed_dataset.MMapIndexedDataset.Index) if mmap else ""
-            dataset = None if problem else stock_make(path, impl, *args, **kwargs)
-        except (ValueError, AssertionError, KeyError, IndexError, struct.error) as exc:
-            problem = f"cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+        problem = split_problem(path) if impl != "raw" else ""
         if problem:
-            raise DataError(f"the binarized split {path} (.bin/.idx) {problem}; binarize it again with "
-                            "alibi-preprocess (a non-empty text)")
-        return dataset
+            raise DataError(problem)
+        try:
+            return stock_make(path, impl, *args, **kwargs)
+        except (ValueError, AssertionError, KeyError, IndexError, struct.error) as exc:
+            raise DataError(f"the binarized split {path} (.bin/.idx) cannot be read ({type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:200]}); binarize it again with alibi-preprocess") from None
 
     def __del__(self, stock_del=indexed_dataset.MMapIndexedDataset.__del__):
         if hasattr(self, "_bin_buffer_mmap"):  # a file that failed to open has nothing to close

@@ -96,7 +96,7 @@ def build_fixtures(work):
     open(path("resume/checkpoint_last.pt"), "wb").write(data[:20000])
     subprocess.run([tool("alibi-sweep"), "data", "-c", "alibi=alibi/checkpoint_last.pt", "--lengths", "1x",
                     "--methods", "none", "--output-dir", "sweep_out", "--cpu", "--no-progress"], **run)
-    for name in ("bad_dict", "empty_split", "truncated_bin"):
+    for name in ("bad_dict", "empty_split", "truncated_bin", "half_split"):
         os.makedirs(path(name))
         for file in os.listdir(path("data")):
             shutil.copyfile(path(f"data/{file}"), path(f"{name}/{file}"))
@@ -105,6 +105,11 @@ def build_fixtures(work):
 
     MMapIndexedDatasetBuilder(path("empty_split/valid.bin")).finalize(path("empty_split/valid.idx"))
     os.truncate(path("truncated_bin/valid.bin"), 100)
+    os.remove(path("half_split/valid.idx"))  # what an interrupted stock fairseq-preprocess left
+    os.makedirs(path("latin"))
+    open(path("latin/valid.txt"), "wb").write("one the caf\u00e9 sees a tree .\n".encode("latin-1"))
+    open(path("latin/utf16.txt"), "wb").write("one the cat sees a tree .\n".encode("utf-16"))
+    open(path("latin/prompts.jsonl"), "wb").write('{"prompt": "caf\u00e9", "answer": "x"}\n'.encode("latin-1"))
     os.symlink("missing_target.pt", path("dangling.pt"))
     os.makedirs(path("configs"))
     open(path("configs/tiny_lm.yaml"), "w").write("# a Hydra config\n")
@@ -260,6 +265,20 @@ CASES = [
          RETRIEVAL + ["--task", "lines", "--template", "line=line {key} : REGISTER_CONTENT is ."]),
         ("`--keys` that repeat a key (the question would be ambiguous)",
          RETRIEVAL + ["--task", "lines", "--keys", "cat,cat,dog"]),
+    ]),
+    ("texts and data folders (checked before anything is written)", [
+        ("a Latin-1 text to binarize", ["alibi-preprocess", "--only-source", "--validpref", "latin/valid.txt",
+                                        "--srcdict", "data/dict.txt", "--destdir", "latin_bin"]),
+        ("a UTF-16 text to binarize", ["alibi-preprocess", "--only-source", "--trainpref", "latin/utf16.txt",
+                                       "--destdir", "latin_bin"]),
+        ("a new dictionary into a folder that holds one", ["alibi-preprocess", "--only-source", "--trainpref",
+                                                           "train.txt", "--destdir", "data"]),
+        ("a folder with valid.bin but no valid.idx (an interrupted preprocess)",
+         ["alibi-eval-lm", "half_split", "--cpu", "--gen-subset", "valid", "--path", "alibi/checkpoint_last.pt"]),
+        ("the same folder to train on", ["half_split" if a == "data" else a for a in train("half_train")]),
+        ("the same folder to sweep", ["alibi-sweep", "half_split", "-c", "alibi/checkpoint_last.pt", "--cpu"]),
+        ("a Latin-1 text for `--hf` models", ["alibi-sweep", "latin/valid.txt", "--hf", "hf=hf_out", "--cpu"]),
+        ("a Latin-1 prompt file", RETRIEVAL + ["--task", "latin/prompts.jsonl"]),
     ]),
     ("alibi-export-hf", [
         ("a checkpoint of the stock sinusoidal model", ["alibi-export-hf", "stock/checkpoint_last.pt", "hf_out"]),

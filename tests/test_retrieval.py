@@ -296,7 +296,7 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, kv_data_bin, kv_
         return path
 
     base = [lm_data_bin, "-c", alibi_checkpoint]
-    fails([*base, "--task", jsonl("empty.jsonl", "\n")], "holds no prompts")
+    fails([*base, "--task", jsonl("empty.jsonl", "\n")], "empty.jsonl holds no text")
     fails([*base, "--task", jsonl("nofield.jsonl", '{"prompt": "the cat"}\n')], "nofield.jsonl:1", "'answer' is missing")
     fails([*base, "--task", jsonl("bad.jsonl", '{"prompt": "the cat", "answer": "sees"}\n[1]\n')], "bad.jsonl:2")
     fails([*base, "--task", jsonl("words.jsonl", '{"prompt": "the zebra sees", "answer": "a unicorn"}\n')],

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fairseq_alibi import hf
-from fairseq_alibi.errors import EvaluationError
+from fairseq_alibi.errors import EvaluationError, TextInputError
 from fairseq_alibi.evaluation import retrieval
 from fairseq_alibi.evaluation.task_files import LONGEVAL_LINES_CUE, LONGEVAL_TOPICS_CUE, read_task_file
 
@@ -117,7 +117,7 @@ def test_crlf_and_byte_order_mark_read_as_plain_lines(tmp_path):
 def test_non_utf8_file_is_named(tmp_path):
     path = tmp_path / "latin.jsonl"
     path.write_bytes(b'{"prompt": "caf\xe9", "answer": "x"}\n')
-    with pytest.raises(EvaluationError, match="is not UTF-8 text"):
+    with pytest.raises(TextInputError, match="is not UTF-8 text: byte 0xe9 at byte offset 15 "):
         read_task_file(str(path))
 
 

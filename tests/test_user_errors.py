@@ -208,8 +208,8 @@ DATA_CASES = [
     (as_file, "is a file, not a"),  # eval-lm: a NotADirectoryError traceback
     (bad_dictionary, "data/dict.txt is not a fairseq dictionary"),  # a ValueError traceback
     (empty_split, "data/valid (.bin/.idx) holds no sentence"),  # "cannot mmap an empty file", twice
-    (truncated_bin, "data/valid (.bin/.idx) is truncated"),  # a crash in a DataLoader worker mid-run
-    (empty_idx, "data/valid (.bin/.idx) cannot be read"),  # an AssertionError traceback
+    (truncated_bin, "data holds a half split 'valid' (valid.bin has 100 bytes"),  # a DataLoader worker crash mid-run
+    (empty_idx, "data holds a half split 'valid' (valid.idx is cut short: 0 bytes)"),  # an AssertionError traceback
 ]
 
 

@@ -12,7 +12,7 @@
 #   2. verify the token counts (train 103,227,021, valid 217,646, test
 #      245,569), counted as fairseq-preprocess counts them: whitespace-separated
 #      words plus one end-of-line token per line (empty lines included);
-#   3. fairseq-preprocess --only-source into DESTDIR.
+#   3. alibi-preprocess --only-source into DESTDIR (inputs checked, splits written whole).
 # Environment: PYTHON (default: python), WORKERS (default: nproc).
 set -euo pipefail
 
@@ -118,7 +118,7 @@ done
 
 # ---------------------------------------------------------------- 3. binarize
 mkdir -p "$DEST"
-"$PYTHON" -m fairseq_cli.preprocess --only-source \
+"$PYTHON" -m fairseq_alibi.preprocess --only-source \
   --trainpref "$RAW/wiki.train.tokens" --validpref "$RAW/wiki.valid.tokens" \
   --testpref "$RAW/wiki.test.tokens" --destdir "$DEST" --workers "$WORKERS"
 touch "$DEST/.prepared"

@@ -64,7 +64,7 @@ if [ ! -f "$DATA/train.bin" ]; then
   stamp "1/3 synthetic lines corpus (L=$L, $KEYS keys, $DIGITS digits, $DOCS documents) -> $DATA"
   python examples/retrieval/corpus.py --destdir "$DATA/raw" --max-length $((L - 1)) \
     --keys "$KEYS" --digits "$DIGITS" --train-docs "$DOCS" --valid-docs 300 --seed "$CORPUS_SEED"
-  fairseq-preprocess --only-source --trainpref "$DATA/raw/train.txt" --validpref "$DATA/raw/valid.txt" \
+  alibi-preprocess --only-source --trainpref "$DATA/raw/train.txt" --validpref "$DATA/raw/valid.txt" \
     --destdir "$DATA" --workers 2 > "$DATA/preprocess.log" 2>&1
 else
   stamp "1/3 corpus: $DATA already binarized"

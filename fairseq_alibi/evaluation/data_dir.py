@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from ..errors import EvaluationError
+from ..errors import DataError, EvaluationError
+from ..inputs import check_text, split_problem
 
 
 def split_text(data: str, subset: str) -> str:
@@ -30,7 +31,8 @@ def split_text(data: str, subset: str) -> str:
 
 
 def check_data(data: str, subset: Optional[str] = None) -> None:
-    """A fairseq-preprocess output directory (with ``subset``'s files, if given)."""
+    """A fairseq-preprocess output directory (with ``subset``'s files, if given): its
+    dictionary UTF-8 text, the split whole (``inputs``), before any output is written."""
     if not os.path.isdir(data):
         if os.path.exists(data):
             raise EvaluationError(f"{data} is a file, not a data directory: give the fairseq-preprocess output "
@@ -38,8 +40,12 @@ def check_data(data: str, subset: Optional[str] = None) -> None:
         raise EvaluationError(f"data directory not found: {data}")
     if not os.path.isfile(os.path.join(data, "dict.txt")):
         raise EvaluationError(f"no dict.txt file in {data}: not a fairseq-preprocess output directory")
+    check_text(os.path.join(data, "dict.txt"), "dictionary")
     if subset is None:
         return
+    problem = split_problem(os.path.join(data, subset))
+    if problem:
+        raise DataError(problem)
     if not all(os.path.isfile(os.path.join(data, f"{subset}.{ext}")) for ext in ("bin", "idx")):
         found = sorted(n[:-4] for n in os.listdir(data) if n.endswith(".bin"))
         raise EvaluationError(

@@ -26,6 +26,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..core.scaling import Scaling
 from ..errors import EvaluationError
+from ..inputs import check_text
 from .data_dir import split_text
 from .prompts import Vocabulary
 from .axes import parse_named
@@ -178,18 +179,14 @@ def _device() -> str:
 
 
 def read_text(path: Optional[str]) -> str:
-    """The text of ``alibi-sweep --hf DATA`` (UTF-8, not empty)."""
-    if not path or not os.path.isfile(path):
+    """The text of ``alibi-sweep --hf DATA`` (``inputs.check_text``: UTF-8, not empty;
+    a UTF-8 byte-order mark is skipped)."""
+    if not path or not os.path.exists(path):
         raise EvaluationError(f"with --hf, DATA is a raw text file or a fairseq-preprocess directory; {path} is "
                               "neither")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except UnicodeDecodeError as exc:
-        raise EvaluationError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
-    if not text.strip():
-        raise EvaluationError(f"{path} is empty")
-    return text
+    check_text(path, "text file", bom_ok=True)
+    with open(path, encoding="utf-8-sig") as handle:
+        return handle.read()
 
 
 class HFModel:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List
 
 from ..errors import EvaluationError
+from ..inputs import check_text
 
 LONGEVAL_LINES_CUE = "Line <{key}>: <REGISTER_CONTENT> is"
 LONGEVAL_TOPICS_CUE = "\n ASSISTANT: The first topic is"
@@ -124,15 +125,13 @@ def recognize(obj: dict) -> str:
 
 def read_task_file(path: str) -> List[FileItem]:
     """Every prompt of a JSONL file (one format per file), checked line by line."""
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise EvaluationError(f"prompt file not found: {path} (--task takes passkey, lines or a .jsonl file)")
+    check_text(path, "prompt file", bom_ok=True)
     items: List[FileItem] = []
     fmt = None
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is no JSON
-            lines = f.readlines()
-    except UnicodeDecodeError as exc:
-        raise EvaluationError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is no JSON
+        lines = f.readlines()
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -28,6 +28,7 @@ import sys
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import ExportError, one_line
+from ..inputs import check_text
 
 #: The class ``tokenizer_config.json`` names: the stock fast tokenizer under the name
 #: docs/export.md gives (transformers 5 saves its new name for the same class,
@@ -85,6 +86,8 @@ def word_level(dictionary, start: int):
 
 def read_gpt2_files(encoder_json: str, vocab_bpe: str) -> Tuple[Dict[str, int], List[Tuple[str, str]]]:
     """GPT-2's ``encoder.json`` (piece -> GPT-2 id) and ``vocab.bpe`` merges, checked."""
+    check_text(encoder_json, "GPT-2 encoder.json")
+    check_text(vocab_bpe, "GPT-2 vocab.bpe")
     try:
         with open(encoder_json, encoding="utf-8") as f:
             encoder = json.load(f)

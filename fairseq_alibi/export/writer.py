@@ -15,6 +15,7 @@ import tempfile
 from typing import Iterable, Iterator, List
 
 from ..errors import ExportError
+from ..staging import interrupts_held, stage_beside
 
 #: The portable core: every file of it travels with an exported model.
 CORE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
@@ -56,7 +57,7 @@ def staged_directory(path: str, force: bool, inputs: Iterable[str] = ()) -> Iter
     parent = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(parent, exist_ok=True)
-        stage = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.", suffix=".tmp", dir=parent)
+        stage = stage_beside(path)
     except OSError as exc:
         raise ExportError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
@@ -70,7 +71,16 @@ def staged_directory(path: str, force: bool, inputs: Iterable[str] = ()) -> Iter
 
 
 def _replace(stage: str, path: str) -> None:
-    """Move ``stage`` to ``path``; an old ``path`` goes only once the new one is in place."""
+    """Move ``stage`` to ``path``; an old ``path`` goes only once the new one is in place
+    (Ctrl-C waits for both renames)."""
+    with interrupts_held():
+        old = _swap(stage, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _swap(stage: str, path: str):
+    """``stage`` renamed to ``path``; the old ``path``'s new name (or None)."""
     old = None
     if os.path.isdir(path):
         old = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(path))}.", suffix=".old",
@@ -83,5 +93,4 @@ def _replace(stage: str, path: str) -> None:
         if old is not None:
             os.rename(old, path)
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    return old

@@ -18,6 +18,7 @@ import torch
 
 from ..core.configuration_alibi import MODEL_TYPE
 from ..errors import HFLoadError
+from ..inputs import check_text
 from .families import SUPPORTED_MODELS
 
 #: safetensors' names of the floating dtypes.
@@ -83,6 +84,7 @@ def _model_class(directory: str):
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         return AutoModelForCausalLM  # transformers' error names the missing config.json
+    check_text(path, "model config")
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
