@@ -47,8 +47,12 @@ start=$(date +%s)
 stamp() { echo "[compare $(( $(date +%s) - start ))s] $*"; }
 arch_of() { if [ "$1" = sinusoidal ]; then echo transformer_lm; else echo "transformer_lm_$1"; fi; }
 
-stamp "1/4 corpus -> $DATA"
-python -m fairseq_alibi.corpus --destdir "$DATA"
+if [ -f "$DATA/train.bin" ] && [ -f "$DATA/valid.bin" ]; then
+  stamp "1/4 corpus: $DATA already binarized"
+else
+  stamp "1/4 corpus -> $DATA"
+  python -m fairseq_alibi.corpus --destdir "$DATA"
+fi
 
 train() {  # train SEED NAME
   local seed=$1 name=$2 dir="$OUT/seed$1/$2"
