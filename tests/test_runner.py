@@ -115,6 +115,8 @@ class ToyMeasure:
         rank = axes.method_rank(methods)
         rows = sorted({(c["checkpoint"], c["label"], rank(c)) for c in cells}, key=lambda r: (r[0], r[2]))
         (outdir / "results.md").write_text("\n".join(f"{name} {label}" for name, label, _ in rows))
+        # what results.json adds: a field derived per cell (as intervals are) and a section of its own
+        return {"cells": [dict(c, double=2 * c["value"]) for c in cells], "total": sum(c["value"] for c in cells)}
 
 
 def toy_run(tmp_path, checkpoints, methods="none,ntk:2,cap", cells=(1, 2, 3)):
@@ -149,6 +151,15 @@ def test_resume_reuses_cells_of_unchanged_models_only(tmp_path):
     assert {r["checkpoint"] for r in results} == {"a", "b"}  # b's cells are kept as they are
     stored = json.loads((tmp_path / "results.json").read_text())
     assert len(stored["cells"]) == 3 * 4 + 3 * 3 and stored["meta"]["methods"] == ["none", "ntk:2", "cap"]
+
+
+def test_what_a_report_derives_is_written_to_results_json_and_resumes(tmp_path):
+    _, results = toy_run(tmp_path, ["a=1"])
+    stored = json.loads((tmp_path / "results.json").read_text())
+    assert stored["total"] == sum(r["value"] for r in results) and len(stored["cells"]) == len(results)
+    assert all(c["double"] == 2 * c["value"] for c in stored["cells"])
+    log, again = toy_run(tmp_path, ["a=1"])
+    assert runs(log) == [] and len(again) == len(results)  # the derived fields do not make a cell stale
 
 
 def test_reports_list_methods_in_the_order_given(tmp_path):

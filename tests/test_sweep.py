@@ -83,6 +83,70 @@ def test_outputs_have_every_cell(sweep_run):
     assert "| sin | none |" in table and "| alibi | linear x2 |" in table and "| alibi | ntk dynamic |" in table
 
 
+def paired_by_hand(cell, base):
+    """ppl(cell) / ppl(base) and its 95 % t-interval over the per-window differences,
+    windows matched by their index in the text."""
+    from scipy import stats
+
+    base_of = dict(zip(base["window_index"], base["window_loss"]))
+    diffs = [loss - base_of[i] for i, loss in zip(cell["window_index"], cell["window_loss"])]
+    tokens = cell["window_tokens"]
+    ratio = sum(diffs) / sum(tokens)
+    spread = sum((d - ratio * n) ** 2 for d, n in zip(diffs, tokens)) / (len(diffs) - 1)
+    half = stats.t.ppf(0.975, len(diffs) - 1) * (len(diffs) * spread) ** 0.5 / sum(tokens)
+    return 2 ** ratio, 2 ** (ratio - half), 2 ** (ratio + half)
+
+
+def test_results_carry_intervals_and_paired_changes(sweep_run):
+    out, cells = sweep_run
+    stored = json.loads((out / "results.json").read_text())
+    by = {(c["checkpoint"], c["label"], c["mode"], c["length"]): c for c in cells}
+    for c in cells:
+        assert c["ppl_low"] < c["ppl"] < c["ppl_high"] and c["ppl_no_interval"] is None
+        assert sorted(c["window_index"]) == list(range(len(c["window_index"])))  # every window once, by its index
+    pairs = {(p["kind"], p["checkpoint"], p["label"], p["mode"], p["length"]): p for p in stored["paired"]}
+    assert len(pairs) == len(stored["paired"]) == 3 * 2 * 2 + 2 * 2  # alibi's 3 methods vs none; sin vs alibi
+    for key, cell, base in ((("method", "alibi", "cap x0.5", "nonoverlapping", 64), by[("alibi", "cap x0.5",
+                             "nonoverlapping", 64)], by[("alibi", "none", "nonoverlapping", 64)]),
+                            (("checkpoint", "sin", "none", "sliding", 32), by[("sin", "none", "sliding", 32)],
+                             by[("alibi", "none", "sliding", 32)])):
+        p = pairs[key]
+        assert (p["ppl_ratio"], p["ppl_ratio_low"], p["ppl_ratio_high"]) == pytest.approx(paired_by_hand(cell, base),
+                                                                                          rel=1e-9)
+        assert p["ppl_ratio"] == pytest.approx(cell["ppl"] / base["ppl"], rel=1e-6)
+    same = pairs[("method", "alibi", "ntk dynamic", "nonoverlapping", TRAIN_LENGTH)]  # dynamic = none up to L
+    assert same["ppl_ratio"] == 1.0 and same["ppl_ratio_low"] is None and same["no_interval"].startswith("identical")
+    table = (out / "results.md").read_text()
+    assert "| alibi | cap x0.5 vs none |" in table and "| sin vs alibi | none |" in table
+    with open(out / "results.csv", newline="") as f:
+        assert "ppl_no_interval" in next(csv.reader(f))
+
+
+def test_intervals_do_not_depend_on_window_order_or_batching(sweep_run, lm_data_bin, alibi_checkpoint, tmp_path):
+    """The fixture sweep batches windows (--max-tokens 256); one window per batch here
+    scores them in another order: the same intervals, the same paired changes."""
+    out, cells = sweep_run
+    argv = [str(lm_data_bin), "-c", f"alibi={alibi_checkpoint}", "--lengths", LENGTHS, "--methods", "none,cap:0.5",
+            "--batch-size", "1", "--output-dir", str(tmp_path), "--cpu", "--no-progress"]
+    assert sweep.main(argv) == 0
+    one = json.loads((tmp_path / "results.json").read_text())
+    by = {(c["label"], c["length"]): c for c in cells if c["checkpoint"] == "alibi" and c["mode"] == "nonoverlapping"}
+    for c in one["cells"]:
+        batched = by[(c["label"], c["length"])]
+        assert c["window_index"] != batched["window_index"] or c["window_index"] != sorted(c["window_index"])
+        mine, theirs = dict(zip(c["window_index"], c["window_loss"])), dict(zip(batched["window_index"],
+                                                                                 batched["window_loss"]))
+        assert mine.keys() == theirs.keys() and [mine[i] for i in mine] == pytest.approx([theirs[i] for i in mine],
+                                                                                       abs=2e-6)
+        assert (c["ppl_low"], c["ppl_high"]) == pytest.approx((batched["ppl_low"], batched["ppl_high"]), rel=1e-8)
+    stored = json.loads((out / "results.json").read_text())["paired"]
+    for p in one["paired"]:
+        batched = next(q for q in stored if q["checkpoint"] == "alibi" and q["mode"] == "nonoverlapping"
+                       and (q["label"], q["length"]) == (p["label"], p["length"]))
+        assert (p["ppl_ratio_low"], p["ppl_ratio_high"]) == pytest.approx(
+            (batched["ppl_ratio_low"], batched["ppl_ratio_high"]), rel=1e-8)
+
+
 def test_dynamic_scaling_is_identity_up_to_training_length(sweep_run):
     _, cells = sweep_run
     by = {(c["checkpoint"], c["label"], c["mode"], c["length"]): c["loss"] for c in cells}

@@ -10,8 +10,8 @@ chosen on the TUNE seeds and models and reported on the REPORT ones:
   retrieval among those whose tune cost is at most ``--max-cost``;
 * on the report seeds, every method with intervals: retrieval as the mean of
   the seeds' accuracies [lowest, highest seed] and the 95 % Wilson interval of
-  all their prompts pooled; the cost with a 95 % paired bootstrap over windows
-  (the same windows resampled for the method and for ``none``);
+  all their prompts pooled; the cost with a 95 % paired t-interval over windows
+  (per-window differences of the method and ``none``, windows matched by index);
 * the goal: retrieval within ``--within`` points of ``cap`` at a cost of at
   most ``--max-cost`` (issue 29), checked per method on the report seeds.
 
@@ -108,7 +108,8 @@ class Cost:
 
 def costs(cells: List[dict], checkpoint: str, ratio: float) -> Dict[str, Cost]:
     """Method -> ``ppl / ppl(none) - 1`` of ``checkpoint``'s nonoverlapping cells at ``ratio`` x L."""
-    from fairseq_alibi.evaluation.intervals import perplexity_ratio_interval
+    from fairseq_alibi.evaluation.intervals import paired_interval
+    from fairseq_alibi.evaluation.paired import comparable, paired_estimate
 
     mine = {spelling(c): c for c in at_ratio(cells, ratio)
             if c["checkpoint"] == checkpoint and c.get("mode", "nonoverlapping") == "nonoverlapping"}
@@ -117,9 +118,13 @@ def costs(cells: List[dict], checkpoint: str, ratio: float) -> Dict[str, Cost]:
     base = mine["none"]
     out = {}
     for method, cell in mine.items():
-        interval = None
-        if cell.get("window_loss") and base.get("window_loss") and cell["window_tokens"] == base["window_tokens"]:
-            interval = perplexity_ratio_interval(cell["window_loss"], base["window_loss"], cell["window_tokens"])
+        estimate = None
+        if comparable(cell, base):  # windows matched by their index in the text
+            estimate = paired_estimate(cell, base)
+        elif cell.get("window_loss") and base.get("window_loss") and cell["window_tokens"] == base["window_tokens"]:
+            # cells of an earlier version: one checkpoint's windows, scored in the same order
+            estimate = paired_interval(cell["window_loss"], base["window_loss"], cell["window_tokens"])
+        interval = estimate.interval if estimate else None
         low, high = (interval[0] - 1, interval[1] - 1) if interval else (None, None)
         out[method] = Cost(cell["ppl"] / base["ppl"] - 1, low, high)
     return out
@@ -188,7 +193,7 @@ def plot(path: str, order: List[str], tasks: Dict[str, Dict[str, Retrieval]], co
     axes[0][0].set_ylabel("retrieval at 8x L (%), mean over seeds")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=min(9, len(labels)), frameon=False)
-    fig.suptitle(f"{title}\nhorizontal bar: 95% paired bootstrap over windows; vertical: thin = seed min-max, "
+    fig.suptitle(f"{title}\nhorizontal bar: 95% paired t-interval over windows; vertical: thin = seed min-max, "
                  "thick = pooled 95% Wilson", fontsize=9)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)

@@ -4,4 +4,4 @@ methods, lengths; ``store``: the output directory and ``results.json``;
 ``alibi-sweep``; ``retrieval``: ``alibi-retrieval``) over every backend
 (``backends``: fairseq checkpoints; ``hf_backend``: Hugging Face models), with
 built-in prompts (``prompts``), prompt files (``task_files``) and reports
-(``report``, ``intervals``)."""
+(``report``, ``intervals``, ``paired``)."""

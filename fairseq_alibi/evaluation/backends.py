@@ -30,7 +30,7 @@ from ..errors import EvaluationError
 from .data_dir import check_data
 from .prompts import Vocabulary
 from .axes import check_checkpoint_paths, parse_named
-from .protocols import Described, ModelInfo, answer_result
+from .protocols import Described, ModelInfo, ScoredWindow, answer_result
 from .store import file_identity
 
 
@@ -268,10 +268,11 @@ class FairseqModel:
         return [answer_result(logprobs[b], answer) for b, (_, answer) in enumerate(batch)]
 
     def windows(self, length: int, stride: int, max_tokens: Optional[int] = None, batch_size: Optional[int] = None):
-        """(tokens to score, iterator of (natural log-probs, positions in the window))
-        over the subset, window by window, exactly as ``fairseq-eval-lm
-        --tokens-per-sample length --context-window (length - stride)`` scores
-        them (``+inf``/``-inf``/NaN scores included: the measure decides)."""
+        """(tokens to score, iterator of :class:`ScoredWindow`) over the subset, window
+        by window in fairseq's batching order (a window's index: its dataset id),
+        exactly as ``fairseq-eval-lm --tokens-per-sample length --context-window
+        (length - stride)`` scores them (``+inf``/``-inf``/NaN scores included: the
+        measure decides)."""
         from fairseq import tasks
 
         cfg = eval_lm_config(*self._eval_lm_args(length, stride, max_tokens, batch_size))
@@ -296,8 +297,8 @@ class FairseqModel:
 
 
 def scored_windows(model, use_cuda: bool, cfg, task, dataset, context: int, skip_bos: bool):
-    """(log-probs, positions in the window) of each window of fairseq's eval-lm
-    dataloader, scored by its ``SequenceScorer``."""
+    """A :class:`ScoredWindow` of each window of fairseq's eval-lm dataloader,
+    scored by its ``SequenceScorer`` (the window's index: its id in the dataset)."""
     import torch
     from fairseq import utils
     from fairseq.sequence_scorer import SequenceScorer
@@ -315,11 +316,11 @@ def scored_windows(model, use_cuda: bool, cfg, task, dataset, context: int, skip
             sample = utils.move_to_cuda(sample)
         starts = sample.get("start_indices") or [0] * sample["target"].size(0)
         for i, hypos in enumerate(scorer.generate([model], sample)):
-            scores = hypos[0]["positional_scores"].float().cpu()
+            scores, targets = hypos[0]["positional_scores"].float().cpu(), hypos[0]["tokens"].cpu()
             offset = int(starts[i])
             if skip_bos:
-                scores, offset = scores[1:], offset + 1
-            yield scores, torch.arange(offset, offset + scores.numel())
+                scores, targets, offset = scores[1:], targets[1:], offset + 1
+            yield ScoredWindow(int(sample["id"][i]), scores, torch.arange(offset, offset + scores.numel()), targets)
 
 
 # ------------------------------------------------------------------ fairseq-eval-lm

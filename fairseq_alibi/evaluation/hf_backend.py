@@ -30,7 +30,7 @@ from ..inputs import check_text
 from .data_dir import split_text
 from .prompts import Vocabulary
 from .axes import parse_named
-from .protocols import Described, ModelInfo, answer_result
+from .protocols import Described, ModelInfo, ScoredWindow, answer_result
 from .store import file_identity
 
 logger = logging.getLogger("fairseq_alibi.evaluation")
@@ -234,7 +234,7 @@ class HFModel:
 
     def windows(self, length: int, stride: int, max_tokens: Optional[int] = None,
                 batch_size: Optional[int] = None) -> Tuple[int, Iterator]:
-        """(tokens to score, iterator of (log-probs, positions in the window)), one
+        """(tokens to score, iterator of :class:`ScoredWindow`, in the text's order), one
         window per forward (``max_tokens`` and ``batch_size`` do not apply):
         every token after the first scored once, in blocks of ``stride`` tokens,
         each predicted with the ``length - stride`` tokens before the block as
@@ -254,14 +254,15 @@ class HFModel:
         from .. import hf
 
         tokens, n, context = self.tokens, self.tokens.numel(), length - stride
-        end = 1  # tokens before `end` are scored (token 0 has no context)
+        end, index = 1, 0  # tokens before `end` are scored (token 0 has no context)
         while end < n:
             new_end = min(end + stride, n)  # this window scores tokens end .. new_end - 1
             begin = max(0, end - 1 - context)  # its inputs: begin .. new_end - 2
             logprobs = token_log_probs(self.model, tokens[begin: new_end - 1], next_token=int(tokens[new_end - 1]))
             scored = logprobs[-(new_end - end):]
-            yield scored, torch.arange(logprobs.numel() - scored.numel(), logprobs.numel())
-            end = new_end
+            positions = torch.arange(logprobs.numel() - scored.numel(), logprobs.numel())
+            yield ScoredWindow(index, scored, positions, tokens[end:new_end])
+            end, index = new_end, index + 1
 
     def command(self, length: int, stride: int, max_tokens: Optional[int] = None,
                 batch_size: Optional[int] = None) -> str:

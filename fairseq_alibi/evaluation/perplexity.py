@@ -31,10 +31,13 @@ table with ``--checkpoint`` and ``--hf`` together).  Each model is loaded
 once and put under each method in turn.  ``loss`` is fairseq-eval-lm's:
 mean negative log-likelihood per token in base 2, and ``ppl = 2 ** loss``.
 
-Outputs in ``--output-dir``: ``results.json`` (every cell; the resume state),
+Outputs in ``--output-dir``: ``results.json`` (every cell; the resume state;
+and ``paired``, the comparisons of cells that scored the same windows),
 ``results.csv``, ``results.md`` (a table per mode, perplexity by length with
-its 95 % interval: a bootstrap over the cell's windows, ``intervals.py``),
-``perplexity.png``, and with ``--per-position`` ``per_position.csv`` and
+its 95 % interval: a Student-t interval over the cell's windows,
+``intervals.py``; then the paired changes against the baselines,
+``paired.py``), ``perplexity.png`` (with the paired changes in a lower row of
+panels), and with ``--per-position`` ``per_position.csv`` and
 ``per_position.png`` (mean loss by token position within the window).  Cells
 already in ``results.json`` are skipped, so an interrupted sweep continues
 where it stopped.
@@ -43,6 +46,7 @@ where it stopped.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import math
 import os
@@ -52,7 +56,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from ..errors import EvaluationError
-from . import report, runner
+from . import paired, report, runner
 from .axes import check_max_tokens, method_rank, parse_lengths, resolve_lengths
 from .backends import backend_for
 from .runner import tool_parser
@@ -62,7 +66,8 @@ logger = logging.getLogger("fairseq_alibi.sweep")
 MODES = ("nonoverlapping", "sliding")  # the window modes
 RESULT_FIELDS = (
     "checkpoint", "method", "factor", "label", "mode", "length", "stride", "context_window",
-    "length_ratio", "train_length", "subset", "loss", "ppl", "ppl_low", "ppl_high", "windows", "tokens", "seconds",
+    "length_ratio", "train_length", "subset", "loss", "ppl", "ppl_low", "ppl_high", "ppl_no_interval", "windows",
+    "tokens", "seconds",
 )
 FLOAT_FIELDS = ("loss", "ppl", "ppl_low", "ppl_high", "seconds", "length_ratio")
 
@@ -159,26 +164,31 @@ class Perplexity:
 
     @staticmethod
     def log_line(cell: dict) -> str:
-        interval = report.ppl_interval(cell)
+        estimate = report.ppl_estimate(cell)
         return (f"{cell['checkpoint']:>12} {cell['label']:>14} {cell['mode']:>14} L={cell['length']:<6} "
-                f"stride={cell['stride']:<6} ppl={cell['ppl']:.2f}{report.bounds(interval, cell['ppl'])} "
+                f"stride={cell['stride']:<6} ppl={cell['ppl']:.2f}{report.estimate_bounds(estimate)} "
                 f"({cell['tokens']} tokens, {cell['seconds']:.1f}s)")
 
     def table(self, cells: List[dict], rank) -> str:
-        """The printed summary: the tables of the evaluated subset."""
-        return report.perplexity_table(report.with_ppl_intervals([c for c in cells if c["subset"] == self.subset]),
-                                       rank)
+        """The printed summary: the tables of the evaluated subset, paired comparisons included."""
+        cells = report.with_ppl_intervals([c for c in cells if c["subset"] == self.subset])
+        return report.perplexity_table(cells, rank, paired.comparisons(cells, rank))
 
-    def report(self, outdir: str, cells: List[dict], methods) -> None:
-        """CSV, Markdown and plots of every cell (tables and legends in --methods order)."""
+    def report(self, outdir: str, cells: List[dict], methods) -> dict:
+        """CSV, Markdown and plots of every cell (tables and legends in --methods order);
+        returns what ``results.json`` adds to the cells: their intervals, and the
+        paired comparisons of cells that scored the same windows (``paired``)."""
+        rank = method_rank(methods)
         cells = report.with_ppl_intervals(cells)
+        pairs = paired.comparisons(cells, rank)
         report.write_csv(os.path.join(outdir, "results.csv"), cells, RESULT_FIELDS, FLOAT_FIELDS)
-        report.atomic_write(os.path.join(outdir, "results.md"), report.perplexity_table(cells, method_rank(methods)))
+        report.atomic_write(os.path.join(outdir, "results.md"), report.perplexity_table(cells, rank, pairs))
         if cells:
-            report.plot_perplexity(os.path.join(outdir, "perplexity.png"), cells, method_rank(methods))
+            report.plot_perplexity(os.path.join(outdir, "perplexity.png"), cells, rank, pairs)
         if any(c.get("per_position") for c in cells):
             report.write_per_position_csv(os.path.join(outdir, "per_position.csv"), cells)
-            report.plot_per_position(os.path.join(outdir, "per_position.png"), cells, method_rank(methods))
+            report.plot_per_position(os.path.join(outdir, "per_position.png"), cells, rank)
+        return {"cells": cells, "paired": pairs}
 
 
 def check_lengths(name: str, lengths: List[int], stride: Optional[int], max_tokens: Optional[int], available: int,
@@ -201,16 +211,22 @@ def check_lengths(name: str, lengths: List[int], stride: Optional[int], max_toke
 
 
 def score_tokens(scored, length: int, per_position: bool, where: str) -> dict:
-    """Loss (base 2), perplexity and token count of scored tokens; ``-inf``/``+inf``
-    scores skipped with a warning as ``fairseq-eval-lm`` skips them; a NaN score or
-    nothing scored at all stops the run (a number that is not a result)."""
+    """Loss (base 2), perplexity and token count of scored windows (:class:`ScoredWindow`);
+    ``-inf``/``+inf`` scores skipped with a warning as ``fairseq-eval-lm`` skips them; a
+    NaN score or nothing scored at all stops the run (a number that is not a result).
+    Per window, for the intervals: its summed loss (bits), tokens and index in the text;
+    and ``text_digest``, which tokens were scored (cells compared window by window must
+    have scored the same text)."""
     import torch
 
     total, count, skipped = 0.0, 0, 0
-    window_loss, window_tokens = [], []  # per window: summed loss (bits), tokens (for the interval)
+    window_loss, window_tokens, window_index = [], [], []
+    digests = {}
     pos_sum = torch.zeros(length, dtype=torch.float64)
     pos_count = torch.zeros(length, dtype=torch.float64)
-    for scores, positions in scored:
+    for window in scored:
+        scores, positions = window.scores, window.positions
+        digests[window.index] = hashlib.sha256(window.targets.to(torch.int64).numpy().tobytes()).digest()
         if bool(torch.isnan(scores).any()):
             raise EvaluationError(
                 f"{where}: the model's log-probabilities are NaN; its weights are damaged or it overflowed "
@@ -224,8 +240,9 @@ def score_tokens(scored, length: int, per_position: bool, where: str) -> dict:
         total += summed
         count += scores.numel()
         if scores.numel():
-            window_loss.append(round(-summed / math.log(2), 4))
+            window_loss.append(round(-summed / math.log(2), 6))
             window_tokens.append(scores.numel())
+            window_index.append(window.index)
         if per_position:
             pos_sum.index_add_(0, positions, -scores.double())
             pos_count.index_add_(0, positions, torch.ones_like(positions, dtype=torch.float64))
@@ -235,8 +252,9 @@ def score_tokens(scored, length: int, per_position: bool, where: str) -> dict:
         raise EvaluationError(f"{where}: no token was scored (every window was longer than the model accepts, "
                               "or the subset is empty)")
     loss = -total / count / math.log(2)
+    text = hashlib.sha256(b"".join(digests[i] for i in sorted(digests))).hexdigest()[:16]
     result = {"loss": loss, "ppl": 2.0 ** loss, "tokens": count, "window_loss": window_loss,
-              "window_tokens": window_tokens}
+              "window_tokens": window_tokens, "window_index": window_index, "text_digest": text}
     if per_position:
         mean = (pos_sum / pos_count.clamp(min=1)) / math.log(2)
         result["per_position"] = [round(float(v), 6) if c > 0 else None for v, c in zip(mean, pos_count)]

@@ -11,7 +11,7 @@ method) and a ``label`` (for progress lines).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 from ..core.scaling import Scaling
 
@@ -63,6 +63,19 @@ def answer_result(logprobs, answer: Sequence[int]) -> Tuple[bool, float, List[in
     return bool((greedy == target).all()), float(chosen.double().mean()), greedy.tolist()
 
 
+class ScoredWindow(NamedTuple):
+    """One window of the perplexity text, scored: ``index``, its place in the text
+    (0: the first; the same window has the same index in every backend, however
+    the windows were ordered or batched); the natural log-probs of its scored
+    tokens, their positions in the window, and their ids (``targets``: which text
+    was scored, so that cells are compared window by window only on the same text)."""
+
+    index: int
+    scores: Any
+    positions: Any
+    targets: Any
+
+
 class EvaluationModel(Protocol):
     """One model, loaded once, put under each method in turn."""
 
@@ -81,8 +94,8 @@ class EvaluationModel(Protocol):
         """(exact match, mean log-prob, greedy ids) of equal-length (prompt, answer) pairs."""
 
     def windows(self, length: int, stride: int, max_tokens: Optional[int] = None,
-                batch_size: Optional[int] = None) -> Tuple[Optional[int], Iterator]:
-        """(tokens to score, iterator of (log-probs, positions in the window)), as
+                batch_size: Optional[int] = None) -> Tuple[Optional[int], Iterator[ScoredWindow]]:
+        """(tokens to score, iterator of :class:`ScoredWindow`), as
         ``fairseq-eval-lm --tokens-per-sample length --context-window (length - stride)``."""
 
     def command(self, length: int, stride: int, max_tokens: Optional[int] = None,
@@ -143,5 +156,6 @@ class Measure(Protocol):
     def table(self, records: List[dict], rank) -> str:
         """The printed summary."""
 
-    def report(self, outdir: str, records: List[dict], methods: Sequence[Scaling]) -> None:
-        """Every file derived from the records."""
+    def report(self, outdir: str, records: List[dict], methods: Sequence[Scaling]) -> Optional[dict]:
+        """Every file derived from the records; what ``results.json`` adds (``cells``:
+        the records with derived fields; other sections), or None."""

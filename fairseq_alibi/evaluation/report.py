@@ -6,35 +6,49 @@ module writes everything derived from the cells: ``results.csv``,
 order of ``--methods`` (``rank``: a record -> its method's place).
 
 Every number a reader compares carries its 95 % interval (``intervals.py``):
-perplexity a bootstrap over the cell's windows (cells written before windows
-were recorded have none), accuracy Wilson's, a mean log-probability a
-bootstrap over prompts; in tables as ``PPL [LOW, HIGH]``, in plots as bands
-or error bars.  Each method has one colour and marker in every plot
-(``styles.py``), each checkpoint a line style; panels compared side by side
-share their axes; every line, band and mark is named in the figure.
+perplexity a Student-t interval over the cell's windows, accuracy Wilson's, a
+mean log-probability a t-interval over prompts; in tables as ``PPL [LOW,
+HIGH]``, in plots as bands or error bars.  A number that cannot have one says
+why instead (``11.51 (1 window: no interval)``; in the CSV an empty interval
+and the reason in ``ppl_no_interval``).  Cells that scored the same windows
+are also compared pairwise (``paired.py``): each method against its
+checkpoint's baseline, each checkpoint against the first on the same windows,
+as a perplexity change with its paired interval, in tables and in the lower
+panels of ``perplexity.png``.  Each method has one colour and marker in every
+plot (``styles.py``), each checkpoint a line style; panels compared side by
+side share their axes; every line, band and mark is named in the figure.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import intervals, styles
+from . import intervals, paired, styles
 from .store import atomic_write
 
 Rank = Callable[[dict], int]
 Interval = Optional[Tuple[float, float]]
-PPL_INTERVAL = "95 % interval: bootstrap over windows"
+PPL_INTERVAL = "95 % interval: Student t over windows"
 ACCURACY_INTERVAL = "95 % Wilson interval"
-LOGPROB_INTERVAL = "95 % interval: bootstrap over prompts"
+LOGPROB_INTERVAL = "95 % interval: Student t over prompts"
+PAIRED_INTERVAL = "95 % paired t-interval over the shared windows"
+NO_WINDOWS = "no interval: no per-window losses recorded"
+
+
+def ppl_estimate(cell: dict) -> intervals.Estimate:
+    """A cell's perplexity with its interval over its windows, or with the reason
+    it has none (one window; an older cell that kept no per-window losses)."""
+    if not cell.get("window_loss") or not cell.get("window_tokens"):
+        return intervals.Estimate(cell["ppl"], None, None, 0, NO_WINDOWS)
+    return intervals.perplexity_interval(cell["window_loss"], cell["window_tokens"])
 
 
 def ppl_interval(cell: dict) -> Interval:
-    """The perplexity interval of a cell from its per-window losses, or None (an older cell)."""
-    if not cell.get("window_loss") or not cell.get("window_tokens"):
-        return None
-    return intervals.perplexity_interval(cell["window_loss"], cell["window_tokens"])
+    """The perplexity interval of a cell, or None (see :func:`ppl_estimate` for why)."""
+    return ppl_estimate(cell).interval
 
 
 def accuracy_interval(cell: dict) -> Interval:
@@ -52,9 +66,14 @@ def with_intervals(cells: Iterable[dict], name: str, interval_of: Callable[[dict
 
 
 def with_ppl_intervals(cells: Iterable[dict]) -> List[dict]:
-    """``with_intervals`` for perplexity, and ``windows``: how many windows a cell scored."""
-    return [dict(c, windows=len(c.get("window_tokens") or []) or None) for c in with_intervals(cells, "ppl",
-                                                                                             ppl_interval)]
+    """Copies of ``cells`` with ``ppl_low``/``ppl_high`` (None without an interval),
+    ``ppl_no_interval`` (why not, else None) and ``windows`` (how many a cell scored)."""
+    out = []
+    for cell in cells:
+        estimate = ppl_estimate(cell)
+        out.append(dict(cell, ppl_low=estimate.low, ppl_high=estimate.high, ppl_no_interval=estimate.reason,
+                        windows=len(cell.get("window_tokens") or []) or None))
+    return out
 
 
 def bounds(interval: Interval, value: float, scale: float = 1.0) -> str:
@@ -67,9 +86,35 @@ def bounds(interval: Interval, value: float, scale: float = 1.0) -> str:
 
 
 def cell_bounds(cell: dict, name: str, scale: float = 1.0) -> str:
-    """:func:`bounds` of a cell's ``NAME_low``/``NAME_high``."""
+    """:func:`bounds` of a cell's ``NAME_low``/``NAME_high``, or `` (why there is none)``
+    from its ``NAME_no_interval``."""
     low, high = cell.get(f"{name}_low"), cell.get(f"{name}_high")
-    return bounds(None if low is None else (low, high), cell[name], scale)
+    if low is None:
+        reason = cell.get(f"{name}_no_interval")
+        return f" ({reason})" if reason else ""
+    return bounds((low, high), cell[name], scale)
+
+
+def estimate_bounds(estimate: Optional[intervals.Estimate], scale: float = 1.0) -> str:
+    """:func:`bounds` of an estimate, or `` (why there is none)``."""
+    if estimate is None:
+        return ""
+    if estimate.low is None:
+        return f" ({estimate.reason})"
+    return bounds(estimate.interval, estimate.value, scale)
+
+
+def percent_change(ratio: float, low: Optional[float], high: Optional[float], reason: Optional[str]) -> str:
+    """``+2.81% [+2.10, +3.52]``: a ratio of perplexities as a change, with as many
+    decimals as the interval's width needs, in powers of ten below 0.001 points
+    (``-1.2e-07% [-3.4e-07, +1.0e-07]``); ``(why)`` without an interval."""
+    change = _change(ratio)
+    if low is None:
+        return f"{change:+.2f}% ({reason})"
+    width = _change(high) - _change(low)
+    digits = max(2, 1 - math.floor(math.log10(width))) if width > 0 else 2
+    spec = f"+.{digits}f" if digits <= 4 else "+.1e"
+    return f"{change:{spec}}% [{_change(low):{spec}}, {_change(high):{spec}}]"
 
 
 def _legend(ax, notes: Sequence[Tuple[object, str]] = (), **kwargs) -> None:
@@ -81,10 +126,22 @@ def _legend(ax, notes: Sequence[Tuple[object, str]] = (), **kwargs) -> None:
     ax.legend(handles, labels, fontsize=7, **kwargs)
 
 
-def _band_note(drawn: bool):
+def _band_note(drawn: bool, paired_below: bool = False, missing: bool = False):
     from matplotlib.patches import Patch
 
-    return [(Patch(facecolor="grey", alpha=0.25, lw=0), f"shaded: {PPL_INTERVAL}")] if drawn else []
+    notes = []
+    if drawn:
+        each = " (each cell on its own; paired changes below)" if paired_below else ""
+        notes.append((Patch(facecolor="grey", alpha=0.25, lw=0), f"shaded: {PPL_INTERVAL}{each}"))
+    return notes + _missing_note(missing, "band")
+
+
+def _missing_note(missing: bool, what: str):
+    """The legend's word on points drawn without an interval (results.md says why)."""
+    from matplotlib.patches import Patch
+
+    return [(Patch(fill=False, lw=0), f"a point without a {what}: no interval (results.md says why)")] if missing \
+        else []
 
 
 def _train_lengths(ax, cells: Iterable[dict]) -> None:
@@ -149,18 +206,53 @@ def length_table(title: str, cells: List[dict], rank: Rank, value: Callable[[Lis
     return out + [""]
 
 
-def perplexity_table(cells: List[dict], rank: Rank) -> str:
-    """One table per (mode, subset): a row per checkpoint+method, a column per length;
-    ``ppl [low, high]`` where the cells carry intervals (:func:`with_ppl_intervals`)."""
-    out = []
+def _by_panel(cells: Iterable[dict]) -> List[Tuple[tuple, List[dict]]]:
+    """Cells by (mode, subset, stride of a sliding mode), in that order."""
     groups: Dict[tuple, List[dict]] = {}
     for cell in cells:
-        groups.setdefault((cell["mode"], cell["subset"], cell["stride"] if cell["mode"] == "sliding" else None), []).append(cell)
-    for (mode, subset, stride), group in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
+        groups.setdefault((cell["mode"], cell["subset"], cell["stride"] if cell["mode"] == "sliding" else None),
+                          []).append(cell)
+    return sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0))
+
+
+def perplexity_table(cells: List[dict], rank: Rank, pairs: Sequence[dict] = ()) -> str:
+    """One table per (mode, subset): a row per checkpoint+method, a column per length;
+    ``ppl [low, high]`` where the cells carry intervals (:func:`with_ppl_intervals`),
+    ``ppl (why not)`` where they cannot; then the paired comparisons ``pairs``
+    (:func:`paired.comparisons`), one table per mode and kind."""
+    out = []
+    for (mode, subset, stride), group in _by_panel(cells):
         note = f" [{PPL_INTERVAL}]" if any(c.get("ppl_low") is not None for c in group) else ""
         title = f"{mode}" + (f", stride {stride}" if stride else "") + f" ({subset} perplexity{note})"
         out += length_table(title, group, rank, lambda at: f"{at[0]['ppl']:.2f}{cell_bounds(at[0], 'ppl')}")
-    return "\n".join(out)
+    return "\n".join(out + paired_tables(pairs, rank))
+
+
+PAIRED_TITLES = {
+    "method": "each method against its checkpoint's baseline (`none`, else the first method)",
+    "checkpoint": "each checkpoint against the first (by name) that scored the same windows, same method",
+}
+
+
+def paired_tables(pairs: Sequence[dict], rank: Rank) -> List[str]:
+    """Markdown tables of paired comparisons: the perplexity change of each row
+    against its baseline on the same windows, ``+2.81% [+2.10, +3.52]``."""
+    out = []
+    for (mode, subset, stride), group in _by_panel(pairs):
+        for kind, what in PAIRED_TITLES.items():
+            rows = [dict(p, checkpoint=_versus(p["checkpoint"], p["baseline_checkpoint"]),
+                         label=_versus(p["label"], p["baseline_label"])) for p in group if p["kind"] == kind]
+            if rows:
+                title = (f"{mode}" + (f", stride {stride}" if stride else "") + f": {what} ({subset} perplexity "
+                         f"change on the same windows, % [{PAIRED_INTERVAL}]; an interval that excludes 0 is a "
+                         "difference the windows show)")
+                out += length_table(title, rows, rank, lambda at: percent_change(
+                    at[0]["ppl_ratio"], at[0]["ppl_ratio_low"], at[0]["ppl_ratio_high"], at[0]["no_interval"]))
+    return out
+
+
+def _versus(name: str, baseline: str) -> str:
+    return name if name == baseline else f"{name} vs {baseline}"
 
 
 def _line_key(c: dict) -> tuple:
@@ -171,45 +263,106 @@ def _lines_in_order(keys: Iterable[tuple], rank: Rank) -> List[tuple]:
     return sorted(keys, key=lambda k: (k[0], rank({"method": k[1], "factor": k[2]})))
 
 
-def plot_perplexity(path: str, cells: List[dict], rank: Rank) -> None:
+def plot_perplexity(path: str, cells: List[dict], rank: Rank, pairs: Sequence[dict] = ()) -> None:
     """Perplexity vs window length, a panel per mode (and subset) on one shared y axis,
-    a line per checkpoint and method with its interval band."""
+    a line per checkpoint and method with its interval band; below each, where cells
+    scored the same windows, the paired changes against the baseline with their bands
+    (each method against its checkpoint's baseline method; each checkpoint against the
+    first at that baseline method): a difference two overlapping bands hide shows there."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     panels = sorted({(c["mode"], c["stride"] if c["mode"] == "sliding" else 0, c["subset"]) for c in cells})
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.8), squeeze=False, sharey=True)
+    baseline = paired.baseline_methods(cells, rank)
+    shown = [p for p in pairs if p["kind"] == "method" or p["spelling"] == baseline.get(p["baseline_checkpoint"])]
+    rows = 2 if shown else 1
+    fig, axes = plt.subplots(rows, len(panels), figsize=(6.4 * len(panels), 4.8 + 3.6 * (rows - 1)), squeeze=False,
+                             sharey="row", sharex="col", gridspec_kw={"height_ratios": [4, 3][:rows]})
     line_style = styles.line_styles(c["checkpoint"] for c in cells)
     values = [v for c in cells for v in (c["ppl"], c.get("ppl_low"), c.get("ppl_high")) if v is not None]
-    for ax, (mode, stride, subset) in zip(axes[0], panels):
-        group = [c for c in cells if c["mode"] == mode and c["subset"] == subset and (mode != "sliding" or c["stride"] == stride)]
-        lines: Dict[tuple, List[dict]] = {}
-        for c in group:
-            lines.setdefault(_line_key(c), []).append(c)
-        banded = False
-        for key in _lines_in_order(lines, rank):
-            pts = sorted(lines[key], key=lambda c: c["length"])
-            style = styles.plot_kwargs(pts[0], line_style[key[0]])
-            ax.plot([c["length"] for c in pts], [c["ppl"] for c in pts], label=f"{key[0]}: {key[3]}", **style)
-            known = [c for c in pts if c.get("ppl_low") is not None]
-            if known:
-                ax.fill_between([c["length"] for c in known], [c["ppl_low"] for c in known],
-                                [c["ppl_high"] for c in known], color=style["color"], alpha=0.15, lw=0)
-                banded = True
-        _train_lengths(ax, group)
-        ax.set_xscale("log", base=2)
-        if values and max(values) / max(min(values), 1e-9) > 4:
-            ax.set_yscale("log")
-        ax.set_xlabel("evaluation window length (tokens)")
-        ax.set_ylabel(f"{subset} perplexity")
+    log_y = bool(values) and max(values) / max(min(values), 1e-9) > 4
+    for col, (mode, stride, subset) in enumerate(panels):
+        def here(c, mode=mode, stride=stride, subset=subset):
+            return c["mode"] == mode and c["subset"] == subset and (mode != "sliding" or c["stride"] == stride)
+
+        ax = axes[0][col]
+        _perplexity_panel(ax, [c for c in cells if here(c)], rank, line_style, log_y, subset, rows == 2)
         ax.set_title(mode + (f", stride {stride}" if mode == "sliding" else ""))
-        ax.grid(True, which="both", alpha=0.3)
-        _legend(ax, _band_note(banded))
+        if rows == 2:
+            _paired_panel(axes[1][col], [p for p in shown if here(p)], rank, line_style, subset)
+        axes[-1][col].set_xlabel("evaluation window length (tokens)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _perplexity_panel(ax, group: List[dict], rank: Rank, line_style: Dict[str, str], log_y: bool, subset: str,
+                      paired_below: bool) -> None:
+    """One mode's perplexity lines, each with its band of per-cell intervals."""
+    lines: Dict[tuple, List[dict]] = {}
+    for c in group:
+        lines.setdefault(_line_key(c), []).append(c)
+    banded = False
+    for key in _lines_in_order(lines, rank):
+        pts = sorted(lines[key], key=lambda c: c["length"])
+        style = styles.plot_kwargs(pts[0], line_style[key[0]])
+        ax.plot([c["length"] for c in pts], [c["ppl"] for c in pts], label=f"{key[0]}: {key[3]}", **style)
+        known = [c for c in pts if c.get("ppl_low") is not None]
+        if known:
+            ax.fill_between([c["length"] for c in known], [c["ppl_low"] for c in known],
+                            [c["ppl_high"] for c in known], color=style["color"], alpha=0.15, lw=0)
+            banded = True
+    _train_lengths(ax, group)
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_ylabel(f"{subset} perplexity")
+    ax.grid(True, which="both", alpha=0.3)
+    _legend(ax, _band_note(banded, paired_below, any(c.get("ppl_low") is None for c in group)))
+
+
+def _paired_line_key(p: dict) -> tuple:
+    return (p["kind"] != "method", p["checkpoint"], p["method"], p["factor"], p["label"], p["baseline_checkpoint"],
+            p["baseline_label"])
+
+
+def _change(ratio: float) -> float:
+    """A ratio of perplexities as a change in percent."""
+    return 100.0 * (ratio - 1.0)
+
+
+def _paired_panel(ax, group: List[dict], rank: Rank, line_style: Dict[str, str], subset: str) -> None:
+    """One mode's paired changes against the baselines: a line per comparison, its
+    paired intervals as error bars, a filled marker where the interval excludes 0."""
+    from matplotlib.lines import Line2D
+
+    ax.axhline(0.0, color="grey", lw=0.9, label="no difference")
+    lines: Dict[tuple, List[dict]] = {}
+    for p in group:
+        lines.setdefault(_paired_line_key(p), []).append(p)
+    for key in sorted(lines, key=lambda k: (k[0], k[1], rank({"method": k[2], "factor": k[3]}))):
+        pts = sorted(lines[key], key=lambda p: p["length"])
+        style = styles.plot_kwargs(pts[0], line_style[key[1]])
+        name = (f"{key[1]}: {key[4]} vs {key[6]}" if key[1] == key[5] else f"{key[1]} vs {key[5]}: {key[4]}")
+        ax.plot([p["length"] for p in pts], [_change(p["ppl_ratio"]) for p in pts], label=name, **style)
+        known = [p for p in pts if p["ppl_ratio_low"] is not None]
+        if known:
+            ax.errorbar([p["length"] for p in known], [_change(p["ppl_ratio"]) for p in known], capsize=3,
+                        elinewidth=0.9, ls="none", color=style["color"],
+                        yerr=[[_change(p["ppl_ratio"]) - _change(p["ppl_ratio_low"]) for p in known],
+                              [_change(p["ppl_ratio_high"]) - _change(p["ppl_ratio"]) for p in known]])
+        real = [p for p in known if p["ppl_ratio_low"] > 1.0 or p["ppl_ratio_high"] < 1.0]
+        ax.plot([p["length"] for p in real], [_change(p["ppl_ratio"]) for p in real], ls="none",
+                marker=style["marker"], ms=style["ms"], color=style["color"], mfc=style["color"], label="_real")
+    ax.set_xscale("log", base=2)
+    ax.set_ylabel(f"{subset} perplexity change against\nthe baseline, same windows (%)")
+    ax.grid(True, which="both", alpha=0.3)
+    _legend(ax, [(Line2D([], [], color="grey", marker="|", ms=10, lw=0), f"bars: {PAIRED_INTERVAL}"),
+                 (Line2D([], [], color="grey", marker="o", ls="none", mfc="grey"),
+                  "filled: the interval excludes 0 (a difference the windows show)")]
+                + _missing_note(any(p["ppl_ratio_low"] is None for p in group), "bar"))
 
 
 #: Per-position points scored fewer times than this share of the most-scored
@@ -300,7 +453,7 @@ def _accuracy(k: int, n: int, *_) -> str:
 
 
 def _logprob(k: int, n: int, logprob: float, samples) -> str:
-    return f"{logprob:.2f}{bounds(intervals.mean_interval(samples) if samples else None, logprob)}"
+    return f"{logprob:.2f}{estimate_bounds(intervals.mean_interval(samples) if samples else None)}"
 
 
 def retrieval_tables(cells: List[dict], rank: Rank) -> str:

@@ -40,7 +40,7 @@ backends' (``backends.py``, ``hf_backend.py``).
 
 Outputs in ``--output-dir``: ``results.json`` (every cell; the resume state),
 ``results.csv``, ``results.md`` (accuracy with its 95 % Wilson interval, the
-mean log-prob with a bootstrap interval over prompts), ``accuracy.png``
+mean log-prob with a Student-t interval over prompts), ``accuracy.png``
 (accuracy vs length, Wilson error bars) and, for
 the built-in tasks, ``depth.png`` (depth x length accuracy per checkpoint and
 method).  Finished cells are reused when the checkpoint file, data dictionary

@@ -136,7 +136,9 @@ def run(args, methods: List[Scaling], measure: Measure, backend: Backend) -> Lis
         bar.close()
         store.write(meta)
         results = sorted(store.cells.values(), key=measure.order)
-        measure.report(args.output_dir, results, methods)
+        derived = measure.report(args.output_dir, results, methods)
+        if derived:  # the intervals, paired comparisons: in results.json too
+            store.write(meta, **derived)
     return results
 
 

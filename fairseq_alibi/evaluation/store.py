@@ -129,6 +129,8 @@ class ResultStore:
         self.cells[self.key(cell)] = cell
         self.write(meta)
 
-    def write(self, meta: dict) -> None:
-        cells = sorted(self.cells.values(), key=self.order)
-        atomic_write(self.path, json.dumps({"meta": meta, "cells": cells}, indent=1) + "\n")
+    def write(self, meta: dict, cells: Optional[List[dict]] = None, **sections) -> None:
+        """``results.json``: ``meta``, the cells (``cells``: the stored ones with what the
+        reports derive from them, such as their intervals) and any further ``sections``."""
+        cells = sorted(self.cells.values() if cells is None else cells, key=self.order)
+        atomic_write(self.path, json.dumps({"meta": meta, "cells": cells, **sections}, indent=1) + "\n")
