@@ -246,7 +246,7 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, tmp_path, capsys
     fails([lm_data_bin, "-c", alibi_checkpoint, "--subset", "dev", *base], "subset 'dev' not found")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--methods", "none,cubic", *base], "method='cubic' is not valid; allowed values")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--methods", "linear:0.5", *base], "linear takes a static factor >= 1")
-    fails([lm_data_bin, "-c", alibi_checkpoint, "--methods", "cap:0", *base], "bad factor in method 'cap:0'")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--methods", "cap:0", *base], "factor='0' is not valid; the cap must be a positive number")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--stride", 8, *base], "--stride 8 applies to --modes sliding")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--train-length", 32, *base], "apply to --hf models only")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--modes", "sliding", *base], "needs --stride")
