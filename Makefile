@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 FAIRSEQ := fairseq-fixed==0.12.3.1
 
-.PHONY: install test demo retrieval-demo gpu-check clean
+.PHONY: install test demo retrieval-demo compare gpu-check clean
 
 install: $(STAMP)
 
@@ -34,6 +34,14 @@ demo: install
 # variables of examples/retrieval/run.sh (SEEDS="7", SCALE=gpu, ...).
 retrieval-demo: install
 	VENV_BIN=$(BIN) examples/retrieval/run.sh
+
+# The paper's comparison and the field's: sinusoidal, ALiBi, rotary, T5 bias,
+# NoPE, Kerple and FIRE trained identically at 64 tokens (seeds 1 2 3), swept
+# from 1x to 16x, extension methods on ALiBi and RoPE; outputs in
+# outputs/compare/ (docs/positions.md). Settings: environment variables of
+# examples/positions/compare.sh.
+compare: install
+	VENV_BIN=$(BIN) examples/positions/compare.sh
 
 # Tests in parallel, one worker per core (pytest-xdist); PYTEST_ARGS adds options.
 test: install
