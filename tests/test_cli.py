@@ -119,6 +119,7 @@ def eval_runs():
         Eval(long, ntk(2)),
         Eval(short, linear(0)),
         Eval(long, linear(0)),
+        Eval(long, linear(0), batch=("--batch-size", "1")),
         Eval(long, linear(8)),
         Eval(long, ntk(0)),
     ]
@@ -437,6 +438,33 @@ def test_fairseq_hydra_train(lm_data_bin, alibi_user_dir, tmp_path):
     assert "done training" in result.output
     state = assert_alibi_checkpoint(tmp_path / "ckpt" / "checkpoint_best.pt")
     assert num_updates(state) == 6
+
+
+def test_hydra_trains_another_position_method_and_stock_eval_lm_extends_it(lm_data_bin, alibi_user_dir, tmp_path):
+    """A transformer_lm_<position> model through hydra with its own parameter
+    (rotary_fraction), evaluated by stock fairseq-eval-lm at 8x L under a RoPE
+    extension method; a method that does not apply is one error line."""
+    config_dir = write_hydra_config(tmp_path, lm_data_bin, alibi_user_dir)
+    text = (config_dir / "tiny_lm.yaml").read_text().replace("_name: transformer_lm_alibi",
+                                                             "_name: transformer_lm_rotary\n  rotary_fraction: 0.5")
+    (config_dir / "tiny_lm.yaml").write_text(text)
+    run_cli([tool("fairseq-hydra-train"), "--config-dir", config_dir, "--config-name", "tiny_lm",
+             f"hydra.run.dir={tmp_path / 'hydra'}"])
+    checkpoint = tmp_path / "ckpt" / "checkpoint_last.pt"
+    model_cfg = load_state(checkpoint)["cfg"]["model"]
+    assert (model_cfg["_name"], model_cfg["rotary_fraction"], model_cfg["alibi_train_length"]) == (
+        "transformer_lm_rotary", 0.5, TRAIN_LENGTH)
+    args = [lm_data_bin, "--path", checkpoint, "--cpu", "--tokens-per-sample", str(EVAL_LENGTH),
+            "--sample-break-mode", "none", "--num-workers", "0", "--max-tokens", "2048", "--gen-subset", "valid"]
+    stock = [tool("fairseq-eval-lm"), *args, "--user-dir", alibi_user_dir]
+    results = {spec: parse_eval(run_cli([*stock, "--model-overrides", spec]).output)
+               for spec in ("{}", "{'alibi_interpolation': 'yarn', 'alibi_scale_factor': 8}")}
+    assert len(set(results.values())) == 2  # YaRN changes the numbers past L
+    refused = run_cli([tool("alibi-eval-lm"), *args, "--model-overrides", "{'alibi_interpolation': 'cap'}"],
+                      expect_ok=False)
+    assert refused.returncode == 1 and error_lines(refused) == [
+        "error: method='cap' is not valid; cap does not apply to rotary models; the methods that do: "
+        "none, linear, ntk, yarn"]
 
 
 # --------------------------------------------------------------------------- torchrun
