@@ -311,11 +311,12 @@ def is_prepared(cfg: CorpusConfig) -> bool:
 
 def binarize(rawdir: str, destdir: str, workers: int = 1) -> None:
     """``alibi-preprocess --only-source`` on the three raw splits: each checked as
-    text first, the binaries written whole or not at all (``fairseq_alibi.preprocess``)."""
+    text first, the binaries written whole or not at all (the console script beside this
+    interpreter: ``fairseq_alibi.preprocess``)."""
     for split in SPLITS:
         check_text(_raw_path(rawdir, split), f"tokenized {split} split")
     cmd = [
-        sys.executable, "-m", "fairseq_alibi.preprocess", "--only-source",
+        os.path.join(os.path.dirname(sys.executable), "alibi-preprocess"), "--only-source",
         "--trainpref", _raw_path(rawdir, "train"),
         "--validpref", _raw_path(rawdir, "valid"),
         "--testpref", _raw_path(rawdir, "test"),

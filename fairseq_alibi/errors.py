@@ -26,6 +26,7 @@ import sys
 from typing import Iterable, Optional
 
 from .core.errors import ConfigError, InputError, KernelUnsupportedError, ScalingError, UserError  # noqa: F401
+from .splits import split_problem
 
 
 class CheckpointError(UserError):
@@ -135,8 +136,6 @@ def _missing_split(message: str) -> str:
     if not match:
         return one_line(message)
     split, prefix = match.groups()
-    from .inputs import split_problem  # a half split is said as that, not as "not found"
-
     half = split_problem(prefix)
     if half:
         return half

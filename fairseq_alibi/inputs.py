@@ -8,13 +8,8 @@
   command that fixes it.  fairseq reads text with ``encoding="utf-8"`` and
   failed on anything else deep inside (a traceback, ``negative seek position
   -1``), after it had written half a dataset.
-* :func:`split_problem`: a binarized split (``PREFIX.bin`` + ``PREFIX.idx``)
-  that is half there (one file without the other, an index cut short, a
-  ``.bin`` of another size than its index describes), as every reader
-  reports it: an interrupted ``alibi-preprocess`` is the usual cause.
-
-No fairseq import at module level (``split_problem`` reads an index with
-fairseq's own reader, imported when there is one to read).
+* :func:`data_dir_problem`: a data directory's dictionaries and splits
+  (``splits.split_problem`` says what a half split is).
 """
 
 from __future__ import annotations
@@ -26,6 +21,7 @@ import stat
 from typing import Optional, Tuple
 
 from .errors import TextInputError, _not_a_directory
+from .splits import split_problem
 
 #: Bytes read at a time: a corpus of gigabytes is checked in constant memory.
 CHUNK = 1 << 20
@@ -158,66 +154,6 @@ def check_text(path: str, what: str = "text file", bom_ok: bool = False, flag: O
 
 
 # ------------------------------------------------------------ binarized splits
-
-
-def half_split_message(prefix: str, detail: str) -> str:
-    """The one message of every reader for a split that is half there."""
-    directory, split = os.path.split(prefix)
-    return (f"{directory or '.'} holds a half split {split!r} ({detail}): an interrupted alibi-preprocess? "
-            "run it again")
-
-
-def _index_length(idx: str) -> Optional[Tuple[int, int]]:
-    """(sentences, bytes its ``.bin`` must have) of a fairseq mmap index, or None
-    when ``idx`` is not one (another format: fairseq's readers judge it).
-    Raises ``ValueError`` for an mmap index cut short."""
-    import struct
-
-    from fairseq.data.indexed_dataset import MMapIndexedDataset
-
-    magic = MMapIndexedDataset.Index._HDR_MAGIC
-    with open(idx, "rb") as handle:
-        head = handle.read(len(magic))
-    if head != magic:
-        if magic.startswith(head):  # empty, or cut inside the magic
-            raise ValueError(f"{len(head)} bytes")
-        return None
-    try:
-        index = MMapIndexedDataset.Index(idx)
-    except (struct.error, ValueError) as exc:
-        raise ValueError(" ".join(str(exc).split())) from None
-    try:
-        return len(index), int(index.sizes.astype("int64").sum()) * index.dtype().itemsize
-    finally:
-        del index
-
-
-def split_problem(prefix: str) -> str:
-    """What is wrong with the binarized split ``prefix`` (``data/valid``), or ``""``
-    (also when neither file exists: the caller says the split is not there)."""
-    bin_path, idx_path = prefix + ".bin", prefix + ".idx"
-    split = os.path.basename(prefix)
-    has_bin, has_idx = os.path.isfile(bin_path), os.path.isfile(idx_path)
-    if has_bin != has_idx:
-        there, missing = (".bin", ".idx") if has_bin else (".idx", ".bin")
-        return half_split_message(prefix, f"{split}{there} without {split}{missing}")
-    if not has_bin:
-        return ""
-    try:
-        described = _index_length(idx_path)
-    except ValueError as exc:
-        return half_split_message(prefix, f"{split}.idx is cut short: {exc}")
-    if described is None:
-        return ""
-    sentences, expected = described
-    actual = os.path.getsize(bin_path)
-    if sentences == 0 and actual == 0:
-        return (f"the binarized split {prefix} (.bin/.idx) holds no sentence (it was binarized from an empty "
-                "text); binarize it again with alibi-preprocess (a non-empty text)")
-    if actual != expected:
-        return half_split_message(prefix, f"{split}.bin has {actual} bytes, {split}.idx describes {expected}: "
-                                  "a truncated or mixed-up pair")
-    return ""
 
 
 def data_dir_problem(directory: str, subsets) -> str:

@@ -355,13 +355,14 @@ def checked_data_files() -> None:
     read (another format, another encoding, empty, truncated, half a split) is a
     ``DataError`` or ``TextInputError`` naming it, not a traceback from deep inside
     fairseq, or a crash in the middle of a run (a truncated ``.bin`` is only read
-    batch by batch); the checks are ``inputs.check_text`` and ``inputs.split_problem``."""
+    batch by batch); the checks are ``inputs.check_text`` and ``splits.split_problem``."""
     import struct
 
     from fairseq.data import Dictionary, indexed_dataset
 
     from .errors import DataError
-    from .inputs import check_text, split_problem
+    from .inputs import check_text
+    from .splits import split_problem
 
     stock_add, stock_make = Dictionary.add_from_file, indexed_dataset.make_dataset
     if getattr(stock_make, "_alibi_checked", False):

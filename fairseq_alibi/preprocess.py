@@ -14,7 +14,8 @@ leaving ``valid.bin`` without ``valid.idx`` behind.  Here:
    files are moved into it (its ``preprocess.log`` appended to the one there): an interrupted,
    refused or failed run leaves every split whole or untouched.
 
-``python -m fairseq_alibi.preprocess`` is ``alibi-preprocess`` (the corpus builder runs it so).
+``alibi-preprocess`` (``cli.preprocess``) applies :func:`guard`; scripts run
+that console script (``console_script`` finds it beside the interpreter).
 """
 
 from __future__ import annotations
@@ -156,11 +157,3 @@ def guard(module) -> None:
         module.main = staged(module.main)
         module.main._alibi_staged = True
 
-
-if __name__ == "__main__":
-    import sys
-
-    from .cli import preprocess
-
-    sys.argv[0] = "alibi-preprocess"
-    preprocess()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import error_lines, run_cli, tool, train_args
-from fairseq_alibi import inputs, staging
+from fairseq_alibi import inputs, splits, staging
 from fairseq_alibi.errors import TextInputError
 
 #: The invalid texts every reader is fed: (bytes, what its one error line says).
@@ -379,13 +379,13 @@ HALVES = [(bin_only, "valid.bin without valid.idx"), (idx_only, "valid.idx witho
 @pytest.mark.parametrize("make,detail", HALVES, ids=[h[0].__name__ for h in HALVES])
 def test_split_problem_by_class(make, detail, small_data, tmp_path):
     data = _split_files(small_data / "data", tmp_path)
-    assert inputs.split_problem(str(data / "valid")) == ""
-    assert inputs.split_problem(str(data / "missing")) == ""
+    assert splits.split_problem(str(data / "valid")) == ""
+    assert splits.split_problem(str(data / "missing")) == ""
     make(data)
-    problem = inputs.split_problem(str(data / "valid"))
+    problem = splits.split_problem(str(data / "valid"))
     assert problem.startswith(f"{data} holds a half split 'valid' ({detail}"), problem
     assert problem.endswith("): an interrupted alibi-preprocess? run it again"), problem
-    assert inputs.split_problem(str(data / "train")) == ""
+    assert splits.split_problem(str(data / "train")) == ""
 
 
 HALF_READERS = [
@@ -417,4 +417,4 @@ def test_usage_doc_quotes_the_half_split_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     Path("data-bin/latin").mkdir(parents=True)
     Path("data-bin/latin/valid.bin").write_bytes(b"\0" * 8)
-    assert shown == f"error: {inputs.split_problem('data-bin/latin/valid')}"
+    assert shown == f"error: {splits.split_problem('data-bin/latin/valid')}"

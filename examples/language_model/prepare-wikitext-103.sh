@@ -118,7 +118,7 @@ done
 
 # ---------------------------------------------------------------- 3. binarize
 mkdir -p "$DEST"
-"$PYTHON" -m fairseq_alibi.preprocess --only-source \
+"$("$PYTHON" -c 'import os, sys; print(os.path.join(os.path.dirname(sys.executable), "alibi-preprocess"))')" --only-source \
   --trainpref "$RAW/wiki.train.tokens" --validpref "$RAW/wiki.valid.tokens" \
   --testpref "$RAW/wiki.test.tokens" --destdir "$DEST" --workers "$WORKERS"
 touch "$DEST/.prepared"

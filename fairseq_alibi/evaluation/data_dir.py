@@ -8,7 +8,8 @@ import os
 from typing import Optional
 
 from ..errors import DataError, EvaluationError
-from ..inputs import check_text, split_problem
+from ..inputs import check_text
+from ..splits import split_problem
 
 
 def split_text(data: str, subset: str) -> str:
