@@ -365,7 +365,9 @@ def test_unsupported_models_are_refused():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(method="yarn", factor=2.0), "method='yarn' is not valid; allowed values: none, linear, ntk, cap"),
+        (dict(method="yarn", factor=2.0), "method='yarn' is not valid; yarn does not apply to alibi models; the "
+                                          "methods that do: none, linear, ntk, cap"),
+        (dict(method="rope", factor=2.0), "method='rope' is not valid; allowed values: none, linear, ntk, yarn"),
         (dict(method="ntk", factor=0.5), "factor=0.5 is not valid; ntk takes a static factor >= 1, or dynamic"),
         (dict(method="ntk", factor=None), "factor=None is not valid"),
         (dict(method="ntk"), "train_length=None is not valid; dynamic scaling .* pass it \\(train_length=L"),

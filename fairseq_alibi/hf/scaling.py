@@ -43,7 +43,7 @@ import torch
 
 from ..core import alibi
 from ..core.errors import ConfigError, InputError
-from ..core.scaling import DISTANCE_METHODS, Scaling
+from ..core.scaling import DISTANCE_METHODS, Scaling, check_applies
 from ..errors import UnsupportedModelError
 from .families import EXPORTED, base_slopes, hf_train_length, resolve
 
@@ -294,7 +294,7 @@ def _checked_scaling(model, family: str, method, factor, train_length, alpha, bi
     recorded = hf_train_length(getattr(model, "config", None))
     if family == EXPORTED or scaling.train_length is None:
         scaling = scaling.for_model(recorded)
-    scaling = scaling.complete()
+    scaling = check_applies(scaling, "alibi", alibi.EXTENSIONS).complete()
     if bias_form == "upstream" and scaling.method in DISTANCE_METHODS:
         raise ConfigError(f"bias_form='upstream' builds a bias of key positions only, which cannot transform "
                           f"distances; use the default bias_form='relative' with {scaling.method}")
