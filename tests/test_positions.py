@@ -385,6 +385,26 @@ def test_fire_pieces_are_the_mlp_with_its_gradients(make):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("make", [fire_module, knotted_fire])
+def test_fire_values_are_its_pieces_exactly_and_contiguous(make):
+    """The per-head gather gives, bit for bit, each (i, j)'s piece looked up
+    the plain way (``[q, k, H]`` indexing, then heads first), and the
+    gradients of that lookup; and a contiguous ``[H, q, k]`` bias."""
+    torch.manual_seed(7)
+    module = make()
+    query, key = grid(30, 20, 50)  # queries on both sides of the threshold, keys past them (masked later)
+    got = module.values(query, key)
+    x = module.mlp_input(query, key)
+    knots, slopes, intercepts = module.pieces()
+    piece = torch.bucketize(x.detach(), knots)
+    expected = (slopes[piece] * x[..., None] + intercepts[piece]).permute(2, 0, 1)
+    assert torch.equal(got, expected) and got.is_contiguous()
+    weights = torch.randn(got.shape)
+    grads = [torch.autograd.grad((out * weights).sum(), list(module.parameters())) for out in (got, expected)]
+    for name, a, b in zip(dict(module.named_parameters()), *grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_fire_is_not_toeplitz_past_the_threshold():
     module = fire_module()
     values = module.values(*grid(0, 40, 40))

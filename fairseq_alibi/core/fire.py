@@ -21,7 +21,6 @@ from typing import Tuple
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from .alibi import learned_slopes as positive, learned_slopes_inverse as positive_inverse
 from .kerple import causal_distance
@@ -108,10 +107,16 @@ class Fire(nn.Module):
         float32 value whatever the shape of the call (a matrix product's
         blocking depends on the shape: a KV cache's rows would differ from the
         full forward in the last bit), and no ``[q, k, hidden]`` tensor is
-        formed.  Gradients are the MLP's (zero-measure knots aside)."""
+        formed.  Gradients are the MLP's (zero-measure knots aside).  Each
+        head's coefficients are gathered straight into ``[H, q, k]`` order, so
+        the bias is contiguous as the kernels read it (a ``[q, k, H]`` gather,
+        permuted, left a strided bias that every attention call copied)."""
         x = self.mlp_input(query, key)
         knots, slopes, intercepts = self.pieces()
-        piece = torch.bucketize(x.detach(), knots)
-        coefficients = F.embedding(piece, torch.cat((slopes, intercepts), dim=1))
-        out = coefficients[..., : self.num_heads] * x[..., None] + coefficients[..., self.num_heads:]
-        return out.permute(2, 0, 1)
+        piece = torch.bucketize(x.detach(), knots).view(1, -1).expand(self.num_heads, -1)
+
+        def per_head(table: Tensor) -> Tensor:
+            """``table [n + 1, H]``'s entry of each ``(i, j)``'s piece, ``[H, q, k]``."""
+            return table.t().gather(1, piece).view(self.num_heads, *x.shape)
+
+        return per_head(slopes) * x + per_head(intercepts)

@@ -1,0 +1,396 @@
+"""Training and evaluation cost of every position method, side by side (issue 35).
+
+    python benchmarks/positions_cost.py                   # the comparison's setting (examples/positions/compare.sh)
+    python benchmarks/positions_cost.py --methods alibi t5bias --repeats 5    # sinusoidal is always measured
+    python benchmarks/positions_cost.py --length 512 --layers 6 --embed-dim 256 --ffn 1024 \\
+        --max-tokens 4096 --eval-multiples 8 16 --updates 20             # a larger setting
+    python benchmarks/positions_cost.py --json cost.json --markdown cost.md   # keep the results
+
+The ALiBi paper's table of training speed, inference speed and memory, for
+the seven position methods of this project (sinusoidal: the stock
+``transformer_lm``; the others ``transformer_lm_<method>``), every model with
+the same flags as ``compare.sh`` trains it (2 layers, d=128, 8 heads, FFN 512,
+pre-norm, L=64, 2048 tokens per update, dropout 0.1), only the arch differing.
+
+* **Training words/s**: ``alibi-train`` runs of ``--updates`` updates each on a
+  throw-away corpus of random words (``--words``, the embedded corpus's
+  vocabulary size by default; ``--data`` trains on a binarized directory
+  instead), ``--log-interval 1``, one run at a time with ``--threads`` threads,
+  for each ``--attention-dropout``.  A run's words/s is the median ``wps`` of
+  its updates after ``--skip`` warm-up updates.  Each repeat visits every
+  (attention dropout, method) once, the methods in an order rotated by one
+  each repeat, so that a slow phase of the machine does not fall on one
+  method only.
+* **Evaluation**: one no-grad forward of the decoder stack
+  (``extract_features``: embeddings, layers, final norm; no vocabulary
+  projection, which costs every method the same) over one sequence of each
+  ``--eval-multiples`` x L tokens, batch 1, freshly initialized weights (seed
+  0).  Every cell (method x length x repeat) is a fresh subprocess, as in
+  ``eval_memory.py``: it builds the model as fairseq-train would (every model
+  with ``--max-target-positions`` raised to the longest length, which the
+  sinusoidal model needs to read past L, as the sweep's backend overrides it),
+  runs one forward of L tokens, notes its resident memory (``ready``), runs one
+  forward at the length (caches built, as when a corpus is evaluated in windows
+  of one length), then times ``--eval-calls`` more.  Time: the median of those
+  calls; peak: the process's high-water mark (``ru_maxrss``); own: peak minus
+  ready, what the long forward added.  Cells alternate like the training runs.
+
+Reported per method: the median over repeats and its ratio to the sinusoidal
+median (the ratio of the two printed medians), with the range of the ratios of
+the pairs taken in the same repeat, ``[min, max]``.  A wall clock on a shared
+machine is noisy: run it on a quiet one and quote the table with its header
+(command line, host, torch, threads, load average).  Progress goes to stderr,
+the Markdown report to stdout (and ``--markdown``), everything to ``--json``.
+Exit status 1 if a cell failed (its row says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+# This checkout's package first, in this process and in every cell (the same file):
+# an installed copy elsewhere would be measured instead (the training runs get it
+# through PYTHONPATH, fairseq_train_wps.run_all).
+sys.path[:0] = [HERE, ROOT]
+from common import machine_description, median, model_args  # noqa: E402
+from eval_memory import mem_available_gib, rss_mib  # noqa: E402
+from fairseq_train_wps import BIN, make_corpus, read_log, run_all, summarize  # noqa: E402
+
+from fairseq_alibi.core.positions import POSITIONS  # noqa: E402
+
+BASELINE = "sinusoidal"
+#: Every method, in the order the tables list them: the baseline, then the registry's.
+METHODS = (BASELINE,) + tuple(POSITIONS)
+#: A sinusoidal cell is skipped when its ``T x T`` float future mask, twice, would take more
+#: than this share of the memory available (the machine may be shared).
+MEMORY_SHARE = 0.6
+
+
+def arch_of(method: str) -> str:
+    return "transformer_lm" if method == BASELINE else f"transformer_lm_{method}"
+
+
+def rotated(methods: Sequence[str], shift: int) -> List[str]:
+    shift %= len(methods)
+    return list(methods[shift:]) + list(methods[:shift])
+
+
+def size_args(opts) -> List[str]:
+    """The model flags every method shares (compare.sh's)."""
+    return model_args(opts.embed_dim, opts.layers, opts.heads, opts.ffn, dropout=0.1) + ["--decoder-normalize-before"]
+
+
+def train_command(data: str, method: str, opts, attention_dropout: float) -> List[str]:
+    """``alibi-train`` with compare.sh's training flags, logging every update's words/s."""
+    return [
+        os.path.join(BIN, "alibi-train"), data, "--task", "language_modeling", "--arch", arch_of(method),
+        *size_args(opts), "--attention-dropout", str(attention_dropout),
+        "--tokens-per-sample", str(opts.length), "--sample-break-mode", "none", "--max-tokens", str(opts.max_tokens),
+        "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0", "--weight-decay", "0.01",
+        "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100", "--warmup-init-lr", "1e-7",
+        "--max-update", str(opts.updates), "--seed", "1", "--log-format", "json", "--log-interval", "1",
+        "--no-save", "--disable-validation", "--num-workers", "0", "--cpu",
+    ]
+
+
+# ----------------------------------------------------------------- one evaluation cell (a subprocess)
+def sinusoidal_mask_gib(length: int) -> float:
+    """The stock decoder's float32 ``T x T`` future mask."""
+    return 4 * length * length / 2**30
+
+
+def run_cell(opts) -> dict:
+    """Time and memory of the no-grad decoder stack of ``opts.cell_method`` over ``opts.cell_length`` tokens."""
+    import torch
+    from common import build_lm
+
+    torch.set_num_threads(opts.threads)
+    torch.manual_seed(0)
+    extra = size_args(opts) + ["--max-target-positions", str(opts.length * max(opts.eval_multiples))]
+    _, model, _, _ = build_lm(arch_of(opts.cell_method), opts.dict_dir, extra, tokens_per_sample=opts.length)
+    model.eval()
+
+    def tokens(n: int):
+        return torch.randint(4, opts.vocab, (1, n), generator=torch.Generator().manual_seed(n))
+
+    def forward(x) -> float:
+        with torch.no_grad():
+            start = time.perf_counter()
+            features = model.decoder.extract_features(x, None)[0]
+            elapsed = time.perf_counter() - start
+        if not bool(torch.isfinite(features).all()):
+            raise RuntimeError(f"{opts.cell_method}: non-finite features at {x.size(1)} tokens")
+        return elapsed
+
+    forward(tokens(opts.length))
+    ready = rss_mib()
+    x = tokens(opts.cell_length)
+    first = forward(x)
+    calls = [forward(x) for _ in range(opts.eval_calls)]
+    peak = rss_mib()
+    return {"seconds": median(calls), "calls": calls, "first_call": first, "peak_mib": peak,
+            "ready_mib": ready, "own_mib": peak - ready}
+
+
+def cell_command(opts, method: str, length: int, dict_dir: str) -> List[str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--cell-method", method, "--cell-length", str(length),
+           "--dict-dir", dict_dir, "--vocab", str(opts.vocab), "--threads", str(opts.threads),
+           "--eval-calls", str(opts.eval_calls), "--eval-multiples", *map(str, opts.eval_multiples)]
+    for flag in ("length", "layers", "embed_dim", "heads", "ffn"):
+        cmd += ["--" + flag.replace("_", "-"), str(getattr(opts, flag))]
+    return cmd
+
+
+def measure_cell(opts, method: str, length: int, dict_dir: str) -> dict:
+    """One cell in a fresh subprocess: its result, or ``{"skipped"|"failed": why}``."""
+    if method == BASELINE and 2 * sinusoidal_mask_gib(length) > MEMORY_SHARE * mem_available_gib():
+        return {"skipped": f"needs ~{2 * sinusoidal_mask_gib(length):.0f} GiB for the T x T mask"}
+    proc = subprocess.run(cell_command(opts, method, length, dict_dir), capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("CELL ")]
+    if proc.returncode != 0 or not lines:
+        return {"failed": f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}",
+                "stderr": proc.stderr[-4000:]}
+    return json.loads(lines[-1][len("CELL "):])
+
+
+# ----------------------------------------------------------------- summaries
+def compared(per_repeat: Dict[str, List[Optional[float]]]) -> Dict[str, dict]:
+    """Each method's median over its repeats, its ratio to the baseline's median,
+    and the ratios of the pairs of one repeat (both measured), with their range.
+    ``None`` marks a repeat that gave no value."""
+    base = [v for v in per_repeat[BASELINE] if v is not None]
+    base_median = median(base) if base else None
+    out = {}
+    for method, values in per_repeat.items():
+        done = [v for v in values if v is not None]
+        pairs = [v / b for v, b in zip(values, per_repeat[BASELINE]) if v is not None and b]
+        entry = {"values": values, "median": median(done) if done else None, "paired_ratios": pairs}
+        entry["ratio"] = entry["median"] / base_median if done and base_median else None
+        entry["range"] = [min(pairs), max(pairs)] if pairs else None
+        out[method] = entry
+    return out
+
+
+def significant(value: float) -> str:
+    """At least 4 significant digits, never an exponent (the table's medians and ratios)."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    return f"{value:.{max(0, 3 - math.floor(math.log10(abs(value))))}f}"
+
+
+def ratio_text(entry: dict) -> str:
+    if entry["ratio"] is None:
+        return "-"
+    low, high = entry["range"]
+    return f"{significant(entry['ratio'])} [{significant(low)}, {significant(high)}]"
+
+
+def value_text(entry: dict) -> str:
+    return significant(entry["median"]) if entry["median"] is not None else "-"
+
+
+# ----------------------------------------------------------------- the report
+def code_version() -> str:
+    """This checkout's commit, and whether its files differ from it."""
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True).stdout.strip()
+
+    try:
+        commit, changed = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except OSError:
+        return "unknown (no git)"
+    return f"commit {commit or 'unknown'}" + (" with uncommitted changes" if changed else "")
+
+
+def header(opts, command: str, loads: Sequence[float]) -> List[str]:
+    return [
+        "## Position methods: training and evaluation cost",
+        "",
+        f"Command: `{command}` (code: {code_version()})",
+        "",
+        f"Host: {machine_description()}; {opts.threads} thread(s) per run; load average (1 min) "
+        f"{loads[0]:.2f} at the start, {loads[1]:.2f} at the end.",
+        "",
+        f"Model (every method): {opts.layers} layers, d={opts.embed_dim}, {opts.heads} heads, FFN {opts.ffn}, "
+        f"pre-norm, vocabulary {opts.vocab}, L={opts.length}; training {opts.max_tokens} tokens per update, "
+        f"dropout 0.1. Each value: the median over {opts.repeats} repeat(s); / sinusoidal: the ratio of the "
+        "medians, [the range of the ratios of the pairs of one repeat].",
+    ]
+
+
+def train_table(opts, train: Dict[str, Dict[str, dict]]) -> List[str]:
+    drops = list(train)
+    lines = [f"### Training: words/s of `alibi-train` (median update after {opts.skip} warm-up, "
+             f"{opts.updates} updates per run)", "",
+             "| method | " + " | ".join(f"wps, attention dropout {d} | / sinusoidal" for d in drops) + " |",
+             "|---|" + "---|---|" * len(drops)]
+    for method in opts.methods:
+        cells = [f"{value_text(train[d][method])} | {ratio_text(train[d][method])}" for d in drops]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def eval_table(opts, length: int, by_key: Dict[str, Dict[str, dict]], why: Dict[str, str]) -> List[str]:
+    lines = [f"### Evaluation: no-grad forward of the decoder stack, {length} tokens "
+             f"({length // opts.length}x L), batch 1, initial weights (seed 0)", "",
+             "| method | seconds | / sinusoidal | peak MiB | / sinusoidal | own MiB | / sinusoidal |",
+             "|---|---|---|---|---|---|---|"]
+    for method in opts.methods:
+        if method in why:
+            lines.append(f"| {method} | not run: {why[method]} |" + " - |" * 5)
+            continue
+        cells = [f"{value_text(by_key[key][method])} | {ratio_text(by_key[key][method])}"
+                 for key in ("seconds", "peak_mib", "own_mib")]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def render(opts, command: str, loads: Sequence[float], train: Dict[str, Dict[str, dict]], evaluation) -> str:
+    """The Markdown report: the header, the training table, one evaluation table per length."""
+    lines = header(opts, command, loads) + [""] + train_table(opts, train)
+    for length, result in evaluation.items():
+        lines += [""] + eval_table(opts, int(length), result["compared"], result["not_run"])
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------- the runs
+def progress(start: float, message: str) -> None:
+    print(f"[positions_cost {time.time() - start:.0f}s] {message}", file=sys.stderr, flush=True)
+
+
+def measure_training(opts, data: str, workdir: str, start: float) -> Dict[str, Dict[str, dict]]:
+    """Per attention dropout, ``compared`` words/s of every method."""
+    wps = {str(d): {m: [] for m in opts.methods} for d in opts.attention_dropout}
+    for r in range(opts.repeats):
+        for drop in opts.attention_dropout:
+            for method in rotated(opts.methods, r):
+                log = os.path.join(workdir, f"{method}_ad{drop}_{r}.log")
+                run_all([(train_command(data, method, opts, drop), log)], parallel=False)
+                value = summarize(read_log(log), opts.skip)[0]
+                wps[str(drop)][method].append(value)
+                progress(start, f"train repeat {r + 1}/{opts.repeats}, attention dropout {drop}, "
+                                f"{method}: median wps {value:.0f}")
+    return {drop: compared(values) for drop, values in wps.items()}
+
+
+def measure_evaluation(opts, dict_dir: str, start: float):
+    """Per length: the cells, ``compared`` seconds / peak / own memory, and why a method has none."""
+    results = {}
+    for m, multiple in enumerate(opts.eval_multiples):
+        length = multiple * opts.length
+        cells = {method: [] for method in opts.methods}
+        for r in range(opts.repeats):
+            for method in rotated(opts.methods, r + m):
+                cell = measure_cell(opts, method, length, dict_dir)
+                cells[method].append(cell)
+                state = cell.get("skipped") or cell.get("failed") or \
+                    f"{cell['seconds']:.3f} s, peak {cell['peak_mib']:.0f} MiB (own {cell['own_mib']:.0f})"
+                progress(start, f"eval repeat {r + 1}/{opts.repeats}, {length} tokens, {method}: {state}")
+        by_key = {key: compared({method: [c.get(key) for c in runs] for method, runs in cells.items()})
+                  for key in ("seconds", "peak_mib", "own_mib")}
+        why = {method: next(c.get("skipped") or c.get("failed") for c in runs)
+               for method, runs in cells.items() if not any("seconds" in c for c in runs)}
+        results[str(length)] = {"cells": cells, "compared": by_key, "not_run": why}
+    return results
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="the methods to compare (sinusoidal, every ratio's baseline, is always measured)")
+    p.add_argument("--attention-dropout", type=float, nargs="+", default=[0.0, 0.1])
+    p.add_argument("--repeats", type=positive, default=3, help="runs per (method, attention dropout) and cells per "
+                   "(method, length)")
+    p.add_argument("--updates", type=positive, default=30, help="updates per training run")
+    p.add_argument("--skip", type=int, default=5, help="warm-up updates not counted")
+    p.add_argument("--length", type=positive, default=64, help="L, --tokens-per-sample")
+    p.add_argument("--max-tokens", type=positive, default=2048, help="tokens per update")
+    p.add_argument("--layers", type=positive, default=2)
+    p.add_argument("--embed-dim", type=positive, default=128)
+    p.add_argument("--heads", type=positive, default=8)
+    p.add_argument("--ffn", type=positive, default=512)
+    p.add_argument("--words", type=positive, default=10420,
+                   help="corpus words (+4 fairseq specials: by default the embedded corpus's 10424 symbols)")
+    p.add_argument("--data", help="train on this binarized directory instead of a corpus of random words")
+    p.add_argument("--eval-multiples", type=positive, nargs="+", default=[8, 64], help="evaluation lengths, x L")
+    p.add_argument("--eval-calls", type=positive, default=2, help="timed forwards per evaluation cell")
+    p.add_argument("--threads", type=positive, default=1, help="threads of every run and cell")
+    p.add_argument("--keep", help="keep the corpus and training logs in this directory")
+    p.add_argument("--json", help="write every measurement here")
+    p.add_argument("--markdown", help="write the report here too")
+    for hidden in ("--cell-method", "--dict-dir"):
+        p.add_argument(hidden, help=argparse.SUPPRESS)
+    p.add_argument("--cell-length", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
+    opts = p.parse_args(argv)
+    if not all(0 <= d < 1 for d in opts.attention_dropout):
+        p.error(f"--attention-dropout takes probabilities in [0, 1), got {' '.join(map(str, opts.attention_dropout))}")
+    if opts.skip < 0 or opts.skip >= opts.updates:
+        p.error(f"--skip must be in 0 .. {opts.updates - 1} (fewer than --updates {opts.updates}), got {opts.skip}")
+    opts.methods = [BASELINE] + [m for m in dict.fromkeys(opts.methods) if m != BASELINE]
+    return opts
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def dictionary_size(data: str) -> int:
+    """Symbols of a binarized directory's dictionary, fairseq's 4 specials included."""
+    with open(os.path.join(data, "dict.txt"), encoding="utf-8") as f:
+        return 4 + sum(1 for line in f if line.strip())
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    if opts.cell_method:
+        print("CELL " + json.dumps(run_cell(opts)), flush=True)
+        return 0
+    os.environ.update(OMP_NUM_THREADS=str(opts.threads), MKL_NUM_THREADS=str(opts.threads))
+    import torch
+
+    torch.set_num_threads(opts.threads)
+    start, loads = time.time(), [os.getloadavg()[0]]
+    command = "python benchmarks/positions_cost.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None else argv))
+    workdir = opts.keep or tempfile.mkdtemp(prefix="positions_cost_")
+    os.makedirs(workdir, exist_ok=True)
+    data = opts.data or make_corpus(workdir, opts.words, tokens=2 * (opts.updates + 2) * opts.max_tokens)
+    opts.vocab = dictionary_size(data)
+    progress(start, f"{len(opts.methods)} methods, {opts.repeats} repeat(s); corpus {data}")
+    train = measure_training(opts, data, workdir, start)
+    evaluation = measure_evaluation(opts, data, start)
+    loads.append(os.getloadavg()[0])
+    report = render(opts, command, loads, train, evaluation)
+    print(report, flush=True)
+    if opts.markdown:
+        with open(opts.markdown, "w") as f:
+            f.write(report)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"command": command, "code": code_version(), "machine": machine_description(),
+                       "torch": torch.__version__,
+                       "threads": opts.threads, "load_average": loads, "config": vars(opts), "train": train,
+                       "eval": evaluation, "markdown": report}, f, indent=1)
+    if not opts.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    failed = any("failed" in c for result in evaluation.values() for runs in result["cells"].values() for c in runs)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""``benchmarks/positions_cost.py`` (the position methods' speed and memory
+table): one tiny run (two methods, one attention dropout, one length: each run
+is a fresh process), its report's structure and every ratio against the
+medians it prints, its JSON against its report; the report of several columns
+and tables from made-up measurements; the summaries against a naive
+recomputation here; its argument errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import statistics
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import positions_cost  # noqa: E402
+
+SCRIPT = REPO / "benchmarks" / "positions_cost.py"
+LENGTH = 16
+# One attention dropout and one length, the fewest runs (every run is a fresh process);
+# the report's several columns and tables are checked on measurements made up here.
+TINY = ["--methods", "t5bias", "--attention-dropout", "0.1", "--repeats", "1", "--updates", "3", "--skip", "1",
+        "--length", str(LENGTH), "--max-tokens", "64", "--layers", "1", "--embed-dim", "16", "--heads", "2",
+        "--ffn", "32", "--eval-multiples", "4", "--eval-calls", "1"]
+RATIO = re.compile(r"^(\S+) \[(\S+), (\S+)\]$")
+EVAL_HEADER = ["method", "seconds", "/ sinusoidal", "peak MiB", "/ sinusoidal", "own MiB", "/ sinusoidal"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(lm_data_bin, tmp_path_factory):
+    """(stdout, JSON) of one tiny run on the suite's corpus."""
+    out = tmp_path_factory.mktemp("positions_cost")
+    result = run_cli([sys.executable, SCRIPT, *TINY, "--data", lm_data_bin, "--json", out / "cost.json",
+                      "--markdown", out / "cost.md"], timeout=600)
+    assert (out / "cost.md").read_text() in result.stdout
+    return result.stdout, json.loads((out / "cost.json").read_text())
+
+
+def tables(markdown: str):
+    """``{title: [row cells]}`` of every ``### title`` followed by a Markdown table (header row first)."""
+    found, title = {}, None
+    for line in markdown.splitlines():
+        if line.startswith("### "):
+            title = line[4:]
+            found[title] = []
+        elif line.startswith("|") and title and not line.startswith("|---"):
+            found[title].append([cell.strip() for cell in line.strip("|").split("|")])
+    return found
+
+
+def half_unit(text: str) -> float:
+    """Half a unit of the last printed digit: the rounding of a printed value."""
+    return 0.5 * 10.0 ** -(len(text.split(".")[1]) if "." in text else 0)
+
+
+def assert_printed_ratio(value: str, base: str, ratio: str) -> None:
+    """``ratio`` is ``value / base`` to the rounding of all three printed numbers."""
+    v, b, r = float(value), float(base), float(ratio)
+    dv, db, dr = half_unit(value), half_unit(base), half_unit(ratio)
+    assert (v - dv) / (b + db) - dr <= r <= (v + dv) / (b - db) + dr, (value, base, ratio)
+
+
+def check_report(markdown: str, methods, dropouts, multiples, repeats: int) -> int:
+    """The report's tables (rows, columns, titles) and every ``ratio [low, high]``
+    against the printed medians; the number of ratios checked."""
+    found = tables(markdown)
+    train = [t for t in found if t.startswith("Training")]
+    evals = [t for t in found if t.startswith("Evaluation")]
+    assert len(train) == 1 and len(evals) == len(multiples)
+    assert found[train[0]][0] == ["method"] + [c for d in dropouts for c in (f"wps, attention dropout {float(d)}",
+                                                                             "/ sinusoidal")]
+    for title, multiple in zip(evals, multiples):
+        assert f"{multiple * LENGTH} tokens ({multiple}x L)" in title and found[title][0] == EVAL_HEADER
+    checked = 0
+    for title in train + evals:
+        header, rows = found[title][0], found[title][1:]
+        assert [row[0] for row in rows] == methods and all(len(row) == len(header) for row in rows)
+        for column in (i for i, name in enumerate(header) if name == "/ sinusoidal"):
+            base = rows[0][column - 1]
+            for row in rows:
+                if row[1].startswith("not run: "):
+                    assert set(row[2:]) == {"-"}
+                    continue
+                if row[column] == "-":  # no ratio only where the baseline's median is 0
+                    assert float(base) == 0, (title, row)
+                    continue
+                ratio, low, high = RATIO.match(row[column]).groups()
+                assert_printed_ratio(row[column - 1], base, ratio)
+                if repeats % 2:  # an odd count: the medians' ratio lies within the pairs' range
+                    assert float(low) <= float(ratio) <= float(high), (title, row)
+                if repeats == 1:  # one pair, the medians' own ratio
+                    assert low == high == ratio, (title, row)
+                checked += 1
+    return checked
+
+
+def test_tiny_run_report(tiny_run):
+    stdout, data = tiny_run
+    assert f"Command: `python benchmarks/positions_cost.py {' '.join(TINY)}" in stdout
+    assert re.search(r"\(code: commit [0-9a-f]{7,}( with uncommitted changes)?\)$", stdout.splitlines()[2])
+    assert data["code"] in stdout.splitlines()[2]
+    host = next(line for line in stdout.splitlines() if line.startswith("Host: "))
+    assert f"torch {torch.__version__}" in host and "1 thread(s) per run" in host and "load average" in host
+    assert check_report(stdout, ["sinusoidal", "t5bias"], ["0.1"], [4], repeats=1) >= 4
+    assert data["threads"] == 1 and data["torch"] == torch.__version__ and set(data["train"]) == {"0.1"}
+
+
+def test_json_holds_what_the_report_prints(tiny_run):
+    stdout, data = tiny_run
+    assert data["markdown"] in stdout
+    for drop, methods in data["train"].items():
+        for method, entry in methods.items():
+            assert len(entry["values"]) == 1 and entry["median"] == entry["values"][0] > 0
+            assert entry["ratio"] == pytest.approx(entry["median"] / methods["sinusoidal"]["median"], rel=1e-12)
+            assert positions_cost.significant(entry["median"]) in stdout
+    for length, result in data["eval"].items():
+        for method, cells in result["cells"].items():
+            (cell,) = cells
+            assert cell["seconds"] == statistics.median(cell["calls"]) > 0
+            assert cell["own_mib"] == cell["peak_mib"] - cell["ready_mib"] >= 0
+            assert result["compared"]["peak_mib"][method]["median"] == cell["peak_mib"]
+
+
+def made_up_measurements(methods, dropouts, multiples, repeats, rng):
+    """``train`` and ``evaluation`` as the script builds them, from random values
+    (the last method's longest cells all failed)."""
+    def compare(scale):
+        return positions_cost.compared({m: [rng.uniform(0.5, 2) * scale for _ in range(repeats)] for m in methods})
+
+    train = {str(float(d)): compare(5000) for d in dropouts}
+    evaluation = {str(m * LENGTH): {"compared": {k: compare(s) for k, s in (("seconds", 0.3), ("peak_mib", 400),
+                                                                           ("own_mib", 50))}, "not_run": {}}
+                  for m in multiples}
+    evaluation[str(multiples[-1] * LENGTH)]["not_run"] = {methods[-1]: "exit 1: out of memory"}
+    return train, evaluation
+
+
+@pytest.mark.parametrize("repeats", [2, 3])
+def test_report_of_several_columns_and_tables(repeats):
+    opts = positions_cost.parse_args(["--length", str(LENGTH), "--repeats", str(repeats)])
+    opts.vocab = 100
+    train, evaluation = made_up_measurements(opts.methods, (0, 0.1), (8, 64), repeats, random.Random(repeats))
+    markdown = positions_cost.render(opts, "python benchmarks/positions_cost.py", [1.0, 2.0], train, evaluation)
+    checked = check_report(markdown, opts.methods, ["0", "0.1"], [8, 64], repeats)
+    assert checked == 7 * 2 + 7 * 3 + 6 * 3  # training, the first length, the second without its failed row
+    assert "| fire | not run: exit 1: out of memory |" in markdown
+
+
+def naive_compared(per_repeat):
+    base = [v for v in per_repeat["sinusoidal"] if v is not None]
+    out = {}
+    for method, values in per_repeat.items():
+        done = [v for v in values if v is not None]
+        pairs = [v / b for v, b in zip(values, per_repeat["sinusoidal"]) if v is not None and b is not None]
+        out[method] = (statistics.median(done), statistics.median(done) / statistics.median(base),
+                       (min(pairs), max(pairs)))
+    return out
+
+
+def test_compared_against_a_naive_recomputation():
+    rng = random.Random(3)
+    for repeats in (1, 2, 3, 4, 5):
+        per_repeat = {m: [rng.uniform(10, 1000) for _ in range(repeats)] for m in ("sinusoidal", "t5bias", "alibi")}
+        per_repeat["alibi"][0] = None  # a failed cell: left out of the median and of the pairs
+        if repeats == 1:
+            per_repeat["alibi"] = [1.0]
+        got = positions_cost.compared(per_repeat)
+        for method, (median, ratio, (low, high)) in naive_compared(per_repeat).items():
+            assert got[method]["median"] == pytest.approx(median, rel=1e-12)
+            assert got[method]["ratio"] == pytest.approx(ratio, rel=1e-12)
+            assert got[method]["range"] == pytest.approx([low, high], rel=1e-12)
+
+
+@pytest.mark.parametrize("value", [0.000123456, 0.0123456, 1.23456, 12.3456, 999.96, 12345.6, 1234567.0])
+def test_significant_keeps_four_digits_without_an_exponent(value):
+    text = positions_cost.significant(value)
+    assert "e" not in text
+    assert abs(float(text) - value) <= half_unit(text) * (1 + 1e-9)
+    assert half_unit(text) <= 5e-4 * value  # at least 4 significant digits
+    assert math.isclose(float(text), value, rel_tol=5e-4)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--updates", "3", "--skip", "3"], "--skip must be in 0 .. 2 (fewer than --updates 3), got 3"),
+    (["--repeats", "0"], "argument --repeats: must be a positive integer, got 0"),
+    (["--attention-dropout", "0", "1"], "--attention-dropout takes probabilities in [0, 1), got 0.0 1.0"),
+    (["--methods", "learned"], "argument --methods: invalid choice: 'learned'"),
+])
+def test_bad_arguments_are_one_error_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        positions_cost.parse_args(args)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_the_baseline_is_always_measured_first():
+    assert positions_cost.parse_args(["--methods", "fire", "alibi", "fire"]).methods == ["sinusoidal", "fire", "alibi"]
+    assert positions_cost.parse_args([]).methods == list(positions_cost.METHODS)
