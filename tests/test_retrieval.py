@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from conftest import EXAMPLES, TRAIN_LENGTH, run_cli, tool, train_args, wilson_by_hand
+from conftest import EXAMPLES, TRAIN_LENGTH, error_lines, run_cli, tool, train_args, wilson_by_hand
 
 from fairseq_alibi.evaluation import backends
 from fairseq_alibi.evaluation import prompts as P
@@ -388,11 +388,40 @@ def test_heads_example_runs(kv_data_bin, kv_checkpoint):
     assert set(top_rows) <= set(rows["none"])
 
 
+def markdown_rows(text: str, title: str):
+    """The rows (lists of cells, header first, separator dropped) of the Markdown
+    table that follows the first line starting with ``title``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    table = []
+    for line in lines[start + 1:]:
+        if line.startswith("|"):
+            table.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif table:
+            break
+    return [table[0]] + table[2:]
+
+
+def spread_by_hand(per_run):
+    """'mean [lowest, highest] (pooled low-high)' of runs' (correct, n), the
+    Wilson interval of the pooled prompts from its formula."""
+    values = [100 * k / n for k, n in per_run]
+    low, high = wilson_by_hand(sum(k for k, _ in per_run), sum(n for _, n in per_run))
+    return (f"{sum(values) / len(values):.0f} [{min(values):.0f}, {max(values):.0f}] "
+            f"(pooled {100 * low:.0f}-{100 * high:.0f})")
+
+
+def counts(cells, label, length):
+    these = [c for c in cells if c["label"] == label and c["length"] == length]
+    return sum(c["correct"] for c in these), sum(c["n"] for c in these)
+
+
 def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
-    """examples/retrieval/summary.py pools runs: the mean and [min, max] of each
-    method's accuracy at each length equal those computed from the runs' cells,
-    rows in the --methods order, one per method (two alphas of one method and
-    factor are two rows); each run's accuracy with its Wilson interval."""
+    """examples/retrieval/summary.py pools runs: each method's accuracy at each
+    length is the mean [lowest, highest] of the runs' accuracies and the Wilson
+    interval of their pooled prompts, computed here from the runs' cells; rows
+    in the --methods order, one per method (two alphas of one method and factor
+    are two rows); each run's accuracy with its own Wilson interval."""
     runs = {}
     for seed in (1, 2):
         out = tmp_path / f"seed{seed}"
@@ -405,57 +434,155 @@ def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
     plot = tmp_path / "methods.png"
     result = run_cli([sys.executable, EXAMPLES / "retrieval" / "summary.py", "--checkpoint", "kv", "--plot", plot,
                       *(f"{name}={tmp_path / ('seed' + name[1:])}/results.json" for name in runs)])
-    table = result.stdout.split("\n\n")[1].splitlines()
-    assert [row.split("|")[1].strip() for row in table[2:]] == ["ntk dynamic", "none", "cap x1", "log x1 a0.25",
-                                                                "log x1 a2"]
-    for row in table[2:]:
-        label = row.split("|")[1].strip()
-        for length, shown in zip((48, 100), row.split("|")[2:4]):
-            values = [100 * sum(c["correct"] for c in cells if c["label"] == label and c["length"] == length)
-                      / sum(c["n"] for c in cells if c["label"] == label and c["length"] == length)
-                      for cells in runs.values()]
-            expected = f"{sum(values) / 2:.0f} [{min(values):.0f}, {max(values):.0f}]"
-            assert shown.strip() == expected
-    per_run = result.stdout.strip().split("\n\n")[-1].splitlines()  # each run with its Wilson interval
-    assert len(per_run) == 2 + 5 * len(runs)
-    for row in per_run[2:]:
-        label, name = (part.strip() for part in row.split("|")[1:3])
-        for length, shown in zip((48, 100), row.split("|")[3:5]):
-            these = [c for c in runs[name] if c["label"] == label and c["length"] == length]
-            k, n = sum(c["correct"] for c in these), sum(c["n"] for c in these)
+    header, *rows = markdown_rows(result.stdout, "Accuracy % by prompt length")
+    assert header == ["method", f"kv 48 ({48 / TRAIN_LENGTH:g}x)", f"kv 100 ({100 / TRAIN_LENGTH:g}x)"]
+    assert [row[0] for row in rows] == ["ntk dynamic", "none", "cap x1", "log x1 a0.25", "log x1 a2"]
+    for label, *shown in rows:
+        assert shown == [spread_by_hand([counts(cells, label, n) for cells in runs.values()]) for n in (48, 100)]
+    header, *per_run = markdown_rows(result.stdout, "Accuracy % by prompt length in each run")
+    assert len(per_run) == 5 * len(runs)
+    for label, name, *shown in per_run:
+        for length, cell in zip((48, 100), shown):
+            k, n = counts(runs[name], label, length)
             low, high = wilson_by_hand(k, n)
-            assert shown.strip() == f"{100 * k / n:.0f} [{100 * low:.0f}, {100 * high:.0f}] ({n})"
+            assert cell == f"{100 * k / n:.0f} [{100 * low:.0f}, {100 * high:.0f}] ({n})"
     assert plot.stat().st_size > 0
 
 
-def test_recipe_script_trains_every_seed_and_summarizes(tmp_path):
-    """examples/retrieval/run.sh (make retrieval-demo) at toy size: an ALiBi model
-    per seed, the sinusoidal baseline for the first seed only, one retrieval run
-    per seed, the seeds' summary; a re-run trains nothing again."""
+def test_summary_puts_each_method_under_its_family(tmp_path):
+    """summary.py on hand-made results of three runs: an ALiBi model (none, cap),
+    a RoPE one (none, yarn:2, ntk:2) and a sinusoidal one in the first run only.
+    A column per model at each length, each number the mean [lowest, highest]
+    over the runs that hold the model and the Wilson interval of their pooled
+    prompts (computed here); n/a where the method does not apply to the model's
+    position method, blank where it applies and was not evaluated (ntk:2 on
+    ALiBi); by needle distance the same per model; --checkpoint keeps one model;
+    a checkpoint no run holds is one error line."""
+    from fairseq_alibi.core.scaling import Scaling
+
+    rng = random.Random(3)
+    grid = {"alibi": ("transformer_lm_alibi", ["none", "cap"]),
+            "rotary": ("transformer_lm_rotary", ["none", "yarn:2", "ntk:2"]),
+            "sinusoidal": ("transformer_lm", ["none"])}
+    runs = {}
+    for run in ("r1", "r2", "r3"):
+        cells = []
+        for name, (model, methods) in grid.items():
+            if name == "sinusoidal" and run != "r1":
+                continue
+            for spelling in methods:
+                s = Scaling.parse(spelling)
+                for length in (64, 512):
+                    for distance in (10, length - 20):
+                        n = rng.randint(5, 20)
+                        cells.append(dict(checkpoint=name, model=model, method=s.method, factor=s.factor,
+                                          label=s.label, spelling=s.spelling, train_length=64, length=length,
+                                          needle_distance=distance, n=n, correct=rng.randint(0, n),
+                                          answer_logprob=-rng.random()))
+        runs[run] = cells
+        _fake_cells(tmp_path / run / "results.json", cells)
+        data = json.loads((tmp_path / run / "results.json").read_text())
+        data["meta"] = {"methods": ["none", "cap", "yarn:2", "ntk:2"]}
+        (tmp_path / run / "results.json").write_text(json.dumps(data))
+    specs = [f"{run}={tmp_path / run / 'results.json'}" for run in runs]
+
+    def expected(name, label, match):
+        per_run = [(sum(c["correct"] for c in these), sum(c["n"] for c in these))
+                   for these in ([c for c in cells if c["checkpoint"] == name and c["label"] == label and match(c)]
+                                 for cells in runs.values()) if these]
+        return spread_by_hand(per_run)
+
+    out = run_cli([sys.executable, EXAMPLES / "retrieval" / "summary.py", *specs]).stdout
+    header, *rows = markdown_rows(out, "Accuracy % by prompt length")
+    columns = [(name, length) for length in (64, 512) for name in grid]
+    assert header == ["method"] + [f"{name} {length} ({length // 64}x)" for name, length in columns]
+    labels = [Scaling.parse(m).label for m in ("none", "cap", "yarn:2", "ntk:2")]
+    assert [row[0] for row in rows] == labels
+    applies = {"alibi": {"none", "cap", "ntk"}, "rotary": {"none", "yarn", "ntk"}, "sinusoidal": {"none"}}
+    for (label, *shown), spelling in zip(rows, ("none", "cap", "yarn:2", "ntk:2")):
+        for (name, length), cell in zip(columns, shown):
+            if spelling.split(":")[0] not in applies[name]:
+                assert cell == "n/a", (label, name, length)
+            elif spelling not in grid[name][1]:
+                assert cell == "", (label, name, length)
+            else:
+                assert cell == expected(name, label, lambda c: c["length"] == length), (label, name, length)
+    header, *rows = markdown_rows(out.split("## rotary (transformer_lm_rotary): 3 runs (r1, r2, r3)")[1],
+                                  "Accuracy % by needle distance")
+    assert header == ["method", "0-31", "32-63", "384-511"]  # needles 10 and 44 tokens away (64), 10 and 492 (512)
+    bins = [(0, 32), (32, 64), (384, 512)]
+    for label, *shown in rows:
+        assert shown == [expected("rotary", label, lambda c, lo=lo, hi=hi: lo <= c["needle_distance"] < hi)
+                         for lo, hi in bins]
+    assert "## sinusoidal (transformer_lm): 1 run (r1)" in out
+    only = run_cli([sys.executable, EXAMPLES / "retrieval" / "summary.py", "--checkpoint", "rotary", *specs]).stdout
+    assert markdown_rows(only, "Accuracy % by prompt length")[0] == ["method", "rotary 64 (1x)", "rotary 512 (8x)"]
+    assert "## alibi" not in only
+    wrong = run_cli([sys.executable, EXAMPLES / "retrieval" / "summary.py", "--checkpoint", "rope", *specs],
+                    expect_ok=False)
+    assert wrong.returncode == 1 and error_lines(wrong) == ["error: no run holds cells of checkpoint rope"]
+
+
+def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
+    """examples/retrieval/run.sh at toy size, RECIPE=families plus the sinusoidal
+    baseline: an ALiBi and a RoPE model per seed, the sinusoidal one for the
+    first seed only, one retrieval run per seed with each model under the
+    methods that apply to it (cap: ALiBi's only; yarn:2: RoPE's only); the
+    summary has a column per model at each length, each method's numbers under
+    the models it applies to (equal to the cells') and n/a under the others; a
+    re-run trains nothing again; an unknown model or recipe is refused before anything runs."""
     import subprocess
 
     from conftest import BIN, cli_env
 
     out, data = tmp_path / "out", tmp_path / "data"
-    env = cli_env(VENV_BIN=str(BIN), OUT=str(out), DATA=str(data), SEEDS="1 2", L="64", LAYERS="1", DIM="16",
-                  FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="3", WARMUP="2",
-                  MAX_TOKENS="256", LENGTHS="1x,2x", METHODS="none,cap", DEPTHS="1", SAMPLES="2",
-                  EVAL_THREADS="1")
+    settings = dict(VENV_BIN=str(BIN), OUT=str(out), DATA=str(data), SEEDS="1 2", L="64", LAYERS="1", DIM="16",
+                    FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="3", WARMUP="2",
+                    MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1", RECIPE="families",
+                    MODELS="alibi rotary sinusoidal", METHODS="none,cap,yarn:2", LENGTHS="1x,2x")
     script = str(EXAMPLES / "retrieval" / "run.sh")
-    first = subprocess.run([script], capture_output=True, text=True, env=env, timeout=600)
+    first = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     trained = sorted(p.parent.relative_to(out).as_posix() for p in out.glob("seed*/*/trained.ok"))
-    assert trained == ["seed1/alibi", "seed1/sinusoidal", "seed2/alibi"]
+    assert trained == ["seed1/alibi", "seed1/rotary", "seed1/sinusoidal", "seed2/alibi", "seed2/rotary"]
+    runs, applies = {}, {"alibi": {"none", "cap"}, "rotary": {"none", "yarn"}, "sinusoidal": {"none"}}
     for seed in (1, 2):
-        cells = json.loads((out / f"seed{seed}" / "lines" / "results.json").read_text())["cells"]
-        names = {c["checkpoint"] for c in cells}
-        assert names == ({"alibi", "sinusoidal"} if seed == 1 else {"alibi"})
-        assert {c["method"] for c in cells if c["checkpoint"] == "alibi"} == {"none", "cap"}
-    summary = (out / "summary.md").read_text()
-    assert "over 2 runs (seed1, seed2)" in summary and (out / "summary.png").stat().st_size > 0
-    again = subprocess.run([script], capture_output=True, text=True, env=env, timeout=600)
+        cells = json.loads((out / f"seed{seed}" / "families" / "results.json").read_text())["cells"]
+        runs[f"seed{seed}"] = cells
+        for name in {c["checkpoint"] for c in cells}:
+            assert {c["method"] for c in cells if c["checkpoint"] == name} == applies[name]
+            assert {c["model"] for c in cells if c["checkpoint"] == name} == {
+                "transformer_lm" if name == "sinusoidal" else f"transformer_lm_{name}"}
+    summary = (out / "summary-families.md").read_text()
+    header, *rows = markdown_rows(summary, "Accuracy % by prompt length")
+    columns = [(name, length) for length in (64, 128) for name in ("alibi", "rotary", "sinusoidal")]
+    assert header == ["method"] + [f"{name} {length} ({length // 64}x)" for name, length in columns]
+    labels = {c["method"]: c["label"] for cells in runs.values() for c in cells}
+    assert [row[0] for row in rows] == [labels["none"], labels["cap"], labels["yarn"]]
+    for (label, *shown), method in zip(rows, ("none", "cap", "yarn")):
+        for (name, length), cell in zip(columns, shown):
+            if method not in applies[name]:
+                assert cell == "n/a", (label, name, length)
+                continue
+            mine = [[c for c in cells if c["checkpoint"] == name] for cells in runs.values()]
+            assert cell == spread_by_hand([counts(cs, label, length) for cs in mine if cs]), (label, name, length)
+    assert "## alibi (transformer_lm_alibi): 2 runs" in summary
+    assert "## rotary (transformer_lm_rotary): 2 runs" in summary
+    assert "## sinusoidal (transformer_lm): 1 run (seed1)" in summary
+    assert (out / "summary-families.png").stat().st_size > 0
+    again = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=600)
     assert again.returncode == 0
-    assert again.stdout.count("already trained") == 3 and "2/3 training" not in again.stdout
+    assert again.stdout.count("already trained") == 5 and "2/3 training" not in again.stdout
+    wrong = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                           env=cli_env(**dict(settings, MODELS="alibi rope", OUT=str(tmp_path / "wrong"))))
+    assert wrong.returncode == 1 and not (tmp_path / "wrong").exists()
+    assert wrong.stderr.splitlines() == [
+        "error: MODELS names 'rope', which is not a position method; allowed values: sinusoidal alibi rotary "
+        "t5bias nope kerple fire"]
+    recipe = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                            env=cli_env(**dict(settings, RECIPE="both", OUT=str(tmp_path / "wrong"))))
+    assert recipe.returncode == 1 and recipe.stderr.splitlines() == [
+        "error: RECIPE=both is not a recipe; allowed values: methods, families"]
 
 
 def test_corpus_generator_refuses_a_length_that_holds_no_record(tmp_path):

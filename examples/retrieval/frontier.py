@@ -34,6 +34,8 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from summary import Retrieval  # the one convention for retrieval over seeds (this folder)
+
 TASKS = ("lines", "passkey")
 FAMILIES = ("ntk", "cap", "log", "power", "capnorm")
 
@@ -54,31 +56,6 @@ def read_cells(path: str) -> List[dict]:
 
 def at_ratio(cells: List[dict], ratio: float) -> List[dict]:
     return [c for c in cells if c.get("length_ratio") is not None and abs(c["length_ratio"] - ratio) < 1e-9]
-
-
-@dataclass
-class Retrieval:
-    """One method's retrieval over seeds: each seed's (correct, n)."""
-
-    per_seed: List[Tuple[int, int]]
-
-    @property
-    def accuracies(self) -> List[float]:
-        return [c / n for c, n in self.per_seed]
-
-    @property
-    def mean(self) -> float:
-        return statistics.fmean(self.accuracies)
-
-    def pooled_wilson(self) -> Tuple[float, float]:
-        from fairseq_alibi.evaluation.intervals import wilson
-
-        return wilson(sum(c for c, _ in self.per_seed), sum(n for _, n in self.per_seed))
-
-    def text(self) -> str:
-        low, high = self.pooled_wilson()
-        return (f"{100 * self.mean:.0f} [{100 * min(self.accuracies):.0f}, {100 * max(self.accuracies):.0f}] "
-                f"(pooled {100 * low:.0f}-{100 * high:.0f})")
 
 
 def retrieval(directory: str, seeds: Sequence[str], task: str, ratio: float) -> Dict[str, Retrieval]:

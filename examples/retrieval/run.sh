@@ -6,20 +6,33 @@
 #      L-1 words, each a record of `line KEY : REGISTER_CONTENT is 1 2 3 .`
 #      lines, the question about one of them with its answer, then a few of the
 #      record's lines repeated (more retrievals to learn from); binarize it;
-#   2. for each seed in SEEDS, train a small ALiBi LM (and, for the first
-#      seed, the stock sinusoidal transformer_lm with identical settings) at
-#      training length L;
-#   3. alibi-retrieval --task lines from 1x to 8x L for each seed: none,
-#      linear and NTK (static and dynamic) and the distance cap, over several
-#      needle depths; then examples/retrieval/summary.py puts the seeds side
-#      by side (mean and [min, max]).
+#   2. for each seed in SEEDS, train a small LM of every position method in
+#      MODELS (`transformer_lm_<name>`; `sinusoidal` is the stock
+#      transformer_lm, trained for the first seed only unless
+#      BASELINE_SEEDS=all), all with identical settings at training length L;
+#   3. alibi-retrieval --task lines at LENGTHS for each seed, every model under
+#      the METHODS that apply to it (the tool names the ones it skips); then
+#      examples/retrieval/summary.py puts the seeds side by side, a column per
+#      model at each length (mean [min, max] over seeds, pooled Wilson interval).
+#
+# Two recipes (RECIPE), each a default for MODELS, METHODS, LENGTHS and the
+# evaluation's name; any of them can still be set:
+#   methods   (default) ALiBi under none, linear and NTK (static and dynamic)
+#             and the distance cap at 1x-8x L, the sinusoidal twin as baseline
+#             (docs/retrieval.md, "The experiment");
+#   families  ALiBi and RoPE side by side, each under its own extension methods
+#             (ALiBi: cap, capnorm, power, ntk, linear; RoPE: linear, ntk, yarn)
+#             at 1x and 8x L (docs/retrieval.md, "Which method, when"):
+#             RECIPE=families examples/retrieval/run.sh
 #
 # Resumable like examples/language_model/demo.sh: a finished model (its
 # trained.ok) is not retrained, an interrupted one (or one trained for fewer
 # than UPDATES) resumes from checkpoint_last.pt, and finished retrieval cells
-# of unchanged checkpoints are kept.
-# Outputs: $OUT/seedS/{alibi,sinusoidal,lines} per seed, $OUT/summary.md and
-# $OUT/summary.png across seeds.
+# of unchanged checkpoints are kept.  Both recipes share the models of one OUT.
+# Outputs: $OUT/seedS/<model> (checkpoints, logs) and $OUT/seedS/<evaluation>
+# per seed (evaluation `lines` for RECIPE=methods, `families` for
+# RECIPE=families), and across seeds $OUT/summary.{md,png} (methods) or
+# $OUT/summary-families.{md,png}.
 # Every setting can be overridden from the environment.  On a GPU, e.g.:
 #   SCALE=gpu examples/retrieval/run.sh          (see docs/retrieval.md)
 set -euo pipefail
@@ -48,14 +61,43 @@ WARMUP=${WARMUP:-500}
 SEEDS=${SEEDS:-${SEED:-1 2 3}}   # model seeds (initialization, batch order, evaluation prompts)
 CORPUS_SEED=${CORPUS_SEED:-1}    # one corpus for every model seed
 OUT=${OUT:-outputs/retrieval}
-DATA=${DATA:-data-bin/retrieval-L$L}
-LENGTHS=${LENGTHS:-1x,1.5x,2x,3x,4x,6x,8x}
-METHODS=${METHODS:-none,linear:2,linear,ntk:2,ntk,cap:0.5,cap,cap:2}
+# A corpus of another seed gets its own directory (an existing one is never taken for it).
+if [ "$CORPUS_SEED" = 1 ]; then DATA=${DATA:-data-bin/retrieval-L$L}; else DATA=${DATA:-data-bin/retrieval-L$L-c$CORPUS_SEED}; fi
+RECIPE=${RECIPE:-methods}
+case "$RECIPE" in
+  methods)
+    MODELS=${MODELS:-alibi sinusoidal}; METHODS=${METHODS:-none,linear:2,linear,ntk:2,ntk,cap:0.5,cap,cap:2}
+    LENGTHS=${LENGTHS:-1x,1.5x,2x,3x,4x,6x,8x}; EVAL=lines; SUMMARY=summary ;;
+  families)
+    MODELS=${MODELS:-alibi rotary}; METHODS=${METHODS:-none,cap,capnorm,power,ntk:2,ntk,linear:2,linear,yarn:2,yarn:4}
+    LENGTHS=${LENGTHS:-1x,8x}; EVAL=families; SUMMARY=summary-families ;;
+  *) echo "error: RECIPE=$RECIPE is not a recipe; allowed values: methods, families" >&2; exit 1 ;;
+esac
 DEPTHS=${DEPTHS:-5}
 EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}
-MODELS=${MODELS:-alibi sinusoidal}   # which of the two to train and evaluate
 BASELINE_SEEDS=${BASELINE_SEEDS:-first}  # sinusoidal for the first seed only, or: all
 if [ "$PARALLEL" = 1 ]; then TRAIN_THREADS=${TRAIN_THREADS:-1}; else TRAIN_THREADS=${TRAIN_THREADS:-$(nproc)}; fi
+
+# MODELS: position methods of core.positions (transformer_lm_<name>) or
+# sinusoidal (the stock transformer_lm), checked before anything runs.
+KNOWN_MODELS="sinusoidal $(python -c 'from fairseq_alibi.core.positions import POSITIONS; print(*POSITIONS)')"
+for name in $MODELS; do
+  case " $KNOWN_MODELS " in *" $name "*) ;; *)
+    echo "error: MODELS names '$name', which is not a position method; allowed values: $KNOWN_MODELS" >&2
+    exit 1 ;;
+  esac
+done
+arch_of() { if [ "$1" = sinusoidal ]; then echo transformer_lm; else echo "transformer_lm_$1"; fi; }
+jobs_of() {  # the (seed, model) pairs to train, one per line; sinusoidal for the first seed unless BASELINE_SEEDS=all
+  local first=1
+  for seed in $SEEDS; do
+    for name in $(echo $MODELS | tr ' ' '\n' | awk '!seen[$0]++'); do
+      if [ "$name" != sinusoidal ] || [ "$first" = 1 ] || [ "$BASELINE_SEEDS" = all ]; then echo "$seed $name"; fi
+    done
+    first=0
+  done
+}
+[ -n "$(jobs_of)" ] || { echo "error: MODELS must name at least one model and SEEDS at least one seed" >&2; exit 1; }
 
 start=$(date +%s)
 stamp() { echo "[retrieval $(( $(date +%s) - start ))s] $*"; }
@@ -103,17 +145,6 @@ train() {  # train SEED NAME ARCH
   stamp "seed $seed $name: trained (valid $(grep -o "valid on 'valid' subset | loss [0-9.]*" "$dir/train.log" | tail -1 | grep -o 'loss [0-9.]*'))"
 }
 
-want() { case " $MODELS " in *" $1 "*) return 0 ;; esac; return 1; }
-arch_of() { if [ "$1" = alibi ]; then echo transformer_lm_alibi; else echo transformer_lm; fi; }
-jobs_of() {  # the (seed, model) pairs to train, one per line
-  local first=1
-  for seed in $SEEDS; do
-    want alibi && echo "$seed alibi"
-    if want sinusoidal && { [ "$first" = 1 ] || [ "$BASELINE_SEEDS" = all ]; }; then echo "$seed sinusoidal"; fi
-    first=0
-  done
-}
-[ -n "$(jobs_of)" ] || { echo "error: MODELS must name alibi and/or sinusoidal and SEEDS at least one seed" >&2; exit 1; }
 # At most $(nproc) trainings at once with PARALLEL=1 (one thread each), else one at a time.
 slots=1; [ "$PARALLEL" = 1 ] && slots=$(nproc)
 running=0
@@ -126,20 +157,19 @@ while [ "$running" -gt 0 ]; do wait -n; running=$((running - 1)); done
 CPU_FLAG=""; [ "$SCALE" = gpu ] || CPU_FLAG=--cpu
 summaries=()
 for seed in $SEEDS; do
-  checkpoints=()
-  for name in alibi sinusoidal; do
-    [ -f "$OUT/seed$seed/$name/trained.ok" ] && checkpoints+=(--checkpoint "$name=$OUT/seed$seed/$name/checkpoint_last.pt")
-  done
-  stamp "3/3 retrieval, seed $seed: lines at $LENGTHS x {$METHODS}, $DEPTHS depths x $SAMPLES samples -> $OUT/seed$seed/lines"
+  checkpoints=() names=()
+  while read -r _ name; do
+    checkpoints+=(--checkpoint "$name=$OUT/seed$seed/$name/checkpoint_last.pt") names+=("$name")
+  done < <(jobs_of | awk -v seed="$seed" '$1 == seed')
+  [ ${#checkpoints[@]} -gt 0 ] || continue
+  stamp "3/3 retrieval, seed $seed: lines at $LENGTHS x {$METHODS} on {${names[*]}}, $DEPTHS depths x $SAMPLES samples -> $OUT/seed$seed/$EVAL"
   OMP_NUM_THREADS=${EVAL_THREADS:-$(nproc)} python -m fairseq_alibi.evaluation.retrieval "$DATA" \
     "${checkpoints[@]}" \
     --task lines --digits "$DIGITS" --lengths "$LENGTHS" --methods "$METHODS" --depths "$DEPTHS" \
-    --samples "$SAMPLES" --seed "$seed" --output-dir "$OUT/seed$seed/lines" $CPU_FLAG --no-progress
-  want alibi && summaries+=("seed$seed=$OUT/seed$seed/lines/results.json")
+    --samples "$SAMPLES" --seed "$seed" --output-dir "$OUT/seed$seed/$EVAL" $CPU_FLAG --no-progress
+  summaries+=("seed$seed=$OUT/seed$seed/$EVAL/results.json")
 done
-# Across seeds: accuracy by length and by needle distance (tokens from the
-# queried record to the end of the prompt), mean [min, max].
-if [ ${#summaries[@]} -gt 0 ]; then
-  python examples/retrieval/summary.py "${summaries[@]}" --checkpoint alibi --plot "$OUT/summary.png" | tee "$OUT/summary.md"
-fi
-stamp "done: per seed $OUT/seed*/lines/results.md (plots accuracy.png, depth.png); across seeds $OUT/summary.md, $OUT/summary.png"
+# Across seeds, a column per model at each length, then each model's accuracy by
+# needle distance (tokens from the queried record to the end of the prompt).
+python examples/retrieval/summary.py "${summaries[@]}" --plot "$OUT/$SUMMARY.png" | tee "$OUT/$SUMMARY.md"
+stamp "done: per seed $OUT/seed*/$EVAL/results.md (plots accuracy.png, depth.png); across seeds $OUT/$SUMMARY.md, $OUT/$SUMMARY.png"

@@ -1,25 +1,36 @@
-"""Retrieval results of several seeds, side by side: which method, where.
+"""Retrieval results of several seeds, side by side: which method, where, on which model.
 
 Reads the ``results.json`` of one ``alibi-retrieval`` run per seed (the same
-task, lengths and methods; each seed's model under the name given) and prints
-Markdown tables of the spread across seeds, ``mean [min, max]``: each seed's
-value is computed from all its prompts in the table cell (depths pooled), then
-the mean of those per-seed values and the lowest and highest of them:
+task; each model under the same checkpoint name in every run, as ``run.sh``
+names them: ``alibi``, ``rotary``, ``sinusoidal``, ...) and prints Markdown
+tables for every checkpoint the runs hold (or those given with
+``--checkpoint``; a model missing from some runs, such as the sinusoidal
+baseline of the first seed only, is summarized over the runs that hold it):
 
-* exact-match accuracy (%) by prompt length, a row per method;
-* accuracy by needle distance (tokens from the queried record to the end of
-  the prompt), in bins of the training length L, a row per method;
-* the mean answer log-probability by length;
+* exact-match accuracy (%) by prompt length: a row per method, a column per
+  model at each length; ``n/a`` where the method does not apply to the model's
+  position method (``fairseq_alibi.core.positions``: ALiBi's methods under
+  ``alibi``, RoPE's under ``rotary``), blank where it was not evaluated;
+* per model: accuracy by needle distance (tokens from the queried record to
+  the end of the prompt) in bins of the training length L, the mean answer
+  log-probability by length, and each run's accuracy by length with its own
+  95 % Wilson interval;
 
-then the uncertainty within each seed: accuracy by length per seed with its
-95 % Wilson interval (the binomial interval of that seed's prompts);
 and, with ``--plot``, accuracy vs length and vs needle distance (mean line,
-min-max band) per method, in the colours and markers of ``alibi-sweep`` and
-``alibi-retrieval`` (``fairseq_alibi/evaluation/styles.py``).
+lowest-to-highest band), a colour and marker per method as in ``alibi-sweep``
+and ``alibi-retrieval`` (``fairseq_alibi/evaluation/styles.py``), a line style
+per model.
 
-    python examples/retrieval/summary.py seed1=out/seed1/lines/results.json \\
-        seed2=out/seed2/lines/results.json seed3=out/seed3/lines/results.json \\
-        --checkpoint alibi --plot docs/retrieval-methods.png
+One convention for every accuracy across runs (:data:`CONVENTION`):
+``mean [lowest, highest] (pooled low-high)``: each run's accuracy over all its
+prompts of the cell (depths pooled), the mean of those per-run accuracies and
+the lowest and highest of them, then the 95 % Wilson interval of all the runs'
+prompts pooled (the binomial uncertainty of the prompts; the spread between
+seeds is the brackets).  ``frontier.py`` and docs/retrieval.md use it too.
+
+    python examples/retrieval/summary.py seed1=out/seed1/families/results.json \\
+        seed2=out/seed2/families/results.json seed3=out/seed3/families/results.json \\
+        --plot out/summary-families.png
 """
 
 from __future__ import annotations
@@ -27,25 +38,102 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
-from typing import Dict, List, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+CONVENTION = ("mean over runs [lowest run, highest run] (pooled: the 95 % Wilson interval of all the runs' prompts "
+              "together)")
+
+Runs = Dict[str, List[dict]]  # run name -> one model's cells in that run
+Match = Callable[[dict], bool]
 
 
-def load(specs: Sequence[str], checkpoint: str) -> Tuple[Dict[str, List[dict]], List[str]]:
-    """(seed name -> the cells of ``checkpoint`` in that seed's results, the --methods spellings)."""
-    from fairseq_alibi.core.scaling import Scaling
+@dataclass
+class Retrieval:
+    """One method's retrieval over runs: each run's (correct, n); :data:`CONVENTION` as text."""
 
-    out, order = {}, []
-    for spec in specs:
-        name, _, path = spec.rpartition("=")
+    per_seed: List[Tuple[int, int]]
+
+    @property
+    def accuracies(self) -> List[float]:
+        return [c / n for c, n in self.per_seed]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.accuracies)
+
+    def pooled_wilson(self) -> Tuple[float, float]:
+        from fairseq_alibi.evaluation.intervals import wilson
+
+        return wilson(sum(c for c, _ in self.per_seed), sum(n for _, n in self.per_seed))
+
+    def text(self) -> str:
+        low, high = self.pooled_wilson()
+        return (f"{100 * self.mean:.0f} [{100 * min(self.accuracies):.0f}, {100 * max(self.accuracies):.0f}] "
+                f"(pooled {100 * low:.0f}-{100 * high:.0f})")
+
+
+@dataclass
+class Model:
+    """One checkpoint name across runs: its registered model (``transformer_lm_alibi``, ...) and cells per run."""
+
+    name: str
+    model: str
+    runs: Runs
+
+    def applies(self, method: str) -> Optional[bool]:
+        """Whether an extension method applies to this model's position method;
+        None where the model is not a registered fairseq LM (a Hugging Face one)."""
+        from types import SimpleNamespace
+
+        from fairseq_alibi.evaluation.axes import applicable
+        from fairseq_alibi.facts import LANGUAGE_MODELS, position_of
+
+        if self.model not in LANGUAGE_MODELS:
+            return None
+        return method in applicable(SimpleNamespace(position=position_of(self.model)))
+
+
+def read_results(path: str) -> dict:
+    try:
         with open(path, encoding="utf-8") as f:
             results = json.load(f)
-        cells = [c for c in results["cells"] if c["checkpoint"] == checkpoint]
-        if not cells:
-            raise SystemExit(f"error: {path} has no cells of checkpoint {checkpoint!r}")
-        out[name or path] = cells
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: cannot read retrieval results {path}: {exc}") from None
+    if not isinstance(results, dict) or not isinstance(results.get("cells"), list):
+        raise SystemExit(f"error: {path} is not an alibi-retrieval results.json (no list of cells)")
+    return results
+
+
+def load(specs: Sequence[str], checkpoints: Sequence[str] = ()) -> Tuple[List[Model], list]:
+    """(the models, in the order the runs list them; the --methods spellings, parsed)."""
+    from fairseq_alibi.core.scaling import Scaling
+
+    models: Dict[str, Model] = {}
+    order: List[str] = []
+    for spec in specs:
+        name, _, path = spec.rpartition("=")
+        results = read_results(path)
+        for cell in results["cells"]:
+            if checkpoints and cell["checkpoint"] not in checkpoints:
+                continue
+            model = models.setdefault(cell["checkpoint"], Model(cell["checkpoint"], cell.get("model", "?"), {}))
+            model.runs.setdefault(name or path, []).append(cell)
         order += [m for m in results.get("meta", {}).get("methods", []) if m not in order]
-    return out, [Scaling.parse(m) for m in order]
+    missing = [c for c in checkpoints if c not in models]
+    if missing:
+        raise SystemExit(f"error: no run holds cells of checkpoint {', '.join(missing)}")
+    if not models:
+        raise SystemExit("error: the runs hold no cells")
+    if checkpoints:
+        models = {c: models[c] for c in checkpoints}
+    lengths = {c["train_length"] for m in models.values() for cells in m.runs.values() for c in cells}
+    if len(lengths) > 1:
+        raise SystemExit(f"error: the runs hold models trained at different lengths ({', '.join(map(str, lengths))}): "
+                         "summarize each training length on its own (--checkpoint)")
+    return list(models.values()), [Scaling.parse(m) for m in order]
 
 
 def method_key(cell: dict) -> tuple:
@@ -58,10 +146,10 @@ def method_key(cell: dict) -> tuple:
     return cell["_key"]
 
 
-def methods_in_order(runs: Dict[str, List[dict]], given) -> List[Tuple[tuple, str]]:
-    """(key, label) in the order the runs' --methods gave them (others after)."""
+def methods_in_order(models: Sequence[Model], given) -> List[Tuple[tuple, str]]:
+    """(key, label) of every method any model holds, in the order the runs' --methods gave them (others after)."""
     rank = {m.key: i for i, m in enumerate(given)}
-    seen = {method_key(c): c["label"] for cells in runs.values() for c in cells}
+    seen = {method_key(c): c["label"] for m in models for cells in m.runs.values() for c in cells}
     return sorted(seen.items(), key=lambda item: (rank.get(item[0], len(rank)), repr(item[0])))
 
 
@@ -70,77 +158,128 @@ def pooled(cells: List[dict]) -> Tuple[int, int, float]:
     return sum(c["correct"] for c in cells), n, sum(c["answer_logprob"] * c["n"] for c in cells) / max(n, 1)
 
 
+def across_runs(runs: Runs, match: Match) -> Optional[Retrieval]:
+    """The runs' retrieval on the cells ``match`` keeps (runs without such cells left out)."""
+    per_run = [pooled([c for c in cells if match(c)])[:2] for cells in runs.values()]
+    per_run = [(k, n) for k, n in per_run if n]
+    return Retrieval(per_run) if per_run else None
+
+
 def distance_bins(train_length: int) -> List[Tuple[int, int]]:
     edges = [0, train_length // 2, train_length, 2 * train_length, 3 * train_length, 4 * train_length,
              6 * train_length, 8 * train_length, 16 * train_length]
     return list(zip(edges, edges[1:]))
 
 
-def table(runs, rows, columns, value, header: str, column_name) -> List[str]:
-    """A Markdown table, ``value(cells) -> float or None`` per seed, mean [min-max] per cell."""
-    out = [f"| {header} | " + " | ".join(column_name(c) for c in columns) + " |",
-           "|---|" + "---|" * len(columns)]
-    for label, match in rows:
+def of_method(key: tuple) -> Match:
+    return lambda c: method_key(c) == key
+
+
+def of_length(length: int) -> Match:
+    return lambda c: c["length"] == length
+
+
+def of_distance(low: int, high: int) -> Match:
+    return lambda c: c.get("needle_distance") is not None and low <= c["needle_distance"] < high
+
+
+def both(a: Match, b: Match) -> Match:
+    return lambda c: a(c) and b(c)
+
+
+def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def side_by_side(models: Sequence[Model], rows, lengths: Sequence[int], train_length: int) -> List[str]:
+    """Accuracy by length, a column per model at each length; ``n/a`` where a method does not apply."""
+    columns = [(model, length) for length in lengths for model in models]
+    header = ["method"] + [f"{model.name} {length} ({length / train_length:g}x)" for model, length in columns]
+    body = []
+    for key, label in rows:
         line = []
-        for column in columns:
-            values = [value([c for c in cells if match(c) and column[1](c)]) for cells in runs.values()]
-            values = [v for v in values if v is not None]
-            if not values:
-                line.append("")
-            elif len(values) == 1:
-                line.append(f"{values[0]:.0f}")
-            else:
-                line.append(f"{sum(values) / len(values):.0f} [{min(values):.0f}, {max(values):.0f}]")
-        out.append(f"| {label} | " + " | ".join(line) + " |")
-    return out
+        for model, length in columns:
+            shown = across_runs(model.runs, both(of_method(key), of_length(length)))
+            line.append("n/a" if model.applies(key[0]) is False else shown.text() if shown else "")
+        body.append([label] + line)
+    return markdown(header, body)
 
 
-def accuracy(cells):
-    k, n, _ = pooled(cells)
-    return 100.0 * k / n if n else None
+def by_distance(model: Model, rows, bins) -> List[str]:
+    body = []
+    for key, label in rows:
+        shown = [across_runs(model.runs, both(of_method(key), of_distance(lo, hi))) for lo, hi in bins]
+        body.append([label] + [r.text() if r else "" for r in shown])
+    return markdown(["method"] + [f"{lo}-{hi - 1}" for lo, hi in bins], body)
 
 
-def per_seed_table(runs, rows, columns, column_name) -> List[str]:
-    """Accuracy % per method and seed, with the Wilson interval of that seed's prompts."""
+def logprob_by_length(model: Model, rows, lengths) -> List[str]:
+    """The mean answer log-probability x 100: mean [lowest, highest] of the runs'."""
+    body = []
+    for key, label in rows:
+        line = []
+        for length in lengths:
+            match = both(of_method(key), of_length(length))
+            kept = [[c for c in cells if match(c)] for cells in model.runs.values()]
+            values = [100 * pooled(cs)[2] for cs in kept if cs]
+            line.append(f"{statistics.fmean(values):.0f} [{min(values):.0f}, {max(values):.0f}]" if values else "")
+        body.append([label] + line)
+    return markdown(["method"] + [str(n) for n in lengths], body)
+
+
+def per_run(model: Model, rows, lengths) -> List[str]:
+    """Accuracy % per method and run, with the Wilson interval of that run's prompts."""
     from fairseq_alibi.evaluation.intervals import wilson
 
-    out = ["| method | run | " + " | ".join(column_name(c) for c in columns) + " |",
-           "|---|---|" + "---|" * len(columns)]
-    for label, match in rows:
-        for name, cells in runs.items():
+    body = []
+    for key, label in rows:
+        for name, cells in model.runs.items():
             line = []
-            for column in columns:
-                k, n, _ = pooled([c for c in cells if match(c) and column[1](c)])
+            for length in lengths:
+                match = both(of_method(key), of_length(length))
+                k, n, _ = pooled([c for c in cells if match(c)])
                 low, high = wilson(k, n) if n else (None, None)
                 line.append(f"{100.0 * k / n:.0f} [{100 * low:.0f}, {100 * high:.0f}] ({n})" if n else "")
-            out.append(f"| {label} | {name} | " + " | ".join(line) + " |")
-    return out
+            body.append([label, name] + line)
+    return markdown(["method", "run"] + [str(n) for n in lengths], body)
 
 
-def summary(runs: Dict[str, List[dict]], given=()) -> Tuple[str, dict]:
-    train_length = next(iter(runs.values()))[0]["train_length"]
-    lengths = sorted({c["length"] for cells in runs.values() for c in cells})
-    rows = [(label, lambda c, k=k: method_key(c) == k) for k, label in methods_in_order(runs, given)]
-    by_length = [(n, lambda c, n=n: c["length"] == n) for n in lengths]
-    bins = [((lo, hi), lambda c, lo=lo, hi=hi: c.get("needle_distance") is not None and lo <= c["needle_distance"] < hi)
-            for lo, hi in distance_bins(train_length)]
-    bins = [b for b in bins if any(b[1](c) for cells in runs.values() for c in cells)]
-    name = ", ".join(runs)
-    text = [f"Accuracy % by prompt length, mean [min, max] over {len(runs)} runs ({name}): each run's accuracy over "
-            f"its prompts, then their mean, lowest and highest; L = {train_length}\n"]
-    text += table(runs, rows, by_length, accuracy, "method",
-                  lambda col: f"{col[0]} ({col[0] / train_length:g}x)")
-    text += ["", "Accuracy % by needle distance (tokens from the queried record to the prompt's end)\n"]
-    text += table(runs, rows, bins, accuracy, "method", lambda col: f"{col[0][0]}-{col[0][1] - 1}")
-    text += ["", "Mean answer log-probability (nats per answer token) x 100, by prompt length\n"]
-    text += table(runs, rows, by_length, lambda cells: 100 * pooled(cells)[2] if cells else None, "method",
-                  lambda col: str(col[0]))
-    text += ["", "Accuracy % by prompt length in each run, [95 % Wilson interval] (prompts)\n"]
-    text += per_seed_table(runs, rows, by_length, lambda col: str(col[0]))
-    return "\n".join(text) + "\n", dict(train_length=train_length, rows=rows, by_length=by_length, bins=bins)
+def runs_text(model: Model) -> str:
+    return f"{len(model.runs)} run{'' if len(model.runs) == 1 else 's'}"
 
 
-def plot(path: str, runs, layout) -> None:
+def model_part(model: Model, rows, train_length: int) -> List[str]:
+    """One model's own tables: by needle distance, log-probability, each run with its interval."""
+    cells = [c for cs in model.runs.values() for c in cs]
+    rows = [(key, label) for key, label in rows if any(method_key(c) == key for c in cells)]
+    lengths = sorted({c["length"] for c in cells})
+    bins = [b for b in distance_bins(train_length) if any(of_distance(*b)(c) for c in cells)]
+    return (["", f"## {model.name} ({model.model}): {runs_text(model)} ({', '.join(model.runs)})", "",
+             "Accuracy % by needle distance (tokens from the queried record to the prompt's end), "
+             "all lengths pooled\n"] + by_distance(model, rows, bins)
+            + ["", "Mean answer log-probability (nats per answer token) x 100 by prompt length, mean [lowest, "
+               "highest] over runs\n"] + logprob_by_length(model, rows, lengths)
+            + ["", "Accuracy % by prompt length in each run, [95 % Wilson interval] (prompts)\n"]
+            + per_run(model, rows, lengths))
+
+
+def summary(models: Sequence[Model], given=()) -> Tuple[str, dict]:
+    cells = [c for m in models for cs in m.runs.values() for c in cs]
+    train_length = cells[0]["train_length"]
+    lengths = sorted({c["length"] for c in cells})
+    rows = methods_in_order(models, given)
+    names = ", ".join(f"{m.name}: {runs_text(m)}" for m in models)
+    text = [f"Every accuracy across runs is {CONVENTION}; L = {train_length}.", "",
+            f"Accuracy % by prompt length, a column per model at each length ({names}); n/a: the method does not "
+            "apply to that model's position method\n"]
+    text += side_by_side(models, rows, lengths, train_length)
+    for model in models:
+        text += model_part(model, rows, train_length)
+    return "\n".join(text) + "\n", dict(train_length=train_length, rows=rows, lengths=lengths)
+
+
+def plot(path: str, models: Sequence[Model], layout) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,32 +287,34 @@ def plot(path: str, runs, layout) -> None:
 
     from fairseq_alibi.evaluation import styles
 
+    train_length = layout["train_length"]
+    bins = distance_bins(train_length)
+    line_style = styles.line_styles(m.name for m in models)
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), layout="constrained", sharey=True)
-    for ax, columns, xs_of, xlabel in (
-        (axes[0], layout["by_length"], lambda col: col[0], "prompt length (tokens)"),
-        (axes[1], layout["bins"], lambda col: (col[0][0] + col[0][1]) / 2, "needle distance (tokens, bin centre)"),
+    for ax, columns, xlabel in (
+        (axes[0], [(n, of_length(n)) for n in layout["lengths"]], "prompt length (tokens)"),
+        (axes[1], [((lo + hi) / 2, of_distance(lo, hi)) for lo, hi in bins], "needle distance (tokens, bin centre)"),
     ):
-        for label, match in layout["rows"]:
-            xs, mean, lo, hi = [], [], [], []
-            for column in columns:
-                values = [accuracy([c for c in cells if match(c) and column[1](c)]) for cells in runs.values()]
-                values = [v for v in values if v is not None]
-                if values:
-                    xs.append(xs_of(column))
-                    mean.append(sum(values) / len(values))
-                    lo.append(min(values))
-                    hi.append(max(values))
-            method = next(c for cells in runs.values() for c in cells if match(c))
-            line, = ax.plot(xs, mean, label=label, **styles.plot_kwargs(method))
-            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12, lw=0)
-        ax.axvline(layout["train_length"], color="grey", lw=0.8, ls=":",
-                   label=f"training length: {layout['train_length']} tokens")
+        for model in models:
+            for key, label in layout["rows"]:
+                points = [(x, across_runs(model.runs, both(of_method(key), match))) for x, match in columns]
+                points = [(x, r) for x, r in points if r]
+                if not points:
+                    continue
+                method = next(c for cells in model.runs.values() for c in cells if method_key(c) == key)
+                xs = [x for x, _ in points]
+                line, = ax.plot(xs, [100 * r.mean for _, r in points], label=f"{model.name}: {label}",
+                                **styles.plot_kwargs(method, line_style[model.name]))
+                ax.fill_between(xs, [100 * min(r.accuracies) for _, r in points],
+                                [100 * max(r.accuracies) for _, r in points], color=line.get_color(), alpha=0.12, lw=0)
+        ax.axvline(train_length, color="grey", lw=0.8, ls=":", label=f"training length: {train_length} tokens")
         ax.set_xscale("log", base=2)
         ax.set_ylim(-3, 103)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("exact-match accuracy (%)")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_title(f"line: mean over {len(runs)} runs; shaded: lowest to highest run")
+    runs = max(len(m.runs) for m in models)
+    axes[0].set_title(f"line: mean over up to {runs} runs; shaded: lowest to highest run")
     axes[1].set_title("the same by needle distance")
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.savefig(path, dpi=110)
@@ -183,15 +324,16 @@ def plot(path: str, runs, layout) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", metavar="NAME=RESULTS.JSON")
-    p.add_argument("--checkpoint", default="alibi", help="the checkpoint name in the results (default: %(default)s)")
+    p.add_argument("--checkpoint", action="append", default=[],
+                   help="summarize this checkpoint name of the results (repeatable; default: every one)")
     p.add_argument("--plot", default=None, help="write accuracy vs length and vs distance here (PNG)")
     args = p.parse_args(argv)
-    runs, given = load(args.results, args.checkpoint)
+    models, given = load(args.results, args.checkpoint)
     logging.basicConfig(level=logging.WARNING, force=True)  # importing fairseq set the root logger to DEBUG
-    text, layout = summary(runs, given)
+    text, layout = summary(models, given)
     sys.stdout.write(text)
     if args.plot:
-        plot(args.plot, runs, layout)
+        plot(args.plot, models, layout)
     return 0
 
 
