@@ -361,3 +361,44 @@ def test_far_attention_example(lm_data_bin, alibi_checkpoint):
         assert rows[("cap x100", layer)] == rows[("none", layer)]
         assert all(c >= n for c, n in zip(rows[("cap x1", layer)], rows[("none", layer)]))
         assert rows[("cap x1", layer)][-1] > rows[("none", layer)][-1]
+
+
+def test_results_csv_tells_tail_alphas_apart(tmp_path):
+    """Two tails that differ only in alpha differ in a column of their own, not only in ``label``."""
+    from fairseq_alibi.evaluation import report
+
+    cells = [dict(checkpoint="a", method="log", factor=1.0, alpha=alpha, label=f"log x1 a{alpha:g}", loss=1.0)
+             for alpha in (0.5, 1.0)]
+    report.write_csv(str(tmp_path / "results.csv"), cells, sweep.RESULT_FIELDS, sweep.FLOAT_FIELDS)
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(row["alpha"]) for row in rows] == [0.5, 1.0]
+
+
+def test_per_position_note_stays_inside_the_figure(tmp_path, monkeypatch):
+    """The explanatory title of per_position.png is wrapped to the figure's width, never cut at its edges."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fairseq_alibi.evaluation import report
+
+    seen = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, **kwargs):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        seen["title"] = fig._suptitle.get_window_extent(renderer)
+        seen["figure"] = fig.bbox
+        return real_savefig(fig, path, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    cell = dict(checkpoint="a", method="none", factor=1.0, label="none", mode="nonoverlapping", stride=64,
+                length=64, train_length=32, per_position=[3.0 - i / 64 for i in range(64)],
+                per_position_count=[4] * 64)
+    report.plot_per_position(str(tmp_path / "per_position.png"), [cell], lambda c: 0)
+    title, figure = seen["title"], seen["figure"]
+    assert figure.x0 <= title.x0 and title.x1 <= figure.x1 and title.y1 <= figure.y1
+    plt.close("all")

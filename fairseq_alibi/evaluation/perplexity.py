@@ -65,7 +65,7 @@ logger = logging.getLogger("fairseq_alibi.sweep")
 
 MODES = ("nonoverlapping", "sliding")  # the window modes
 RESULT_FIELDS = (
-    "checkpoint", "method", "factor", "label", "mode", "length", "stride", "context_window",
+    "checkpoint", "method", "factor", "alpha", "label", "mode", "length", "stride", "context_window",
     "length_ratio", "train_length", "subset", "loss", "ppl", "ppl_low", "ppl_high", "ppl_no_interval", "windows",
     "tokens", "seconds",
 )

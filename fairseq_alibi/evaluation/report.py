@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import textwrap
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import intervals, paired, styles
@@ -425,10 +426,12 @@ def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
         ax.set_title(mode + (f", stride {stride}" if mode == "sliding" else ""))
         ax.grid(True, which="both", alpha=0.3)
         _legend(ax)
-    fig.suptitle("Each point: the mean loss of the positions in its bin over every window that scored them (the "
-                 "legend gives the windows);\npositions that fewer than "
-                 f"{THIN_SHARE:.0%} of those windows scored (a sliding window's first) are left out", fontsize=8)
-    fig.tight_layout()
+    note = ("Each point: the mean loss of the positions in its bin over every window that scored them (the legend "
+            f"gives the windows); positions that fewer than {THIN_SHARE:.0%} of those windows scored (a sliding "
+            "window's first) are left out")
+    lines = textwrap.wrap(note, width=int(fig.get_figwidth() * 14))  # about 14 characters an inch at 8 points
+    fig.suptitle("\n".join(lines), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.035 * len(lines)))  # room for the note: it is never cut
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

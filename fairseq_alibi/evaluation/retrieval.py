@@ -72,7 +72,7 @@ from .task_files import read_task_file
 logger = logging.getLogger("fairseq_alibi.retrieval")
 
 RESULT_FIELDS = (
-    "checkpoint", "task", "method", "factor", "label", "effective_factor", "group", "length",
+    "checkpoint", "task", "method", "factor", "alpha", "label", "effective_factor", "group", "length",
     "length_ratio", "train_length", "depth", "needle_distance", "n", "correct", "accuracy", "accuracy_low",
     "accuracy_high", "answer_logprob", "seconds",
 )
