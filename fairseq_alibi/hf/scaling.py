@@ -43,7 +43,7 @@ import torch
 
 from ..core import alibi
 from ..core.errors import ConfigError, InputError
-from ..core.scaling import DISTANCE_METHODS, Scaling
+from ..core.scaling import DISTANCE_METHODS, Scaling, warn_if_cache_drifts
 from ..errors import UnsupportedModelError
 from .families import EXPORTED, base_slopes, hf_train_length, resolve
 
@@ -122,6 +122,7 @@ def _start_forward(state: ScalingState, module, args, kwargs) -> None:
     # dynamic scaling: each row's factor from its own keys (docs/usage.md, "Padded batches")
     lengths = mask.sum(-1) if mask is not None and state.scaling.dynamic else kv_len
     state.last_factor = state.scaling.factor_at(lengths)
+    warn_if_cache_drifts(state.scaling, past, lengths)
     state.current = dict(q_len=q_len, past=past, kv_len=kv_len, cache_max=cache_max, mask=mask, built=None,
                          slopes=state.scaled_slopes(lengths, tokens.device))
 
