@@ -640,6 +640,15 @@ def test_load_hf_model_errors_are_one_clear_line(tmp_path):
         hf.load_hf_model(str(empty))
     with pytest.raises(HFLoadError, match="unknown dtype 'half8'"):
         hf.load_hf_model(str(empty), dtype="half8")
+    # a fairseq checkpoint (a .pt file, or a directory of them) is named as one, with both ways to load it
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    torch.save({"model": {}}, checkpoints / "checkpoint_best.pt")
+    for path in (checkpoints, checkpoints / "checkpoint_best.pt"):
+        with pytest.raises(HFLoadError, match="fairseq checkpoint.*alibi-export-hf .*checkpoint_best.pt OUTPUT_DIR"
+                                               ".*import fairseq_alibi.models") as fairseq_checkpoint:
+            hf.load_hf_model(str(path))
+        assert "\n" not in str(fairseq_checkpoint.value)
     for error in (missing, unreadable):
         assert "\n" not in str(error.value) and str(tmp_path) in str(error.value)
 

@@ -310,9 +310,10 @@ def apply_alibi_scaling(model, method="none", factor: float = 0.0, train_length:
     ``fairseq_alibi.core.Scaling``'s (or pass a ``Scaling`` as ``method``):
     ``none``; ``linear`` or ``ntk`` with a static ``factor >= 1`` or
     ``factor=0`` for dynamic scaling (``max(1, kv_length / train_length)`` per
-    forward pass, ``kv_length`` the cached plus new tokens); ``cap``, ``log``
-    (with ``alpha``) or ``capnorm`` past ``factor x train_length`` (``factor=0``
-    meaning 1).  ``train_length`` defaults to what the model's config records
+    forward pass, ``kv_length`` the cached plus new tokens of each row, padding
+    not counted); ``cap``, ``log`` or ``power`` (both with ``alpha``) or
+    ``capnorm`` past ``factor x train_length`` (``factor=0`` meaning 1).
+    ``train_length`` defaults to what the model's config records
     (``hf_train_length``).  ``bias_form``: ``relative`` (default, ``-slope *
     (i - j)`` formed in float32) or ``upstream`` (the model's own form, with
     the scaled slopes; not with the distance methods).
