@@ -50,13 +50,14 @@ class KernelUnsupportedError(UserError, NotImplementedError):
     backward on the CPU); the message says what to use instead."""
 
 
-_warned = set()
+#: The messages :func:`warn_once` has logged in this process.
+warned = set()
 
 
 def warn_once(message: str) -> None:
     """A warning a user should act on, logged once per process (one line,
     logger ``fairseq_alibi``: the console scripts print it in fairseq's format,
     a plain Python session on stderr)."""
-    if message not in _warned:
-        _warned.add(message)
+    if message not in warned:
+        warned.add(message)
         logging.getLogger("fairseq_alibi").warning(message)

@@ -308,8 +308,8 @@ def attend(q, k, v, bias: AlibiBias, name: str, key_padding_mask=None, dropout_p
     a KV-cache step (``incremental``) under dynamic scaling past the training
     length is warned about once (:func:`scaling.warn_if_cache_drifts`)."""
     if incremental and bias.scaling.dynamic and k.size(2) > q.size(2):
-        keys = k.size(2) if key_padding_mask is None else (~key_padding_mask.to(torch.bool)).sum(-1)
-        warn_if_cache_drifts(bias.scaling, k.size(2) - q.size(2), keys)
+        padded = 0 if key_padding_mask is None else key_padding_mask.to(torch.bool).sum(-1)
+        warn_if_cache_drifts(bias.scaling, k.size(2) - q.size(2), k.size(2) - padded)
     groups = row_groups(bias, key_padding_mask, q.size(2), k.size(2))
     if groups is None:
         chosen = choose_kernel(name, bias, need_weights, q.size(2), k.size(2), dropout_p, incremental, q.device)

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .errors import ScalingError, warn_once
+from .errors import ScalingError, warn_once, warned
 
 
 @dataclass(frozen=True)
@@ -364,13 +364,16 @@ def warn_if_cache_drifts(scaling: Scaling, cached: Union[int, Tensor], keys: Uni
     layer after the first) were computed under earlier, smaller factors.
     ``cached``: the keys already in the cache; ``keys``: cached + new, an int
     or one count per row.  Every generation path calls it (fairseq's
-    incremental decoding, exported models, the Hugging Face hooks)."""
-    if not scaling.dynamic or torch.compiler.is_compiling() or int(cached) == 0:
+    incremental decoding, exported models, the Hugging Face hooks); once said,
+    it reads no tensor again (no device sync per step)."""
+    if not scaling.dynamic or torch.compiler.is_compiling():
         return
-    longest = int(keys.max()) if isinstance(keys, Tensor) else int(keys)
     length = scaling.complete().train_length
-    if longest > length:
-        warn_once(f"dynamic {scaling.method} scaling past the training length ({length} tokens) with a KV cache: "
-                  "cached keys keep the slopes of earlier, smaller factors, so generation approximates a full "
-                  f"forward of the same text; for exact generation use a static {scaling.method} factor (the "
-                  f"longest length / {length})")
+    message = (f"dynamic {scaling.method} scaling past the training length ({length} tokens) with a KV cache: "
+               "cached keys keep the slopes of earlier, smaller factors, so generation approximates a full forward "
+               f"of the same text; for exact generation use a static {scaling.method} factor (the longest length "
+               f"/ {length})")
+    if message in warned or int(cached) == 0:
+        return
+    if int(keys.max() if isinstance(keys, Tensor) else keys) > length:
+        warn_once(message)
