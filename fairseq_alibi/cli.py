@@ -195,18 +195,18 @@ def check_numeric_flags(argv: List[str]) -> None:
 
 
 def overrides_help() -> str:
-    """The ALiBi ``--model-overrides`` keys, printed after argparse's help."""
-    from .core.scaling import METHODS
-    from .core.kernels import KERNEL_NAMES
+    """The ALiBi ``--model-overrides`` keys, printed after argparse's help: each
+    config field with its own ``--help`` text (``models.config.field_help``)."""
+    import textwrap
 
-    def choices(names):
-        return "|".join(repr(n) for n in names)
+    from .models.config import field_help
+    from .models.transformer_lm import AlibiLanguageModelConfig
 
-    return (
-        f"\nALiBi at evaluation: --model-overrides \"{{'alibi_interpolation': {choices(METHODS)}, "
-        "'alibi_scale_factor': F (linear/ntk: 0 = dynamic; cap: F x L, 0 = L), 'alibi_train_length': L, "
-        f"'alibi_attention': {choices(KERNEL_NAMES)}}}\" (docs/usage.md)\n"
-    )
+    lines = ["", "ALiBi at evaluation: --model-overrides \"{'alibi_interpolation': 'ntk', 'alibi_scale_factor': 2}\" "
+             "takes these keys (docs/usage.md):"]
+    for name, text in field_help(AlibiLanguageModelConfig).items():
+        lines.append(textwrap.fill(f"{name}: {text}", width=100, initial_indent="  ", subsequent_indent="      "))
+    return "\n".join(lines) + "\n"
 
 
 def training_help(argv: List[str]) -> None:

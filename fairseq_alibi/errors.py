@@ -19,13 +19,14 @@ from __future__ import annotations
 import difflib
 import errno
 import functools
-import logging
 import os
 import re
 import sys
 from typing import Iterable, Optional
 
-from .core.errors import ConfigError, InputError, KernelUnsupportedError, ScalingError, UserError  # noqa: F401
+from .core.errors import (  # noqa: F401
+    ConfigError, InputError, KernelUnsupportedError, ScalingError, UserError, warn_once,
+)
 from .splits import split_problem
 
 
@@ -80,16 +81,6 @@ class TextInputError(UserError):
 
 class CorpusError(UserError):
     """A problem with the embedded corpus's inputs or outputs."""
-
-
-_warned = set()
-
-
-def warn_once(message: str) -> None:
-    """A warning a user should act on, logged once per process."""
-    if message not in _warned:
-        _warned.add(message)
-        logging.getLogger("fairseq_alibi").warning(message)
 
 
 def one_line(text) -> str:

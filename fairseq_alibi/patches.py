@@ -54,6 +54,13 @@ would crash or silently do the wrong thing:
   and joined at exit: killed at interpreter shutdown in the middle of a torch
   operation, it aborts a finished run ("terminate called without an active
   exception", exit status -6) (``loader_threads_stop_at_exit``).
+* ``fairseq.data.data_utils.batch_by_size`` drops a last batch whose size is
+  not a multiple of ``--required-batch-size-multiple`` (default 8), so
+  ``fairseq-generate`` and ``fairseq-validate`` silently skip up to
+  ``--batch-size - 1`` lines (fairseq issue 5036); outside fairseq's
+  ``Trainer`` that batch is kept.  The trainer's own iterators (training, and
+  validation during training) keep fairseq's batches, so a training run is
+  the stock one (``remainder_batches_kept``).
 * third-party warnings known to be harmless here (hydra deprecations, CPU-only
   torch notices) are filtered; ``FAIRSEQ_ALIBI_WARNINGS=1`` shows them.
 
@@ -658,6 +665,50 @@ def retire(stand_ins: dict) -> None:
             del sys.modules[name]
 
 
+_TRAINER = threading.local()  # depth: > 0 while fairseq's Trainer builds its batch iterators
+
+
+def _in_trainer(stock):
+    @functools.wraps(stock)
+    def method(*args, **kwargs):
+        _TRAINER.depth = getattr(_TRAINER, "depth", 0) + 1
+        try:
+            return stock(*args, **kwargs)
+        finally:
+            _TRAINER.depth -= 1
+
+    return method
+
+
+def remainder_batches_kept() -> None:
+    """Every line of a split is generated or validated: fairseq 0.12 drops the
+    last batch when its size is no multiple of the required one (the batches
+    are consecutive slices of ``indices``, so the dropped one is the tail)."""
+    from fairseq.data import data_utils
+    from fairseq.trainer import Trainer
+
+    stock = data_utils.batch_by_size
+    if getattr(stock, "_alibi_keeps_remainder", False):
+        return
+
+    def batch_by_size(indices, num_tokens_fn, num_tokens_vec=None, max_tokens=None, max_sentences=None,
+                      required_batch_size_multiple=1, fixed_shapes=None):
+        if not isinstance(indices, np.ndarray):
+            indices = np.fromiter(indices, dtype=np.int64, count=-1)
+        batches = stock(indices, num_tokens_fn, num_tokens_vec, max_tokens, max_sentences,
+                        required_batch_size_multiple, fixed_shapes)
+        kept = sum(len(batch) for batch in batches)
+        if (fixed_shapes is None and kept < len(indices) and not getattr(_TRAINER, "depth", 0)
+                and (kept == 0 or np.array_equal(np.concatenate(batches), indices[:kept]))):
+            batches = list(batches) + [indices[kept:]]
+        return batches
+
+    batch_by_size._alibi_keeps_remainder = True
+    data_utils.batch_by_size = batch_by_size
+    Trainer.get_train_iterator = _in_trainer(Trainer.get_train_iterator)
+    Trainer.get_valid_iterator = _in_trainer(Trainer.get_valid_iterator)
+
+
 def apply() -> None:
     """Apply every global change above (idempotent)."""
     deferred_metric_imports()  # first: before anything imports fairseq
@@ -673,3 +724,4 @@ def apply() -> None:
     checked_hub_paths()
     build_assertions()
     quiet_hub_config()
+    remainder_batches_kept()

@@ -406,10 +406,11 @@ def log_probs(model, tokens):
         return model.get_normalized_probs(net_output, log_probs=True)
 
 
-@pytest.mark.parametrize("method,factor", [("none", "1"), ("linear", "2"), ("ntk", "2"), ("cap", "0.5")])
+@pytest.mark.parametrize("method,factor", [("none", "1"), ("linear", "2"), ("ntk", "2"), ("cap", "0.5"),
+                                           ("log", "0.5"), ("power", "0.5"), ("capnorm", "0.5")])
 def test_incremental_decoding_equals_full_forward(dict_dir, method, factor):
-    """Static methods and the cap (C = 8 tokens here): every step of a KV-cache
-    decode equals the full forward, past the cap too (40 tokens)."""
+    """Static factors and the distance methods (C = 8 tokens here): every step
+    of a KV-cache decode equals the full forward, past C too (40 tokens)."""
     _, model = build_lm(dict_dir, "--alibi-interpolation", method, "--alibi-scale-factor", factor)
     tokens = torch.randint(4, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     full = log_probs(model, tokens)

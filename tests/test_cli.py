@@ -21,10 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 
-from conftest import HEADS, TRAIN_LENGTH, EvalResult, error_lines, free_port, parse_eval, run_cli, tool, train_args
+from conftest import (
+    HEADS, SPLIT_LINES, TRAIN_LENGTH, EvalResult, error_lines, free_port, parse_eval, run_cli, tool, train_args,
+)
 
 EVAL_LENGTH = 8 * TRAIN_LENGTH  # 256
 
@@ -251,24 +254,55 @@ def test_dynamic_scaling_same_on_chunked_attention_path(eval_lm):
 # --------------------------------------------------------------------------- generation
 
 
-def test_generate_with_prefix(lm_data_bin, alibi_checkpoint):
-    # --required-batch-size-multiple 1: fairseq 0.12 drops a last batch that is
-    # not a multiple of it (default 8), i.e. up to 7 sentences.
+DYNAMIC_NTK = ["--model-overrides", "{'alibi_interpolation': 'ntk', 'alibi_scale_factor': 0}"]
+
+
+@pytest.mark.parametrize("extra,warned", [
+    ([], 0),
+    (["--required-batch-size-multiple", "1", "--min-len", str(TRAIN_LENGTH + 8), *DYNAMIC_NTK], 1),
+],
+                         ids=["default-multiple", "multiple-1-dynamic"])
+def test_generate_with_prefix(extra, warned, lm_data_bin, alibi_checkpoint):
+    # batches of 16 from 60 lines: fairseq 0.12 drops the last one (12, not a multiple
+    # of fairseq's default 8); the plugin keeps it (patches.remainder_batches_kept).
+    # Generating past the training length (up to 2 L) under dynamic scaling is warned about once.
     result = run_cli([
         tool("alibi-generate"), lm_data_bin, "--path", alibi_checkpoint, "--task",
         "language_modeling", "--cpu", "--gen-subset", "valid", "--sample-break-mode", "eos",
         "--tokens-per-sample", "512", "--prefix-size", "2", "--beam", "2",
-        "--max-len-b", str(2 * TRAIN_LENGTH), "--batch-size", "16",
-        "--required-batch-size-multiple", "1",
+        "--max-len-b", str(2 * TRAIN_LENGTH), "--batch-size", "16", *extra,
     ])
     hypos = re.findall(r"^H-(\d+)\t(\S+)\t(.*)$", result.stdout, re.M)
     sources = dict(re.findall(r"^S-(\d+)\t(.*)$", result.stdout, re.M))
-    assert len(hypos) == 60 == len(sources)  # one per valid line
+    assert sorted(int(i) for i, _, _ in hypos) == list(range(SPLIT_LINES["valid"])) == sorted(map(int, sources))
+    if warned:  # past L: the warning's case
+        assert min(len(text.split()) for _, _, text in hypos) > TRAIN_LENGTH
+    warnings = [line for line in result.output.splitlines() if "scaling past the training length" in line]
+    assert len(warnings) == warned, result.output[-3000:]
+    assert all(f"dynamic ntk scaling past the training length ({TRAIN_LENGTH} tokens)" in w for w in warnings)
     for index, score, text in hypos:
         assert math.isfinite(float(score))
         # The hypothesis continues the forced two-token prefix of its source.
         assert text.split()[:2] == sources[index].split()[:2]
         assert len(text.split()) > 2
+
+
+def test_only_the_trainers_batches_drop_a_short_last_batch():
+    """fairseq's batch_by_size drops a last batch that is no multiple of the
+    required size; the plugin keeps it, except for the trainer's iterators."""
+    import fairseq_alibi.models  # noqa: F401  (applies patches.py)
+    from fairseq.data import data_utils
+
+    from fairseq_alibi import patches
+
+    indices = np.random.default_rng(0).permutation(13)
+
+    def batches():
+        return data_utils.batch_by_size(indices, lambda i: 4, max_sentences=4, required_batch_size_multiple=2)
+
+    assert np.concatenate(batches()).tolist() == indices.tolist()  # every index once, in order
+    inside = patches._in_trainer(batches)()
+    assert [len(b) for b in inside] == [4, 4, 4] and np.concatenate(inside).tolist() == indices[:12].tolist()
 
 
 def test_interactive_stdin(lm_data_bin, alibi_checkpoint, alibi_user_dir):

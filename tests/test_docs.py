@@ -1,26 +1,56 @@
-"""docs/usage.md against the code's own tables: the config fields, the
-methods in every spelling, and the sample error text as the code prints it."""
+"""README.md and docs/*.md against the code.
+
+* Every Python block runs, as a user would run it: in a fresh interpreter (a
+  fork of the test's server, which has imported nothing of the plugin), in a
+  directory where the paths the blocks name (``checkpoints/alibi``,
+  ``data-bin/corpus``, ``outputs/hf/lm``, ...) are the suite's fixtures.  A
+  block that cannot run here says so in the Markdown, in a line the reader
+  sees right above it (``Not run by the tests: ...``, naming the GPU, hub or
+  network it needs); its imports still run.
+* The tables users read (methods, config fields and defaults, kernels,
+  ``alibi_scaling`` forms, ``--help``, docstrings) are compared with the code's
+  own tables: ``core.scaling.METHOD_TABLE``, ``core.kernels.KERNEL_NAMES``,
+  ``models.config.ALIBI_FIELDS`` and the config dataclasses.  A method added
+  to ``METHOD_TABLE`` fails here, naming each place that does not list it yet.
+* Module names and file paths in the docs exist; README's demo table is in the
+  format ``make demo`` prints and agrees with docs/extrapolation.md.
+"""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import importlib
 import json
 import re
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import List
 
 import pytest
+import torch
 
-from fairseq_alibi.core import alibi
-from fairseq_alibi.core.scaling import DEFAULT_ALPHA, METHODS, Scaling
+from conftest import REPO, TRAIN_LENGTH, run_cli, tool
+from fairseq_alibi.core.bias import AlibiBias
 from fairseq_alibi.core.kernels import KERNEL_NAMES
+from fairseq_alibi.core.positions import position
+from fairseq_alibi.core.scaling import (
+    DEFAULT_ALPHA, DISTANCE_METHODS, METHOD_SYNTAX, METHOD_TABLE, METHODS, SCALE_METHODS, Scaling,
+)
 
-USAGE = (Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text(encoding="utf-8")
+DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 L = 64
 
 
-def table(first_header: str):
+def doc(name: str) -> str:
+    return (REPO / name).read_text(encoding="utf-8")
+
+
+def table(text: str, first_header: str) -> List[List[str]]:
     """The rows (lists of cells) of the Markdown table whose header starts with ``first_header``."""
-    lines = USAGE.splitlines()
+    lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
     rows = []
     for line in lines[start + 2:]:
@@ -30,21 +60,184 @@ def table(first_header: str):
     return rows
 
 
-def ticked(cell: str):
+def ticked(cell: str) -> List[str]:
     return re.findall(r"`([^`]+)`", cell)
 
 
-def test_config_table_lists_every_field_and_value():
-    from fairseq_alibi.models.config import ALIBI_FIELDS
+def words(cell: str) -> List[str]:
+    """The ticked single lower-case words of a cell (method and kernel names), in order."""
+    return [t for t in ticked(cell) if re.fullmatch(r"[a-z]+", t)]
 
-    rows = {ticked(row[0])[0]: row for row in table("field (`--flag`)")}
-    shared = [f for f in ALIBI_FIELDS if f != "alibi_bidirectional"]  # the encoders' own field: docs/bidirectional.md
-    assert sorted(rows) == sorted(shared)
-    for name, row in rows.items():
-        assert ticked(row[0])[1] == "--" + name.replace("_", "-")
-    assert ticked(rows["alibi_interpolation"][1]) == list(METHODS)
-    assert set(ticked(rows["alibi_attention"][1])) == set(KERNEL_NAMES)
-    assert all(f"`{m}` {a:g}" in rows["alibi_tail_alpha"][1] for m, a in DEFAULT_ALPHA.items())
+
+def missing_methods(where: str, listed) -> str:
+    """An assertion message that names what a doc lacks or has too many of."""
+    lacking = [m for m in METHODS if m not in listed]
+    extra = [m for m in listed if m not in METHODS]
+    return f"{where}: lacks {lacking} (core.scaling.METHOD_TABLE has them), lists unknown {extra}"
+
+
+# ------------------------------------------------------------------ code blocks
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int  # of the opening fence
+    lang: str
+    code: str
+    note: str  # the paragraph right above the block
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.name}:{self.line}"
+
+
+def code_blocks(path: Path) -> List[Block]:
+    """Every fenced block, also those indented in a list item (dedented)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        if not lines[i].lstrip().startswith("```"):
+            i += 1
+            continue
+        indent = len(lines[i]) - len(lines[i].lstrip())
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].lstrip().startswith("```"))
+        above = i
+        while above > 0 and not lines[above - 1].strip():
+            above -= 1
+        start = above
+        while start > 0 and lines[start - 1].strip() and not lines[start - 1].lstrip().startswith("```"):
+            start -= 1
+        code = "".join(line[indent:] + "\n" for line in lines[i + 1:end])
+        blocks.append(Block(path, i + 1, lines[i].strip()[3:].strip(), code,
+                            " ".join(line.strip() for line in lines[start:above])))
+        i = end + 1
+    return blocks
+
+
+BLOCKS = [block for path in DOC_FILES for block in code_blocks(path)]
+PYTHON_BLOCKS = [block for block in BLOCKS if block.lang in ("python", "py")]
+NOT_RUN = re.compile(r"\*?Not run by the tests: (.+)")
+#: What may keep a block from running here (files a block needs come from the fixtures below):
+#: a GPU, the hub, the network; or the block reproduces an upstream failure at a minute of compilation.
+UNAVAILABLE = ("GPU", "CUDA", "hub", "network", "reproduces a torch failure")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, alibi_checkpoint, lm_data_bin) -> Path:
+    """A directory holding, under the names the blocks use, the suite's fixture
+    checkpoint, its data directory and its export."""
+    root = tmp_path_factory.mktemp("docs_workspace")
+    links = {"checkpoints/alibi": alibi_checkpoint.parent, "checkpoints/mylm": alibi_checkpoint.parent,
+             "data-bin/corpus": lm_data_bin, "data-bin/mycorpus": lm_data_bin}
+    for name, target in links.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).symlink_to(target, target_is_directory=True)
+    (root / "outputs/hf").mkdir(parents=True)
+    run_cli([tool("alibi-export-hf"), alibi_checkpoint, root / "outputs/hf/lm"])
+    return root
+
+
+def test_the_docs_have_python_blocks_and_mark_few():
+    assert len(PYTHON_BLOCKS) >= 5, [b.name for b in PYTHON_BLOCKS]
+    assert sum(bool(NOT_RUN.search(b.note)) for b in PYTHON_BLOCKS) <= 3
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.name)
+def test_every_python_block_runs(block, workspace):
+    marked = NOT_RUN.search(block.note)
+    if marked:
+        reason = marked.group(1)
+        assert any(word in reason for word in UNAVAILABLE), (
+            f"{block.name} is marked not run ({reason!r}): only a GPU, the hub, the network or an upstream "
+            "failure's reproduction may keep a block from running; give it files through the workspace fixture")
+        tree = ast.parse(block.code)
+        imports = ast.Module([node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))], [])
+        exec(compile(imports, block.name, "exec"), {})  # the names it uses exist
+        return
+    run_cli([sys.executable, "-c", block.code], cwd=workspace, timeout=600)
+
+
+def test_python_code_is_in_python_blocks():
+    """A block of Python tagged otherwise would escape the test above."""
+    for block in BLOCKS:
+        if block.lang in ("python", "py"):
+            continue
+        first = next((line for line in block.code.splitlines() if line.strip()), "")
+        assert not re.match(r"(import \w|from [\w.]+ import )", first), f"{block.name}: tag it ```python"
+
+
+def test_importing_the_package_alone_imports_nothing_heavy_and_registers_nothing(alibi_checkpoint, lm_data_bin):
+    """docs/usage.md, "Python": ``import fairseq_alibi`` alone imports neither
+    fairseq nor torch, so fairseq's loaders do not know the models (its error
+    is the ``KeyError`` the docs quote); ``import fairseq_alibi.models`` is
+    what the blocks above import."""
+    code = "import sys, fairseq_alibi; print(sorted({'fairseq', 'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    load = ("import fairseq_alibi\nfrom fairseq import checkpoint_utils\n"
+            f"checkpoint_utils.load_model_ensemble_and_task([{str(alibi_checkpoint)!r}])")
+    result = run_cli([sys.executable, "-c", load], expect_ok=False)
+    assert result.returncode != 0 and "KeyError: \"'_name'\"" in result.output
+    assert "`KeyError: \"'_name'\"`" in doc("docs/usage.md")
+
+
+# ------------------------------------------------------------------ config tables
+def lm_fields() -> dict:
+    """The decoder's ALiBi config fields (encoders' own: docs/bidirectional.md)."""
+    from fairseq_alibi.models.config import ALIBI_FIELDS
+    from fairseq_alibi.models.transformer_lm import AlibiLanguageModelConfig
+
+    return {f.name: f for f in dataclasses.fields(AlibiLanguageModelConfig) if f.name in ALIBI_FIELDS}
+
+
+def default_shown(name: str, default) -> List[str]:
+    """How a field's default reads in a table: one ticked value, or (no single
+    value) the texts its cell must hold."""
+    if name == "alibi_tail_alpha":  # None: the method's own
+        return [f"`{method}` {value:g}" for method, value in DEFAULT_ALPHA.items()]
+    if isinstance(default, str) and default.startswith("${"):  # an interpolation: task.tokens_per_sample
+        return [default[2:-1].split(".")[-1]]
+    return [f"`{default:g}`" if isinstance(default, float) else f"`{default}`"]
+
+
+def single(shown: List[str]) -> bool:
+    return len(shown) == 1 and re.fullmatch(r"`[^`]+`", shown[0]) is not None
+
+
+def check_field_row(where: str, name: str, cells: str) -> None:
+    """What a config table says of ``name``: every method, the two kinds of
+    factor, every kernel, as the code's tables have them."""
+    if name == "alibi_interpolation":
+        assert words(cells) == list(METHODS), missing_methods(where, words(cells))
+    if name == "alibi_scale_factor":
+        groups = [g.split("/") for g in re.findall(r"((?:`[a-z]+`/)+`[a-z]+`):", cells)]
+        assert [[ticked(m)[0] for m in g] for g in groups] == [list(SCALE_METHODS), list(DISTANCE_METHODS)], where
+    if name == "alibi_attention":
+        assert set(words(cells)) == set(KERNEL_NAMES), where
+
+
+def test_readme_config_table_is_the_code_s():
+    rows = {ticked(row[0])[0]: row for row in table(doc("README.md"), "field (CLI flag / `--model-overrides` key)")}
+    fields = lm_fields()
+    assert sorted(rows) == sorted(fields)
+    for name, (_, default, meaning) in rows.items():
+        shown = default_shown(name, fields[name].default)
+        assert default == shown[0] if single(shown) else all(text in default for text in shown), (name, default)
+        check_field_row(f"README's configuration table, {name}", name, meaning)
+
+
+def test_usage_config_table_is_the_code_s():
+    rows = {ticked(row[0])[0]: row for row in table(doc("docs/usage.md"), "field (`--flag`)")}
+    fields = lm_fields()
+    assert sorted(rows) == sorted(fields)
+    for name, (field_cell, values, meaning) in rows.items():
+        assert ticked(field_cell)[1] == "--" + name.replace("_", "-")
+        shown = default_shown(name, fields[name].default)
+        if single(shown):
+            assert f"{shown[0]} (default" in values, (name, values)
+        else:
+            row = f"{values} {meaning}"
+            assert all(text in row or text in row.replace("--", "").replace("-", "_") for text in shown), name
+        check_field_row(f"docs/usage.md's configuration table, {name}", name, values)
 
 
 def test_sample_error_is_what_the_code_prints():
@@ -53,15 +246,17 @@ def test_sample_error_is_what_the_code_prints():
     from fairseq_alibi.errors import ConfigError
     from fairseq_alibi.models.config import build_bias
 
-    shown = re.search(r"```\n(error: alibi_interpolation='cubic'[^\n]*)\n```", USAGE).group(1)
+    shown = re.search(r"```\n(error: alibi_interpolation='cubic'[^\n]*)\n```", doc("docs/usage.md")).group(1)
     with pytest.raises(ConfigError) as error:
         build_bias(argparse.Namespace(alibi_interpolation="cubic"), 4)
     assert shown == f"error: {error.value}"
 
 
+# ------------------------------------------------------------------ methods, kernels, forms
 def test_methods_table_covers_every_method_in_every_spelling():
-    rows = table("method")
-    assert [ticked(row[0])[0] for row in rows] == list(METHODS)
+    rows = table(doc("docs/usage.md"), "method")
+    listed = [ticked(row[0])[0] for row in rows]
+    assert listed == list(METHODS), missing_methods("docs/usage.md's methods table", listed)
     for row in rows:
         method = ticked(row[0])[0]
         items = [t for t in ticked(row[2]) if ":" in t or t == method]
@@ -76,3 +271,170 @@ def test_methods_table_covers_every_method_in_every_spelling():
         args = ast.literal_eval(f"[{keywords.split(', alpha=')[0]}]")
         alpha = float(keywords.split("alpha=")[1]) if "alpha=" in keywords else None
         assert Scaling(*args, train_length=L, alpha=alpha).method == method
+
+
+def test_export_alibi_scaling_table_covers_every_method():
+    """docs/export.md: each row's ``alibi_scaling`` forms and ``--alibi-scaling``
+    spellings (F, N, A filled in) are read by the code as that row's method."""
+    fill = {"F": "2", "N": str(L), "A": "0.5"}
+    listed = set()
+    for row in table(doc("docs/export.md"), "`alibi_scaling`"):
+        forms = [json.loads(re.sub(r"\b[FNA]\b", lambda m: fill[m.group()], t)) for t in ticked(row[0])
+                 if t.startswith("{")] + ([None] if "`null`" in row[0] else [])
+        spellings = [re.sub(r"\b[FA]\b", lambda m: fill[m.group()], t) for t in ticked(row[2])
+                     if re.fullmatch(r"[a-z]+(:[FA0-9.]+)*", t)]
+        methods = {Scaling.from_hf(f, L).method for f in forms} | {Scaling.parse(s, L).method for s in spellings}
+        assert len(methods) == 1 and forms and spellings, row
+        listed |= methods
+    assert listed == set(METHODS), missing_methods("docs/export.md's alibi_scaling table", listed)
+
+
+def test_hf_docs_and_docstrings_name_every_method():
+    from fairseq_alibi.core import configuration_alibi
+    from fairseq_alibi.hf import apply_alibi_scaling
+
+    sentence = re.search(r"`method` is ([^.]*)\.", doc("docs/hf.md")).group(1)
+    assert words(sentence) == list(METHODS), missing_methods("docs/hf.md, apply_alibi_scaling", words(sentence))
+    for where, text in (("core/configuration_alibi.py's docstring", configuration_alibi.__doc__),
+                        ("hf.apply_alibi_scaling's docstring", apply_alibi_scaling.__doc__)):
+        named = [m for m in METHODS if re.search(rf"[`\"]{m}[`\"]", text)]
+        assert named == list(METHODS), missing_methods(where, named)
+
+
+def test_performance_kernel_table_is_the_registry():
+    names = [ticked(row[0])[0] for row in table(doc("docs/performance.md"), "kernel")]
+    assert sorted(names) == sorted(KERNEL_NAMES)
+
+
+def test_factor_one_claim_of_usage_md():
+    """docs/usage.md: ``linear``/``ntk`` at factor 1 are the plain model; the
+    distance methods at factor 1 change nothing up to L and the bias past it."""
+    assert "`linear` or `ntk` with factor 1, reproduce the plain model" in " ".join(doc("docs/usage.md").split())
+    T = 3 * TRAIN_LENGTH
+
+    def dense(scaling):
+        return AlibiBias(6, "causal", scaling).dense(T, T, torch.float64, "cpu")
+
+    plain = dense(Scaling())
+    for info in METHOD_TABLE:
+        if info.name not in position("alibi").extensions:
+            continue
+        at_one = dense(Scaling(info.name, 1.0, TRAIN_LENGTH))
+        within = slice(0, TRAIN_LENGTH)  # queries whose every key is within L
+        assert torch.equal(at_one[..., within, :], plain[..., within, :]), info.name
+        changed = not torch.allclose(at_one, plain)
+        assert changed == (info.kind == "distance"), info.name
+
+
+# ------------------------------------------------------------------ --help and names
+def unwrapped(text: str) -> str:
+    """``text`` without whitespace: argparse wraps help at spaces and after hyphens."""
+    return "".join(text.split())
+
+
+def help_text(*argv) -> str:
+    return unwrapped(run_cli([tool(argv[0]), *argv[1:], "--help"]).stdout)
+
+
+def test_eval_lm_help_lists_every_override_key_with_its_values():
+    from fairseq_alibi.models.config import ALIBI_FIELDS
+
+    text = run_cli([tool("alibi-eval-lm"), "--help"]).stdout.split("ALiBi at evaluation")[1]
+    assert re.findall(r"^  (alibi_\w+): ", text, re.M) == list(ALIBI_FIELDS)
+    flat = " ".join(text.split())
+    assert " | ".join(METHODS) in flat and " | ".join(KERNEL_NAMES) in flat
+    assert all(f"{m} {a:g}" in flat for m, a in DEFAULT_ALPHA.items())
+
+
+def test_train_and_sweep_help_come_from_the_method_table():
+    train = help_text("alibi-train")
+    for info in METHOD_TABLE[1:]:
+        assert unwrapped(f"{info.name}: {info.summary}") in train, info.name
+    assert unwrapped(METHOD_SYNTAX) in help_text("alibi-sweep")
+
+
+def dotted_names(text: str) -> List[str]:
+    return sorted(set(re.findall(r"`(fairseq_alibi(?:\.\w+)+)", text)))
+
+
+def resolves(name: str) -> bool:
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_module_names_and_paths_in_the_docs_exist():
+    for path in DOC_FILES:
+        text = path.read_text(encoding="utf-8")
+        for name in dotted_names(text):
+            assert resolves(name), f"{path.name}: {name}"
+        for file, attr in re.findall(r"\b(fairseq_alibi/[\w/]+\.py)(?:::(\w+))?", text):
+            assert (REPO / file).is_file(), f"{path.name}: {file}"
+            if attr:
+                assert resolves(file[:-3].replace("/", ".") + "." + attr), f"{path.name}: {file}::{attr}"
+
+
+def test_readme_layout_names_every_module():
+    layout = next(b.code for b in BLOCKS if b.path.name == "README.md" and b.code.startswith("fairseq_alibi/"))
+    for line in layout.splitlines():
+        entry = line.split()[0].rstrip(",") if line.strip() and not line.startswith(" ") else None
+        if entry:
+            assert (REPO / entry).exists(), entry
+    package = REPO / "fairseq_alibi"
+    modules = [p for p in package.glob("*.py") if p.name != "__init__.py"]
+    modules += [p for p in (package / "core").glob("*.py") if p.name != "__init__.py"]
+    packages = [p for p in package.iterdir() if (p / "__init__.py").is_file()]
+    for path in modules + packages:
+        assert path.name in layout, f"README's layout does not name {path.relative_to(REPO)}"
+
+
+# ------------------------------------------------------------------ the demo table
+DEMO = REPO / "examples" / "language_model" / "demo.sh"
+
+
+def demo_table() -> dict:
+    """README's demo table: {model: {length: the cell as printed}}."""
+    rows = table(doc("README.md"), "evaluation length")
+    header = next(line for line in doc("README.md").splitlines() if line.startswith("| evaluation length |"))
+    lengths = [int(cell.split()[0]) for cell in header.strip("|").split("|")[1:]]
+    return {row[0]: dict(zip(lengths, row[1:])) for row in rows}
+
+
+def test_readme_demo_table_is_in_the_demos_format_and_agrees_with_extrapolation_md(tmp_path):
+    """The lengths are the demo's ``L x LENGTHS``; the demo's own summary (the
+    Python at the end of demo.sh, fed these numbers as a results.json) prints
+    exactly the 1x and 8x cells; docs/extrapolation.md's full table has the
+    same rows."""
+    script = DEMO.read_text()
+    train_length = int(re.search(r"^L=\$\{L:-(\d+)\}", script, re.M).group(1))
+    ratios = [float(r[:-1]) for r in re.search(r"^LENGTHS=\$\{LENGTHS:-([\dx,]+)\}", script, re.M).group(1).split(",")]
+    shown = demo_table()
+    assert {name.lower() for name in shown} == {"alibi", "sinusoidal"}
+    for values in shown.values():
+        assert list(values) == [int(train_length * r) for r in ratios]
+    assert all(re.fullmatch(r"\d+\.\d\d", cell) for values in shown.values() for cell in values.values())
+    cells = [dict(checkpoint=name.lower(), label="none", mode="nonoverlapping", length_ratio=length / train_length,
+                  ppl=float(ppl)) for name, values in shown.items() for length, ppl in values.items()]
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"cells": cells}))
+    summary = re.search(r"<<'EOF'\n(.*?)\nEOF", script, re.S).group(1)
+    printed = subprocess.run([sys.executable, "-", str(results)], input=summary, capture_output=True, text=True,
+                             check=True).stdout
+    for name, values in shown.items():
+        one, eight = values[train_length], values[8 * train_length]
+        line = next(line.strip() for line in printed.splitlines() if line.strip().startswith(name.lower() + ":"))
+        assert line.startswith(f"{name.lower()}: ppl {one} at 1x, {eight} at 8x (ratio "), printed
+        assert f"`{line}`" in doc("README.md"), f"README quotes the demo's line {line!r}"
+    full = {row[0]: [cell.strip("*") for cell in row[1:]]
+            for row in table(doc("docs/extrapolation.md"), "model / method")}
+    assert full["**ALiBi** (none)"] == list(shown["ALiBi"].values())
+    assert full["**sinusoidal**"] == list(shown["sinusoidal"].values())

@@ -642,6 +642,15 @@ def test_load_hf_model_errors_are_one_clear_line(tmp_path):
         hf.load_hf_model(str(empty))
     with pytest.raises(HFLoadError, match="unknown dtype 'half8'"):
         hf.load_hf_model(str(empty), dtype="half8")
+    # a fairseq checkpoint (a .pt file, or a directory of them) is named as one, with both ways to load it
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    torch.save({"model": {}}, checkpoints / "checkpoint_best.pt")
+    for path in (checkpoints, checkpoints / "checkpoint_best.pt"):
+        with pytest.raises(HFLoadError, match="fairseq checkpoint.*alibi-export-hf .*checkpoint_best.pt OUTPUT_DIR"
+                                               ".*import fairseq_alibi.models") as fairseq_checkpoint:
+            hf.load_hf_model(str(path))
+        assert "\n" not in str(fairseq_checkpoint.value)
     for error in (missing, unreadable):
         assert "\n" not in str(error.value) and str(tmp_path) in str(error.value)
 
@@ -863,3 +872,93 @@ def test_importing_the_hf_side_leaves_fairseq_alone():
             "print(sorted(m for m in sys.modules if m == 'fairseq' or m.startswith(('fairseq.', 'fairseq_cli'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------
+# Exported models: static caches, last_factor; the dynamic-cache warning
+# ---------------------------------------------------------------------------
+
+
+def exported_model(spelling: str = "none", heads: int = 4, seed: int = 0):
+    """A tiny random model of ``alibi-export-hf``'s class, scaled as ``spelling``."""
+    from fairseq_alibi.core.configuration_alibi import AlibiLMConfig
+    from fairseq_alibi.core.modeling_alibi import AlibiForCausalLM
+    from fairseq_alibi.core.scaling import Scaling
+
+    config = AlibiLMConfig(vocab_size=VOCAB, hidden_size=8 * heads, layers=2, attention_heads=heads,
+                           ffn_dim=16 * heads, alibi_train_length=TRAIN_LENGTH, pad_token_id=0,
+                           alibi_scaling=Scaling.parse(spelling, TRAIN_LENGTH).to_hf())
+    return randomize(AlibiForCausalLM(config), seed)
+
+
+def greedy_by_recomputation(model, prompt: torch.Tensor, steps: int) -> list:
+    """Greedy continuation of one unpadded prompt, each step a full forward (no cache)."""
+    for _ in range(steps):
+        prompt = torch.cat([prompt, logits(model, prompt)[:, -1:].argmax(-1)], dim=1)
+    return prompt[0].tolist()
+
+
+@pytest.mark.parametrize("spelling", ["none", "linear:2", "cap:0.5", "ntk"])
+def test_exported_model_generates_a_padded_batch_with_a_static_cache(spelling):
+    """generate() keeps the 2-D mask for a static cache; its empty slots are cut
+    off: each row generates what the growing cache gives and, under a static
+    method, what greedy recomputation of its unpadded prompt gives."""
+    model = exported_model(spelling)
+    prompts = tokens(10, batch=2)
+    mask = torch.ones_like(prompts)
+    mask[1, :4] = 0
+    settings = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                    eos_token_id=None)
+    with torch.no_grad():
+        static = model.generate(prompts, cache_implementation="static", **settings)
+        growing = model.generate(prompts, **settings)
+    assert static.tolist() == growing.tolist()
+    if spelling != "ntk":  # dynamic scaling with a cache only approximates recomputation past L
+        for row, start in ((0, 0), (1, 4)):
+            assert static[row, start:].tolist() == greedy_by_recomputation(model, prompts[row:row + 1, start:], 8)
+
+
+def test_exported_model_reports_each_passes_dynamic_factor():
+    """``last_factor``: the latest pass's factor, ``max(1, n / L)`` with ``n`` the
+    row's own tokens; one number per row where the rows of a padded batch differ."""
+    model = exported_model()
+    hf.apply_alibi_scaling(model, "linear", 0)
+    assert hf.alibi_scaling_settings(model)["last_factor"] is None  # no pass yet
+    logits(model, tokens(150, batch=1))
+    assert hf.alibi_scaling_settings(model)["last_factor"] == pytest.approx(150 / TRAIN_LENGTH)
+    ids = tokens(40, batch=3)
+    mask = torch.ones_like(ids)
+    mask[1, :8], mask[2, :30] = 0, 0
+    logits(model, ids, attention_mask=mask)
+    assert hf.alibi_scaling_settings(model)["last_factor"] == pytest.approx([40 / 16, 32 / 16, 1.0])
+    logits(model, ids)  # rows of one length: one number
+    assert hf.alibi_scaling_settings(model)["last_factor"] == pytest.approx(40 / 16)
+
+
+@pytest.mark.parametrize("family", ["exported", "bloom"])
+def test_generating_past_the_training_length_under_dynamic_scaling_warns_once(family, caplog):
+    from fairseq_alibi.core import errors
+
+    errors.warned.difference_update({m for m in errors.warned if "scaling past the training length" in m})
+    model = exported_model() if family == "exported" else make_model("bloom")
+
+    def warnings_of(run) -> list:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fairseq_alibi"), torch.no_grad():
+            run()
+        return [r.getMessage() for r in caplog.records if r.name == "fairseq_alibi"]
+
+    def generate(prompt_length: int, new: int):
+        prompt = tokens(prompt_length, batch=1)
+        return lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                                      min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    hf.apply_alibi_scaling(model, "ntk", 2.0, train_length=TRAIN_LENGTH)
+    assert warnings_of(generate(12, 10)) == []  # a static factor: exact
+    hf.apply_alibi_scaling(model, "ntk", 0, train_length=TRAIN_LENGTH)
+    assert warnings_of(generate(8, 6)) == []  # 14 keys <= L: factor 1 throughout
+    assert warnings_of(lambda: model(input_ids=tokens(40))) == []  # no cache: a full forward
+    said = warnings_of(generate(12, 10))
+    assert len(said) == 1 and f"dynamic ntk scaling past the training length ({TRAIN_LENGTH} tokens)" in said[0]
+    assert "\n" not in said[0]
+    assert warnings_of(generate(12, 10)) == []  # once per process

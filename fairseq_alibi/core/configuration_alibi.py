@@ -8,10 +8,11 @@ trust_remote_code=True)`` works without this package installed.
 
 Context extension is ``alibi_scaling``, Cerebras BTLM's convention extended to
 every method of ``scaling.Scaling``, whose ``from_hf`` and ``to_hf`` are the one
-translation (their docstrings list the forms): ``None`` (as trained),
-``{"type": "linear" | "ntk", "factor": F}`` (static) or ``{..., "train_seq_len":
-N}`` (dynamic), ``{"type": "cap" | "capnorm", "factor": F}`` and ``{"type":
-"log", "factor": F, "alpha": A}`` (past ``F x alibi_train_length``).
+translation (their docstrings list the forms): ``None`` or ``{"type": "none"}``
+(as trained); ``{"type": "linear" | "ntk", "factor": F}`` (static) or ``{...,
+"train_seq_len": N}`` (dynamic); ``{"type": "cap" | "log" | "power" | "capnorm",
+"factor": F}`` (past ``F x alibi_train_length``), with ``"alpha": A`` for the
+tails ``log`` and ``power``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ module of its own (a second ``UserError`` class): ``user_error = True`` is how
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict
 
 
@@ -47,3 +48,16 @@ class InputError(UserError, ValueError):
 class KernelUnsupportedError(UserError, NotImplementedError):
     """An attention kernel asked for what it cannot do here (FlexAttention's
     backward on the CPU); the message says what to use instead."""
+
+
+#: The messages :func:`warn_once` has logged in this process.
+warned = set()
+
+
+def warn_once(message: str) -> None:
+    """A warning a user should act on, logged once per process (one line,
+    logger ``fairseq_alibi``: the console scripts print it in fairseq's format,
+    a plain Python session on stderr)."""
+    if message not in warned:
+        warned.add(message)
+        logging.getLogger("fairseq_alibi").warning(message)

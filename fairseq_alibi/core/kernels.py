@@ -42,6 +42,7 @@ from .bias import StackBias, padding_mask
 from .errors import ConfigError
 from .causal_blocks import blocked_causal_attention, head_groups
 from .flex import flex_available, flex_kernel
+from .scaling import warn_if_cache_drifts
 
 Kernel = Callable[[Tensor, Tensor, Tensor, StackBias, Optional[Tensor], float], Tuple[Tensor, Optional[Tensor]]]
 
@@ -307,7 +308,12 @@ def choose_kernel(
 def attend(q, k, v, bias: StackBias, name: str, key_padding_mask=None, dropout_p: float = 0.0,
            need_weights: bool = False, incremental: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """Run the kernel :func:`choose_kernel` picks; (output ``[B, H, T, D]``,
-    weights or None).  Every row scores as it would alone (:func:`row_groups`)."""
+    weights or None).  Every row scores as it would alone (:func:`row_groups`);
+    a KV-cache step (``incremental``) under dynamic scaling past the training
+    length is warned about once (:func:`scaling.warn_if_cache_drifts`)."""
+    if incremental and bias.scaling.dynamic and k.size(2) > q.size(2):
+        padded = 0 if key_padding_mask is None else key_padding_mask.to(torch.bool).sum(-1)
+        warn_if_cache_drifts(bias.scaling, k.size(2) - q.size(2), k.size(2) - padded)
     groups = row_groups(bias, key_padding_mask, q.size(2), k.size(2))
     if groups is None:
         chosen = choose_kernel(name, bias, need_weights, q.size(2), k.size(2), dropout_p, incremental, q.device)

@@ -20,9 +20,11 @@ log-probabilities fairseq's ``get_log_prob`` gives).
 Padding: a 2-D ``attention_mask`` marks padded keys; ALiBi depends on ``i - j``
 only, so a left-padded row scores as its unpadded run, and with dynamic
 scaling each row's factor comes from its own number of keys.  The KV cache is
-transformers' (``DynamicCache``); with a static factor incremental decoding
-equals the full forward, with dynamic scaling cached keys keep the slopes they
-were computed with (as in fairseq).
+transformers' (``DynamicCache``, or ``StaticCache``, whose empty slots are cut
+off; ``generate()`` keeps the 2-D mask for it, see ``create_masks_for_generate``);
+with a static factor incremental decoding equals the full forward, with
+dynamic scaling cached keys keep the slopes they were computed with (as in
+fairseq; warned once past the training length).
 """
 
 from __future__ import annotations
@@ -94,11 +96,14 @@ class AlibiSelfAttention(nn.Module):
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         if context.cache is not None:
             k, v = context.cache.update(k, v, self.layer_idx)
-            if k.size(2) != context.past + length:
+            keys = context.past + length
+            if k.size(2) < keys:
                 raise InputError(
-                    f"the cache returned {k.size(2)} keys for {context.past} cached + {length} new tokens: only "
-                    "growing caches (DynamicCache, generate()'s default) are supported"
+                    f"the cache returned {k.size(2)} keys for {context.past} cached + {length} new tokens: "
+                    "use a DynamicCache (generate()'s default) or a StaticCache"
                 )
+            # a static cache returns all its slots, the empty ones after the filled ones
+            k, v = k[:, :, :keys], v[:, :, :keys]
         out, weights = context.attend(q, k, v, self.dropout if self.training else 0.0)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, dim)), weights
 
@@ -351,7 +356,8 @@ class AlibiLMModel(AlibiPreTrainedModel):
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
-        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        # an int: a StaticCache's length is a tensor that its update (layer 0's) increments in place
+        past = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
         batch, length = input_ids.shape
         pad = key_padding(attention_mask, batch, past + length)
         context = AttentionContext(past_key_values, past, pad, self.alibi, self.kernel, bool(output_attentions))
@@ -400,6 +406,12 @@ class AlibiForCausalLM(AlibiPreTrainedModel, GenerationMixin):
     def set_alibi_scaling(self, value) -> None:
         """``AlibiLMModel.set_alibi_scaling`` of the decoder."""
         self.model.set_alibi_scaling(value)
+
+    def create_masks_for_generate(self, config, inputs_embeds, attention_mask, past_key_values, **kwargs):
+        """``generate()`` with a static cache would turn the 2-D mask into a 4-D
+        causal one; this model reads padding from the 2-D mask and builds its own
+        causal bias, so the mask stays as the tokenizer made it."""
+        return attention_mask
 
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
                 past_key_values=None, inputs_embeds=None, labels: Optional[Tensor] = None,

@@ -21,9 +21,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Dict, Optional, Tuple, Union
 
+import torch
 from torch import Tensor
 
-from .errors import ScalingError
+from .errors import ScalingError, warn_once, warned
 
 
 @dataclass(frozen=True)
@@ -368,3 +369,24 @@ def check_applies(scaling: Scaling, position: str, allowed) -> Scaling:
         raise ScalingError("method", scaling.method, f"{scaling.method} does not apply to {position} models; "
                            f"the methods that do: {', '.join(allowed)}")
     return scaling
+
+
+def warn_if_cache_drifts(scaling: Scaling, cached: Union[int, Tensor], keys: Union[int, Tensor]) -> None:
+    """Warn once that a KV-cache step under dynamic scaling past the training
+    length approximates a full forward: the cached keys and values (of every
+    layer after the first) were computed under earlier, smaller factors.
+    ``cached``: the keys already in the cache; ``keys``: cached + new, an int
+    or one count per row.  Every generation path calls it (fairseq's
+    incremental decoding, exported models, the Hugging Face hooks); once said,
+    it reads no tensor again (no device sync per step)."""
+    if not scaling.dynamic or torch.compiler.is_compiling():
+        return
+    length = scaling.complete().train_length
+    message = (f"dynamic {scaling.method} scaling past the training length ({length} tokens) with a KV cache: "
+               "cached keys keep the slopes of earlier, smaller factors, so generation approximates a full forward "
+               f"of the same text; for exact generation use a static {scaling.method} factor (the longest length "
+               f"/ {length})")
+    if message in warned or int(cached) == 0:
+        return
+    if int(keys.max() if isinstance(keys, Tensor) else keys) > length:
+        warn_once(message)

@@ -132,6 +132,14 @@ def load_hf_config(name_or_dir: str, progress: bool = True):
     return config, tokenizer
 
 
+def _fairseq_checkpoints(path: str) -> List[str]:
+    """``[path]`` for a ``.pt`` file, the ``.pt`` files of a directory (at most
+    three), else ``[]``: a fairseq checkpoint where a Hugging Face model was asked for."""
+    if os.path.isdir(path):
+        return [os.path.join(path, name) for name in sorted(os.listdir(path)) if name.endswith(".pt")][:3]
+    return [path] if path.endswith(".pt") and os.path.isfile(path) else []
+
+
 def _load(name_or_dir: str, progress: bool, read):
     """(tokenizer, ``read(model class, name, options)``), every failure one ``HFLoadError`` line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -143,6 +151,15 @@ def _load(name_or_dir: str, progress: bool, read):
         what = f"cannot load Hugging Face model {name_or_dir!r}: the directory holds no config.json"
     elif not local and _looks_local(name_or_dir):
         what = f"{name_or_dir} " + ("is not a model directory" if os.path.exists(name_or_dir) else "not found")
+    checkpoints = _fairseq_checkpoints(name_or_dir) if what else []
+    if checkpoints:
+        held = (f"{name_or_dir} is a fairseq checkpoint" if checkpoints == [name_or_dir] else
+                f"{name_or_dir} holds fairseq checkpoints ({', '.join(os.path.basename(c) for c in checkpoints)})")
+        raise HFLoadError(
+            f"{held}, not a Hugging Face model: export one (alibi-export-hf {checkpoints[0]} OUTPUT_DIR) and "
+            "load that directory, or load it with fairseq after `import fairseq_alibi.models`, which registers "
+            "the models (docs/usage.md, Python)"
+        )
     if what:
         raise HFLoadError(
             f"{what}; give a directory written by save_pretrained or alibi-export-hf "

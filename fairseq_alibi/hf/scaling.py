@@ -43,7 +43,7 @@ import torch
 
 from ..core import alibi
 from ..core.errors import ConfigError, InputError
-from ..core.scaling import DISTANCE_METHODS, Scaling, check_applies
+from ..core.scaling import DISTANCE_METHODS, Scaling, check_applies, warn_if_cache_drifts
 from ..errors import UnsupportedModelError
 from .families import EXPORTED, base_slopes, hf_train_length, resolve
 
@@ -122,6 +122,7 @@ def _start_forward(state: ScalingState, module, args, kwargs) -> None:
     # dynamic scaling: each row's factor from its own keys (docs/usage.md, "Padded batches")
     lengths = mask.sum(-1) if mask is not None and state.scaling.dynamic else kv_len
     state.last_factor = state.scaling.factor_at(lengths)
+    warn_if_cache_drifts(state.scaling, past, lengths)
     state.current = dict(q_len=q_len, past=past, kv_len=kv_len, cache_max=cache_max, mask=mask, built=None,
                          slopes=state.scaled_slopes(lengths, tokens.device))
 
@@ -309,9 +310,10 @@ def apply_alibi_scaling(model, method="none", factor: float = 0.0, train_length:
     ``fairseq_alibi.core.Scaling``'s (or pass a ``Scaling`` as ``method``):
     ``none``; ``linear`` or ``ntk`` with a static ``factor >= 1`` or
     ``factor=0`` for dynamic scaling (``max(1, kv_length / train_length)`` per
-    forward pass, ``kv_length`` the cached plus new tokens); ``cap``, ``log``
-    (with ``alpha``) or ``capnorm`` past ``factor x train_length`` (``factor=0``
-    meaning 1).  ``train_length`` defaults to what the model's config records
+    forward pass, ``kv_length`` the cached plus new tokens of each row, padding
+    not counted); ``cap``, ``log`` or ``power`` (both with ``alpha``) or
+    ``capnorm`` past ``factor x train_length`` (``factor=0`` meaning 1).
+    ``train_length`` defaults to what the model's config records
     (``hf_train_length``).  ``bias_form``: ``relative`` (default, ``-slope *
     (i - j)`` formed in float32) or ``upstream`` (the model's own form, with
     the scaled slopes; not with the distance methods).

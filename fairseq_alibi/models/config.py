@@ -18,7 +18,9 @@ from typing import Iterator, Optional
 from fairseq.dataclass import FairseqDataclass
 
 from ..core.alibi import BIDIRECTIONAL_MODES
-from ..core.scaling import CONFIG_KEYS, DEFAULT_ALPHA, METHODS, Scaling
+from ..core.scaling import (
+    CONFIG_KEYS, DEFAULT_ALPHA, DISTANCE_METHODS, METHOD_TABLE, METHODS, SCALE_METHODS, Scaling,
+)
 from ..core.bias import AlibiBias
 from ..errors import ConfigError, closest, warn_once
 from ..options import INTEGER_OPTIONS, integer_problem  # noqa: F401  (the table override values are checked against)
@@ -33,15 +35,15 @@ def option(default, help: str):
 @dataclass
 class AlibiConfig(FairseqDataclass):
     alibi_interpolation: str = option(
-        "none", f"context extension at evaluation: {' | '.join(METHODS)} (linear: every slope / factor; ntk: "
-        "steepest head kept, flattest / factor, geometric in between; past C = factor x alibi_train_length: "
-        "cap: every distance counted as C (LM-Infinite); log: C + alpha C ln(distance / C); power: the cap "
-        "minus alpha ln(distance / C); capnorm: the cap with the far keys' total weight held at that of C keys)")
+        "none", f"context extension at evaluation: {' | '.join(METHODS)} ("
+        + "; ".join(f"{m.name}: {m.summary}" for m in METHOD_TABLE if m.name != "none")
+        + "; C = alibi_scale_factor x alibi_train_length, d the distance)")
     alibi_scale_factor: float = option(
-        0.0, "linear/ntk: 0 = dynamic, max(1, length / alibi_train_length), otherwise a static factor >= 1; "
-        "cap/log/power/capnorm: C in training lengths (any > 0; 0 = 1)")
+        0.0, f"{'/'.join(SCALE_METHODS)}: 0 = dynamic, max(1, n / alibi_train_length) with n a row's keys in "
+        f"the forward pass, otherwise a static factor >= 1; {'/'.join(DISTANCE_METHODS)}: C in training lengths "
+        "(any > 0; 0 = 1)")
     alibi_tail_alpha: Optional[float] = option(
-        None, "log and power only: the tail's growth alpha (> 0; defaults: "
+        None, f"{' and '.join(DEFAULT_ALPHA)} only: the tail's growth alpha (> 0; defaults: "
         + ", ".join(f"{m} {a:g}" for m, a in DEFAULT_ALPHA.items()) + ")")
     alibi_attention: str = option("auto", f"attention kernel: {' | '.join(KERNEL_NAMES)} (docs/performance.md)")
 
@@ -61,6 +63,17 @@ class AlibiEncoderConfig(AlibiConfig):
 
 #: Every ``alibi_*`` field of the plugin's models (override keys, hub keywords).
 ALIBI_FIELDS = tuple(f.name for f in dataclasses.fields(AlibiEncoderConfig) if f.name.startswith("alibi_"))
+
+
+def field_help(*configs) -> dict:
+    """``{field: its --help text}`` of every ALiBi field, read from the config
+    dataclasses; a field declared by several of ``configs`` gets the first's text."""
+    found = {}
+    for config in configs + (AlibiEncoderConfig,):
+        for f in dataclasses.fields(config):
+            if f.name in ALIBI_FIELDS:
+                found.setdefault(f.name, f.metadata["help"])
+    return {name: found[name] for name in ALIBI_FIELDS}
 
 
 def scaling_from_config(args) -> Scaling:
