@@ -440,3 +440,18 @@ def test_readme_demo_table_is_in_the_demos_format_and_agrees_with_extrapolation_
             for row in table(doc("docs/extrapolation.md"), "model / method")}
     assert full["**ALiBi** (none)"] == list(shown["ALiBi"].values())
     assert full["**sinusoidal**"] == list(shown["sinusoidal"].values())
+
+
+def test_positions_table_is_the_registry():
+    """docs/positions.md's table of position methods: every registry entry with its
+    kind, arch, the extension methods that apply and its parameters with their defaults."""
+    from fairseq_alibi.core.positions import POSITIONS
+
+    rows = {ticked(row[0])[0]: row for row in table(doc("docs/positions.md"), "method")}
+    assert list(rows) == ["sinusoidal", *POSITIONS]
+    for name, entry in POSITIONS.items():
+        _, arch, kind, extensions, params = rows[name]
+        assert ticked(arch)[0] == f"transformer_lm_{name}" and kind.strip() == entry.kind, name
+        assert ticked(extensions) == list(entry.extensions), name
+        shown = re.findall(r"`(\w+)` \(([^):]+)", params)
+        assert [(p, float(d)) for p, d in shown] == [(p.name, float(p.default)) for p in entry.params], name
