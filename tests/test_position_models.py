@@ -132,8 +132,21 @@ def test_training_gradients_reach_the_position_parameters(data_dir, name):
     if isinstance(positions, torch.nn.Module):
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in positions.parameters())
         state = model.state_dict()
-        assert sum(k.startswith("decoder.positions.") for k in state) == len(list(positions.parameters()))
+        own = len(list(positions.parameters())) + len(list(positions.buffers()))
+        assert sum(k.startswith("decoder.positions.") for k in state) == own
         assert not [k for k in state if ".self_attn.positions." in k]  # shared: saved once, not per layer
+
+
+def test_fire_keeps_its_trained_threshold_under_another_training_length(data_dir):
+    """The threshold's unit is saved with the weights: a FIRE model rebuilt with
+    another alibi_train_length (an override) computes what it was trained to."""
+    model = build(data_dir, "fire")
+    other = build(data_dir, "fire", "--alibi-train-length", str(4 * TRAIN))
+    assert float(other.decoder.positions.method.threshold) != float(model.decoder.positions.method.threshold)
+    other.load_state_dict(model.state_dict())
+    ids = tokens(2 * TRAIN, batch=1)
+    with torch.no_grad():
+        torch.testing.assert_close(other.decoder(ids)[0], model.decoder(ids)[0])
 
 
 def test_learned_bias_is_built_once_per_pass(data_dir, monkeypatch):

@@ -47,7 +47,10 @@ class Fire(nn.Module):
     def __init__(self, num_heads: int, hidden: int = 32, init_threshold: float = INIT_THRESHOLD,
                  init_c: float = INIT_C):
         super().__init__()
-        self.num_heads, self.init_threshold, self.init_c = num_heads, float(init_threshold), float(init_c)
+        self.num_heads, self.init_c = num_heads, float(init_c)
+        # The threshold's unit, saved with the weights: a model loaded under another training length
+        # (an override of alibi_train_length) keeps the threshold it was trained with.
+        self.register_buffer("threshold_unit", torch.tensor(float(init_threshold)))
         self.inner = nn.Linear(1, hidden)
         self.outer = nn.Linear(hidden, num_heads)
         self.raw_c = nn.Parameter(torch.empty(()))
@@ -69,7 +72,7 @@ class Fire(nn.Module):
     @property
     def threshold(self) -> Tensor:
         """float32 scalar > 0: queries before it share the normalizer ``psi(threshold)``."""
-        return self.init_threshold * positive(self.raw_threshold)
+        return self.threshold_unit * positive(self.raw_threshold)
 
     def mlp_input(self, query: Tensor, key: Tensor) -> Tensor:
         """float32 ``[q, k]``: ``psi(i - j) / psi(max(threshold, i))``, in ``[0, 1]``
