@@ -242,6 +242,8 @@ CASES = [
         ("`--max-tokens` below the longest length", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--lengths", "4x",
                                                              "--max-tokens", "64"]),
         ("an unknown method", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--methods", "cubic"]),
+        ("a method of another position method (RoPE's YaRN on an ALiBi model)",
+         SWEEP + ["-c", "alibi/checkpoint_last.pt", "--methods", "none,yarn:2"]),
         ("a cap at no distance (`cap:F` takes F > 0)", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--methods", "cap:-1"]),
         ("a length longer than the evaluated split", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--lengths", "1x,64x"]),
         ("a checkpoint that is a broken symbolic link", SWEEP + ["-c", "dangling.pt"]),
