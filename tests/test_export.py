@@ -760,8 +760,6 @@ def test_bad_inputs_are_one_error_line_each(data_dir, tmp_path):
     for args, message in cases:
         status, output = export(*args)
         assert status == 1, (args, output)
-        import re
-
         assert re.search(message, one_error_line(output)), (message, output)
     assert (tmp_path / "full" / "keep.txt").read_text() == "x" and not (tmp_path / "o").exists()
     assert good.is_file() and (tmp_path / "dicts" / "dict.txt").is_file()
