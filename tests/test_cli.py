@@ -28,6 +28,7 @@ import torch
 from conftest import (
     HEADS, SPLIT_LINES, TRAIN_LENGTH, EvalResult, error_lines, free_port, parse_eval, run_cli, tool, train_args,
 )
+from fairseq_alibi.core.scaling import METHODS
 
 EVAL_LENGTH = 8 * TRAIN_LENGTH  # 256
 
@@ -531,7 +532,7 @@ def test_torchrun_two_process_data_parallel(lm_data_bin, alibi_user_dir, tmp_pat
 
 BAD_TRAIN_FLAGS = [
     ("alibi-train", ["--alibi-interpolation", "cubic"],
-     ["alibi_interpolation='cubic'", "none, linear, ntk, cap"]),
+     ["alibi_interpolation='cubic'", ", ".join(METHODS)]),
     ("fairseq-train", ["--alibi-interpolation", "linear", "--alibi-scale-factor", "0.5"],
      ["alibi_scale_factor=0.5", "static factor >= 1"]),
     ("alibi-train", ["--alibi-attention", "foo"], ["alibi_attention='foo'", "auto, reference"]),

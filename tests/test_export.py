@@ -30,7 +30,7 @@ from conftest import REPO, cli_env, fork_layout, run_cli, tool
 from fairseq_alibi import hf
 from fairseq_alibi.models import attention
 from fairseq_alibi.core import alibi
-from fairseq_alibi.core.scaling import NO_SCALING, Scaling
+from fairseq_alibi.core.scaling import METHODS as SCALING_METHODS, NO_SCALING, Scaling
 from fairseq_alibi.core.errors import ScalingError
 from fairseq_alibi.core.configuration_alibi import AlibiLMConfig
 from fairseq_alibi.errors import ConfigError, ExportError, HFLoadError
@@ -320,7 +320,7 @@ def test_alibi_scaling_dictionary_round_trips(spelling):
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"type": "rope", "factor": 2}, "type must be one of none, linear, ntk, cap, log, power, capnorm"),
+    ({"type": "rope", "factor": 2}, "type must be one of " + ", ".join(SCALING_METHODS)),
     ({"type": "cap", "factor": 1, "alpha": 0.5}, "only the tails \\(log, power\\) take alpha"),
     ({"type": "log", "factor": 1, "alpha": 0}, "alpha=0"),
     ({"type": "linear", "factor": 2, "train_seq_len": 8}, "exactly one of them"),

@@ -7,6 +7,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from fairseq_alibi.facts import UNBOUNDED_POSITIONS
+from fairseq_alibi.core.scaling import METHODS
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_forward_runs_longer_than_training(data_dir):
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--alibi-interpolation", "cubic"], "alibi_interpolation='cubic' is not valid; allowed values: none, linear, ntk, cap"),
+        (["--alibi-interpolation", "cubic"], "alibi_interpolation='cubic' is not valid; allowed values: " + ", ".join(METHODS)),
         (["--alibi-interpolation", "linear", "--alibi-scale-factor", "0.5"], "alibi_scale_factor=0.5 is not valid"),
         (["--alibi-attention", "magic"], "alibi_attention='magic' is not valid; allowed values: auto"),
         (["--alibi-train-length", "-4"], "alibi_train_length=-4 is not valid"),
