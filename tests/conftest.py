@@ -28,6 +28,8 @@ the earlier clauses: context matters, which evaluation tests can observe.
 from __future__ import annotations
 
 import atexit
+import copy
+import functools
 import os
 import random
 import re
@@ -185,6 +187,23 @@ def train_args(data_bin, save_dir, max_update: int = 10, batch_size: int = 8) ->
         "--cpu", "--num-workers", "0", "--save-dir", str(save_dir),
         "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "20",
     ]
+
+
+def fairseq_config(argv: Iterable):
+    """fairseq-train's config (an omegaconf ``cfg``) for ``argv``, a fresh copy each call.
+
+    Composing it runs hydra (about 0.8 s); the suite builds a few dozen models
+    from the same arguments, so each distinct ``argv`` is composed once per
+    worker.  Errors are raised on every call (a failed compose is not cached)."""
+    return copy.deepcopy(_composed_config(tuple(str(a) for a in argv)))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed_config(argv: tuple):
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    return convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_training_parser(), list(argv)))
 
 
 def wilson_by_hand(k: int, n: int):

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
-from conftest import causal_bias
+from conftest import causal_bias, fairseq_config
 
 from fairseq_alibi.core import alibi
 from fairseq_alibi.core.scaling import NO_SCALING, Scaling
@@ -384,17 +384,14 @@ def dict_dir(tmp_path_factory):
 
 
 def build_lm(dict_dir, *extra, heads=4, layers=3, arch="transformer_lm_alibi"):
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq import tasks
 
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
+    cfg = fairseq_config([
         dict_dir, "--task", "language_modeling", "--arch", arch, "--cpu",
         "--tokens-per-sample", "16", "--decoder-layers", str(layers),
         "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
         "--decoder-attention-heads", str(heads), "--dropout", "0.0", *extra,
-    ])
-    cfg = convert_namespace_to_omegaconf(args)  # as fairseq-train does
+    ])  # as fairseq-train does
     task = tasks.setup_task(cfg.task)
     torch.manual_seed(0)
     return task, task.build_model(cfg.model).eval()

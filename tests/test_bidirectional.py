@@ -13,12 +13,11 @@ import sys
 
 import pytest
 import torch
-from fairseq import checkpoint_utils, options, tasks
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq import checkpoint_utils, tasks
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_NAME_REGISTRY
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
-from conftest import causal_bias, error_lines, run_cli, split_bias, symmetric_bias, tool
+from conftest import causal_bias, error_lines, fairseq_config, run_cli, split_bias, symmetric_bias, tool
 
 from fairseq_alibi.core import alibi
 from fairseq_alibi.core.scaling import NO_SCALING, Scaling
@@ -253,8 +252,7 @@ def dict_dir(tmp_path_factory):
 
 
 def build(argv):
-    args = options.parse_args_and_arch(options.get_training_parser(), argv)
-    cfg = convert_namespace_to_omegaconf(args)
+    cfg = fairseq_config(argv)
     task = tasks.setup_task(cfg.task)
     return task.build_model(cfg.model), cfg
 

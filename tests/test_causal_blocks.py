@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
-from conftest import causal_bias
+from conftest import causal_bias, fairseq_config
 from fairseq_alibi.core import alibi
 from fairseq_alibi.core.scaling import NO_SCALING, Scaling
 from fairseq_alibi.core import kernels as K
@@ -222,20 +222,18 @@ def test_blocked_refuses_a_bias_that_needs_a_gradient():
 def test_lm_training_with_attention_dropout_takes_blocked_path(tmp_path):
     """A real transformer_lm_alibi training step with --attention-dropout: every
     layer runs the blocked path, and every parameter gets a finite gradient."""
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq import tasks
 
     (tmp_path / "dict.txt").write_text("".join(f"w{i} {100 - i}\n" for i in range(40)))
-    parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, [
+    cfg = fairseq_config([
         str(tmp_path), "--task", "language_modeling", "--arch", "transformer_lm_alibi", "--cpu",
         "--tokens-per-sample", "16", "--decoder-layers", "2", "--decoder-embed-dim", "32",
         "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--dropout", "0.1",
         "--attention-dropout", "0.1",
     ])
-    task = tasks.setup_task(convert_namespace_to_omegaconf(args).task)
+    task = tasks.setup_task(cfg.task)
     torch.manual_seed(0)
-    model = task.build_model(convert_namespace_to_omegaconf(args).model).train()
+    model = task.build_model(cfg.model).train()
     tokens = torch.randint(4, 44, (3, 16))
     with mock.patch.object(K, "blocked_causal_attention", wraps=K.blocked_causal_attention) as spy:
         model(tokens)[0].float().logsumexp(-1).sum().backward()

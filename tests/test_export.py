@@ -11,7 +11,6 @@ output; 6 heads (not a power of two), trained length ``L`` = 16.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import random
@@ -26,7 +25,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import REPO, cli_env, fork_layout, run_cli, tool
+from conftest import REPO, cli_env, fairseq_config, fork_layout, run_cli, tool
 from fairseq_alibi import hf
 from fairseq_alibi.models import attention
 from fairseq_alibi.core import alibi
@@ -78,13 +77,10 @@ def data_dir(tmp_path_factory) -> Path:
 def build(data_dir, extra, seed: int = 0, std: float = 0.4):
     """(fairseq model in eval mode, cfg) as fairseq-train builds them, random weights."""
     import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq import tasks
 
-    argv = [str(data_dir), "--task", "language_modeling", "--arch", "transformer_lm_alibi",
-            "--tokens-per-sample", str(L), "--cpu", *COMMON, *extra]
-    args = options.parse_args_and_arch(options.get_training_parser(), argv)
-    cfg = convert_namespace_to_omegaconf(args)
+    cfg = fairseq_config([str(data_dir), "--task", "language_modeling", "--arch", "transformer_lm_alibi",
+                          "--tokens-per-sample", str(L), "--cpu", *COMMON, *extra])
     model = tasks.setup_task(cfg.task).build_model(cfg.model)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

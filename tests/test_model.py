@@ -3,11 +3,12 @@
 import pytest
 import torch
 from fairseq import options, tasks
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from fairseq_alibi.facts import UNBOUNDED_POSITIONS
 from fairseq_alibi.core.scaling import METHODS
+
+from conftest import fairseq_config
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,7 @@ def build(data_dir, *extra, arch="transformer_lm_alibi"):
         "--decoder-embed-dim", "48", "--decoder-ffn-embed-dim", "64",
         "--decoder-attention-heads", "6", *extra,
     ]
-    args = options.parse_args_and_arch(options.get_training_parser(), argv)
-    cfg = convert_namespace_to_omegaconf(args)
+    cfg = fairseq_config(argv)
     task = tasks.setup_task(cfg.task)
     return task.build_model(cfg.model), cfg
 

@@ -7,8 +7,7 @@ import math
 
 import pytest
 import torch
-from fairseq import options, tasks
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq import tasks
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from fairseq_alibi import facts
@@ -17,6 +16,8 @@ from fairseq_alibi.core.errors import ScalingError
 from fairseq_alibi.core.positions import POSITIONS
 from fairseq_alibi.core.scaling import Scaling
 from fairseq_alibi.models.attention import rescale
+
+from conftest import fairseq_config
 
 TRAIN = 16
 METHODS = list(POSITIONS)
@@ -33,8 +34,7 @@ def build(data_dir, position: str, *extra):
     argv = [str(data_dir), "--task", "language_modeling", "--arch", facts.position_model(position),
             "--tokens-per-sample", str(TRAIN), "--decoder-layers", "2", "--decoder-embed-dim", "32",
             "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", *extra]
-    args = options.parse_args_and_arch(options.get_training_parser(), argv)
-    cfg = convert_namespace_to_omegaconf(args)
+    cfg = fairseq_config(argv)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
     generator = torch.Generator().manual_seed(0)

@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
-from conftest import Payload, error_lines, preprocess, run_cli, tool
+from conftest import Payload, error_lines, fairseq_config, preprocess, run_cli, tool
 from fairseq_alibi import errors, safe_load
 from fairseq_alibi.safe_load import CorruptCheckpointError, UnsafeCheckpointError
 
@@ -230,12 +230,9 @@ MARKED_ARCHS = {  # every architecture whose state dict holds a marker buffer
 
 def _built(data_bin, extra):
     """A fairseq LM built as fairseq-train builds it, with random weights, and its checkpoint dict."""
-    from fairseq import options, tasks
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq import tasks
 
-    args = options.parse_args_and_arch(options.get_training_parser(), [
-        str(data_bin), "--task", "language_modeling", "--tokens-per-sample", "16", "--cpu", *extra])
-    cfg = convert_namespace_to_omegaconf(args)
+    cfg = fairseq_config([str(data_bin), "--task", "language_modeling", "--tokens-per-sample", "16", "--cpu", *extra])
     model = tasks.setup_task(cfg.task).build_model(cfg.model)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
