@@ -74,3 +74,21 @@ def test_extension_methods_only_where_they_apply(compare_run):
     table = (out / "positions.md").read_text()
     assert "| alibi cap x1 |" in table and "| rotary yarn x2 |" in table
     assert "rotary cap" not in table and "alibi yarn" not in table
+
+
+def test_the_paired_table_is_each_seed_against_its_own_alibi(compare_run):
+    out, _ = compare_run
+    cells = [c for c in sweep_cells(out / "sweep/results.json") if c["mode"] == "nonoverlapping"]
+    ppl = {(c["checkpoint"], c["length"]): c["ppl"] for c in cells}
+    table = (out / "positions.md").read_text()
+    paired = table[table.index("### Against ALiBi of the same seed"):]
+    assert "| alibi |" not in paired.split("###")[1]
+    for name in POSITIONS:
+        if name == "alibi":
+            continue
+        row = next(line for line in paired.splitlines() if line.startswith(f"| {name} |"))
+        for length in (16, 32):
+            changes = sorted(100 * (ppl[(f"{name}_s{s}", length)] / ppl[(f"alibi_s{s}", length)] - 1) for s in SEEDS)
+            expected = f"{sum(changes) / len(changes):+.1f}% [{changes[0]:+.1f}, {changes[-1]:+.1f}]"
+            assert expected in row, (row, expected)
+    assert "### rotary: each method against the plain model of the same seed" in table

@@ -3,7 +3,9 @@
 Checkpoints are named ``METHOD_sSEED``; for every method and evaluation length
 this prints the mean perplexity over seeds with the lowest and highest seed
 ``mean [min, max]`` (three seeds give no useful interval of their own: the
-band is the seeds' range, and says so), and draws ``positions.png``:
+band is the seeds' range, and says so); each method against ALiBi of the same
+seed (the same windows: the paired change in %, mean [min, max] over seeds,
+which the seeds' own spread does not blur); and draws ``positions.png``:
 perplexity against evaluation length, one line per method, the band the
 seeds' range.  With ``--extensions`` it also tabulates and draws the
 context-extension methods of the families that have them (``extensions.png``).
@@ -28,7 +30,7 @@ COLOURS = {"sinusoidal": "#7f7f7f", "alibi": "#d62728", "rotary": "#1f77b4", "t5
            "nope": "#9467bd", "kerple": "#ff7f0e", "fire": "#8c564b"}
 NAME = re.compile(r"^(?P<method>.+)_s(?P<seed>\d+)$")
 
-Series = Dict[Tuple[str, str], Dict[int, List[float]]]  # (position, extension label) -> length -> ppl per seed
+Series = Dict[Tuple[str, str], Dict[int, Dict[int, float]]]  # (position, extension label) -> length -> seed -> ppl
 
 
 def load(path: str) -> Tuple[Series, int]:
@@ -38,13 +40,13 @@ def load(path: str) -> Tuple[Series, int]:
             cells = json.load(f)["cells"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SystemExit(f"error: cannot read sweep results {path}: {exc}") from None
-    series: Series = defaultdict(lambda: defaultdict(list))
+    series: Series = defaultdict(lambda: defaultdict(dict))
     train_lengths = set()
     for cell in cells:
         match = NAME.match(str(cell.get("checkpoint", "")))
         if not match or cell.get("mode") != "nonoverlapping" or cell.get("ppl") is None:
             continue
-        series[(match["method"], cell["label"])][int(cell["length"])].append(float(cell["ppl"]))
+        series[(match["method"], cell["label"])][int(cell["length"])][int(match["seed"])] = float(cell["ppl"])
         train_lengths.add(cell.get("train_length"))
     if not series:
         raise SystemExit(f"error: {path} holds no nonoverlapping cells of checkpoints named METHOD_sSEED")
@@ -74,8 +76,35 @@ def table(series: Series, keys: List[Tuple[str, str]], train_length: int, title:
     for key in keys:
         label = key[0] if key[1] == "none" else f"{key[0]} {key[1]}"
         seeds = max(len(v) for v in series[key].values())
-        rows.append(f"| {label} | " + " | ".join(cell_text(series[key].get(n, [])) for n in lengths)
+        rows.append(f"| {label} | " + " | ".join(cell_text(list(series[key].get(n, {}).values())) for n in lengths)
                     + f" | {seeds} |")
+    return "\n".join(rows)
+
+
+def paired_table(series: Series, keys: List[Tuple[str, str]], baseline: Tuple[str, str], train_length: int,
+                 title: str) -> str:
+    """Each key against ``baseline`` seed by seed (the same windows, the same seed's training data order):
+    ``100 * (ppl / baseline ppl - 1)``, mean over seeds [min, max]; seeds that only one side has are left out."""
+    lengths = sorted({n for key in keys for n in series[key]})
+    head = "| method | " + " | ".join(f"{n} ({n / train_length:g}x)" if train_length else str(n)
+                                      for n in lengths) + " | seeds |"
+    rows = [f"### {title}", "", head, "|" + "---|" * (len(lengths) + 2)]
+    for key in keys:
+        if key == baseline:
+            continue
+        cells, paired_seeds = [], set()
+        for n in lengths:
+            mine, theirs = series[key].get(n, {}), series[baseline].get(n, {})
+            shared = sorted(set(mine) & set(theirs))
+            paired_seeds |= set(shared)
+            changes = [100 * (mine[s] / theirs[s] - 1) for s in shared]
+            if not changes:
+                cells.append("-")
+                continue
+            mean, low, high = summary(changes)
+            cells.append(f"{mean:+.1f}%" if len(changes) == 1 else f"{mean:+.1f}% [{low:+.1f}, {high:+.1f}]")
+        label = key[0] if key[1] == "none" else f"{key[0]} {key[1]}"
+        rows.append(f"| {label} | " + " | ".join(cells) + f" | {len(paired_seeds)} |")
     return "\n".join(rows)
 
 
@@ -90,9 +119,7 @@ def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Ser
     for ax, (title, keys) in zip(axes[0], panels):
         for index, key in enumerate(keys):
             lengths = sorted(series[key])
-            means = [summary(series[key][n])[0] for n in lengths]
-            lows = [summary(series[key][n])[1] for n in lengths]
-            highs = [summary(series[key][n])[2] for n in lengths]
+            means, lows, highs = zip(*(summary(list(series[key][n].values())) for n in lengths))
             colour = COLOURS.get(key[0]) if key[1] == "none" else plt.cm.tab10(index % 10)
             label = key[0] if key[1] == "none" else f"{key[0]} {key[1]}"
             ax.plot(lengths, means, marker="o", ms=3, color=colour, label=label)
@@ -101,7 +128,7 @@ def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Ser
             ax.axvline(train_length, color="black", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        finite = [v for key in keys for values in series[key].values() for v in values if math.isfinite(v)]
+        finite = [v for key in keys for by_seed in series[key].values() for v in by_seed.values() if math.isfinite(v)]
         if finite:
             ax.set_ylim(min(finite) * 0.95, min(max(finite), 8 * min(finite)) * 1.05)
         ax.set_xlabel("evaluation length (tokens; dotted: training length L)")
@@ -127,6 +154,9 @@ def main(argv=None) -> int:
     keys = [(m, "none") for m in order]
     os.makedirs(args.output, exist_ok=True)
     print(table(series, keys, train_length, "Perplexity against evaluation length (mean over seeds [min, max])"))
+    if ("alibi", "none") in series and len(keys) > 1:
+        print("\n" + paired_table(series, keys, ("alibi", "none"), train_length,
+                                  "Against ALiBi of the same seed (perplexity change, mean over seeds [min, max])"))
     plot(os.path.join(args.output, "positions.png"),
          [(f"trained at L = {train_length}, evaluated longer", keys)], series, train_length)
     if args.extensions and os.path.exists(args.extensions):
@@ -136,6 +166,9 @@ def main(argv=None) -> int:
             family_keys = sorted((k for k in extended if k[0] == family), key=lambda k: (k[1] != "none", k[1]))
             if family_keys:
                 print("\n" + table(extended, family_keys, train_length, f"{family}: context-extension methods"))
+                if (family, "none") in extended and len(family_keys) > 1:
+                    print("\n" + paired_table(extended, family_keys, (family, "none"), train_length,
+                                              f"{family}: each method against the plain model of the same seed"))
                 panels.append((f"{family}: extension methods at evaluation", family_keys))
         if panels:
             plot(os.path.join(args.output, "extensions.png"), panels, extended, train_length)
