@@ -120,7 +120,8 @@ def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Ser
         for index, key in enumerate(keys):
             lengths = sorted(series[key])
             means, lows, highs = zip(*(summary(list(series[key][n].values())) for n in lengths))
-            colour = COLOURS.get(key[0]) if key[1] == "none" else plt.cm.tab10(index % 10)
+            plain = "black" if any(k[1] != "none" for k in keys) else COLOURS.get(key[0])  # a family's panel
+            colour = plain if key[1] == "none" else plt.cm.tab10(index % 10)
             label = key[0] if key[1] == "none" else f"{key[0]} {key[1]}"
             ax.plot(lengths, means, marker="o", ms=3, color=colour, label=label)
             ax.fill_between(lengths, lows, highs, color=colour, alpha=0.18, linewidth=0)
