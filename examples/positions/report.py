@@ -68,11 +68,16 @@ def cell_text(values: List[float]) -> str:
     return f"{mean:.2f} [{low:.2f}, {high:.2f}]"
 
 
-def table(series: Series, keys: List[Tuple[str, str]], train_length: int, title: str) -> str:
+def heading(series: Series, keys: List[Tuple[str, str]], train_length: int, title: str):
+    """The lengths of ``keys`` and a table's first rows: its title, header and rule."""
     lengths = sorted({n for key in keys for n in series[key]})
     head = "| method | " + " | ".join(f"{n} ({n / train_length:g}x)" if train_length else str(n)
                                       for n in lengths) + " | seeds |"
-    rows = [f"### {title}", "", head, "|" + "---|" * (len(lengths) + 2)]
+    return lengths, [f"### {title}", "", head, "|" + "---|" * (len(lengths) + 2)]
+
+
+def table(series: Series, keys: List[Tuple[str, str]], train_length: int, title: str) -> str:
+    lengths, rows = heading(series, keys, train_length, title)
     for key in keys:
         label = key[0] if key[1] == "none" else f"{key[0]} {key[1]}"
         seeds = max(len(v) for v in series[key].values())
@@ -85,10 +90,7 @@ def paired_table(series: Series, keys: List[Tuple[str, str]], baseline: Tuple[st
                  title: str) -> str:
     """Each key against ``baseline`` seed by seed (the same windows, the same seed's training data order):
     ``100 * (ppl / baseline ppl - 1)``, mean over seeds [min, max]; seeds that only one side has are left out."""
-    lengths = sorted({n for key in keys for n in series[key]})
-    head = "| method | " + " | ".join(f"{n} ({n / train_length:g}x)" if train_length else str(n)
-                                      for n in lengths) + " | seeds |"
-    rows = [f"### {title}", "", head, "|" + "---|" * (len(lengths) + 2)]
+    lengths, rows = heading(series, keys, train_length, title)
     for key in keys:
         if key == baseline:
             continue
