@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
@@ -116,10 +117,25 @@ _FORK_SCRATCH = tempfile.mkdtemp(prefix="forkserver-")
 def _fork_server() -> "forkserver.ForkServer":
     """This test process's fork server, started on first use, stopped at exit."""
     if not _FORK_SERVER:
-        _FORK_SERVER.append(forkserver.ForkServer(cli_env()))
+        _FORK_SERVER.append(forkserver.ForkServer(cli_env(), os.path.join(_FORK_SCRATCH, "server.sock")))
         atexit.register(_FORK_SERVER[0].close)
         atexit.register(shutil.rmtree, _FORK_SCRATCH, True)
     return _FORK_SERVER[0]
+
+
+def recipe_bin() -> str:
+    """``VENV_BIN`` for an example recipe run by a test: shims that run its tools
+    (``alibi-*``, ``python`` with a script, ``-c`` or ``-m``) as forks of this
+    worker's fork server (forkserver.write_shims; each saves ~3 s of imports),
+    or the real ``BIN`` with ``FAIRSEQ_ALIBI_TEST_FORKS=0``."""
+    if os.environ.get("FAIRSEQ_ALIBI_TEST_FORKS", "1") == "0":
+        return str(BIN)
+    server = _fork_server()
+    deadline = time.time() + 300
+    while not os.path.exists(server.socket_path):  # bound once the server has imported torch and fairseq
+        assert time.time() < deadline and server.process.poll() is None, "the fork server did not start"
+        time.sleep(0.05)
+    return forkserver.write_shims(os.path.join(_FORK_SCRATCH, "bin"), str(BIN), server.socket_path)
 
 
 def error_lines(result: subprocess.CompletedProcess) -> List[str]:

@@ -20,7 +20,15 @@ Protocol: one JSON request per line on the server's stdin (id, argv, env,
 cwd, and the paths of the run's stdin/stdout/stderr files); one JSON line
 ``{"id", "pid"}`` when the run has started and ``{"id", "status"}`` when it has
 ended, on the server's stdout.  The server is single-threaded (forking a
-threaded process is unsafe): it polls its stdin and its children.
+threaded process is unsafe): it polls its stdin, its socket and its children.
+
+The example recipes (shell scripts that start a dozen tools each) reach the
+same server through :func:`write_shims`: a folder of small executables named
+like the tools (and ``python``), each of which connects to the server's Unix
+socket, hands over its standard streams (``SCM_RIGHTS``) with its argv,
+environment and directory, forwards SIGINT/SIGTERM to the run, and exits with
+the run's status.  A recipe given that folder as its ``VENV_BIN`` runs as
+before, its tools forked instead of started.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import socket
 import subprocess
 import sys
 import threading
@@ -36,16 +45,18 @@ from typing import Dict, List, Optional
 ROUTED_PREFIXES = ("alibi-", "fairseq-")
 
 
-def _run_child(request: dict) -> int:
-    """In the forked child: become the requested command, run it, return its exit status."""
+def _run_child(request: dict, fds: Optional[List[int]] = None) -> int:
+    """In the forked child: become the requested command, run it, return its exit status.
+    ``fds``: the standard streams handed over by a shim, else the request's files."""
     import atexit
     import runpy
     import traceback
 
-    fd_in = os.open(request["stdin"], os.O_RDONLY)
-    fd_out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    fd_err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    for fd, target in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
+    if fds is None:
+        fds = [os.open(request["stdin"], os.O_RDONLY),
+               os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644),
+               os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)]
+    for fd, target in zip(fds, (0, 1, 2)):
         os.dup2(fd, target)
         os.close(fd)
     os.environ.clear()
@@ -99,39 +110,115 @@ def _run_child(request: dict) -> int:
 
 
 def serve() -> None:
-    """The server's loop: fork a child per request line, report starts and ends."""
+    """The server's loop: fork a child per request (a line on stdin, or a shim's
+    connection on the socket named by ``FORKSERVER_SOCKET``), report starts and ends."""
     from fairseq_alibi import patches
 
     patches.deferred_metric_imports()  # torch and fairseq, as a console script imports them
     for name in [m for m in sys.modules if m.split(".")[0] == "fairseq_alibi"]:
         del sys.modules[name]  # each run imports the plugin itself (fairseq's --user-dir skips a known name)
-    children: Dict[int, int] = {}  # pid -> request id
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.environ["FORKSERVER_SOCKET"])
+    listener.listen(64)
+    children: Dict[int, object] = {}  # pid -> request id (stdin's requests) or the shim's connection
     pending = b""
     stdin_open = True
     while stdin_open or children:
-        ready = select.select([0], [], [], 0.02)[0] if stdin_open else []
-        if ready:
+        ready = select.select([0, listener] if stdin_open else [listener], [], [], 0.02)[0]
+        if 0 in ready:
             chunk = os.read(0, 65536)
             stdin_open = bool(chunk)
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
-                sys.stdout.flush()
-                pid = os.fork()
-                if pid == 0:
-                    status = 1
-                    try:
-                        status = _run_child(request)
-                    finally:
-                        os._exit(status)
+                pid = _fork(request, None)
                 children[pid] = request["id"]
                 _reply({"id": request["id"], "pid": pid})
+        if listener in ready:
+            connection, _ = listener.accept()
+            request, fds = _receive(connection)
+            pid = _fork(request, fds)
+            for fd in fds:
+                os.close(fd)
+            connection.sendall((json.dumps({"pid": pid}) + "\n").encode())
+            children[pid] = connection
         while children:
             pid, wait_status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            _reply({"id": children.pop(pid), "status": os.waitstatus_to_exitcode(wait_status)})
+            owner, status = children.pop(pid), os.waitstatus_to_exitcode(wait_status)
+            if isinstance(owner, socket.socket):
+                try:
+                    owner.sendall((json.dumps({"status": status}) + "\n").encode())
+                except OSError:  # the shim is gone (killed): nobody to tell
+                    pass
+                owner.close()
+            else:
+                _reply({"id": owner, "status": status})
+
+
+def _fork(request: dict, fds: Optional[List[int]]) -> int:
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            status = _run_child(request, fds)
+        finally:
+            os._exit(status)
+    return pid
+
+
+def _receive(connection: socket.socket):
+    """A shim's request (one JSON line) and the standard streams it sent along."""
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+    while not data.endswith(b"\n"):
+        chunk = connection.recv(1 << 20)
+        if not chunk:
+            break
+        data += chunk
+    return json.loads(data), list(fds)
+
+
+SHIM = """#!{python} -IS
+# A stand-in for {real}: runs it as a fork of the test worker's fork server (tests/forkserver.py).
+import json, os, signal, socket, sys
+real, args = {real!r}, sys.argv[1:]
+if {is_python!r} and not (args and (args[0] in ("-c", "-m") or args[0].endswith(".py"))):
+    os.execv(real, [real] + args)  # what the server cannot run as the interpreter would
+connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+connection.connect({socket!r})
+request = json.dumps(dict(argv=[real] + args, env=dict(os.environ), cwd=os.getcwd())) + "\\n"
+socket.send_fds(connection, [request.encode()], [0, 1, 2])
+replies = connection.makefile()
+pid = json.loads(replies.readline())["pid"]
+for number in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(number, lambda sent, frame: os.kill(pid, sent))
+line = replies.readline()
+status = json.loads(line)["status"] if line else 1
+sys.exit(status if status >= 0 else 128 - status)
+"""
+
+
+def write_shims(folder: str, bin_dir: str, socket_path: str) -> str:
+    """``folder`` filled with a shim per console script of ``bin_dir`` that the
+    server runs (``alibi-*``, ``fairseq-*``) and for ``python``; every other entry
+    of ``bin_dir`` linked as it is.  Returns ``folder``."""
+    os.makedirs(folder, exist_ok=True)
+    for name in sorted(os.listdir(bin_dir)):
+        real, shim = os.path.join(bin_dir, name), os.path.join(folder, name)
+        if os.path.lexists(shim):
+            continue
+        is_python = os.path.realpath(real) == os.path.realpath(sys.executable)
+        if name.startswith(ROUTED_PREFIXES) or is_python:
+            with open(shim, "w") as handle:
+                handle.write(SHIM.format(python=sys.executable, real=sys.executable if is_python else real,
+                                         is_python=is_python, socket=socket_path))
+            os.chmod(shim, 0o755)
+        else:
+            os.symlink(real, shim)
+    return folder
 
 
 def _reply(message: dict) -> None:
@@ -141,9 +228,11 @@ def _reply(message: dict) -> None:
 class ForkServer:
     """The client: one server process per test worker; ``run`` is ``subprocess.run``'s subset."""
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, socket_path: str):
+        self.socket_path = socket_path
         self.process = subprocess.Popen([sys.executable, "-c", "import forkserver; forkserver.serve()"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        env=dict(env, FORKSERVER_SOCKET=socket_path),
                                         cwd=os.path.dirname(os.path.abspath(__file__)))
         self.lock = threading.Lock()
         self.closed = False

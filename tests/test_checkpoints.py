@@ -24,7 +24,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import BIN, FORK_MAX_TOKENS, TRAIN_LENGTH, cli_env, error_lines, fork_layout, parse_eval, run_cli, tool
+from conftest import (
+    FORK_MAX_TOKENS, TRAIN_LENGTH, cli_env, error_lines, fork_layout, parse_eval, recipe_bin, run_cli, tool,
+)
 import fairseq_alibi.models  # noqa: F401  (registers the models with fairseq)
 from fairseq_alibi import errors, fork, safe_load
 
@@ -255,7 +257,7 @@ def test_eval_of_another_model_family_is_one_line(stock_ckpt, lm_data_bin, tmp_p
 def test_download_script(fork_ckpt, tmp_path):
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "download.sh")
     env = cli_env()
-    env["PATH"] = str(BIN) + os.pathsep + env.get("PATH", "")
+    env["PATH"] = recipe_bin() + os.pathsep + env.get("PATH", "")  # its alibi-convert-checkpoint: a fork
     bad = subprocess.run([script, "100"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "no published model for training length '100'" in bad.stderr
     env["ALIBI_CHECKPOINT_URL"] = "http://127.0.0.1:9"  # nothing listens there: as if offline

@@ -14,7 +14,10 @@ import difflib
 import functools
 import math
 import re
+import os
 import shutil
+import signal
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,7 +29,8 @@ import pytest
 import torch
 
 from conftest import (
-    HEADS, SPLIT_LINES, TRAIN_LENGTH, EvalResult, error_lines, free_port, parse_eval, run_cli, tool, train_args,
+    HEADS, SPLIT_LINES, TRAIN_LENGTH, EvalResult, cli_env, error_lines, parse_eval, recipe_bin, run_cli, tool,
+    train_args,
 )
 from fairseq_alibi.core.scaling import METHODS
 
@@ -502,30 +506,7 @@ def test_hydra_trains_another_position_method_and_stock_eval_lm_extends_it(lm_da
         "none, linear, ntk, yarn"]
 
 
-# --------------------------------------------------------------------------- torchrun
-
-
-def test_torchrun_two_process_data_parallel(lm_data_bin, alibi_user_dir, tmp_path):
-    """torchrun, 2 CPU processes, gloo chosen without being asked (nccl needs
-    CUDA): really data-parallel (world size 2, the
-    batch of 4 per worker aggregated to 8, half the updates per epoch of one
-    process), and one checkpoint written."""
-    save_dir = tmp_path / "ckpt"
-    result = run_cli([
-        tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-        tool("fairseq-train"), *train_args(lm_data_bin, save_dir, max_update=6, batch_size=4),
-        "--user-dir", alibi_user_dir,  # no --distributed-backend: gloo is picked on CPU
-    ], timeout=400)
-    assert "distributed init (rank 1)" in result.output
-    assert "training on 2 devices" in result.output
-    train_line = [line for line in result.output.splitlines() if "| train |" in line][-1]
-    assert "bsz 8 " in train_line, train_line
-    assert "num_updates 6 " in train_line, train_line
-    state = assert_alibi_checkpoint(save_dir / "checkpoint_last.pt")
-    assert num_updates(state) == 6
-    assert state["cfg"]["distributed_training"]["distributed_world_size"] == 2
-    assert state["cfg"]["distributed_training"]["distributed_backend"] == "gloo"
-    assert "`broadcast_buffers` is deprecated" not in result.output and "NCCL" not in result.output
+# (torchrun, two CPU processes: tests/test_resume.py::test_torchrun_gloo_sigkill_then_resume)
 
 
 # --------------------------------------------------------------------------- errors
@@ -842,12 +823,29 @@ def test_a_forked_run_prints_what_a_fresh_process_prints(argv, lm_data_bin, alib
     forked = run_cli(args, expect_ok=False)
     shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
     fresh = run_cli(args, expect_ok=False, fresh=True)
+    shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+    # and through a recipe's shim (forkserver.write_shims: the streams handed over, the status handed back)
+    shimmed = subprocess.run([os.path.join(recipe_bin(), argv[0]), *map(str, args[1:])], capture_output=True,
+                             text=True, env=cli_env(), stdin=subprocess.DEVNULL, timeout=300)
     # fairseq's clock readings: timestamps, rates, durations, and the stats wps, ups, wall, train_wall
     timings = (r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d|[\d.]+ (tokens/s|seconds)|in [\d.]+s"
                r"|\b(wps|ups|wall|train_wall) [\d.e+]+")
     strip_times = functools.partial(re.sub, timings, "T")
-    assert forked.returncode == fresh.returncode
-    for stream in ("stdout", "stderr"):
-        got, want = (strip_times(getattr(r, stream)).splitlines() for r in (forked, fresh))
-        diff = difflib.unified_diff(want, got, "fresh " + stream, "forked " + stream, lineterm="")
-        assert got == want, "\n".join(diff)
+    assert forked.returncode == fresh.returncode == shimmed.returncode
+    for run, name in ((forked, "forked"), (shimmed, "shimmed")):
+        for stream in ("stdout", "stderr"):
+            got, want = (strip_times(getattr(r, stream)).splitlines() for r in (run, fresh))
+            diff = difflib.unified_diff(want, got, "fresh " + stream, f"{name} {stream}", lineterm="")
+            assert got == want, "\n".join(diff)
+
+
+def test_a_shim_passes_signals_on_and_returns_the_status():
+    """forkserver.write_shims: SIGTERM to a recipe's tool reaches the forked run
+    (128 + 15, as a shell reports a process killed by it); an exit status comes back."""
+    python = os.path.join(recipe_bin(), "python")
+    assert subprocess.run([python, "-c", "import sys; sys.exit(7)"], env=cli_env()).returncode == 7
+    sleeper = subprocess.Popen([python, "-c", "import time; print('up', flush=True); time.sleep(120)"],
+                               stdout=subprocess.PIPE, text=True, env=cli_env())
+    assert sleeper.stdout.readline() == "up\n"
+    sleeper.send_signal(signal.SIGTERM)
+    assert sleeper.wait(timeout=30) == 128 + signal.SIGTERM

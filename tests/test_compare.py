@@ -3,13 +3,12 @@
 and the report's numbers against the results they come from."""
 
 import json
-import os
 import re
 import subprocess
 
 import pytest
 
-from conftest import REPO, cli_env
+from conftest import REPO, cli_env, recipe_bin
 
 SEEDS = ("1", "2")
 # the baseline and the two families with extension methods (every training is a process of its own;
@@ -23,17 +22,11 @@ def compare_run(lm_data_bin, tmp_path_factory):
     out = tmp_path_factory.mktemp("compare")
     env = cli_env(DATA=str(lm_data_bin), OUT=str(out), SEEDS=" ".join(SEEDS), POSITIONS=" ".join(POSITIONS),
                   L="16", LAYERS="1", DIM="16", FFN="32", HEADS="2", UPDATES="2", MAX_TOKENS="256", WARMUP="1",
-                  LENGTHS="1x,2x", EXTENSIONS="none,cap,yarn:2", VENV_BIN=os.path.dirname(tool_python()))
+                  LENGTHS="1x,2x", EXTENSIONS="none,cap,yarn:2", VENV_BIN=recipe_bin())
     result = subprocess.run(["bash", str(REPO / "examples/positions/compare.sh")], capture_output=True, text=True,
                             env=env, cwd=REPO, stdin=subprocess.DEVNULL, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result.stdout
-
-
-def tool_python() -> str:
-    import sys
-
-    return sys.executable
 
 
 def sweep_cells(path):

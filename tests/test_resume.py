@@ -49,11 +49,12 @@ def _single(data_bin, save_dir):
     return [tool("alibi-train")] + _train_args(data_bin, save_dir)
 
 
-def _torchrun(data_bin, save_dir):
+def _torchrun(data_bin, save_dir, *script):
+    """Two CPU processes under torchrun, no --distributed-backend (gloo is picked on CPU)."""
     return [
         tool("torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-        tool("alibi-train"),
-    ] + _train_args(data_bin, save_dir) + ["--distributed-backend", "gloo"]
+        *(script or [tool("alibi-train")]),
+    ] + _train_args(data_bin, save_dir)
 
 
 def _descendants(pid):
@@ -156,11 +157,23 @@ def test_sigkill_then_resume_is_exact(lm_data_bin, tmp_path):
     )
 
 
-def test_torchrun_gloo_sigkill_then_resume(lm_data_bin, tmp_path):
-    """Two processes (torchrun, gloo): killed after the first checkpoint, the
-    resumed run finishes and ends where an uninterrupted two-process run does."""
+def test_torchrun_gloo_sigkill_then_resume(lm_data_bin, alibi_user_dir, tmp_path):
+    """Two processes (torchrun), killed after the first checkpoint: the resumed
+    run (alibi-train) finishes and ends where an uninterrupted two-process run of
+    the stock fairseq-train with --user-dir does.  That reference run is really
+    data-parallel: gloo chosen without being asked (nccl needs CUDA), world size
+    2, each worker's batch of 8 aggregated to 16, one checkpoint."""
     reference_dir, crashed_dir = str(tmp_path / "reference"), str(tmp_path / "crashed")
-    run_cli(_torchrun(lm_data_bin, reference_dir))
+    reference = run_cli(_torchrun(lm_data_bin, reference_dir, tool("fairseq-train"), "--user-dir", alibi_user_dir),
+                        timeout=400)
+    assert "distributed init (rank 1)" in reference.output and "training on 2 devices" in reference.output
+    train_line = [line for line in reference.output.splitlines() if "| train |" in line][-1]
+    assert "bsz 16 " in train_line and f"num_updates {MAX_UPDATE} " in train_line, train_line
+    state = _state(os.path.join(reference_dir, "checkpoint_last.pt"))
+    assert state["cfg"]["distributed_training"]["distributed_world_size"] == 2
+    assert state["cfg"]["distributed_training"]["distributed_backend"] == "gloo"
+    assert "`broadcast_buffers` is deprecated" not in reference.output and "NCCL" not in reference.output
+
     last = _kill_after_first_checkpoint(_torchrun(lm_data_bin, crashed_dir), crashed_dir)
     assert SAVE_EVERY <= _updates(_state(last)) < MAX_UPDATE
     run_cli(_torchrun(lm_data_bin, crashed_dir))

@@ -533,10 +533,10 @@ def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
     re-run trains nothing again; an unknown model or recipe is refused before anything runs."""
     import subprocess
 
-    from conftest import BIN, cli_env
+    from conftest import cli_env, recipe_bin
 
     out, data = tmp_path / "out", tmp_path / "data"
-    settings = dict(VENV_BIN=str(BIN), OUT=str(out), DATA=str(data), SEEDS="1 2", L="64", LAYERS="1", DIM="16",
+    settings = dict(VENV_BIN=recipe_bin(), OUT=str(out), DATA=str(data), SEEDS="1 2", L="64", LAYERS="1", DIM="16",
                     FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="3", WARMUP="2",
                     MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1", RECIPE="families",
                     MODELS="alibi rotary sinusoidal", METHODS="none,cap,yarn:2", LENGTHS="1x,2x")

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import cli_env, tool
+from conftest import cli_env, run_cli, tool
 
 from fairseq_alibi.core.scaling import Scaling
 from fairseq_alibi.errors import EvaluationError, UserError
@@ -212,24 +212,43 @@ def test_output_dir_that_is_a_file_is_refused(tmp_path):
 
 def test_a_second_writer_of_the_same_output_dir_is_refused(lm_data_bin, alibi_checkpoint, tmp_path):
     """Two real alibi-sweep processes on one --output-dir: the second stops at once
-    with one line naming the first; the first finishes every cell."""
-    out = tmp_path / "o"
-    argv = [tool("alibi-sweep"), str(lm_data_bin), "-c", f"alibi={alibi_checkpoint}", "--lengths", "1x,2x,4x,8x",
-            "--methods", "none,linear:2,ntk:2,cap", "--output-dir", str(out), "--cpu", "--no-progress"]
-    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env())
-    deadline = time.time() + 240
-    while not (out / "results.json").exists() and first.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert first.poll() is None, "the first run ended before the second could start"
-    second = subprocess.run(argv, capture_output=True, text=True, env=cli_env(), timeout=240)
+    with one line naming the first; the first finishes every cell.  The first is
+    held after its first cell until the second has been refused (a file releases
+    it), so the order does not depend on the machine's speed."""
+    out, release = tmp_path / "o", tmp_path / "release"
+    args = [str(lm_data_bin), "-c", f"alibi={alibi_checkpoint}", "--lengths", "1x,2x",
+            "--methods", "none,cap", "--output-dir", str(out), "--cpu", "--no-progress"]
+    held = (
+        "import os, sys, time\n"
+        "from fairseq_alibi.evaluation import store\n"
+        "put = store.ResultStore.put\n"
+        "def held_put(self, cell, meta):\n"
+        "    put(self, cell, meta)\n"
+        "    deadline = time.time() + 240\n"
+        f"    while not os.path.exists({str(release)!r}) and time.time() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "store.ResultStore.put = held_put\n"
+        "from fairseq_alibi.evaluation.perplexity import main\n"
+        "sys.argv = ['alibi-sweep'] + sys.argv[1:]\n"
+        "main()\n"
+    )
+    first = subprocess.Popen([sys.executable, "-c", held, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=cli_env())
+    try:
+        deadline = time.time() + 240
+        while not (out / "results.json").exists() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert first.poll() is None, "the first run ended before the second could start"
+        second = run_cli([tool("alibi-sweep"), *args], expect_ok=False, timeout=240)
+    finally:
+        release.touch()
     assert second.returncode == 1, second.stderr[-2000:]
     last = second.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "is being written by alibi-sweep (pid" in last and str(first.pid) in last
     _, stderr = first.communicate(timeout=600)
     assert first.returncode == 0, stderr[-2000:]
-    assert len(json.loads((out / "results.json").read_text())["cells"]) == 4 * 4
-    again = subprocess.run(argv, capture_output=True, text=True, env=cli_env(), timeout=240)
-    assert again.returncode == 0  # the lock went with the first process
+    assert len(json.loads((out / "results.json").read_text())["cells"]) == 2 * 2
+    run_cli([tool("alibi-sweep"), *args], timeout=240)  # the lock went with the first process
 
 
 def test_lock_is_released_when_the_holder_dies(tmp_path):

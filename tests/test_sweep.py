@@ -230,6 +230,26 @@ def test_sliding_window_matches_fairseq_eval_lm(sweep_run, lm_data_bin, alibi_ch
     assert round(cell["ppl"], 2) == pytest.approx(result.ppl, abs=0.011)
 
 
+@pytest.mark.parametrize("length, context, overrides, extra", [
+    (32, 0, {}, dict()),
+    (64, 48, {"alibi_scaling": "ntk:2.0"}, dict(max_tokens=256, cpu=True)),
+    (96, 16, {"max_target_positions": 96, "tokens_per_sample": 96}, dict(subset="test", batch_size=3)),
+])
+def test_eval_lm_config_is_what_fairseq_composes_from_the_command_line(lm_data_bin, alibi_checkpoint, length, context,
+                                                                         overrides, extra):
+    from omegaconf import OmegaConf
+
+    argv = backends.eval_lm_argv(str(lm_data_bin), str(alibi_checkpoint), length, overrides, context, **extra)
+    composed = backends.composed_eval_lm_config(argv)
+    if context:  # what fairseq_cli.eval_lm.main does before building the task
+        composed.task.tokens_per_sample -= context
+    built = backends.eval_lm_config(str(lm_data_bin), str(alibi_checkpoint), length, overrides, context, **extra)
+    assert OmegaConf.to_container(built, resolve=True) == OmegaConf.to_container(composed, resolve=True)
+    built.task.tokens_per_sample = 1  # a copy: the next call is not changed by this one
+    again = backends.eval_lm_config(str(lm_data_bin), str(alibi_checkpoint), length, overrides, context, **extra)
+    assert again.task.tokens_per_sample == length - context
+
+
 def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, tmp_path, capsys):
     out = tmp_path / "o"
 
@@ -296,12 +316,18 @@ def test_stale_cells_are_recomputed(sweep_run, lm_data_bin, alibi_checkpoint, tm
     assert cell["path"] == str(other) and cell["ppl"] == pytest.approx(stored["none"], rel=1e-9)
 
 
-def test_console_script(lm_data_bin, alibi_checkpoint, tmp_path):
+def test_console_script(lm_data_bin, alibi_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")  # a fresh process: what it imports, on stderr
     result = run_cli([
         tool("alibi-sweep"), lm_data_bin, "-c", alibi_checkpoint, "--lengths", "1x",
         "--methods", "none", "--output-dir", tmp_path, "--cpu",
-    ])
+    ], fresh=True)
     assert "| none |" in result.stdout
+    imported = [line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
+    assert "fairseq_alibi.patches" in imported and "fairseq" in imported
+    # fairseq came in through the plugin's patches (patches.deferred_metric_imports): no scikit-learn
+    assert not [name for name in imported if name.split(".")[0] == "sklearn"]
+    monkeypatch.delenv("PYTHONPROFILEIMPORTTIME")
     assert (tmp_path / "results.csv").exists()
     bad = run_cli([tool("alibi-sweep"), lm_data_bin, "-c", alibi_checkpoint, "--methods", "cubic"],
                   expect_ok=False)

@@ -78,7 +78,7 @@ train() {  # train SEED NAME
   stamp "seed $seed $name: trained"
 }
 
-slots=1; [ "$PARALLEL" = 1 ] && slots=$(nproc)
+slots=1; [ "$PARALLEL" = 1 ] && slots=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # cores (nproc alone obeys OMP_NUM_THREADS)
 running=0
 for seed in $SEEDS; do
   for name in $POSITIONS; do

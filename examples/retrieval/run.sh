@@ -146,7 +146,7 @@ train() {  # train SEED NAME ARCH
 }
 
 # At most $(nproc) trainings at once with PARALLEL=1 (one thread each), else one at a time.
-slots=1; [ "$PARALLEL" = 1 ] && slots=$(nproc)
+slots=1; [ "$PARALLEL" = 1 ] && slots=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # cores (nproc alone obeys OMP_NUM_THREADS)
 running=0
 while read -r seed name; do
   if [ "$running" -ge "$slots" ]; then wait -n; running=$((running - 1)); fi

@@ -22,8 +22,9 @@ export, ``docs/export.md``).
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ..core.scaling import Scaling
 from ..errors import EvaluationError
@@ -139,6 +140,8 @@ class FairseqBackend:
                                   "dict.txt), or --hf MODEL")
         self.data, self.subset, self.cpu = args.data, subset, args.cpu
         self._text_tokens: Optional[int] = None
+        from .. import models  # noqa: F401  (registered, and fairseq patched before its first import: 1-3 s a start)
+
         check_data(self.data, subset)
         names = ["dict.txt"] + ([f"{subset}.bin", f"{subset}.idx"] if subset else [])
         self.data_identity = ";".join([os.path.abspath(self.data)] + [
@@ -343,13 +346,34 @@ def eval_lm_argv(data, path, length, overrides, context=0, subset="valid", max_t
 
 def eval_lm_config(data, path, length, overrides, context=0, subset="valid", max_tokens=None,
                    batch_size=None, cpu=False):
-    """The config ``fairseq-eval-lm`` builds from that command line."""
+    """The config ``fairseq-eval-lm`` builds from that command line (a fresh copy).
+
+    Composing one runs fairseq's argparse and hydra (about 0.8 s), and a sweep
+    needs one per cell; so the command line without its per-cell values (the
+    checkpoint, the length, the overrides, the context) is composed once per
+    process and those four fields are set on a copy: the values the command
+    line would give them (tests/test_sweep.py compares the two whole)."""
+    import copy
+
+    template = _eval_lm_template(str(data), subset or "valid", max_tokens, batch_size, bool(cpu))
+    cfg = copy.deepcopy(template)
+    cfg.common_eval.path = str(path)
+    cfg.common_eval.model_overrides = repr(overrides)
+    cfg.eval_lm.context_window = int(context)
+    # what fairseq_cli.eval_lm.main does before building the task
+    cfg.task.tokens_per_sample = int(length) - int(context) if context > 0 else int(length)
+    return cfg
+
+
+def composed_eval_lm_config(argv: Sequence[str]):
+    """The config of ``fairseq-eval-lm argv``, composed by fairseq's argparse and hydra."""
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-    argv = eval_lm_argv(data, path, length, overrides, context, subset, max_tokens, batch_size, cpu)
-    args = options.parse_args_and_arch(options.get_eval_lm_parser(), argv + ["--num-workers", "0"])
-    cfg = convert_namespace_to_omegaconf(args)
-    if context > 0:  # what fairseq_cli.eval_lm.main does before building the task
-        cfg.task.tokens_per_sample -= context
-    return cfg
+    args = options.parse_args_and_arch(options.get_eval_lm_parser(), list(argv) + ["--num-workers", "0"])
+    return convert_namespace_to_omegaconf(args)
+
+
+@functools.lru_cache(maxsize=16)
+def _eval_lm_template(data, subset, max_tokens, batch_size, cpu):
+    return composed_eval_lm_config(eval_lm_argv(data, "checkpoint.pt", 64, {}, 0, subset, max_tokens, batch_size, cpu))

@@ -41,6 +41,7 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
     OmegaConf, old layouts upgraded), read with allowlisted unpickling; an
     unconverted 2021-fork checkpoint is refused with the conversion command.
     Unlike fairseq's loader it accepts a bare ``{"cfg", "model"}`` file."""
+    from .. import models  # noqa: F401  (first: fairseq through the plugin's patches, 1-3 s a start)
     from fairseq import checkpoint_utils
     from omegaconf import OmegaConf
 
@@ -137,9 +138,8 @@ def checkpoint_dtype(weights: Dict[str, Any]) -> str:
 
 def load_source(path: str, dict_path: Optional[str] = None) -> Source:
     """Read, check and build the fairseq model of ``path`` (float32, eval mode)."""
+    from ..models.config import scaling_from_config  # first: fairseq through the plugin's patches
     from fairseq.tasks.language_modeling import LanguageModelingTask
-
-    from ..models.config import scaling_from_config
 
     state = read_checkpoint(path)
     check_language_model(path, state)
