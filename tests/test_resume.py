@@ -25,7 +25,7 @@ import time
 import pytest
 import torch
 
-from conftest import cli_env, free_port, run_cli, tool
+from conftest import cli_env, free_port, recipe_bin, run_cli, tool
 
 MAX_UPDATE = 32  # about 24 batches per epoch: the run crosses an epoch boundary
 SAVE_EVERY = 8
@@ -164,8 +164,11 @@ def test_torchrun_gloo_sigkill_then_resume(lm_data_bin, alibi_user_dir, tmp_path
     data-parallel: gloo chosen without being asked (nccl needs CUDA), world size
     2, each worker's batch of 8 aggregated to 16, one checkpoint."""
     reference_dir, crashed_dir = str(tmp_path / "reference"), str(tmp_path / "crashed")
-    reference = run_cli(_torchrun(lm_data_bin, reference_dir, tool("fairseq-train"), "--user-dir", alibi_user_dir),
-                        timeout=400)
+    # torchrun's workers of the uninterrupted and the resumed runs are forks of the test's fork server
+    # (recipe_bin's shims: ~4 s of imports each); those of the killed run are real processes, its descendants.
+    shims = recipe_bin()
+    reference = run_cli(_torchrun(lm_data_bin, reference_dir, os.path.join(shims, "fairseq-train"),
+                                  "--user-dir", alibi_user_dir), timeout=400)
     assert "distributed init (rank 1)" in reference.output and "training on 2 devices" in reference.output
     train_line = [line for line in reference.output.splitlines() if "| train |" in line][-1]
     assert "bsz 16 " in train_line and f"num_updates {MAX_UPDATE} " in train_line, train_line
@@ -176,7 +179,7 @@ def test_torchrun_gloo_sigkill_then_resume(lm_data_bin, alibi_user_dir, tmp_path
 
     last = _kill_after_first_checkpoint(_torchrun(lm_data_bin, crashed_dir), crashed_dir)
     assert SAVE_EVERY <= _updates(_state(last)) < MAX_UPDATE
-    run_cli(_torchrun(lm_data_bin, crashed_dir))
+    run_cli(_torchrun(lm_data_bin, crashed_dir, os.path.join(shims, "alibi-train")))
     _assert_same_final(
         _state(os.path.join(crashed_dir, "checkpoint_last.pt")),
         _state(os.path.join(reference_dir, "checkpoint_last.pt")),
