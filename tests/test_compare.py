@@ -85,3 +85,20 @@ def test_the_paired_table_is_each_seed_against_its_own_alibi(compare_run):
             expected = f"{sum(changes) / len(changes):+.1f}% [{changes[0]:+.1f}, {changes[-1]:+.1f}]"
             assert expected in row, (row, expected)
     assert "### rotary: each method against the plain model of the same seed" in table
+
+
+def test_a_failed_training_stops_the_recipe_with_its_reason(lm_data_bin, tmp_path):
+    """A training that fails (here an invalid T5 table) ends the recipe with exit
+    status 1 and one error line naming the run, the trainer's reason and its log;
+    nothing is swept."""
+    env = cli_env(DATA=str(lm_data_bin), OUT=str(tmp_path), SEEDS="1", POSITIONS="t5bias", L="16", LAYERS="1",
+                  DIM="16", FFN="32", HEADS="2", UPDATES="2", MAX_TOKENS="256", WARMUP="1",
+                  EXTRA_TRAIN_ARGS="--t5-max-distance 16", VENV_BIN=recipe_bin())
+    result = subprocess.run(["bash", str(REPO / "examples/positions/compare.sh")], capture_output=True, text=True,
+                            env=env, cwd=REPO, stdin=subprocess.DEVNULL, timeout=300)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    log = tmp_path / "seed1" / "t5bias" / "train.log"
+    assert result.stderr.splitlines() == [
+        "error: training seed 1 t5bias failed (exit 1): num_buckets=32, max_distance=16 is not valid; it needs at "
+        f"least 2 buckets per direction and max_distance > 16 (the exact buckets) (log: {log})"]
+    assert not (tmp_path / "sweep").exists() and not (tmp_path / "seed1" / "t5bias" / "trained.ok").exists()

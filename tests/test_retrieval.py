@@ -573,6 +573,13 @@ def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
     again = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=600)
     assert again.returncode == 0
     assert again.stdout.count("already trained") == 5 and "2/3 training" not in again.stdout
+    failing = subprocess.run([script], capture_output=True, text=True, timeout=600, env=cli_env(**dict(
+        settings, MODELS="t5bias", SEEDS="1", EXTRA_TRAIN_ARGS="--t5-max-distance 16", OUT=str(tmp_path / "failing"))))
+    log = tmp_path / "failing" / "seed1" / "t5bias" / "train.log"
+    assert failing.returncode == 1 and failing.stderr.splitlines()[-1] == (
+        "error: training seed 1 t5bias failed (exit 1): num_buckets=32, max_distance=16 is not valid; it needs at "
+        f"least 2 buckets per direction and max_distance > 16 (the exact buckets) (log: {log})")
+    assert "3/3 retrieval" not in failing.stdout
     wrong = subprocess.run([script], capture_output=True, text=True, timeout=600,
                            env=cli_env(**dict(settings, MODELS="alibi rope", OUT=str(tmp_path / "wrong"))))
     assert wrong.returncode == 1 and not (tmp_path / "wrong").exists()

@@ -73,20 +73,29 @@ train() {  # train SEED NAME
     --dropout "$DROPOUT" --max-update "$UPDATES" --seed "$seed" \
     --save-dir "$dir" --save-interval-updates 100 --keep-interval-updates 1 --no-epoch-checkpoints \
     --validate-after-updates "$UPDATES" --log-format simple --log-interval 100 --num-workers 0 --cpu \
-    $EXTRA_TRAIN_ARGS >> "$dir/train.log" 2>&1
+    $EXTRA_TRAIN_ARGS >> "$dir/train.log" 2>&1 || {
+    local status=$?  # the trainer's own error line (alibi-train prints one), with where the rest is
+    echo "error: training seed $seed $name failed (exit $status): $(grep '^error: ' "$dir/train.log" | tail -n 1 | cut -c8-)" \
+      "(log: $dir/train.log)" >&2
+    return 1
+  }
   echo "$UPDATES" > "$dir/trained.ok"
   stamp "seed $seed $name: trained"
 }
 
+failed() {  # a training failed (it said why): stop the others, exit 1
+  kill $(jobs -p) 2>/dev/null || true
+  exit 1
+}
 slots=1; [ "$PARALLEL" = 1 ] && slots=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # cores (nproc alone obeys OMP_NUM_THREADS)
 running=0
 for seed in $SEEDS; do
   for name in $POSITIONS; do
-    if [ "$running" -ge "$slots" ]; then wait -n; running=$((running - 1)); fi
+    if [ "$running" -ge "$slots" ]; then wait -n || failed; running=$((running - 1)); fi
     train "$seed" "$name" & running=$((running + 1))
   done
 done
-while [ "$running" -gt 0 ]; do wait -n; running=$((running - 1)); done
+while [ "$running" -gt 0 ]; do wait -n || failed; running=$((running - 1)); done
 
 checkpoints=() extended=()
 for seed in $SEEDS; do

@@ -140,19 +140,28 @@ train() {  # train SEED NAME ARCH
     --dropout 0.0 --max-update "$UPDATES" --seed "$seed" \
     --save-dir "$dir" --save-interval-updates 250 --keep-interval-updates 1 --no-epoch-checkpoints \
     --validate-interval-updates 500 --log-format simple --log-interval 50 --num-workers 0 \
-    $DEVICE_FLAGS $EXTRA_TRAIN_ARGS >> "$dir/train.log" 2>&1
+    $DEVICE_FLAGS $EXTRA_TRAIN_ARGS >> "$dir/train.log" 2>&1 || {
+    local status=$?  # the trainer's own error line (alibi-train prints one), with where the rest is
+    echo "error: training seed $seed $name failed (exit $status): $(grep '^error: ' "$dir/train.log" | tail -n 1 | cut -c8-)" \
+      "(log: $dir/train.log)" >&2
+    return 1
+  }
   echo "$UPDATES" > "$dir/trained.ok"
   stamp "seed $seed $name: trained (valid $(grep -o "valid on 'valid' subset | loss [0-9.]*" "$dir/train.log" | tail -1 | grep -o 'loss [0-9.]*'))"
 }
 
 # At most $(nproc) trainings at once with PARALLEL=1 (one thread each), else one at a time.
 slots=1; [ "$PARALLEL" = 1 ] && slots=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # cores (nproc alone obeys OMP_NUM_THREADS)
+failed() {  # a training failed (it said why): stop the others, exit 1
+  kill $(jobs -p) 2>/dev/null || true
+  exit 1
+}
 running=0
 while read -r seed name; do
-  if [ "$running" -ge "$slots" ]; then wait -n; running=$((running - 1)); fi
+  if [ "$running" -ge "$slots" ]; then wait -n || failed; running=$((running - 1)); fi
   train "$seed" "$name" "$(arch_of "$name")" & running=$((running + 1))
 done < <(jobs_of)
-while [ "$running" -gt 0 ]; do wait -n; running=$((running - 1)); done
+while [ "$running" -gt 0 ]; do wait -n || failed; running=$((running - 1)); done
 
 CPU_FLAG=""; [ "$SCALE" = gpu ] || CPU_FLAG=--cpu
 summaries=()
