@@ -187,14 +187,19 @@ import json, os, signal, socket, sys
 real, args = {real!r}, sys.argv[1:]
 if {is_python!r} and not (args and (args[0] in ("-c", "-m") or args[0].endswith(".py"))):
     os.execv(real, [real] + args)  # what the server cannot run as the interpreter would
+pid, early = None, []  # a signal that comes before the run's pid is passed on once it is known
+def forward(sent, frame):
+    early.append(sent) if pid is None else os.kill(pid, sent)
+for number in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(number, forward)
 connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 connection.connect({socket!r})
 request = json.dumps(dict(argv=[real] + args, env=dict(os.environ), cwd=os.getcwd())) + "\\n"
 socket.send_fds(connection, [request.encode()], [0, 1, 2])
 replies = connection.makefile()
 pid = json.loads(replies.readline())["pid"]
-for number in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(number, lambda sent, frame: os.kill(pid, sent))
+for sent in early:
+    os.kill(pid, sent)
 line = replies.readline()
 status = json.loads(line)["status"] if line else 1
 sys.exit(status if status >= 0 else 128 - status)
