@@ -9,7 +9,7 @@ unpatched fairseq, such a file silently runs as a sinusoidal model and gives
 wrong numbers.  ``alibi-convert-checkpoint IN OUT`` rewrites it as this
 plugin's ``transformer_lm_alibi`` (same weights; ``+m*j`` and ``-m*(i-j)`` give
 the same softmax).  fairseq's own loader refuses an unconverted file
-(``patches.py`` hooks :func:`refuse_fork` into it).
+(``patches.checkpoints.fork_checkpoints_refused`` hooks :func:`refuse_fork` into it).
 
 How a fork checkpoint is recognised (:func:`fork_signature`): its model config
 names a stock ``transformer_lm`` architecture *and* has a ``max_tokens`` field.

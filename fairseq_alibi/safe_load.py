@@ -167,7 +167,7 @@ def load(path, map_location="cpu", extra_globals=()) -> Any:
     """``torch.load`` of ``path`` restricted to tensors and :data:`SAFE_GLOBALS`.
 
     ``path`` is a file name (or an open binary file); ``extra_globals`` adds
-    types for one caller's own non-checkpoint data (see ``patches.safe_checkpoint_io``).  Raises
+    types for one caller's own non-checkpoint data (see ``patches.distributed.safe_broadcast``).  Raises
     :class:`UnsafeCheckpointError` for a file that needs other types and
     :class:`CorruptCheckpointError` for a missing, truncated, foreign or
     damaged file (zip checksums) and for model weights that are not finite.

@@ -269,7 +269,7 @@ DYNAMIC_NTK = ["--model-overrides", "{'alibi_interpolation': 'ntk', 'alibi_scale
                          ids=["default-multiple", "multiple-1-dynamic"])
 def test_generate_with_prefix(extra, warned, lm_data_bin, alibi_checkpoint):
     # batches of 16 from 60 lines: fairseq 0.12 drops the last one (12, not a multiple
-    # of fairseq's default 8); the plugin keeps it (patches.remainder_batches_kept).
+    # of fairseq's default 8); the plugin keeps it (patches/batching.py: remainder_batches_kept).
     # Generating past the training length (up to 2 L) under dynamic scaling is warned about once.
     result = run_cli([
         tool("alibi-generate"), lm_data_bin, "--path", alibi_checkpoint, "--task",
@@ -298,7 +298,7 @@ def test_only_the_trainers_batches_drop_a_short_last_batch():
     import fairseq_alibi.models  # noqa: F401  (applies patches.py)
     from fairseq.data import data_utils
 
-    from fairseq_alibi import patches
+    from fairseq_alibi.patches import batching
 
     indices = np.random.default_rng(0).permutation(13)
 
@@ -306,7 +306,7 @@ def test_only_the_trainers_batches_drop_a_short_last_batch():
         return data_utils.batch_by_size(indices, lambda i: 4, max_sentences=4, required_batch_size_multiple=2)
 
     assert np.concatenate(batches()).tolist() == indices.tolist()  # every index once, in order
-    inside = patches._in_trainer(batches)()
+    inside = batching._in_trainer(batches)()
     assert [len(b) for b in inside] == [4, 4, 4] and np.concatenate(inside).tolist() == indices[:12].tolist()
 
 

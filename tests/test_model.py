@@ -107,65 +107,127 @@ def test_builds_from_argparse_namespace(data_dir):
     assert model.decoder.positions.scaling.train_length == 96
 
 
-def test_fairseq_imports_without_loading_the_metrics_it_never_uses_here():
-    """patches.deferred_metric_imports: importing the plugin loads neither
-    scikit-learn nor SciPy's statistics, and fairseq's names from them still
-    compute what the real functions compute (loading them on first use)."""
-    import subprocess
-    import sys
+# ------------------------------------------------- the decoder built, not swapped (issue 39)
+def swapped_build_model(cls, args, task):
+    """How the models were built before issue 39, kept here as the reference:
+    stock fairseq's ``TransformerLanguageModel.build_model`` while its module's
+    ``TransformerDecoder`` name is ``PositionTransformerDecoder``."""
+    from functools import partial
 
-    code = (
-        "import sys, json, fairseq_alibi.models\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy'))\n"
-        "from fairseq.criterions import sentence_prediction as sp\n"
-        "from fairseq.tasks import audio_classification as ac\n"
-        "import sklearn.metrics, scipy.stats\n"
-        "print(json.dumps({'loaded': loaded,\n"
-        "  'f1': [sp.f1_score([0, 1, 1, 0], [0, 1, 0, 0]), sklearn.metrics.f1_score([0, 1, 1, 0], [0, 1, 0, 0])],\n"
-        "  'mcc': [sp._matthews_corrcoef([0, 1, 1, 0], [0, 1, 0, 0]),\n"
-        "          sklearn.metrics.matthews_corrcoef([0, 1, 1, 0], [0, 1, 0, 0])],\n"
-        "  'pearson': [float(sp.pearsonr([1, 2, 3], [1, 2, 4])[0]), float(scipy.stats.pearsonr([1, 2, 3], [1, 2, 4])[0])],\n"
-        "  'spearman': [float(sp.spearmanr([1, 2, 3], [3, 1, 2])[0]), float(scipy.stats.spearmanr([1, 2, 3], [3, 1, 2])[0])],\n"
-        "  'roc_curve_is_real': ac.sklearn_metrics.roc_curve is sklearn.metrics.roc_curve,\n"
-        "  'real_modules': [sys.modules['sklearn'].__file__ is not None, sys.modules['scipy'].__file__ is not None]}))\n"
-    )
-    import json
+    from fairseq.models import transformer_lm as stock
 
-    out = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                    check=True).stdout.strip().splitlines()[-1])
-    assert out["loaded"] == []
-    for name in ("f1", "mcc", "pearson", "spearman"):
-        deferred, real = out[name]
-        assert deferred == real, (name, deferred, real)
-    assert out["f1"][0] == pytest.approx(2 / 3)
-    assert out["roc_curve_is_real"] and out["real_modules"] == [True, True]
+    from fairseq_alibi import facts
+    from fairseq_alibi.models.transformer_lm import PositionTransformerDecoder, _default_io_dims
+
+    _default_io_dims(args)
+    facts.resolve_train_length(args, task)
+    decoder_class = stock.TransformerDecoder
+    stock.TransformerDecoder = partial(PositionTransformerDecoder, position=cls.position)
+    try:
+        return stock.TransformerLanguageModel.build_model.__func__(cls, args, task)
+    finally:
+        stock.TransformerDecoder = decoder_class
 
 
-def test_the_loader_thread_is_stopped_before_the_interpreter_exits():
-    """patches.loader_threads_stop_at_exit: a run that stops consuming batches while
-    fairseq's loader thread is busy with torch operations exits with status 0, and
-    no loader thread is alive when the interpreter finalizes (a daemon killed in a
-    torch op aborts the process: "terminate called without an active exception")."""
-    import subprocess
-    import sys
+ADAPTIVE = ["--adaptive-input", "--adaptive-input-cutoff", "10,20", "--adaptive-softmax-cutoff", "10,20",
+            "--adaptive-input-factor", "2", "--adaptive-softmax-factor", "2"]
+EMBEDDINGS = {
+    "plain": [],
+    "tied": ["--share-decoder-input-output-embed"],
+    "projections": ["--decoder-input-dim", "24", "--decoder-output-dim", "24"],
+    "adaptive-untied": ADAPTIVE,
+    "adaptive-tied": ADAPTIVE + ["--tie-adaptive-weights", "--tie-adaptive-proj"],
+    "character": ["--character-embeddings", "--character-filters", "[(1, 8), (2, 16)]",
+                  "--character-embedding-dim", "8", "--char-embedder-highway-layers", "1"],
+    "layers-to-keep": ["--decoder-layers-to-keep", "0,2"],
+}
 
-    code = (
-        "import atexit, threading\n"
-        "alive = []\n"
-        "atexit.register(lambda: print('alive at exit:', sum(type(t).__name__ == 'BackgroundConsumer'\n"
-        "                                                  and t.is_alive() for t in threading.enumerate())))\n"
-        "import torch, fairseq_alibi.models\n"
-        "from fairseq.data import iterators\n"
-        "def batches():\n"
-        "    while True:\n"
-        "        yield torch.randn(64, 64) @ torch.randn(64, 64)  # torch work in the loader thread\n"
-        "class Source:\n"
-        "    def __len__(self): return 10 ** 6\n"
-        "    def __iter__(self): return batches()\n"
-        "it = iterators.BufferedIterator(2, Source())\n"
-        "print('first batch', tuple(next(it).shape))\n"
-    )
-    for _ in range(3):
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr[-2000:]
-        assert result.stdout.splitlines()[-2:] == ["first batch (64, 64)", "alive at exit: 0"], result.stdout
+
+def built_both_ways(data_dir, position, flags, monkeypatch):
+    """The same config built the old way and the new way, each from seed 0."""
+    from fairseq.models import MODEL_REGISTRY
+
+    from fairseq_alibi import facts
+
+    argv = [str(data_dir), "--task", "language_modeling", "--arch", facts.position_model(position),
+            "--tokens-per-sample", "16", "--decoder-layers", "3", "--decoder-embed-dim", "32",
+            "--decoder-ffn-embed-dim", "48", "--decoder-attention-heads", "4", *flags]
+    cls = MODEL_REGISTRY[facts.position_model(position)]
+    models = {}
+    for way in ("swapped", "built"):
+        cfg = fairseq_config(argv)
+        task = tasks.setup_task(cfg.task)
+        with monkeypatch.context() as patch:
+            if way == "swapped":
+                patch.setattr(cls, "build_model", classmethod(swapped_build_model))
+            torch.manual_seed(0)
+            models[way] = task.build_model(cfg.model).eval()
+    return models["swapped"], models["built"], task
+
+
+#: Every embedding with ALiBi; the plain and the tied adaptive one with every other position method.
+BUILDS = [("alibi", embedding) for embedding in EMBEDDINGS] + [
+    (position, embedding) for position in fairseq_alibi.core.positions.POSITIONS if position != "alibi"
+    for embedding in ("plain", "adaptive-tied")]
+
+
+@pytest.mark.parametrize("position,embedding", BUILDS)
+def test_built_decoder_equals_the_swapped_one(data_dir, position, embedding, monkeypatch):
+    """State-dict keys in order, shapes, values, parameter order and the output
+    of one batch: identical to the model the class swap built."""
+    old, new, _ = built_both_ways(data_dir, position, EMBEDDINGS[embedding], monkeypatch)
+    assert type(old.decoder) is type(new.decoder) and type(old.decoder.embed_tokens) is type(new.decoder.embed_tokens)
+    assert list(old.state_dict()) == list(new.state_dict())
+    for key, value in old.state_dict().items():
+        assert value.shape == new.state_dict()[key].shape and value.dtype == new.state_dict()[key].dtype, key
+        if not key.endswith("._float_tensor"):  # fairseq's uninitialised one-float buffer: only its dtype counts
+            assert torch.equal(value, new.state_dict()[key]), key
+    assert [name for name, _ in old.named_parameters()] == [name for name, _ in new.named_parameters()]
+    if isinstance(new.decoder.positions, torch.nn.Module):  # learned position parameters: off their init alike
+        with torch.no_grad():
+            for model in (old, new):
+                for parameter in model.decoder.positions.parameters():
+                    parameter.add_(torch.linspace(-0.5, 0.5, parameter.numel()).view(parameter.shape))
+    tokens = torch.randint(4, 40, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(new(tokens)[0], old(tokens)[0], rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_the_swapped_model_loads_into_the_built_one(data_dir, tmp_path, monkeypatch):
+    """A checkpoint written by the old builder (adaptive input, the paper's
+    family) loads through fairseq's loader into the new one and scores alike."""
+    from fairseq import checkpoint_utils
+
+    old, _, task = built_both_ways(data_dir, "alibi", EMBEDDINGS["adaptive-tied"], monkeypatch)
+    with torch.no_grad():
+        for parameter in old.parameters():  # away from the seed's init: the loaded weights must be these
+            parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+    cfg = fairseq_config([str(data_dir), "--task", "language_modeling", "--arch", "transformer_lm_alibi",
+                          "--tokens-per-sample", "16", "--decoder-layers", "3", "--decoder-embed-dim", "32",
+                          "--decoder-ffn-embed-dim", "48", "--decoder-attention-heads", "4",
+                          *EMBEDDINGS["adaptive-tied"]])
+    path = tmp_path / "swapped.pt"
+    history = [{"criterion_name": "CrossEntropyCriterion", "optimizer_name": "Adam", "num_updates": 0,
+                "lr_scheduler_state": {"best": None}}]
+    checkpoint_utils.torch_persistent_save({"cfg": cfg, "model": old.state_dict(), "args": None,
+                                            "optimizer_history": history, "extra_state": {}}, str(path))
+    (loaded,), _ = checkpoint_utils.load_model_ensemble([str(path)], task=task)
+    assert type(loaded).build_model.__func__ is not swapped_build_model
+    tokens = torch.randint(4, 40, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(tokens)[0], old(tokens)[0], rtol=0, atol=0)
+
+
+def test_tied_adaptive_weights_that_cannot_be_shared_are_one_error(data_dir):
+    """Stock fairseq asserts these (a bare AssertionError); the built model names them."""
+    flags = ADAPTIVE[:-4] + ["--adaptive-input-factor", "2", "--adaptive-softmax-factor", "4", "--tie-adaptive-weights"]
+    with pytest.raises(ValueError, match=r"--tie-adaptive-weights .* --adaptive-input-factor 2 != "
+                                         r"--adaptive-softmax-factor 4: make them match"):
+        build(data_dir, *flags)
+
+
+def test_old_class_names_are_the_new_classes():
+    from fairseq_alibi.models import transformer_lm
+
+    assert transformer_lm.AlibiTransformerLanguageModel is transformer_lm.PositionTransformerLanguageModel
+    assert transformer_lm.AlibiLanguageModelConfig is transformer_lm.PositionLanguageModelConfig

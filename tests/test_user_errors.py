@@ -342,8 +342,8 @@ def test_options_fairseq_cannot_build_from_are_one_line(script, extra, expected,
 
 
 def test_the_hub_api_raises_the_same_error_and_bugs_keep_their_traceback(alibi_checkpoint, lm_data_bin):
-    from fairseq_alibi import patches
     from fairseq_alibi.models.transformer_lm import AlibiTransformerLanguageModel
+    from fairseq_alibi.patches import build_errors
 
     with pytest.raises(errors.ModelOptionsError, match="embed_dim must be divisible by num_heads"):
         AlibiTransformerLanguageModel.from_pretrained(str(alibi_checkpoint.parent), alibi_checkpoint.name,
@@ -353,7 +353,7 @@ def test_the_hub_api_raises_the_same_error_and_bugs_keep_their_traceback(alibi_c
         raise AssertionError("a bug of this package")
 
     with pytest.raises(AssertionError, match="a bug of this package"):
-        patches._checked(ours, "build_model")()
+        build_errors._checked(ours, "build_model")()
 
 
 def test_alibi_train_defaults_are_those_its_help_shows(lm_data_bin, tmp_path):

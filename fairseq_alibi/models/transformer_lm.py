@@ -12,6 +12,11 @@ What changes against the stock model, and nothing else:
   scaling spec of every position method), the kernel, and the position
   method's own parameters.
 
+``PositionTransformerLanguageModel.build_model`` builds the stock embeddings
+(plain, adaptive input or character) and ``PositionTransformerDecoder`` itself,
+in the stock builder's order: the same seed gives the same weights, and the
+state dict has the stock model's keys, less the position table.
+
 ``transformer_lm_alibi``: every stock ``transformer_lm*`` architecture gets an
 ``<arch>_alibi`` twin, and ``transformer_lm_bloom_alibi`` trains BLOOM's layer
 shape (``alibi-export-hf --format bloom`` exports it to stock transformers'
@@ -22,7 +27,6 @@ model ``transformer_lm_<name>`` (one architecture of the same name, the stock
 
 import dataclasses
 from dataclasses import dataclass
-from functools import partial
 from typing import Optional
 
 from fairseq.distributed import fsdp_wrap
@@ -35,16 +39,20 @@ from fairseq.utils import safe_getattr
 import torch
 from omegaconf import II
 
-from .. import facts, patches
+from .. import facts
 from ..core import positions as P
 from ..core.bias import StackBias
 from ..errors import ConfigError
 from .attention import PositionMultiheadAttention, attach_shared
 from .config import AlibiConfig, option, scaling_from_config
+from .embeddings import check_tied_adaptive, input_embedding
 
 
 @dataclass
-class AlibiLanguageModelConfig(stock.TransformerLanguageModelConfig, AlibiConfig):
+class PositionLanguageModelConfig(stock.TransformerLanguageModelConfig, AlibiConfig):
+    """The stock LM's config, plus the fields every position method shares
+    (``alibi_*``: the scaling spec, the kernel, the training length)."""
+
     alibi_train_length: Optional[int] = option(
         II("task.tokens_per_sample"), "the length the model was trained at (defaults to the task's "
         "tokens_per_sample when training; stored resolved in the checkpoint)")
@@ -127,8 +135,12 @@ def build_positions(args, position: str) -> StackBias:
     return P.build(position, heads, args.decoder_embed_dim // heads, params, scaling_from_config(args))
 
 
-@register_model(facts.ALIBI_LM, dataclass=AlibiLanguageModelConfig)
-class AlibiTransformerLanguageModel(stock.TransformerLanguageModel):
+@register_model(facts.ALIBI_LM, dataclass=PositionLanguageModelConfig)
+class PositionTransformerLanguageModel(stock.TransformerLanguageModel):
+    """fairseq's transformer LM whose decoder is a ``PositionTransformerDecoder``
+    of :attr:`position`: ``transformer_lm_alibi`` itself, and the base of every
+    other position method's model (``_position_model``)."""
+
     #: The ``core.positions`` method of this model's decoder.
     position = "alibi"
 
@@ -138,12 +150,28 @@ class AlibiTransformerLanguageModel(stock.TransformerLanguageModel):
 
     @classmethod
     def build_model(cls, args, task):
+        """The stock LM's embeddings (plain, adaptive input or character) and
+        this model's decoder, built in the stock builder's order (so a seed
+        gives the stock builder's weights)."""
         # Again here: the arch function runs before the dataclass defaults are
         # filled in, so with no --decoder-embed-dim it could not set these.
         _default_io_dims(args)
         facts.resolve_train_length(args, task)
-        with patches.decoder_class(stock, partial(PositionTransformerDecoder, position=cls.position)):
-            return super().build_model(args, task)
+        if args.decoder_layers_to_keep:
+            args.decoder_layers = len(args.decoder_layers_to_keep.split(","))
+        if safe_getattr(args, "max_target_positions", None) is None:
+            args.max_target_positions = safe_getattr(args, "tokens_per_sample", stock.DEFAULT_MAX_TARGET_POSITIONS)
+        embed_tokens = input_embedding(args, task.source_dictionary, cls.build_embedding)
+        check_tied_adaptive(args)
+        decoder = PositionTransformerDecoder(args, task.target_dictionary, embed_tokens, no_encoder_attn=True,
+                                             position=cls.position)
+        return cls(decoder)
+
+
+#: The names these classes had while ALiBi was the only method: checkpoints'
+#: users and scripts import them.
+AlibiTransformerLanguageModel = PositionTransformerLanguageModel
+AlibiLanguageModelConfig = PositionLanguageModelConfig
 
 
 def _default_io_dims(args) -> None:
@@ -209,14 +237,14 @@ def transformer_lm_bloom_alibi(args):
 
 # ----------------------------------------------------------------- the other position methods
 def _position_model(entry: P.Position):
-    """Register ``transformer_lm_<name>``: the ALiBi LM's config plus the
-    entry's parameters, its decoder built with that position method, and one
+    """Register ``transformer_lm_<name>``: the shared config
+    (``PositionLanguageModelConfig``) plus the entry's parameters, its decoder built with that position method, and one
     architecture of the same name (the stock ``transformer_lm`` sizes)."""
     name = facts.position_model(entry.name)
     fields = [(p.name, type(p.default), option(p.default, p.help)) for p in entry.params]
     config = dataclasses.make_dataclass(f"{entry.name.capitalize()}LanguageModelConfig", fields,
-                                        bases=(AlibiLanguageModelConfig,))
-    model = type(f"{entry.name.capitalize()}TransformerLanguageModel", (AlibiTransformerLanguageModel,),
+                                        bases=(PositionLanguageModelConfig,))
+    model = type(f"{entry.name.capitalize()}TransformerLanguageModel", (PositionTransformerLanguageModel,),
                  {"position": entry.name, "__doc__": f"fairseq's transformer LM with {entry.summary}."})
     register_model(name, dataclass=config)(model)
     ARCH_CONFIG_REGISTRY[name] = _twin(ARCH_CONFIG_REGISTRY[facts.STOCK_LM])  # register_model made the arch name
