@@ -11,11 +11,12 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
 from conftest import BIN, REPO, cli_env, recipe_bin
-from fairseq_alibi.core.positions import POSITIONS
+from fairseq_alibi.core.positions import POSITIONS as REGISTRY
 
 SEEDS = ("1", "2")
 # the baseline and the two families with extension methods (every training is a process of its own;
@@ -124,17 +125,13 @@ def run_compare(**settings):
 def test_a_subset_of_methods_runs_to_a_fresh_report(lm_data_bin, tmp_path):
     """``POSITIONS="alibi kerple"`` (no RoPE model): the default extension list keeps the
     methods that apply to ALiBi (no yarn), the run ends with its own report, and the
-    report an earlier run left (and the earlier run's cells in the results) is not shown."""
+    report an earlier run left is not shown."""
     (tmp_path / "positions.md").write_text("| rotary | an earlier run's table |\n")
     (tmp_path / "extensions.png").write_bytes(b"an earlier run's figure")
-    earlier = {"cells": [dict(checkpoint="rotary_s1", label="none", mode="nonoverlapping", length=16, ppl=1.5,
-                              length_ratio=1.0, train_length=16)]}
-    (tmp_path / "sweep").mkdir()
-    (tmp_path / "sweep" / "results.json").write_text(json.dumps(earlier))
     result = run_compare(DATA=str(lm_data_bin), OUT=str(tmp_path), SEEDS="1", POSITIONS="alibi kerple",
                          VENV_BIN=recipe_bin(), **TINY)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    alibi = POSITIONS["alibi"].extensions
+    alibi = REGISTRY["alibi"].extensions
     methods = {c["method"] for c in sweep_cells(tmp_path / "extensions/results.json")}
     assert methods == {"none", "cap", "capnorm", "power", "ntk", "linear"} and methods <= set(alibi)
     table = (tmp_path / "positions.md").read_text()
@@ -151,9 +148,9 @@ def test_a_refused_setting_stops_before_anything_runs(lm_data_bin, tmp_path):
     cases = {
         ("alibi kerple", "none,yarn:2", "1"): "error: EXTENSIONS holds yarn:2, which applies to none of the models of "
                                             "this run; the methods that do: alibi: "
-                                            + ", ".join(POSITIONS["alibi"].extensions),
+                                            + ", ".join(REGISTRY["alibi"].extensions) + "; kerple: none",
         ("alibi rope", "", "1"): "error: POSITIONS names 'rope', which is not a position method; allowed values: "
-                               + " ".join(["sinusoidal", *POSITIONS]),
+                               + " ".join(["sinusoidal", *REGISTRY]),
         ("alibi", "", " "): "error: SEEDS must name at least one seed",
     }
     for (positions, extensions, seeds), expected in cases.items():
@@ -164,11 +161,35 @@ def test_a_refused_setting_stops_before_anything_runs(lm_data_bin, tmp_path):
         assert not (out / "seed1").exists()
 
 
+def test_the_report_shows_the_cells_of_its_run_only(tmp_path, capsys):
+    """results.json keeps the cells of earlier runs in the same folder (other methods,
+    seeds, lengths, extension methods): --positions, --seeds, --lengths and
+    --extension-methods leave them out of the tables."""
+    report = example("examples/positions/report.py")
+    cells = [dict(checkpoint=f"{name}_s{seed}", label="none", mode="nonoverlapping", length=length,
+                  length_ratio=length / 16, train_length=16, ppl=10.0 + seed + length / 16)
+             for name in ("alibi", "rotary", "kerple") for seed in (1, 2, 3) for length in (16, 32, 64)]
+    extended = [dict(cell, label=label, ppl=cell["ppl"] + k) for cell in cells if cell["checkpoint"].startswith("alibi")
+                for k, label in enumerate(("none", "cap x1", "ntk x2"))]
+    (tmp_path / "sweep.json").write_text(json.dumps({"cells": cells}))
+    (tmp_path / "extensions.json").write_text(json.dumps({"cells": extended}))
+    assert report.main([str(tmp_path / "sweep.json"), "--extensions", str(tmp_path / "extensions.json"),
+                        "--output", str(tmp_path), "--positions", "alibi kerple", "--seeds", "1 2",
+                        "--lengths", "1x,2x", "--extension-methods", "none,cap"]) == 0
+    table = capsys.readouterr().out
+    first = table.split("###")[1]
+    assert "| method | 16 (1x) | 32 (2x) | seeds |" in first and "rotary" not in table and "ntk" not in table
+    assert "| alibi | 12.50 [12.00, 13.00] | 13.50 [13.00, 14.00] | 2 |" in first
+    assert "| alibi cap x1 | 13.50 [13.00, 14.00] | 14.50 [14.00, 15.00] | 2 |" in table
+
+
 # ------------------------------------------------------------------ every list from the registry
 def example(path: str):
     """An example script, imported as a module (its functions, without running it)."""
-    spec = importlib.util.spec_from_file_location(path.replace("/", "_")[:-3], REPO / path)
+    name = path.replace("/", "_")[:-3]
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where its dataclasses look their annotations up
     spec.loader.exec_module(module)
     return module
 
@@ -176,8 +197,8 @@ def example(path: str):
 @pytest.fixture
 def dummy_position(monkeypatch):
     """A position method registered for one test: a copy of NoPE's entry named ``dummy``."""
-    entry = dataclasses.replace(POSITIONS["nope"], name="dummy", summary="a test's copy of NoPE")
-    monkeypatch.setitem(POSITIONS, "dummy", entry)
+    entry = dataclasses.replace(REGISTRY["nope"], name="dummy", summary="a test's copy of NoPE")
+    monkeypatch.setitem(REGISTRY, "dummy", entry)
     return entry
 
 
@@ -191,7 +212,7 @@ def test_a_registered_method_is_in_the_recipe_defaults_report_and_help(dummy_pos
     from fairseq_alibi.evaluation.styles import POSITION_COLOURS, position_colour
 
     registry = example("examples/registry.py")
-    assert registry.models() == ["sinusoidal", *POSITIONS] and registry.models()[-1] == "dummy"
+    assert registry.models() == ["sinusoidal", *REGISTRY] and registry.models()[-1] == "dummy"
     extended = registry.extended(registry.models())
     assert "alibi" in extended and "rotary" in extended and "dummy" not in extended
     assert registry.applicable("none,cap,yarn:2", ["dummy"], "EXTENSIONS", strict=False) == ["none"]
@@ -217,7 +238,7 @@ def test_a_registered_method_is_in_the_recipe_defaults_report_and_help(dummy_pos
     rows = [line for line in table.split("###")[1].splitlines() if line.startswith("| ") and "---" not in line]
     assert [row.split(" | ")[0] for row in rows[1:]] == ["| sinusoidal", "| alibi", "| dummy"]
     assert rows[3] == "| dummy | 31.50 [31.00, 32.00] | 33.00 [32.00, 34.00] | 2 |"
-    colours = {name: position_colour(name) for name in ("sinusoidal", *POSITIONS)}
+    colours = {name: position_colour(name) for name in ("sinusoidal", *REGISTRY)}
     assert lines == [("sinusoidal", colours["sinusoidal"]), ("alibi", colours["alibi"]), ("dummy", colours["dummy"])]
     assert len(set(colours.values())) == len(colours) and "dummy" not in POSITION_COLOURS
     assert position_colour("dummy") == colours["dummy"]  # the same in every run
@@ -245,7 +266,7 @@ def test_help_lists_the_extension_methods_of_every_position_method():
     the methods that apply to it, the sinusoidal model with none."""
     from fairseq_alibi.evaluation import perplexity, retrieval
 
-    expected = {"sinusoidal": ["none"], **{name: list(p.extensions) for name, p in POSITIONS.items()}}
+    expected = {"sinusoidal": ["none"], **{name: list(p.extensions) for name, p in REGISTRY.items()}}
     for parser in (perplexity.get_parser(), retrieval.get_parser()):
         assert help_groups(parser.format_help()) == expected, parser.prog
 
@@ -254,8 +275,8 @@ HOOK = """# Registers a position method for tests/test_compare.py in every Pytho
 # the registry holds alibi and a copy of NoPE named dummy (nothing else, to keep the run short).
 import dataclasses
 import fairseq_alibi.core.positions as positions
-kept = {"alibi": positions.POSITIONS["alibi"],
-        "dummy": dataclasses.replace(positions.POSITIONS["nope"], name="dummy", summary="a test's copy of NoPE")}
+kept = {"alibi": positions.REGISTRY["alibi"],
+        "dummy": dataclasses.replace(positions.REGISTRY["nope"], name="dummy", summary="a test's copy of NoPE")}
 positions.POSITIONS.clear()
 positions.POSITIONS.update(kept)
 """
