@@ -1,14 +1,22 @@
 """``make compare`` on a tiny run: every position method trained the same way
 (the stock CLIs through ``alibi-train``), swept, and reported across seeds;
-and the report's numbers against the results they come from."""
+the report's numbers against the results they come from; any subset of
+methods runs to a report, never an earlier run's; and every list of methods
+the recipes and the report show comes from the registry: a position method
+registered by a test appears in the recipe's defaults, the report and the help."""
 
+import dataclasses
+import importlib.util
 import json
+import os
 import re
 import subprocess
+import sys
 
 import pytest
 
-from conftest import REPO, cli_env, recipe_bin
+from conftest import BIN, REPO, cli_env, recipe_bin
+from fairseq_alibi.core.positions import POSITIONS as REGISTRY
 
 SEEDS = ("1", "2")
 # the baseline and the two families with extension methods (every training is a process of its own;
@@ -102,3 +110,201 @@ def test_a_failed_training_stops_the_recipe_with_its_reason(lm_data_bin, tmp_pat
         "error: training seed 1 t5bias failed (exit 1): num_buckets=32, max_distance=16 is not valid; it needs at "
         f"least 2 buckets per direction and max_distance > 16 (the exact buckets) (log: {log})"]
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "seed1" / "t5bias" / "trained.ok").exists()
+
+
+# ------------------------------------------------------------------ subsets, stale reports
+TINY = dict(L="16", LAYERS="1", DIM="16", FFN="32", HEADS="2", UPDATES="2", MAX_TOKENS="256", WARMUP="1",
+            LENGTHS="1x,2x")
+
+
+def run_compare(**settings):
+    return subprocess.run(["bash", str(REPO / "examples/positions/compare.sh")], capture_output=True, text=True,
+                          env=cli_env(**settings), cwd=REPO, stdin=subprocess.DEVNULL, timeout=900)
+
+
+def test_a_subset_of_methods_runs_to_a_fresh_report(lm_data_bin, tmp_path):
+    """``POSITIONS="alibi kerple"`` (no RoPE model): the default extension list keeps the
+    methods that apply to ALiBi (no yarn), the run ends with its own report, and the
+    report an earlier run left is not shown."""
+    (tmp_path / "positions.md").write_text("| rotary | an earlier run's table |\n")
+    (tmp_path / "extensions.png").write_bytes(b"an earlier run's figure")
+    result = run_compare(DATA=str(lm_data_bin), OUT=str(tmp_path), SEEDS="1", POSITIONS="alibi kerple",
+                         VENV_BIN=recipe_bin(), **TINY)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    alibi = REGISTRY["alibi"].extensions
+    methods = {c["method"] for c in sweep_cells(tmp_path / "extensions/results.json")}
+    assert methods == {"none", "cap", "capnorm", "power", "ntk", "linear"} and methods <= set(alibi)
+    table = (tmp_path / "positions.md").read_text()
+    rows = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ")]
+    assert "| alibi" in rows and "| kerple" in rows and "| rotary" not in rows and "earlier" not in table
+    assert "### alibi: context-extension methods" in table and "yarn" not in table
+    assert (tmp_path / "extensions.png").read_bytes() != b"an earlier run's figure"
+    assert "extension methods {none,cap,capnorm,power,ntk:2,ntk,linear:2,linear} on {alibi}" in result.stdout
+
+
+def test_a_refused_setting_stops_before_anything_runs(lm_data_bin, tmp_path):
+    """A method that applies to no model of the run, a method that does not exist, no seed:
+    one error line naming what is allowed, exit 1, nothing trained."""
+    cases = {
+        ("alibi kerple", "none,yarn:2", "1"): "error: EXTENSIONS holds yarn:2, which applies to none of the models of "
+                                            "this run; the methods that do: alibi: "
+                                            + ", ".join(REGISTRY["alibi"].extensions) + "; kerple: none",
+        ("alibi rope", "", "1"): "error: POSITIONS names 'rope', which is not a position method; allowed values: "
+                               + " ".join(["sinusoidal", *REGISTRY]),
+        ("alibi", "", " "): "error: SEEDS must name at least one seed",
+    }
+    for (positions, extensions, seeds), expected in cases.items():
+        out = tmp_path / str(len(positions + extensions + seeds))
+        result = run_compare(DATA=str(lm_data_bin), OUT=str(out), SEEDS=seeds, POSITIONS=positions,
+                             EXTENSIONS=extensions, VENV_BIN=recipe_bin(), **TINY)
+        assert result.returncode == 1 and result.stderr.splitlines() == [expected], result.stderr
+        assert not (out / "seed1").exists()
+
+
+def test_the_report_shows_the_cells_of_its_run_only(tmp_path, capsys):
+    """results.json keeps the cells of earlier runs in the same folder (other methods,
+    seeds, lengths, extension methods): --positions, --seeds, --lengths and
+    --extension-methods leave them out of the tables."""
+    report = example("examples/positions/report.py")
+    cells = [dict(checkpoint=f"{name}_s{seed}", label="none", mode="nonoverlapping", length=length,
+                  length_ratio=length / 16, train_length=16, ppl=10.0 + seed + length / 16)
+             for name in ("alibi", "rotary", "kerple") for seed in (1, 2, 3) for length in (16, 32, 64)]
+    extended = [dict(cell, label=label, ppl=cell["ppl"] + k) for cell in cells if cell["checkpoint"].startswith("alibi")
+                for k, label in enumerate(("none", "cap x1", "ntk x2"))]
+    (tmp_path / "sweep.json").write_text(json.dumps({"cells": cells}))
+    (tmp_path / "extensions.json").write_text(json.dumps({"cells": extended}))
+    assert report.main([str(tmp_path / "sweep.json"), "--extensions", str(tmp_path / "extensions.json"),
+                        "--output", str(tmp_path), "--positions", "alibi kerple", "--seeds", "1 2",
+                        "--lengths", "1x,2x", "--extension-methods", "none,cap"]) == 0
+    table = capsys.readouterr().out
+    first = table.split("###")[1]
+    assert "| method | 16 (1x) | 32 (2x) | seeds |" in first and "rotary" not in table and "ntk" not in table
+    assert "| alibi | 12.50 [12.00, 13.00] | 13.50 [13.00, 14.00] | 2 |" in first
+    assert "| alibi cap x1 | 13.50 [13.00, 14.00] | 14.50 [14.00, 15.00] | 2 |" in table
+
+
+# ------------------------------------------------------------------ every list from the registry
+def example(path: str):
+    """An example script, imported as a module (its functions, without running it)."""
+    name = path.replace("/", "_")[:-3]
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # where its dataclasses look their annotations up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def dummy_position(monkeypatch):
+    """A position method registered for one test: a copy of NoPE's entry named ``dummy``."""
+    entry = dataclasses.replace(REGISTRY["nope"], name="dummy", summary="a test's copy of NoPE")
+    monkeypatch.setitem(REGISTRY, "dummy", entry)
+    return entry
+
+
+def test_a_registered_method_is_in_the_recipe_defaults_report_and_help(dummy_position, tmp_path, monkeypatch,
+                                                                       capsys):
+    """In-process: the recipes' lists (examples/registry.py), the report's rows, lines and
+    colours, and the help of alibi-sweep, alibi-retrieval and report.py all name the method."""
+    import matplotlib.axes
+
+    from fairseq_alibi.evaluation import perplexity, retrieval
+    from fairseq_alibi.evaluation.styles import POSITION_COLOURS, position_colour
+
+    registry = example("examples/registry.py")
+    assert registry.models() == ["sinusoidal", *REGISTRY] and registry.models()[-1] == "dummy"
+    extended = registry.extended(registry.models())
+    assert "alibi" in extended and "rotary" in extended and "dummy" not in extended
+    assert registry.applicable("none,cap,yarn:2", ["dummy"], "EXTENSIONS", strict=False) == ["none"]
+    registry.check(["dummy", "sinusoidal"], "POSITIONS")
+
+    report = example("examples/positions/report.py")
+    cells = [dict(checkpoint=f"{name}_s{seed}", label="none", mode="nonoverlapping", length=length,
+                  length_ratio=length / 16, train_length=16, ppl=ppl)
+             for name, base in (("dummy", 30.0), ("alibi", 20.0), ("sinusoidal", 25.0)) for seed in (1, 2)
+             for length, ppl in ((16, base + seed), (32, base + 2 * seed))]
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"cells": cells}))
+    lines = []
+    original = matplotlib.axes.Axes.plot
+
+    def recorded(self, *args, **kwargs):
+        lines.append((kwargs.get("label"), kwargs.get("color")))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recorded)
+    assert report.main([str(results), "--output", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    rows = [line for line in table.split("###")[1].splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split(" | ")[0] for row in rows[1:]] == ["| sinusoidal", "| alibi", "| dummy"]
+    assert rows[3] == "| dummy | 31.50 [31.00, 32.00] | 33.00 [32.00, 34.00] | 2 |"
+    colours = {name: position_colour(name) for name in ("sinusoidal", *REGISTRY)}
+    assert lines == [("sinusoidal", colours["sinusoidal"]), ("alibi", colours["alibi"]), ("dummy", colours["dummy"])]
+    assert len(set(colours.values())) == len(colours) and "dummy" not in POSITION_COLOURS
+    assert position_colour("dummy") == colours["dummy"]  # the same in every run
+
+    for parser in (perplexity.get_parser(), retrieval.get_parser()):
+        assert help_groups(parser.format_help())["dummy"] == ["none"], parser.prog
+    with pytest.raises(SystemExit):
+        report.main(["--help"])
+    assert " dummy)" in " ".join(capsys.readouterr().out.split())
+
+
+def help_groups(text: str) -> dict:
+    """The sentence of a tool's --help that lists, per position method, the extension methods that apply."""
+    flat = " ".join(text.split())
+    sentence = flat.split("the methods that apply to its position method: ", 1)[1].split(".", 1)[0]
+    groups = {}
+    for group in sentence.split("; "):
+        names, methods = group.replace(" (as trained)", "").split(": ")
+        groups.update({name: methods.split(", ") for name in names.split(", ")})
+    return groups
+
+
+def test_help_lists_the_extension_methods_of_every_position_method():
+    """alibi-sweep's and alibi-retrieval's help: each position method of the registry with
+    the methods that apply to it, the sinusoidal model with none."""
+    from fairseq_alibi.evaluation import perplexity, retrieval
+
+    expected = {"sinusoidal": ["none"], **{name: list(p.extensions) for name, p in REGISTRY.items()}}
+    for parser in (perplexity.get_parser(), retrieval.get_parser()):
+        assert help_groups(parser.format_help()) == expected, parser.prog
+
+
+HOOK = """# Registers a position method for tests/test_compare.py in every Python the recipe starts:
+# the registry holds alibi and a copy of NoPE named dummy (nothing else, to keep the run short).
+import dataclasses
+import fairseq_alibi.core.positions as positions
+kept = {"alibi": positions.REGISTRY["alibi"],
+        "dummy": dataclasses.replace(positions.REGISTRY["nope"], name="dummy", summary="a test's copy of NoPE")}
+positions.POSITIONS.clear()
+positions.POSITIONS.update(kept)
+"""
+
+
+def test_a_method_registered_in_every_process_is_trained_swept_and_reported(lm_data_bin, tmp_path):
+    """compare.sh with a registry of alibi and ``dummy`` (a sitecustomize module on the
+    PYTHONPATH of every process the recipe starts; real processes, not the fork server):
+    POSITIONS left to its default trains sinusoidal, alibi and dummy; the extension sweep
+    runs ALiBi's methods of the default list only (no RoPE model: no yarn); the report has a
+    row for dummy; alibi-sweep's help names it."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOOK)
+    pythonpath = os.pathsep.join(filter(None, [str(hook), str(REPO), os.environ.get("PYTHONPATH")]))
+    out = tmp_path / "out"
+    env = cli_env(DATA=str(lm_data_bin), OUT=str(out), SEEDS="1", VENV_BIN=str(BIN), PYTHONPATH=pythonpath, **TINY)
+    result = subprocess.run(["bash", str(REPO / "examples/positions/compare.sh")], capture_output=True, text=True,
+                            env=env, cwd=REPO, stdin=subprocess.DEVNULL, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(p.name for p in (out / "seed1").iterdir()) == ["alibi", "dummy", "sinusoidal"]
+    assert "'arch': 'transformer_lm_dummy'" in (out / "seed1/dummy/train.log").read_text() or \
+        "transformer_lm_dummy" in (out / "seed1/dummy/train.log").read_text()
+    table = (out / "positions.md").read_text()
+    assert re.search(r"^\| dummy \| \d+\.\d\d \| \d+\.\d\d \| 1 \|$", table, re.M), table
+    labels = {(c["checkpoint"], c["method"]) for c in sweep_cells(out / "extensions/results.json")}
+    assert {checkpoint for checkpoint, _ in labels} == {"alibi_s1"}
+    assert {method for _, method in labels} == {"none", "cap", "capnorm", "power", "ntk", "linear"}
+    sweep_help = subprocess.run([str(BIN / "alibi-sweep"), "--help"], capture_output=True, text=True, env=env,
+                                timeout=300).stdout
+    assert "sinusoidal, dummy: none (as trained)" in " ".join(sweep_help.split())

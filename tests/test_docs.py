@@ -455,3 +455,41 @@ def test_positions_table_is_the_registry():
         assert ticked(extensions) == list(entry.extensions), name
         shown = re.findall(r"`(\w+)` \(([^):]+)", params)
         assert [(p, float(d)) for p, d in shown] == [(p.name, float(p.default)) for p in entry.params], name
+
+
+# ------------------------------------------------------------------ lists of methods
+def test_lists_of_position_methods_are_the_registry():
+    """Every list of position or extension methods the README, the docs and the examples'
+    READMEs show in prose, against the registries: a method added to
+    ``core/positions.py`` (or ``core/scaling.py``) fails here, naming the place."""
+    from fairseq_alibi.core.positions import POSITIONS
+
+    layout = " ".join(next(b.code for b in BLOCKS if b.path.name == "README.md"
+                           and b.code.startswith("fairseq_alibi/")).split())
+    listed = re.search(r"positions\.py the registry of position methods \(([^)]*)\)", layout).group(1).split(", ")
+    assert listed == list(POSITIONS), missing_methods("README's layout, positions.py", listed, list(POSITIONS))
+    listed = re.search(r"\(METHOD_TABLE: ([^)]*)\)", layout).group(1).split(", ")
+    assert listed == list(METHODS), missing_methods("README's layout, scaling.py", listed)
+    performance = " ".join(doc("docs/performance.md").split())
+    listed = re.search(r"measures every position method \(([^;]*);", performance).group(1).split(", ")
+    models = ["sinusoidal", *POSITIONS]
+    assert listed == models, missing_methods("docs/performance.md, positions_cost.py", listed, models)
+    listed = re.search(r"\(`([a-z0-9 ]+)`, each trained as", doc("examples/retrieval/README.md")).group(1).split()
+    assert listed == list(POSITIONS), missing_methods("examples/retrieval/README.md", listed, list(POSITIONS))
+    retrieval = " ".join(doc("docs/retrieval.md").split())
+    applies = re.search(r"\(ALiBi: all but `(\w+)`; RoPE: ((?:`\w+`, )*`\w+`); the others", retrieval)
+    assert [m for m in METHODS if m not in position("alibi").extensions] == [applies.group(1)]
+    assert ticked(applies.group(2)) == list(position("rotary").extensions)
+    others = [name for name, entry in POSITIONS.items() if name not in ("alibi", "rotary")]
+    assert all(POSITIONS[name].extensions == ("none",) for name in others), \
+        "docs/retrieval.md says every position method but ALiBi and RoPE has `none` only"
+
+
+def test_core_docstring_names_every_module_of_the_folder():
+    """core/__init__.py's list of modules is the folder's listing."""
+    import fairseq_alibi.core as core
+
+    named = {name for head in re.findall(r"^\* (.*?): ", core.__doc__, re.M) for name in re.findall(r"``(\w+)``", head)}
+    modules = {p.stem for p in (REPO / "fairseq_alibi" / "core").glob("*.py") if p.stem != "__init__"}
+    assert named == modules, (f"core/__init__.py's docstring lacks {sorted(modules - named)}, "
+                              f"names no module {sorted(named - modules)}")

@@ -1,5 +1,6 @@
 """Crash safety: training killed with SIGKILL and resumed from checkpoint_last.pt
-ends exactly where an uninterrupted run ends.
+ends exactly where an uninterrupted run ends; so does a recipe (compare.sh)
+interrupted by Ctrl-C in its first epoch and run again.
 
 What makes fairseq's resume exact on CPU (measured: final weights bit-identical,
 final validation loss equal):
@@ -25,7 +26,7 @@ import time
 import pytest
 import torch
 
-from conftest import cli_env, free_port, recipe_bin, run_cli, tool
+from conftest import REPO, cli_env, free_port, recipe_bin, run_cli, tool
 
 MAX_UPDATE = 32  # about 24 batches per epoch: the run crosses an epoch boundary
 SAVE_EVERY = 8
@@ -206,3 +207,54 @@ def test_a_finished_distributed_run_destroys_its_process_group(tmp_path, monkeyp
     during = []
     dist_utils.distributed_main(0, lambda c: during.append(dist.is_initialized()), cfg, {})
     assert during == [True] and not dist.is_initialized()
+
+
+RECIPE_SETTINGS = dict(SEEDS="1", POSITIONS="alibi", L="16", LAYERS="1", DIM="16", FFN="32", HEADS="2",
+                       UPDATES=str(MAX_UPDATE), SAVE_EVERY=str(SAVE_EVERY), MAX_TOKENS="256", WARMUP="4",
+                       LENGTHS="1x", EXTENSIONS="none")
+
+
+def _compare(data_bin, out, **popen):
+    env = cli_env(DATA=str(data_bin), OUT=str(out), VENV_BIN=recipe_bin(), **RECIPE_SETTINGS)
+    return subprocess.Popen(["bash", str(REPO / "examples/positions/compare.sh")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, stdin=subprocess.DEVNULL, **popen)
+
+
+def test_a_recipe_interrupted_in_its_first_epoch_resumes_from_its_last_saved_update(lm_data_bin, tmp_path):
+    """compare.sh saves every SAVE_EVERY updates from the first epoch on; Ctrl-C (SIGINT to
+    the recipe's process group, as a terminal sends it) after the first save stops the
+    training there, says so and how to resume, exit 130; the same command then resumes from
+    that update and ends with the weights of an uninterrupted run."""
+    reference = _compare(lm_data_bin, tmp_path / "reference")
+    stdout, stderr = reference.communicate(timeout=600)
+    assert reference.returncode == 0, stdout[-2000:] + stderr[-2000:]
+
+    out = tmp_path / "interrupted"
+    last = out / "seed1" / "alibi" / "checkpoint_last.pt"
+    # a suite started in the background of a shell inherits SIGINT ignored, which a shell cannot trap: restore it
+    proc = _compare(lm_data_bin, out, start_new_session=True,
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 300
+    while not last.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "no checkpoint_last.pt within 300 s"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    saved = _updates(_state(last))
+    assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
+    assert SAVE_EVERY <= saved < MAX_UPDATE and saved % SAVE_EVERY == 0, saved
+    assert f"seed 1 alibi: stopped (exit 130); it resumes from update {saved} ({last})" in stdout
+    assert stderr.splitlines()[-1] == (
+        "compare interrupted (SIGINT): rerun the same command to resume (trained models are kept, each other "
+        "training resumes from its last saved update, finished evaluation cells are kept)")
+    assert not (out / "seed1" / "alibi" / "trained.ok").exists() and not (out / "positions.md").exists()
+    assert "error:" not in stderr
+
+    again = _compare(lm_data_bin, out)
+    stdout, stderr = again.communicate(timeout=600)
+    assert again.returncode == 0, stdout[-2000:] + stderr[-2000:]
+    assert f"resuming from update {saved};" in stdout
+    assert f"Loaded checkpoint {last} (epoch 1 @ {saved} updates)" in (last.parent / "train.log").read_text()
+    _assert_same_final(_state(last), _state(tmp_path / "reference" / "seed1" / "alibi" / "checkpoint_last.pt"))
+    assert (out / "positions.md").read_text() == (tmp_path / "reference" / "positions.md").read_text()

@@ -8,16 +8,18 @@
 #   3. sweep both from 1x to 16x L (nonoverlapping valid perplexity; ALiBi also
 #      with linear / NTK slope interpolation), print the table, write the plots.
 #
-# Resumable: the corpus step is a no-op when done; a finished model (marked by
-# its `trained.ok`) is not retrained, an interrupted one resumes from
-# checkpoint_last.pt; sweep cells already in results.json are skipped.
+# Resumable (examples/lib.sh): the corpus step is a no-op when done; a finished
+# model (its `trained.ok`) is not retrained, an interrupted one (Ctrl-C) resumes
+# from its last saved update (every SAVE_EVERY updates) when the same command is
+# run again; sweep cells already in results.json are skipped.  A training that
+# fails ends the demo with one `error:` line (the model, the trainer's reason, its
+# log) and exit status 1.
 # Every setting below can be overridden from the environment, e.g.
 #   UPDATES=800 OUT=outputs/demo800 examples/language_model/demo.sh
-set -euo pipefail
 cd "$(dirname "$0")/../.."
+RECIPE_TAG=demo
+source examples/lib.sh
 
-VENV_BIN=${VENV_BIN:-.venv/bin}
-export PATH="$PWD/$VENV_BIN:$PATH"
 DATA=${DATA:-data-bin/embedded}
 OUT=${OUT:-outputs/demo}
 L=${L:-64}                  # training length (tokens per sample)
@@ -26,6 +28,7 @@ DIM=${DIM:-128}
 FFN=${FFN:-512}
 HEADS=${HEADS:-8}
 UPDATES=${UPDATES:-1200}
+SAVE_EVERY=${SAVE_EVERY:-100}
 MAX_TOKENS=${MAX_TOKENS:-2048}   # 32 sequences of 64 tokens per update
 LR=${LR:-0.002}
 WARMUP=${WARMUP:-100}
@@ -38,26 +41,18 @@ METHODS=${METHODS:-none,linear:2,linear,ntk:2,ntk,cap:0.5,cap,cap:2}
 # single-threaded processes use two cores better than one process with two
 # threads); PARALLEL=0 trains them one after the other with all cores.
 PARALLEL=${PARALLEL:-1}
-if [ "$PARALLEL" = 1 ]; then TRAIN_THREADS=${TRAIN_THREADS:-1}; else TRAIN_THREADS=${TRAIN_THREADS:-$(nproc)}; fi
-
-start=$(date +%s)
-stamp() { echo "[demo $(( $(date +%s) - start ))s] $*"; }
+training_threads
+fresh_report "$OUT/sweep/results.md" "$OUT/sweep/perplexity.png" "$OUT/sweep/per_position.png"
 
 stamp "1/3 corpus -> $DATA"
 python -m fairseq_alibi.corpus --destdir "$DATA"
 
-train() {  # train NAME ARCH
-  local name=$1 arch=$2 dir="$OUT/$1"
-  if [ -f "$dir/trained.ok" ] && [ -f "$dir/checkpoint_last.pt" ]; then
-    stamp "$name: already trained ($dir/checkpoint_last.pt)"
-    return
-  fi
-  mkdir -p "$dir"
-  stamp "2/3 training $name ($arch, L=$L, $UPDATES updates; log also in $dir/train.log)"
-  # Identical settings for both models; only the arch (position handling) differs.
+train() {  # train NAME: identical settings for both models; only the arch (position handling) differs
+  local name=$1
   # decoder-input/output-dim must equal decoder-embed-dim, or fairseq adds
   # 512-wide projections to the sinusoidal model.
-  OMP_NUM_THREADS=$TRAIN_THREADS MKL_NUM_THREADS=$TRAIN_THREADS alibi-train "$DATA" --task language_modeling --arch "$arch" \
+  train_model "$OUT/$name" "$name" "$(arch_of "$name"), L=$L, $UPDATES updates" \
+    "$DATA" --task language_modeling --arch "$(arch_of "$name")" \
     --decoder-layers "$LAYERS" --decoder-embed-dim "$DIM" --decoder-input-dim "$DIM" \
     --decoder-output-dim "$DIM" --decoder-ffn-embed-dim "$FFN" --decoder-attention-heads "$HEADS" \
     --decoder-normalize-before --share-decoder-input-output-embed \
@@ -65,35 +60,11 @@ train() {  # train NAME ARCH
     --optimizer adam --adam-betas '(0.9, 0.98)' --clip-norm 1.0 --weight-decay 0.01 \
     --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-7 \
     --dropout "$DROPOUT" --max-update "$UPDATES" --seed "$SEED" \
-    --save-dir "$dir" --save-interval-updates 100 --keep-interval-updates 1 --no-epoch-checkpoints \
-    --validate-after-updates "$UPDATES" \
-    --log-format simple --log-interval 25 --num-workers 0 --cpu $EXTRA_TRAIN_ARGS \
-    >> "$dir/train.log" 2>&1
-  touch "$dir/trained.ok"
-  stamp "$name: trained"
+    --log-format simple --log-interval 25 --num-workers 0 --cpu $EXTRA_TRAIN_ARGS
 }
-
-# Show fairseq's progress lines of both runs, prefixed with the model name.
-follow() {
-  tail -q -n +1 -F --pid=$$ "$OUT/$1/train.log" 2>/dev/null \
-    | grep --line-buffered -E "train_inner|valid on|num. shared model params|done training|Error|error" \
-    | sed -u "s/^/[$1] /"
-}
-
-mkdir -p "$OUT/alibi" "$OUT/sinusoidal"
-touch "$OUT/alibi/train.log" "$OUT/sinusoidal/train.log"
-follow alibi & f1=$!
-follow sinusoidal & f2=$!
-trap 'kill $f1 $f2 2>/dev/null || true' EXIT
-if [ "$PARALLEL" = 1 ]; then
-  train alibi transformer_lm_alibi & p1=$!
-  train sinusoidal transformer_lm & p2=$!
-  wait $p1; wait $p2
-else
-  train alibi transformer_lm_alibi
-  train sinusoidal transformer_lm
-fi
-sleep 1; kill $f1 $f2 2>/dev/null || true
+# fairseq's progress lines of both runs are shown, prefixed with the model name.
+TRAIN_STEP=2/3 FOLLOW="train_inner|valid on|num. shared model params|done training|Error|error" \
+  run_trainings train < <(printf '%s\n' alibi sinusoidal)
 
 stamp "3/3 sweep $LENGTHS x {$METHODS} -> $OUT/sweep"
 alibi-sweep "$DATA" --checkpoint alibi="$OUT/alibi/checkpoint_last.pt" \

@@ -8,7 +8,12 @@ seed (the same windows: the paired change in %, mean [min, max] over seeds,
 which the seeds' own spread does not blur); and draws ``positions.png``:
 perplexity against evaluation length, one line per method, the band the
 seeds' range.  With ``--extensions`` it also tabulates and draws the
-context-extension methods of the families that have them (``extensions.png``).
+context-extension methods of every position method that has them
+(``extensions.png``, a panel per method).  Methods are listed in the order of
+the registry (``fairseq_alibi/core/positions.py``, sinusoidal first), each in
+its colour (``fairseq_alibi/evaluation/styles.py``).  ``--positions``,
+``--seeds``, ``--lengths`` and ``--extension-methods`` keep the cells of one
+run of ``compare.sh`` (a results.json keeps the cells of earlier runs too).
 
     python examples/positions/report.py outputs/compare/sweep/results.json \\
         --extensions outputs/compare/extensions/results.json --output outputs/compare
@@ -23,17 +28,54 @@ import os
 import re
 import sys
 from collections import defaultdict
-from typing import Dict, List, Tuple
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Tuple
 
-#: Line colours of the position methods (the paper's four first, then the field's).
-COLOURS = {"sinusoidal": "#7f7f7f", "alibi": "#d62728", "rotary": "#1f77b4", "t5bias": "#2ca02c",
-           "nope": "#9467bd", "kerple": "#ff7f0e", "fire": "#8c564b"}
+from fairseq_alibi.core.positions import POSITIONS
+from fairseq_alibi.evaluation.styles import position_colour
+
 NAME = re.compile(r"^(?P<method>.+)_s(?P<seed>\d+)$")
+
+
+def registry_order() -> Tuple[str, ...]:
+    """The order of the tables and legends: the stock model, then the registry's methods."""
+    return ("sinusoidal", *POSITIONS)
 
 Series = Dict[Tuple[str, str], Dict[int, Dict[int, float]]]  # (position, extension label) -> length -> seed -> ppl
 
 
-def load(path: str) -> Tuple[Series, int]:
+@dataclass(frozen=True)
+class Selection:
+    """The cells of one run: its position methods, seeds, lengths (``Nx`` or tokens) and
+    extension methods (``--methods`` spellings); an empty field keeps every cell."""
+
+    positions: Tuple[str, ...] = ()
+    seeds: Tuple[int, ...] = ()
+    lengths: Tuple[str, ...] = ()
+    methods: Tuple[str, ...] = ()
+
+    def keeps(self, method: str, seed: int, cell: dict) -> bool:
+        if self.positions and method not in self.positions or self.seeds and seed not in self.seeds:
+            return False
+        if self.methods and cell.get("label") not in self._labels():
+            return False
+        return not self.lengths or any(_is_length(item, cell) for item in self.lengths)
+
+    def _labels(self) -> set:
+        from fairseq_alibi.core.scaling import Scaling
+
+        return {Scaling.parse(m).label for m in self.methods}
+
+
+def _is_length(item: str, cell: dict) -> bool:
+    """Whether a ``--lengths`` item (``4x``, ``256``) names the cell's length."""
+    if item.endswith("x"):
+        ratio = cell.get("length_ratio")
+        return ratio is not None and math.isclose(float(item[:-1]), float(ratio))
+    return int(item) == int(cell["length"])
+
+
+def load(path: str, selection: Selection = Selection()) -> Tuple[Series, int]:
     """Perplexities by (position method, extension label) and length, one per seed; and L."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -46,12 +88,21 @@ def load(path: str) -> Tuple[Series, int]:
         match = NAME.match(str(cell.get("checkpoint", "")))
         if not match or cell.get("mode") != "nonoverlapping" or cell.get("ppl") is None:
             continue
+        if not selection.keeps(match["method"], int(match["seed"]), cell):
+            continue
         series[(match["method"], cell["label"])][int(cell["length"])][int(match["seed"])] = float(cell["ppl"])
         train_lengths.add(cell.get("train_length"))
     if not series:
-        raise SystemExit(f"error: {path} holds no nonoverlapping cells of checkpoints named METHOD_sSEED")
+        raise SystemExit(f"error: {path} holds no nonoverlapping cells of checkpoints named METHOD_sSEED"
+                         + (" of this run's methods, seeds and lengths" if selection != Selection() else ""))
     lengths = {length for length in train_lengths if length}
     return series, (min(lengths) if lengths else 0)
+
+
+def ordered(methods) -> List[str]:
+    """Position methods in the registry's order (sinusoidal first), any others after, sorted."""
+    methods, order = set(methods), registry_order()
+    return [m for m in order if m in methods] + sorted(methods - set(order))
 
 
 def summary(values: List[float]) -> Tuple[float, float, float]:
@@ -122,7 +173,7 @@ def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Ser
         for index, key in enumerate(keys):
             lengths = sorted(series[key])
             means, lows, highs = zip(*(summary(list(series[key][n].values())) for n in lengths))
-            plain = "black" if any(k[1] != "none" for k in keys) else COLOURS.get(key[0])  # a family's panel
+            plain = "black" if any(k[1] != "none" for k in keys) else position_colour(key[0])  # a family's panel
             colour = plain if key[1] == "none" else plt.cm.tab10(index % 10)
             label = key[0] if key[1] == "none" else f"{key[0]} {key[1]}"
             ax.plot(lengths, means, marker="o", ms=3, color=colour, label=label)
@@ -144,17 +195,32 @@ def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Ser
     plt.close(fig)
 
 
+def words(text: Optional[str], separator: Optional[str] = None) -> Tuple[str, ...]:
+    return tuple(w.strip() for w in (text or "").split(separator) if w.strip())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", help="results.json of the sweep over every model (methods: none)")
-    parser.add_argument("--extensions", help="results.json of the extension-method sweep (alibi, rotary)")
+    parser.add_argument("--extensions", help="results.json of the extension-method sweep (the models of the "
+                        "position methods that have extension methods: " + ", ".join(
+                            name for name, p in POSITIONS.items() if set(p.extensions) - {"none"}) + ")")
     parser.add_argument("--output", default=".", help="where positions.png and extensions.png go")
+    parser.add_argument("--positions", help="only these position methods (space-separated; default: every one "
+                        "the results hold, of: " + " ".join(registry_order()) + ")")
+    parser.add_argument("--seeds", help="only these seeds (space-separated; default: every one)")
+    parser.add_argument("--lengths", help="only these lengths (comma-separated, 4x or tokens; default: every one)")
+    parser.add_argument("--extension-methods", help="only these extension methods in the --extensions results "
+                        "(a --methods list; default: every one)")
     args = parser.parse_args(argv)
-    series, train_length = load(args.results)
-    order = [m for m in COLOURS if (m, "none") in series] + sorted(
-        m for m, label in series if label == "none" and m not in COLOURS)
-    keys = [(m, "none") for m in order]
+    try:
+        selection = Selection(words(args.positions), tuple(int(s) for s in words(args.seeds)),
+                              words(args.lengths, ","), words(args.extension_methods, ","))
+    except ValueError as exc:
+        raise SystemExit(f"error: --seeds {args.seeds!r}: {exc}; give seeds as whole numbers") from None
+    series, train_length = load(args.results, replace(selection, methods=()))  # every model as trained
+    keys = [(m, "none") for m in ordered(m for m, label in series if label == "none")]
     os.makedirs(args.output, exist_ok=True)
     print(table(series, keys, train_length, "Perplexity against evaluation length (mean over seeds [min, max])"))
     if ("alibi", "none") in series and len(keys) > 1:
@@ -163,9 +229,9 @@ def main(argv=None) -> int:
     plot(os.path.join(args.output, "positions.png"),
          [(f"trained at L = {train_length}, evaluated longer", keys)], series, train_length)
     if args.extensions and os.path.exists(args.extensions):
-        extended, _ = load(args.extensions)
+        extended, _ = load(args.extensions, selection)
         panels = []
-        for family in ("alibi", "rotary"):
+        for family in ordered(m for m, _ in extended):
             family_keys = sorted((k for k in extended if k[0] == family), key=lambda k: (k[1] != "none", k[1]))
             if family_keys:
                 print("\n" + table(extended, family_keys, train_length, f"{family}: context-extension methods"))

@@ -16,12 +16,9 @@
 #
 #   examples/retrieval/frontier.sh                # everything, about 3 CPU hours on 2 cores
 #   STEP=evaluate examples/retrieval/frontier.sh  # only the evaluations (models trained)
-set -euo pipefail
 cd "$(dirname "$0")/../.."
-
-VENV_BIN=${VENV_BIN:-.venv/bin}
-case "$VENV_BIN" in /*) ;; *) VENV_BIN="$PWD/$VENV_BIN" ;; esac
-export PATH="$VENV_BIN:$PATH"
+RECIPE_TAG=frontier
+source examples/lib.sh  # the preamble (VENV_BIN, strict mode, Ctrl-C) and stamp
 OUT=${OUT:-outputs/frontier}
 STEP=${STEP:-all}
 # Retrieval models: TUNE seeds on the recipe's corpus, REPORT seeds on a corpus the docs never used.
@@ -41,8 +38,6 @@ SAMPLES=${SAMPLES:-20}   # per (length, depth): 100 prompts per length
 PPL_LENGTHS=${PPL_LENGTHS:-1x,2x,4x,8x,16x}
 THREADS=${THREADS:-$(nproc)}
 
-start=$(date +%s)
-stamp() { echo "[frontier $(( $(date +%s) - start ))s] $*"; }
 corpus_dir() { echo "$OUT/retrieval-c$1"; }
 data_dir() { echo "$OUT/data/retrieval-c$1"; }
 
@@ -56,7 +51,7 @@ if [ "$STEP" != evaluate ]; then
   done
   for seed in $DEMO_SEEDS; do
     SEED=$seed OUT=$OUT/demo-s$seed DATA=$OUT/data/embedded METHODS=none LENGTHS=1x \
-      VENV_BIN="${VENV_BIN#$PWD/}" examples/language_model/demo.sh
+      VENV_BIN="$VENV_BIN" examples/language_model/demo.sh
   done
 fi
 

@@ -25,22 +25,25 @@
 #             at 1x and 8x L (docs/retrieval.md, "Which method, when"):
 #             RECIPE=families examples/retrieval/run.sh
 #
-# Resumable like examples/language_model/demo.sh: a finished model (its
-# trained.ok) is not retrained, an interrupted one (or one trained for fewer
-# than UPDATES) resumes from checkpoint_last.pt, and finished retrieval cells
-# of unchanged checkpoints are kept.  Both recipes share the models of one OUT.
+# Resumable (examples/lib.sh): a finished model (its trained.ok) is not
+# retrained, an interrupted one (Ctrl-C; or one trained for fewer than UPDATES)
+# resumes from its last saved update (every SAVE_EVERY updates) when the same
+# command is run again, and finished retrieval cells of unchanged checkpoints
+# are kept.  Both recipes share the models of one OUT.  A training that fails
+# ends the recipe with one `error:` line (the run, the trainer's reason, its log)
+# and exit status 1, the other trainings stopped.  The METHODS of a recipe's
+# default that apply to none of the MODELS are left out (any subset of models
+# runs); a METHODS given that holds such a method is refused before anything runs.
 # Outputs: $OUT/seedS/<model> (checkpoints, logs) and $OUT/seedS/<evaluation>
 # per seed (evaluation `lines` for RECIPE=methods, `families` for
 # RECIPE=families), and across seeds $OUT/summary.{md,png} (methods) or
-# $OUT/summary-families.{md,png}.
+# $OUT/summary-families.{md,png}, removed when a run starts, written at its end.
 # Every setting can be overridden from the environment.  On a GPU, e.g.:
 #   SCALE=gpu examples/retrieval/run.sh          (see docs/retrieval.md)
-set -euo pipefail
 cd "$(dirname "$0")/../.."
+RECIPE_TAG=retrieval
+source examples/lib.sh
 
-VENV_BIN=${VENV_BIN:-.venv/bin}
-case "$VENV_BIN" in /*) ;; *) VENV_BIN="$PWD/$VENV_BIN" ;; esac
-export PATH="$VENV_BIN:$PATH"
 SCALE=${SCALE:-cpu}
 if [ "$SCALE" = gpu ]; then
   # Larger: L=512, 4 layers, d=256, more data and updates; one model at a time on the GPU.
@@ -66,28 +69,23 @@ if [ "$CORPUS_SEED" = 1 ]; then DATA=${DATA:-data-bin/retrieval-L$L}; else DATA=
 RECIPE=${RECIPE:-methods}
 case "$RECIPE" in
   methods)
-    MODELS=${MODELS:-alibi sinusoidal}; METHODS=${METHODS:-none,linear:2,linear,ntk:2,ntk,cap:0.5,cap,cap:2}
+    MODELS=${MODELS:-alibi sinusoidal}; DEFAULT_METHODS=none,linear:2,linear,ntk:2,ntk,cap:0.5,cap,cap:2
     LENGTHS=${LENGTHS:-1x,1.5x,2x,3x,4x,6x,8x}; EVAL=lines; SUMMARY=summary ;;
   families)
-    MODELS=${MODELS:-alibi rotary}; METHODS=${METHODS:-none,cap,capnorm,power,ntk:2,ntk,linear:2,linear,yarn:2,yarn:4}
+    MODELS=${MODELS:-alibi rotary}; DEFAULT_METHODS=none,cap,capnorm,power,ntk:2,ntk,linear:2,linear,yarn:2,yarn:4
     LENGTHS=${LENGTHS:-1x,8x}; EVAL=families; SUMMARY=summary-families ;;
   *) echo "error: RECIPE=$RECIPE is not a recipe; allowed values: methods, families" >&2; exit 1 ;;
 esac
 DEPTHS=${DEPTHS:-5}
 EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}
 BASELINE_SEEDS=${BASELINE_SEEDS:-first}  # sinusoidal for the first seed only, or: all
-if [ "$PARALLEL" = 1 ]; then TRAIN_THREADS=${TRAIN_THREADS:-1}; else TRAIN_THREADS=${TRAIN_THREADS:-$(nproc)}; fi
+SAVE_EVERY=${SAVE_EVERY:-250}
+training_threads
 
 # MODELS: position methods of core.positions (transformer_lm_<name>) or
-# sinusoidal (the stock transformer_lm), checked before anything runs.
-KNOWN_MODELS="sinusoidal $(python -c 'from fairseq_alibi.core.positions import POSITIONS; print(*POSITIONS)')"
-for name in $MODELS; do
-  case " $KNOWN_MODELS " in *" $name "*) ;; *)
-    echo "error: MODELS names '$name', which is not a position method; allowed values: $KNOWN_MODELS" >&2
-    exit 1 ;;
-  esac
-done
-arch_of() { if [ "$1" = sinusoidal ]; then echo transformer_lm; else echo "transformer_lm_$1"; fi; }
+# sinusoidal (the stock transformer_lm); METHODS: the recipe's default less the
+# methods that apply to none of them; both checked before anything runs.
+recipe_settings MODELS METHODS "$DEFAULT_METHODS"
 jobs_of() {  # the (seed, model) pairs to train, one per line; sinusoidal for the first seed unless BASELINE_SEEDS=all
   local first=1
   for seed in $SEEDS; do
@@ -99,8 +97,8 @@ jobs_of() {  # the (seed, model) pairs to train, one per line; sinusoidal for th
 }
 [ -n "$(jobs_of)" ] || { echo "error: MODELS must name at least one model and SEEDS at least one seed" >&2; exit 1; }
 
-start=$(date +%s)
-stamp() { echo "[retrieval $(( $(date +%s) - start ))s] $*"; }
+mkdir -p "$OUT"
+fresh_report "$OUT/$SUMMARY.md" "$OUT/$SUMMARY.png"
 
 if [ ! -f "$DATA/train.bin" ]; then
   stamp "1/3 synthetic lines corpus (L=$L, $KEYS keys, $DIGITS digits, $DOCS documents) -> $DATA"
@@ -112,56 +110,25 @@ else
   stamp "1/3 corpus: $DATA already binarized"
 fi
 
-train() {  # train SEED NAME ARCH
-  local seed=$1 name=$2 arch=$3 dir="$OUT/seed$1/$2"
-  # trained.ok records the UPDATES a finished model was trained for; a larger
-  # UPDATES resumes it from checkpoint_last.pt.
-  if [ -f "$dir/trained.ok" ] && [ -f "$dir/checkpoint_last.pt" ] && [ "$(cat "$dir/trained.ok")" = "$UPDATES" ]; then
-    stamp "seed $seed $name: already trained ($dir/checkpoint_last.pt, $UPDATES updates)"
-    return
-  fi
-  mkdir -p "$dir"
-  stamp "2/3 training seed $seed $name ($arch, L=$L, $UPDATES updates, warm-up $WARMUP; log in $dir/train.log)"
-  # Identical settings; only the arch (position handling) differs. Each document
-  # is a whole line of the corpus (--sample-break-mode complete packs whole
-  # documents into blocks of L tokens), so no record is cut from its question.
-  touch "$dir/train.log"
-  local me=$BASHPID  # this training's shell (inside the pipeline, $BASHPID would be tail's own)
-  tail -n 0 -F --pid="$me" "$dir/train.log" 2>/dev/null \
-    | grep --line-buffered -E "train_inner|valid on|num. shared model params|done training|Error|error" \
-    | sed -u "s/^/[seed$seed $name] /" &
-  OMP_NUM_THREADS=$TRAIN_THREADS MKL_NUM_THREADS=$TRAIN_THREADS alibi-train "$DATA" --task language_modeling \
-    --arch "$arch" --decoder-layers "$LAYERS" --decoder-embed-dim "$DIM" --decoder-input-dim "$DIM" \
+train() {  # train SEED NAME: identical settings; only the arch (position handling) differs
+  local seed=$1 name=$2
+  # Each document is a whole line of the corpus (--sample-break-mode complete packs
+  # whole documents into blocks of L tokens), so no record is cut from its question.
+  train_model "$OUT/seed$seed/$name" "seed $seed $name" \
+    "$(arch_of "$name"), L=$L, $UPDATES updates, warm-up $WARMUP" "$DATA" --task language_modeling \
+    --arch "$(arch_of "$name")" --decoder-layers "$LAYERS" --decoder-embed-dim "$DIM" --decoder-input-dim "$DIM" \
     --decoder-output-dim "$DIM" --decoder-ffn-embed-dim "$FFN" --decoder-attention-heads "$HEADS" \
     --decoder-normalize-before --share-decoder-input-output-embed \
     --tokens-per-sample "$L" --sample-break-mode complete --max-tokens "$MAX_TOKENS" \
     --optimizer adam --adam-betas '(0.9, 0.98)' --clip-norm 1.0 --weight-decay 0.01 \
     --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-7 \
     --dropout 0.0 --max-update "$UPDATES" --seed "$seed" \
-    --save-dir "$dir" --save-interval-updates 250 --keep-interval-updates 1 --no-epoch-checkpoints \
     --validate-interval-updates 500 --log-format simple --log-interval 50 --num-workers 0 \
-    $DEVICE_FLAGS $EXTRA_TRAIN_ARGS >> "$dir/train.log" 2>&1 || {
-    local status=$?  # the trainer's own error line (alibi-train prints one), with where the rest is
-    echo "error: training seed $seed $name failed (exit $status): $(grep '^error: ' "$dir/train.log" | tail -n 1 | cut -c8-)" \
-      "(log: $dir/train.log)" >&2
-    return 1
-  }
-  echo "$UPDATES" > "$dir/trained.ok"
-  stamp "seed $seed $name: trained (valid $(grep -o "valid on 'valid' subset | loss [0-9.]*" "$dir/train.log" | tail -1 | grep -o 'loss [0-9.]*'))"
+    $DEVICE_FLAGS $EXTRA_TRAIN_ARGS
 }
-
-# At most $(nproc) trainings at once with PARALLEL=1 (one thread each), else one at a time.
-slots=1; [ "$PARALLEL" = 1 ] && slots=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # cores (nproc alone obeys OMP_NUM_THREADS)
-failed() {  # a training failed (it said why): stop the others, exit 1
-  kill $(jobs -p) 2>/dev/null || true
-  exit 1
-}
-running=0
-while read -r seed name; do
-  if [ "$running" -ge "$slots" ]; then wait -n || failed; running=$((running - 1)); fi
-  train "$seed" "$name" "$(arch_of "$name")" & running=$((running + 1))
-done < <(jobs_of)
-while [ "$running" -gt 0 ]; do wait -n || failed; running=$((running - 1)); done
+# At most as many trainings at once as cores with PARALLEL=1 (one thread each), else one at a time.
+TRAIN_STEP=2/3 FOLLOW="train_inner|valid on|num. shared model params|done training|Error|error" \
+  run_trainings train < <(jobs_of)
 
 CPU_FLAG=""; [ "$SCALE" = gpu ] || CPU_FLAG=--cpu
 summaries=()
@@ -180,5 +147,5 @@ for seed in $SEEDS; do
 done
 # Across seeds, a column per model at each length, then each model's accuracy by
 # needle distance (tokens from the queried record to the end of the prompt).
-python examples/retrieval/summary.py "${summaries[@]}" --plot "$OUT/$SUMMARY.png" | tee "$OUT/$SUMMARY.md"
+write_report "$OUT/$SUMMARY.md" python examples/retrieval/summary.py "${summaries[@]}" --plot "$OUT/$SUMMARY.png"
 stamp "done: per seed $OUT/seed*/$EVAL/results.md (plots accuracy.png, depth.png); across seeds $OUT/$SUMMARY.md, $OUT/$SUMMARY.png"

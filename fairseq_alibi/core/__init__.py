@@ -7,9 +7,16 @@ copies this folder) and is loaded there by transformers' remote-code loader,
 which follows ``from .module import name`` (so this folder stays flat).
 
 * ``errors``: the root of every user-fixable error;
-* ``scaling``: the context-extension spec (``Scaling``) and its spellings;
+* ``scaling``: the context-extension spec (``Scaling``), its methods (``METHOD_TABLE``) and spellings;
+* ``positions``: the registry of position methods (``POSITIONS``): each one's kind, parameters,
+  the extension methods that apply to it and its builder;
 * ``alibi``: ALiBi's slopes, what each extension method does to them, the one bias formula;
-* ``bias``: a layer stack's shared bias object (slopes, scaling, caches);
+* ``rotary``: RoPE (rotation of queries and keys) with its extension methods (PI, NTK, YaRN);
+* ``t5bias``, ``kerple``, ``fire``: the learned biases (T5's buckets, Kerple's log kernel, FIRE's MLP);
+* ``bias``: a layer stack's shared position object (``StackBias``: slopes or a learned bias,
+  scaling, caches; the causal mask alone for NoPE);
 * ``kernels`` (+ ``causal_blocks``, ``flex``): attention kernels in one registry;
 * ``configuration_alibi``, ``modeling_alibi``: the exported Hugging Face model.
+
+Every module of this folder is named above (tests/test_docs.py checks it).
 """

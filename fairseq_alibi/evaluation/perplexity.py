@@ -3,15 +3,17 @@
 The grid is checkpoints x methods x evaluation modes x lengths:
 
 * **checkpoints**: ``NAME=PATH`` (or just ``PATH``; the name is then the file's
-  directory).  ALiBi checkpoints (``transformer_lm_alibi``) take every method;
-  any other language model (e.g. the stock sinusoidal ``transformer_lm``) is
-  evaluated with ``none`` only, with ``max_target_positions`` and
+  directory).  Each model takes the methods that apply to its position method
+  (``core/positions.py``; ``--help`` lists them: ALiBi's and RoPE's have
+  several, the others ``none`` only); the stock sinusoidal ``transformer_lm``
+  is evaluated with ``none``, with ``max_target_positions`` and
   ``tokens_per_sample`` overridden so that fairseq does not silently drop every
   window longer than the training length;
-* **methods**: ``none``; ``linear:F`` / ``ntk:F`` (static factor F >= 1);
-  ``linear`` / ``ntk`` (dynamic, ``max(1, length / train_length)``; also
-  written ``linear:dynamic``); ``cap`` / ``cap:F`` (every distance above F
-  training lengths counted as that distance);
+* **methods**: the ``--methods`` items of ``core/scaling.py`` (``METHOD_SYNTAX``):
+  ``none``; ``linear:F`` / ``ntk:F`` (static factor F >= 1); ``linear`` /
+  ``ntk`` (dynamic, ``max(1, length / train_length)``; also written
+  ``linear:dynamic``); ``cap`` / ``cap:F`` (every distance above F training
+  lengths counted as that distance) and the other distance methods;
 * **modes**: ``nonoverlapping`` (windows of ``length`` tokens, each token
   scored once with the context available inside its window) and ``sliding``
   (windows of ``length`` tokens advanced by ``--stride``; the last ``stride``
@@ -290,8 +292,8 @@ def parse_modes(args) -> List[str]:
 
 def get_parser() -> argparse.ArgumentParser:
     p = tool_parser(
-        "alibi-sweep", "Perplexity of language models over evaluation lengths x ALiBi context-extension "
-        "methods x evaluation modes.",
+        "alibi-sweep", "Perplexity of language models over evaluation lengths x context-extension methods x "
+        "evaluation modes.\n\n" + report.methods_by_position(),
         "example:\n  alibi-sweep data-bin/embedded --checkpoint alibi=ck/alibi.pt --checkpoint sin=ck/sin.pt "
         "\\\n      --lengths 1x,2x,4x,8x,16x --methods none,linear:2,linear,ntk:2,ntk,cap "
         "--modes nonoverlapping,sliding --stride 32 --output-dir outputs/sweep --cpu",

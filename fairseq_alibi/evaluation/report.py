@@ -39,6 +39,21 @@ PAIRED_INTERVAL = "95 % paired t-interval over the shared windows"
 NO_WINDOWS = "no interval: no per-window losses recorded"
 
 
+
+def methods_by_position(width: int = 79) -> str:
+    """For ``--help``: the context-extension methods that apply to each position
+    method, read from the registry (``core/positions.py``), so a method
+    registered there is listed here without an edit; wrapped at ``width``."""
+    from ..core.positions import POSITIONS
+
+    groups: Dict[Tuple[str, ...], List[str]] = {}
+    for name, extensions in [("sinusoidal", ("none",))] + [(n, p.extensions) for n, p in POSITIONS.items()]:
+        groups.setdefault(tuple(extensions), []).append(name)
+    text = "Each model is evaluated under the methods that apply to its position method: " + "; ".join(
+        f"{', '.join(names)}: {', '.join(extensions)}" + (" (as trained)" if extensions == ("none",) else "")
+        for extensions, names in groups.items()) + "."
+    return textwrap.fill(text, width)
+
 def ppl_estimate(cell: dict) -> intervals.Estimate:
     """A cell's perplexity with its interval over its windows, or with the reason
     it has none (one window; an older cell that kept no per-window losses)."""

@@ -1,8 +1,8 @@
-"""``alibi-retrieval``: retrieval accuracy over prompt lengths x ALiBi context-extension methods.
+"""``alibi-retrieval``: retrieval accuracy over prompt lengths x context-extension methods.
 
 The grid is checkpoints x methods x lengths x depths, as in ``alibi-sweep``
-(same ``--checkpoint``, ``--lengths`` and ``--methods`` syntax; non-ALiBi
-language models such as the sinusoidal ``transformer_lm`` get ``none`` only),
+(same ``--checkpoint``, ``--lengths`` and ``--methods`` syntax; each model
+under the methods that apply to its position method, ``--help`` lists them),
 with a retrieval task instead of perplexity:
 
 * ``passkey``: a pass key hidden in filler text, asked for at the end;
@@ -352,7 +352,8 @@ def build_task(args, vocab: P.Vocabulary) -> P.BuiltinTask:
 def get_parser() -> argparse.ArgumentParser:
     p = tool_parser(
         "alibi-retrieval", "Retrieval accuracy (passkey, LongEval-style lines, or prompt files: your own JSONL, "
-        "LongEval's, RULER's) of language models over prompt lengths x ALiBi context-extension methods x depths.",
+        "LongEval's, RULER's) of language models over prompt lengths x context-extension methods x depths.\n\n"
+        + report.methods_by_position(),
         "examples:\n  alibi-retrieval data-bin/kv --checkpoint alibi=ck/alibi.pt --task lines --digits 3 \\\n"
         "      --lengths 1x,2x,4x,8x --methods none,linear:2,linear,ntk:2,ntk,cap --depths 5 --samples 20 "
         "-o outputs/ret --cpu\n  alibi-retrieval data-bin/wikitext-103 -c ck/alibi.pt --task passkey --filler "

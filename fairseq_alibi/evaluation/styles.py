@@ -7,7 +7,10 @@ its family's marker (or one chosen from its name) and a colour chosen from its
 spelling by a hash, so it is stable from run to run as well.  Markers are drawn
 hollow, so lines that lie on one another still show each method's shape.
 
-Checkpoints are told apart by line style (:func:`line_styles`).
+Checkpoints are told apart by line style (:func:`line_styles`).  Position
+methods (``examples/positions/report.py``) have a colour each
+(:func:`position_colour`): the fixed ones of :data:`POSITION_COLOURS`, and for a
+method registered later (``core/positions.py``) one of its own by its place there.
 """
 
 from __future__ import annotations
@@ -82,6 +85,29 @@ def cell_spelling(cell: dict) -> str:
         return Scaling(cell["method"], float(cell["factor"])).spelling
     except (ScalingError, ValueError, TypeError, KeyError):
         return str(cell.get("label") or cell.get("method"))
+
+
+#: Line colours of the position methods (the paper's four first, then the field's).
+POSITION_COLOURS = {"sinusoidal": "#7f7f7f", "alibi": "#d62728", "rotary": "#1f77b4", "t5bias": "#2ca02c",
+                    "nope": "#9467bd", "kerple": "#ff7f0e", "fire": "#8c564b"}
+#: Colours for position methods registered without one above (tab10's rest, then tab20's light shades).
+MORE_POSITION_COLOURS = ("#e377c2", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5",
+                         "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
+
+
+def position_colour(name: str) -> str:
+    """The line colour of position method ``name``, the same in every run: its own in
+    :data:`POSITION_COLOURS`; for another method of the registry (``core/positions.py``) the next
+    of :data:`MORE_POSITION_COLOURS` in registry order (distinct while they last); for any other
+    name one chosen from the name."""
+    from ..core.positions import POSITIONS
+
+    if name in POSITION_COLOURS:
+        return POSITION_COLOURS[name]
+    unlisted = [p for p in POSITIONS if p not in POSITION_COLOURS]
+    if name in unlisted:
+        return MORE_POSITION_COLOURS[unlisted.index(name) % len(MORE_POSITION_COLOURS)]
+    return _pick(name, MORE_POSITION_COLOURS, "position")
 
 
 LINE_STYLES = ("-", "--", ":", "-.")

@@ -1,0 +1,177 @@
+# shellcheck shell=bash
+# What the example recipes share: sourced (never run) by examples/language_model/demo.sh,
+# examples/positions/compare.sh, examples/retrieval/run.sh and examples/retrieval/frontier.sh,
+# each of which sets RECIPE_TAG (its name in messages) and works from the repository:
+#
+#   cd "$(dirname "$0")/../.."; RECIPE_TAG=compare; source examples/lib.sh
+#
+# * the preamble: strict mode; the tools of VENV_BIN (default .venv/bin) first on PATH;
+#   Ctrl-C (SIGINT), SIGTERM and SIGHUP stop every training at its last saved update and
+#   end the recipe with one line saying so and how to resume (rerun the same command),
+#   exit status 130 (143, 129);
+# * stamp: a progress line, `[RECIPE_TAG SECONDSs] text`;
+# * models, recipe_settings: the registries (fairseq_alibi/core/positions.py, through
+#   examples/registry.py): which models exist, which have extension methods, which methods
+#   of a list apply to the models of a run;
+# * training_threads: PARALLEL=1 trains with one thread per training and as many
+#   trainings at once as cores (TRAIN_SLOTS), PARALLEL=0 one at a time with every core;
+# * train_model: one alibi-train run into its own directory, resumable: a model whose
+#   trained.ok records UPDATES is kept; any other resumes from its checkpoint_last.pt,
+#   which is written every SAVE_EVERY updates (mid-epoch too) and at the end, so an
+#   interruption loses at most SAVE_EVERY - 1 updates; the resumed run ends with the
+#   weights an uninterrupted one ends with (tests/test_resume.py);
+# * run_trainings: the scheduler, a training per line of its input, TRAIN_SLOTS at once;
+#   the first that fails ends the recipe with exit status 1 and one `error:` line (the
+#   run, the trainer's own reason, its log), the others stopped at their last saved update.
+
+set -euo pipefail
+
+VENV_BIN=${VENV_BIN:-.venv/bin}
+case "$VENV_BIN" in /*) ;; *) VENV_BIN="$PWD/$VENV_BIN" ;; esac
+export PATH="$VENV_BIN:$PATH"
+RECIPE_TAG=${RECIPE_TAG:-$(basename "$0" .sh)}
+RECIPE_START=$(date +%s)
+
+stamp() { echo "[$RECIPE_TAG $(( $(date +%s) - RECIPE_START ))s] $*"; }
+
+# ------------------------------------------------------------------ interruptions
+interrupted() {  # SIGNAL STATUS: stop every training (each saves nothing more), say how to resume, exit
+  trap '' INT TERM HUP
+  stop_trainings
+  echo "$RECIPE_TAG interrupted ($1): rerun the same command to resume (trained models are kept, each other" \
+    "training resumes from its last saved update, finished evaluation cells are kept)" >&2
+  exit "$2"
+}
+trap 'interrupted SIGINT 130' INT
+trap 'interrupted SIGTERM 143' TERM
+trap 'interrupted SIGHUP 129' HUP
+
+stop_trainings() {  # every running training (train_model passes SIGINT on to its trainer once), then wait
+  local job
+  for job in $(jobs -p); do kill -INT "$job" 2>/dev/null || true; done
+  wait || true
+}
+
+# ------------------------------------------------------------------ the registries
+models() { python examples/registry.py models; }  # sinusoidal, then each position method
+# recipe_settings MODELS_VARIABLE METHODS_VARIABLE DEFAULT_METHODS: the two settings checked
+# (one error: line and exit 1 for a name that is not a model, a method that does not exist or, in a
+# list given, one that applies to none of the models) and completed (every model where the first
+# is empty; DEFAULT_METHODS less the methods that apply to none of them where the second is),
+# and EXTENDED: the models that have extension methods besides none.
+recipe_settings() {
+  local settings
+  settings=$(python examples/registry.py settings --models-variable "$1" --models "${!1:-}" \
+    --methods-variable "$2" --methods "${!2:-}" --default-methods "$3")
+  eval "$settings"
+}
+arch_of() { if [ "$1" = sinusoidal ]; then echo transformer_lm; else echo "transformer_lm_$1"; fi; }
+
+# ------------------------------------------------------------------ training
+training_threads() {  # TRAIN_THREADS and TRAIN_SLOTS from PARALLEL (cores: nproc alone obeys OMP_NUM_THREADS)
+  local cores
+  cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+  if [ "$PARALLEL" = 1 ]; then TRAIN_THREADS=${TRAIN_THREADS:-1}; TRAIN_SLOTS=$cores
+  else TRAIN_THREADS=${TRAIN_THREADS:-$cores}; TRAIN_SLOTS=1; fi
+}
+
+last_saved() {  # DIR: the update count of the last checkpoint its train.log says was saved (0: none)
+  local updates
+  updates=$(grep -o 'Saved checkpoint [^ ]* (epoch [0-9]* @ [0-9]* updates' "$1/train.log" 2>/dev/null \
+    | tail -n 1 | sed 's/.*@ //; s/ updates//') || true
+  echo "${updates:-0}"
+}
+
+# train_model DIR LABEL DETAIL ALIBI_TRAIN_ARGS...: train into DIR (train.log, checkpoints), unless
+# DIR/trained.ok records UPDATES. Reads UPDATES, SAVE_EVERY, TRAIN_THREADS, TRAIN_STEP (the
+# recipe's step, e.g. 2/4) and FOLLOW (a pattern of log lines to show, prefixed with LABEL; empty:
+# none). Returns 0 (trained), 1 (failed: one error: line on stderr) or 130 (stopped: resumable).
+train_model() {
+  local dir=$1 label=$2 detail=$3 status=0 trainer="" sent="" resume=""
+  shift 3
+  if [ -f "$dir/trained.ok" ] && [ -f "$dir/checkpoint_last.pt" ] && [ "$(cat "$dir/trained.ok")" = "$UPDATES" ]; then
+    stamp "$label: already trained ($dir/checkpoint_last.pt, $UPDATES updates)"
+    return 0
+  fi
+  mkdir -p "$dir"
+  touch "$dir/train.log"
+  [ -f "$dir/checkpoint_last.pt" ] && resume=", resuming from update $(last_saved "$dir")"
+  stamp "$TRAIN_STEP training $label ($detail$resume; log in $dir/train.log)"
+  if [ -n "${FOLLOW:-}" ]; then  # the trainer's progress lines, prefixed, until this training's shell ends
+    tail -n 0 -F --pid="$BASHPID" "$dir/train.log" 2>/dev/null \
+      | grep --line-buffered -E "$FOLLOW" | sed -u "s/^/[$label] /" &
+  fi
+  # The trainer runs in a session of its own, so a Ctrl-C reaches it once, from here (the
+  # terminal's would reach it too): SIGINT makes alibi-train stop and exit 130, keeping the
+  # checkpoints it saved (every SAVE_EVERY updates; --keep-interval-updates 1 keeps the last).
+  trap '[ -n "$sent" ] || { sent=1; [ -z "$trainer" ] || kill -INT "$trainer" 2>/dev/null || true; }' INT TERM HUP
+  [ -z "$sent" ] || return 130  # stopped before its trainer started: nothing to stop
+  # (In a subshell: a plain `command &` would start with SIGINT ignored, as bash starts them.)
+  ( OMP_NUM_THREADS=$TRAIN_THREADS MKL_NUM_THREADS=$TRAIN_THREADS exec $(command -v setsid || true) alibi-train "$@" \
+    --save-dir "$dir" --save-interval-updates "$SAVE_EVERY" --keep-interval-updates 1 --no-epoch-checkpoints ) \
+    >> "$dir/train.log" 2>&1 &
+  trainer=$!
+  [ -z "$sent" ] || kill -INT "$trainer" 2>/dev/null || true  # a stop that came while it was being started
+  wait "$trainer" || true
+  while kill -0 "$trainer" 2>/dev/null; do wait "$trainer" || true; done  # a wait cut short by the trap
+  wait "$trainer" || status=$?  # the trainer's own exit status (bash keeps it)
+  case $status in
+    0)
+      echo "$UPDATES" > "$dir/trained.ok"
+      local valid
+      valid=$(grep -o "valid on 'valid' subset | loss [0-9.]*" "$dir/train.log" | tail -n 1 | grep -o '[0-9.]*$') || true
+      stamp "$label: trained${valid:+ (valid loss $valid)}"
+      return 0 ;;
+    130|143|129|137)
+      local saved
+      saved=$(last_saved "$dir")
+      if [ -f "$dir/checkpoint_last.pt" ] && [ "$saved" != 0 ]; then
+        stamp "$label: stopped (exit $status); it resumes from update $saved ($dir/checkpoint_last.pt)"
+      else
+        stamp "$label: stopped (exit $status) before its first saved update; it starts again"
+      fi
+      return 130 ;;
+    *)  # the trainer's own error line (alibi-train prints one), with where the rest is
+      echo "error: training $label failed (exit $status): $(grep '^error: ' "$dir/train.log" | tail -n 1 | cut -c8-)" \
+        "(log: $dir/train.log)" >&2
+      return 1 ;;
+  esac
+}
+
+# run_trainings FUNCTION < lines: FUNCTION WORDS... for each line of WORDS, TRAIN_SLOTS at once.
+# The first that fails (FUNCTION returned 1: it said why) stops the others and exits 1; one that
+# was stopped (130) ends the recipe as interrupted.
+run_trainings() {
+  local fn=$1 running=0 status=0 words
+  while [ "$status" = 0 ] && read -r words; do
+    if [ "$running" -ge "$TRAIN_SLOTS" ]; then
+      wait -n || status=$?
+      running=$((running - 1))
+      [ "$status" = 0 ] || break
+    fi
+    # shellcheck disable=SC2086
+    "$fn" $words & running=$((running + 1))
+  done
+  while [ "$status" = 0 ] && [ "$running" -gt 0 ]; do
+    wait -n || status=$?
+    running=$((running - 1))
+  done
+  case $status in
+    0) return 0 ;;
+    1) trap '' INT TERM HUP; stop_trainings; exit 1 ;;
+    *) interrupted "a training was stopped" 130 ;;
+  esac
+}
+
+# fresh_report FILE...: remove a previous run's report before this run makes its own, so a run
+# that fails leaves no report of an earlier one looking current.
+fresh_report() { rm -f "$@"; }
+
+# write_report FILE COMMAND...: COMMAND's output shown and written to FILE whole or not at all.
+write_report() {
+  local file=$1
+  shift
+  "$@" > "$file.partial" || { rm -f "$file.partial"; return 1; }
+  mv "$file.partial" "$file"
+  cat "$file"
+}
