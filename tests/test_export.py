@@ -723,7 +723,10 @@ def test_bloom_preset_arch_and_its_refusal(data_dir):
 def test_bad_inputs_are_one_error_line_each(data_dir, tmp_path):
     model, cfg = build(data_dir, [])
     good = save(model, cfg, tmp_path / "good.pt")
-    stock, stock_cfg = build(data_dir, ["--arch", "transformer_lm"])
+    not_lm = tmp_path / "masked.pt"
+    state = torch.load(good, weights_only=False)
+    state["cfg"]["task"]["_name"] = "masked_lm"
+    torch.save(state, not_lm)
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"not a checkpoint")
     no_dict = tmp_path / "nodict.pt"
@@ -740,7 +743,8 @@ def test_bad_inputs_are_one_error_line_each(data_dir, tmp_path):
         ((tmp_path / "missing.pt", tmp_path / "o"), "checkpoint file not found"),
         ((corrupt, tmp_path / "o"), "is not a readable PyTorch checkpoint"),
         ((tmp_path, tmp_path / "o"), "is a directory"),
-        ((save(stock, stock_cfg, tmp_path / "stock.pt"), tmp_path / "o"), "sinusoidal positions, not ALiBi"),
+        ((not_lm, tmp_path / "o"), "task 'masked_lm'; alibi-export-hf exports the causal language models "
+                                   "transformer_lm, transformer_lm_alibi, transformer_lm_rotary"),
         ((no_dict, tmp_path / "o"), "no dictionary for .*--dict PATH"),
         ((good, tmp_path / "o", "--dict", wrong_dict), "has 6 symbols but the checkpoint's embedding has 44 rows"),
         ((good, tmp_path / "o", "--dict", tmp_path / "none.txt"), "dictionary not found"),

@@ -13,21 +13,93 @@ translation (their docstrings list the forms): ``None`` or ``{"type": "none"}``
 "train_seq_len": N}`` (dynamic); ``{"type": "cap" | "log" | "power" | "capnorm",
 "factor": F}`` (past ``F x alibi_train_length``), with ``"alpha": A`` for the
 tails ``log`` and ``power``.
+
+The other position methods (``position_method``: ``rotary``, ``t5bias``,
+``kerple``, ``fire``, ``nope``; ``positions.POSITIONS``) have no
+``alibi_scaling``.  A rotary model's base, rotated share and context extension
+are ``rope_parameters``, spelled as transformers spells them where
+transformers defines the same method (:func:`rope_parameters_of`,
+:func:`scaling_of_rope`, the one translation both ways).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from transformers import PreTrainedConfig
 
-from .errors import ScalingError
-from .scaling import Scaling
+from .errors import ConfigError, ScalingError
+from .scaling import NO_SCALING, Scaling
 
 #: ``model_type`` of every exported model (``config.json``).
 MODEL_TYPE = "fairseq_alibi_lm"
 #: An invalid ``alibi_scaling`` (one line naming it, what was given and what is allowed).
 AlibiScalingError = ScalingError
+#: The position methods an exported model computes: those of ``positions.POSITIONS``, and
+#: ``sinusoidal``, fairseq's stock ``transformer_lm`` (sinusoidal embeddings added to the tokens').
+POSITION_METHODS = ("alibi", "rotary", "t5bias", "nope", "kerple", "fire", "sinusoidal")
+
+#: ``rope_type`` of each RoPE extension of ``rotary.py`` (static factor, dynamic).  Static
+#: ``linear`` and ``yarn`` are transformers' types of the same definition, dynamic ``ntk`` is
+#: transformers' ``dynamic`` at factor 1; the others have no transformers type and are named here.
+ROPE_TYPES = {("none", False): "default", ("linear", False): "linear", ("linear", True): "linear_dynamic",
+              ("ntk", False): "ntk", ("ntk", True): "dynamic", ("yarn", False): "yarn", ("yarn", True): "yarn_dynamic"}
+#: The keys a ``rope_parameters`` dictionary of an exported rotary model may hold.
+ROPE_KEYS = ("rope_type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings",
+             "beta_fast", "beta_slow")
+#: YaRN's ramp ends as ``rotary.py`` fixes them (transformers' defaults too).
+YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def rope_parameters_of(scaling: Scaling, base: float, fraction: float) -> Dict[str, Any]:
+    """The ``rope_parameters`` of a rotary model with RoPE base ``base``, rotated
+    share ``fraction`` of each head, extended by ``scaling`` (complete)."""
+    value: Dict[str, Any] = {"rope_type": ROPE_TYPES[(scaling.method, scaling.dynamic)],
+                             "rope_theta": float(base), "partial_rotary_factor": float(fraction)}
+    if scaling.method == "none":
+        return value
+    value["factor"] = 1.0 if scaling.dynamic else float(scaling.factor)
+    if scaling.method == "yarn" or scaling.dynamic:
+        value["original_max_position_embeddings"] = int(scaling.complete().train_length)
+    if scaling.method == "yarn":
+        value.update(YARN_BETAS)
+    return value
+
+
+def scaling_of_rope(value: Any, train_length: Optional[int]) -> Scaling:
+    """The ``Scaling`` of a ``rope_parameters`` value (see :data:`ROPE_TYPES`;
+    ``original_max_position_embeddings`` defaults to ``alibi_train_length``).
+    Errors name ``rope_parameters`` in one line."""
+    types = {rope_type: key for key, rope_type in ROPE_TYPES.items()}
+
+    def invalid(reason: str) -> ScalingError:
+        return ScalingError("rope_parameters", value, reason)
+
+    if value is None:
+        return NO_SCALING
+    if not isinstance(value, dict):
+        raise invalid('give a dictionary such as {"rope_type": "linear", "factor": 2.0}')
+    unknown = sorted(str(key) for key in value if key not in ROPE_KEYS)
+    if unknown:
+        raise invalid(f"unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(ROPE_KEYS)}")
+    rope_type = value.get("rope_type", "default")
+    if rope_type not in types:
+        raise invalid(f"rope_type must be one of {', '.join(types)}")
+    method, dynamic = types[rope_type]
+    factor = value.get("factor")
+    if method != "none" and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1):
+        raise invalid(f"rope_type {rope_type} takes \"factor\": a number >= 1")
+    if rope_type == "dynamic" and factor != 1:
+        raise invalid("this model computes transformers' dynamic NTK at factor 1 only (base x (n / L) ** "
+                      "(d / (d - 2)) past L); at factor F transformers stretches it to F n / L - (F - 1): give "
+                      "\"factor\": 1.0, or load the GPT-NeoX export with transformers")
+    if method == "yarn" and any(value.get(k, v) != v for k, v in YARN_BETAS.items()):
+        raise invalid("yarn's ramp ends are beta_fast 32 and beta_slow 1 here")
+    length = value.get("original_max_position_embeddings", train_length)
+    try:
+        return Scaling(method, 0.0 if dynamic else (factor or 0.0), length).complete()
+    except ScalingError as exc:
+        raise invalid(f"{exc.field}={exc.value!r}: {exc.reason}") from None
 
 
 class AlibiLMConfig(PreTrainedConfig):
@@ -79,6 +151,9 @@ class AlibiLMConfig(PreTrainedConfig):
     alibi_attention: str = "auto"
     unk_aliases: int = 0
     unk_token_id: Optional[int] = 3
+    position_method: str = "alibi"
+    position_params: Optional[dict] = None
+    rope_parameters: Optional[dict] = None
     use_cache: bool = True
     bos_token_id: Optional[int] = 2
     eos_token_id: Optional[int] = 2
@@ -91,6 +166,31 @@ class AlibiLMConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.scaling()  # refuse an invalid alibi_scaling when the config is read
 
+    def convert_rope_params_to_dict(self, **kwargs):
+        """``rope_parameters`` is read by :func:`scaling_of_rope` alone (transformers'
+        standardization would fill a non-rotary model's in and warn)."""
+        return kwargs
+
     def scaling(self) -> Scaling:
-        """The ``scaling.Scaling`` of ``alibi_scaling`` (``ScalingError`` if invalid)."""
+        """The ``scaling.Scaling`` of ``alibi_scaling`` (ALiBi) or
+        ``rope_parameters`` (rotary); ``ScalingError`` if invalid."""
+        if self.position_method not in POSITION_METHODS:
+            raise ConfigError(f"position_method={self.position_method!r} is not valid; allowed values: "
+                              f"{', '.join(POSITION_METHODS)}")
+        if self.position_method != "alibi" and self.alibi_scaling is not None:
+            where = "rope_parameters" if self.position_method == "rotary" else "none"
+            raise ScalingError("alibi_scaling", self.alibi_scaling, f"a {self.position_method} model has no "
+                               f"alibi_scaling; its context extension is {where}")
+        if self.position_method == "rotary":
+            return scaling_of_rope(self.rope_parameters, self.alibi_train_length)
         return Scaling.from_hf(self.alibi_scaling, self.alibi_train_length)
+
+    def position_settings(self) -> Dict[str, Any]:
+        """The position method's parameters (``positions.Param`` names): a
+        rotary model's base and rotated share come from ``rope_parameters``."""
+        params = dict(self.position_params or {})
+        if self.position_method == "rotary":
+            rope = self.rope_parameters or {}
+            params["rotary_base"] = rope.get("rope_theta", 10000.0)
+            params["rotary_fraction"] = rope.get("partial_rotary_factor", 1.0)
+        return params

@@ -1,4 +1,5 @@
-"""A fairseq ``transformer_lm_alibi`` decoder as a Hugging Face causal LM.
+"""A fairseq ``transformer_lm_alibi`` decoder (or a sibling with another
+position method) as a Hugging Face causal LM.
 
 This file travels with every exported model (``alibi-export-hf``) together
 with ``configuration_alibi.py`` and the maths modules it imports from beside
@@ -16,6 +17,12 @@ pre- or post-norm layers, the embedding scale, the embedding layer norm,
 input/output projections, fairseq's activations, NormFormer's extra scales,
 adaptive input and adaptive softmax (whose ``logits`` are the full-vocabulary
 log-probabilities fairseq's ``get_log_prob`` gives).
+
+Position methods: ``config.position_method`` names an entry of
+``positions.POSITIONS`` (ALiBi by default; rotary, T5 bias, Kerple, FIRE,
+NoPE), whose stack object the fairseq decoder builds too: the same bias or
+rotation, computed by the same code; a learned one (T5, Kerple, FIRE) is the
+decoder's submodule ``positions``, named as fairseq names it.
 
 Padding: a 2-D ``attention_mask`` marks padded keys; ALiBi depends on ``i - j``
 only, so a left-padded row scores as its unpadded run, and with dynamic
@@ -40,8 +47,9 @@ from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .scaling import Scaling
-from .bias import AlibiBias
-from .configuration_alibi import AlibiLMConfig
+from .bias import StackBias
+from .configuration_alibi import AlibiLMConfig, rope_parameters_of, scaling_of_rope
+from .positions import build as build_positions
 from .errors import InputError
 from .kernels import attend, check_kernel
 
@@ -63,16 +71,50 @@ ACTIVATIONS = {
 }
 
 
+def sinusoidal_table(rows: int, dim: int, padding_idx: int, device=None) -> Tensor:
+    """fairseq's ``SinusoidalPositionalEmbedding`` table (stock ``transformer_lm``):
+    row ``p`` is ``[sin(p w_i), cos(p w_i)]`` with ``w_i = exp(-i ln(10000) / (d/2 - 1))``,
+    a zero column for an odd ``dim``, the row ``padding_idx`` zero; float32, as
+    fairseq computes it (row ``p`` does not depend on ``rows``)."""
+    half = dim // 2
+    rate = torch.exp(torch.arange(half, dtype=torch.float, device=device) * -(math.log(10000) / (half - 1)))
+    angles = torch.arange(rows, dtype=torch.float, device=device)[:, None] * rate[None]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).view(rows, -1)
+    if dim % 2:
+        table = torch.cat([table, table.new_zeros(rows, 1)], dim=1)
+    table[padding_idx] = 0
+    return table
+
+
+def token_positions(attention_mask: Optional[Tensor], batch: int, past: int, length: int, padding_idx: int,
+                    device) -> Tensor:
+    """``[B, length]`` positions of the new tokens as fairseq's ``make_positions``
+    numbers them: ``padding_idx + 1`` for a row's first real token, counting real
+    tokens only, ``padding_idx`` at padding (so a left-padded row is numbered as
+    its unpadded run)."""
+    if attention_mask is None:
+        return torch.arange(past, past + length, device=device).expand(batch, -1) + padding_idx + 1
+    real = attention_mask.ne(0).long()
+    return ((torch.cumsum(real, dim=1) * real) + padding_idx)[:, past:]
+
+
 class AttentionContext:
     """What every layer's attention needs for one forward pass: the cache, the
     padding mask, the stack's bias and kernel."""
 
-    def __init__(self, cache, past: int, pad: Optional[Tensor], alibi: AlibiBias, kernel: str, need_weights: bool):
-        self.cache, self.past, self.pad, self.alibi = cache, past, pad, alibi
+    def __init__(self, cache, past: int, pad: Optional[Tensor], positions: StackBias, kernel: str,
+                 need_weights: bool):
+        self.cache, self.past, self.pad, self.positions = cache, past, pad, positions
         self.kernel, self.need_weights = kernel, need_weights
 
+    def rotate(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+        """Queries and keys as attention sees them (rotary methods rotate the new
+        ones by their positions before the cache stores the keys; as fairseq's
+        layer, the first pass gives the padding for per-row dynamic factors)."""
+        return self.positions.rotate(q, k, self.past, self.past + q.size(2), self.pad if self.past == 0 else None)
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tuple[Tensor, Optional[Tensor]]:
-        return attend(q, k, v, self.alibi, self.kernel, self.pad, dropout_p, self.need_weights, self.past > 0)
+        return attend(q, k, v, self.positions, self.kernel, self.pad, dropout_p, self.need_weights, self.past > 0)
 
 
 class AlibiSelfAttention(nn.Module):
@@ -94,6 +136,7 @@ class AlibiSelfAttention(nn.Module):
             return y.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        q, k = context.rotate(q, k)
         if context.cache is not None:
             k, v = context.cache.update(k, v, self.layer_idx)
             keys = context.past + length
@@ -311,15 +354,31 @@ class AlibiLMModel(AlibiPreTrainedModel):
         self.layers = nn.ModuleList(AlibiDecoderLayer(config, i) for i in range(config.layers))
         self.layer_norm = nn.LayerNorm(dim, eps=eps) if config.final_layer_norm else None
         self.project_out_dim = nn.Linear(dim, config.output_embed_dim, bias=False) if config.project_out else None
-        # Scaling.from_hf of this file's siblings: transformers may load configuration_alibi.py a
+        # The scaling read by this file's siblings: transformers may load configuration_alibi.py a
         # second time, as another module, with its own alibi.Scaling class.  On the CPU: from_pretrained
-        # builds models on the meta device, and the slopes are data, not weights.
+        # builds models on the meta device, and the slopes and frequencies are data, not weights
+        # (a learned bias's parameters are loaded into it as any weight).
+        scaling = (scaling_of_rope(config.rope_parameters, config.alibi_train_length)
+                   if config.position_method == "rotary" else
+                   Scaling.from_hf(config.alibi_scaling, config.alibi_train_length))
         with torch.device("cpu"):
-            self.alibi = AlibiBias(config.attention_heads, "causal",
-                                   Scaling.from_hf(config.alibi_scaling, config.alibi_train_length))
-        self.kernel = check_kernel(config.alibi_attention, self.alibi, config.attention_dropout)
+            method = "nope" if config.position_method == "sinusoidal" else config.position_method
+            positions = build_positions(method, config.attention_heads,
+                                        dim // config.attention_heads, config.position_settings(), scaling)
+        if config.position_method == "sinusoidal":  # stock transformer_lm: positions added to the embedding
+            self.sinusoidal_padding_idx = config.pad_token_id
+        if isinstance(positions, nn.Module):
+            self.positions = positions  # learned: weights model.positions.* (fairseq's decoder.positions.*)
+        else:
+            self.__dict__["positions"] = positions  # slopes or frequencies: no weights, not a submodule
+        self.kernel = check_kernel(config.alibi_attention, positions, config.attention_dropout)
         self.last_alibi_factor = None
         self.post_init()
+
+    @property
+    def alibi(self) -> StackBias:
+        """The stack's position object (the name every release before the other methods used)."""
+        return self.positions
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -328,23 +387,41 @@ class AlibiLMModel(AlibiPreTrainedModel):
         self.embed_tokens = value
 
     def set_alibi_scaling(self, value) -> None:
-        """Context extension from the next forward on: an ``alibi_scaling`` dict
-        (see ``configuration_alibi``), None, or an ``alibi.Scaling``; the config follows."""
+        """Context extension from the next forward on: a ``scaling.Scaling``,
+        None, or the config's dict (``alibi_scaling`` for ALiBi,
+        ``rope_parameters`` for rotary); the config follows.  A method the
+        position method has not is refused in one line (``ScalingError``)."""
+        config, rotary = self.config, self.config.position_method == "rotary"
         if isinstance(value, Scaling):
-            scaling = value.for_model(self.config.alibi_train_length)
+            scaling = value.for_model(config.alibi_train_length)
+        elif rotary:
+            scaling = scaling_of_rope(value, config.alibi_train_length)
         else:
-            scaling = Scaling.from_hf(value, self.config.alibi_train_length)
-        self.alibi.rescale(scaling)
-        self.config.alibi_scaling = scaling.to_hf()
+            scaling = Scaling.from_hf(value, config.alibi_train_length)
+        self.positions.rescale(scaling)
+        if rotary:
+            rope = config.rope_parameters or {}
+            config.rope_parameters = rope_parameters_of(scaling, rope.get("rope_theta", 10000.0),
+                                                        rope.get("partial_rotary_factor", 1.0))
+        else:
+            config.alibi_scaling = scaling.to_hf()
 
-    def embed(self, input_ids: Tensor) -> Tensor:
-        """fairseq's order: scale, quant-noise projection, input projection, layer norm, dropout."""
+    def embed(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, past: int = 0) -> Tensor:
+        """fairseq's order: scale, quant-noise projection, input projection,
+        sinusoidal positions (stock ``transformer_lm`` only), layer norm, dropout."""
         if self.config.unk_aliases:
             input_ids = input_ids.masked_fill(input_ids >= self.config.vocab_size, self.config.unk_token_id)
         x = self.config.embed_scale * self.embed_tokens(input_ids)
-        for module in (self.quant_noise, self.project_in_dim, self.layernorm_embedding):
+        for module in (self.quant_noise, self.project_in_dim):
             if module is not None:
                 x = module(x)
+        if self.config.position_method == "sinusoidal":
+            pad = self.config.pad_token_id
+            positions = token_positions(attention_mask, *input_ids.shape[:1], past, input_ids.size(1), pad, x.device)
+            table = sinusoidal_table(int(positions.max()) + 1, x.size(-1), pad, x.device)
+            x = x + table[positions].to(x.dtype)
+        if self.layernorm_embedding is not None:
+            x = self.layernorm_embedding(x)
         return F.dropout(x, self.config.dropout, self.training)
 
     def forward(self, input_ids: Optional[Tensor] = None, attention_mask: Optional[Tensor] = None,
@@ -360,11 +437,12 @@ class AlibiLMModel(AlibiPreTrainedModel):
         past = int(past_key_values.get_seq_length()) if past_key_values is not None else 0
         batch, length = input_ids.shape
         pad = key_padding(attention_mask, batch, past + length)
-        context = AttentionContext(past_key_values, past, pad, self.alibi, self.kernel, bool(output_attentions))
+        self.positions.start_pass()  # a learned bias is built once per pass, for every layer
+        context = AttentionContext(past_key_values, past, pad, self.positions, self.kernel, bool(output_attentions))
         #: the factor of this pass (per row under dynamic scaling with padding: each row's own keys)
-        self.last_alibi_factor = self.alibi.scaling.factor_at(past + length if pad is None else (~pad).sum(-1))
+        self.last_alibi_factor = self.positions.scaling.factor_at(past + length if pad is None else (~pad).sum(-1))
         query_pad = pad[:, past:, None] if pad is not None else None
-        x = self.embed(input_ids)
+        x = self.embed(input_ids, attention_mask, past)
         states, attentions = [x], []
         for layer in self.layers:
             x, weights = layer(x, context)

@@ -1,12 +1,18 @@
-"""``alibi-export-hf CHECKPOINT OUTPUT_DIR``: a fairseq ALiBi LM as a Hugging Face model.
+"""``alibi-export-hf CHECKPOINT OUTPUT_DIR``: a fairseq LM of this plugin as a Hugging Face model.
 
-* ``--format custom`` (default): ``AlibiForCausalLM`` (``modeling_alibi.py``),
-  exact for every ``transformer_lm_alibi`` variant; its code travels with the
-  model, so ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)``
-  loads it without this package; context extension in ``config.json``
-  (``alibi_scaling``, settable here with ``--alibi-scaling``);
+* ``--format custom``: ``AlibiForCausalLM`` (``modeling_alibi.py``), exact for
+  every ``transformer_lm_alibi`` variant and every other position method
+  (rotary, T5 bias, Kerple, FIRE, NoPE, fairseq's stock sinusoidal
+  ``transformer_lm``); its code travels with the model, so
+  ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads
+  it without this package; context extension in ``config.json``
+  (``alibi_scaling``, or ``rope_parameters`` for rotary; ``--alibi-scaling``);
 * ``--format bloom``: stock ``BloomForCausalLM`` for BLOOM-shaped models
-  (``export/bloom.py``), no custom code.
+  (``export/bloom.py``), no custom code;
+* ``--format gpt-neox``: stock ``GPTNeoXForCausalLM`` for pre-norm rotary
+  models (``export/neox.py``), no custom code;
+* ``--format auto`` (default): ``gpt-neox`` for a rotary model GPT-NeoX holds,
+  else ``custom`` (for a rotary model, with one line saying why).
 
 Weights in safetensors, the tokenizer beside them (``export/tokenizer.py``).
 The directory is written under a temporary name (``export/writer.py``); its
@@ -20,10 +26,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..core.positions import POSITIONS
 from ..core.scaling import Scaling
 from ..errors import ExportError, report_errors
 from ..hf import quiet_transformers
@@ -31,7 +38,7 @@ from .check import check_written
 from .source import Source, load_source
 from .writer import check_output_dir, staged_directory, traveling_files
 
-FORMATS = ("custom", "bloom")
+FORMATS = ("auto", "custom", "bloom", "gpt-neox")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 def resolve_scaling(text: Optional[str], source: Source) -> Scaling:
     """``--alibi-scaling METHOD[:F]``, else what the checkpoint's config asks for."""
@@ -41,7 +48,30 @@ def resolve_scaling(text: Optional[str], source: Source) -> Scaling:
     if scaling.needs_train_length and source.train_length is None:
         raise ExportError(f"--alibi-scaling {text} needs the training length, which {source.path} does not "
                           "record (no alibi_train_length or tokens_per_sample)")
+    allowed = POSITIONS[source.position].extensions if source.position in POSITIONS else ("none",)
+    if scaling.method not in allowed:
+        raise ExportError(f"--alibi-scaling {text} does not apply to {source.position} models; the methods that "
+                          f"do: {', '.join(allowed)}")
     return scaling.complete()
+
+
+def choose_format(fmt: str, source: Source, scaling: Scaling) -> Tuple[str, Optional[str]]:
+    """(the format to write, a note saying why ``auto`` chose the default format
+    for a rotary model, or None): ``auto`` writes GPT-NeoX where it holds the model."""
+    if fmt != "auto":
+        return fmt, None
+    if source.position != "rotary":
+        return "custom", None
+    from .custom import describe
+    from .neox import neox_shape_problems, rotary_settings
+
+    fields = describe(source)
+    _, rotary_dim = rotary_settings(source.cfg.model, fields["hidden_size"] // fields["attention_heads"])
+    found = neox_shape_problems(fields, source.position, rotary_dim, scaling)
+    if not found:
+        return "gpt-neox", None
+    return "custom", (f"format custom (trust_remote_code=True): GPT-NeoX cannot hold this rotary model: "
+                      f"{'; '.join(found)}")
 
 
 def build_model(source: Source, fmt: str, scaling: Scaling):
@@ -51,11 +81,20 @@ def build_model(source: Source, fmt: str, scaling: Scaling):
     if fmt == "bloom":
         from .bloom import build_bloom
 
+        if source.position != "alibi":
+            raise ExportError(f"the BLOOM format holds ALiBi models; this is a {source.position} model: export it "
+                              "in the default format (--format custom)")
         return build_bloom(describe(source), hf_weights(source.model), scaling)
+    if fmt == "gpt-neox":
+        from .neox import build_neox, check_neox
+
+        if source.position != "rotary":
+            check_neox({}, source.position, None, scaling)
+        return build_neox(describe(source), hf_weights(source.model), source.cfg.model, scaling)
     return build_custom(source, scaling)
 
 
-def export(checkpoint: str, output_dir: str, fmt: str = "custom", alibi_scaling: Optional[str] = None,
+def export(checkpoint: str, output_dir: str, fmt: str = "auto", alibi_scaling: Optional[str] = None,
            force: bool = False, dict_path: Optional[str] = None, bpe_files: Optional[Dict[str, str]] = None,
            dtype: str = "float32") -> dict:
     """Export ``checkpoint`` to ``output_dir``; a summary of what was written."""
@@ -71,6 +110,7 @@ def export(checkpoint: str, output_dir: str, fmt: str = "custom", alibi_scaling:
     scaling = resolve_scaling(alibi_scaling, source)
     tokenizer = build_tokenizer(source, bpe_files or {})
     source.unk_aliases = max(0, len(tokenizer) - len(source.dictionary))
+    fmt, note = choose_format(fmt, source, scaling)
     model = build_model(source, fmt, scaling)
     model.generation_config.suppress_tokens = [source.dictionary.pad()]  # fairseq's generator never emits <pad>
     with staged_directory(output_dir, force, inputs) as stage:
@@ -82,22 +122,25 @@ def export(checkpoint: str, output_dir: str, fmt: str = "custom", alibi_scaling:
             save_tokenizer(tokenizer, stage)
         del model  # what is checked, and described, is what the files hold
         written = check_written(stage, fmt, source, scaling)
-    return {"output_dir": output_dir, "format": fmt, "written": written, "checkpoint_dtype": source.weights_dtype}
+    return {"output_dir": output_dir, "format": fmt, "written": written, "checkpoint_dtype": source.weights_dtype,
+            "note": note}
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="alibi-export-hf",
-        description="Export a fairseq ALiBi language model (transformer_lm_alibi, also converted 2021-fork "
-        "checkpoints) to a Hugging Face transformers model directory (docs/export.md).")
+        description="Export a fairseq language model of this plugin (transformer_lm_alibi, also converted "
+        "2021-fork checkpoints, and the other position methods' transformer_lm_<method>) to a Hugging Face "
+        "transformers model directory (docs/export.md).")
     p.add_argument("checkpoint", help="the fairseq checkpoint (.pt), read with allowlisted unpickling")
     p.add_argument("output_dir", help="the directory to write (must not exist or be empty, unless --force)")
-    p.add_argument("--format", default="custom", choices=FORMATS,
-                   help="custom: exact for every variant, loads with trust_remote_code=True (default); "
-                   "bloom: stock BloomForCausalLM for BLOOM-shaped models")
+    p.add_argument("--format", default="auto", choices=FORMATS,
+                   help="auto (default): gpt-neox for a rotary model it holds, else custom; custom: exact for "
+                   "every model, loads with trust_remote_code=True; bloom: stock BloomForCausalLM for "
+                   "BLOOM-shaped ALiBi models; gpt-neox: stock GPTNeoXForCausalLM for pre-norm rotary models")
     p.add_argument("--alibi-scaling", metavar="METHOD[:F]",
                    help="context extension stored in config.json: none, linear[:F], ntk[:F] (no F: dynamic), "
-                   "cap[:F] (default: the checkpoint's own)")
+                   "cap[:F], ...; rotary: none, linear, ntk, yarn (default: the checkpoint's own)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUTPUT_DIR")
     p.add_argument("--dict", dest="dict_path", metavar="DICT",
                    help="the model's dict.txt (default: the one in its training data directory)")
@@ -111,7 +154,8 @@ def summary(done: dict) -> str:
     """The lines ``alibi-export-hf`` prints: what the written files hold and the check's numbers."""
     written = done["written"]
     load = "trust_remote_code=True" if done["format"] == "custom" else "no custom code"
-    return (f"wrote {done['output_dir']}: {written.cls} ({load}), {written.check.dtype}, vocabulary "
+    note = f"{done['note']}\n" if done.get("note") else ""
+    return note + (f"wrote {done['output_dir']}: {written.cls} ({load}), {written.check.dtype}, vocabulary "
             f"{written.vocabulary}, alibi_train_length {written.train_length}, scaling {written.scaling.label}\n"
             f"{written.check.describe(done['checkpoint_dtype'])}\n")
 

@@ -4,16 +4,17 @@ against the checkpoint as given.
 Run on the staged directory before it is renamed into place (``writer.py``):
 the model is read back from its files with transformers
 (``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`` for the
-default format, the stock BLOOM class for ``--format bloom``), in the dtype the
-files hold, and scored on random tokens beside the fairseq model of the
+default format, transformers' own classes for ``--format bloom`` and
+``gpt-neox``), in the dtype the files hold, and scored on random tokens beside the fairseq model of the
 checkpoint, computed in float32.  Two numbers, max |log-prob difference|:
 
 * ``rounding``: the files as loaded (computed in their dtype) against the
   checkpoint: what the user holds; 0 up to float32 rounding for a float32
   export, the precision lost for bfloat16 or float16.  Reported, never hidden;
 * ``same_precision``: the files' weights computed in float32 against the
-  fairseq model given the same rounded weights, computed in float32: what is
-  left is a conversion error, refused above ``TOLERANCE`` (nothing written).
+  fairseq model given the same rounded weights, computed in float32 (for
+  GPT-NeoX, the written weights mapped back, its folded embedding scale
+  divided out): what is left is a conversion error, refused above ``TOLERANCE`` (nothing written).
   Both computed in float32 because two correct programs in bfloat16 differ by
   bfloat16's own rounding (BLOOM's bias form, the adaptive softmax).
 """
@@ -124,7 +125,7 @@ def load_written(directory: str, fmt: str):
 
     options = dict(dtype="auto", local_files_only=True)
     with quiet_transformers():
-        if fmt == "bloom":
+        if fmt != "custom":
             return AutoModelForCausalLM.from_pretrained(directory, **options).eval()
         with open(os.path.join(directory, "config.json"), encoding="utf-8") as handle:
             reference = json.load(handle)["auto_map"]["AutoModelForCausalLM"]
@@ -132,17 +133,53 @@ def load_written(directory: str, fmt: str):
         return cls.from_pretrained(directory, **options).eval()
 
 
-def written_scaling(config, fmt: str) -> Scaling:
-    """The context extension the written ``config.json`` holds (BLOOM's holds none)."""
+def written_scaling(config, fmt: str, source, scaling: Scaling) -> Scaling:
+    """The context extension the written ``config.json`` holds (BLOOM's holds
+    none; GPT-NeoX's ``rope_parameters``, :func:`neox.neox_rope_parameters`)."""
     if fmt == "bloom":
         return Scaling()
-    return Scaling.from_hf(config.alibi_scaling, config.alibi_train_length)
+    if fmt == "gpt-neox":
+        from .neox import neox_rope_parameters, rotary_settings
+
+        head_dim = config.hidden_size // config.num_attention_heads
+        base, rotary_dim = rotary_settings(source.cfg.model, head_dim)
+        expected = neox_rope_parameters(scaling, base, rotary_dim, head_dim)
+        if dict(config.rope_parameters) != expected:
+            raise ExportError(f"the written config.json holds rope_parameters {dict(config.rope_parameters)}, not "
+                              f"{expected}: nothing written; a bug, please report it")
+        return scaling
+    stored = config.scaling()  # the written code's Scaling class: compared through its spellings
+    return Scaling.from_record({"method": stored.method, "factor": stored.factor, "alpha": stored.alpha},
+                               stored.train_length)
 
 
-def measure(loaded, source_model, tokens: torch.Tensor) -> Check:
+def give_written_weights(source_model, loaded, fmt: str, fields: Optional[dict]) -> None:
+    """Give the fairseq model the written weights (rounded to the written dtype),
+    in float32, in place: its own weights rounded alike, or for GPT-NeoX the
+    written ones mapped back (``neox.fairseq_weights_of_neox``: the input
+    embedding with the scale divided out, the output projection its own tensor)."""
+    if fmt != "gpt-neox":  # what the files hold: parameters and persistent buffers (not a sinusoidal table)
+        with torch.no_grad():
+            for tensor in source_model.state_dict(keep_vars=True).values():
+                if tensor.is_floating_point():
+                    tensor.data = tensor.data.to(loaded.dtype).float()
+        return
+    from .neox import fairseq_weights_of_neox
+
+    decoder = source_model.decoder
+    if decoder.output_projection.weight is decoder.embed_tokens.weight:  # untie: the written pair differs
+        decoder.output_projection.weight = torch.nn.Parameter(decoder.embed_tokens.weight.detach().clone())
+    mapped = fairseq_weights_of_neox(loaded.state_dict(), fields)
+    state = source_model.state_dict()
+    with torch.no_grad():
+        for name, tensor in mapped.items():
+            state[name].copy_(tensor)
+
+
+def measure(loaded, source_model, tokens: torch.Tensor, fmt: str = "custom", fields: Optional[dict] = None) -> Check:
     """Both numbers for a loaded model and the (rescaled, float32) fairseq model.
-    Casts ``loaded`` to float32 and rounds ``source_model``'s weights to the
-    written dtype, both in place: neither is used after."""
+    Casts ``loaded`` to float32 and gives ``source_model`` the written weights,
+    both in place: neither is used after."""
     dtype = loaded.dtype
     reference = fairseq_log_probs(source_model, tokens)
     if not torch.isfinite(reference).all():
@@ -151,7 +188,7 @@ def measure(loaded, source_model, tokens: torch.Tensor) -> Check:
     rounding = max_difference(hf_log_probs(loaded, tokens), reference)
     if dtype == torch.float32:
         return Check("float32", rounding, rounding)
-    source_model.to(dtype).float()
+    give_written_weights(source_model, loaded, fmt, fields)
     same = max_difference(hf_log_probs(loaded.float(), tokens), fairseq_log_probs(source_model, tokens))
     return Check(str(dtype).replace("torch.", ""), rounding, same)
 
@@ -192,13 +229,20 @@ def check_written(directory: str, fmt: str, source, scaling: Scaling) -> Written
         plain = os.path.join(scratch, "written")
         os.symlink(os.path.abspath(directory), plain)
         loaded = load_written(plain, fmt)
-    stored = written_scaling(loaded.config, fmt)
+    stored = written_scaling(loaded.config, fmt, source, scaling)
     if stored.to_hf() != scaling.to_hf():
-        raise ExportError(f"the written config.json holds alibi_scaling {stored.spelling}, not {scaling.spelling}: "
-                          "nothing written; a bug, please report it")
-    rescale(source.model, scaling)
-    facts = dict(cls=type(loaded).__name__, vocabulary=int(loaded.config.vocab_size),
-                 train_length=hf_train_length(loaded.config), scaling=stored)
-    check = measure(loaded, source.model, check_tokens(source.dictionary))
+        raise ExportError(f"the written config.json holds the context extension {stored.spelling}, not "
+                          f"{scaling.spelling}: nothing written; a bug, please report it")
+    if source.position != "sinusoidal":  # fairseq's stock LM has no position attention (and no extension)
+        rescale(source.model, scaling)
+    length = hf_train_length(loaded.config) if fmt != "gpt-neox" else source.train_length
+    facts = dict(cls=type(loaded).__name__, vocabulary=int(loaded.config.vocab_size), train_length=length,
+                 scaling=stored)
+    fields = None
+    if fmt == "gpt-neox":
+        from .custom import describe
+
+        fields = describe(source)
+    check = measure(loaded, source.model, check_tokens(source.dictionary), fmt, fields)
     refuse_failed(check)
     return Written(check=check, **facts)

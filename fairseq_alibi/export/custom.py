@@ -1,15 +1,18 @@
 """The default format: this package's ``AlibiForCausalLM``, exact for every
-``transformer_lm_alibi`` variant.  Its modules carry fairseq's names, so the
-weights only change prefix (``decoder.`` -> ``model.``; the output projection
-or adaptive softmax -> ``lm_head.``); the config is read off the *built*
-fairseq decoder, not re-derived from flags."""
+``transformer_lm_alibi`` variant and every other position method's LM
+(``transformer_lm_<method>``, fairseq's stock sinusoidal ``transformer_lm``).
+Its modules carry fairseq's names, so the weights only change prefix
+(``decoder.`` -> ``model.``; the output projection or adaptive softmax ->
+``lm_head.``; a learned bias stays ``positions.``); the config is read off the
+*built* fairseq decoder, not re-derived from flags."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Callable, Dict, FrozenSet, Set
 
-from ..core.configuration_alibi import AlibiLMConfig
+from ..core.configuration_alibi import AlibiLMConfig, rope_parameters_of
+from ..core.positions import POSITIONS
 from ..errors import ExportError
 from ..core.modeling_alibi import ACTIVATIONS, AlibiForCausalLM
 
@@ -47,6 +50,23 @@ def refuse_unmappable(cfg) -> None:
         raise ExportError("character embeddings (--character-embeddings) cannot be exported")
     if getattr(cfg, "base_layers", 0):
         raise ExportError("BASE layers (--base-layers) cannot be exported")
+    if getattr(cfg, "decoder_learned_pos", False) and not getattr(cfg, "no_token_positional_embeddings", False):
+        raise ExportError("learned position embeddings (--decoder-learned-pos) cannot be exported; the stock "
+                          "transformer_lm is exported with its sinusoidal embeddings")
+
+
+def position_fields(source) -> dict:
+    """``AlibiLMConfig``'s position fields of ``source``: the method, its
+    parameters (a rotary model's in ``rope_parameters``) and its context extension."""
+    cfg, position, scaling = source.cfg.model, source.position, source.scaling
+    if position not in POSITIONS:  # fairseq's stock transformer_lm
+        return dict(position_method=position)
+    params = {p.name: getattr(cfg, p.name, p.default) for p in POSITIONS[position].params}
+    if position == "rotary":
+        return dict(position_method=position,
+                    rope_parameters=rope_parameters_of(scaling, params["rotary_base"], params["rotary_fraction"]))
+    return dict(position_method=position, position_params=params or None,
+                alibi_scaling=scaling.to_hf() if position == "alibi" else None)
 
 
 def adaptive_specs(decoder, cfg):
@@ -103,8 +123,10 @@ def shared_groups(model, rename: Callable[[str], str]) -> Set[FrozenSet[str]]:
 
 def build_custom(source, scaling) -> AlibiForCausalLM:
     """The exported model, weights loaded, ties checked against fairseq's."""
-    config = AlibiLMConfig(**describe(source), alibi_scaling=scaling.to_hf(),
-                           architectures=["AlibiForCausalLM"], auto_map=dict(AUTO_MAP))
+    from dataclasses import replace
+
+    fields = position_fields(replace(source, scaling=scaling))
+    config = AlibiLMConfig(**describe(source), **fields, architectures=["AlibiForCausalLM"], auto_map=dict(AUTO_MAP))
     model = AlibiForCausalLM(config).eval()
     missing, unexpected = model.load_state_dict(hf_weights(source.model), strict=False)
     if missing or unexpected:

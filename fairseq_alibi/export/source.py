@@ -11,6 +11,8 @@ from ..core.scaling import Scaling
 from ..errors import ExportError, checkpoint_files, one_line
 from .. import facts
 
+#: The position method of fairseq's stock ``transformer_lm`` (sinusoidal embeddings).
+SINUSOIDAL = "sinusoidal"
 #: fairseq-preprocess pads dictionaries to a multiple of this (``--padding-factor``).
 PADDING_FACTOR = 8
 
@@ -28,6 +30,7 @@ class Source:
     unk_aliases: int = 0  # tokenizer ids after the dictionary's, read as <unk> (export/tokenizer.py)
     add_bos_token: bool = False  # the task's --add-bos-token
     weights_dtype: str = "float32"  # what the checkpoint's weights hold (the model is built in float32)
+    position: str = "alibi"  # core.positions name, or SINUSOIDAL (fairseq's stock transformer_lm)
 
     @property
     def start(self) -> int:
@@ -68,20 +71,18 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
         raise ExportError(f"{path} is not a usable fairseq checkpoint ({type(exc).__name__}: {one_line(exc)})") from None
 
 
-def check_language_model(path: str, state: Dict[str, Any]) -> None:
-    """Refuse anything but a causal ALiBi LM of this plugin, saying what it is."""
+def check_language_model(path: str, state: Dict[str, Any]) -> str:
+    """The position method of a causal LM this tool exports (``sinusoidal`` for
+    fairseq's stock ``transformer_lm``); anything else refused, saying what it is."""
     model_cfg, task_cfg = facts.checkpoint_sections(state)
     arch = facts.checkpoint_arch(model_cfg)
     family = facts.model_family(arch)
     task = task_cfg.get("_name")
-    if family == facts.ALIBI_LM and task in (None, "language_modeling"):
-        return
-    if family == facts.STOCK_LM:
-        what = f"a stock fairseq {arch} checkpoint (sinusoidal positions, not ALiBi)"
-    else:
-        what = f"a checkpoint of arch {arch!r}" + (f" (model {family})" if family else "") + f", task {task!r}"
-    raise ExportError(f"{path} is {what}; alibi-export-hf exports {facts.ALIBI_LM} language models "
-                      "(2021-fork checkpoints: run alibi-convert-checkpoint first)")
+    if family in facts.LANGUAGE_MODELS and task in (None, "language_modeling"):
+        return facts.position_of(family) or SINUSOIDAL
+    what = f"a checkpoint of arch {arch!r}" + (f" (model {family})" if family else "") + f", task {task!r}"
+    raise ExportError(f"{path} is {what}; alibi-export-hf exports the causal language models "
+                      f"{', '.join(facts.LANGUAGE_MODELS)} (2021-fork checkpoints: run alibi-convert-checkpoint first)")
 
 
 def dictionary_path(path: str, task_cfg: Dict[str, Any], given: Optional[str]) -> str:
@@ -142,7 +143,7 @@ def load_source(path: str, dict_path: Optional[str] = None) -> Source:
     from fairseq.tasks.language_modeling import LanguageModelingTask
 
     state = read_checkpoint(path)
-    check_language_model(path, state)
+    position = check_language_model(path, state)
     model_cfg, task_cfg = facts.checkpoint_sections(state)
     dictionary = load_dictionary(dictionary_path(path, task_cfg, dict_path), vocabulary_rows(state["model"]))
     cfg = state["cfg"]
@@ -155,4 +156,4 @@ def load_source(path: str, dict_path: Optional[str] = None) -> Source:
     model.float().eval()
     return Source(path, model, cfg, dictionary, facts.checkpoint_train_length(model_cfg, task_cfg),
                   scaling_from_config(cfg.model), add_bos_token=bool(task_cfg.get("add_bos_token") or False),
-                  weights_dtype=checkpoint_dtype(state["model"]))
+                  weights_dtype=checkpoint_dtype(state["model"]), position=position)

@@ -22,6 +22,7 @@ as whole words only, as fairseq reads them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -45,8 +46,14 @@ def fairseq_whitespace():
     (U+001C..U+001F) that tokenizers' ``WhitespaceSplit`` keeps inside words."""
     from tokenizers import Regex, pre_tokenizers
 
-    spaces = "".join(f"\\x{{{c:X}}}" for c in range(sys.maxunicode + 1) if chr(c).isspace())
-    return pre_tokenizers.Split(Regex(f"[{spaces}]+"), behavior="removed")
+    return pre_tokenizers.Split(Regex(f"[{_python_spaces()}]+"), behavior="removed")
+
+
+@functools.lru_cache(maxsize=None)
+def _python_spaces() -> str:
+    """Every code point ``str.isspace`` holds, as regex escapes (a scan of all
+    of Unicode: a second or more, so once per process)."""
+    return "".join(f"\\x{{{c:X}}}" for c in range(sys.maxunicode + 1) if chr(c).isspace())
 
 
 def _finish(tokenizer, dictionary, start: int):

@@ -1,0 +1,423 @@
+"""alibi-export-hf for every position method: rotary as stock GPT-NeoX (no
+remote code), the others exact through the exported custom model.
+
+Every number is checked against the fairseq model of the same checkpoint,
+built in this process; the exports are loaded in one process where importing
+``fairseq`` or ``fairseq_alibi`` fails (``LOAD_ALL``).  Rotary's context
+extension through transformers' own ``rope_parameters`` is checked against
+``alibi-sweep``'s cells of the fairseq checkpoint under our spelling of the
+same method, on the same windows; where transformers defines a method
+otherwise (dynamic NTK's factor and its memory of the longest input, YaRN's
+ramp end) the test pins what transformers computes.  Tiny models with random
+weights (N(0, 0.4), layer norms near 1), d=32, 4 heads, trained length 16.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import cli_env, fairseq_config, run_cli, tool
+from fairseq_alibi.core import rotary
+from fairseq_alibi.core.scaling import NO_SCALING, Scaling
+from fairseq_alibi.models import attention
+from test_export import captured, hf_log_probs, max_diff, one_error_line, save, window_loss
+from fairseq_alibi.export import main as export_main
+
+L = 16
+WORDS = 40
+DIM, HEADS = 32, 4
+COMMON = ["--decoder-layers", "2", "--decoder-embed-dim", str(DIM), "--decoder-attention-heads", str(HEADS),
+          "--decoder-ffn-embed-dim", "48", "--dropout", "0", "--attention-dropout", "0"]
+#: The comparison's shape (examples/positions/compare.sh): pre-norm, tied, sqrt(d)-scaled embedding.
+COMPARE = ["--decoder-normalize-before", "--share-decoder-input-output-embed"]
+ROTARY = ["--arch", "transformer_lm_rotary", *COMPARE, "--rotary-fraction", "0.5", "--rotary-base", "500"]
+#: Every method the custom format holds: name -> fairseq training flags.
+CUSTOM = {
+    "sinusoidal": ["--arch", "transformer_lm", *COMPARE],
+    "rotary-postnorm": ["--arch", "transformer_lm_rotary", "--activation-fn", "gelu"],
+    "t5bias": ["--arch", "transformer_lm_t5bias", *COMPARE, "--t5-buckets", "8", "--t5-max-distance", "24"],
+    "kerple": ["--arch", "transformer_lm_kerple", *COMPARE],
+    "fire": ["--arch", "transformer_lm_fire", *COMPARE, "--fire-hidden", "8"],
+    "nope": ["--arch", "transformer_lm_nope", "--layernorm-embedding"],
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Each model's half-precision export (every dtype for several methods, and an export costs seconds).
+HALF = {"sinusoidal": "bfloat16", "rotary-postnorm": "float16", "t5bias": "bfloat16", "kerple": "float16",
+        "fire": "bfloat16", "nope": "float16", "neox": "bfloat16"}
+
+
+def build(data_dir: Path, extra, seed: int = 0):
+    """(fairseq model in eval mode, cfg) as fairseq-train builds them, random weights."""
+    import fairseq_alibi.models  # noqa: F401  (registers the models)
+    from fairseq import tasks
+
+    cfg = fairseq_config([str(data_dir), "--task", "language_modeling", "--arch", "transformer_lm_alibi",
+                          "--tokens-per-sample", str(L), "--cpu", *COMMON, *extra])
+    model = tasks.setup_task(cfg.task).build_model(cfg.model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator) * 0.4
+            parameter.copy_(1 + noise / 4 if "norm" in name else noise)
+    return model.eval(), cfg
+
+
+def export(*args) -> tuple:
+    return captured(export_main, *args)
+
+
+def fairseq_log_probs(model, ids, scaling=NO_SCALING) -> torch.Tensor:
+    if attention.biases(model):
+        attention.rescale(model, scaling)
+    with torch.no_grad():
+        return model.get_normalized_probs(model(ids), log_probs=True).float()
+
+
+def tokens(length: int, seed: int = 1) -> torch.Tensor:
+    ids = torch.randint(4, 4 + WORDS, (1, length), generator=torch.Generator().manual_seed(seed))
+    ids[:, 0] = 2
+    return ids
+
+
+#: Loads every export given in a process where fairseq and fairseq_alibi cannot be
+#: imported: transformers alone (trust_remote_code only where the export needs it).
+LOAD_ALL = """
+import importlib.abc, json, sys
+class Guard(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("fairseq_alibi", "fairseq"):
+            raise ImportError("guard: " + name)
+sys.meta_path.insert(0, Guard())
+import torch
+from transformers import AutoModelForCausalLM
+jobs, ids = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+found = {}
+for name, (out, remote) in jobs.items():
+    model = (AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True) if remote
+             else AutoModelForCausalLM.from_pretrained(out)).eval()
+    with torch.no_grad():
+        own = model(input_ids=torch.tensor([ids])).logits.float().log_softmax(-1)
+        wide = model.float()(input_ids=torch.tensor([ids])).logits.log_softmax(-1)
+    found[name] = {"class": type(model).__name__, "module": type(model).__module__, "own": own[0].tolist(),
+                   "float32": wide[0].tolist()}
+found["imported"] = sorted(m for m in sys.modules if m.split(".")[0] in ("fairseq", "fairseq_alibi"))
+print("RESULT", json.dumps(found))
+"""
+
+
+def load_all_bare(jobs: dict, ids: torch.Tensor, tmp_path: Path) -> dict:
+    env = cli_env(HF_MODULES_CACHE=str(tmp_path / "modules"), HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = ""  # not the worktree: fairseq_alibi must not be importable from there
+    result = subprocess.run([sys.executable, "-c", LOAD_ALL, json.dumps(jobs), json.dumps(ids[0].tolist())],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.split("RESULT ", 1)[1])
+
+
+# ------------------------------------------------------------------ fixtures: models, checkpoints, exports
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """A 40-word dict.txt, and a valid split of 127 words on one line (128 tokens
+    with its </s>: whole windows of 16 and 64 tokens) binarized by fairseq-preprocess."""
+    path = tmp_path_factory.mktemp("positions_data")
+    (path / "dict.txt").write_text("".join(f"w{i} {1000 - i}\n" for i in range(WORDS)))
+    words = [f"w{(7 * i + i // 5) % WORDS}" for i in range(127)]
+    (path / "valid.txt").write_text(" ".join(words) + "\n")
+    run_cli([tool("fairseq-preprocess"), "--only-source", "--srcdict", path / "dict.txt", "--validpref",
+             path / "valid.txt", "--destdir", path / "bin", "--workers", "1"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def exports(data_dir, tmp_path_factory) -> dict:
+    """name-dtype -> (fairseq model, checkpoint, export directory, printed output):
+    every custom method and the comparison's rotary model (GPT-NeoX), each in
+    float32 and in one half precision (:data:`HALF`)."""
+    root = tmp_path_factory.mktemp("positions_exports")
+    made = {}
+    for name, flags in [*CUSTOM.items(), ("neox", ROTARY)]:
+        model, cfg = build(data_dir / "bin", flags)
+        checkpoint = save(model, cfg, root / f"{name}.pt")
+        for dtype in ("float32", HALF[name]):
+            key = f"{name}-{dtype}"
+            status, output = export(checkpoint, root / key, "--dtype", dtype)
+            assert status == 0, output
+            made[key] = (model, checkpoint, root / key, output)
+    return made
+
+
+@pytest.fixture(scope="module")
+def bare(exports, tmp_path_factory) -> dict:
+    """Every export loaded back without fairseq or this package, on 3 L tokens."""
+    jobs = {key: (str(out), not key.startswith("neox")) for key, (_, _, out, _) in exports.items()}
+    return load_all_bare(jobs, tokens(3 * L), tmp_path_factory.mktemp("bare"))
+
+
+# ------------------------------------------------------------------ every method, exactly
+@pytest.mark.parametrize("name", list(CUSTOM))
+def test_every_method_exports_exactly_through_the_custom_model(name, exports, bare):
+    """float32: the fairseq log-probs within float32 rounding, up to 3 L; bfloat16 and
+    float16: the written weights computed in float32 equal the fairseq model given the
+    same rounded weights (what the export's same-precision check claims), and in their
+    own dtype they differ by that dtype's rounding, a few percent of the scale at most."""
+    assert bare["imported"] == []
+    ids = tokens(3 * L)
+    for dtype in ("float32", HALF[name]):
+        torch_dtype = DTYPES[dtype]
+        model, _, out, output = exports[f"{name}-{dtype}"]
+        got = bare[f"{name}-{dtype}"]
+        assert got["class"] == "AlibiForCausalLM" and got["module"].startswith("transformers_modules.")
+        config = json.loads((out / "config.json").read_text())
+        assert config["position_method"] == name.split("-")[0]
+        reference = fairseq_log_probs(model, ids)[0]
+        if dtype == "float32":
+            assert max_diff(torch.tensor(got["own"]), reference) < 1e-5, name
+            continue
+        rounded = fairseq_log_probs(_rounded(model, torch_dtype), ids)[0]
+        assert max_diff(torch.tensor(got["float32"]), rounded) < 1e-4, (name, dtype)
+        lost = max_diff(torch.tensor(got["own"]), reference)
+        assert 0 < lost < 0.03 * reference.abs().max().item(), (name, dtype)  # rounding, not a defect
+        assert f"({dtype} rounding); same-precision difference" in output
+
+
+def _rounded(model, dtype):
+    """A copy of ``model`` whose saved weights (its state dict: not fairseq's
+    sinusoidal table, a buffer it does not save) are rounded to ``dtype``, in float32."""
+    import copy
+
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for tensor in rounded.state_dict(keep_vars=True).values():
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(dtype).float()
+    return rounded
+
+
+def test_the_custom_configs_name_each_methods_settings(exports):
+    """rope_parameters for rotary (as transformers spells it), alibi_scaling for none of them,
+    the learned biases' parameters; auto chose the custom format for the post-norm rotary
+    model and said why in one line."""
+    configs = {name: json.loads((exports[f"{name}-float32"][2] / "config.json").read_text()) for name in CUSTOM}
+    assert configs["rotary-postnorm"]["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0,
+                                                             "partial_rotary_factor": 1.0}
+    assert configs["t5bias"]["position_params"] == {"t5_buckets": 8, "t5_max_distance": 24}
+    assert configs["fire"]["position_params"]["fire_hidden"] == 8
+    assert all(c["alibi_scaling"] is None for c in configs.values())
+    assert all(c["rope_parameters"] is None for name, c in configs.items() if name != "rotary-postnorm")
+    printed = exports["rotary-postnorm-float32"][3]
+    assert printed.splitlines()[0] == ("format custom (trust_remote_code=True): GPT-NeoX cannot hold this rotary "
+                                       "model: post-norm layers; no final layer norm")
+    assert "AlibiForCausalLM (trust_remote_code=True)" in printed.splitlines()[1]
+
+
+# ------------------------------------------------------------------ rotary as GPT-NeoX
+def test_rotary_exports_as_stock_gpt_neox_within_float32_rounding(exports, bare):
+    """AutoModelForCausalLM.from_pretrained(OUT) alone: GPTNeoXForCausalLM, sequential
+    residual, relu, untied (the scaled embedding folded into the input side), log-probs
+    within float32 rounding of fairseq's; the bfloat16 and float16 files are the float32
+    file's weights rounded (loaded here and rounded alike: the same log-probs)."""
+    model, _, out, output = exports["neox-float32"]
+    config = json.loads((out / "config.json").read_text())
+    assert "auto_map" not in config and not list(out.glob("*.py"))
+    assert (config["architectures"], config["use_parallel_residual"], config["hidden_act"],
+            config["tie_word_embeddings"], config["max_position_embeddings"]) == (
+               ["GPTNeoXForCausalLM"], False, "relu", False, L)
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}
+    assert "wrote" in output and "GPTNeoXForCausalLM (no custom code)" in output
+    ids = tokens(3 * L)
+    assert bare["neox-float32"]["class"] == "GPTNeoXForCausalLM"
+    assert max_diff(torch.tensor(bare["neox-float32"]["own"]), fairseq_log_probs(model, ids)[0]) < 1e-5
+    from transformers import AutoModelForCausalLM
+
+    written = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    dtype = HALF["neox"]
+    rounded = _rounded(written, DTYPES[dtype])
+    assert max_diff(torch.tensor(bare[f"neox-{dtype}"]["float32"]), hf_log_probs(rounded, ids)[0]) < 1e-6
+    assert f"({dtype} rounding); same-precision difference" in exports[f"neox-{dtype}"][3]
+
+
+def sweep_cells(data_dir: Path, checkpoint: Path, methods: str, tmp_path: Path) -> dict:
+    """``alibi-sweep`` of the fairseq checkpoint on the valid split: (label, length) -> loss in bits."""
+    from fairseq_alibi.evaluation import perplexity
+
+    assert perplexity.main([str(data_dir / "bin"), "-c", f"fs={checkpoint}", "--lengths", "1x,4x", "--methods",
+                            methods, "--modes", "nonoverlapping", "--cpu", "--no-progress", "-o",
+                            str(tmp_path / "sweep")]) == 0
+    cells = json.loads((tmp_path / "sweep" / "results.json").read_text())["cells"]
+    return {(c["label"], c["length"]): c["loss"] for c in cells}
+
+
+def text_ids(data_dir: Path) -> torch.Tensor:
+    """The valid split as the sweep streams it: </s>, the words, </s>."""
+    words = (data_dir / "valid.txt").read_text().split()
+    return torch.tensor([2] + [4 + int(w[1:]) for w in words] + [2])
+
+
+def neox_with(out: Path, **rope):
+    """The GPT-NeoX export loaded with transformers' own ``rope_parameters`` (its
+    base and rotated share kept, as a user copies them from the config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    stored = dict(AutoConfig.from_pretrained(str(out)).rope_parameters)
+    return AutoModelForCausalLM.from_pretrained(str(out), rope_parameters=dict(stored, **rope)).eval()
+
+
+def test_transformers_rope_methods_equal_our_sweep_cells(data_dir, exports, tmp_path):
+    """The GPT-NeoX export under transformers' linear, dynamic (factor 1) and yarn, set at
+    load time, and under what --alibi-scaling ntk:2 (a base) and yarn:2 write: the
+    perplexity of each on the sweep's windows equals the fairseq checkpoint's
+    alibi-sweep cell under our spelling of the same method, at L and 4 L."""
+    from fairseq_alibi.export.neox import neox_rope_parameters
+
+    model, checkpoint, out, _ = exports["neox-float32"]
+    cells = sweep_cells(data_dir, checkpoint, "none,linear:2,ntk,ntk:2,yarn:2", tmp_path)
+    ids = text_ids(data_dir)
+    assert (len(ids) - 1) % (4 * L) == 0  # whole windows: no short last one (see the dynamic test below)
+    runs = {"none": neox_with(out),
+            "linear x2": neox_with(out, rope_type="linear", factor=2.0),
+            "ntk dynamic": neox_with(out, rope_type="dynamic", factor=1.0),
+            "yarn x2": neox_with(out, rope_type="yarn", factor=2.0, original_max_position_embeddings=L),
+            "ntk x2": neox_with(out, **neox_rope_parameters(Scaling("ntk", 2.0), 500.0, 4, DIM // HEADS)),
+            "yarn x2 (export)": neox_with(out, **neox_rope_parameters(Scaling("yarn", 2.0, L), 500.0, 4,
+                                                                      DIM // HEADS))}
+    for label, hf_model in runs.items():
+        for length in (L, 4 * L):
+            ours = cells[(label.split(" (")[0], length)]
+            assert window_loss(hf_model, ids, length) == pytest.approx(ours, abs=1e-5), (label, length)
+    assert len({round(cells[(label, 4 * L)], 3) for label in ("none", "linear x2", "ntk dynamic", "ntk x2",
+                                                              "yarn x2")}) == 5  # past L they differ
+
+
+def test_transformers_dynamic_ntk_is_ours_at_factor_1_stretched_at_f_and_keeps_its_longest_input(exports):
+    """transformers' dynamic NTK: at factor 1 our dynamic ntk on a fresh model; at factor F,
+    over n > L tokens, our static ntk at F n / L - (F - 1); and it keeps the frequencies of
+    the longest input it has seen: a 2 L window after a 4 L one is our static ntk at 4, where
+    our dynamic ntk (and a fresh model) takes 2."""
+    model = exports["neox-float32"][0]
+    out = exports["neox-float32"][2]
+    long, short = tokens(4 * L, seed=5), tokens(2 * L, seed=6)
+    same = neox_with(out, rope_type="dynamic", factor=1.0)
+    assert max_diff(hf_log_probs(same, long)[0], fairseq_log_probs(model, long, Scaling("ntk", 0, L))[0]) < 1e-5
+    stretched = neox_with(out, rope_type="dynamic", factor=2.0)
+    expected = fairseq_log_probs(model, long, Scaling("ntk", 2 * 4 * L / L - 1))[0]
+    assert max_diff(hf_log_probs(stretched, long)[0], expected) < 1e-5
+    after_long = hf_log_probs(same, short)[0]  # `same` has seen 4 L tokens
+    assert max_diff(after_long, fairseq_log_probs(model, short, Scaling("ntk", 4.0))[0]) < 1e-5
+    fresh = hf_log_probs(neox_with(out, rope_type="dynamic", factor=1.0), short)[0]
+    assert max_diff(fresh, fairseq_log_probs(model, short, Scaling("ntk", 0, L))[0]) < 1e-5
+    assert max_diff(after_long, fresh) > 1e-3
+
+
+def test_transformers_yarn_caps_the_ramp_end_at_d_minus_1():
+    """YaRN's ramp: ours and transformers' agree wherever the slow end lies within the
+    rotated dimensions (every realistic base); transformers caps it at d - 1 (d the
+    rotated dimensions, not the d / 2 pairs the ramp runs over), so a base so small that
+    the slowest pair turns more than once within L (base 1.5, d 8, L 16: the end at pair
+    10) gives another ramp there: transformers' runs to 7, ours to 10."""
+    from transformers import GPTNeoXConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    def theirs(base: float) -> torch.Tensor:
+        config = GPTNeoXConfig(hidden_size=32, num_attention_heads=4, max_position_embeddings=L, rope_parameters={
+            "rope_type": "yarn", "rope_theta": base, "partial_rotary_factor": 1.0, "factor": 2.0,
+            "original_max_position_embeddings": L})
+        inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+        assert scale == pytest.approx(rotary.yarn_attention_scale(2.0))  # 0.1 ln s + 1, the same
+        return inv_freq
+
+    ours, _ = rotary.extended_frequencies("yarn", 2.0, 8, 500.0, L)
+    torch.testing.assert_close(theirs(500.0), ours)
+    ramp = rotary.yarn_ramp(8, 1.5, L)
+    assert ramp == [0.0, 0.1, 0.2, 0.3]  # low end 0, high end ceil(9.2) = 10
+    plain = rotary.inv_frequencies(8, 1.5)
+    capped = torch.tensor([min(max(i / 7, 0.0), 1.0) for i in range(4)])  # transformers: the end at d - 1 = 7
+    torch.testing.assert_close(theirs(1.5), plain * ((1 - capped) + capped / 2.0))
+    assert not torch.allclose(theirs(1.5), rotary.extended_frequencies("yarn", 2.0, 8, 1.5, L)[0])
+
+
+def test_gpt_neox_refuses_what_it_cannot_hold_in_one_line(data_dir, exports, tmp_path):
+    """--format gpt-neox on a post-norm rotary model and on an ALiBi model, and a dynamic
+    yarn it has no type for: one line naming each feature, pointing to the default format."""
+    post = exports["rotary-postnorm-float32"][1]
+    line = one_error_line(export(post, tmp_path / "a", "--format", "gpt-neox")[1])
+    assert line == ("error: the GPT-NeoX format cannot hold this model: post-norm layers; no final layer norm; "
+                    "export it in the default format (--format custom), which holds every model of this plugin")
+    rotary_checkpoint = exports["neox-float32"][1]
+    line = one_error_line(export(rotary_checkpoint, tmp_path / "b", "--format", "gpt-neox", "--alibi-scaling",
+                                 "yarn")[1])
+    assert "dynamic yarn scaling (transformers has static yarn only)" in line
+    t5 = exports["t5bias-float32"][1]
+    line = one_error_line(export(t5, tmp_path / "c", "--format", "gpt-neox")[1])
+    assert "position method t5bias (GPT-NeoX: rotary)" in line
+    line = one_error_line(export(t5, tmp_path / "d", "--alibi-scaling", "ntk:2")[1])
+    assert line == "error: --alibi-scaling ntk:2 does not apply to t5bias models; the methods that do: none"
+    assert not any((tmp_path / n).exists() for n in "abcd")
+
+
+# ------------------------------------------------------------------ the evaluation tools on the exports
+def test_alibi_sweep_hf_scores_every_export_as_its_checkpoint(data_dir, exports, tmp_path):
+    """One alibi-sweep: every custom export (--hf) beside its fairseq checkpoint (-c) on the
+    same split: the same loss in every cell, at L and past it."""
+    from fairseq_alibi.evaluation import perplexity
+
+    names = list(CUSTOM)
+    args = [str(data_dir / "bin")]
+    for name in names:
+        _, checkpoint, out, _ = exports[f"{name}-float32"]
+        args += ["-c", f"fs-{name}={checkpoint}", "--hf", f"hf-{name}={out}"]
+    assert perplexity.main([*args, "--lengths", "1x,3x", "--methods", "none", "--modes", "nonoverlapping,sliding",
+                            "--stride", "8", "--cpu", "--no-progress", "-o", str(tmp_path / "sweep")]) == 0
+    cells = json.loads((tmp_path / "sweep" / "results.json").read_text())["cells"]
+    by = {(c["checkpoint"], c["mode"], c["length"]): c for c in cells}
+    assert len(by) == 2 * len(names) * 2 * 2
+    for (who, mode, length), cell in by.items():
+        if who.startswith("fs-"):
+            twin = by[("hf-" + who[3:], mode, length)]
+            assert twin["tokens"] == cell["tokens"] and twin["loss"] == pytest.approx(cell["loss"], abs=1e-5), who
+
+
+def test_lm_eval_harness_runs_on_every_export(data_dir, exports, tmp_path, monkeypatch):
+    """lm_eval's Python API, offline, on a local task (``--model hf``): the GPT-NeoX export
+    without trust_remote_code, every custom one with it; each log-likelihood the fairseq
+    model's (the harness feeds the tokenizer's </s> first, as fairseq does)."""
+    import lm_eval  # requirements-eval.txt: installed by make install
+    from lm_eval.tasks import TaskManager
+    from transformers import dynamic_module_utils
+
+    from test_export import HARNESS_TASK
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    docs = []
+    for n, (context, continuation) in enumerate([(3 * L, 4), (L // 2, 1)]):
+        ids = tokens(context + continuation, seed=10 + n)[0, 1:].tolist()
+        docs.append({"context": " ".join(f"w{i - 4}" for i in ids[:context - 1]),
+                     "continuation": " ".join(f"w{i - 4}" for i in ids[context - 1:]), "ids": ids})
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "check.yaml").write_text(HARNESS_TASK.format(data=tmp_path / "docs.jsonl",
+                                                                       cache=tmp_path / "datasets"))
+    manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
+    for name in ["neox", *CUSTOM]:
+        model, _, out, _ = exports[f"{name}-float32"]
+        remote = "" if name == "neox" else ",trust_remote_code=True"
+        results = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={out}{remote},dtype=float32",
+                                          tasks=["alibi_export_check"], task_manager=manager, device="cpu",
+                                          batch_size=1, log_samples=True, bootstrap_iters=0)
+        samples = sorted(results["samples"]["alibi_export_check"], key=lambda s: s["doc_id"])
+        assert len(samples) == len(docs), name
+        for sample, doc in zip(samples, docs):
+            ids = torch.tensor([[2] + doc["ids"]])
+            logp = fairseq_log_probs(model, ids[:, :-1])[0]
+            scored = len(doc["continuation"].split())
+            expected = logp[-scored:].gather(-1, ids[0, -scored:, None]).sum().item()
+            assert sample["filtered_resps"][0][0] == pytest.approx(expected, abs=1e-4), name
