@@ -122,7 +122,7 @@ train_model() {
       valid=$(grep -o "valid on 'valid' subset | loss [0-9.]*" "$dir/train.log" | tail -n 1 | grep -o '[0-9.]*$') || true
       stamp "$label: trained${valid:+ (valid loss $valid)}"
       return 0 ;;
-    130|143|129|137)
+    130|143|129)
       local saved
       saved=$(last_saved "$dir")
       if [ -f "$dir/checkpoint_last.pt" ] && [ "$saved" != 0 ]; then
@@ -132,8 +132,12 @@ train_model() {
       fi
       return 130 ;;
     *)  # the trainer's own error line (alibi-train prints one), with where the rest is
-      echo "error: training $label failed (exit $status): $(grep '^error: ' "$dir/train.log" | tail -n 1 | cut -c8-)" \
-        "(log: $dir/train.log)" >&2
+      local reason
+      reason=$(grep '^error: ' "$dir/train.log" | tail -n 1 | cut -c8-) || true
+      if [ -z "$reason" ] && [ "$status" -gt 128 ]; then  # e.g. SIGKILL from the kernel when memory ran out
+        reason="killed by SIG$(kill -l $((status - 128)) 2>/dev/null || echo $((status - 128)))"
+      fi
+      echo "error: training $label failed (exit $status): ${reason:-see its log} (log: $dir/train.log)" >&2
       return 1 ;;
   esac
 }
