@@ -86,10 +86,13 @@ last_saved() {  # DIR: the update count of the last checkpoint its train.log say
 # DIR/trained.ok records UPDATES. Reads UPDATES, SAVE_EVERY, TRAIN_THREADS, TRAIN_STEP (the
 # recipe's step, e.g. 2/4) and FOLLOW (a pattern of log lines to show, prefixed with LABEL; empty:
 # none). Returns 0 (trained), 1 (failed: one error: line on stderr) or 130 (stopped: resumable).
+# Runs as a job of run_trainings (it sets the traps of its own shell).
 train_model() {
   local dir=$1 label=$2 detail=$3 status=0 trainer="" sent="" resume=""
   shift 3
-  if [ -f "$dir/trained.ok" ] && [ -f "$dir/checkpoint_last.pt" ] && [ "$(cat "$dir/trained.ok")" = "$UPDATES" ]; then
+  # (an empty trained.ok is the mark of an earlier demo.sh, which recorded no count: kept as trained)
+  if [ -f "$dir/trained.ok" ] && [ -f "$dir/checkpoint_last.pt" ] \
+    && { [ "$(cat "$dir/trained.ok")" = "$UPDATES" ] || [ ! -s "$dir/trained.ok" ]; }; then
     stamp "$label: already trained ($dir/checkpoint_last.pt, $UPDATES updates)"
     return 0
   fi
