@@ -86,10 +86,13 @@ last_saved() {  # DIR: the update count of the last checkpoint its train.log say
 # DIR/trained.ok records UPDATES. Reads UPDATES, SAVE_EVERY, TRAIN_THREADS, TRAIN_STEP (the
 # recipe's step, e.g. 2/4) and FOLLOW (a pattern of log lines to show, prefixed with LABEL; empty:
 # none). Returns 0 (trained), 1 (failed: one error: line on stderr) or 130 (stopped: resumable).
+# Runs as a job of run_trainings (it sets the traps of its own shell).
 train_model() {
   local dir=$1 label=$2 detail=$3 status=0 trainer="" sent="" resume=""
   shift 3
-  if [ -f "$dir/trained.ok" ] && [ -f "$dir/checkpoint_last.pt" ] && [ "$(cat "$dir/trained.ok")" = "$UPDATES" ]; then
+  # (an empty trained.ok is the mark of an earlier demo.sh, which recorded no count: kept as trained)
+  if [ -f "$dir/trained.ok" ] && [ -f "$dir/checkpoint_last.pt" ] \
+    && { [ "$(cat "$dir/trained.ok")" = "$UPDATES" ] || [ ! -s "$dir/trained.ok" ]; }; then
     stamp "$label: already trained ($dir/checkpoint_last.pt, $UPDATES updates)"
     return 0
   fi
@@ -122,7 +125,7 @@ train_model() {
       valid=$(grep -o "valid on 'valid' subset | loss [0-9.]*" "$dir/train.log" | tail -n 1 | grep -o '[0-9.]*$') || true
       stamp "$label: trained${valid:+ (valid loss $valid)}"
       return 0 ;;
-    130|143|129|137)
+    130|143|129)
       local saved
       saved=$(last_saved "$dir")
       if [ -f "$dir/checkpoint_last.pt" ] && [ "$saved" != 0 ]; then
@@ -132,8 +135,12 @@ train_model() {
       fi
       return 130 ;;
     *)  # the trainer's own error line (alibi-train prints one), with where the rest is
-      echo "error: training $label failed (exit $status): $(grep '^error: ' "$dir/train.log" | tail -n 1 | cut -c8-)" \
-        "(log: $dir/train.log)" >&2
+      local reason
+      reason=$(grep '^error: ' "$dir/train.log" | tail -n 1 | cut -c8-) || true
+      if [ -z "$reason" ] && [ "$status" -gt 128 ]; then  # e.g. SIGKILL from the kernel when memory ran out
+        reason="killed by SIG$(kill -l $((status - 128)) 2>/dev/null || echo $((status - 128)))"
+      fi
+      echo "error: training $label failed (exit $status): ${reason:-see its log} (log: $dir/train.log)" >&2
       return 1 ;;
   esac
 }

@@ -275,8 +275,8 @@ HOOK = """# Registers a position method for tests/test_compare.py in every Pytho
 # the registry holds alibi and a copy of NoPE named dummy (nothing else, to keep the run short).
 import dataclasses
 import fairseq_alibi.core.positions as positions
-kept = {"alibi": positions.REGISTRY["alibi"],
-        "dummy": dataclasses.replace(positions.REGISTRY["nope"], name="dummy", summary="a test's copy of NoPE")}
+kept = {"alibi": positions.POSITIONS["alibi"],
+        "dummy": dataclasses.replace(positions.POSITIONS["nope"], name="dummy", summary="a test's copy of NoPE")}
 positions.POSITIONS.clear()
 positions.POSITIONS.update(kept)
 """
