@@ -90,7 +90,22 @@ class AlibiLMConfig(PreTrainedConfig):
         self.output_embed_dim = self.output_embed_dim or self.hidden_size
         super().__post_init__(**kwargs)
         self.scaling()  # refuse an invalid alibi_scaling when the config is read
+        check_position_params(self)  # and a position parameter out of its range
 
     def scaling(self) -> Scaling:
         """The ``scaling.Scaling`` of ``alibi_scaling`` (``ScalingError`` if invalid)."""
         return Scaling.from_hf(self.alibi_scaling, self.alibi_train_length)
+
+
+def check_position_params(config) -> None:
+    """The parameters of the config's position method (``position``, ALiBi when
+    absent; each under its fairseq config name, ``fire_hidden``), checked against
+    their declaration (``params.Param``) when the config is read, as the fairseq
+    side checks them before building: ``ConfigError`` naming the key and its
+    range.  ALiBi has none, so its exports need no ``positions.py``."""
+    name = getattr(config, "position", None) or "alibi"
+    if name == "alibi":
+        return
+    from .positions import check_params, position
+
+    check_params(name, {p.name: getattr(config, p.name, p.default) for p in position(name).params})
