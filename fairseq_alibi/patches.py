@@ -66,8 +66,10 @@ would crash or silently do the wrong thing:
 
 Two scoped changes are not applied globally: :func:`decoder_class` swaps the
 decoder class the stock LM builder instantiates, for the duration of one
-``build_model`` call; :func:`guarded_eval_lm` is applied by ``alibi-eval-lm``
-alone (no perplexity printed from nothing scored, or from a NaN loss).
+``build_model`` call; :func:`guarded_eval_lm` is applied by ``alibi-eval-lm``,
+and by :func:`apply` to a stock ``fairseq-eval-lm`` run with ``--user-dir``
+(no perplexity printed from nothing scored, from part of the split, or from a
+NaN loss).
 
 :func:`apply` runs from ``fairseq_alibi.models`` (whatever registers the
 models with fairseq), never from ``fairseq_alibi`` or ``fairseq_alibi.hf``.
@@ -446,18 +448,30 @@ def decoder_class(module, cls):
 
 
 def guarded_eval_lm(module) -> None:
-    """Scoped to ``alibi-eval-lm`` (its CLI applies it to ``fairseq_cli.eval_lm``):
-    fairseq's ``eval_lm`` prints loss 0 / perplexity 1.00 when it scored no
-    token and prints NaN as a result; here both stop with one error line."""
+    """Applied to ``fairseq_cli.eval_lm`` by ``alibi-eval-lm``, and by :func:`apply`
+    when a stock ``fairseq-eval-lm --user-dir`` loaded the plugin: fairseq's
+    ``eval_lm`` prints loss 0 / perplexity 1.00 when it scored no token, prints
+    NaN as a result, and prints a perplexity over part of the split when its
+    loader skipped blocks longer than the model's positions; here each stops
+    with one error line (``evaluation.coverage``).  Idempotent."""
     import math
 
     from .errors import UserError
+    from .evaluation import coverage
 
     stock = module.eval_lm
+    if getattr(stock, "_alibi_guarded", False):
+        return
+    stock_main = module.main
+
+    def main(cfg, *args, **kwargs):
+        with coverage.recorded_loaders(cfg.dataset.gen_subset):
+            return stock_main(cfg, *args, **kwargs)
 
     def eval_lm(*args, **kwargs):
         scored = [0]
         batches = kwargs.pop("batch_iterator") if "batch_iterator" in kwargs else args[2]
+        tally = coverage.Tally(bool(kwargs.get("remove_bos_token", False)))
 
         def counted():
             for sample in batches:
@@ -469,15 +483,13 @@ def guarded_eval_lm(module) -> None:
             kwargs["batch_iterator"] = counted()
         else:
             args = args[:2] + (counted(),) + args[3:]
-        results = stock(*args, **kwargs)
+        with coverage.tallied_scorer(module, tally):
+            results = stock(*args, **kwargs)
         models = kwargs.get("models", args[0] if args else None)
+        coverage.check_eval_lm(models, tally)  # first: a split with tokens, scored in part or not at all
         if scored[0] == 0:
-            limit = models[0].max_positions() if models else None
-            raise UserError(
-                f"no token was evaluated (fairseq would print perplexity 1.00): the split is empty, or "
-                f"every block of --tokens-per-sample is longer than the model accepts ({limit} positions); "
-                f"give --tokens-per-sample {limit} or less for a model with position embeddings"
-            )
+            raise UserError("no token was evaluated (fairseq would print perplexity 1.00): the split is empty; "
+                            "give a --gen-subset that holds text")
         if not math.isfinite(results["loss"]):
             raise UserError(
                 f"the loss is {results['loss']}, not a number: the checkpoint's weights or the evaluation "
@@ -485,7 +497,16 @@ def guarded_eval_lm(module) -> None:
             )
         return results
 
-    module.eval_lm = eval_lm
+    eval_lm._alibi_guarded = True
+    module.eval_lm, module.main = eval_lm, main
+
+
+def guarded_stock_eval_lm() -> None:
+    """A stock ``fairseq-eval-lm --user-dir`` imports the plugin while parsing its
+    options, its module already loaded: it gets :func:`guarded_eval_lm` too."""
+    module = sys.modules.get("fairseq_cli.eval_lm")
+    if module is not None and hasattr(module, "eval_lm"):
+        guarded_eval_lm(module)
 
 
 #: What a user changes when fairseq cannot build something, by what was being built.
@@ -725,3 +746,4 @@ def apply() -> None:
     build_assertions()
     quiet_hub_config()
     remainder_batches_kept()
+    guarded_stock_eval_lm()

@@ -36,7 +36,8 @@ from typing import Any, Optional, Tuple
 SETTING, SHAPE, LEARNED = "setting", "shape", "learned"
 ROLES = {
     SETTING: "computed from its value at every forward pass, so a trained model may be evaluated with another one",
-    SHAPE: "it sets the shape of the model's weights, so a trained model keeps the value it was trained with",
+    SHAPE: "it sets the model's shape (the sizes of its weights, or how they split into heads), so a trained "
+           "model keeps the value it was trained with",
     LEARNED: "it is the initial value of a quantity the model learns, so a trained model holds the learned value "
              "in its weights and another initial value would change nothing",
 }

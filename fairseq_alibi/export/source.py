@@ -76,12 +76,23 @@ def check_language_model(path: str, state: Dict[str, Any]) -> None:
     task = task_cfg.get("_name")
     if family == facts.ALIBI_LM and task in (None, "language_modeling"):
         return
+    raise not_exportable(path, arch, family, task)
+
+
+def not_exportable(path: str, arch: Optional[str], family: Optional[str], task: Optional[str]) -> ExportError:
+    """The one message for a checkpoint ``alibi-export-hf`` does not export: what
+    it is, what exports today, and where it can be evaluated instead (the
+    exports of other position methods change this function alone)."""
+    language_model = family in facts.LANGUAGE_MODELS and task in (None, "language_modeling")
     if family == facts.STOCK_LM:
-        what = f"a stock fairseq {arch} checkpoint (sinusoidal positions, not ALiBi)"
+        what = f"a stock fairseq {arch} checkpoint (fairseq's own positions, not ALiBi)"
+    elif language_model:
+        what = f"a {facts.position_of(family)} language model ({family}, arch {arch})"
     else:
         what = f"a checkpoint of arch {arch!r}" + (f" (model {family})" if family else "") + f", task {task!r}"
-    raise ExportError(f"{path} is {what}; alibi-export-hf exports {facts.ALIBI_LM} language models "
-                      "(2021-fork checkpoints: run alibi-convert-checkpoint first)")
+    elsewhere = "; evaluate it in fairseq instead (alibi-eval-lm, alibi-sweep)" if language_model else ""
+    return ExportError(f"{path} is {what}; alibi-export-hf exports only ALiBi language models "
+                       f"({facts.ALIBI_LM} and its architectures) today{elsewhere}")
 
 
 def dictionary_path(path: str, task_cfg: Dict[str, Any], given: Optional[str]) -> str:
