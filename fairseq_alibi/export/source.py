@@ -85,7 +85,7 @@ def not_exportable(path: str, arch: Optional[str], family: Optional[str], task: 
     exports of other position methods change this function alone)."""
     language_model = family in facts.LANGUAGE_MODELS and task in (None, "language_modeling")
     if family == facts.STOCK_LM:
-        what = f"a stock fairseq {arch} checkpoint (fairseq's own positions, not ALiBi)"
+        what = f"a stock fairseq {arch} checkpoint (sinusoidal positions, not ALiBi)"
     elif language_model:
         what = f"a {facts.position_of(family)} language model ({family}, arch {arch})"
     else:
