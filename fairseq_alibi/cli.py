@@ -194,6 +194,26 @@ def check_numeric_flags(argv: List[str]) -> None:
             raise UserError(f"{flag} {text} is not valid: it {problem}")
 
 
+def check_position_flags(argv: List[str]) -> None:
+    """Every position method's flag given (``--fire-hidden``, ``--rotary-base``)
+    takes a value its ``core.params.Param`` allows, checked before fairseq loads
+    data or builds anything (the model build checks the config again, for
+    Hydra and the hub API)."""
+    from .core.positions import params_of
+
+    for _, param in params_of():
+        text = _flag(argv, param.flag)
+        if text is None:
+            continue
+        try:
+            value = int(text) if param.valid.kind is int else float(text)
+        except ValueError:
+            continue  # argparse reports a value that is not a number
+        problem = param.problem(value)
+        if problem:
+            raise UserError(f"{param.flag} {text} is not valid: it {problem}")
+
+
 def overrides_help() -> str:
     """The ALiBi ``--model-overrides`` keys, printed after argparse's help: each
     config field with its own ``--help`` text (``models.config.field_help``)."""
@@ -244,7 +264,7 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=Non
         module = importlib.import_module(module_name)
         if defaults is not None and not {"-h", "--help"} & set(sys.argv[1:]):
             sys.argv[1:] = defaults(sys.argv[1:])
-        for check in checks:
+        for check in (check_position_flags,) + checks:
             check(sys.argv[1:])
         if guard is not None:
             guard(module)

@@ -196,14 +196,20 @@ def _describe_model_mismatch(exc: BaseException, frame) -> str:
     family = ARCH_MODEL_NAME_REGISTRY.get(arch) if arch else None
     what = f"arch {arch!r}" + (f", model family {family!r}" if family else "") if arch else "its model"
     if detail.startswith("Error(s) in loading state_dict"):
-        missing = len(re.findall(r'"[^"]+"', detail.split("Unexpected key(s)")[0]))
-        detail = f"its weights do not fit the model built from its config ({missing} missing or mismatched names)"
+        missing = len(re.findall(r'"[^"]+"', detail.split("Unexpected key(s)")[0].split("size mismatch")[0]))
+        mismatched = len(re.findall(r"size mismatch for ", detail))
+        detail = (f"its weights do not fit the model built from its config ({missing} missing names, "
+                  f"{mismatched} of another shape)")
     elif len(detail) > 300:
         detail = detail[:300] + "..."
-    return (
-        f"cannot use {filename} ({what}) here: {type(exc).__name__}: {detail}. "
-        "Is it a checkpoint of another model family or task?"
-    )
+    from .models.config import HUB_KEYS  # fairseq is loaded: it raised this
+
+    overrides = frame.get("arg_overrides") or {}
+    given = sorted(str(k) for k in overrides if k not in HUB_KEYS) if isinstance(overrides, dict) else []
+    cause = (f"Do the model overrides given ({', '.join(given)}) change its shape? Leave them out; otherwise, is it "
+             "a checkpoint of another model family or task?" if given else
+             "Is it a checkpoint of another model family or task?")
+    return f"cannot use {filename} ({what}) here: {type(exc).__name__}: {detail}. {cause}"
 
 
 def no_space(exc: BaseException) -> Optional[str]:

@@ -42,6 +42,10 @@ def build_fixtures(work):
     stock_args = train_args("data", "stock", max_update=4)
     stock_args[stock_args.index("transformer_lm_alibi")] = "transformer_lm"
     subprocess.run([tool("alibi-train"), *stock_args], **run)
+    for method in ("fire", "t5bias", "rotary"):
+        method_args = train_args("data", method, max_update=2)
+        method_args[method_args.index("transformer_lm_alibi")] = f"transformer_lm_{method}"
+        subprocess.run([tool("alibi-train"), *method_args], **run)
     subprocess.run([tool("alibi-preprocess"), "--only-source", "--trainpref", "train.txt",
                     "--destdir", "small_dict_data", "--nwordssrc", "12", "--workers", "1"], **run)
 
@@ -189,6 +193,15 @@ CASES = [
         ("adaptive cutoffs out of order (torch's error on a size fairseq computed)",
          train("cutoffs", "--arch", "transformer_lm_wiki103_alibi", "--adaptive-input-cutoff", "20,10",
                "--adaptive-softmax-cutoff", "20,10")),
+        ("a position method's option out of its range: FIRE without hidden units (`--fire-hidden 0`)",
+         train("fire_hidden", "--arch", "transformer_lm_fire", "--fire-hidden", "0")),
+        ("a negative FIRE threshold", train("fire_threshold", "--arch", "transformer_lm_fire",
+                                             "--fire-threshold", "-3")),
+        ("a NaN RoPE base", train("rotary_base", "--arch", "transformer_lm_rotary", "--rotary-base", "nan")),
+        ("a rotary fraction that rotates no pair of a head's dimensions",
+         train("rotary_fraction", "--arch", "transformer_lm_rotary", "--rotary-fraction", "0.01")),
+        ("T5 buckets whose exact half reaches the maximum distance",
+         train("t5", "--arch", "transformer_lm_t5bias", "--t5-buckets", "64", "--t5-max-distance", "16")),
         ("`--task masked_lm` without `--arch` (alibi-train's default arch is for language_modeling)",
          ["alibi-train", "data", "--task", "masked_lm", "--cpu"]),
         ("`alibi-hydra-train` with a config whose model fairseq cannot build (the paper's adaptive cutoffs on "
@@ -213,6 +226,19 @@ CASES = [
         ("a checkpoint with a NaN weight", EVAL + ["--path", "nan_weight.pt"]),
         ("blocks longer than a sinusoidal model accepts (nothing would be scored)",
          EVAL + ["--path", "stock/checkpoint_last.pt", "--tokens-per-sample", "256"]),
+        ("blocks longer than a sinusoidal model accepts, but for a short last block (a perplexity over part "
+         "of the split)", ["alibi-eval-lm", "data", "--cpu", "--gen-subset", "valid", "--path",
+                           "stock/checkpoint_last.pt", "--tokens-per-sample", "128", "--max-tokens", "4096"]),
+        ("an override of a learned quantity (FIRE's threshold: the checkpoint holds the trained one)",
+         EVAL + ["--path", "fire/checkpoint_last.pt", "--model-overrides", "{'fire_threshold': 100000}"]),
+        ("an override that would change the shape of the weights (T5's buckets)",
+         EVAL + ["--path", "t5bias/checkpoint_last.pt", "--model-overrides", "{'t5_buckets': 16}"]),
+        ("an override of another position method's parameter (FIRE's on an ALiBi model)",
+         EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'fire_threshold': -3}"]),
+        ("an override of a position parameter out of its range",
+         EVAL + ["--path", "rotary/checkpoint_last.pt", "--model-overrides", "{'rotary_base': 0.5}"]),
+        ("an override of the number of layers", EVAL + ["--path", "alibi/checkpoint_last.pt",
+                                                        "--model-overrides", "{'decoder_layers': 3}"]),
         ("`--tokens-per-sample 0`", EVAL + ["--path", "alibi/checkpoint_last.pt", "--tokens-per-sample", "0"]),
         ("`--model-overrides` that is not a dict", EVAL + ["--path", "alibi/checkpoint_last.pt",
                                                           "--model-overrides", "[1, 2]"]),
@@ -245,6 +271,7 @@ CASES = [
         ("a method of another position method (RoPE's YaRN on an ALiBi model)",
          SWEEP + ["-c", "alibi/checkpoint_last.pt", "--methods", "none,yarn:2"]),
         ("a cap at no distance (`cap:F` takes F > 0)", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--methods", "cap:-1"]),
+        ("a negative NTK factor", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--methods", "ntk:-2"]),
         ("a length longer than the evaluated split", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--lengths", "1x,64x"]),
         ("a checkpoint that is a broken symbolic link", SWEEP + ["-c", "dangling.pt"]),
         ("a sliding stride below 1", SWEEP + ["-c", "alibi/checkpoint_last.pt", "--modes", "sliding", "--stride", "0"]),
@@ -284,6 +311,8 @@ CASES = [
     ]),
     ("alibi-export-hf", [
         ("a checkpoint of the stock sinusoidal model", ["alibi-export-hf", "stock/checkpoint_last.pt", "hf_out"]),
+        ("a checkpoint of another position method (rotary)", ["alibi-export-hf", "rotary/checkpoint_last.pt",
+                                                               "hf_out"]),
         ("`--format bloom` for a model BLOOM cannot hold (the default post-norm model)",
          ["alibi-export-hf", "alibi/checkpoint_last.pt", "hf_out", "--format", "bloom"]),
         ("an output directory that is not empty", ["alibi-export-hf", "alibi/checkpoint_last.pt", "data"]),

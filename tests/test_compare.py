@@ -107,8 +107,8 @@ def test_a_failed_training_stops_the_recipe_with_its_reason(lm_data_bin, tmp_pat
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     log = tmp_path / "seed1" / "t5bias" / "train.log"
     assert result.stderr.splitlines() == [
-        "error: training seed 1 t5bias failed (exit 1): num_buckets=32, max_distance=16 is not valid; it needs at "
-        f"least 2 buckets per direction and max_distance > 16 (the exact buckets) (log: {log})"]
+        "error: training seed 1 t5bias failed (exit 1): t5_max_distance=16 is not valid with t5_buckets=32; "
+        f"it must be > 16 (the exact buckets, half of t5_buckets) (log: {log})"]
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "seed1" / "t5bias" / "trained.ok").exists()
 
 

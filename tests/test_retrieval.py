@@ -577,8 +577,8 @@ def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
         settings, MODELS="t5bias", SEEDS="1", EXTRA_TRAIN_ARGS="--t5-max-distance 16", OUT=str(tmp_path / "failing"))))
     log = tmp_path / "failing" / "seed1" / "t5bias" / "train.log"
     assert failing.returncode == 1 and failing.stderr.splitlines()[-1] == (
-        "error: training seed 1 t5bias failed (exit 1): num_buckets=32, max_distance=16 is not valid; it needs at "
-        f"least 2 buckets per direction and max_distance > 16 (the exact buckets) (log: {log})")
+        "error: training seed 1 t5bias failed (exit 1): t5_max_distance=16 is not valid with t5_buckets=32; "
+        f"it must be > 16 (the exact buckets, half of t5_buckets) (log: {log})")
     assert "3/3 retrieval" not in failing.stdout
     wrong = subprocess.run([script], capture_output=True, text=True, timeout=600,
                            env=cli_env(**dict(settings, MODELS="alibi rope", OUT=str(tmp_path / "wrong"))))

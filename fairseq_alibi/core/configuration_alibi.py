@@ -165,6 +165,7 @@ class AlibiLMConfig(PreTrainedConfig):
         self.output_embed_dim = self.output_embed_dim or self.hidden_size
         super().__post_init__(**kwargs)
         self.scaling()  # refuse an invalid alibi_scaling when the config is read
+        check_position_params(self)  # and a position parameter out of its range
 
     def convert_rope_params_to_dict(self, **kwargs):
         """``rope_parameters`` is read by :func:`scaling_of_rope` alone (transformers'
@@ -194,3 +195,17 @@ class AlibiLMConfig(PreTrainedConfig):
             params["rotary_base"] = rope.get("rope_theta", 10000.0)
             params["rotary_fraction"] = rope.get("partial_rotary_factor", 1.0)
         return params
+
+def check_position_params(config) -> None:
+    """The parameters of the config's position method (``position_method``;
+    rotary's from ``rope_parameters``, the others' from ``position_params``),
+    checked against their declaration (``params.Param``) when the config is
+    read, as the fairseq side checks them before building: ``ConfigError``
+    naming the key and its range.  ALiBi has none."""
+    name = getattr(config, "position_method", None) or "alibi"
+    if name not in POSITION_METHODS or name in ("alibi", "sinusoidal"):
+        return  # an unknown name is refused by ``scaling()``; these have no parameters
+    from .positions import check_params, position
+
+    given = config.position_settings()
+    check_params(name, {p.name: given.get(p.name, p.default) for p in position(name).params})

@@ -14,31 +14,27 @@ Adding a method: its maths in a module of this folder, one :class:`Position`
 line in :data:`POSITIONS`; the fairseq side (``models/transformer_lm.py``)
 registers a ``transformer_lm_<name>`` model for every entry, with the entry's
 ``params`` as config fields, and the sweep, the retrieval tool and the KV
-cache find it here.
+cache find it here.  Each param is a ``params.Param`` that declares the values
+it takes and whether a trained model may change it: :func:`check_params` runs
+before a stack is built, the console scripts check the training flags, model
+overrides and the exported model's config are checked against the same
+declaration, and the tests try every param of every entry at its limits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .alibi import EXTENSIONS
 from .bias import AlibiBias, CausalMask, ModuleBias, StackBias
 from .errors import ConfigError
 from .fire import INIT_THRESHOLD, Fire
 from .kerple import KerpleLog
-from .rotary import DEFAULT_BASE, ROPE_METHODS, RotaryPositions
+from .params import LEARNED, SHAPE, Param, Range
+from .rotary import BASE_RANGE, DEFAULT_BASE, ROPE_METHODS, RotaryPositions
 from .scaling import Scaling, check_applies
 from .t5bias import T5Bias
-
-
-@dataclass(frozen=True)
-class Param:
-    """A parameter of a position method: its config field, default and ``--help``."""
-
-    name: str
-    default: Any
-    help: str
 
 
 #: ``build(num_heads, head_dim, params, scaling)`` -> the stack's position object.
@@ -49,9 +45,11 @@ Builder = Callable[[int, int, Dict[str, Any], Scaling], StackBias]
 class Position:
     """One position method: its ``name``, its ``kind`` (``bias``, ``rotation``
     or ``none``), the context-extension methods that apply to it
-    (``extensions``, ``none`` among them), a one-line ``summary``, its
-    ``params`` (config fields) and ``build``, which makes the object one layer
-    stack shares."""
+    (``extensions``, ``none`` among them), a one-line ``summary``, ``build``,
+    which makes the object one layer stack shares, its ``params`` (config
+    fields, each with the values it takes: ``params.Param``) and ``check``, a
+    constraint between them if any (called with every param in range; returns
+    the problem as one sentence naming the params, or None)."""
 
     name: str
     kind: str
@@ -59,6 +57,8 @@ class Position:
     summary: str
     build: Builder
     params: Tuple[Param, ...] = ()
+    #: A constraint between the params (each already in its range): the problem, or None.
+    check: Optional[Callable[[Dict[str, Any]], Optional[str]]] = None
 
 
 def _alibi(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
@@ -86,26 +86,68 @@ def _fire(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scalin
     return ModuleBias(Fire(num_heads, params["fire_hidden"], init_threshold=threshold), num_heads, toeplitz=False)
 
 
+def _t5_distance(params: Dict[str, Any]) -> Optional[str]:
+    exact = params["t5_buckets"] // 2
+    if params["t5_max_distance"] <= exact:
+        return (f"t5_max_distance={params['t5_max_distance']!r} is not valid with t5_buckets={params['t5_buckets']!r}; "
+                f"it must be > {exact} (the exact buckets, half of t5_buckets)")
+    return None
+
+
+#: The largest training length, threshold or distance a parameter takes, in tokens (fairseq's int32 lengths).
+MAX_TOKENS = 2**31 - 1
+
 #: Every position method, in the order tables list them.
 POSITIONS: Dict[str, Position] = {p.name: p for p in (
     Position("alibi", "bias", EXTENSIONS, "-m_h (i - j): a fixed slope per head (Press et al. 2022)", _alibi),
     Position("rotary", "rotation", ROPE_METHODS, "queries and keys rotated by position (RoPE, Su et al. 2021)",
-             _rotary, (Param("rotary_base", DEFAULT_BASE, "RoPE's base (frequencies base^(-2i/d))"),
-                       Param("rotary_fraction", 1.0, "the fraction of each head's dimensions rotated (partial "
-                                                     "rotary; the rest carry no position)"))),
+             _rotary, (Param("rotary_base", DEFAULT_BASE, "RoPE's base, frequencies base^(-2i/d)", BASE_RANGE),
+                       Param("rotary_fraction", 1.0, "the fraction of each head's dimensions rotated",
+                             Range(float, 0.0, 1.0, open_low=True),
+                             note="partial rotary: rounded down to an even number of dimensions, so a "
+                                  "15-dimension head rotates 14; the rest carry no position"))),
     Position("t5bias", "bias", ("none",), "a learned scalar per (log-bucketed distance, head), one table for every "
              "layer (T5, Raffel et al. 2020)", _t5bias,
-             (Param("t5_buckets", 32, "T5 bias buckets (half exact distances, half logarithmic)"),
-              Param("t5_max_distance", 128, "distance from which every key shares the last bucket"))),
+             (Param("t5_buckets", 32, "the number of T5 bias buckets, half exact distances and half logarithmic",
+                    Range(int, 2, 4096), SHAPE),
+              Param("t5_max_distance", 128, "the distance from which every key shares the last bucket",
+                    Range(int, 2, MAX_TOKENS))), _t5_distance),
     Position("nope", "none", ("none",), "no position information: the causal mask alone (Haviv et al. 2022)",
              _nope),
     Position("kerple", "bias", ("none",), "-r1 log(1 + r2 (i - j)), r1 and r2 learned per head (Kerple's log "
              "variant, Chi et al. 2022)", _kerple),
     Position("fire", "bias", ("none",), "a learned MLP of log-distance normalized by the query position (FIRE, "
              "Li et al. 2023)", _fire,
-             (Param("fire_hidden", 32, "width of FIRE's MLP"),
-              Param("fire_threshold", 0.0, "FIRE's initial threshold L (learned; 0 = the training length)"))),
+             (Param("fire_hidden", 32, "the width of FIRE's MLP, in hidden units", Range(int, 1, 4096), SHAPE),
+              Param("fire_threshold", 0.0, "FIRE's initial threshold L, in tokens, learned in training",
+                    Range(float, 1.0, MAX_TOKENS, special=((0, "the training length"),)), LEARNED))),
 )}
+
+
+def params_of(names=None):
+    """``(position name, Param)`` of every parameter of the registered methods
+    (of ``names`` only, if given), in registry order."""
+    return [(entry.name, param) for entry in POSITIONS.values() if names is None or entry.name in names
+            for param in entry.params]
+
+
+def params_problem(name: str, params: Dict[str, Any]) -> Optional[str]:
+    """The first problem of ``params`` (a value for each param of method
+    ``name``), as one sentence naming the param, or None."""
+    entry = position(name)
+    for param in entry.params:
+        problem = param.problem(params[param.name])
+        if problem:
+            return f"{param.name}={params[param.name]!r} is not valid; it {problem}"
+    return entry.check(params) if entry.check else None
+
+
+def check_params(name: str, params: Dict[str, Any]) -> Dict[str, Any]:
+    """``params`` if :func:`params_problem` finds none, else its ``ConfigError``."""
+    problem = params_problem(name, params)
+    if problem:
+        raise ConfigError(problem)
+    return params
 
 
 def position(name: str) -> Position:
@@ -124,4 +166,4 @@ def check_extension(name: str, scaling: Scaling) -> Scaling:
 def build(name: str, num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
     """The position object of one layer stack of position method ``name``."""
     entry = position(name)
-    return entry.build(num_heads, head_dim, params, check_extension(name, scaling))
+    return entry.build(num_heads, head_dim, check_params(name, params), check_extension(name, scaling))

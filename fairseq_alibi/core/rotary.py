@@ -36,6 +36,7 @@ from torch import Tensor
 
 from .bias import CausalMask
 from .errors import ConfigError, ScalingError
+from .params import Range
 from .scaling import NO_SCALING, Scaling, check_applies
 
 #: The extension methods this module computes, at a resolved factor >= 1.
@@ -45,6 +46,10 @@ ROPE_METHODS = ("none", "linear", "ntk", "yarn")
 YARN_BETA_FAST = 32.0
 YARN_BETA_SLOW = 1.0
 DEFAULT_BASE = 10000.0
+#: The bases RoPE takes: above 1, at most 1e12 (released long-context models use up to ~1e8; at 1e12
+#: the slowest pair of a 128-dimension head turns by ~1.6e-12 rad per token, so it carries no position
+#: within any length a model is evaluated at, and its float32 frequency nears underflow).
+BASE_RANGE = Range(float, 1.0, 1e12, open_low=True)
 
 
 def _check_rotary_dim(rotary_dim) -> int:
@@ -55,8 +60,8 @@ def _check_rotary_dim(rotary_dim) -> int:
 
 
 def _check_base(base) -> float:
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
-        raise ConfigError(f"rotary base={base!r} is not valid; it must be a finite number > 1")
+    if not BASE_RANGE.allows(base):
+        raise ConfigError(f"rotary base={base!r} is not valid; it must be {BASE_RANGE.text}")
     return float(base)
 
 
@@ -95,15 +100,24 @@ def yarn_ramp(rotary_dim: int, base: float, train_length: int) -> list:
     (divided by the factor) for those that turn at most ``beta_slow`` times,
     linear in the pair index between the two (fractional) pair indices where
     the number of turns ``L theta_i / 2 pi`` equals ``beta_fast`` and
-    ``beta_slow``, rounded outwards (floor, ceil).  This is the ramp of the
-    YaRN authors' code, which transformers follows; the paper's equation writes
-    it linear in the number of turns instead."""
+    ``beta_slow``, rounded outwards (floor, ceil), the lower end at least 0 and
+    the upper at most ``rotary_dim - 1``.  This is the ramp of the YaRN
+    authors' code and of transformers' ``_compute_yarn_parameters``, cap
+    included (``dim - 1`` is a dimension count, though the ramp runs over
+    ``dim / 2`` pairs), so that an export under transformers' own YaRN agrees.
+    The cap acts only where ``L / 2 pi`` nears ``base^2`` (at base 10, not at
+    10,000: tests/test_trust.py compares both with transformers); where it
+    brings the upper end down to the lower one, transformers adds 0.001 to it,
+    and where below, its ramp runs backwards (every pair turns more than
+    ``beta_fast`` times, yet all are interpolated): followed as it is.  The
+    paper's equation writes the ramp linear in the number of turns instead."""
     def pair_index(turns: float) -> float:
         return rotary_dim * math.log(train_length / (2 * math.pi * turns)) / (2 * math.log(base))
 
-    # low < high whenever the slowest pair turns at least once (_check_train_length)
     low = max(math.floor(pair_index(YARN_BETA_FAST)), 0)
-    high = math.ceil(pair_index(YARN_BETA_SLOW))
+    high = min(math.ceil(pair_index(YARN_BETA_SLOW)), rotary_dim - 1)
+    if high == low:
+        high += 0.001  # as transformers: no division by zero
     return [min(max((i - low) / (high - low), 0.0), 1.0) for i in range(rotary_dim // 2)]
 
 
@@ -174,6 +188,22 @@ def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, attention_scale: floa
     return torch.cat((turned.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
+def rotated_dims(head_dim: int, fraction: float) -> int:
+    """How many of a head's ``head_dim`` dimensions RoPE rotates at ``fraction``:
+    ``head_dim x fraction`` rounded down to an even number (pairs), so a
+    15-dimension head rotates 14 and its last dimension carries no position;
+    at least 2 (one pair), else a ``ConfigError`` naming the smallest fraction."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        raise ConfigError(f"rotary_fraction={fraction!r} is not valid; it must be a number in (0, 1]")
+    rotated = int(head_dim * fraction) // 2 * 2
+    if rotated < 2:
+        remedy = (f"give rotary_fraction >= {math.ceil(2e4 / head_dim) / 1e4:g} (or fewer, wider heads)"
+                  if head_dim >= 2 else "give fewer, wider heads")
+        raise ConfigError(f"rotary_fraction={fraction!r} rotates {rotated} of a head's {head_dim} dimensions; "
+                          f"RoPE needs at least one pair: {remedy}")
+    return rotated
+
+
 class RotaryPositions(CausalMask):
     """A decoder stack's RoPE: queries and keys rotated by their positions
     (:meth:`rotate`, before a KV cache stores the keys), then bias-free causal
@@ -188,9 +218,7 @@ class RotaryPositions(CausalMask):
     def __init__(self, num_heads: int, head_dim: int, base: float = DEFAULT_BASE, fraction: float = 1.0,
                  scaling: Scaling = NO_SCALING):
         super().__init__(num_heads)
-        if not 0 < fraction <= 1:
-            raise ConfigError(f"rotary_fraction={fraction!r} is not valid; it must be in (0, 1]")
-        self.rotary_dim = _check_rotary_dim(int(head_dim * fraction) // 2 * 2)
+        self.rotary_dim = rotated_dims(head_dim, fraction)
         self.base = _check_base(base)
         self.rescale(scaling)
 

@@ -92,16 +92,23 @@ def checked_method(method) -> str:
     return method
 
 
+def factor_rule(method: str) -> str:
+    """What a factor of ``method`` must be, worded once for every entry point
+    (``--methods``, config fields and overrides, ``alibi_scaling``, keywords)."""
+    if method in SCALE_METHODS:
+        return f"{method} takes a static factor >= 1, or dynamic scaling (max(1, length / training length))"
+    if method in DISTANCE_METHODS:
+        return f"{'the cap' if method == 'cap' else method + chr(39) + 's C'} must be a positive number of training lengths"
+    return "it must be a finite number >= 0"
+
+
 def checked_factor(method: str, factor) -> float:
     """The factor of a valid (method, factor), normalized: ``none`` stores 1, a
     distance method's ``0`` is 1 (the training length itself), a scale method's
     ``0`` is dynamic."""
     value = real(factor)
-    if value is None or not math.isfinite(value) or value < 0:
-        raise ScalingError("factor", factor, "it must be a finite number >= 0")
-    if method in SCALE_METHODS and 0 < value < 1:
-        raise ScalingError("factor", factor, f"{method} takes a static factor >= 1, or dynamic scaling "
-                           "(max(1, length / training length))")
+    if value is None or not math.isfinite(value) or value < 0 or (method in SCALE_METHODS and 0 < value < 1):
+        raise ScalingError("factor", factor, factor_rule(method))
     if method == "none" or (method in DISTANCE_METHODS and value == 0):
         return 1.0
     return value
@@ -185,10 +192,8 @@ class Scaling:
             raise ScalingError("factor", arg, f"{name} has no dynamic form; {name}:F starts at F training lengths")
         factor = 0.0 if arg in _DYNAMIC + ("",) else _number(arg, "factor", name in SCALE_METHODS)
         if factor <= 0 and arg not in _DYNAMIC + ("",):  # the grammar spells dynamic as a word, and C > 0
-            what = "the cap" if name == "cap" else f"{name}'s C"
-            raise ScalingError("factor", arg, "a static factor must be >= 1 (write 'dynamic' or leave it out for "
-                               "dynamic scaling)" if name in SCALE_METHODS else
-                               f"{what} must be a positive number of training lengths")
+            raise ScalingError("factor", arg, factor_rule(name) + (f"; for dynamic scaling write {name}:dynamic or "
+                                                                   f"{name} alone" if name in SCALE_METHODS else ""))
         return cls(name, factor, train_length, alpha)
 
     @property
@@ -383,7 +388,8 @@ def warn_if_cache_drifts(scaling: Scaling, cached: Union[int, Tensor], keys: Uni
         return
     length = scaling.complete().train_length
     message = (f"dynamic {scaling.method} scaling past the training length ({length} tokens) with a KV cache: "
-               "cached keys keep the slopes of earlier, smaller factors, so generation approximates a full forward "
+               "cached keys keep the scaling of the earlier, smaller factors they were computed under (ALiBi's slopes, "
+               "RoPE's rotations), so generation approximates a full forward "
                f"of the same text; for exact generation use a static {scaling.method} factor (the longest length "
                f"/ {length})")
     if message in warned or int(cached) == 0:

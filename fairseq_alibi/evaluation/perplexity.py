@@ -61,6 +61,7 @@ from ..errors import EvaluationError
 from . import paired, report, runner
 from .axes import check_max_tokens, method_rank, parse_lengths, resolve_lengths
 from .backends import backend_for
+from .coverage import coverage_problem
 from .runner import tool_parser
 
 logger = logging.getLogger("fairseq_alibi.sweep")
@@ -155,9 +156,11 @@ class Perplexity:
         settings = dict(max_tokens=cell.max_tokens, batch_size=self.batch_size)
         expected, scored = model.windows(length, stride, **settings)
         result = score_tokens(scored, length, self.per_position, f"{model.info.name} ({method.label}, L={length})")
-        if expected is not None and result["tokens"] != expected:
-            logger.warning("%s at length %d scored %d of %d tokens", model.info.name, length, result["tokens"],
-                           expected)
+        infinite = result.pop("infinite")  # scored, left out of the average (warned): not stored
+        if expected is not None:
+            problem = coverage_problem(result["tokens"] + infinite, expected, self.subset)
+            if problem:
+                raise EvaluationError(f"{model.info.name} ({method.label}, L={length}): {problem}")
         train_length = model.info.train_length
         return dict(mode=mode, length=length, stride=stride, context_window=length - stride,
                     length_ratio=length / train_length if train_length else None, subset=self.subset,
@@ -256,7 +259,7 @@ def score_tokens(scored, length: int, per_position: bool, where: str) -> dict:
     loss = -total / count / math.log(2)
     text = hashlib.sha256(b"".join(digests[i] for i in sorted(digests))).hexdigest()[:16]
     result = {"loss": loss, "ppl": 2.0 ** loss, "tokens": count, "window_loss": window_loss,
-              "window_tokens": window_tokens, "window_index": window_index, "text_digest": text}
+              "window_tokens": window_tokens, "window_index": window_index, "text_digest": text, "infinite": skipped}
     if per_position:
         mean = (pos_sum / pos_count.clamp(min=1)) / math.log(2)
         result["per_position"] = [round(float(v), 6) if c > 0 else None for v, c in zip(mean, pos_count)]

@@ -99,8 +99,9 @@ def main(argv: Optional[Sequence[str]], parser, measure_class) -> int:
 
 def run(args, methods: List[Scaling], measure: Measure, backend: Backend) -> List[dict]:
     """Evaluate ``measure`` on every model of ``backend`` under every method
-    (``parse_methods(args.methods)``); returns every cell of the output
-    directory (this run's and the ones kept from earlier runs)."""
+    (``parse_methods(args.methods)``); returns the cells of this run's grid,
+    which the tables and reports show (``results.json`` also keeps the cells of
+    earlier runs in the same directory, for a later run to reuse)."""
     specs = backend.specs(args)
     prepare_output_dir(args.output_dir)
     with OutputLock(args.output_dir, measure.tool):
@@ -135,7 +136,8 @@ def run(args, methods: List[Scaling], measure: Measure, backend: Backend) -> Lis
                            countdown)
         bar.close()
         store.write(meta)
-        results = sorted(store.cells.values(), key=measure.order)
+        grid = {key_of(p, m, c) for p in plans for m in p.methods for c in p.cells}
+        results = sorted((cell for key, cell in store.cells.items() if key in grid), key=measure.order)
         derived = measure.report(args.output_dir, results, methods)
         if derived:  # the intervals, paired comparisons: in results.json too
             store.write(meta, **derived)

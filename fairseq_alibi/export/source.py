@@ -80,9 +80,16 @@ def check_language_model(path: str, state: Dict[str, Any]) -> str:
     task = task_cfg.get("_name")
     if family in facts.LANGUAGE_MODELS and task in (None, "language_modeling"):
         return facts.position_of(family) or SINUSOIDAL
+    raise not_exportable(path, arch, family, task)
+
+
+def not_exportable(path: str, arch: Optional[str], family: Optional[str], task: Optional[str]) -> ExportError:
+    """The one message for a checkpoint ``alibi-export-hf`` does not export: what
+    it is and what exports (every causal language model of this plugin and
+    fairseq's stock ``transformer_lm``)."""
     what = f"a checkpoint of arch {arch!r}" + (f" (model {family})" if family else "") + f", task {task!r}"
-    raise ExportError(f"{path} is {what}; alibi-export-hf exports the causal language models "
-                      f"{', '.join(facts.LANGUAGE_MODELS)} (2021-fork checkpoints: run alibi-convert-checkpoint first)")
+    return ExportError(f"{path} is {what}; alibi-export-hf exports the causal language models "
+                       f"{', '.join(facts.LANGUAGE_MODELS)} (task language_modeling)")
 
 
 def dictionary_path(path: str, task_cfg: Dict[str, Any], given: Optional[str]) -> str:

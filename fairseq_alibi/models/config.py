@@ -6,7 +6,10 @@ adds the encoders' own.  ``Scaling.from_config`` reads the scaling fields
 from them, and :func:`check_override_keys` checks model overrides (hub keywords):
 ``alibi*`` values by declared type, fairseq's integer options by range
 (:data:`INTEGER_OPTIONS`, the table the console scripts check their flags
-with), and a key that would change nothing is warned about.
+with), position-method parameters by their declaration (``core.params``: a
+parameter of another method, or one fixed by training, is refused), options
+that set the weights' shapes are refused, and a key that would change nothing
+is warned about.
 No ``from __future__ import annotations`` here: fairseq reads the field types
 to build its argparse options.
 """
@@ -17,7 +20,10 @@ from typing import Iterator, Optional
 
 from fairseq.dataclass import FairseqDataclass
 
+from .. import facts
+from ..core import positions as P
 from ..core.alibi import BIDIRECTIONAL_MODES
+from ..core.params import SHAPE, role_problem
 from ..core.scaling import (
     CONFIG_KEYS, DEFAULT_ALPHA, DISTANCE_METHODS, METHOD_TABLE, METHODS, SCALE_METHODS, Scaling,
 )
@@ -82,9 +88,11 @@ def scaling_from_config(args) -> Scaling:
     scaling = Scaling.from_config(args).complete()
     factor = getattr(args, CONFIG_KEYS["factor"], 0.0)
     if scaling.method == "none" and factor not in (0, 1):
+        applying = "; ".join(f"{entry.name}: {', '.join(m for m in entry.extensions if m != 'none')}"
+                             for entry in P.POSITIONS.values() if len(entry.extensions) > 1)
         warn_once(
-            f"alibi_scale_factor={factor!r} has no effect with alibi_interpolation='none'; "
-            f"set alibi_interpolation to one of {', '.join(m for m in METHODS if m != 'none')}"
+            f"alibi_scale_factor={factor!r} has no effect with alibi_interpolation='none'; set alibi_interpolation "
+            f"to a method that applies to the model's position method ({applying})"
         )
     return scaling
 
@@ -194,13 +202,79 @@ def adopt_new_fields(overrides, cfg) -> None:
                 model[key] = None
 
 
+#: fairseq model options that set the shape of a model's weights: a trained model keeps them.
+SHAPE_OPTIONS = ("decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_layers", "decoder_attention_heads",
+                 "encoder_embed_dim", "encoder_ffn_embed_dim", "encoder_layers", "encoder_attention_heads")
+
+
+def _get(section, key, default=None):
+    """``section[key]`` of a DictConfig, dict or Namespace section."""
+    if isinstance(section, dict) or hasattr(section, "keys"):
+        return section.get(key, default)
+    return getattr(section, key, default)
+
+
+def _has(section, key) -> bool:
+    return key in section if isinstance(section, dict) or hasattr(section, "keys") else hasattr(section, key)
+
+
+def _checkpoint_model(cfg):
+    """(model section, architecture name, position method or None) of a checkpoint's config."""
+    model = getattr(cfg, "model", None) if cfg is not None else None
+    if model is None and isinstance(cfg, dict):
+        model = cfg.get("model")
+    if model is None:
+        return None, None, None
+    arch = _get(model, "_name") or _get(model, "arch")
+    return model, arch, facts.position_of(facts.model_family(arch) or arch)
+
+
+def override_problem(key, value, cfg=None):
+    """What keeps override ``key=value`` from applying to the checkpoint whose
+    config is ``cfg`` (one sentence naming the key), or None.  Position-method
+    parameters (``core.positions``, every registered method's): one of another
+    method, or of a model without them, is refused; the model's own are checked
+    by their declaration (``Param.override_problem``: a value out of range, a
+    shape or learned parameter other than the trained one).  fairseq's options
+    in :data:`SHAPE_OPTIONS`, and a learned position table's size, must keep
+    the trained value.  Without ``cfg``, a parameter's range alone."""
+    if not isinstance(key, str):
+        return None
+    declared = [(method, param) for method, param in P.params_of() if param.name == key]
+    model, arch, position = _checkpoint_model(cfg)
+    if declared:
+        own = [param for method, param in declared if method == position]
+        if model is None:
+            problem = declared[0][1].problem(value)
+            return f"model override {key}={value!r} is not valid; it {problem}" if problem else None
+        if not own:
+            params = [p.name for p in P.position(position).params] if position else []
+            has = f"whose parameters are {', '.join(params)}" if params else "which has no position parameters"
+            return (f"model override {key!r} is a parameter of {' and '.join(m for m, _ in declared)} models; this "
+                    f"checkpoint is {arch} ({position or 'no position method of this plugin'}), {has}, so it would "
+                    "change nothing; leave it out")
+        param = own[0]
+        trained = _get(model, key)
+        return param.override_problem(value, param.default if trained is None else trained)
+    if model is None:
+        return None
+    if key in SHAPE_OPTIONS and _get(model, key) is not None:
+        return role_problem(key, SHAPE, value, _get(model, key), "--" + key.replace("_", "-"))
+    learned_table = _get(model, "decoder_learned_pos") and not _get(model, "no_token_positional_embeddings")
+    if key == "max_target_positions" and learned_table and _has(model, key):
+        return role_problem(key, SHAPE, value, _get(model, key), None)
+    return None
+
+
 def check_override_keys(overrides, cfg=None) -> None:
     """Check model overrides before they reach a model: an ``alibi*`` key no
     model has is warned about (a typo would change nothing, silently); a value
     of the wrong type (``alibi*``) or out of range (:data:`INTEGER_OPTIONS`) is
     a ``ConfigError`` naming the key (ALiBi ranges are checked where the model
-    is built); with ``cfg``, the checkpoint's whole config, a key it has
-    nowhere (fairseq would drop it) and ALiBi keys given to a model without
+    is built), and so is a key that cannot apply to the checkpoint
+    (:func:`override_problem`: another method's parameter, one fixed by
+    training, a shape); with ``cfg``, the checkpoint's whole config, a key it
+    has nowhere (fairseq would drop it) and ALiBi keys given to a model without
     ALiBi are warned about as having no effect."""
     if overrides is None:
         return
@@ -218,5 +292,8 @@ def check_override_keys(overrides, cfg=None) -> None:
         if problem:
             where = " (alibi-eval-lm --help lists the keys)" if key in ALIBI_FIELDS else ""
             raise ConfigError(f"model override {key!r}: {value!r} is not valid; {key} {problem}{where}")
+        problem = override_problem(key, value, cfg)
+        if problem:
+            raise ConfigError(problem)
     if cfg is not None:
         _warn_ineffective(overrides, cfg)

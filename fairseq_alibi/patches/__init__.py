@@ -56,10 +56,15 @@ changes:
     ``remainder_batches_kept`` (wrong result): ``fairseq-generate`` and
     ``fairseq-validate`` skip the last, short batch (fairseq issue 5036).
 
+``eval_lm.py``
+    ``guarded_stock_eval_lm`` (wrong result): a stock ``fairseq-eval-lm
+    --user-dir`` gets the guard below.
+
 One change is scoped, not applied by :func:`apply` (:data:`SCOPED`):
 ``eval_lm.py``'s ``guarded_eval_lm`` (wrong result), which ``alibi-eval-lm``
 applies to ``fairseq_cli.eval_lm``: no perplexity printed from nothing scored,
-or from a loss that is not a number.
+from part of the split (blocks fairseq skipped), or from a loss that is not a
+number.
 
 Nothing here imports ``fairseq_alibi.models``: what ``checked_overrides``
 runs is passed in, ``apply(override_checks=...)``.
@@ -131,6 +136,7 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(build_errors.build_assertions, CRASH),
     Patch(batching.loader_threads_stop_at_exit, CRASH),
     Patch(batching.remainder_batches_kept, WRONG_RESULT),
+    Patch(eval_lm.guarded_stock_eval_lm, WRONG_RESULT),
 )
 
 #: Changes one command applies to one fairseq module itself (``patch.apply(module)``).

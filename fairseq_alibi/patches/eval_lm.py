@@ -1,25 +1,39 @@
-"""``alibi-eval-lm``'s guard around fairseq's ``eval_lm``: no perplexity
-printed from nothing scored or from a loss that is not a number."""
+"""fairseq's ``eval_lm`` guarded: no perplexity printed from nothing scored,
+from part of the split, or from a loss that is not a number."""
 
 from __future__ import annotations
 
+import sys
+
 
 def guarded_eval_lm(module) -> None:
-    """Scoped to ``alibi-eval-lm`` (its CLI applies it to ``fairseq_cli.eval_lm``,
-    passed as ``module``; not applied by :func:`fairseq_alibi.patches.apply`).
+    """Applied to ``fairseq_cli.eval_lm`` (passed as ``module``) by
+    ``alibi-eval-lm``, and by :func:`guarded_stock_eval_lm` when a stock
+    ``fairseq-eval-lm --user-dir`` loaded the plugin.  Idempotent.
 
     Kind: wrong result.  Stock: fairseq's ``eval_lm`` prints loss 0 /
-    perplexity 1.00 when it scored no token, and prints NaN as a result; here
-    both stop with one error line."""
+    perplexity 1.00 when it scored no token, prints NaN as a result, and
+    prints a perplexity over part of the split when its loader skipped blocks
+    longer than the model's positions; here each stops with one error line
+    (the coverage check is ``evaluation.coverage``)."""
     import math
 
     from ..errors import UserError
+    from ..evaluation import coverage
 
     stock = module.eval_lm
+    if getattr(stock, "_alibi_guarded", False):
+        return
+    stock_main = module.main
+
+    def main(cfg, *args, **kwargs):
+        with coverage.recorded_loaders(cfg.dataset.gen_subset):
+            return stock_main(cfg, *args, **kwargs)
 
     def eval_lm(*args, **kwargs):
         scored = [0]
         batches = kwargs.pop("batch_iterator") if "batch_iterator" in kwargs else args[2]
+        tally = coverage.Tally(bool(kwargs.get("remove_bos_token", False)))
 
         def counted():
             for sample in batches:
@@ -31,15 +45,13 @@ def guarded_eval_lm(module) -> None:
             kwargs["batch_iterator"] = counted()
         else:
             args = args[:2] + (counted(),) + args[3:]
-        results = stock(*args, **kwargs)
+        with coverage.tallied_scorer(module, tally):
+            results = stock(*args, **kwargs)
         models = kwargs.get("models", args[0] if args else None)
+        coverage.check_eval_lm(models, tally)  # first: a split with tokens, scored in part or not at all
         if scored[0] == 0:
-            limit = models[0].max_positions() if models else None
-            raise UserError(
-                f"no token was evaluated (fairseq would print perplexity 1.00): the split is empty, or "
-                f"every block of --tokens-per-sample is longer than the model accepts ({limit} positions); "
-                f"give --tokens-per-sample {limit} or less for a model with position embeddings"
-            )
+            raise UserError("no token was evaluated (fairseq would print perplexity 1.00): the split is empty; "
+                            "give a --gen-subset that holds text")
         if not math.isfinite(results["loss"]):
             raise UserError(
                 f"the loss is {results['loss']}, not a number: the checkpoint's weights or the evaluation "
@@ -47,4 +59,15 @@ def guarded_eval_lm(module) -> None:
             )
         return results
 
-    module.eval_lm = eval_lm
+    eval_lm._alibi_guarded = True
+    module.eval_lm, module.main = eval_lm, main
+
+
+def guarded_stock_eval_lm() -> None:
+    """Kind: wrong result.  A stock ``fairseq-eval-lm --user-dir`` imports the
+    plugin while parsing its options, its ``fairseq_cli.eval_lm`` module
+    already loaded: it gets :func:`guarded_eval_lm` too (stock: a perplexity
+    over part of the split, or over nothing, printed with exit status 0)."""
+    module = sys.modules.get("fairseq_cli.eval_lm")
+    if module is not None and hasattr(module, "eval_lm"):
+        guarded_eval_lm(module)
