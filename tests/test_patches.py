@@ -42,6 +42,7 @@ ELSEWHERE = {
         "test_resume.py::test_a_finished_distributed_run_destroys_its_process_group",
     "safe_broadcast": "test_resume.py::test_torchrun_gloo_sigkill_then_resume",
     "guarded_eval_lm": "test_user_errors.py::test_zero_evaluated_tokens_is_an_error",
+    "guarded_stock_eval_lm": "test_trust.py::test_eval_lm_refuses_a_split_the_model_s_limit_cuts_then_its_remedy_scores_all",
 }
 
 

@@ -64,10 +64,12 @@ def guarded_eval_lm(module) -> None:
 
 
 def guarded_stock_eval_lm() -> None:
-    """Kind: wrong result.  A stock ``fairseq-eval-lm --user-dir`` imports the
-    plugin while parsing its options, its ``fairseq_cli.eval_lm`` module
-    already loaded: it gets :func:`guarded_eval_lm` too (stock: a perplexity
-    over part of the split, or over nothing, printed with exit status 0)."""
+    """A stock ``fairseq-eval-lm --user-dir`` imports the plugin while parsing
+    its options, its ``fairseq_cli.eval_lm`` module already loaded: it gets
+    :func:`guarded_eval_lm` too.
+
+    Kind: wrong result.  Stock: a perplexity over part of the split, or over
+    nothing, printed with exit status 0."""
     module = sys.modules.get("fairseq_cli.eval_lm")
     if module is not None and hasattr(module, "eval_lm"):
         guarded_eval_lm(module)
