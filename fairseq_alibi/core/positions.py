@@ -1,14 +1,21 @@
 """Position methods: one registry entry each, the one place that says what a
 method is, what it is built from and which context-extension methods apply.
 
-A position method is one of three kinds:
+A position method is one of five kinds:
 
 * ``bias``: a ``[H, q, k]`` term added to the attention scores (ALiBi, T5's
   bucketed bias, Kerple, FIRE); its stack object is a ``bias.StackBias``, so
   every kernel of ``kernels.py`` runs it;
 * ``rotation``: queries and keys rotated by their positions (RoPE), then
   bias-free causal attention;
-* ``none``: no position information at all (NoPE): bias-free causal attention.
+* ``none``: no position information at all (NoPE): bias-free causal attention;
+* ``gate``: a data-dependent bias, per batch row (FoX's forget gates,
+  ``fox.py``): each layer binds its gates to its input, kernels take the
+  per-row bias (``StackBias.batched``);
+* ``hybrid``: a different object per layer (``StackBias.at_layer``):
+  RNoPE-SWA's windowed RoPE and full NoPE layers (``hybrid.py``).
+
+Every kind takes the logit methods (``logn``, ``logit_scale.py``) and SSMax.
 
 Adding a method: its maths in a module of this folder, one :class:`Position`
 line in :data:`POSITIONS`; the fairseq side (``models/transformer_lm.py``)
@@ -26,9 +33,11 @@ from .alibi import EXTENSIONS
 from .bias import AlibiBias, CausalMask, ModuleBias, StackBias
 from .errors import ConfigError
 from .fire import INIT_THRESHOLD, Fire
+from .fox import FOX_EXTENSIONS, ForgetGates
+from .hybrid import DEFAULT_NOPE_EVERY, RNOPE_EXTENSIONS, HybridPositions
 from .kerple import KerpleLog
 from .rotary import DEFAULT_BASE, ROPE_METHODS, RotaryPositions
-from .scaling import Scaling, check_applies
+from .scaling import LOGIT_METHODS, Scaling, check_applies
 from .t5bias import T5Bias
 
 
@@ -47,8 +56,8 @@ Builder = Callable[[int, int, Dict[str, Any], Scaling], StackBias]
 
 @dataclass(frozen=True)
 class Position:
-    """One position method: its ``name``, its ``kind`` (``bias``, ``rotation``
-    or ``none``), the context-extension methods that apply to it
+    """One position method: its ``name``, its ``kind`` (``bias``, ``rotation``,
+    ``none``, ``gate`` or ``hybrid``), the context-extension methods that apply to it
     (``extensions``, ``none`` among them), a one-line ``summary``, its
     ``params`` (config fields) and ``build``, which makes the object one layer
     stack shares."""
@@ -86,25 +95,54 @@ def _fire(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scalin
     return ModuleBias(Fire(num_heads, params["fire_hidden"], init_threshold=threshold), num_heads, toeplitz=False)
 
 
+def _fox(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
+    return ForgetGates(num_heads, num_heads * head_dim, scaling)
+
+
+def _rnope(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
+    window = params["rnope_window"]
+    if not window:
+        if not scaling.train_length:
+            raise ConfigError("rnope_window=0 means half the training length, which is not known here: give "
+                              "--rnope-window N or the training length (alibi_train_length)")
+        window = max(1, scaling.train_length // 2)
+    return HybridPositions(num_heads, head_dim, int(window), params["rnope_nope_every"], params["rotary_base"],
+                           scaling)
+
+
+#: The extension methods of a position method without its own: as trained,
+#: or a logit method (``logn``), which applies to every position method.
+PLAIN = ("none",) + LOGIT_METHODS
+
 #: Every position method, in the order tables list them.
 POSITIONS: Dict[str, Position] = {p.name: p for p in (
-    Position("alibi", "bias", EXTENSIONS, "-m_h (i - j): a fixed slope per head (Press et al. 2022)", _alibi),
-    Position("rotary", "rotation", ROPE_METHODS, "queries and keys rotated by position (RoPE, Su et al. 2021)",
-             _rotary, (Param("rotary_base", DEFAULT_BASE, "RoPE's base (frequencies base^(-2i/d))"),
-                       Param("rotary_fraction", 1.0, "the fraction of each head's dimensions rotated (partial "
-                                                     "rotary; the rest carry no position)"))),
-    Position("t5bias", "bias", ("none",), "a learned scalar per (log-bucketed distance, head), one table for every "
+    Position("alibi", "bias", EXTENSIONS + LOGIT_METHODS, "-m_h (i - j): a fixed slope per head (Press et al. 2022)",
+             _alibi),
+    Position("rotary", "rotation", ROPE_METHODS + LOGIT_METHODS,
+             "queries and keys rotated by position (RoPE, Su et al. 2021)", _rotary,
+             (Param("rotary_base", DEFAULT_BASE, "RoPE's base (frequencies base^(-2i/d))"),
+              Param("rotary_fraction", 1.0, "the fraction of each head's dimensions rotated (partial "
+                                            "rotary; the rest carry no position)"))),
+    Position("t5bias", "bias", PLAIN, "a learned scalar per (log-bucketed distance, head), one table for every "
              "layer (T5, Raffel et al. 2020)", _t5bias,
              (Param("t5_buckets", 32, "T5 bias buckets (half exact distances, half logarithmic)"),
               Param("t5_max_distance", 128, "distance from which every key shares the last bucket"))),
-    Position("nope", "none", ("none",), "no position information: the causal mask alone (Haviv et al. 2022)",
+    Position("nope", "none", PLAIN, "no position information: the causal mask alone (Haviv et al. 2022)",
              _nope),
-    Position("kerple", "bias", ("none",), "-r1 log(1 + r2 (i - j)), r1 and r2 learned per head (Kerple's log "
+    Position("kerple", "bias", PLAIN, "-r1 log(1 + r2 (i - j)), r1 and r2 learned per head (Kerple's log "
              "variant, Chi et al. 2022)", _kerple),
-    Position("fire", "bias", ("none",), "a learned MLP of log-distance normalized by the query position (FIRE, "
+    Position("fire", "bias", PLAIN, "a learned MLP of log-distance normalized by the query position (FIRE, "
              "Li et al. 2023)", _fire,
              (Param("fire_hidden", 32, "width of FIRE's MLP"),
               Param("fire_threshold", 0.0, "FIRE's initial threshold L (learned; 0 = the training length)"))),
+    Position("fox", "gate", FOX_EXTENSIONS, "c_i - c_j, c the running sum of log forget gates sigmoid(w . x_t + "
+             "b) per head and layer (the Forgetting Transformer, Lin et al. 2025)", _fox),
+    Position("rnope", "hybrid", RNOPE_EXTENSIONS, "RoPE layers with a sliding window, every few layers a NoPE "
+             "layer with full attention (RNoPE-SWA, Yang et al. 2025)", _rnope,
+             (Param("rotary_base", DEFAULT_BASE, "RoPE's base in the RoPE layers"),
+              Param("rnope_window", 0, "the RoPE layers' sliding window in keys (0 = half the training length)"),
+              Param("rnope_nope_every", DEFAULT_NOPE_EVERY, "every how many layers one is a NoPE layer with full "
+                                                            "attention (the last of each group; 1 = all NoPE)"))),
 )}
 
 
@@ -124,4 +162,8 @@ def check_extension(name: str, scaling: Scaling) -> Scaling:
 def build(name: str, num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
     """The position object of one layer stack of position method ``name``."""
     entry = position(name)
-    return entry.build(num_heads, head_dim, params, check_extension(name, scaling))
+    scaling = check_extension(name, scaling)
+    built = entry.build(num_heads, head_dim, params, scaling)
+    if built.scaling != scaling:  # a builder that does not take the spec (a logit method applies to every method)
+        built.rescale(scaling)
+    return built
