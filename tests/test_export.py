@@ -61,7 +61,7 @@ VARIANTS = {
                         "--scale-resids", "--activation-fn", "tanh"],
 }
 #: Every context-extension method, static and dynamic.
-METHODS = ["none", "linear:2", "linear", "ntk:3", "ntk", "cap", "cap:0.5", "log", "log:0.5:1", "power", "capnorm"]
+METHODS = ["none", "linear:2", "linear", "ntk:3", "ntk", "cap", "cap:0.5", "log", "log:0.5:1", "power", "capnorm", "logn"]
 BLOOM_ARGS = ["--arch", "transformer_lm_bloom_alibi", "--decoder-ffn-embed-dim", str(4 * DIM)]
 
 

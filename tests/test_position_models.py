@@ -38,10 +38,16 @@ def build(data_dir, position: str, *extra):
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
     generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # learned position parameters away from their init, so they shape the scores
-        for name, parameter in model.decoder.positions.named_parameters() if isinstance(
-                model.decoder.positions, torch.nn.Module) else []:
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    # learned position parameters away from their init, so they shape the scores: the stack's, and a layer's own
+    learned = [model.decoder.positions] + [layer.self_attn.positions for layer in model.decoder.layers]
+    seen = set()
+    with torch.no_grad():
+        for module in learned:
+            if not isinstance(module, torch.nn.Module) or id(module) in seen:
+                continue
+            seen.add(id(module))
+            for name, parameter in module.named_parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
     return model.eval()
 
 
@@ -49,10 +55,11 @@ def tokens(length: int, batch: int = 2, seed: int = 1) -> torch.Tensor:
     return torch.randint(4, 40, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def naive_scores(name: str, position, q, k):
-    """``[B, H, T, T]`` attention logits written from each method's definition, entry by entry where it is cheap."""
+def naive_scores(name: str, position, q, k, x=None):
+    """``[B, H, T, T]`` attention logits written from each method's definition, entry by entry where it is cheap
+    (``x``: the layer's input ``[T, B, C]``, FoX's gates read it)."""
     B, H, T, D = q.shape
-    if name == "rotary":  # pairs (x_k, x_{k+r/2}) as complex numbers times exp(i p theta)
+    if name in ("rotary", "rnope"):  # pairs (x_k, x_{k+r/2}) as complex numbers times exp(i p theta)
         r = position.rotary_dim
         theta = torch.tensor([position.base ** (-2 * i / r) for i in range(r // 2)], dtype=torch.float64)
         turn = torch.exp(1j * torch.arange(T, dtype=torch.float64)[:, None] * theta)
@@ -64,14 +71,22 @@ def naive_scores(name: str, position, q, k):
 
         q, k = rot(q), rot(k)
     scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)
-    bias = torch.zeros(H, T, T, dtype=torch.float64)
+    bias = torch.zeros(B, H, T, T, dtype=torch.float64)
+    if name == "fox":  # f_t = sigmoid(w_h . x_t + b_h) per row and head
+        w, b = position.proj.weight.double(), position.proj.bias.double()
+        gates = torch.sigmoid(torch.einsum("tbc,hc->bht", x.double(), w) + b[None, :, None])
     for i in range(T):
         for j in range(i + 1):
             d = i - j
             if name == "alibi":
-                bias[:, i, j] = -position.base_slopes.double() * d
+                bias[:, :, i, j] = -position.base_slopes.double() * d
             elif name in ("t5bias", "kerple", "fire"):
-                bias[:, i, j] = position.method.values(torch.tensor([[i]]), torch.tensor([[j]]))[:, 0, 0].double()
+                bias[:, :, i, j] = position.method.values(torch.tensor([[i]]), torch.tensor([[j]]))[:, 0, 0].double()
+            elif name == "fox":  # sum over l = j+1 .. i of ln f_l
+                for l in range(j + 1, i + 1):
+                    bias[:, :, i, j] += torch.log(gates[:, :, l])
+            elif name == "rnope" and d >= position.window:  # layer 0: a RoPE layer with a sliding window
+                bias[:, :, i, j] = float("-inf")
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     return (scores + bias).masked_fill(~causal, float("-inf"))
 
@@ -86,7 +101,7 @@ def test_attention_equals_the_naive_definition(data_dir, name):
         q = attention.q_proj(x).view(12, 2, 4, 8).permute(1, 2, 0, 3)
         k = attention.k_proj(x).view(12, 2, 4, 8).permute(1, 2, 0, 3)
         v = attention.v_proj(x).view(12, 2, 4, 8).permute(1, 2, 0, 3)
-        probs = torch.softmax(naive_scores(name, attention.positions, q, k), -1)
+        probs = torch.softmax(naive_scores(name, attention.positions, q, k, x), -1)
         expected = attention.out_proj((probs @ v.double()).float().permute(2, 0, 1, 3).reshape(12, 2, 32))
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 

@@ -113,7 +113,7 @@ def test_the_method_table_is_the_one_source_of_the_grammar():
     for info in METHOD_TABLE:
         spec = Scaling.parse(info.name, 64)
         assert spec.method == info.name and spec.info is info
-        assert spec.needs_train_length == (info.kind != "none" and (spec.dynamic or info.kind == "distance"))
+        assert spec.needs_train_length == (info.kind != "none" and (spec.dynamic or info.kind in ("distance", "logit")))
 
 
 def test_a_model_keeps_its_own_training_length_for_distance_methods():

@@ -45,7 +45,7 @@ from .alibi import (
     slope_exponents,
 )
 from .errors import ConfigError
-from .scaling import NO_SCALING, Scaling, check_applies
+from .scaling import LOGIT_METHODS, NO_SCALING, Scaling, check_applies
 
 
 def masked_value_for(mode: str, dtype: torch.dtype) -> float:
@@ -114,10 +114,24 @@ class StackBias:
     zero = False
     mode = "causal"
     scaling = NO_SCALING
+    #: A sliding window: each query sees at most this many keys (None: all).
+    window: Optional[int] = None
+    #: ``block`` and ``dense`` give ``[B, H, q, k]``, one bias per batch row
+    #: (data-dependent: FoX's gates), built per call, never shared or cached.
+    batched = False
+    #: The attribute under which a layer keeps its own object of
+    #: :meth:`for_layer` as a submodule (its name in checkpoints).
+    layer_attribute = "alibi"
 
     def __init__(self, num_heads: int):
         self.num_heads = num_heads
         self._cache: Dict[str, Tuple[Hashable, Any]] = {}
+
+    @property
+    def stack(self) -> "StackBias":
+        """The object that rescales this one (``models.attention.rescale``):
+        itself; a hybrid stack's layer objects name the stack (``hybrid.py``)."""
+        return self.__dict__.get("owner", self)
 
     @property
     def causal(self) -> bool:
@@ -185,12 +199,26 @@ class StackBias:
         """Use ``scaling`` from the next forward on; a bias without extension
         methods takes ``none`` only (``positions.check_extension`` names the
         methods of each position method where the model is built)."""
-        self.scaling = check_applies(scaling, type(self).__name__, ("none",))
+        self.scaling = check_applies(scaling, type(self).__name__, ("none",) + LOGIT_METHODS).complete()
         self._cache.clear()
 
     def for_layer(self) -> "StackBias":
         """The bias one layer's attention uses: the stack's own, shared."""
         return self
+
+    def at_layer(self, index: int) -> "StackBias":
+        """The position object of the stack's layer ``index`` (from 0): the
+        stack's own; a hybrid stack chooses per layer (``hybrid.py``)."""
+        return self
+
+    def bind(self, x: Tensor, key_padding_mask: Optional[Tensor], carried: Optional[Tensor]
+             ) -> Tuple["StackBias", Optional[Tensor]]:
+        """``(bias for this call, state to carry in the KV cache)`` of a layer
+        whose input is ``x`` ``[T, B, C]`` (new tokens; ``key_padding_mask``
+        ``[B, T]`` theirs, ``carried`` what the cache holds from earlier
+        calls).  Every bias but a data-dependent one (FoX: ``fox.py``) is
+        itself and carries nothing."""
+        return self, None
 
 
 class AlibiBias(StackBias):
@@ -224,7 +252,7 @@ class AlibiBias(StackBias):
         """Use ``scaling`` from the next forward on (every cache is dropped)."""
         if not isinstance(scaling, Scaling):
             raise TypeError(f"scaling must be a Scaling, got {type(scaling).__name__}")
-        self.scaling = check_applies(scaling, "alibi", EXTENSIONS).complete()
+        self.scaling = check_applies(scaling, "alibi", EXTENSIONS + LOGIT_METHODS).complete()
         self.exponents = slope_exponents(self.base_slopes, self.scaling.method)
         self._cache.clear()
         self._fixed.clear()

@@ -42,6 +42,7 @@ from .bias import StackBias, padding_mask
 from .errors import ConfigError
 from .causal_blocks import blocked_causal_attention, head_groups
 from .flex import flex_available, flex_kernel
+from .logit_scale import scaled_queries
 from .scaling import warn_if_cache_drifts
 
 Kernel = Callable[[Tensor, Tensor, Tensor, StackBias, Optional[Tensor], float], Tuple[Tensor, Optional[Tensor]]]
@@ -83,6 +84,7 @@ def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
     k, v = _contiguous(k, v)
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     windows = key_windows(bias, q, k, k.size(2)) if key_padding_mask is None and dropout_p == 0 else None
+    windows = windows or sliding_windows(bias, q.size(1), k.size(2) - q.size(2))
     return blocked_causal_attention(q, k, v, mask, dropout_p, windows=windows), None
 
 
@@ -179,6 +181,21 @@ def key_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
     return first
 
 
+def sliding_windows(bias: StackBias, heads: int, offset: int) -> Optional[Callable[[int, int], List[int]]]:
+    """A sliding window's key windows (``bias.window`` keys per query, the
+    hybrid's RoPE layers): ``first(start, stop)`` -> the first key every head
+    needs for queries ``start .. stop - 1`` (``offset`` keys before the first
+    query), or None without a window.  Exact: the keys left out are masked."""
+    if bias.window is None or not bias.causal:
+        return None
+
+    def first(start: int, stop: int) -> List[int]:
+        nearest = max(0, offset + start - bias.window + 1)
+        return [nearest // WINDOW_ALIGN * WINDOW_ALIGN] * heads
+
+    return first
+
+
 def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
     """Queries in blocks of ``chunk_size`` (default ``CHUNK_SIZE``); each block's
     bias a view of the shared ramp (causal) or built on the fly (bidirectional,
@@ -196,6 +213,7 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
     offset = k_len - q_len if causal else 0
     pad = padding_mask(key_padding_mask, q.dtype)
     windows = key_windows(bias, q, k, k_len) if pad is None and q_len > chunk_size else None
+    windows = windows or sliding_windows(bias, q.size(1), offset)
     starts = range(0, q_len, chunk_size)
     firsts = [windows(s, min(s + chunk_size, q_len)) if windows else [0] * q.size(1) for s in starts]
     # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
@@ -226,8 +244,8 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
         for start, block_firsts in zip(starts, firsts):
             rows, visible = extent(start)
             block = bias.block(offset + start, rows, k_len, q.dtype, q.device, keys=visible)
-            for heads, first in head_groups(block_firsts):
-                attend_block(start, heads, first, block[None, heads])
+            for heads, first in head_groups(block_firsts):  # a batched bias (FoX) has its rows' own blocks
+                attend_block(start, heads, first, block[:, heads] if bias.batched else block[None, heads])
             del block
     return out.permute(1, 2, 0, 3), None
 
@@ -294,6 +312,8 @@ def choose_kernel(
         return name
     if bias.zero:
         return "sdpa"
+    if bias.batched and dropout_p == 0 and not incremental and q_len > CHUNK_SIZE:
+        return "chunked"  # per query block c_i - c_j of the two vectors: no [B, H, T, T] bias
     device = device or torch.device("cpu")
     grad = torch.is_grad_enabled()
     if device.type == "cuda" and bias.supports_flex and dropout_p == 0 and not incremental and flex_available():
@@ -306,11 +326,15 @@ def choose_kernel(
 
 
 def attend(q, k, v, bias: StackBias, name: str, key_padding_mask=None, dropout_p: float = 0.0,
-           need_weights: bool = False, incremental: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+           need_weights: bool = False, incremental: bool = False,
+           ssmax: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Run the kernel :func:`choose_kernel` picks; (output ``[B, H, T, D]``,
     weights or None).  Every row scores as it would alone (:func:`row_groups`);
     a KV-cache step (``incremental``) under dynamic scaling past the training
-    length is warned about once (:func:`scaling.warn_if_cache_drifts`)."""
+    length is warned about once (:func:`scaling.warn_if_cache_drifts`).
+    Queries are first scaled by the logit scalings (``logit_scale.py``: the
+    ``logn`` method of ``bias.scaling``, SSMax's learned ``ssmax`` scales ``[H]``)."""
+    q = scaled_queries(q, k.size(2), bias.scaling, key_padding_mask, ssmax, bias.window)
     if incremental and bias.scaling.dynamic and k.size(2) > q.size(2):
         padded = 0 if key_padding_mask is None else key_padding_mask.to(torch.bool).sum(-1)
         warn_if_cache_drifts(bias.scaling, k.size(2) - q.size(2), k.size(2) - padded)
@@ -349,6 +373,8 @@ def row_groups(bias: StackBias, key_padding_mask: Optional[Tensor], q_len: int, 
     """
     scaling = bias.scaling
     if key_padding_mask is None or bias.zero or (not scaling.dynamic and bias.toeplitz):
+        return None
+    if bias.batched:  # built per row from the row's own tokens (FoX: padding's gates are 1): already as alone
         return None
     if torch.compiler.is_compiling():
         raise ConfigError("dynamic scaling or a non-Toeplitz bias (capnorm) on a padded batch groups the rows by "

@@ -1,14 +1,21 @@
 """Position methods: one registry entry each, the one place that says what a
 method is, what it is built from and which context-extension methods apply.
 
-A position method is one of three kinds:
+A position method is one of five kinds:
 
 * ``bias``: a ``[H, q, k]`` term added to the attention scores (ALiBi, T5's
   bucketed bias, Kerple, FIRE); its stack object is a ``bias.StackBias``, so
   every kernel of ``kernels.py`` runs it;
 * ``rotation``: queries and keys rotated by their positions (RoPE), then
   bias-free causal attention;
-* ``none``: no position information at all (NoPE): bias-free causal attention.
+* ``none``: no position information at all (NoPE): bias-free causal attention;
+* ``gate``: a data-dependent bias, per batch row (FoX's forget gates,
+  ``fox.py``): each layer binds its gates to its input, kernels take the
+  per-row bias (``StackBias.batched``);
+* ``hybrid``: a different object per layer (``StackBias.at_layer``):
+  RNoPE-SWA's windowed RoPE and full NoPE layers (``hybrid.py``).
+
+Every kind takes the logit methods (``logn``, ``logit_scale.py``) and SSMax.
 
 Adding a method: its maths in a module of this folder, one :class:`Position`
 line in :data:`POSITIONS`; the fairseq side (``models/transformer_lm.py``)
@@ -30,10 +37,12 @@ from .alibi import EXTENSIONS
 from .bias import AlibiBias, CausalMask, ModuleBias, StackBias
 from .errors import ConfigError
 from .fire import INIT_THRESHOLD, Fire
+from .fox import FOX_EXTENSIONS, ForgetGates
+from .hybrid import DEFAULT_NOPE_EVERY, RNOPE_EXTENSIONS, HybridPositions
 from .kerple import KerpleLog
 from .params import LEARNED, SHAPE, Param, Range
 from .rotary import BASE_RANGE, DEFAULT_BASE, ROPE_METHODS, RotaryPositions
-from .scaling import Scaling, check_applies
+from .scaling import LOGIT_METHODS, Scaling, check_applies
 from .t5bias import T5Bias
 
 
@@ -43,13 +52,13 @@ Builder = Callable[[int, int, Dict[str, Any], Scaling], StackBias]
 
 @dataclass(frozen=True)
 class Position:
-    """One position method: its ``name``, its ``kind`` (``bias``, ``rotation``
-    or ``none``), the context-extension methods that apply to it
-    (``extensions``, ``none`` among them), a one-line ``summary``, ``build``,
-    which makes the object one layer stack shares, its ``params`` (config
-    fields, each with the values it takes: ``params.Param``) and ``check``, a
-    constraint between them if any (called with every param in range; returns
-    the problem as one sentence naming the params, or None)."""
+    """One position method: its ``name``, its ``kind`` (``bias``, ``rotation``,
+    ``none``, ``gate`` or ``hybrid``), the context-extension methods that apply
+    to it (``extensions``, ``none`` among them), a one-line ``summary``,
+    ``build``, which makes the object one layer stack shares, its ``params``
+    (config fields, each with the values it takes: ``params.Param``) and
+    ``check``, a constraint between them if any (called with every param in
+    range; returns the problem as one sentence naming the params, or None)."""
 
     name: str
     kind: str
@@ -94,33 +103,63 @@ def _t5_distance(params: Dict[str, Any]) -> Optional[str]:
     return None
 
 
+def _fox(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
+    return ForgetGates(num_heads, num_heads * head_dim, scaling)
+
+
+def _rnope(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
+    window = params["rnope_window"]
+    if not window:
+        if not scaling.train_length:
+            raise ConfigError("rnope_window=0 means half the training length, which is not known here: give "
+                              "--rnope-window N or the training length (alibi_train_length)")
+        window = max(1, scaling.train_length // 2)
+    return HybridPositions(num_heads, head_dim, int(window), params["rnope_nope_every"], params["rotary_base"],
+                           scaling)
+
+
 #: The largest training length, threshold or distance a parameter takes, in tokens (fairseq's int32 lengths).
 MAX_TOKENS = 2**31 - 1
 
+#: The extension methods of a position method without its own: as trained,
+#: or a logit method (``logn``), which applies to every position method.
+PLAIN = ("none",) + LOGIT_METHODS
+
 #: Every position method, in the order tables list them.
 POSITIONS: Dict[str, Position] = {p.name: p for p in (
-    Position("alibi", "bias", EXTENSIONS, "-m_h (i - j): a fixed slope per head (Press et al. 2022)", _alibi),
-    Position("rotary", "rotation", ROPE_METHODS, "queries and keys rotated by position (RoPE, Su et al. 2021)",
-             _rotary, (Param("rotary_base", DEFAULT_BASE, "RoPE's base, frequencies base^(-2i/d)", BASE_RANGE),
-                       Param("rotary_fraction", 1.0, "the fraction of each head's dimensions rotated",
-                             Range(float, 0.0, 1.0, open_low=True),
-                             note="partial rotary: rounded down to an even number of dimensions, so a "
-                                  "15-dimension head rotates 14; the rest carry no position"))),
-    Position("t5bias", "bias", ("none",), "a learned scalar per (log-bucketed distance, head), one table for every "
+    Position("alibi", "bias", EXTENSIONS + LOGIT_METHODS, "-m_h (i - j): a fixed slope per head (Press et al. 2022)",
+             _alibi),
+    Position("rotary", "rotation", ROPE_METHODS + LOGIT_METHODS,
+             "queries and keys rotated by position (RoPE, Su et al. 2021)", _rotary,
+             (Param("rotary_base", DEFAULT_BASE, "RoPE's base, frequencies base^(-2i/d)", BASE_RANGE),
+              Param("rotary_fraction", 1.0, "the fraction of each head's dimensions rotated",
+                    Range(float, 0.0, 1.0, open_low=True),
+                    note="partial rotary: rounded down to an even number of dimensions, so a "
+                         "15-dimension head rotates 14; the rest carry no position"))),
+    Position("t5bias", "bias", PLAIN, "a learned scalar per (log-bucketed distance, head), one table for every "
              "layer (T5, Raffel et al. 2020)", _t5bias,
              (Param("t5_buckets", 32, "the number of T5 bias buckets, half exact distances and half logarithmic",
                     Range(int, 2, 4096), SHAPE),
               Param("t5_max_distance", 128, "the distance from which every key shares the last bucket",
                     Range(int, 2, MAX_TOKENS))), _t5_distance),
-    Position("nope", "none", ("none",), "no position information: the causal mask alone (Haviv et al. 2022)",
+    Position("nope", "none", PLAIN, "no position information: the causal mask alone (Haviv et al. 2022)",
              _nope),
-    Position("kerple", "bias", ("none",), "-r1 log(1 + r2 (i - j)), r1 and r2 learned per head (Kerple's log "
+    Position("kerple", "bias", PLAIN, "-r1 log(1 + r2 (i - j)), r1 and r2 learned per head (Kerple's log "
              "variant, Chi et al. 2022)", _kerple),
-    Position("fire", "bias", ("none",), "a learned MLP of log-distance normalized by the query position (FIRE, "
+    Position("fire", "bias", PLAIN, "a learned MLP of log-distance normalized by the query position (FIRE, "
              "Li et al. 2023)", _fire,
              (Param("fire_hidden", 32, "the width of FIRE's MLP, in hidden units", Range(int, 1, 4096), SHAPE),
               Param("fire_threshold", 0.0, "FIRE's initial threshold L, in tokens, learned in training",
                     Range(float, 1.0, MAX_TOKENS, special=((0, "the training length"),)), LEARNED))),
+    Position("fox", "gate", FOX_EXTENSIONS, "c_i - c_j, c the running sum of log forget gates sigmoid(w . x_t + "
+             "b) per head and layer (the Forgetting Transformer, Lin et al. 2025)", _fox),
+    Position("rnope", "hybrid", RNOPE_EXTENSIONS, "RoPE layers with a sliding window, every few layers a NoPE "
+             "layer with full attention (RNoPE-SWA, Yang et al. 2025)", _rnope,
+             (Param("rotary_base", DEFAULT_BASE, "RoPE's base in the RoPE layers", BASE_RANGE),
+              Param("rnope_window", 0, "the RoPE layers' sliding window, in keys",
+                    Range(int, 1, MAX_TOKENS, special=((0, "half the training length"),))),
+              Param("rnope_nope_every", DEFAULT_NOPE_EVERY, "every how many layers one is a NoPE layer with full "
+                    "attention (the last of each group; 1 = all NoPE)", Range(int, 1, 4096)))),
 )}
 
 
@@ -166,4 +205,8 @@ def check_extension(name: str, scaling: Scaling) -> Scaling:
 def build(name: str, num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
     """The position object of one layer stack of position method ``name``."""
     entry = position(name)
-    return entry.build(num_heads, head_dim, check_params(name, params), check_extension(name, scaling))
+    scaling = check_extension(name, scaling)
+    built = entry.build(num_heads, head_dim, check_params(name, params), scaling)
+    if built.scaling != scaling:  # a builder that does not take the spec (a logit method applies to every method)
+        built.rescale(scaling)
+    return built

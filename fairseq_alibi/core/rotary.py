@@ -37,7 +37,7 @@ from torch import Tensor
 from .bias import CausalMask
 from .errors import ConfigError, ScalingError
 from .params import Range
-from .scaling import NO_SCALING, Scaling, check_applies
+from .scaling import LOGIT_METHODS, NO_SCALING, Scaling, check_applies
 
 #: The extension methods this module computes, at a resolved factor >= 1.
 ROPE_METHODS = ("none", "linear", "ntk", "yarn")
@@ -223,15 +223,21 @@ class RotaryPositions(CausalMask):
         self.rescale(scaling)
 
     def rescale(self, scaling: Scaling) -> None:
-        self.scaling = check_applies(scaling, "rotary", ROPE_METHODS).complete()
+        self.scaling = check_applies(scaling, "rotary", ROPE_METHODS + LOGIT_METHODS).complete()
         self._cache.clear()
-        extended_frequencies(self.scaling.method, 1.0, self.rotary_dim, self.base, self.scaling.train_length)
+        extended_frequencies(self.frequency_method, 1.0, self.rotary_dim, self.base, self.scaling.train_length)
+
+    @property
+    def frequency_method(self) -> str:
+        """The extension method of the frequencies: the spec's, or ``none``
+        for a logit method (``logn`` scales the queries, ``logit_scale.py``)."""
+        return self.scaling.method if self.scaling.method in ROPE_METHODS else "none"
 
     def frequencies(self, factor: float, device) -> Tuple[Tensor, float]:
         """``(inv_freq, attention_scale)`` at a resolved factor, kept for the pass's layers."""
 
         def build() -> Tuple[Tensor, float]:
-            inv_freq, scale = extended_frequencies(self.scaling.method, factor, self.rotary_dim, self.base,
+            inv_freq, scale = extended_frequencies(self.frequency_method, factor, self.rotary_dim, self.base,
                                                    self.scaling.train_length)
             return inv_freq.to(device), scale
 

@@ -55,6 +55,8 @@ METHOD_TABLE: Tuple[MethodInfo, ...] = (
     MethodInfo("power", "distance", "the cap minus alpha ln(d / C): far weights fall as (C / d) ** alpha",
                default_alpha=1.5),
     MethodInfo("capnorm", "distance", "the cap, the far keys' total weight held at that of C keys", relative=False),
+    MethodInfo("logn", "logit", "any position method: each query's logits times max(1, ln n / ln B), n the keys "
+               "it sees, B = F x L (default L): log-n scaling, Qwen's logn attention"),
 )
 METHOD_INFO: Dict[str, MethodInfo] = {m.name: m for m in METHOD_TABLE}
 METHODS = tuple(METHOD_INFO)
@@ -62,12 +64,19 @@ METHODS = tuple(METHOD_INFO)
 SCALE_METHODS = tuple(m.name for m in METHOD_TABLE if m.kind == "scale")
 #: Methods that change the bias past ``C = factor x train_length``.
 DISTANCE_METHODS = tuple(m.name for m in METHOD_TABLE if m.kind == "distance")
+#: Methods that scale each query's logits by a function of the keys it sees
+#: (``logit_scale.py``), leaving the position method's bias or rotation alone.
+LOGIT_METHODS = tuple(m.name for m in METHOD_TABLE if m.kind == "logit")
+#: Methods whose factor counts training lengths (``0`` means 1): ``C`` of the
+#: distance methods, the base length ``B`` of the logit methods.
+LENGTH_METHODS = DISTANCE_METHODS + LOGIT_METHODS
 #: The tails' ``alpha`` when none is given (docs/retrieval.md, "Which method, when").
 DEFAULT_ALPHA = {m.name: m.default_alpha for m in METHOD_TABLE if m.default_alpha is not None}
 TAIL_METHODS = tuple(DEFAULT_ALPHA)
 #: The ``--methods`` grammar, for messages and ``--help``.
 METHOD_SYNTAX = ", ".join(
-    m.name + {"none": "", "scale": "[:F|:dynamic]", "distance": "[:F[:ALPHA]]" if m.default_alpha else "[:F]"}[m.kind]
+    m.name + {"none": "", "scale": "[:F|:dynamic]", "logit": "[:F]",
+              "distance": "[:F[:ALPHA]]" if m.default_alpha else "[:F]"}[m.kind]
     for m in METHOD_TABLE)
 
 #: The config key of each field of the spec (fairseq model configs, ``--model-overrides``).
@@ -99,6 +108,8 @@ def factor_rule(method: str) -> str:
         return f"{method} takes a static factor >= 1, or dynamic scaling (max(1, length / training length))"
     if method in DISTANCE_METHODS:
         return f"{'the cap' if method == 'cap' else method + chr(39) + 's C'} must be a positive number of training lengths"
+    if method in LOGIT_METHODS:
+        return f"{method}'s base length must be a positive number of training lengths"
     return "it must be a finite number >= 0"
 
 
@@ -109,7 +120,7 @@ def checked_factor(method: str, factor) -> float:
     value = real(factor)
     if value is None or not math.isfinite(value) or value < 0 or (method in SCALE_METHODS and 0 < value < 1):
         raise ScalingError("factor", factor, factor_rule(method))
-    if method == "none" or (method in DISTANCE_METHODS and value == 0):
+    if method == "none" or (method in LENGTH_METHODS and value == 0):
         return 1.0
     return value
 
@@ -170,6 +181,9 @@ class Scaling:
         if length is not None and method in DISTANCE_METHODS and self.factor * length < 1:
             raise ScalingError("factor", self.factor, f"{method} at {self.factor:g} x {length} training tokens "
                                f"starts at {self.factor * length:g} tokens; C must be at least one token")
+        if length is not None and method in LOGIT_METHODS and self.factor * length < 2:
+            raise ScalingError("factor", self.factor, f"{method} at {self.factor:g} x {length} training tokens has a "
+                               f"base length of {self.factor * length:g} tokens; it must be at least 2 (ln B > 0)")
 
     # --------------------------------------------------------------- spellings
     @classmethod
@@ -203,7 +217,7 @@ class Scaling:
             return self.method
         if self.method in TAIL_METHODS and self.alpha != DEFAULT_ALPHA[self.method]:
             return f"{self.method}:{self.factor:g}:{self.alpha:g}"
-        if self.method in DISTANCE_METHODS and self.factor == 1:
+        if self.method in LENGTH_METHODS and self.factor == 1:
             return self.method
         return f"{self.method}:{self.factor:g}"
 
@@ -274,6 +288,9 @@ class Scaling:
         if method in SCALE_METHODS and has_factor == has_length:
             raise invalid(f'{method} takes "factor": F (static, F >= 1) or "train_seq_len": N '
                           "(dynamic, max(1, length / N)), exactly one of them")
+        if method in LOGIT_METHODS and has_length:
+            raise invalid(f'{method} takes "factor": F (its base length in training lengths, alibi_train_length; '
+                          "default 1), no train_seq_len")
         if method in DISTANCE_METHODS and (has_length or not has_factor):
             raise invalid(f'{method} takes "factor": F (C in training lengths, alibi_train_length)'
                           + (' and optionally "alpha": A' if method in TAIL_METHODS else "") + ", no train_seq_len")
@@ -309,7 +326,7 @@ class Scaling:
 
     @property
     def needs_train_length(self) -> bool:
-        return self.dynamic or self.method in DISTANCE_METHODS
+        return self.dynamic or self.method in LENGTH_METHODS
 
     @property
     def relative(self) -> bool:
@@ -335,8 +352,9 @@ class Scaling:
         Complete (:meth:`complete`)."""
         if self.train_length is None:
             return self.with_train_length(recorded).complete()
-        if self.method in DISTANCE_METHODS and recorded is not None and self.train_length != recorded:
-            raise ScalingError("train_length", self.train_length, f"{self.method} counts C in the model's own "
+        if self.method in LENGTH_METHODS and recorded is not None and self.train_length != recorded:
+            raise ScalingError("train_length", self.train_length, f"{self.method} counts "
+                               f"{'C' if self.method in DISTANCE_METHODS else 'its base length'} in the model's own "
                                f"training length alibi_train_length={recorded}; leave train_length out")
         return self.complete()
 
@@ -358,6 +376,14 @@ class Scaling:
         if self.method not in DISTANCE_METHODS:
             return None
         return max(1, round(self.factor * self.complete().train_length))
+
+    @property
+    def logit_base(self) -> Optional[float]:
+        """``B = factor x train_length``, the key count past which a logit
+        method scales the logits (``ln n / ln B``), or None for other methods."""
+        if self.method not in LOGIT_METHODS:
+            return None
+        return self.factor * self.complete().train_length
 
     def at_factor(self, factor: float) -> "Scaling":
         """The static spec a dynamic one is at ``factor`` (one row's, one pass's)."""

@@ -20,6 +20,7 @@ from torch import Tensor
 from ..core import kernels
 from ..core.bias import StackBias
 from ..core.scaling import Scaling
+from ..core.ssmax import ScalableSoftmax
 
 
 def attach_shared(module: torch.nn.Module, name: str, shared) -> None:
@@ -32,15 +33,18 @@ def attach_shared(module: torch.nn.Module, name: str, shared) -> None:
 class PositionMultiheadAttention(MultiheadAttention):
     """Self-attention with a position method; a drop-in for fairseq's ``MultiheadAttention``."""
 
-    def __init__(self, embed_dim: int, num_heads: int, positions: StackBias, kernel: str = "auto", **kwargs):
+    def __init__(self, embed_dim: int, num_heads: int, positions: StackBias, kernel: str = "auto",
+                 ssmax_length: Optional[int] = None, **kwargs):
         super().__init__(embed_dim, num_heads, self_attention=True, **kwargs)
         if positions.num_heads != num_heads:
             raise ValueError(f"the position bias has {positions.num_heads} heads, attention has {num_heads}")
         own = positions.for_layer()
-        if own is not positions:  # a layer's own learned slopes: a submodule, named as checkpoints hold it
-            self.alibi = own
+        if own is not positions:  # a layer's own parameters (slopes, gates): a submodule, as checkpoints hold it
+            setattr(self, own.layer_attribute, own)
         attach_shared(self, "positions", own)
         self.kernel = kernels.check_kernel(kernel, own, self.dropout_module.p)
+        if ssmax_length is not None:  # scalable softmax: a learned s per head (core/ssmax.py); absent otherwise
+            self.ssmax = ScalableSoftmax(num_heads, ssmax_length)
 
     def forward(
         self,
@@ -71,12 +75,15 @@ class PositionMultiheadAttention(MultiheadAttention):
         v = split_heads(self.v_proj(query))
         past = self._cached_length(incremental_state)
         q, k = self.positions.rotate(q, k, past, past + tgt_len, key_padding_mask if past == 0 else None)
+        carried = self._get_input_buffer(incremental_state).get("prev_positions") if past else None
+        positions, carry = self.positions.bind(query, key_padding_mask, carried)  # FoX: this call's gates
         if incremental_state is not None:
-            k, v, key_padding_mask = self._extend_cache(incremental_state, k, v, key_padding_mask, bsz)
+            k, v, key_padding_mask = self._extend_cache(incremental_state, k, v, key_padding_mask, bsz, carry)
 
         dropout_p = self.dropout_module.p if self.training else 0.0
-        out, weights = kernels.attend(q, k, v, self.positions, self.kernel, key_padding_mask, dropout_p,
-                                      need_weights, incremental_state is not None)
+        ssmax = self.ssmax.scale if "ssmax" in self._modules else None
+        out, weights = kernels.attend(q, k, v, positions, self.kernel, key_padding_mask, dropout_p,
+                                      need_weights, incremental_state is not None, ssmax)
         out = self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim))
         if not need_weights or weights is None:
             return out, None  # the reference kernel computes weights either way: not asked, not returned
@@ -90,8 +97,11 @@ class PositionMultiheadAttention(MultiheadAttention):
         saved = self._get_input_buffer(incremental_state)
         return saved["prev_key"].size(2) if "prev_key" in saved else 0
 
-    def _extend_cache(self, incremental_state, k: Tensor, v: Tensor, key_padding_mask, bsz: int):
-        """Keys, values and padding mask with the cached ones prepended; the cache updated."""
+    def _extend_cache(self, incremental_state, k: Tensor, v: Tensor, key_padding_mask, bsz: int,
+                      carry: Optional[Tensor] = None):
+        """Keys, values and padding mask with the cached ones prepended; the
+        cache updated (with the position object's ``carry``: FoX's cumulative
+        log-gates of every cached key, ``[B, H, S]``)."""
         saved = self._get_input_buffer(incremental_state)
         if "prev_key" in saved:
             k = torch.cat([saved["prev_key"], k], dim=2)
@@ -105,6 +115,8 @@ class PositionMultiheadAttention(MultiheadAttention):
         )
         saved["prev_key"], saved["prev_value"] = k, v
         saved["prev_key_padding_mask"] = key_padding_mask
+        if carry is not None:
+            saved["prev_positions"] = carry
         self._set_input_buffer(incremental_state, saved)
         return k, v, key_padding_mask
 
@@ -114,7 +126,8 @@ def biases(model: torch.nn.Module):
     seen = {}
     for module in model.modules():
         if isinstance(module, PositionMultiheadAttention):
-            seen.setdefault(id(module.positions), module.positions)
+            owner = module.positions.stack  # a hybrid's layer: its stack rescales every kind of layer
+            seen.setdefault(id(owner), owner)
     return list(seen.values())
 
 

@@ -25,7 +25,7 @@ from ..core import positions as P
 from ..core.alibi import BIDIRECTIONAL_MODES
 from ..core.params import SHAPE, role_problem
 from ..core.scaling import (
-    CONFIG_KEYS, DEFAULT_ALPHA, DISTANCE_METHODS, METHOD_TABLE, METHODS, SCALE_METHODS, Scaling,
+    CONFIG_KEYS, DEFAULT_ALPHA, DISTANCE_METHODS, LOGIT_METHODS, METHOD_TABLE, METHODS, SCALE_METHODS, Scaling,
 )
 from ..core.bias import AlibiBias
 from ..errors import ConfigError, closest, warn_once
@@ -47,7 +47,7 @@ class AlibiConfig(FairseqDataclass):
     alibi_scale_factor: float = option(
         0.0, f"{'/'.join(SCALE_METHODS)}: 0 = dynamic, max(1, n / alibi_train_length) with n a row's keys in "
         f"the forward pass, otherwise a static factor >= 1; {'/'.join(DISTANCE_METHODS)}: C in training lengths "
-        "(any > 0; 0 = 1)")
+        f"(any > 0; 0 = 1); {'/'.join(LOGIT_METHODS)}: the base length in training lengths (0 = 1)")
     alibi_tail_alpha: Optional[float] = option(
         None, f"{' and '.join(DEFAULT_ALPHA)} only: the tail's growth alpha (> 0; defaults: "
         + ", ".join(f"{m} {a:g}" for m, a in DEFAULT_ALPHA.items()) + ")")

@@ -60,14 +60,19 @@ class PositionLanguageModelConfig(stock.TransformerLanguageModelConfig, AlibiCon
     # that silently adds projections to smaller or larger models.
     decoder_input_dim: Optional[int] = option(None, "decoder input dimension (default: decoder_embed_dim)")
     decoder_output_dim: Optional[int] = option(None, "decoder output dimension (default: decoder_embed_dim)")
+    ssmax: bool = option(False, "scalable softmax (SSMax, Nakanishi 2025): each query's logits times s_h ln n, n "
+                         "the keys it sees, s_h learned per head and layer (initialized to 1 / ln "
+                         "alibi_train_length); any position method")
 
 
 class PositionDecoderLayer(TransformerDecoderLayer):
     """Stock decoder layer whose self-attention reads the stack's position object."""
 
-    def __init__(self, args, positions: StackBias, kernel: str = "auto", no_encoder_attn=False):
+    def __init__(self, args, positions: StackBias, kernel: str = "auto", no_encoder_attn=False,
+                 ssmax_length: Optional[int] = None):
         attach_shared(self, "positions", positions)  # read by build_self_attention
         self.alibi_kernel = kernel
+        self.ssmax_length = ssmax_length  # --ssmax: SSMax's scales, initialized from this training length
         super().__init__(args, no_encoder_attn=no_encoder_attn)
 
     def build_self_attention(self, embed_dim, args, add_bias_kv=False, add_zero_attn=False):
@@ -79,10 +84,12 @@ class PositionDecoderLayer(TransformerDecoderLayer):
 
 def self_attention(layer, embed_dim: int, heads: int, dropout: float) -> PositionMultiheadAttention:
     """The self-attention of a stock layer that holds its stack's ``positions``
-    object and ``alibi_kernel`` name (and fairseq's quant-noise settings)."""
+    object and ``alibi_kernel`` name (and fairseq's quant-noise settings);
+    SSMax's scales where the layer has an ``ssmax_length`` (``--ssmax``)."""
     return PositionMultiheadAttention(
         embed_dim, heads, layer.positions, kernel=layer.alibi_kernel, dropout=dropout,
         q_noise=layer.quant_noise, qn_block_size=layer.quant_noise_block_size,
+        ssmax_length=getattr(layer, "ssmax_length", None),
     )
 
 
@@ -104,13 +111,20 @@ class PositionTransformerDecoder(TransformerDecoder):
         positions = build_positions(args, position)
         attach_shared(self, "positions", positions)  # before the layers are built (and Module.__init__)
         self.alibi_kernel = getattr(args, "alibi_attention", "auto")
+        # the layers are built from a TransformerConfig, which drops the plugin's fields: read --ssmax here
+        self.ssmax_length = safe_getattr(args, "alibi_train_length", None) if safe_getattr(args, "ssmax", False) \
+            else None
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn, output_projection)
         if isinstance(positions, torch.nn.Module):  # learned: the stack's submodule, trained and saved once
             del self.__dict__["positions"]
             self.positions = positions
 
     def build_decoder_layer(self, args, no_encoder_attn=False):
-        return wrap_layer(PositionDecoderLayer(args, self.positions, self.alibi_kernel, no_encoder_attn), args)
+        index = self.__dict__.get("_layers_built", 0)  # fairseq builds the layers in order, 0 first
+        self.__dict__["_layers_built"] = index + 1
+        layer_positions = self.positions.at_layer(index)  # the stack's object, or a hybrid's choice for this layer
+        layer = PositionDecoderLayer(args, layer_positions, self.alibi_kernel, no_encoder_attn, self.ssmax_length)
+        return wrap_layer(layer, args)
 
     def extract_features_scriptable(self, prev_output_tokens, *args, **kwargs):
         self.positions.start_pass()  # a learned bias is built once per pass, for every layer

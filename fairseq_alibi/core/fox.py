@@ -1,0 +1,165 @@
+"""The Forgetting Transformer's forget gate (FoX: Lin, Nikishin, He and
+Courville, "Forgetting Transformer: Softmax Attention with a Forget Gate",
+ICLR 2025), as a data-dependent position bias.
+
+Each layer has, per head ``h``, a scalar forget gate per token computed from
+the layer's input ``x_t``: ``f_t = sigmoid(w_h . x_t + b_h)``.  Query ``i``
+adds to its logit of key ``j <= i``
+
+    D_ij = sum_{l = j+1 .. i} ln f_l = c_i - c_j,    c_t = sum_{l <= t} ln f_l,
+
+so the bias is the difference of one cumulative sum per (batch row, head):
+FoX needs no position embeddings.  With a constant gate ``f = exp(-m_h)``
+(``w = 0``, ``b_h = logit(exp(-m_h))``) ``D_ij = -m_h (i - j)``: ALiBi.
+
+What the kernels see (``bias.StackBias``): :class:`GateBias`, ``batched``
+(one bias per row: ``block`` gives ``[B, H, q, k]`` built from the two
+vectors, per query block in the ``chunked`` kernel, so nothing ``[B, H, T, T]``
+exists there; ``reference`` and ``sdpa`` take it whole).  Padding: a padded
+token's gate is 1 (``ln f = 0``), so a left- or right-padded row has the
+cumulative sums of its unpadded self, shifted by a constant that cancels in
+``c_i - c_j``.  KV cache: ``c`` of every cached key is carried
+(``bind``'s second value), and new tokens continue from the last one.
+
+Initialization (the authors' repository, zhixuan-lin/forgetting-transformer,
+``fgate_type="full"``): the gate's projection like every linear layer there,
+weights normal with standard deviation 0.02 (``initializer_range``) and a zero
+bias, so gates start near ``sigmoid(0) = 0.5``; the ``T_min``/``T_max`` bias
+initialization there is for their data-independent gates only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .bias import StackBias, padding_mask
+from .errors import ConfigError
+from .scaling import LOGIT_METHODS, NO_SCALING, Scaling, check_applies
+
+#: The extension methods that apply to FoX (it has no slopes or frequencies to scale).
+FOX_EXTENSIONS = ("none",) + LOGIT_METHODS
+#: The gate projection's initial weight standard deviation (the authors' ``initializer_range``).
+GATE_INIT_STD = 0.02
+
+
+def log_gates(x: Tensor, weight: Tensor, bias: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """float32 ``[B, H, T]`` ``ln f_t = logsigmoid(w_h . x_t + b_h)`` of ``x``
+    ``[T, B, C]`` (0 at padded tokens, ``key_padding_mask`` ``[B, T]``)."""
+    logits = F.linear(x, weight, bias).to(torch.float32).permute(1, 2, 0)  # [B, H, T]
+    logf = F.logsigmoid(logits)
+    if key_padding_mask is not None:
+        logf = logf.masked_fill(key_padding_mask.to(torch.bool)[:, None, :], 0.0)
+    return logf
+
+
+def cumulative_gates(logf: Tensor, carried: Optional[Tensor] = None) -> Tensor:
+    """``c`` ``[B, H, S]`` of every key: the cached ``carried`` (``[B, H, S0]``)
+    followed by the new tokens' running sum of ``logf``, continued from the
+    last cached value."""
+    running = logf.cumsum(-1)
+    if carried is None or carried.size(-1) == 0:
+        return running
+    return torch.cat([carried, carried[..., -1:] + running], dim=-1)
+
+
+def gate_bias(c: Tensor, q_start: int, q_len: int, keys: int) -> Tensor:
+    """float32 ``[B, H, q_len, keys]``: ``c_i - c_j`` for queries ``q_start ..``
+    over keys ``0 .. keys - 1``, ``-inf`` right of each query."""
+    query = c[..., q_start: q_start + q_len, None]
+    key = c[..., None, :keys]
+    positions = torch.arange(q_start, q_start + q_len, device=c.device)[:, None]
+    future = torch.arange(keys, device=c.device)[None, :] > positions
+    return (query - key).masked_fill(future, float("-inf"))
+
+
+class GateBias(StackBias):
+    """One call's FoX bias: ``c`` ``[B, H, S]`` (float32) of every key."""
+
+    batched = True
+    learned = True
+
+    def __init__(self, c: Tensor, scaling: Scaling = NO_SCALING):
+        StackBias.__init__(self, c.size(1))
+        self.c = c
+        self.scaling = scaling
+
+    @property
+    def toeplitz(self) -> bool:
+        return False
+
+    def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
+        return gate_bias(self.c, q_start, q_len, keys or k_len).to(dtype)
+
+    def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
+        return self.block(k_len - q_len, q_len, k_len, dtype, device)
+
+    def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+        pad = padding_mask(key_padding_mask, bias.dtype)
+        return bias if pad is None else bias + pad
+
+
+def _check_fox_scaling(scaling: Scaling) -> Scaling:
+    return check_applies(scaling, "fox", FOX_EXTENSIONS).complete()
+
+
+class ForgetGates(StackBias):
+    """The stack's FoX object: no parameters of its own; each layer gets its
+    own gate (:meth:`for_layer`), as the paper computes one per layer."""
+
+    learned = True
+
+    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING):
+        StackBias.__init__(self, num_heads)
+        self.embed_dim = embed_dim
+        self.scaling = _check_fox_scaling(scaling)
+
+    @property
+    def toeplitz(self) -> bool:
+        return False
+
+    def rescale(self, scaling: Scaling) -> None:
+        self.scaling = _check_fox_scaling(scaling)
+
+    def for_layer(self) -> "LayerForgetGate":
+        return LayerForgetGate(self.num_heads, self.embed_dim, self.scaling)
+
+    def block(self, q_start, q_len, k_len, dtype, device, keys=None) -> Tensor:
+        raise ConfigError("FoX's bias depends on each layer's input: a layer binds its own gates first (bind)")
+
+
+class LayerForgetGate(nn.Module, StackBias):
+    """One layer's forget gates: ``proj`` (``embed_dim -> H``), saved in
+    checkpoints as ``self_attn.forget_gate.proj``."""
+
+    learned = True
+    layer_attribute = "forget_gate"
+
+    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING):
+        nn.Module.__init__(self)
+        StackBias.__init__(self, num_heads)
+        self.proj = nn.Linear(embed_dim, num_heads)
+        nn.init.normal_(self.proj.weight, std=GATE_INIT_STD)
+        nn.init.zeros_(self.proj.bias)
+        self.scaling = _check_fox_scaling(scaling)
+
+    @property
+    def toeplitz(self) -> bool:
+        return False
+
+    def rescale(self, scaling: Scaling) -> None:
+        self.scaling = _check_fox_scaling(scaling)
+
+    def for_layer(self) -> "LayerForgetGate":
+        return self
+
+    def bind(self, x: Tensor, key_padding_mask: Optional[Tensor], carried: Optional[Tensor]
+             ) -> Tuple[GateBias, Tensor]:
+        c = cumulative_gates(log_gates(x, self.proj.weight, self.proj.bias, key_padding_mask), carried)
+        return GateBias(c, self.scaling), c
+
+    def block(self, q_start, q_len, k_len, dtype, device, keys=None) -> Tensor:
+        raise ConfigError("FoX's bias depends on the layer's input: bind the layer's gates first (bind)")

@@ -1,0 +1,148 @@
+"""The Forgetting Transformer (``transformer_lm_fox``, ``core/fox.py``): its
+bias against a loop over the gates, fixed gates equal to ALiBi, padded rows
+equal to unpadded ones, every kernel equal to the reference, incremental
+decoding equal to the full forward, gradients reaching the gates."""
+
+import math
+
+import pytest
+import torch
+
+import fairseq_alibi.models  # noqa: F401  (registers the models)
+from fairseq_alibi.core import kernels
+from fairseq_alibi.core.fox import ForgetGates, GateBias, LayerForgetGate
+from fairseq_alibi.core.scaling import Scaling
+from fairseq_alibi.models.attention import PositionMultiheadAttention
+
+from test_position_models import TRAIN, build, data_dir, incremental, tokens  # noqa: F401 (data_dir: a fixture)
+
+HEADS, DIM = 4, 32
+
+
+def gate(seed: int = 0) -> LayerForgetGate:
+    torch.manual_seed(seed)
+    layer = ForgetGates(HEADS, DIM, Scaling()).for_layer()
+    with torch.no_grad():  # gates spread over (0, 1), not all near the init's 0.5
+        layer.proj.weight.normal_(std=0.4)
+        layer.proj.bias.normal_(std=1.0)
+    return layer
+
+
+def loop_bias(layer: LayerForgetGate, x: torch.Tensor) -> torch.Tensor:
+    """float64 ``[B, H, T, T]``: ``sum_{l=j+1..i} ln f_l`` written as loops, ``-inf`` right of each query."""
+    T, B, _ = x.shape
+    bias = torch.full((B, HEADS, T, T), float("-inf"), dtype=torch.float64)
+    w, b = layer.proj.weight.double(), layer.proj.bias.double()
+    for row in range(B):
+        for h in range(HEADS):
+            f = [1.0 / (1.0 + math.exp(-float(x[t, row].double() @ w[h] + b[h]))) for t in range(T)]
+            for i in range(T):
+                for j in range(i + 1):
+                    bias[row, h, i, j] = sum(math.log(f[l]) for l in range(j + 1, i + 1))
+    return bias
+
+
+def test_the_bias_is_the_loop_over_the_gates():
+    layer = gate()
+    x = torch.randn(10, 2, DIM)
+    with torch.no_grad():
+        bias, carried = layer.bind(x, None, None)
+        dense = bias.dense(10, 10, torch.float32, "cpu")
+    assert dense.shape == (2, HEADS, 10, 10) and carried.shape == (2, HEADS, 10)
+    torch.testing.assert_close(dense.double(), loop_bias(layer, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "chunked"])
+def test_every_kernel_equals_the_reference(kernel):
+    layer = gate(1)
+    T = 70
+    x = torch.randn(T, 2, DIM)
+    q, k, v = (torch.randn(2, HEADS, T, 8) for _ in range(3))
+    pad = torch.zeros(2, T, dtype=torch.bool)
+    pad[1, :9] = True  # left padding in row 1
+    with torch.no_grad():
+        for mask in (None, pad):
+            bias, _ = layer.bind(x, mask, None)
+            expected, _ = kernels.attend(q, k, v, bias, "reference", mask)
+            if kernel == "chunked":  # small query blocks: the per-block c_i - c_j, never the whole square
+                out, _ = kernels.chunked_kernel(q, k, v, bias, mask, 0.0, chunk_size=16)
+            else:
+                out, _ = kernels.attend(q, k, v, bias, kernel, mask)
+            real = slice(None) if mask is None else slice(9, None)
+            torch.testing.assert_close(out[1, :, real], expected[1, :, real], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out[0], expected[0], rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_choice_builds_no_square_bias_for_long_inputs():
+    bias = GateBias(torch.zeros(1, HEADS, 600))
+    assert kernels.choose_kernel("auto", bias, False, 600, 600) == "chunked"
+    layer = gate()
+    assert kernels.check_kernel("blocked", layer) == "sdpa"  # blocked keeps no gradient for a learned bias
+    with pytest.raises(Exception, match="flex has a score_mod for ALiBi"):
+        kernels.check_kernel("flex", layer)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_rows_equal_unpadded_rows(side):
+    torch.manual_seed(2)
+    attention = PositionMultiheadAttention(DIM, HEADS, ForgetGates(HEADS, DIM, Scaling()), kernel="sdpa").eval()
+    with torch.no_grad():
+        attention.forget_gate.proj.weight.normal_(std=0.4)
+        attention.forget_gate.proj.bias.normal_()
+    real, lead = 11, 5
+    x = torch.randn(real, 1, DIM)
+    padded = torch.randn(real + lead, 1, DIM)  # padding positions hold arbitrary vectors
+    pad = torch.zeros(1, real + lead, dtype=torch.bool)
+    span = slice(lead, None) if side == "left" else slice(0, real)
+    padded[span] = x
+    pad[0, :lead] = side == "left"
+    pad[0, real:] = side == "right"
+    with torch.no_grad():
+        alone, _ = attention(x, x, x, need_weights=False)
+        batch, _ = attention(padded, padded, padded, key_padding_mask=pad, need_weights=False)
+    torch.testing.assert_close(batch[span], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_fixed_gates_exp_minus_slope_equal_alibi(data_dir):
+    """w = 0, b_h = logit(exp(-m_h)): every gate is exp(-m_h), D_ij = -m_h (i - j): ALiBi's model outputs."""
+    alibi = build(data_dir, "alibi")
+    fox = build(data_dir, "fox")
+    slopes = alibi.decoder.positions.base_slopes.double()
+    missing, unexpected = fox.load_state_dict(alibi.state_dict(), strict=False)
+    assert not unexpected and missing and all(".forget_gate." in key for key in missing)
+    with torch.no_grad():
+        for layer in fox.decoder.layers:
+            proj = layer.self_attn.forget_gate.proj
+            proj.weight.zero_()
+            proj.bias.copy_(torch.log(torch.exp(-slopes) / -torch.expm1(-slopes)))  # logit(exp(-m))
+    ids = tokens(3 * TRAIN)
+    with torch.no_grad():
+        torch.testing.assert_close(fox.decoder(ids)[0], alibi.decoder(ids)[0], rtol=1e-4, atol=1e-4)
+        fox.decoder.layers[0].self_attn.forget_gate.proj.bias.add_(0.5)
+        assert not torch.allclose(fox.decoder(ids)[0], alibi.decoder(ids)[0], atol=1e-3)  # the gates matter
+
+
+def test_incremental_decoding_equals_the_full_forward_past_the_training_length(data_dir):
+    model = build(data_dir, "fox")
+    ids = tokens(4 * TRAIN)
+    with torch.no_grad():
+        full, _ = model.decoder(ids)
+        torch.testing.assert_close(incremental(model, ids), full, rtol=1e-4, atol=1e-4)
+
+
+def test_each_layer_has_its_own_gates_and_they_learn(data_dir):
+    model = build(data_dir, "fox").train()
+    gates = [layer.self_attn.forget_gate for layer in model.decoder.layers]
+    assert gates[0] is not gates[1]
+    state = model.state_dict()
+    assert {k for k in state if "forget_gate" in k} == {
+        f"decoder.layers.{i}.self_attn.forget_gate.proj.{p}" for i in range(2) for p in ("weight", "bias")}
+    out, _ = model.decoder(tokens(TRAIN))
+    out.float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for g in gates for p in g.parameters())
+
+
+def test_the_gate_starts_as_the_authors_init(data_dir):
+    layer = ForgetGates(HEADS, 256, Scaling()).for_layer()
+    assert torch.equal(layer.proj.bias, torch.zeros(HEADS))
+    assert 0.015 < float(layer.proj.weight.std()) < 0.025

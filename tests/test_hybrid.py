@@ -1,0 +1,97 @@
+"""RNoPE-SWA (``transformer_lm_rnope``, ``core/hybrid.py``): windowed RoPE
+layers against an explicit band mask on every kernel (the blocked and chunked
+kernels skipping the key blocks left of the window), NoPE layers with full
+attention interleaved, the KV cache equal to the full forward, extension
+methods reaching the layers they apply to."""
+
+import math
+
+import pytest
+import torch
+
+import fairseq_alibi.models  # noqa: F401  (registers the models)
+from fairseq_alibi.core import causal_blocks, kernels
+from fairseq_alibi.core.bias import CausalMask
+from fairseq_alibi.core.hybrid import HybridPositions, WindowedRotary
+from fairseq_alibi.core.scaling import Scaling
+from fairseq_alibi.models.attention import rescale
+
+from test_position_models import TRAIN, build, data_dir, incremental, tokens  # noqa: F401 (data_dir: a fixture)
+
+
+def explicit_window(q, k, v, window):
+    """softmax over keys j with 0 <= i - j < window, written with an explicit boolean mask (float64)."""
+    T = q.size(2)
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    seen = (j <= i) & (i - j < window)
+    scores = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.size(-1))
+    return torch.softmax(scores.masked_fill(~seen, float("-inf")), -1) @ v.double()
+
+
+@pytest.mark.parametrize("kernel", ["reference", "sdpa", "chunked", "blocked"])
+def test_the_window_is_the_explicit_mask_on_every_kernel(kernel):
+    torch.manual_seed(0)
+    T, window = 300, 37
+    bias = WindowedRotary(4, 8, window)
+    q, k, v = (torch.randn(2, 4, T, 8) for _ in range(3))
+    with torch.no_grad():
+        out, _ = kernels.attend(q, k, v, bias, kernel)
+    torch.testing.assert_close(out.double(), explicit_window(q, k, v, window), rtol=1e-5, atol=1e-5)
+
+
+def test_the_blocked_and_chunked_kernels_skip_the_blocks_left_of_the_window():
+    T, window = 600, 50
+    first = kernels.sliding_windows(WindowedRotary(4, 8, window), 4, 0)
+    calls = causal_blocks._block_calls(T, T, causal_blocks.block_size(T), 4, first)
+    assert any(start > 0 and lo > 0 for start, _, _, lo, _ in calls)  # later blocks start past key 0
+    for start, stop, _, lo, _ in calls:
+        assert lo <= max(0, start - window + 1)  # and never past a key the block's first query sees
+    assert kernels.sliding_windows(CausalMask(4), 4, 0) is None  # full attention: nothing skipped
+
+
+def test_layers_interleave_windowed_rope_and_full_nope(data_dir):
+    model = build(data_dir, "rnope", "--decoder-layers", "4", "--rnope-nope-every", "2")
+    kinds = [type(layer.self_attn.positions) for layer in model.decoder.layers]
+    assert kinds == [WindowedRotary, CausalMask, WindowedRotary, CausalMask]
+    assert model.decoder.layers[0].self_attn.positions.window == TRAIN // 2  # the default: half of L
+    assert model.decoder.layers[1].self_attn.positions.window is None
+    other = build(data_dir, "rnope", "--rnope-window", "5")
+    assert other.decoder.layers[0].self_attn.positions.window == 5
+    assert isinstance(other.decoder.positions, HybridPositions)
+    assert all(isinstance(layer.self_attn.positions, WindowedRotary) for layer in other.decoder.layers)  # 2 < 4
+
+
+def test_a_nope_layer_attends_to_every_key_without_rotation(data_dir):
+    model = build(data_dir, "rnope", "--rnope-nope-every", "2")
+    attention = model.decoder.layers[1].self_attn
+    T = 3 * TRAIN
+    x = torch.randn(T, 1, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out, _ = attention(x, x, x, need_weights=False)
+        q, k, v = (proj(x).view(T, 1, 4, 8).permute(1, 2, 0, 3)
+                   for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
+        expected = explicit_window(q, k, v, T + 1).float()
+        expected = attention.out_proj(expected.permute(2, 0, 1, 3).reshape(T, 1, 32))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spelling", ["none", "ntk:2", "logn"])
+def test_kv_cache_equals_the_full_forward(data_dir, spelling):
+    model = build(data_dir, "rnope", "--decoder-layers", "4", "--rnope-nope-every", "2")
+    rescale(model, Scaling.parse(spelling, TRAIN))
+    ids = tokens(3 * TRAIN)
+    with torch.no_grad():
+        full, _ = model.decoder(ids)
+        torch.testing.assert_close(incremental(model, ids), full, rtol=1e-4, atol=1e-4)
+
+
+def test_extension_methods_reach_the_layers_they_apply_to(data_dir):
+    model = build(data_dir, "rnope", "--rnope-nope-every", "2")
+    rope, nope = (layer.self_attn.positions for layer in model.decoder.layers)
+    rescale(model, Scaling.parse("ntk:4", TRAIN))
+    assert rope.scaling.method == "ntk" and nope.scaling.method == "none"
+    rescale(model, Scaling.parse("logn", TRAIN))
+    assert rope.scaling.method == "logn" == nope.scaling.method
+    with pytest.raises(Exception, match="does not apply to rnope"):
+        rescale(model, Scaling.parse("cap", TRAIN))
