@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+from ..core.configuration_alibi import POSITION_METHODS as EXPORTED_METHODS
 from ..core.scaling import Scaling
 from ..errors import ExportError, checkpoint_files, one_line
 from .. import facts
@@ -79,7 +80,12 @@ def check_language_model(path: str, state: Dict[str, Any]) -> str:
     family = facts.model_family(arch)
     task = task_cfg.get("_name")
     if family in facts.LANGUAGE_MODELS and task in (None, "language_modeling"):
-        return facts.position_of(family) or SINUSOIDAL
+        position = facts.position_of(family) or SINUSOIDAL
+        if position not in EXPORTED_METHODS:
+            raise ExportError(f"{path} is a {position} language model ({family}); alibi-export-hf does not export "
+                              f"{position} models yet (the exported model computes {', '.join(EXPORTED_METHODS)}): "
+                              "evaluate it in fairseq (alibi-eval-lm, alibi-sweep)")
+        return position
     raise not_exportable(path, arch, family, task)
 
 
