@@ -310,9 +310,10 @@ CASES = [
         ("a Latin-1 prompt file", RETRIEVAL + ["--task", "latin/prompts.jsonl"]),
     ]),
     ("alibi-export-hf", [
-        ("a checkpoint of the stock sinusoidal model", ["alibi-export-hf", "stock/checkpoint_last.pt", "hf_out"]),
-        ("a checkpoint of another position method (rotary)", ["alibi-export-hf", "rotary/checkpoint_last.pt",
-                                                               "hf_out"]),
+        ("`--format gpt-neox` for a model GPT-NeoX cannot hold (ALiBi)",
+         ["alibi-export-hf", "alibi/checkpoint_last.pt", "hf_out", "--format", "gpt-neox"]),
+        ("`--format gpt-neox` for a post-norm rotary model", ["alibi-export-hf", "rotary/checkpoint_last.pt",
+                                                               "hf_out", "--format", "gpt-neox"]),
         ("`--format bloom` for a model BLOOM cannot hold (the default post-norm model)",
          ["alibi-export-hf", "alibi/checkpoint_last.pt", "hf_out", "--format", "bloom"]),
         ("an output directory that is not empty", ["alibi-export-hf", "alibi/checkpoint_last.pt", "data"]),

@@ -478,12 +478,13 @@ def test_lists_of_position_methods_are_the_registry():
     listed = re.search(r"\(`([a-z0-9 ]+)`, each trained as", doc("examples/retrieval/README.md")).group(1).split()
     assert listed == list(POSITIONS), missing_methods("examples/retrieval/README.md", listed, list(POSITIONS))
     retrieval = " ".join(doc("docs/retrieval.md").split())
-    applies = re.search(r"\(ALiBi: all but `(\w+)`; RoPE: ((?:`\w+`, )*`\w+`); the others", retrieval)
+    applies = re.search(r"\(ALiBi: all but `(\w+)`; RoPE: ((?:`\w+`, )*`\w+`); RNoPE: RoPE's; the others", retrieval)
     assert [m for m in METHODS if m not in position("alibi").extensions] == [applies.group(1)]
     assert ticked(applies.group(2)) == list(position("rotary").extensions)
-    others = [name for name, entry in POSITIONS.items() if name not in ("alibi", "rotary")]
-    assert all(POSITIONS[name].extensions == ("none",) for name in others), \
-        "docs/retrieval.md says every position method but ALiBi and RoPE has `none` only"
+    assert position("rnope").extensions == position("rotary").extensions, "docs/retrieval.md: RNoPE takes RoPE's"
+    others = [name for name, entry in POSITIONS.items() if name not in ("alibi", "rotary", "rnope")]
+    assert all(POSITIONS[name].extensions == ("none", "logn") for name in others), \
+        "docs/retrieval.md says every other position method has `none` and `logn`"
 
 
 def test_core_docstring_names_every_module_of_the_folder():

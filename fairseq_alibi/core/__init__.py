@@ -7,12 +7,16 @@ copies this folder) and is loaded there by transformers' remote-code loader,
 which follows ``from .module import name`` (so this folder stays flat).
 
 * ``errors``: the root of every user-fixable error;
+* ``params``: how a position method declares its options (``Param``: default, valid range, role);
 * ``scaling``: the context-extension spec (``Scaling``), its methods (``METHOD_TABLE``) and spellings;
 * ``positions``: the registry of position methods (``POSITIONS``): each one's kind, parameters,
   the extension methods that apply to it and its builder;
 * ``alibi``: ALiBi's slopes, what each extension method does to them, the one bias formula;
 * ``rotary``: RoPE (rotation of queries and keys) with its extension methods (PI, NTK, YaRN);
 * ``t5bias``, ``kerple``, ``fire``: the learned biases (T5's buckets, Kerple's log kernel, FIRE's MLP);
+* ``fox``: the Forgetting Transformer's per-layer forget gates (a data-dependent bias ``c_i - c_j``);
+* ``hybrid``: RNoPE-SWA, RoPE layers with a sliding window interleaved with full-attention NoPE layers;
+* ``logit_scale``, ``ssmax``: query scaling by the keys seen (the ``logn`` extension method; learned SSMax);
 * ``bias``: a layer stack's shared position object (``StackBias``: slopes or a learned bias,
   scaling, caches; the causal mask alone for NoPE);
 * ``kernels`` (+ ``causal_blocks``, ``flex``): attention kernels in one registry;
