@@ -83,6 +83,11 @@ class CorpusError(UserError):
     """A problem with the embedded corpus's inputs or outputs."""
 
 
+
+#: Keys fairseq's hub interface adds to the overrides itself (its files, its options).
+HUB_KEYS = ("data", "bpe_codes", "sentencepiece_model", "bpe_merges", "bpe_vocab", "user_dir", "generation_args",
+            "is_vocoder")
+
 def one_line(text) -> str:
     return " ".join(str(text).split())
 
@@ -202,7 +207,6 @@ def _describe_model_mismatch(exc: BaseException, frame) -> str:
                   f"{mismatched} of another shape)")
     elif len(detail) > 300:
         detail = detail[:300] + "..."
-    from .models.config import HUB_KEYS  # fairseq is loaded: it raised this
 
     overrides = frame.get("arg_overrides") or {}
     given = sorted(str(k) for k in overrides if k not in HUB_KEYS) if isinstance(overrides, dict) else []

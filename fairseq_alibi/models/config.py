@@ -28,7 +28,7 @@ from ..core.scaling import (
     CONFIG_KEYS, DEFAULT_ALPHA, DISTANCE_METHODS, LOGIT_METHODS, METHOD_TABLE, METHODS, SCALE_METHODS, Scaling,
 )
 from ..core.bias import AlibiBias
-from ..errors import ConfigError, closest, warn_once
+from ..errors import HUB_KEYS, ConfigError, closest, warn_once
 from ..options import INTEGER_OPTIONS, integer_problem  # noqa: F401  (the table override values are checked against)
 from ..core.kernels import KERNEL_NAMES
 
@@ -122,9 +122,6 @@ _FIELD_CHOICES = {"alibi_interpolation": METHODS, "alibi_attention": KERNEL_NAME
                   "alibi_bidirectional": BIDIRECTIONAL_MODES}
 
 
-#: Keys fairseq's hub interface adds to the overrides itself (its files, its options).
-HUB_KEYS = ("data", "bpe_codes", "sentencepiece_model", "bpe_merges", "bpe_vocab", "user_dir", "generation_args",
-            "is_vocoder")
 
 
 def _override_value_problem(key: str, value) -> Optional[str]:
