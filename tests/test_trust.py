@@ -221,7 +221,8 @@ def override_cases():
             yield method, param.name, -1, "cannot apply" if param.role != SETTING else "is not valid"
         for other, param in PARAMS:
             if other != method and param.name not in {p.name for p in own}:
-                yield method, param.name, param.default, f"is a parameter of {other} models"
+                owners = [name for name, p in PARAMS if p.name == param.name]
+                yield method, param.name, param.default, f"is a parameter of {' and '.join(owners)} models"
         yield method, "decoder_layers", 3, "it sets the model's shape"
         yield method, "decoder_layers", 2, None
         yield method, "alibi_attention", "sdpa", None
