@@ -49,8 +49,8 @@ test: install
 
 # On a machine with a CUDA GPU (about 10 minutes): the CUDA tests, the kernel
 # benchmark against bias-free flash attention, compile costs, paired
-# fairseq-train runs (ALiBi vs sinusoidal, bf16, 512 and 2048 tokens) and a
-# 16K-64K evaluation; writes the numbers, the device named, into
+# fairseq-train runs (ALiBi vs sinusoidal, fp16, 512 and 2048 tokens) and a
+# 16K-32K evaluation; writes the numbers, the device named, into
 # docs/performance.md.  Options: scripts/gpu_check.py --help.
 gpu-check: install
 	$(BIN)/python scripts/gpu_check.py

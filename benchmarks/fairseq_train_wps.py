@@ -23,7 +23,9 @@ estimate); the reported ratios are medians over repeats of ALiBi / sinusoidal
 from the same repeat, for both summaries.  ``--analyze DIR`` recomputes them
 from the logs of a run made with ``--keep DIR``.
 
-``--device cuda`` trains on the GPU in bf16 (``--bf16``), one run after the
+``--device cuda`` trains on the GPU in fp16 (``--fp16``, fairseq's loss-scaled
+mixed precision: stock fairseq 0.12 reads ``--bf16`` as "run on a TPU" and
+stops on a GPU without torch_xla), one run after the
 other (there is one GPU), without ``--cpu``; ALiBi's ``auto`` kernel is then
 compiled FlexAttention (no attention dropout), whose compilation falls in the
 ``--skip`` warm-up updates.
@@ -76,7 +78,7 @@ def train_command(data: str, arch: str, opts, attention_dropout: float):
         "--log-format", "json", "--log-interval", "1", "--no-save", "--disable-validation",
         "--num-workers", "0",
     ]
-    cmd += ["--bf16"] if opts.device == "cuda" else ["--cpu"]
+    cmd += ["--fp16"] if opts.device == "cuda" else ["--cpu"]
     if arch.endswith("_alibi"):
         cmd += ["--user-dir", os.path.join(ROOT, "fairseq_alibi")]
     return cmd
@@ -152,7 +154,7 @@ def main():
     import torch  # its version is fairseq-train's (one environment)
 
     results = {"machine": machine_description(), "device": device_name(opts.device), "torch": torch.__version__,
-               "dtype": "bfloat16" if opts.device == "cuda" else "float32", "config": vars(opts), "runs": {}}
+               "dtype": "float16" if opts.device == "cuda" else "float32", "config": vars(opts), "runs": {}}
     for drop in opts.attention_dropout:
         runs = {"sinusoidal": [], "alibi": []}
         median_wps = {"sinusoidal": [], "alibi": []}

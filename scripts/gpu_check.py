@@ -11,8 +11,8 @@ subprocess with its own share of the time:
 * ``compile``: graphs and seconds of compilation over 10 lengths, then per
   method (``benchmarks/flex_compile.py --device cuda``);
 * ``train``: paired stock ``fairseq-train`` runs, ALiBi against sinusoidal,
-  bf16, at 512 and 2048 tokens (``benchmarks/fairseq_train_wps.py --device cuda``);
-* ``eval``: 16K-64K tokens scored in one forward, time and peak GPU memory,
+  fp16, at 512 and 2048 tokens (``benchmarks/fairseq_train_wps.py --device cuda``);
+* ``eval``: 16K-32K tokens scored in one forward, time and peak GPU memory,
   ALiBi against sinusoidal (``benchmarks/eval_memory.py --device cuda``).
 
 It then writes the numbers, with the device named, between the ``gpu-check``
@@ -41,7 +41,7 @@ BEGIN, END = "<!-- gpu-check: begin -->", "<!-- gpu-check: end -->"
 
 #: name -> (share of the budget in seconds, command after the interpreter; {json} is the output file).
 STEPS: Dict[str, tuple] = {
-    "tests": (120, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py", "tests/test_flex.py",
+    "tests": (150, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py", "tests/test_flex.py",
                     "-k", "cuda"]),
     "kernels": (90, ["benchmarks/gpu_attention.py", "--part", "kernels", "--device", "cuda",
                      "--lengths", "2048", "4096", "8192", "16384", "--repeats", "3", "--json", "{json}"]),
@@ -51,7 +51,7 @@ STEPS: Dict[str, tuple] = {
                     "--repeats", "1", "--layers", "6", "--embed-dim", "1024", "--heads", "16", "--ffn", "4096",
                     "--updates", "25", "--skip", "10", "--json", "{json}"]),
     "eval": (120, ["benchmarks/eval_memory.py", "--device", "cuda", "--dtype", "bfloat16", "--lengths", "16384",
-                   "32768", "65536", "--methods", "alibi", "sinusoidal", "--repeats", "1", "--json", "{json}"]),
+                   "32768", "--methods", "alibi", "sinusoidal", "--repeats", "1", "--json", "{json}"]),
 }
 #: Training lengths of the ``train`` step, and sequences per update at each (32K tokens per update).
 TRAIN_LENGTHS = {512: 64, 2048: 16}

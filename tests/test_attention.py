@@ -57,7 +57,7 @@ def run(module, x, pad=None, grad=False, dtype=torch.float32):
         out, _ = module(x, x, x, key_padding_mask=pad, need_weights=False)
     if not grad:
         return out.float(), None
-    weight = torch.linspace(-1, 1, out.numel()).view_as(out).to(dtype)
+    weight = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out).to(dtype)
     (out * weight).sum().backward()
     grads = [x.grad] + [p.grad for p in module.parameters()]
     return out.float(), [g.float() for g in grads]

@@ -170,7 +170,7 @@ def test_markdown_from_fake_numbers(tmp_path):
 def test_section_replaced_between_the_markers_of_the_docs():
     docs = (REPO / "docs" / "performance.md").read_text()
     assert docs.count(gpu_check.BEGIN) == 1 and docs.count(gpu_check.END) == 1
-    assert "Not run yet" in docs.split(gpu_check.BEGIN)[1].split(gpu_check.END)[0]
+    assert "Measured" in docs.split(gpu_check.BEGIN)[1].split(gpu_check.END)[0]
     replaced = gpu_check.replace_section(docs, EXPECTED)
     assert replaced.split(gpu_check.BEGIN)[0] == docs.split(gpu_check.BEGIN)[0]
     assert replaced.split(gpu_check.END)[1] == docs.split(gpu_check.END)[1]
