@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 FAIRSEQ := fairseq-fixed==0.12.3.1
 
-.PHONY: install test demo retrieval-demo compare gpu-check clean
+.PHONY: install test test-all demo retrieval-demo compare gpu-check clean
 
 install: $(STAMP)
 
@@ -44,7 +44,12 @@ compare: install
 	VENV_BIN=$(BIN) examples/positions/compare.sh
 
 # Tests in parallel, one worker per core (pytest-xdist); PYTEST_ARGS adds options.
+# `make test` (CI) leaves out the tests marked slow (end-to-end runs of a minute or
+# more: tests/conftest.py); `make test-all` runs every test.
 test: install
+	$(BIN)/python -m pytest -q -n auto -m "not slow" $(PYTEST_ARGS) tests
+
+test-all: install
 	$(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS) tests
 
 # On a machine with a CUDA GPU (about 10 minutes): the CUDA tests, the kernel

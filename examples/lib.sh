@@ -58,7 +58,7 @@ models() { python examples/registry.py models; }  # sinusoidal, then each positi
 # (one error: line and exit 1 for a name that is not a model, a method that does not exist or, in a
 # list given, one that applies to none of the models) and completed (every model where the first
 # is empty; DEFAULT_METHODS less the methods that apply to none of them where the second is),
-# and EXTENDED: the models that have extension methods besides none.
+# and EXTENDED: the models that one of the extension methods kept, besides none, applies to.
 recipe_settings() {
   local settings
   settings=$(python examples/registry.py settings --models-variable "$1" --models "${!1:-}" \

@@ -50,9 +50,11 @@ def check(names: Sequence[str], variable: str) -> None:
         raise SystemExit(f"error: {variable} must name at least one model; allowed values: {' '.join(models())}")
 
 
-def extended(names: Sequence[str]) -> List[str]:
-    """The models among ``names`` with context-extension methods besides ``none``, each once, in order."""
-    return [name for name in dict.fromkeys(names) if set(extensions_of(name)) - {"none"}]
+def extended(names: Sequence[str], methods: Sequence[str]) -> List[str]:
+    """The models among ``names`` that one of ``methods`` (``--methods`` items) other than ``none``
+    applies to, each once, in order: the models the recipe's extension sweep evaluates."""
+    used = {Scaling.parse(item).method for item in methods} - {"none"}
+    return [name for name in dict.fromkeys(names) if used & set(extensions_of(name))]
 
 
 def applicable(methods: str, names: Sequence[str], variable: str, strict: bool) -> List[str]:
@@ -85,7 +87,7 @@ def settings(models_variable: str, names: Sequence[str], methods_variable: str, 
         kept = applicable(methods, names, methods_variable, strict=True)
     else:
         kept = applicable(default_methods, names, methods_variable, strict=False)
-    return {models_variable: " ".join(names), "EXTENDED": " ".join(extended(names)), methods_variable: ",".join(kept)}
+    return {models_variable: " ".join(names), "EXTENDED": " ".join(extended(names, kept)), methods_variable: ",".join(kept)}
 
 
 def main(argv=None) -> int:

@@ -155,6 +155,14 @@ def bloom_shape_problems(fields: dict) -> List[str]:
         found.append(f"FFN {fields['ffn_dim'] / fields['hidden_size']:.3g}x d (BLOOM: 4x d)")
     if fields["embed_scale"] != 1.0:
         found.append("a scaled embedding (BLOOM: --no-scale-embedding)")
+    return found + extras_no_stock_model_holds(fields)
+
+
+def extras_no_stock_model_holds(fields: dict) -> List[str]:
+    """The parts of a decoder (described as for ``bloom_shape_problems``) that no stock
+    transformers architecture exported to holds: input/output projections, adaptive
+    input or softmax, NormFormer scales, tokenizer pieces the dictionary lacks."""
+    found = []
     if fields["project_in"] or fields["project_out"] or fields["embed_quant_noise"]:
         found.append("input/output projections")
     if fields["adaptive_input"]:

@@ -328,6 +328,14 @@ def write_corpus(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "slow: an end-to-end test that costs a minute or more on 2 cores (real training runs, fresh "
+        "processes, torch.compile, every method exported); `make test` leaves these out to stay "
+        "within 8 minutes, `make test-all` runs them (docs: README, 'Two commands')")
+
+
 @pytest.fixture(scope="session")
 def alibi_user_dir() -> str:
     result = run_cli([tool("alibi-user-dir")])

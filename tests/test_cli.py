@@ -33,6 +33,7 @@ from conftest import (
     train_args,
 )
 from fairseq_alibi.core.scaling import METHODS
+from fairseq_alibi.core.positions import POSITIONS
 
 EVAL_LENGTH = 8 * TRAIN_LENGTH  # 256
 
@@ -180,6 +181,7 @@ def test_eval_8x_training_length_without_overrides(eval_lm):
 
 
 @pytest.mark.parametrize("times", [1, 16])
+@pytest.mark.slow
 def test_fast_kernels_print_the_reference_perplexity(eval_lm, times):
     """End to end at 1x and 16x L: the long-evaluation kernel (chunked, with its
     key windows: 512 tokens are two chunks) and the training kernel (blocked)
@@ -503,7 +505,7 @@ def test_hydra_trains_another_position_method_and_stock_eval_lm_extends_it(lm_da
                       expect_ok=False)
     assert refused.returncode == 1 and error_lines(refused) == [
         "error: method='cap' is not valid; cap does not apply to rotary models; the methods that do: "
-        "none, linear, ntk, yarn"]
+        + ", ".join(POSITIONS["rotary"].extensions)]
 
 
 # (torchrun, two CPU processes: tests/test_resume.py::test_torchrun_gloo_sigkill_then_resume)
@@ -811,6 +813,7 @@ def test_user_dir_imports_neither_fairseq_nor_torch():
     ["fairseq-eval-lm", "DATA", "--path", "CKPT", "--cpu", "--user-dir", "USER_DIR", "--max-sentences", "4"],
     ["fairseq-train", "TRAIN", "--user-dir", "USER_DIR"],
 ])
+@pytest.mark.slow
 def test_a_forked_run_prints_what_a_fresh_process_prints(argv, lm_data_bin, alibi_checkpoint, alibi_user_dir,
                                                           tmp_path):
     """tests/forkserver.py (how run_cli runs console scripts) changes nothing a run

@@ -42,6 +42,7 @@ def sweep_cells(path):
         return json.load(f)["cells"]
 
 
+@pytest.mark.slow
 def test_every_method_is_trained_the_same_way(compare_run):
     out, _ = compare_run
     for seed in SEEDS:
@@ -122,6 +123,7 @@ def run_compare(**settings):
                           env=cli_env(**settings), cwd=REPO, stdin=subprocess.DEVNULL, timeout=900)
 
 
+@pytest.mark.slow
 def test_a_subset_of_methods_runs_to_a_fresh_report(lm_data_bin, tmp_path):
     """``POSITIONS="alibi kerple"`` (no RoPE model): the default extension list keeps the
     methods that apply to ALiBi (no yarn), the run ends with its own report, and the
@@ -148,7 +150,8 @@ def test_a_refused_setting_stops_before_anything_runs(lm_data_bin, tmp_path):
     cases = {
         ("alibi kerple", "none,yarn:2", "1"): "error: EXTENSIONS holds yarn:2, which applies to none of the models of "
                                             "this run; the methods that do: alibi: "
-                                            + ", ".join(REGISTRY["alibi"].extensions) + "; kerple: none",
+                                            + ", ".join(REGISTRY["alibi"].extensions) + "; kerple: "
+                                            + ", ".join(REGISTRY["kerple"].extensions),
         ("alibi rope", "", "1"): "error: POSITIONS names 'rope', which is not a position method; allowed values: "
                                + " ".join(["sinusoidal", *REGISTRY]),
         ("alibi", "", " "): "error: SEEDS must name at least one seed",
@@ -213,8 +216,9 @@ def test_a_registered_method_is_in_the_recipe_defaults_report_and_help(dummy_pos
 
     registry = example("examples/registry.py")
     assert registry.models() == ["sinusoidal", *REGISTRY] and registry.models()[-1] == "dummy"
-    extended = registry.extended(registry.models())
+    extended = registry.extended(registry.models(), ["none", "cap", "yarn:2"])
     assert "alibi" in extended and "rotary" in extended and "dummy" not in extended
+    assert "dummy" in registry.extended(registry.models(), ["none", "logn"])  # logn applies to every family
     assert registry.applicable("none,cap,yarn:2", ["dummy"], "EXTENSIONS", strict=False) == ["none"]
     registry.check(["dummy", "sinusoidal"], "POSITIONS")
 
@@ -244,7 +248,7 @@ def test_a_registered_method_is_in_the_recipe_defaults_report_and_help(dummy_pos
     assert position_colour("dummy") == colours["dummy"]  # the same in every run
 
     for parser in (perplexity.get_parser(), retrieval.get_parser()):
-        assert help_groups(parser.format_help())["dummy"] == ["none"], parser.prog
+        assert help_groups(parser.format_help())["dummy"] == list(REGISTRY["nope"].extensions), parser.prog
     with pytest.raises(SystemExit):
         report.main(["--help"])
     assert " dummy)" in " ".join(capsys.readouterr().out.split())
@@ -282,6 +286,7 @@ positions.POSITIONS.update(kept)
 """
 
 
+@pytest.mark.slow
 def test_a_method_registered_in_every_process_is_trained_swept_and_reported(lm_data_bin, tmp_path):
     """compare.sh with a registry of alibi and ``dummy`` (a sitecustomize module on the
     PYTHONPATH of every process the recipe starts; real processes, not the fork server):
@@ -308,4 +313,5 @@ def test_a_method_registered_in_every_process_is_trained_swept_and_reported(lm_d
     assert {method for _, method in labels} == {"none", "cap", "capnorm", "power", "ntk", "linear"}
     sweep_help = subprocess.run([str(BIN / "alibi-sweep"), "--help"], capture_output=True, text=True, env=env,
                                 timeout=300).stdout
-    assert "sinusoidal, dummy: none (as trained)" in " ".join(sweep_help.split())
+    groups = help_groups(sweep_help)
+    assert groups["sinusoidal"] == ["none"] and groups["dummy"] == list(REGISTRY["nope"].extensions), sweep_help

@@ -10,6 +10,8 @@ import textwrap
 from pathlib import Path
 
 
+import pytest
+
 from conftest import cli_env, run_cli, tool
 
 from fairseq_alibi import corpus
@@ -64,6 +66,7 @@ def test_help_topics_are_available():
     assert sum(len(p.split()) for d in docs for p in d.paragraphs) > 40_000
 
 
+@pytest.mark.slow
 def test_build_split_by_document_and_idempotent(tmp_path):
     stdlib = fake_stdlib(tmp_path / "lib")
     cfg = corpus.CorpusConfig(

@@ -163,6 +163,7 @@ def one_error_line(output: str) -> str:
 
 # ------------------------------------------------------------------ exactness
 @pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.slow
 def test_every_variant_matches_fairseq_under_every_method(variant, data_dir, tmp_path):
     """fp32 log-probs within 1e-4 at 4 L for each method, static and dynamic."""
     model, cfg = build(data_dir, VARIANTS[variant])
@@ -831,6 +832,7 @@ def test_the_core_travels_whole_and_imports_nothing_outside_it():
                 assert all(a.name.split(".")[0] in allowed for a in node.names), (path, [a.name for a in node.names])
 
 
+@pytest.mark.slow
 def test_the_core_imports_without_fairseq(tmp_path):
     """Importing every core module in a process where fairseq cannot be imported."""
     code = GUARD.split("import torch")[0].replace('("fairseq_alibi", "fairseq")', '("fairseq",)') + (
@@ -868,6 +870,7 @@ print("RESULT", json.dumps({"ids": tokenizer("w1 w2 nope").input_ids, "module": 
 """
 
 
+@pytest.mark.slow
 def test_loads_with_transformers_alone_without_the_package(data_dir, tmp_path):
     model, cfg = build(data_dir, VARIANTS["wiki103-adaptive-tied"])
     out = exported(model, cfg, tmp_path)
@@ -932,6 +935,7 @@ def test_alibi_sweep_hf_accepts_an_exported_model(data_dir, tmp_path):
     assert {(c["length"], c["method"]) for c in cells} >= {(L, "none"), (2 * L, "ntk")}
 
 
+@pytest.mark.slow
 def test_alibi_sweep_scores_a_checkpoint_and_its_export_alike_on_one_text(data_dir, tmp_path, capsys):
     """One alibi-sweep command, the fairseq checkpoint (--checkpoint) beside its export (--hf)
     on one data directory's split, unknown words and an empty line included: the same

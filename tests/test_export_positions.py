@@ -168,6 +168,7 @@ def bare(exports, tmp_path_factory) -> dict:
 
 # ------------------------------------------------------------------ every method, exactly
 @pytest.mark.parametrize("name", list(CUSTOM))
+@pytest.mark.slow
 def test_every_method_exports_exactly_through_the_custom_model(name, exports, bare):
     """float32: the fairseq log-probs within float32 rounding, up to 3 L; bfloat16 and
     float16: the written weights computed in float32 equal the fairseq model given the
@@ -206,6 +207,7 @@ def _rounded(model, dtype):
     return rounded
 
 
+@pytest.mark.slow
 def test_the_custom_configs_name_each_methods_settings(exports):
     """rope_parameters for rotary (as transformers spells it), alibi_scaling for none of them,
     the learned biases' parameters; auto chose the custom format for the post-norm rotary
@@ -224,6 +226,7 @@ def test_the_custom_configs_name_each_methods_settings(exports):
 
 
 # ------------------------------------------------------------------ rotary as GPT-NeoX
+@pytest.mark.slow
 def test_rotary_exports_as_stock_gpt_neox_within_float32_rounding(exports, bare):
     """AutoModelForCausalLM.from_pretrained(OUT) alone: GPTNeoXForCausalLM, sequential
     residual, relu, untied (the scaled embedding folded into the input side), log-probs
@@ -275,6 +278,7 @@ def neox_with(out: Path, **rope):
     return AutoModelForCausalLM.from_pretrained(str(out), rope_parameters=dict(stored, **rope)).eval()
 
 
+@pytest.mark.slow
 def test_transformers_rope_methods_equal_our_sweep_cells(data_dir, exports, tmp_path):
     """The GPT-NeoX export under transformers' linear, dynamic (factor 1) and yarn, set at
     load time, and under what --alibi-scaling ntk:2 (a base) and yarn:2 write: the
@@ -301,6 +305,7 @@ def test_transformers_rope_methods_equal_our_sweep_cells(data_dir, exports, tmp_
                                                               "yarn x2")}) == 5  # past L they differ
 
 
+@pytest.mark.slow
 def test_transformers_dynamic_ntk_is_ours_at_factor_1_stretched_at_f_and_keeps_its_longest_input(exports):
     """transformers' dynamic NTK: at factor 1 our dynamic ntk on a fresh model; at factor F,
     over n > L tokens, our static ntk at F n / L - (F - 1); and it keeps the frequencies of
@@ -321,12 +326,11 @@ def test_transformers_dynamic_ntk_is_ours_at_factor_1_stretched_at_f_and_keeps_i
     assert max_diff(after_long, fresh) > 1e-3
 
 
-def test_transformers_yarn_caps_the_ramp_end_at_d_minus_1():
-    """YaRN's ramp: ours and transformers' agree wherever the slow end lies within the
-    rotated dimensions (every realistic base); transformers caps it at d - 1 (d the
-    rotated dimensions, not the d / 2 pairs the ramp runs over), so a base so small that
-    the slowest pair turns more than once within L (base 1.5, d 8, L 16: the end at pair
-    10) gives another ramp there: transformers' runs to 7, ours to 10."""
+def test_yarn_ramp_end_is_capped_at_d_minus_1_as_in_transformers():
+    """YaRN's ramp: ours and transformers' agree at every base, including one so small
+    that the slowest pair turns more than once within L (base 1.5, d 8, L 16: the uncapped
+    end would be pair 10), where both cap the end at d - 1 = 7 (d the rotated dimensions,
+    not the d / 2 pairs the ramp runs over)."""
     from transformers import GPTNeoXConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -338,16 +342,15 @@ def test_transformers_yarn_caps_the_ramp_end_at_d_minus_1():
         assert scale == pytest.approx(rotary.yarn_attention_scale(2.0))  # 0.1 ln s + 1, the same
         return inv_freq
 
-    ours, _ = rotary.extended_frequencies("yarn", 2.0, 8, 500.0, L)
-    torch.testing.assert_close(theirs(500.0), ours)
-    ramp = rotary.yarn_ramp(8, 1.5, L)
-    assert ramp == [0.0, 0.1, 0.2, 0.3]  # low end 0, high end ceil(9.2) = 10
+    for base in (500.0, 1.5):
+        torch.testing.assert_close(theirs(base), rotary.extended_frequencies("yarn", 2.0, 8, base, L)[0])
+    assert rotary.yarn_ramp(8, 1.5, L) == pytest.approx([0.0, 1 / 7, 2 / 7, 3 / 7])  # low end 0, high end 7
     plain = rotary.inv_frequencies(8, 1.5)
-    capped = torch.tensor([min(max(i / 7, 0.0), 1.0) for i in range(4)])  # transformers: the end at d - 1 = 7
+    capped = torch.tensor([min(max(i / 7, 0.0), 1.0) for i in range(4)])
     torch.testing.assert_close(theirs(1.5), plain * ((1 - capped) + capped / 2.0))
-    assert not torch.allclose(theirs(1.5), rotary.extended_frequencies("yarn", 2.0, 8, 1.5, L)[0])
 
 
+@pytest.mark.slow
 def test_gpt_neox_refuses_what_it_cannot_hold_in_one_line(data_dir, exports, tmp_path):
     """--format gpt-neox on a post-norm rotary model and on an ALiBi model, and a dynamic
     yarn it has no type for: one line naming each feature, pointing to the default format."""
@@ -368,6 +371,7 @@ def test_gpt_neox_refuses_what_it_cannot_hold_in_one_line(data_dir, exports, tmp
 
 
 # ------------------------------------------------------------------ the evaluation tools on the exports
+@pytest.mark.slow
 def test_alibi_sweep_hf_scores_every_export_as_its_checkpoint(data_dir, exports, tmp_path):
     """One alibi-sweep: every custom export (--hf) beside its fairseq checkpoint (-c) on the
     same split: the same loss in every cell, at L and past it."""
@@ -389,6 +393,7 @@ def test_alibi_sweep_hf_scores_every_export_as_its_checkpoint(data_dir, exports,
             assert twin["tokens"] == cell["tokens"] and twin["loss"] == pytest.approx(cell["loss"], abs=1e-5), who
 
 
+@pytest.mark.slow
 def test_lm_eval_harness_runs_on_every_export(data_dir, exports, tmp_path, monkeypatch):
     """lm_eval's Python API, offline, on a local task (``--model hf``): the GPT-NeoX export
     without trust_remote_code, every custom one with it; each log-likelihood the fairseq

@@ -722,6 +722,7 @@ def reference_nonoverlapping_loss(model, ids, length) -> float:
     return -total / count / math.log(2)
 
 
+@pytest.mark.slow
 def test_sweep_hf_model_on_a_text_file(saved_mpt, monkeypatch):
     from fairseq_alibi.evaluation import perplexity
 
@@ -863,6 +864,7 @@ def test_retrieval_hf_model_on_jsonl_prompts(saved_mpt, tmp_path, monkeypatch, c
     assert exit_info.value.code == 1 and "zebra" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_importing_the_hf_side_leaves_fairseq_alone():
     """An HF user pays no fairseq import and gets no patch applied to it."""
     import subprocess

@@ -170,6 +170,7 @@ READERS = [
 
 @pytest.mark.parametrize("kind", list(BAD_TEXTS))
 @pytest.mark.parametrize("reader,argv", READERS, ids=[r[0] for r in READERS])
+@pytest.mark.slow
 def test_every_text_reader_refuses_invalid_text(reader, argv, kind, small_data, tmp_path):
     """One ``error:`` line naming the file and what is wrong, exit 1, nothing written."""
     data, expected = BAD_TEXTS[kind]
@@ -399,6 +400,7 @@ HALF_READERS = [
 
 @pytest.mark.parametrize("make,detail", HALVES, ids=[h[0].__name__ for h in HALVES])
 @pytest.mark.parametrize("script,argv", HALF_READERS, ids=["eval-lm", "train", "sweep", "sweep --hf"])
+@pytest.mark.slow
 def test_half_split_is_reported_by_every_reader(script, argv, make, detail, lm_data_bin, alibi_checkpoint, tmp_path):
     """The issue's case: valid.bin without valid.idx was 'split not found ... splits there: valid'."""
     data = _split_files(lm_data_bin, tmp_path)

@@ -172,6 +172,7 @@ BUILDS = [("alibi", embedding) for embedding in EMBEDDINGS] + [
 
 
 @pytest.mark.parametrize("position,embedding", BUILDS)
+@pytest.mark.slow
 def test_built_decoder_equals_the_swapped_one(data_dir, position, embedding, monkeypatch):
     """State-dict keys in order, shapes, values, parameter order and the output
     of one batch: identical to the model the class swap built."""

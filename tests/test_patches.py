@@ -145,6 +145,7 @@ def test_every_patch_is_tested():
 
 
 # ------------------------------------------------------------------ the patches tested here
+@pytest.mark.slow
 def test_deferred_metric_imports_load_sklearn_and_scipy_on_first_use():
     """Importing the plugin loads neither scikit-learn nor SciPy's statistics,
     and fairseq's names from them still compute what the real functions compute
@@ -176,6 +177,7 @@ def test_deferred_metric_imports_load_sklearn_and_scipy_on_first_use():
     assert out["roc_curve_is_real"] and out["real_modules"] == [True, True]
 
 
+@pytest.mark.slow
 def test_loader_threads_stop_at_exit_so_a_finished_run_exits_with_status_0():
     """A run that stops consuming batches while fairseq's loader thread is busy
     with torch operations exits with status 0, and no loader thread is alive

@@ -142,6 +142,7 @@ def _assert_same_final(resumed, reference):
     assert resumed["extra_state"]["val_loss"] == reference["extra_state"]["val_loss"]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_exact(lm_data_bin, tmp_path):
     reference_dir, crashed_dir = str(tmp_path / "reference"), str(tmp_path / "crashed")
     run_cli(_single(lm_data_bin, reference_dir))

@@ -523,6 +523,7 @@ def test_summary_puts_each_method_under_its_family(tmp_path):
     assert wrong.returncode == 1 and error_lines(wrong) == ["error: no run holds cells of checkpoint rope"]
 
 
+@pytest.mark.slow
 def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
     """examples/retrieval/run.sh at toy size, RECIPE=families plus the sinusoidal
     baseline: an ALiBi and a RoPE model per seed, the sinusoidal one for the

@@ -20,6 +20,7 @@ import pytest
 
 from conftest import cli_env, run_cli, tool
 
+from fairseq_alibi.core.positions import POSITIONS
 from fairseq_alibi.core.scaling import Scaling
 from fairseq_alibi.errors import EvaluationError, UserError
 from fairseq_alibi.evaluation import axes, runner
@@ -280,7 +281,8 @@ def test_each_model_gets_the_methods_of_its_position_method(tmp_path, caplog):
         log, results = toy_run(tmp_path, ["a=1", "rope=1"])
     assert {r["method"] for r in results if r["checkpoint"] == "rope"} == {"none", "ntk"}
     assert {r["method"] for r in results if r["checkpoint"] == "a"} == {"none", "ntk", "cap"}
-    assert any("rope (rotary): cap do(es) not apply to it (the methods that do: none, linear, ntk, yarn)"
+    rotary = ", ".join(POSITIONS["rotary"].extensions)
+    assert any(f"rope (rotary): cap do(es) not apply to it (the methods that do: {rotary})"
                in r.message for r in caplog.records)
     with pytest.raises(EvaluationError, match="yarn:2 does not apply to any model of this run; the methods that "
                                               "do: a \\(alibi\\): none, linear, ntk, cap"):

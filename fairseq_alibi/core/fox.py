@@ -106,16 +106,11 @@ def _check_fox_scaling(scaling: Scaling) -> Scaling:
     return check_applies(scaling, "fox", FOX_EXTENSIONS).complete()
 
 
-class ForgetGates(StackBias):
-    """The stack's FoX object: no parameters of its own; each layer gets its
-    own gate (:meth:`for_layer`), as the paper computes one per layer."""
+class _GateBias(StackBias):
+    """What the stack's FoX object and a layer's gates share: a learned bias that is
+    not Toeplitz (it depends on the input), checked scaling, no bias before ``bind``."""
 
     learned = True
-
-    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING):
-        StackBias.__init__(self, num_heads)
-        self.embed_dim = embed_dim
-        self.scaling = _check_fox_scaling(scaling)
 
     @property
     def toeplitz(self) -> bool:
@@ -124,18 +119,27 @@ class ForgetGates(StackBias):
     def rescale(self, scaling: Scaling) -> None:
         self.scaling = _check_fox_scaling(scaling)
 
-    def for_layer(self) -> "LayerForgetGate":
-        return LayerForgetGate(self.num_heads, self.embed_dim, self.scaling)
-
     def block(self, q_start, q_len, k_len, dtype, device, keys=None) -> Tensor:
         raise ConfigError("FoX's bias depends on each layer's input: a layer binds its own gates first (bind)")
 
 
-class LayerForgetGate(nn.Module, StackBias):
+class ForgetGates(_GateBias):
+    """The stack's FoX object: no parameters of its own; each layer gets its
+    own gate (:meth:`for_layer`), as the paper computes one per layer."""
+
+    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING):
+        StackBias.__init__(self, num_heads)
+        self.embed_dim = embed_dim
+        self.scaling = _check_fox_scaling(scaling)
+
+    def for_layer(self) -> "LayerForgetGate":
+        return LayerForgetGate(self.num_heads, self.embed_dim, self.scaling)
+
+
+class LayerForgetGate(nn.Module, _GateBias):
     """One layer's forget gates: ``proj`` (``embed_dim -> H``), saved in
     checkpoints as ``self_attn.forget_gate.proj``."""
 
-    learned = True
     layer_attribute = "forget_gate"
 
     def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING):
@@ -146,13 +150,6 @@ class LayerForgetGate(nn.Module, StackBias):
         nn.init.zeros_(self.proj.bias)
         self.scaling = _check_fox_scaling(scaling)
 
-    @property
-    def toeplitz(self) -> bool:
-        return False
-
-    def rescale(self, scaling: Scaling) -> None:
-        self.scaling = _check_fox_scaling(scaling)
-
     def for_layer(self) -> "LayerForgetGate":
         return self
 
@@ -160,6 +157,3 @@ class LayerForgetGate(nn.Module, StackBias):
              ) -> Tuple[GateBias, Tensor]:
         c = cumulative_gates(log_gates(x, self.proj.weight, self.proj.bias, key_padding_mask), carried)
         return GateBias(c, self.scaling), c
-
-    def block(self, q_start, q_len, k_len, dtype, device, keys=None) -> Tensor:
-        raise ConfigError("FoX's bias depends on the layer's input: bind the layer's gates first (bind)")

@@ -31,6 +31,7 @@ from ..core.configuration_alibi import YARN_BETAS
 from ..core.positions import POSITIONS
 from ..core.scaling import Scaling
 from ..errors import ExportError
+from ..facts import extras_no_stock_model_holds
 
 #: transformers' ``hidden_act`` of each fairseq activation it computes alike.
 NEOX_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_new", "gelu_fast": "gelu_new",
@@ -85,16 +86,7 @@ def neox_shape_problems(fields: dict, position: str, rotary_dim: Optional[int], 
         found.append("no final layer norm")
     if fields["activation_function"] not in NEOX_ACTIVATIONS:
         found.append(f"activation {fields['activation_function']}")
-    if fields["project_in"] or fields["project_out"] or fields["embed_quant_noise"]:
-        found.append("input/output projections")
-    if fields["adaptive_input"]:
-        found.append("adaptive input")
-    if fields["adaptive_softmax"]:
-        found.append("adaptive softmax")
-    if any(fields[k] for k in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")):
-        found.append("NormFormer scales")
-    if fields["unk_aliases"]:
-        found.append(f"{fields['unk_aliases']} tokenizer pieces the dictionary lacks (read as <unk>)")
+    found += extras_no_stock_model_holds(fields)
     head_dim = fields["hidden_size"] // fields["attention_heads"]
     if rotary_dim is not None and partial_rotary_factor(rotary_dim, head_dim) is None:
         found.append(f"{rotary_dim} rotated dimensions of {head_dim} (no partial_rotary_factor gives them)")
