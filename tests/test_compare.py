@@ -53,6 +53,7 @@ def test_every_method_is_trained_the_same_way(compare_run):
             assert (out / f"seed{seed}" / name / "trained.ok").read_text().strip() == "2"
 
 
+@pytest.mark.slow
 def test_the_table_is_the_mean_and_range_over_seeds(compare_run):
     out, stdout = compare_run
     cells = [c for c in sweep_cells(out / "sweep/results.json") if c["mode"] == "nonoverlapping"]

@@ -149,9 +149,10 @@ def test_resume_reuses_cells_of_unchanged_models_only(tmp_path):
     assert runs(log) == [] and not [e for e in log if e[0] == "load"]  # nothing left: nothing loaded
     log, results = toy_run(tmp_path, ["a=2"], cells=(1, 2, 3, 4))  # a's file changed, one more cell
     assert sorted(runs(log)) == sorted(("a", m, n) for m in ("none", "ntk:2", "cap") for n in (1, 2, 3, 4))
-    assert {r["checkpoint"] for r in results} == {"a", "b"}  # b's cells are kept as they are
+    assert {r["checkpoint"] for r in results} == {"a"}  # the cells of this run's grid (runner.run)
     stored = json.loads((tmp_path / "results.json").read_text())
     assert len(stored["cells"]) == 3 * 4 + 3 * 3 and stored["meta"]["methods"] == ["none", "ntk:2", "cap"]
+    assert {c["checkpoint"] for c in stored["cells"]} == {"a", "b"}  # b's cells are kept for a later run
 
 
 def test_what_a_report_derives_is_written_to_results_json_and_resumes(tmp_path):

@@ -23,13 +23,15 @@ from fairseq_alibi.core import positions as P
 from fairseq_alibi.core.configuration_alibi import POSITION_METHODS as EXPORTED_METHODS, AlibiLMConfig
 from fairseq_alibi.core.errors import ConfigError
 from fairseq_alibi.core.params import LEARNED, SETTING, SHAPE
-from fairseq_alibi.core.scaling import NO_SCALING
+from fairseq_alibi.core.scaling import Scaling
 from fairseq_alibi.errors import UserError
 from fairseq_alibi.models.config import check_override_keys
 from fairseq_alibi.models.transformer_lm import build_positions
 
 from conftest import error_lines, fairseq_config, run_cli, tool
 
+#: No extension, a known training length (rnope_window=0 means half of it, as every model has).
+TRAINED = Scaling("none", 1.0, 16)
 HEADS, HEAD_DIM = 4, 8
 PARAMS = P.params_of()
 PARAM_IDS = [f"{m}.{p.name}" for m, p in PARAMS]
@@ -109,12 +111,12 @@ def test_every_option_at_its_limits_through_every_entry_point(method, param, val
     # the stack's build (every fairseq model, the hub API and Hydra build through it)
     if refused or cross:
         with pytest.raises(ConfigError) as built:
-            P.build(method, HEADS, HEAD_DIM, params, NO_SCALING)
+            P.build(method, HEADS, HEAD_DIM, params, TRAINED)
         assert param.name in str(built.value) and "\n" not in str(built.value)
         if refused:
             assert param.valid.text in str(built.value)
     else:
-        P.build(method, HEADS, HEAD_DIM, params, NO_SCALING)
+        P.build(method, HEADS, HEAD_DIM, params, TRAINED)
 
     # the model's config fields, as fairseq hands them to the decoder
     args = Namespace(decoder_attention_heads=HEADS, decoder_embed_dim=HEADS * HEAD_DIM, **params)

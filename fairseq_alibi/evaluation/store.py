@@ -130,7 +130,10 @@ class ResultStore:
         self.write(meta)
 
     def write(self, meta: dict, cells: Optional[List[dict]] = None, **sections) -> None:
-        """``results.json``: ``meta``, the cells (``cells``: the stored ones with what the
-        reports derive from them, such as their intervals) and any further ``sections``."""
-        cells = sorted(self.cells.values() if cells is None else cells, key=self.order)
+        """``results.json``: ``meta``, every stored cell (``cells``: some of them again, with
+        what the reports derive from them, such as their intervals, in place of the stored
+        ones; the cells of earlier runs stay) and any further ``sections``."""
+        merged = dict(self.cells)
+        merged.update((self.key(cell), cell) for cell in cells or ())
+        cells = sorted(merged.values(), key=self.order)
         atomic_write(self.path, json.dumps({"meta": meta, "cells": cells, **sections}, indent=1) + "\n")
