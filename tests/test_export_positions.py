@@ -25,6 +25,7 @@ import torch
 
 from conftest import cli_env, fairseq_config, run_cli, tool
 from fairseq_alibi.core import rotary
+from fairseq_alibi.core.positions import POSITIONS
 from fairseq_alibi.core.scaling import NO_SCALING, Scaling
 from fairseq_alibi.models import attention
 from test_export import captured, hf_log_probs, max_diff, one_error_line, save, window_loss
@@ -366,7 +367,8 @@ def test_gpt_neox_refuses_what_it_cannot_hold_in_one_line(data_dir, exports, tmp
     line = one_error_line(export(t5, tmp_path / "c", "--format", "gpt-neox")[1])
     assert "position method t5bias (GPT-NeoX: rotary)" in line
     line = one_error_line(export(t5, tmp_path / "d", "--alibi-scaling", "ntk:2")[1])
-    assert line == "error: --alibi-scaling ntk:2 does not apply to t5bias models; the methods that do: none"
+    assert line == ("error: --alibi-scaling ntk:2 does not apply to t5bias models; the methods that do: "
+                    + ", ".join(POSITIONS["t5bias"].extensions))
     assert not any((tmp_path / n).exists() for n in "abcd")
 
 
