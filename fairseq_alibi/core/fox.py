@@ -106,9 +106,10 @@ def _check_fox_scaling(scaling: Scaling) -> Scaling:
     return check_applies(scaling, "fox", FOX_EXTENSIONS).complete()
 
 
-class _GateBias(StackBias):
-    """What the stack's FoX object and a layer's gates share: a learned bias that is
-    not Toeplitz (it depends on the input), checked scaling, no bias before ``bind``."""
+class _UnboundGates(StackBias):
+    """What the stack's FoX object and a layer's gates share before ``bind`` turns the
+    gates into a :class:`GateBias`: a learned bias that is not Toeplitz (it depends on
+    the input), a checked scaling, and no bias block of their own."""
 
     learned = True
 
@@ -123,7 +124,7 @@ class _GateBias(StackBias):
         raise ConfigError("FoX's bias depends on each layer's input: a layer binds its own gates first (bind)")
 
 
-class ForgetGates(_GateBias):
+class ForgetGates(_UnboundGates):
     """The stack's FoX object: no parameters of its own; each layer gets its
     own gate (:meth:`for_layer`), as the paper computes one per layer."""
 
@@ -136,7 +137,7 @@ class ForgetGates(_GateBias):
         return LayerForgetGate(self.num_heads, self.embed_dim, self.scaling)
 
 
-class LayerForgetGate(nn.Module, _GateBias):
+class LayerForgetGate(nn.Module, _UnboundGates):
     """One layer's forget gates: ``proj`` (``embed_dim -> H``), saved in
     checkpoints as ``self_attn.forget_gate.proj``."""
 
