@@ -329,6 +329,12 @@ def write_corpus(directory: Path, seed: int = 0) -> Path:
 
 
 def pytest_configure(config):
+    # One inductor cache per xdist worker: two workers compiling the same kernel into the shared
+    # /tmp/torchinductor_<user> raced, and one loaded the other's half-written .so ("file too short").
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{worker}")
     config.addinivalue_line(
         "markers",
         "slow: an end-to-end test that costs a minute or more on 2 cores (real training runs, fresh "
