@@ -159,12 +159,12 @@ def training_defaults(argv: List[str]) -> List[str]:
 
 def check_model_overrides(argv: List[str]) -> None:
     """``--model-overrides`` must be a dict literal (fairseq ``eval``s the string:
-    anything else is a SyntaxError or runs as code); its ``alibi_*`` values are
+    anything else is a SyntaxError or runs as code); its plugin values are
     checked by type where the checkpoint is loaded (``models.config``)."""
     text = _flag(argv, "--model-overrides")
     if text is None:
         return
-    example = "--model-overrides \"{'alibi_interpolation': 'ntk', 'alibi_scale_factor': 2}\""
+    example = "--model-overrides \"{'position_scaling': 'ntk:2'}\""
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
@@ -222,8 +222,8 @@ def overrides_help() -> str:
     from .models.config import field_help
     from .models.transformer_lm import AlibiLanguageModelConfig
 
-    lines = ["", "ALiBi at evaluation: --model-overrides \"{'alibi_interpolation': 'ntk', 'alibi_scale_factor': 2}\" "
-             "takes these keys (docs/usage.md):"]
+    lines = ["", "Position methods at evaluation: --model-overrides \"{'position_scaling': 'ntk:2'}\" (or, the older "
+             "names, \"{'alibi_interpolation': 'ntk', 'alibi_scale_factor': 2}\") takes these keys (docs/usage.md):"]
     for name, text in field_help(AlibiLanguageModelConfig).items():
         lines.append(textwrap.fill(f"{name}: {text}", width=100, initial_indent="  ", subsequent_indent="      "))
     return "\n".join(lines) + "\n"

@@ -381,6 +381,31 @@ def test_stock_hub_class_loads_the_checkpoint(hub_factory, alibi_checkpoint, lm_
     )
 
 
+def test_position_scaling_and_its_older_names_score_alike_on_every_checkpoint_format(
+        hub_factory, alibi_checkpoint, lm_data_bin, tmp_path):
+    """``{'position_scaling': 'ntk:2'}`` is ``{'alibi_interpolation': 'ntk', 'alibi_scale_factor': 2}``,
+    on this checkpoint and on one written before ``position_scaling`` existed (its config
+    lacks the key: fairseq would drop an override of it); the two names disagreeing is refused."""
+    from fairseq_alibi.models.transformer_lm import AlibiTransformerLanguageModel
+
+    sentence = "one the cat sees a tree . two the cat likes the ball . " * 6
+    new, old = hub_factory(position_scaling="ntk:2"), hub_factory(alibi_interpolation="ntk", alibi_scale_factor=2.0)
+    scores = new.score(sentence)["positional_scores"]
+    assert torch.equal(scores, old.score(sentence)["positional_scores"])
+    assert not torch.equal(scores, hub_factory().score(sentence)["positional_scores"])
+    state = torch.load(alibi_checkpoint, weights_only=False)
+    del state["cfg"]["model"]["position_scaling"]
+    torch.save(state, tmp_path / "older.pt")
+    older = AlibiTransformerLanguageModel.from_pretrained(str(tmp_path), "older.pt", data_name_or_path=str(lm_data_bin),
+                                                         position_scaling="ntk:2").eval()
+    assert torch.equal(older.score(sentence)["positional_scores"], scores)
+    with pytest.raises(ValueError, match="the older names of the same setting say linear:2"):
+        hub_factory(position_scaling="ntk:2", alibi_interpolation="linear", alibi_scale_factor=2.0)
+    with pytest.raises(ValueError, match="model override 'position_scaling': 'ntk:half' is not valid; .*expected a "
+                                         "number or 'dynamic'"):
+        hub_factory(position_scaling="ntk:half")
+
+
 def test_hub_sample(hub_factory):
     lm = hub_factory()
     greedy = lm.sample("one the cat", beam=1, max_len_b=3 * TRAIN_LENGTH)

@@ -195,6 +195,8 @@ def default_shown(name: str, default) -> List[str]:
     value) the texts its cell must hold."""
     if name == "alibi_tail_alpha":  # None: the method's own
         return [f"`{method}` {value:g}" for method, value in DEFAULT_ALPHA.items()]
+    if name == "position_scaling":  # "": the older names decide
+        return ["empty"]
     if isinstance(default, str) and default.startswith("${"):  # an interpolation: task.tokens_per_sample
         return [default[2:-1].split(".")[-1]]
     return [f"`{default:g}`" if isinstance(default, float) else f"`{default}`"]
@@ -342,8 +344,8 @@ def help_text(*argv) -> str:
 def test_eval_lm_help_lists_every_override_key_with_its_values():
     from fairseq_alibi.models.config import ALIBI_FIELDS
 
-    text = run_cli([tool("alibi-eval-lm"), "--help"]).stdout.split("ALiBi at evaluation")[1]
-    assert re.findall(r"^  (alibi_\w+): ", text, re.M) == list(ALIBI_FIELDS)
+    text = run_cli([tool("alibi-eval-lm"), "--help"]).stdout.split("Position methods at evaluation")[1]
+    assert re.findall(r"^  ((?:alibi|position)_\w+): ", text, re.M) == list(ALIBI_FIELDS)
     flat = " ".join(text.split())
     assert " | ".join(METHODS) in flat and " | ".join(KERNEL_NAMES) in flat
     assert all(f"{m} {a:g}" in flat for m, a in DEFAULT_ALPHA.items())

@@ -797,13 +797,14 @@ def test_sweep_hf_models_are_loaded_one_at_a_time(saved_mpt, tmp_path, monkeypat
 
 @pytest.mark.parametrize("family, settings, expected", [
     ("bloom", {}, "bloom"), ("mpt", {}, "mpt"), ("falcon", {"alibi": True}, "falcon"),
-    ("falcon", {"alibi": False}, "config.alibi=False"), ("gpt2", {}, "model_type 'gpt2' has no ALiBi bias"),
+    ("falcon", {"alibi": False}, "config.alibi=False"), ("gpt2", {}, "model_type 'gpt2' is not a model whose positions this package scales"),
+    ("gpt_neox", {}, "gpt_neox"),
 ])
 def test_config_family_refuses_what_resolve_refuses(family, settings, expected):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(family, **settings)
-    if expected in ("bloom", "mpt", "falcon"):
+    if expected in ("bloom", "mpt", "falcon", "gpt_neox"):
         assert hf.config_family(config) == expected
     else:
         with pytest.raises(ValueError, match=expected):

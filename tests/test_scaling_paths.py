@@ -47,6 +47,23 @@ CASES = [
 IDS = [case[0] for case in CASES]
 
 
+@pytest.mark.parametrize("config,message", [
+    ({"position_scaling": "ntk:2", "alibi_interpolation": "linear", "alibi_scale_factor": 2.0},
+     "position_scaling='ntk:2' is not valid; the older names of the same setting say linear:2 "
+     "\\(alibi_interpolation='linear', alibi_scale_factor=2\\); give one of the two"),
+    ({"position_scaling": "ntk:0.5"}, "position_scaling='ntk:0.5' is not valid; ntk takes a static factor >= 1"),
+    ({"position_scaling": "rope:2"}, "position_scaling='rope:2' is not valid; allowed values: none, linear"),
+    ({"position_scaling": 2}, "position_scaling=2 is not valid; give one method spelling"),
+])
+def test_position_scaling_and_its_older_names_are_one_setting(config, message):
+    """``position_scaling`` is the one spelling; the ``alibi_*`` fields are its aliases: both
+    given and agreeing is one spec (the CASES above), disagreeing is refused, never one chosen."""
+    with pytest.raises(ValueError, match=message):
+        Scaling.from_config(dict(config, alibi_train_length=L))
+    assert Scaling.from_config({"position_scaling": "", "alibi_interpolation": "cap",
+                                "alibi_train_length": L}) == Scaling("cap", 1.0, L)
+
+
 def naive_causal(scaling: Scaling, slopes, length: int) -> torch.Tensor:
     """[H, T, T] from the definitions, one entry at a time (float64)."""
     factor = scaling.factor_at(length)
@@ -79,6 +96,8 @@ def spec_of_every_spelling(item, config, hf_dict, keywords):
     specs = {
         "--methods": Scaling.parse(item, L),
         "config": Scaling.from_config(dict(config, alibi_train_length=L)),
+        "position_scaling": Scaling.from_config({"position_scaling": item, "alibi_train_length": L}),
+        "both names": Scaling.from_config(dict(config, position_scaling=item, alibi_train_length=L)),
         "alibi_scaling": Scaling.from_hf(hf_dict, L),
         "keywords": Scaling(**dict(dict(factor=0.0, alpha=None), **keywords), train_length=L),
     }

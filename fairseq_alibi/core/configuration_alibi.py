@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
+import torch
+
 from transformers import PreTrainedConfig
 
 from .errors import ConfigError, ScalingError
@@ -64,6 +66,35 @@ def rope_parameters_of(scaling: Scaling, base: float, fraction: float) -> Dict[s
     if scaling.method == "yarn":
         value.update(YARN_BETAS)
     return value
+
+
+def partial_rotary_factor(rotary_dim: int, head_dim: int) -> Optional[float]:
+    """A ``partial_rotary_factor`` transformers' GPT-NeoX reads back as ``rotary_dim`` (``int(head_dim x f)``), or None."""
+    factor = rotary_dim / head_dim
+    for candidate in (factor, float(torch.nextafter(torch.tensor(factor, dtype=torch.float64),
+                                                    torch.tensor(2.0, dtype=torch.float64)))):
+        if int(head_dim * candidate) == rotary_dim:
+            return candidate
+    return None
+
+
+def neox_rope_parameters(scaling: Scaling, base: float, rotary_dim: int, head_dim: int) -> Optional[dict]:
+    """transformers' ``rope_parameters`` computing ``scaling`` on RoPE of base
+    ``base`` over ``rotary_dim`` of ``head_dim`` dimensions; None where it has no such type."""
+    value = {"rope_type": "default", "rope_theta": float(base),
+             "partial_rotary_factor": partial_rotary_factor(rotary_dim, head_dim)}
+    if scaling.method == "none":
+        return value
+    if scaling.method in ("linear", "yarn") and scaling.dynamic:
+        return None
+    if scaling.method == "ntk":
+        if scaling.dynamic:
+            return dict(value, rope_type="dynamic", factor=1.0)
+        return dict(value, rope_theta=float(base) * float(scaling.factor) ** (rotary_dim / (rotary_dim - 2)))
+    if scaling.method == "linear":
+        return dict(value, rope_type="linear", factor=float(scaling.factor))
+    return dict(value, rope_type="yarn", factor=float(scaling.factor),
+                original_max_position_embeddings=int(scaling.complete().train_length), **YARN_BETAS)
 
 
 def scaling_of_rope(value: Any, train_length: Optional[int]) -> Scaling:
@@ -188,13 +219,18 @@ class AlibiLMConfig(PreTrainedConfig):
 
     def position_settings(self) -> Dict[str, Any]:
         """The position method's parameters (``positions.Param`` names): a
-        rotary model's base and rotated share come from ``rope_parameters``."""
+        rotary model's base and rotated share come from ``rope_parameters``; a
+        parameter the config does not hold takes its declared default (as on
+        the fairseq side), so a hand-written config builds."""
+        from .positions import POSITIONS
+
         params = dict(self.position_params or {})
         if self.position_method == "rotary":
             rope = self.rope_parameters or {}
             params["rotary_base"] = rope.get("rope_theta", 10000.0)
             params["rotary_fraction"] = rope.get("partial_rotary_factor", 1.0)
-        return params
+        declared = POSITIONS[self.position_method].params if self.position_method in POSITIONS else ()
+        return {**{p.name: p.default for p in declared}, **params}
 
 def check_position_params(config) -> None:
     """The parameters of the config's position method (``position_method``;
@@ -207,5 +243,5 @@ def check_position_params(config) -> None:
         return  # an unknown name is refused by ``scaling()``; these have no parameters
     from .positions import check_params, position
 
-    given = config.position_settings()
-    check_params(name, {p.name: given.get(p.name, p.default) for p in position(name).params})
+    given = config.position_settings()  # the declared defaults filled in
+    check_params(name, {p.name: given[p.name] for p in position(name).params})

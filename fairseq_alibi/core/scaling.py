@@ -82,6 +82,9 @@ METHOD_SYNTAX = ", ".join(
 #: The config key of each field of the spec (fairseq model configs, ``--model-overrides``).
 CONFIG_KEYS = {"method": "alibi_interpolation", "factor": "alibi_scale_factor", "train_length": "alibi_train_length",
                "alpha": "alibi_tail_alpha"}
+#: The config field of the one spelling (a ``--methods`` item, ``ntk:2``), named for what it holds,
+#: for every position method; ``CONFIG_KEYS``' method, factor and alpha are its older names (aliases).
+SPELLING_KEY = "position_scaling"
 #: The keys an ``alibi_scaling`` dictionary (Hugging Face configs) may hold.
 HF_KEYS = ("type", "factor", "train_seq_len", "alpha")
 _DYNAMIC = ("dynamic", "dyn")
@@ -243,18 +246,37 @@ class Scaling:
 
     @classmethod
     def from_config(cls, cfg) -> "Scaling":
-        """The spec of a model config's ``alibi_*`` fields (attributes or a dict);
-        errors name the config key (``alibi_scale_factor=...``)."""
+        """The spec of a model config (attributes or a dict): ``position_scaling``
+        (one spelling, ``ntk:2``) or its older names, the ``alibi_*`` fields
+        (``alibi_interpolation``, ``alibi_scale_factor``, ``alibi_tail_alpha``);
+        both given and different is refused.  Errors name the config key
+        (``alibi_scale_factor=...``, ``position_scaling=...``)."""
         get = cfg.get if isinstance(cfg, dict) else (lambda key, default=None: getattr(cfg, key, default))
+        train_length = get(CONFIG_KEYS["train_length"], None)
         try:
-            return cls(get(CONFIG_KEYS["method"], "none"), get(CONFIG_KEYS["factor"], 0.0),
-                       get(CONFIG_KEYS["train_length"], None), get(CONFIG_KEYS["alpha"], None))
+            aliases = cls(get(CONFIG_KEYS["method"], "none"), get(CONFIG_KEYS["factor"], 0.0), train_length,
+                          get(CONFIG_KEYS["alpha"], None))
         except ScalingError as exc:
             raise exc.renamed(CONFIG_KEYS) from None
+        spelled = get(SPELLING_KEY, None)
+        if spelled is None or (isinstance(spelled, str) and not spelled.strip()):
+            return aliases
+        if not isinstance(spelled, str):
+            raise ScalingError(SPELLING_KEY, spelled, f"give one method spelling ({METHOD_SYNTAX})")
+        try:
+            scaling = cls.parse(spelled, train_length)
+        except ScalingError as exc:
+            raise ScalingError(SPELLING_KEY, spelled, exc.reason) from None
+        if aliases.method != "none" and aliases.key != scaling.key:
+            raise ScalingError(SPELLING_KEY, spelled, f"the older names of the same setting say {aliases.spelling} "
+                               f"({CONFIG_KEYS['method']}={aliases.method!r}, {CONFIG_KEYS['factor']}="
+                               f"{aliases.factor:g}); give one of the two")
+        return scaling
 
     def config_values(self) -> Dict[str, Any]:
-        """The config fields (``--model-overrides``) that select this method."""
-        values = {CONFIG_KEYS["method"]: self.method,
+        """The config fields (``--model-overrides``) that select this method: ``position_scaling``,
+        and its older names set to agree with it (a checkpoint may hold either)."""
+        values = {SPELLING_KEY: self.spelling, CONFIG_KEYS["method"]: self.method,
                   CONFIG_KEYS["factor"]: 0.0 if self.method == "none" else self.factor}
         if self.alpha is not None:
             values[CONFIG_KEYS["alpha"]] = self.alpha

@@ -144,7 +144,8 @@ class HFBackend:
         family = hf.config_family(config)  # refuses anything but the supported ALiBi families
         train_length = self.train_length or hf.hf_train_length(config)
         arch = (getattr(config, "architectures", None) or [config.model_type])[0]
-        info = ModelInfo(name, spec, f"hf:{family}", arch, "alibi", train_length,
+        position = hf.position_method(config)
+        info = ModelInfo(name, spec, f"hf:{family}", arch, None if position == "sinusoidal" else position, train_length,
                          f"{model_identity(spec)}|L={self.train_length}",
                          " (the model's config does not record its training length: pass --train-length L)")
         return Described(info, HFEncoder(tokenizer, by_lines=family == hf.EXPORTED))

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..core.configuration_alibi import YARN_BETAS
+from ..core.configuration_alibi import neox_rope_parameters, partial_rotary_factor  # noqa: F401  (the export's)
 from ..core.positions import POSITIONS
 from ..core.scaling import Scaling
 from ..errors import ExportError
@@ -42,35 +42,6 @@ def rotary_settings(cfg, head_dim: int) -> tuple:
     """(base, rotated dimensions per head) of a rotary model's config, as ``rotary.RotaryPositions`` takes them."""
     params = {p.name: getattr(cfg, p.name, p.default) for p in POSITIONS["rotary"].params}
     return float(params["rotary_base"]), int(head_dim * params["rotary_fraction"]) // 2 * 2
-
-
-def partial_rotary_factor(rotary_dim: int, head_dim: int) -> Optional[float]:
-    """A ``partial_rotary_factor`` GPT-NeoX reads back as ``rotary_dim`` (``int(head_dim x f)``), or None."""
-    factor = rotary_dim / head_dim
-    for candidate in (factor, float(torch.nextafter(torch.tensor(factor, dtype=torch.float64),
-                                                    torch.tensor(2.0, dtype=torch.float64)))):
-        if int(head_dim * candidate) == rotary_dim:
-            return candidate
-    return None
-
-
-def neox_rope_parameters(scaling: Scaling, base: float, rotary_dim: int, head_dim: int) -> Optional[dict]:
-    """transformers' ``rope_parameters`` computing ``scaling`` on RoPE of base
-    ``base`` over ``rotary_dim`` of ``head_dim`` dimensions; None where it has no such type."""
-    value = {"rope_type": "default", "rope_theta": float(base),
-             "partial_rotary_factor": partial_rotary_factor(rotary_dim, head_dim)}
-    if scaling.method == "none":
-        return value
-    if scaling.method in ("linear", "yarn") and scaling.dynamic:
-        return None
-    if scaling.method == "ntk":
-        if scaling.dynamic:
-            return dict(value, rope_type="dynamic", factor=1.0)
-        return dict(value, rope_theta=float(base) * float(scaling.factor) ** (rotary_dim / (rotary_dim - 2)))
-    if scaling.method == "linear":
-        return dict(value, rope_type="linear", factor=float(scaling.factor))
-    return dict(value, rope_type="yarn", factor=float(scaling.factor),
-                original_max_position_embeddings=int(scaling.complete().train_length), **YARN_BETAS)
 
 
 def neox_shape_problems(fields: dict, position: str, rotary_dim: Optional[int], scaling: Scaling) -> List[str]:

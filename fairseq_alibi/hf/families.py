@@ -1,8 +1,11 @@
-"""Which Hugging Face model is this: the ALiBi families, their slopes and training lengths.
+"""Which Hugging Face model is this: the families, their slopes, position methods and training lengths.
 
-BLOOM, MPT, Falcon with ``config.alibi=True`` (transformers 5.23) and the
-models ``alibi-export-hf`` writes (family ``fairseq``, this package's
-``modeling_alibi``).  Imports transformers lazily and never fairseq.
+BLOOM, MPT, Falcon with ``config.alibi=True`` (transformers 5.23), the models
+``alibi-export-hf`` writes (family ``fairseq``, this package's
+``modeling_alibi``, any position method), and GPT-NeoX (family ``gpt_neox``:
+rotary, extended through transformers' own ``rope_parameters``; what
+``alibi-export-hf --format gpt-neox`` writes, and Pythia-style hub models).
+Imports transformers lazily and never fairseq.
 """
 
 from __future__ import annotations
@@ -17,20 +20,23 @@ from ..errors import ConfigError, UnsupportedModelError
 
 SUPPORTED_MODELS = (
     "BLOOM (BloomModel, BloomForCausalLM), MPT (MptModel, MptForCausalLM), "
-    "Falcon with config.alibi=True (FalconModel, FalconForCausalLM) and fairseq models "
-    "exported by alibi-export-hf (AlibiLMModel, AlibiForCausalLM)"
+    "Falcon with config.alibi=True (FalconModel, FalconForCausalLM), GPT-NeoX (GPTNeoXModel, "
+    "GPTNeoXForCausalLM; rotary) and fairseq models exported by alibi-export-hf (AlibiLMModel, AlibiForCausalLM)"
 )
 #: The family of models written by ``alibi-export-hf`` (this package's ``modeling_alibi``).
 EXPORTED = "fairseq"
+#: Stock transformers' GPT-NeoX: rotary position embeddings, scaled through its ``rope_parameters``.
+NEOX = "gpt_neox"
 
 
 def _families():
     # Imported lazily: transformers is only needed by users of this module.
     from transformers.models.bloom.modeling_bloom import BloomModel
     from transformers.models.falcon.modeling_falcon import FalconModel
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXModel
     from transformers.models.mpt.modeling_mpt import MptModel
 
-    return (("bloom", BloomModel), ("mpt", MptModel), ("falcon", FalconModel))
+    return (("bloom", BloomModel), ("mpt", MptModel), ("falcon", FalconModel), (NEOX, GPTNeoXModel))
 
 
 def _exported(base) -> bool:
@@ -50,7 +56,8 @@ def resolve(model) -> Tuple[str, torch.nn.Module]:
     else:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise UnsupportedModelError(
-            f"{type(model).__name__} (model_type {model_type!r}) has no ALiBi bias to scale; "
+            f"{type(model).__name__} (model_type {model_type!r}) is not a model whose positions this package "
+            "scales; "
             f"supported: {SUPPORTED_MODELS}"
         )
     if family == "falcon":
@@ -75,10 +82,10 @@ def config_family(config) -> str:
     model_type = getattr(config, "model_type", None)
     if model_type == MODEL_TYPE:
         return EXPORTED
-    if model_type in ("bloom", "mpt") or (model_type == "falcon" and getattr(config, "alibi", False)):
+    if model_type in ("bloom", "mpt", NEOX) or (model_type == "falcon" and getattr(config, "alibi", False)):
         return model_type
     why = ("config.alibi=False: this Falcon uses rotary position embeddings, not ALiBi" if model_type == "falcon"
-           else f"model_type {model_type!r} has no ALiBi bias to scale")
+           else f"model_type {model_type!r} is not a model whose positions this package scales")
     raise UnsupportedModelError(f"{why}; supported: {SUPPORTED_MODELS}")
 
 
@@ -96,10 +103,21 @@ def mpt_slopes(num_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
     return torch.exp2(paper.log2() * (float(alibi_bias_max) / 8.0)).to(torch.float32)
 
 
+def position_method(config) -> str:
+    """The position method (``core.positions`` name) of a supported model's config: ``alibi`` for
+    BLOOM, MPT and Falcon, ``rotary`` for GPT-NeoX, an export's own ``position_method``."""
+    family = config_family(config)
+    if family == EXPORTED:
+        return getattr(config, "position_method", "alibi")
+    return "rotary" if family == NEOX else "alibi"
+
+
 def base_slopes(model) -> torch.Tensor:
-    """The unscaled slopes of a supported model (float32 ``[H]`` on the CPU), head order as the model's."""
+    """The unscaled slopes of a supported ALiBi model (float32 ``[H]`` on the CPU), head order as the model's."""
     family, base = resolve(model)
     config = base.config
+    if family == NEOX:
+        raise UnsupportedModelError(f"{type(model).__name__} is a rotary model: it has no ALiBi slopes")
     if family == EXPORTED:
         return get_slopes(config.attention_heads)
     if family == "bloom":
@@ -114,9 +132,12 @@ def hf_train_length(config) -> Optional[int]:
 
     MPT: ``max_seq_len``; BLOOM: ``seq_length`` when the config has it (the
     BigScience configs do not always; ``alibi-export-hf --format bloom`` writes
-    it); exported models: ``alibi_train_length``.  Other configs record none.
+    it); exported models: ``alibi_train_length``; GPT-NeoX: ``max_position_embeddings`` (transformers'
+    reference length for its RoPE scaling; ``--format gpt-neox`` writes the training length there).
+    Other configs record none.
     """
     model_type = getattr(config, "model_type", None)
-    name = {"mpt": "max_seq_len", "bloom": "seq_length", MODEL_TYPE: "alibi_train_length"}.get(model_type)
+    name = {"mpt": "max_seq_len", "bloom": "seq_length", MODEL_TYPE: "alibi_train_length",
+            NEOX: "max_position_embeddings"}.get(model_type)
     value = getattr(config, name, None) if name else None
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

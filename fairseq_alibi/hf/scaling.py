@@ -22,7 +22,13 @@ long-context measurements (see docs/hf.md):
   ``max_seq_len``; the scaled model honours both.
 
 Models exported by ``alibi-export-hf`` (family ``fairseq``) carry this
-package's own bias: scaling them rescales it natively (no hooks).
+package's own positions, of any method: scaling them rescales those natively
+(no hooks), under the methods of their position method (RoPE's ``yarn`` for
+a rotary export, for instance).  GPT-NeoX (rotary) is scaled through
+transformers' own ``rope_parameters``: its rotary embedding is rebuilt from
+them (:func:`~fairseq_alibi.core.configuration_alibi.neox_rope_parameters`,
+the translation ``alibi-export-hf --format gpt-neox`` writes), so its numbers
+are transformers' RoPE scaling, not a copy of ours.
 
 Dynamic scaling (``factor=0``) picks the factor per forward pass from the
 number of keys (cached + new tokens) and the training length.  Keys already in a
@@ -42,10 +48,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..core import alibi
+from ..core.configuration_alibi import neox_rope_parameters
 from ..core.errors import ConfigError, InputError
+from ..core.positions import POSITIONS
 from ..core.scaling import DISTANCE_METHODS, Scaling, check_applies, warn_if_cache_drifts
 from ..errors import UnsupportedModelError
-from .families import EXPORTED, base_slopes, hf_train_length, resolve
+from .families import EXPORTED, NEOX, base_slopes, hf_train_length, position_method, resolve
 
 BIAS_FORMS = ("relative", "upstream")
 _STATE_ATTR = "_fairseq_alibi_scaling"
@@ -279,6 +287,10 @@ def _mpt_slopes(current: Dict[str, Any], scaling: Scaling) -> torch.Tensor:
     return slopes
 
 
+#: What transformers' GPT-NeoX computes of RoPE's methods (``neox_rope_parameters``).
+NEOX_METHODS = ("none", "linear (static)", "ntk (static or dynamic)", "yarn (static)")
+
+
 def _checked_scaling(model, family: str, method, factor, train_length, alpha, bias_form: str) -> Scaling:
     """The complete scaling spec of the arguments (``ConfigError`` naming the
     bad one).  The training length defaults to what the config records; an
@@ -295,7 +307,18 @@ def _checked_scaling(model, family: str, method, factor, train_length, alpha, bi
     recorded = hf_train_length(getattr(model, "config", None))
     if family == EXPORTED or scaling.train_length is None:
         scaling = scaling.for_model(recorded)
-    scaling = check_applies(scaling, "alibi", alibi.EXTENSIONS).complete()
+    position = position_method(model.config)
+    allowed = POSITIONS[position].extensions if position in POSITIONS else ("none",)
+    if family not in (EXPORTED, NEOX):
+        allowed = alibi.EXTENSIONS  # the hooks' methods
+    scaling = check_applies(scaling, position, allowed).complete()
+    if family in (EXPORTED, NEOX) and bias_form != "relative":
+        raise ConfigError(f"bias_form={bias_form!r} applies to BLOOM and Falcon; a {family} model computes its "
+                          "own positions (bias_form='relative')")
+    if family == NEOX and neox_rope_parameters(scaling, 10000.0, 4, 4) is None:
+        raise ConfigError(f"{'dynamic ' if scaling.dynamic else ''}{scaling.method} has no transformers rope_type; "
+                          f"GPT-NeoX takes {', '.join(NEOX_METHODS)} (an alibi-export-hf export in the default "
+                          "format computes every method)")
     if bias_form == "upstream" and scaling.method in DISTANCE_METHODS:
         raise ConfigError(f"bias_form='upstream' builds a bias of key positions only, which cannot transform "
                           f"distances; use the default bias_form='relative' with {scaling.method}")
@@ -304,7 +327,7 @@ def _checked_scaling(model, family: str, method, factor, train_length, alpha, bi
 
 def apply_alibi_scaling(model, method="none", factor: float = 0.0, train_length: Optional[int] = None,
                         bias_form: str = "relative", *, alpha: Optional[float] = None):
-    """Extend the context of a BLOOM, MPT, Falcon (alibi=True) or exported model in place.
+    """Extend the context of a BLOOM, MPT, Falcon (alibi=True), GPT-NeoX or exported model in place.
 
     ``method``, ``factor``, ``train_length`` and ``alpha`` are
     ``fairseq_alibi.core.Scaling``'s (or pass a ``Scaling`` as ``method``):
@@ -316,7 +339,10 @@ def apply_alibi_scaling(model, method="none", factor: float = 0.0, train_length:
     ``train_length`` defaults to what the model's config records
     (``hf_train_length``).  ``bias_form``: ``relative`` (default, ``-slope *
     (i - j)`` formed in float32) or ``upstream`` (the model's own form, with
-    the scaled slopes; not with the distance methods).
+    the scaled slopes; not with the distance methods).  An exported model
+    takes its own position method's methods (RoPE's yarn for rotary); GPT-NeoX
+    takes transformers' own RoPE scaling (static linear and yarn, ntk),
+    through its config's ``rope_parameters``.
 
     Applying again replaces the previous scaling.  Returns ``model``.  The hooks
     belong to this instance: copy a model before scaling it, not after.
@@ -325,12 +351,17 @@ def apply_alibi_scaling(model, method="none", factor: float = 0.0, train_length:
     scaling = _checked_scaling(model, family, method, factor, train_length, alpha, bias_form)
     if getattr(base, _STATE_ATTR, None) is not None:
         remove_alibi_scaling(model)
-    slopes = base_slopes(model)
-    state = ScalingState(family=family, scaling=scaling, bias_form=bias_form, slopes=tuple(slopes.tolist()),
-                         exponents=tuple(alibi.slope_exponents(slopes, scaling.method).tolist()),
+    slopes = base_slopes(model) if family != NEOX else None  # a rotary model has none
+    state = ScalingState(family=family, scaling=scaling, bias_form=bias_form,
+                         slopes=tuple(slopes.tolist()) if slopes is not None else (),
+                         exponents=tuple(alibi.slope_exponents(slopes, scaling.method).tolist())
+                         if slopes is not None else (),
                          forward_parameters=tuple(inspect.signature(base.forward).parameters))
     if family == EXPORTED:
         _scale_exported(state, base)
+        return model
+    if family == NEOX:
+        _scale_neox(state, base)
         return model
     state.handles.append(
         base.register_forward_pre_hook(
@@ -364,6 +395,33 @@ def _scale_exported(state: ScalingState, base) -> None:
     setattr(base, _STATE_ATTR, state)
 
 
+def _neox_rotary(base, rope_parameters: dict):
+    """GPT-NeoX's rotary embedding built by transformers from ``rope_parameters`` (set in its config)."""
+    base.config.rope_parameters = rope_parameters
+    loaded = base.rotary_emb.inv_freq  # the rebuilt frequencies go where the loaded ones are, in their dtype
+    return type(base.rotary_emb)(base.config).to(device=loaded.device, dtype=loaded.dtype)
+
+
+def _scale_neox(state: ScalingState, base) -> None:
+    """GPT-NeoX: its config's ``rope_parameters`` for the method, its rotary embedding rebuilt from them
+    by transformers; the loaded ones are kept to restore."""
+    import copy
+
+    loaded = copy.deepcopy(dict(base.config.rope_parameters))
+    head_dim = base.config.hidden_size // base.config.num_attention_heads
+    rotary_dim = int(head_dim * loaded.get("partial_rotary_factor", 1.0))
+    wanted = neox_rope_parameters(state.scaling, loaded.get("rope_theta", 10000.0), rotary_dim, head_dim)
+    if loaded.get("rope_type", "default") != "default" and state.scaling.method != "none":
+        raise ConfigError(f"this GPT-NeoX is already extended (rope_parameters {loaded}); scale a model with "
+                          "rope_type 'default'")
+    if state.scaling.method == "none":
+        wanted = loaded
+    state.saved_attrs["rope_parameters"] = loaded
+    state.saved_attrs["rotary_emb"] = base.rotary_emb
+    base.rotary_emb = _neox_rotary(base, wanted)
+    setattr(base, _STATE_ATTR, state)
+
+
 def remove_alibi_scaling(model):
     """Undo ``apply_alibi_scaling``: hooks removed, instance attributes restored.  Returns ``model``."""
     _, base = resolve(model)
@@ -374,6 +432,8 @@ def remove_alibi_scaling(model):
         handle.remove()
     if state.family == EXPORTED:
         base.set_alibi_scaling(state.saved_attrs.pop("alibi_scaling"))
+    if state.family == NEOX:
+        base.config.rope_parameters = state.saved_attrs.pop("rope_parameters")
     for name, value in state.saved_attrs.items():
         if value is _MISSING:
             base.__dict__.pop(name, None)

@@ -24,8 +24,10 @@ from .. import facts
 from ..core import positions as P
 from ..core.alibi import BIDIRECTIONAL_MODES
 from ..core.params import SHAPE, role_problem
+from ..core.errors import ScalingError
 from ..core.scaling import (
-    CONFIG_KEYS, DEFAULT_ALPHA, DISTANCE_METHODS, LOGIT_METHODS, METHOD_TABLE, METHODS, SCALE_METHODS, Scaling,
+    CONFIG_KEYS, DEFAULT_ALPHA, DISTANCE_METHODS, LOGIT_METHODS, METHOD_SYNTAX, METHOD_TABLE, METHODS, SCALE_METHODS,
+    SPELLING_KEY, Scaling,
 )
 from ..core.bias import AlibiBias
 from ..errors import HUB_KEYS, ConfigError, closest, warn_once
@@ -40,6 +42,11 @@ def option(default, help: str):
 
 @dataclass
 class AlibiConfig(FairseqDataclass):
+    position_scaling: str = option(
+        "", f"context extension at evaluation, for every position method, in one spelling ({METHOD_SYNTAX}; "
+        "e.g. ntk:2, yarn:4, linear, cap:0.5, logn): the methods of the model's position method "
+        "(docs/usage.md); empty: alibi_interpolation, alibi_scale_factor and alibi_tail_alpha, its older names, "
+        "kept for every existing checkpoint and command")
     alibi_interpolation: str = option(
         "none", f"context extension at evaluation: {' | '.join(METHODS)} ("
         + "; ".join(f"{m.name}: {m.summary}" for m in METHOD_TABLE if m.name != "none")
@@ -67,8 +74,12 @@ class AlibiEncoderConfig(AlibiConfig):
         "translation: set it to use dynamic scaling or cap)")
 
 
-#: Every ``alibi_*`` field of the plugin's models (override keys, hub keywords).
-ALIBI_FIELDS = tuple(f.name for f in dataclasses.fields(AlibiEncoderConfig) if f.name.startswith("alibi_"))
+#: Every field the plugin adds to its models (override keys, hub keywords): ``position_scaling``,
+#: then the ``alibi_*`` fields (the older names of the scaling, the kernel, the encoders' own).
+ALIBI_FIELDS = tuple(f.name for f in dataclasses.fields(AlibiEncoderConfig)
+                     if f.name.startswith("alibi_") or f.name == SPELLING_KEY)
+#: Where a mistyped plugin key starts (warned about, never silently dropped).
+FIELD_PREFIXES = ("alibi", "position_")
 
 
 def field_help(*configs) -> dict:
@@ -130,6 +141,12 @@ def _override_value_problem(key: str, value) -> Optional[str]:
         return integer_problem(key, value)
     if key not in _FIELD_TYPES:
         return None
+    if key == SPELLING_KEY and isinstance(value, str) and value.strip():
+        try:
+            Scaling.parse(value)
+        except ScalingError as exc:
+            return exc.reason
+        return None
     types, name = _FIELD_TYPES[key]
     choices = _FIELD_CHOICES.get(key)
     if isinstance(value, bool) or not isinstance(value, types) or (choices and value not in choices):
@@ -169,7 +186,7 @@ def _warn_ineffective(overrides: dict, cfg) -> None:
     if "*" in known:  # a Namespace section takes any key
         return
     for key in overrides:
-        if key in known or key in HUB_KEYS or (isinstance(key, str) and key.startswith("alibi")
+        if key in known or key in HUB_KEYS or (isinstance(key, str) and key.startswith(FIELD_PREFIXES)
                                                and key not in ALIBI_FIELDS):
             continue  # an alibi* typo was warned about with the ALiBi fields
         if key in ALIBI_FIELDS:
@@ -279,9 +296,10 @@ def check_override_keys(overrides, cfg=None) -> None:
         raise ConfigError(f"model overrides must be a dict such as {{'alibi_interpolation': 'ntk'}}, "
                           f"got {type(overrides).__name__}: {overrides!r}")
     for key, value in overrides.items():
-        if isinstance(key, str) and key.startswith("alibi") and key not in ALIBI_FIELDS:
+        if isinstance(key, str) and key.startswith(FIELD_PREFIXES) and key not in ALIBI_FIELDS and not any(
+                param.name == key for _, param in P.params_of()):
             warn_once(
-                f"ignored model override {key!r}: no such ALiBi field{closest(key, ALIBI_FIELDS)} "
+                f"ignored model override {key!r}: no such field of this plugin{closest(key, ALIBI_FIELDS)} "
                 f"(valid: {', '.join(ALIBI_FIELDS)})"
             )
             continue
