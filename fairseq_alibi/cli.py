@@ -37,14 +37,17 @@ def check_training_method(argv: List[str]) -> None:
     the checkpoint, which every later evaluation then uses: said, once."""
     from .core.scaling import METHODS
 
-    method = _flag(argv, "--alibi-interpolation")
-    if method in METHODS and method != "none":  # an unknown name is the model build's one error line
-        logger.warning(
-            "--alibi-interpolation %s is a method for evaluating past the training length: the model trains "
-            "with it and the checkpoint stores it, so every later evaluation uses it unless overridden; to train "
-            "plain ALiBi leave it out and choose a method when evaluating (--model-overrides, alibi-sweep "
-            "--methods)", method,
-        )
+    for flag in ("--position-scaling", "--alibi-interpolation"):
+        method = _flag(argv, flag)
+        name = (method or "").partition(":")[0].strip().lower()
+        if name in METHODS and name != "none":  # an unknown name is the model build's one error line
+            logger.warning(
+                "%s %s is a method for evaluating past the training length: the model trains with it and the "
+                "checkpoint stores it, so every later evaluation uses it unless overridden; to train the plain "
+                "model leave it out and choose a method when evaluating (--model-overrides, alibi-sweep "
+                "--methods)", flag, method,
+            )
+            return
 
 
 def check_training_kernel(argv: List[str]) -> None:
@@ -107,6 +110,10 @@ def check_training_blocks(argv: List[str]) -> None:
     ``--max-tokens`` and then crashes (IndexError) or trains on the last short block."""
     task, mode = _flag(argv, "--task"), _flag(argv, "--sample-break-mode") or "none"
     max_tokens, tokens = _flag(argv, "--max-tokens"), _flag(argv, "--tokens-per-sample") or "1024"
+    if max_tokens is None and _flag(argv, "--batch-size") is None and _flag(argv, "--max-sentences") is None:
+        # stock fairseq: an AssertionError traceback ("Must specify batch size ...")
+        raise UserError("no batch size: give --max-tokens N (tokens per batch, at least one sample's "
+                        f"--tokens-per-sample {tokens}) or --batch-size N (samples per batch)")
     if task != "language_modeling" or mode != "none" or max_tokens is None:
         return
     try:

@@ -731,6 +731,16 @@ BAD_INPUTS = [
 ]
 
 
+def test_training_without_a_batch_size_is_one_line(lm_data_bin, tmp_path):
+    """Stock fairseq-train ends in an AssertionError traceback without --max-tokens or --batch-size."""
+    result = run_cli([tool("alibi-train"), lm_data_bin, "--cpu", "--max-update", "1", "--save-dir", tmp_path / "ckpt"],
+                     expect_ok=False)
+    lines = error_lines(result)
+    assert result.returncode == 1 and "Traceback" not in result.output, result.output[-2000:]
+    assert len(lines) == 1 and "no batch size: give --max-tokens N" in lines[0] and "--batch-size N" in lines[0]
+    assert not (tmp_path / "ckpt").exists()
+
+
 @pytest.mark.parametrize("what,script,extra,phrase", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_is_one_line(what, script, extra, phrase, lm_data_bin, alibi_checkpoint, tmp_path):
     extra = [str(alibi_checkpoint.parent) if a == "DIR" else a for a in extra]
