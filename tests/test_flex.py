@@ -5,10 +5,11 @@ torch 2.13 compiles FlexAttention for the CPU with inductor's C++ backend
 (forward only): the same tracing of the ``score_mod`` closures, the same
 guards, recompilations and block masks as on CUDA.  Every output is checked
 against the ``reference`` kernel.  A graph takes seconds to compile (more on a
-cold inductor cache), so the compiled checks are two loops in one process: every
-bias mode x method x padding, then the order the evaluation tools run (one
-model, lengths, then methods) through fairseq layers, where a float that
-changed between compiles and a symbolic length once broke the compile.
+cold inductor cache), so the compiled checks are loops in one process: one case
+of each kind of bias mode x method x padding (every one: ``slow``), then the
+order the evaluation tools run (one model, lengths, then methods) through
+fairseq layers, where a float that changed between compiles and a symbolic
+length once broke the compile.
 """
 
 from __future__ import annotations
@@ -76,24 +77,36 @@ def test_causal_block_mask_is_the_causal_mask(length):
     assert torch.equal(direct.mask_mod(0, 0, q, k), k <= q)
 
 
-def test_compiled_flex_every_mode_method_and_padding(dynamic_from_this_process):
-    """150 keys (two blocks, the second partial): each (mode, distance method,
-    padding) compiles its own graphs; slope methods reuse those of ``none``."""
+def check_compiled(cases) -> None:
+    """Each (mode, padded, spelling) of ``cases``, in order, at 150 keys (two blocks, the second
+    partial): compiled flex equals the reference, each (mode, distance method, padding)
+    compiles its own graph, and a slope method reuses the graph of ``none`` compiled before it."""
     wrong, uncompiled = [], []
-    for mode in MODES:
-        for padded in (False, True):
-            for spelling in METHODS:
-                bias = AlibiBias(HEADS, mode, Scaling.parse(spelling, L))
-                before = graphs()
-                error = max_error(bias, 150, padded)
-                if error > 5e-6:
-                    wrong.append(f"{mode} {spelling} padded={padded}: max error {error:.1e}")
-                new = graphs() - before
-                slope_only = spelling in ("linear:2", "ntk")
-                if new != (0 if slope_only else 1):
-                    uncompiled.append(f"{mode} {spelling} padded={padded}: {new} new graphs")
+    for mode, padded, spelling in cases:
+        bias = AlibiBias(HEADS, mode, Scaling.parse(spelling, L))
+        before = graphs()
+        error = max_error(bias, 150, padded)
+        if error > 5e-6:
+            wrong.append(f"{mode} {spelling} padded={padded}: max error {error:.1e}")
+        new = graphs() - before
+        slope_only = spelling in ("linear:2", "ntk")
+        if new != (0 if slope_only else 1):
+            uncompiled.append(f"{mode} {spelling} padded={padded}: {new} new graphs")
     assert not wrong, wrong
     assert not uncompiled, uncompiled
+
+
+def test_compiled_flex_modes_methods_and_padding(dynamic_from_this_process):
+    """One of each kind, four compiles: a slope method after ``none``, a distance method, padding,
+    the split mode (the full product is the slow test below)."""
+    check_compiled([("causal", False, "none"), ("causal", False, "ntk"), ("causal", False, "capnorm"),
+                    ("causal", True, "log:1:0.25"), ("split", True, "none")])
+
+
+@pytest.mark.slow
+def test_compiled_flex_every_mode_method_and_padding(dynamic_from_this_process):
+    """Every bias mode x method x padding: 24 compiles (25 minutes on a loaded 2-core machine)."""
+    check_compiled([(mode, padded, spelling) for mode in MODES for padded in (False, True) for spelling in METHODS])
 
 
 def test_compiled_flex_sequence_of_lengths_then_methods(dict_dir, dynamic_from_this_process):
