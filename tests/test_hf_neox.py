@@ -93,6 +93,7 @@ def test_neox_scaling_within_the_training_length_changes_nothing_for_dynamic_ntk
     (dict(method="cap", factor=2.0), "cap does not apply to rotary models; the methods that do: none, linear, ntk, "
                                      "yarn"),
     (dict(method="linear", factor=2.0, bias_form="upstream"), "bias_form='upstream' applies to BLOOM and Falcon"),
+    (dict(method="logn", factor=1.0), "logn has no transformers rope_type"),
 ])
 def test_what_neox_cannot_compute_is_refused_in_one_line(kwargs, message):
     model = built()
@@ -174,3 +175,20 @@ def test_an_exported_model_takes_its_own_position_methods_extensions(method, spe
     assert torch.equal(logits(model, ids), plain)
     with pytest.raises(ValueError, match=f"cap does not apply to {method} models; the methods that do: none"):
         hf.apply_alibi_scaling(model, "cap", 2.0)
+
+
+def test_what_transformers_has_no_rope_type_for_is_none_and_the_gpt_neox_export_refuses_it():
+    """logn (and ALiBi's methods) never become another rope_type: None, and named by the export's check."""
+    from fairseq_alibi.core.configuration_alibi import neox_rope_parameters
+    from fairseq_alibi.export.neox import neox_shape_problems
+
+    for spelling in ("logn", "logn:2", "cap", "capnorm"):
+        assert neox_rope_parameters(Scaling.parse(spelling, TRAIN_LENGTH), 10000.0, 4, 8) is None, spelling
+    fields = {"normalize_before": True, "layernorm_embedding": False, "final_layer_norm": True,
+              "activation_function": "relu", "hidden_size": 32, "attention_heads": 4, "project_in": False,
+              "project_out": False, "embed_quant_noise": False, "adaptive_input": None, "adaptive_softmax": None,
+              "scale_attn": False, "scale_fc": False, "scale_heads": False, "scale_resids": False, "unk_aliases": 0}
+    assert neox_shape_problems(fields, "rotary", 4, Scaling.parse("yarn:2", TRAIN_LENGTH)) == []
+    problems = neox_shape_problems(fields, "rotary", 4, Scaling.parse("logn", TRAIN_LENGTH))
+    assert any("logn scaling (transformers has no rope_type for it)" in p for p in problems), problems
+    assert neox_rope_parameters(Scaling("yarn", 2.0, TRAIN_LENGTH), 10000.0, 4, 8)["rope_type"] == "yarn"

@@ -93,8 +93,10 @@ def neox_rope_parameters(scaling: Scaling, base: float, rotary_dim: int, head_di
         return dict(value, rope_theta=float(base) * float(scaling.factor) ** (rotary_dim / (rotary_dim - 2)))
     if scaling.method == "linear":
         return dict(value, rope_type="linear", factor=float(scaling.factor))
-    return dict(value, rope_type="yarn", factor=float(scaling.factor),
-                original_max_position_embeddings=int(scaling.complete().train_length), **YARN_BETAS)
+    if scaling.method == "yarn":
+        return dict(value, rope_type="yarn", factor=float(scaling.factor),
+                    original_max_position_embeddings=int(scaling.complete().train_length), **YARN_BETAS)
+    return None  # logn and ALiBi's methods: no transformers rope_type
 
 
 def scaling_of_rope(value: Any, train_length: Optional[int]) -> Scaling:
