@@ -78,6 +78,11 @@ def partial_rotary_factor(rotary_dim: int, head_dim: int) -> Optional[float]:
     return None
 
 
+def neox_computes(scaling: Scaling) -> bool:
+    """transformers has a ``rope_type`` for ``scaling`` (:func:`neox_rope_parameters` is not None)."""
+    return neox_rope_parameters(scaling, 10000.0, 4, 4) is not None
+
+
 def neox_rope_parameters(scaling: Scaling, base: float, rotary_dim: int, head_dim: int) -> Optional[dict]:
     """transformers' ``rope_parameters`` computing ``scaling`` on RoPE of base
     ``base`` over ``rotary_dim`` of ``head_dim`` dimensions; None where it has no such type."""

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..core.configuration_alibi import neox_rope_parameters, partial_rotary_factor
+from ..core.configuration_alibi import neox_computes, neox_rope_parameters, partial_rotary_factor
 from ..core.positions import POSITIONS
 from ..core.scaling import Scaling
 from ..errors import ExportError
@@ -63,7 +63,7 @@ def neox_shape_problems(fields: dict, position: str, rotary_dim: Optional[int], 
         found.append(f"{rotary_dim} rotated dimensions of {head_dim} (no partial_rotary_factor gives them)")
     if scaling.method in ("linear", "yarn") and scaling.dynamic:
         found.append(f"dynamic {scaling.method} scaling (transformers has static {scaling.method} only)")
-    elif neox_rope_parameters(scaling, 10000.0, 4, 4) is None:
+    elif not neox_computes(scaling):
         found.append(f"{scaling.method} scaling (transformers has no rope_type for it)")
     return found
 

@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..core import alibi
-from ..core.configuration_alibi import neox_rope_parameters
+from ..core.configuration_alibi import neox_computes, neox_rope_parameters
 from ..core.errors import ConfigError, InputError
 from ..core.positions import POSITIONS
 from ..core.scaling import DISTANCE_METHODS, Scaling, check_applies, warn_if_cache_drifts
@@ -315,7 +315,7 @@ def _checked_scaling(model, family: str, method, factor, train_length, alpha, bi
     if family in (EXPORTED, NEOX) and bias_form != "relative":
         raise ConfigError(f"bias_form={bias_form!r} applies to BLOOM and Falcon; a {family} model computes its "
                           "own positions (bias_form='relative')")
-    if family == NEOX and neox_rope_parameters(scaling, 10000.0, 4, 4) is None:
+    if family == NEOX and not neox_computes(scaling):
         raise ConfigError(f"{'dynamic ' if scaling.dynamic else ''}{scaling.method} has no transformers rope_type; "
                           f"GPT-NeoX takes {', '.join(NEOX_METHODS)} (an alibi-export-hf export in the default "
                           "format computes every method)")
