@@ -3,7 +3,7 @@
 On a machine with a CUDA GPU, in about 10 minutes (``--budget``), each step a
 subprocess with its own share of the time:
 
-* ``tests``: the CUDA tests (``pytest tests/test_attention.py tests/test_flex.py -k cuda``:
+* ``tests``: the CUDA tests (``pytest -n 4 tests/test_attention.py tests/test_flex.py -k cuda``:
   flex and sdpa against the reference kernel, forward and backward, fp32 and bf16, padding);
 * ``kernels``: one attention call, forward + backward, bf16, 2K-16K tokens:
   ALiBi's compiled FlexAttention and dense-bias SDPA against bias-free causal
@@ -41,8 +41,8 @@ BEGIN, END = "<!-- gpu-check: begin -->", "<!-- gpu-check: end -->"
 
 #: name -> (share of the budget in seconds, command after the interpreter; {json} is the output file).
 STEPS: Dict[str, tuple] = {
-    "tests": (150, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_attention.py", "tests/test_flex.py",
-                    "-k", "cuda"]),
+    "tests": (150, ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4", "tests/test_attention.py",
+                    "tests/test_flex.py", "-k", "cuda"]),
     "kernels": (90, ["benchmarks/gpu_attention.py", "--part", "kernels", "--device", "cuda",
                      "--lengths", "2048", "4096", "8192", "16384", "--repeats", "3", "--json", "{json}"]),
     "compile": (80, ["benchmarks/flex_compile.py", "--device", "cuda", "--dtype", "bfloat16",

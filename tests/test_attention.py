@@ -50,17 +50,55 @@ def right_padding(lengths, total):
 
 
 def run(module, x, pad=None, grad=False, dtype=torch.float32):
-    """Output (and input/parameter gradients) of one attention forward."""
+    """Output (and input/parameter gradients) of one attention forward.
+
+    The gradients are those of a weighted sum over the real rows only: the
+    output at a padded query is never read (fairseq's losses skip pad targets),
+    and the kernels may leave different values there (a padded query of a
+    ``split`` head that sees only padded keys: ``flex`` gives zeros, the
+    reference a mean of padded values)."""
     module = module.to(dtype)
     x = x.detach().to(dtype).requires_grad_(grad)
     with torch.set_grad_enabled(grad):
         out, _ = module(x, x, x, key_padding_mask=pad, need_weights=False)
     if not grad:
         return out.float(), None
-    weight = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out).to(dtype)
+    # Random weights (the same for every kernel and dtype): a ramp from -1 to 1
+    # sums to about zero over the rows, and made a bias gradient a cancelling sum.
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(out.device)
+    if pad is not None:
+        weight = weight * (~pad).t().unsqueeze(-1).to(weight)
+    weight = weight.to(dtype)
     (out * weight).sum().backward()
     grads = [x.grad] + [p.grad for p in module.parameters()]
     return out.float(), [g.float() for g in grads]
+
+
+def assert_as_accurate_as_reference(kernel, dtype, x, pad, **attention):
+    """``kernel`` against the float64 reference (the oracle) on ``x``'s device,
+    output and gradients: no further from it than twice the distance of the
+    reference kernel run in the same ``dtype``, plus 1e-5 of its norm (the
+    check of FlashAttention's own tests).  A GPU reorders and fuses sums, so an
+    elementwise tolerance fails on sums that cancel (a bias gradient, zero in
+    exact arithmetic, comes out as bf16 noise); a bound relative to the
+    reference's own rounding does not, and still fails a wrong bias or mask."""
+    device = x.device
+    oracle = run(make_attention("reference", **attention).to(device), x, pad, grad=True, dtype=torch.float64)
+    same = run(make_attention("reference", **attention).to(device), x, pad, grad=True, dtype=dtype)
+    got = run(make_attention(kernel, **attention).to(device), x, pad, grad=True, dtype=dtype)
+    names = ["output", "input gradient"] + [n for n, _ in make_attention("reference", **attention).named_parameters()]
+    rows = [[real_rows(t, pad) for t in outs] if name == "output" else outs
+            for name, outs in zip(names, zip([oracle[0]] + oracle[1], [same[0]] + same[1], [got[0]] + got[1]))]
+    ref_errors = [(ref.double() - want).norm().item() for want, ref, _ in rows]
+    for name, (want, ref, actual), ref_error in zip(names, rows, ref_errors):
+        err = (actual.double() - want).norm().item()
+        bound = 2 * ref_error + 1e-5 * want.norm().item() + 1e-6
+        if name == "k_proj.bias":
+            # Zero in exact arithmetic (a key bias adds q.b to a whole row of
+            # scores, which the softmax ignores): pure rounding noise, held to
+            # the reference's largest rounding error elsewhere.
+            bound = max(bound, max(ref_errors))
+        assert err <= bound, f"{kernel} {dtype}, {name}: |error| {err:.3g} > {bound:.3g} (twice the reference's)"
 
 
 def real_rows(out, pad):
@@ -523,13 +561,26 @@ def test_sinusoidal_twin_has_same_parameter_count(dict_dir):
 @pytest.mark.parametrize("padded", [False, True])
 def test_cuda_kernel_matches_reference(kernel, dtype, padded):
     length, batch = 300, 2  # not a multiple of 128 (flex blocks) nor of 8 (mask alignment)
-    x = torch.randn(length, batch, 64)
+    x = torch.randn(length, batch, 64).cuda()
     pad = right_padding([300, 170], length).cuda() if padded else None
-    ref_out, ref_grads = run(make_attention("reference", embed_dim=64).cuda(), x.cuda(), pad, grad=True)
-    out, grads = run(make_attention(kernel, embed_dim=64).cuda(), x.cuda(), pad, grad=True, dtype=dtype)
-    assert_close(real_rows(out, pad), real_rows(ref_out, pad), dtype)
-    for g, ref in zip(grads, ref_grads):
-        assert_close(g, ref, dtype)
+    assert_as_accurate_as_reference(kernel, dtype, x, pad, embed_dim=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_oracle_check_passes_sdpa_and_fails_a_wrong_bias(dtype, monkeypatch):
+    """The CUDA tests' check, here on the CPU: sdpa passes it, and sdpa with
+    slopes 10% too flat fails it."""
+    x = torch.randn(37, 2, 32)
+    pad = right_padding([37, 20], 37)
+    assert_as_accurate_as_reference("sdpa", dtype, x, pad)
+
+    def flat_slopes(q, k, v, bias, key_padding_mask, dropout_p):
+        mask = bias.merged_mask(0.9 * K._dense(q, k, bias), key_padding_mask)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask), None
+
+    monkeypatch.setitem(K.KERNELS, "sdpa", flat_slopes)
+    with pytest.raises(AssertionError, match="twice the reference"):
+        assert_as_accurate_as_reference("sdpa", dtype, x, pad)
 
 
 @needs_cuda

@@ -58,15 +58,17 @@ CHUNK_SIZE = 256
 def reference_attention(q, k, v, mask, key_padding_mask=None, dropout_p=0.0):
     """Explicit softmax(q k^T / sqrt(d) + mask) v, with ``mask`` the additive
     ``[H, T, S]`` bias tensor.  Shapes: q ``[B,H,T,D]``, k/v ``[B,H,S,D]``.
-    Returns (output, probabilities)."""
-    scores = torch.matmul(q.float() * q.size(-1) ** -0.5, k.float().transpose(-1, -2))
-    scores = scores + mask.float()
-    pad = padding_mask(key_padding_mask, torch.float32)
+    Returns (output, probabilities).  Computed in float32, or in float64 for
+    float64 inputs (the tests' exact oracle)."""
+    exact = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.to(exact) * q.size(-1) ** -0.5, k.to(exact).transpose(-1, -2))
+    scores = scores + mask.to(exact)
+    pad = padding_mask(key_padding_mask, exact)
     if pad is not None:
         scores = scores + pad
     probs = torch.softmax(scores, dim=-1)
     dropped = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
-    return torch.matmul(dropped, v.float()).to(q.dtype), probs.to(q.dtype)
+    return torch.matmul(dropped, v.to(exact)).to(q.dtype), probs.to(q.dtype)
 
 
 def reference_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
