@@ -59,7 +59,28 @@ def test_layers_interleave_windowed_rope_and_full_nope(data_dir):
     other = build(data_dir, "rnope", "--rnope-window", "5")
     assert other.decoder.layers[0].self_attn.positions.window == 5
     assert isinstance(other.decoder.positions, HybridPositions)
-    assert all(isinstance(layer.self_attn.positions, WindowedRotary) for layer in other.decoder.layers)  # 2 < 4
+
+
+@pytest.mark.parametrize("layers,nope_layers", [(2, [1]), (3, [2]), (4, [3]), (9, [3, 7])])
+def test_the_default_interleaving_has_a_nope_layer_at_every_depth(data_dir, layers, nope_layers):
+    """0 (the default): the paper's every 4th layer, or the last layer of a shallower stack."""
+    model = build(data_dir, "rnope", "--decoder-layers", str(layers))
+    found = [i for i, layer in enumerate(model.decoder.layers) if type(layer.self_attn.positions) is CausalMask]
+    assert found == nope_layers
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--decoder-layers", "2", "--rnope-nope-every", "4"], "rnope_nope_every=4 with 2 layers leaves no NoPE layer"),
+    (["--decoder-layers", "1"], "rnope needs at least 2 layers"),
+])
+def test_a_stack_that_is_not_a_hybrid_is_refused(data_dir, flags, message):
+    with pytest.raises(Exception, match=message):
+        build(data_dir, "rnope", *flags)
+
+
+def test_every_layer_nope_is_refused_as_the_nope_method():
+    with pytest.raises(Exception, match="every layer NoPE is the nope method"):
+        HybridPositions(4, 8, 16, nope_every=1)
 
 
 def test_a_nope_layer_attends_to_every_key_without_rotation(data_dir):

@@ -206,6 +206,10 @@ class StackBias:
         """The bias one layer's attention uses: the stack's own, shared."""
         return self
 
+    def fit_depth(self, layers: int) -> None:
+        """Check (and settle) the stack for ``layers`` layers, before they are
+        built: only a hybrid depends on the depth (``hybrid.py``)."""
+
     def at_layer(self, index: int) -> "StackBias":
         """The position object of the stack's layer ``index`` (from 0): the
         stack's own; a hybrid stack chooses per layer (``hybrid.py``)."""

@@ -10,7 +10,9 @@ position information: retrieval over the whole context).  The stack's object
 by the NoPE layers.
 
 Defaults (``positions.py``): a NoPE layer every 4th layer (three windowed
-RoPE layers to one NoPE layer, the paper's interleaving) and a window of half
+RoPE layers to one NoPE layer, the paper's interleaving), every 2nd or 3rd in
+a stack of 2 or 3 layers (:meth:`HybridPositions.fit_depth`: a stack without
+a NoPE layer, or without a RoPE layer, is not the method and is refused), and a window of half
 the training length (our choice: the paper's window relative to its training
 length was not in the material we could read; ``rnope_window`` sets it).
 
@@ -39,6 +41,8 @@ from .scaling import LOGIT_METHODS, NO_SCALING, Scaling, check_applies
 RNOPE_EXTENSIONS = ROPE_METHODS + LOGIT_METHODS
 #: The paper's interleaving: a NoPE layer after every three windowed RoPE layers.
 DEFAULT_NOPE_EVERY = 4
+#: ``rnope_nope_every`` 0: :data:`DEFAULT_NOPE_EVERY`, or the stack's depth where it has fewer layers.
+AUTO_NOPE_EVERY = 0
 
 
 def window_mask(q_start: int, q_len: int, keys: int, window: Optional[int], device) -> Tensor:
@@ -74,13 +78,16 @@ class WindowedRotary(RotaryPositions):
 class HybridPositions(StackBias):
     """RNoPE-SWA's stack: windowed RoPE layers, a full-attention NoPE layer every ``nope_every`` layers."""
 
-    def __init__(self, num_heads: int, head_dim: int, window: int, nope_every: int = DEFAULT_NOPE_EVERY,
+    def __init__(self, num_heads: int, head_dim: int, window: int, nope_every: int = AUTO_NOPE_EVERY,
                  base: float = DEFAULT_BASE, scaling: Scaling = NO_SCALING):
         StackBias.__init__(self, num_heads)
-        if isinstance(nope_every, bool) or not isinstance(nope_every, int) or nope_every < 1:
-            raise ConfigError(f"rnope_nope_every={nope_every!r} is not valid; it must be a positive integer (every "
-                              "how many layers one is a NoPE layer with full attention; 1: every layer)")
-        self.nope_every = nope_every
+        if isinstance(nope_every, bool) or not isinstance(nope_every, int) or nope_every < 0 or nope_every == 1:
+            raise ConfigError(f"rnope_nope_every={nope_every!r} is not valid; it must be an integer >= 2 (every how "
+                              f"many layers one is a NoPE layer with full attention) or 0 ({DEFAULT_NOPE_EVERY}, or "
+                              "the number of layers where fewer); every layer NoPE is the nope method")
+        #: As configured (0: resolved by :meth:`fit_depth`).
+        self.configured_nope_every = nope_every
+        self.nope_every = nope_every or DEFAULT_NOPE_EVERY
         self.rope = WindowedRotary(num_heads, head_dim, window, base)
         self.nope = CausalMask(num_heads)
         for layer_kind in (self.rope, self.nope):
@@ -91,6 +98,22 @@ class HybridPositions(StackBias):
     def window(self) -> int:  # type: ignore[override]
         """The RoPE layers' window (the NoPE layers have none)."""
         return self.rope.window
+
+    def fit_depth(self, layers: int) -> None:
+        """Resolve ``nope_every`` 0 for a stack of ``layers`` layers, and
+        refuse a stack that is not a hybrid: one with no NoPE layer (windowed
+        RoPE alone) or no RoPE layer (NoPE)."""
+        if layers < 2:
+            raise ConfigError(f"rnope needs at least 2 layers (windowed RoPE layers and a NoPE layer); this model "
+                              f"has {layers}: give --decoder-layers 2 or more, or use the rotary or nope method")
+        if self.configured_nope_every == AUTO_NOPE_EVERY:
+            self.nope_every = min(DEFAULT_NOPE_EVERY, layers)
+        elif self.configured_nope_every > layers:
+            raise ConfigError(
+                f"rnope_nope_every={self.configured_nope_every} with {layers} layers leaves no NoPE layer (they are "
+                f"layers {self.configured_nope_every}, {2 * self.configured_nope_every}, ...): the model would be "
+                f"windowed RoPE alone; give --rnope-nope-every between 2 and {layers}, or 0 (the default: "
+                f"{DEFAULT_NOPE_EVERY}, or the number of layers where fewer)")
 
     def is_nope(self, index: int) -> bool:
         """Layer ``index`` (from 0) is a NoPE layer: the last of each group of ``nope_every``."""

@@ -38,7 +38,7 @@ from .bias import AlibiBias, CausalMask, ModuleBias, StackBias
 from .errors import ConfigError
 from .fire import INIT_THRESHOLD, Fire
 from .fox import FOX_EXTENSIONS, ForgetGates
-from .hybrid import DEFAULT_NOPE_EVERY, RNOPE_EXTENSIONS, HybridPositions
+from .hybrid import AUTO_NOPE_EVERY, DEFAULT_NOPE_EVERY, RNOPE_EXTENSIONS, HybridPositions
 from .kerple import KerpleLog
 from .params import LEARNED, SHAPE, Param, Range
 from .rotary import BASE_RANGE, DEFAULT_BASE, ROPE_METHODS, RotaryPositions
@@ -158,8 +158,10 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
              (Param("rotary_base", DEFAULT_BASE, "RoPE's base in the RoPE layers", BASE_RANGE),
               Param("rnope_window", 0, "the RoPE layers' sliding window, in keys",
                     Range(int, 1, MAX_TOKENS, special=((0, "half the training length"),))),
-              Param("rnope_nope_every", DEFAULT_NOPE_EVERY, "every how many layers one is a NoPE layer with full "
-                    "attention (the last of each group; 1 = all NoPE)", Range(int, 1, 4096)))),
+              Param("rnope_nope_every", AUTO_NOPE_EVERY, "every how many layers one is a NoPE layer with full "
+                    "attention (the last of each group)",
+                    Range(int, 2, 4096, special=((AUTO_NOPE_EVERY, f"{DEFAULT_NOPE_EVERY}, or the number of layers "
+                                                  "where fewer"),))))),
 )}
 
 
