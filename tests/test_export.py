@@ -1143,11 +1143,13 @@ def test_exported_model_runs_the_fast_kernels_exactly(data_dir, tmp_path, monkey
     for name in ("chunked_kernel", "blocked_kernel"):
         monkeypatch.setitem(kernels_module.KERNELS, name.split("_")[0],
                             lambda *a, _name=name, _fn=getattr(kernels_module, name): calls.append(_name) or _fn(*a))
-    holder = next(m for m in loaded.modules() if isinstance(getattr(m, "kernel", None), str))
+    holders = [m for m in loaded.modules() if isinstance(getattr(m, "kernel", None), str)]  # each layer's
+    assert len(holders) == 2
     ids = tokens(6 * L, batch=2)
     results = {}
     for kernel in ("reference", "chunked", "blocked"):
-        holder.kernel = kernel
+        for holder in holders:
+            holder.kernel = kernel
         loaded.zero_grad()
         with torch.set_grad_enabled(kernel != "chunked"):
             log_probs = loaded(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)

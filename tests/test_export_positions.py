@@ -47,12 +47,15 @@ CUSTOM = {
     "kerple": ["--arch", "transformer_lm_kerple", *COMPARE],
     "fire": ["--arch", "transformer_lm_fire", *COMPARE, "--fire-hidden", "8"],
     "nope": ["--arch", "transformer_lm_nope", "--layernorm-embedding"],
+    "fox": ["--arch", "transformer_lm_fox", *COMPARE],
+    "rnope": ["--arch", "transformer_lm_rnope", *COMPARE, "--rnope-window", "6"],  # a NoPE layer; 6 < 3 L keys
+    "alibi-ssmax": ["--arch", "transformer_lm_alibi", *COMPARE, "--ssmax"],
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: The half-precision export of a model (both dtypes over the methods; an export costs seconds):
 #: the learned biases, fairseq's sinusoidal table (a buffer the files do not hold) and rotary.
 HALF = {"sinusoidal": "bfloat16", "rotary-postnorm": "float16", "t5bias": "bfloat16", "fire": "float16",
-        "neox": "bfloat16"}
+        "fox": "bfloat16", "neox": "bfloat16"}
 
 
 def build(data_dir: Path, extra, seed: int = 0):
@@ -218,12 +221,37 @@ def test_the_custom_configs_name_each_methods_settings(exports):
                                                              "partial_rotary_factor": 1.0}
     assert configs["t5bias"]["position_params"] == {"t5_buckets": 8, "t5_max_distance": 24}
     assert configs["fire"]["position_params"]["fire_hidden"] == 8
+    assert configs["rnope"]["position_params"] == {"rotary_base": 10000.0, "rnope_window": 6, "rnope_nope_every": 0}
+    assert configs["alibi-ssmax"]["ssmax"] is True and configs["fox"]["ssmax"] is False
+    assert configs["fox"]["use_cache"] is False and configs["rnope"]["use_cache"] is True
     assert all(c["alibi_scaling"] is None for c in configs.values())
     assert all(c["rope_parameters"] is None for name, c in configs.items() if name != "rotary-postnorm")
     printed = exports["rotary-postnorm-float32"][3]
     assert printed.splitlines()[0] == ("format custom (trust_remote_code=True): GPT-NeoX cannot hold this rotary "
                                        "model: post-norm layers; no final layer norm")
     assert "AlibiForCausalLM (trust_remote_code=True)" in printed.splitlines()[1]
+
+
+def test_a_fox_export_generates_without_a_cache_and_refuses_one_in_one_line(data_dir, tmp_path):
+    """FoX's running sums of log gates are not carried in transformers' cache: the export
+    says so when asked for one, and generates with use_cache=False (its config's default)
+    as fairseq scores the same tokens."""
+    from fairseq_alibi.core.errors import InputError
+    from fairseq_alibi.core.modeling_alibi import AlibiForCausalLM
+
+    model, cfg = build(data_dir / "bin", CUSTOM["fox"])
+    status, output = export(save(model, cfg, tmp_path / "fox.pt"), tmp_path / "out")
+    assert status == 0, output
+    hf = AlibiForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = tokens(L)
+    with pytest.raises(InputError, match="no KV cache yet .* use_cache=False"):
+        hf(input_ids=ids, use_cache=True)
+    with torch.no_grad():
+        generated = hf.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=1)
+        greedy = ids
+        for _ in range(4):  # the same greedy tokens from fairseq's full forwards
+            greedy = torch.cat([greedy, fairseq_log_probs(model, greedy)[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(generated, greedy)
 
 
 # ------------------------------------------------------------------ rotary as GPT-NeoX

@@ -12,6 +12,8 @@ from fairseq import tasks
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from fairseq_alibi import facts
 from fairseq_alibi.core import kernels, rotary
+from fairseq_alibi.core import positions as P
+from fairseq_alibi.core.bias import ModuleBias
 from fairseq_alibi.core.errors import ScalingError
 from fairseq_alibi.core.positions import POSITIONS
 from fairseq_alibi.core.scaling import Scaling
@@ -162,6 +164,40 @@ def test_fire_keeps_its_trained_threshold_under_another_training_length(data_dir
     ids = tokens(2 * TRAIN, batch=1)
     with torch.no_grad():
         torch.testing.assert_close(other.decoder(ids)[0], model.decoder(ids)[0])
+
+
+def _stack(name: str):
+    params = {p.name: p.default for p in POSITIONS[name].params}
+    return P.build(name, 3, 8, params, Scaling("none", train_length=TRAIN))
+
+
+#: The learned biases of one value per distance (T5's buckets, Kerple): ``ModuleBias.block`` lays them out.
+TOEPLITZ = [name for name in POSITIONS if isinstance(_stack(name), ModuleBias) and _stack(name).toeplitz]
+
+
+@pytest.mark.parametrize("name", TOEPLITZ)
+@pytest.mark.parametrize("q_start,q_len,keys", [(0, 7, 7), (5, 3, 8), (10, 1, 11), (0, 300, 300), (20, 5, 10)])
+def test_a_toeplitz_bias_per_distance_equals_the_pairwise_bias_and_its_gradients(name, q_start, q_len, keys):
+    """``bias.toeplitz_block`` (one value per distance, laid out by ``unfold``) against the
+    naive pairwise bias (``values`` of every (query, key)): the same floats, and through
+    autograd the same parameter gradients (up to the order of float32 sums)."""
+    from fairseq_alibi.core.alibi import positions as grid
+
+    assert TOEPLITZ == ["t5bias", "kerple"]
+    stack = _stack(name)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in stack.parameters():
+            parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+    query, key = (p.long() for p in grid(q_len, keys, q_start, "cpu"))
+    naive = stack.method.values(query, key).float().masked_fill(key > query, float("-inf"))
+    block = stack.block(q_start, q_len, keys, torch.float32, "cpu")
+    assert torch.equal(block, naive)
+    weight = torch.randn(naive.shape, generator=generator).masked_fill(key > query, 0.0)
+    grads = [torch.autograd.grad(b.masked_fill(key > query, 0.0).mul(weight).sum(), list(stack.parameters()))
+             for b in (block, naive)]
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_learned_bias_is_built_once_per_pass(data_dir, monkeypatch):

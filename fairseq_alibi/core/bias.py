@@ -382,9 +382,41 @@ class ModuleBias(nn.Module, StackBias):
         return StackBias.cached(self, name, (key, self._pass, versions, torch.is_grad_enabled()), build)
 
     def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
-        query, key = (p.long() for p in positions(q_len, keys or k_len, q_start, device))
+        keys = keys or k_len
+        if self._toeplitz:
+            return toeplitz_block(self.method.values, q_start, q_len, keys, device).to(dtype)
+        query, key = (p.long() for p in positions(q_len, keys, q_start, device))
         values = self.method.values(query, key).to(torch.float32)
         return values.masked_fill(key > query, float("-inf")).to(dtype)
+
+
+def toeplitz_block(values: Callable[[Tensor, Tensor], Tensor], q_start: int, q_len: int, keys: int,
+                   device) -> Tensor:
+    """float32 ``[H, q_len, keys]`` causal bias of queries ``q_start ..`` over
+    keys ``0 .. keys - 1`` of a bias that depends on the distance ``i - j``
+    alone (``values(query, key)``, integer positions: T5's buckets, Kerple).
+
+    Evaluated once per distance (``q_start + q_len`` values per head, not one
+    per pair) and laid out by ``unfold``: row ``i`` reads a window of one
+    vector ``w`` (the values from the farthest distance down to 0, then
+    ``-inf`` for the keys right of the query).  Autograd's gradient of
+    ``unfold`` sums the score gradient along each diagonal, so the backward
+    pass costs one pass over ``[H, q_len, keys]`` plus a per-distance gradient,
+    where the pairwise form scatters every pair into the table.  The values
+    are the pairwise form's, bit for bit (the same function of the same
+    distances)."""
+    far = q_start + q_len - 1  # the largest distance of the block
+    distance = torch.arange(far, -1, -1, device=device, dtype=torch.int64)[:, None]  # far .. 0
+    per_distance = values(distance, torch.zeros(1, 1, dtype=torch.int64, device=device))[..., 0]
+    per_distance = per_distance.to(torch.float32)  # [H, far + 1]
+    # query i, key j reads w[j - i + far]: at most keys - 1 - q_start + far = keys + q_len - 2
+    right = keys + q_len - 1 - (far + 1)
+    if right >= 0:
+        w = torch.cat([per_distance, per_distance.new_full((per_distance.size(0), right), float("-inf"))], dim=-1)
+    else:
+        w = per_distance[:, : keys + q_len - 1]
+    rows = w.unfold(-1, keys, 1)  # [H, q_len, keys]: row r is w[r : r + keys], the query far - r
+    return rows.flip(-2)
 
 
 class CausalMask(StackBias):

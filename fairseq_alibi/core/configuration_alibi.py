@@ -39,7 +39,7 @@ MODEL_TYPE = "fairseq_alibi_lm"
 AlibiScalingError = ScalingError
 #: The position methods an exported model computes: those of ``positions.POSITIONS``, and
 #: ``sinusoidal``, fairseq's stock ``transformer_lm`` (sinusoidal embeddings added to the tokens').
-POSITION_METHODS = ("alibi", "rotary", "t5bias", "nope", "kerple", "fire", "sinusoidal")
+POSITION_METHODS = ("alibi", "rotary", "t5bias", "nope", "kerple", "fire", "fox", "rnope", "sinusoidal")
 
 #: ``rope_type`` of each RoPE extension of ``rotary.py`` (static factor, dynamic).  Static
 #: ``linear`` and ``yarn`` are transformers' types of the same definition, dynamic ``ntk`` is
@@ -191,6 +191,7 @@ class AlibiLMConfig(PreTrainedConfig):
     unk_token_id: Optional[int] = 3
     position_method: str = "alibi"
     position_params: Optional[dict] = None
+    ssmax: bool = False
     rope_parameters: Optional[dict] = None
     use_cache: bool = True
     bos_token_id: Optional[int] = 2

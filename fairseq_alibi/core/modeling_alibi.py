@@ -20,9 +20,14 @@ log-probabilities fairseq's ``get_log_prob`` gives).
 
 Position methods: ``config.position_method`` names an entry of
 ``positions.POSITIONS`` (ALiBi by default; rotary, T5 bias, Kerple, FIRE,
-NoPE), whose stack object the fairseq decoder builds too: the same bias or
-rotation, computed by the same code; a learned one (T5, Kerple, FIRE) is the
-decoder's submodule ``positions``, named as fairseq names it.
+NoPE, FoX, RNoPE-SWA), whose stack object the fairseq decoder builds too: the
+same bias or rotation, computed by the same code; a learned one (T5, Kerple,
+FIRE) is the decoder's submodule ``positions``, named as fairseq names it.
+Each layer takes its own object from the stack as fairseq's layers do
+(``at_layer``: a hybrid's windowed RoPE or NoPE layer; ``for_layer``: FoX's
+gate, ``self_attn.forget_gate``), and ``config.ssmax`` adds SSMax's learned
+scales (``self_attn.ssmax.scale``).  FoX has no KV cache here (refused in one
+line; ``use_cache`` is false in its config).
 
 Padding: a 2-D ``attention_mask`` marks padded keys; ALiBi depends on ``i - j``
 only, so a left-padded row scores as its unpadded run, and with dynamic
@@ -52,6 +57,7 @@ from .configuration_alibi import AlibiLMConfig, rope_parameters_of, scaling_of_r
 from .positions import build as build_positions
 from .errors import InputError
 from .kernels import attend, check_kernel
+from .ssmax import ScalableSoftmax
 
 
 def gelu_accurate(x: Tensor) -> Tensor:
@@ -100,27 +106,36 @@ def token_positions(attention_mask: Optional[Tensor], batch: int, past: int, len
 
 class AttentionContext:
     """What every layer's attention needs for one forward pass: the cache, the
-    padding mask, the stack's bias and kernel."""
+    padding mask, whether weights are asked for.  Each layer brings its own
+    position object (``StackBias.at_layer``: a hybrid's layers differ; FoX's
+    gates are a layer's own) and kernel."""
 
-    def __init__(self, cache, past: int, pad: Optional[Tensor], positions: StackBias, kernel: str,
-                 need_weights: bool):
-        self.cache, self.past, self.pad, self.positions = cache, past, pad, positions
-        self.kernel, self.need_weights = kernel, need_weights
+    def __init__(self, cache, past: int, pad: Optional[Tensor], need_weights: bool):
+        self.cache, self.past, self.pad, self.need_weights = cache, past, pad, need_weights
 
-    def rotate(self, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+    def rotate(self, positions: StackBias, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
         """Queries and keys as attention sees them (rotary methods rotate the new
         ones by their positions before the cache stores the keys; as fairseq's
         layer, the first pass gives the padding for per-row dynamic factors)."""
-        return self.positions.rotate(q, k, self.past, self.past + q.size(2), self.pad if self.past == 0 else None)
+        return positions.rotate(q, k, self.past, self.past + q.size(2), self.pad if self.past == 0 else None)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tuple[Tensor, Optional[Tensor]]:
-        return attend(q, k, v, self.positions, self.kernel, self.pad, dropout_p, self.need_weights, self.past > 0)
+    def bind(self, positions: StackBias, x: Tensor) -> StackBias:
+        """This call's bias of a layer whose input is ``x`` ``[B, T, C]`` (FoX:
+        its gates; every other method: itself).  FoX has no KV cache here
+        (``AlibiLMModel.forward`` refuses one), so nothing is carried."""
+        new_pad = self.pad[:, self.past:] if self.pad is not None else None
+        bound, _ = positions.bind(x.transpose(0, 1), new_pad, None)
+        return bound
+
+    def attend(self, positions: StackBias, kernel: str, q: Tensor, k: Tensor, v: Tensor, dropout_p: float,
+               ssmax: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        return attend(q, k, v, positions, kernel, self.pad, dropout_p, self.need_weights, self.past > 0, ssmax)
 
 
 class AlibiSelfAttention(nn.Module):
     """fairseq's ``q_proj``/``k_proj``/``v_proj``/``out_proj`` around ``kernels.attend``."""
 
-    def __init__(self, config: AlibiLMConfig, layer_idx: int):
+    def __init__(self, config: AlibiLMConfig, layer_idx: int, stack: StackBias):
         super().__init__()
         dim = config.hidden_size
         self.layer_idx, self.num_heads = layer_idx, config.attention_heads
@@ -128,6 +143,14 @@ class AlibiSelfAttention(nn.Module):
         self.dropout = config.attention_dropout
         self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.v_proj, self.out_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        shared = stack.at_layer(layer_idx)  # the stack's object, or a hybrid's choice for this layer
+        own = shared.for_layer()
+        if own is not shared:  # a layer's own parameters (FoX's gate), named as fairseq's layer names them
+            setattr(self, own.layer_attribute, own)
+        self.__dict__["positions"] = own  # not a submodule: the stack's (model.positions) or the one above
+        self.kernel = check_kernel(config.alibi_attention, own, config.attention_dropout)
+        # SSMax's learned scales (``ssmax.py``), as fairseq's layer holds them
+        self.ssmax = ScalableSoftmax(self.num_heads, config.alibi_train_length) if config.ssmax else None
 
     def forward(self, x: Tensor, context: AttentionContext) -> Tuple[Tensor, Optional[Tensor]]:
         batch, length, dim = x.shape
@@ -136,7 +159,8 @@ class AlibiSelfAttention(nn.Module):
             return y.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        q, k = context.rotate(q, k)
+        q, k = context.rotate(self.positions, q, k)
+        positions = context.bind(self.positions, x)
         if context.cache is not None:
             k, v = context.cache.update(k, v, self.layer_idx)
             keys = context.past + length
@@ -147,17 +171,18 @@ class AlibiSelfAttention(nn.Module):
                 )
             # a static cache returns all its slots, the empty ones after the filled ones
             k, v = k[:, :, :keys], v[:, :, :keys]
-        out, weights = context.attend(q, k, v, self.dropout if self.training else 0.0)
+        out, weights = context.attend(positions, self.kernel, q, k, v, self.dropout if self.training else 0.0,
+                                      None if self.ssmax is None else self.ssmax.scale)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, dim)), weights
 
 
 class AlibiDecoderLayer(nn.Module):
     """fairseq's ``TransformerDecoderLayer`` without cross-attention, in its order of operations."""
 
-    def __init__(self, config: AlibiLMConfig, layer_idx: int):
+    def __init__(self, config: AlibiLMConfig, layer_idx: int, stack: StackBias):
         super().__init__()
         dim, ffn, eps = config.hidden_size, config.ffn_dim, config.layer_norm_eps
-        self.self_attn = AlibiSelfAttention(config, layer_idx)
+        self.self_attn = AlibiSelfAttention(config, layer_idx, stack)
         self.self_attn_layer_norm = nn.LayerNorm(dim, eps=eps)
         self.attn_ln = nn.LayerNorm(dim, eps=eps) if config.scale_attn else None
         self.c_attn = nn.Parameter(torch.ones(config.attention_heads)) if config.scale_heads else None
@@ -351,9 +376,6 @@ class AlibiLMModel(AlibiPreTrainedModel):
         self.quant_noise = nn.Linear(dim, dim, bias=False) if config.embed_quant_noise else None
         self.project_in_dim = nn.Linear(config.input_embed_dim, dim, bias=False) if config.project_in else None
         self.layernorm_embedding = nn.LayerNorm(dim, eps=eps) if config.layernorm_embedding else None
-        self.layers = nn.ModuleList(AlibiDecoderLayer(config, i) for i in range(config.layers))
-        self.layer_norm = nn.LayerNorm(dim, eps=eps) if config.final_layer_norm else None
-        self.project_out_dim = nn.Linear(dim, config.output_embed_dim, bias=False) if config.project_out else None
         # The scaling read by this file's siblings: transformers may load configuration_alibi.py a
         # second time, as another module, with its own alibi.Scaling class.  On the CPU: from_pretrained
         # builds models on the meta device, and the slopes and frequencies are data, not weights
@@ -371,7 +393,10 @@ class AlibiLMModel(AlibiPreTrainedModel):
             self.positions = positions  # learned: weights model.positions.* (fairseq's decoder.positions.*)
         else:
             self.__dict__["positions"] = positions  # slopes or frequencies: no weights, not a submodule
-        self.kernel = check_kernel(config.alibi_attention, positions, config.attention_dropout)
+        positions.fit_depth(config.layers)  # a hybrid's interleaving (refused where it is not one)
+        self.layers = nn.ModuleList(AlibiDecoderLayer(config, i, positions) for i in range(config.layers))
+        self.layer_norm = nn.LayerNorm(dim, eps=eps) if config.final_layer_norm else None
+        self.project_out_dim = nn.Linear(dim, config.output_embed_dim, bias=False) if config.project_out else None
         self.last_alibi_factor = None
         self.post_init()
 
@@ -379,6 +404,16 @@ class AlibiLMModel(AlibiPreTrainedModel):
     def alibi(self) -> StackBias:
         """The stack's position object (the name every release before the other methods used)."""
         return self.positions
+
+    def position_objects(self) -> List[StackBias]:
+        """Every distinct object a context extension rescales: the stack's, and a
+        layer's own where it has one (FoX's gates; a hybrid's layers rescale
+        through their stack)."""
+        found = {id(self.positions): self.positions}
+        for layer in self.layers:
+            stack = layer.self_attn.positions.stack
+            found.setdefault(id(stack), stack)
+        return list(found.values())
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -398,7 +433,8 @@ class AlibiLMModel(AlibiPreTrainedModel):
             scaling = scaling_of_rope(value, config.alibi_train_length)
         else:
             scaling = Scaling.from_hf(value, config.alibi_train_length)
-        self.positions.rescale(scaling)
+        for positions in self.position_objects():
+            positions.rescale(scaling)
         if rotary:
             rope = config.rope_parameters or {}
             config.rope_parameters = rope_parameters_of(scaling, rope.get("rope_theta", 10000.0),
@@ -431,6 +467,9 @@ class AlibiLMModel(AlibiPreTrainedModel):
         if input_ids is None or inputs_embeds is not None:
             raise InputError("this model takes input_ids (inputs_embeds is not supported)")
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.config.position_method == "fox" and (use_cache or past_key_values is not None):
+            raise InputError("an exported FoX model has no KV cache yet (its gates' running sums are not "
+                             "cached): call it with use_cache=False (generate(..., use_cache=False))")
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
         # an int: a StaticCache's length is a tensor that its update (layer 0's) increments in place
@@ -438,7 +477,7 @@ class AlibiLMModel(AlibiPreTrainedModel):
         batch, length = input_ids.shape
         pad = key_padding(attention_mask, batch, past + length)
         self.positions.start_pass()  # a learned bias is built once per pass, for every layer
-        context = AttentionContext(past_key_values, past, pad, self.positions, self.kernel, bool(output_attentions))
+        context = AttentionContext(past_key_values, past, pad, bool(output_attentions))
         #: the factor of this pass (per row under dynamic scaling with padding: each row's own keys)
         self.last_alibi_factor = self.positions.scaling.factor_at(past + length if pad is None else (~pad).sum(-1))
         query_pad = pad[:, past:, None] if pad is not None else None

@@ -108,6 +108,7 @@ def describe(source) -> dict:
         activation_dropout=float(layer.activation_dropout_module.p),
         adaptive_input=adaptive_input, adaptive_softmax=adaptive_softmax, tie_word_embeddings=tied,
         alibi_train_length=source.train_length, alibi_attention=str(getattr(cfg, "alibi_attention", "auto")),
+        ssmax=bool(getattr(cfg, "ssmax", False)), use_cache=source.position != "fox",
         pad_token_id=dictionary.pad(), bos_token_id=source.start, eos_token_id=dictionary.eos(),
         unk_token_id=dictionary.unk(), unk_aliases=source.unk_aliases,
     )
