@@ -207,3 +207,20 @@ def test_bad_arguments_are_one_error_line(args, message, capsys):
 def test_the_baseline_is_always_measured_first():
     assert positions_cost.parse_args(["--methods", "fire", "alibi", "fire"]).methods == ["sinusoidal", "fire", "alibi"]
     assert positions_cost.parse_args([]).methods == list(positions_cost.METHODS)
+
+
+def test_the_learned_bias_benchmark_times_both_forms_in_a_tiny_run(tmp_path):
+    """``benchmarks/learned_bias.py`` on a tiny setting: a row per (method, length), each
+    form timed, the ratio the one of the medians, the table printed as recorded."""
+    import learned_bias
+
+    out = tmp_path / "bias.json"
+    assert learned_bias.main(["--lengths", "8", "20", "--repeats", "2", "--heads", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["length"]) for r in rows] == [(m, n) for m in ("t5bias", "kerple") for n in (8, 20)]
+    for row in rows:
+        assert row["pairwise_s"] > 0 and row["toeplitz_s"] > 0
+        assert row["ratio"] == pytest.approx(row["toeplitz_s"] / row["pairwise_s"])
+    stack = learned_bias.P.build("t5bias", 2, 8, {"t5_buckets": 8, "t5_max_distance": 16},
+                                 learned_bias.Scaling("none", train_length=20))
+    assert torch.equal(learned_bias.toeplitz(stack, 20), learned_bias.pairwise(stack, 20))  # the same bias

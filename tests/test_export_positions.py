@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -421,6 +422,33 @@ def test_alibi_sweep_hf_scores_every_export_as_its_checkpoint(data_dir, exports,
         if who.startswith("fs-"):
             twin = by[("hf-" + who[3:], mode, length)]
             assert twin["tokens"] == cell["tokens"] and twin["loss"] == pytest.approx(cell["loss"], abs=1e-5), who
+
+
+@pytest.mark.slow
+def test_alibi_retrieval_hf_scores_every_export_as_its_checkpoint(data_dir, exports, tmp_path):
+    """alibi-retrieval on every custom export (--hf) and on its checkpoint (-c): the same
+    answers and log-probs, as trained and under logn (every method has it), at L and past it."""
+    from fairseq_alibi.evaluation import retrieval
+
+    rng = random.Random(0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.randrange(WORDS)}" for _ in range(n)),
+                                           "answer": f"w{rng.randrange(WORDS)} w{rng.randrange(WORDS)}"}) + "\n"
+                               for n in (5, L - 4, 3 * L)))
+    common = ["--task", str(prompts), "--methods", "none,logn", "--cpu", "--no-progress"]
+    fairseq_args, hf_args = [str(data_dir)], []
+    for name in CUSTOM:
+        _, checkpoint, out, _ = exports[f"{name}-float32"]
+        fairseq_args += ["-c", f"{name}={checkpoint}"]
+        hf_args += ["--hf", f"{name}={out}"]
+    assert retrieval.main([*fairseq_args, *common, "-o", str(tmp_path / "fs")]) == 0
+    assert retrieval.main([*hf_args, *common, "-o", str(tmp_path / "hf")]) == 0
+    cells = {side: json.loads((tmp_path / side / "results.json").read_text())["cells"] for side in ("fs", "hf")}
+    assert len(cells["fs"]) == len(cells["hf"]) >= len(CUSTOM) * 2 * 3
+    for fs, hf_cell in zip(cells["fs"], cells["hf"]):
+        assert {k: v for k, v in fs.items() if not k.endswith("logprob") and k != "seconds"} == \
+            {k: v for k, v in hf_cell.items() if not k.endswith("logprob") and k != "seconds"}
+        assert fs["sample_logprob"] == pytest.approx(hf_cell["sample_logprob"], abs=1e-4), fs
 
 
 @pytest.mark.slow
