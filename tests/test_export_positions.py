@@ -54,9 +54,9 @@ CUSTOM = {
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: The half-precision export of a model (both dtypes over the methods; an export costs seconds):
-#: the learned biases, fairseq's sinusoidal table (a buffer the files do not hold) and rotary.
+#: the learned biases, FoX, RNoPE, SSMax, fairseq's sinusoidal table (a buffer the files do not hold) and rotary.
 HALF = {"sinusoidal": "bfloat16", "rotary-postnorm": "float16", "t5bias": "bfloat16", "fire": "float16",
-        "fox": "bfloat16", "neox": "bfloat16"}
+        "fox": "bfloat16", "rnope": "float16", "alibi-ssmax": "bfloat16", "neox": "bfloat16"}
 
 
 def build(data_dir: Path, extra, seed: int = 0):
@@ -444,7 +444,8 @@ def test_alibi_retrieval_hf_scores_every_export_as_its_checkpoint(data_dir, expo
     assert retrieval.main([*fairseq_args, *common, "-o", str(tmp_path / "fs")]) == 0
     assert retrieval.main([*hf_args, *common, "-o", str(tmp_path / "hf")]) == 0
     cells = {side: json.loads((tmp_path / side / "results.json").read_text())["cells"] for side in ("fs", "hf")}
-    assert len(cells["fs"]) == len(cells["hf"]) >= len(CUSTOM) * 2 * 3
+    # 3 lengths x (none, logn), but the stock sinusoidal model, which takes none alone
+    assert len(cells["fs"]) == len(cells["hf"]) == 3 * (2 * len(CUSTOM) - 1)
     for fs, hf_cell in zip(cells["fs"], cells["hf"]):
         assert {k: v for k, v in fs.items() if not k.endswith("logprob") and k != "seconds"} == \
             {k: v for k, v in hf_cell.items() if not k.endswith("logprob") and k != "seconds"}
@@ -490,3 +491,22 @@ def test_lm_eval_harness_runs_on_every_export(data_dir, exports, tmp_path, monke
             scored = len(doc["continuation"].split())
             expected = logp[-scored:].gather(-1, ids[0, -scored:, None]).sum().item()
             assert sample["filtered_resps"][0][0] == pytest.approx(expected, abs=1e-4), name
+
+
+def test_logn_is_written_and_read_back_for_every_position_method():
+    """logn applies to every method: a rotary config holds it in rope_parameters (our
+    spelling: transformers has no such type), the others in alibi_scaling; a method
+    another position method has not is refused in one line."""
+    from fairseq_alibi.core.configuration_alibi import AlibiLMConfig, rope_parameters_of, scaling_of_rope
+    from fairseq_alibi.core.errors import ScalingError
+
+    logn = Scaling.parse("logn", L)
+    rope = rope_parameters_of(logn, 10000.0, 1.0)
+    assert rope == {"rope_type": "logn", "rope_theta": 10000.0, "partial_rotary_factor": 1.0, "factor": 1.0,
+                    "original_max_position_embeddings": L}
+    assert scaling_of_rope(rope, None) == logn.complete()
+    for method in [m for m in POSITIONS if m not in ("alibi", "rotary")] + ["sinusoidal"]:
+        config = AlibiLMConfig(position_method=method, alibi_scaling=logn.to_hf(), alibi_train_length=L)
+        assert config.scaling() == logn.complete(), method
+    with pytest.raises(ScalingError, match="a t5bias model's context extension is one of none, logn"):
+        AlibiLMConfig(position_method="t5bias", alibi_scaling={"type": "ntk", "factor": 2.0}, alibi_train_length=L)

@@ -31,6 +31,7 @@ import torch
 from transformers import PreTrainedConfig
 
 from .errors import ConfigError, ScalingError
+from .positions import POSITIONS, check_params, position
 from .scaling import NO_SCALING, Scaling
 
 #: ``model_type`` of every exported model (``config.json``).
@@ -45,7 +46,8 @@ POSITION_METHODS = ("alibi", "rotary", "t5bias", "nope", "kerple", "fire", "fox"
 #: ``linear`` and ``yarn`` are transformers' types of the same definition, dynamic ``ntk`` is
 #: transformers' ``dynamic`` at factor 1; the others have no transformers type and are named here.
 ROPE_TYPES = {("none", False): "default", ("linear", False): "linear", ("linear", True): "linear_dynamic",
-              ("ntk", False): "ntk", ("ntk", True): "dynamic", ("yarn", False): "yarn", ("yarn", True): "yarn_dynamic"}
+              ("ntk", False): "ntk", ("ntk", True): "dynamic", ("yarn", False): "yarn", ("yarn", True): "yarn_dynamic",
+              ("logn", False): "logn"}
 #: The keys a ``rope_parameters`` dictionary of an exported rotary model may hold.
 ROPE_KEYS = ("rope_type", "rope_theta", "partial_rotary_factor", "factor", "original_max_position_embeddings",
              "beta_fast", "beta_slow")
@@ -61,7 +63,7 @@ def rope_parameters_of(scaling: Scaling, base: float, fraction: float) -> Dict[s
     if scaling.method == "none":
         return value
     value["factor"] = 1.0 if scaling.dynamic else float(scaling.factor)
-    if scaling.method == "yarn" or scaling.dynamic:
+    if scaling.method in ("yarn", "logn") or scaling.dynamic:
         value["original_max_position_embeddings"] = int(scaling.complete().train_length)
     if scaling.method == "yarn":
         value.update(YARN_BETAS)
@@ -217,21 +219,24 @@ class AlibiLMConfig(PreTrainedConfig):
         if self.position_method not in POSITION_METHODS:
             raise ConfigError(f"position_method={self.position_method!r} is not valid; allowed values: "
                               f"{', '.join(POSITION_METHODS)}")
-        if self.position_method != "alibi" and self.alibi_scaling is not None:
-            where = "rope_parameters" if self.position_method == "rotary" else "none"
-            raise ScalingError("alibi_scaling", self.alibi_scaling, f"a {self.position_method} model has no "
-                               f"alibi_scaling; its context extension is {where}")
         if self.position_method == "rotary":
+            if self.alibi_scaling is not None:
+                raise ScalingError("alibi_scaling", self.alibi_scaling, "a rotary model has no alibi_scaling; its "
+                                   "context extension is rope_parameters")
             return scaling_of_rope(self.rope_parameters, self.alibi_train_length)
-        return Scaling.from_hf(self.alibi_scaling, self.alibi_train_length)
+        scaling = Scaling.from_hf(self.alibi_scaling, self.alibi_train_length)
+        if self.position_method != "alibi":  # the logit methods (logn) apply to every position method
+            allowed = POSITIONS["nope" if self.position_method == "sinusoidal" else self.position_method].extensions
+            if scaling.method not in allowed:
+                raise ScalingError("alibi_scaling", self.alibi_scaling, f"a {self.position_method} model's context "
+                                   f"extension is one of {', '.join(allowed)}")
+        return scaling
 
     def position_settings(self) -> Dict[str, Any]:
         """The position method's parameters (``positions.Param`` names): a
         rotary model's base and rotated share come from ``rope_parameters``; a
         parameter the config does not hold takes its declared default (as on
         the fairseq side), so a hand-written config builds."""
-        from .positions import POSITIONS
-
         params = dict(self.position_params or {})
         if self.position_method == "rotary":
             rope = self.rope_parameters or {}
@@ -249,7 +254,5 @@ def check_position_params(config) -> None:
     name = getattr(config, "position_method", None) or "alibi"
     if name not in POSITION_METHODS or name in ("alibi", "sinusoidal"):
         return  # an unknown name is refused by ``scaling()``; these have no parameters
-    from .positions import check_params, position
-
     given = config.position_settings()  # the declared defaults filled in
     check_params(name, {p.name: given[p.name] for p in position(name).params})

@@ -65,8 +65,10 @@ def position_fields(source) -> dict:
     if position == "rotary":
         return dict(position_method=position,
                     rope_parameters=rope_parameters_of(scaling, params["rotary_base"], params["rotary_fraction"]))
+    # ALiBi's own methods, or a logit method (logn) on any other position method
+    extended = position == "alibi" or scaling.method != "none"
     return dict(position_method=position, position_params=params or None,
-                alibi_scaling=scaling.to_hf() if position == "alibi" else None)
+                alibi_scaling=scaling.to_hf() if extended else None)
 
 
 def adaptive_specs(decoder, cfg):
