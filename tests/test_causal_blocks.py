@@ -18,6 +18,7 @@ from fairseq_alibi.core.scaling import NO_SCALING, Scaling
 from fairseq_alibi.core import kernels as K
 from fairseq_alibi.core import causal_blocks as CB
 from fairseq_alibi.models.attention import PositionMultiheadAttention
+from fairseq_alibi.core import positions
 from fairseq_alibi.core.bias import AlibiBias
 
 BF16_REL, BF16_ABS = 5e-2, 5e-2
@@ -197,12 +198,13 @@ def test_auto_picks_blocked_for_cpu_training():
     assert _choice(m, dropout=0.1, device="cuda") == "sdpa"
 
 
-def test_blocked_falls_back_to_sdpa_for_a_non_causal_or_learned_bias():
+def test_blocked_falls_back_to_sdpa_for_a_non_causal_bias():
     """Symmetric (bidirectional) bias: the blocked path would skip keys the
     queries must see; it is never used there."""
     torch.manual_seed(0)
     m = PositionMultiheadAttention(32, 4, AlibiBias(4, "symmetric"), kernel="auto", dropout=0.1)
     assert _choice(m, dropout=0.1) == "sdpa"
+    assert K.check_kernel("blocked", AlibiBias(4, "symmetric")) == "sdpa"
     x = torch.randn(9, 2, 32)
     with mock.patch.object(K, "blocked_causal_attention", wraps=K.blocked_causal_attention) as spy:
         m.train()(x, x, x, need_weights=False)
@@ -212,11 +214,97 @@ def test_blocked_falls_back_to_sdpa_for_a_non_causal_or_learned_bias():
         assert spy.call_count == 1  # the spy sees the path when it is taken
 
 
-def test_blocked_refuses_a_bias_that_needs_a_gradient():
-    q, k, v = qkv(1, 2, 5, 4, torch.float32)
-    bias = causal_bias(alibi.get_slopes(2), 5, 5).requires_grad_()
-    with pytest.raises(ValueError, match="no gradient for the bias"):
-        CB.blocked_causal_attention(q, k, v, merged(bias), 0.1)
+@pytest.mark.parametrize("method", ["t5bias", "kerple", "fire", "nope"])
+def test_auto_trains_learned_biases_and_dropout_without_a_bias_on_blocked(method):
+    """CPU training: a learned bias takes the blocked path with or without
+    dropout (its gradient block by block); no bias at all takes it with
+    dropout only (without, SDPA's causal flash kernel); never for inference."""
+    bias = build_stack(method)
+
+    def choice(grad=True, dropout=0.0):
+        with torch.set_grad_enabled(grad):
+            return K.choose_kernel("auto", bias, False, 512, 512, dropout, False, torch.device("cpu"))
+
+    assert choice(dropout=0.1) == "blocked"
+    assert choice() == ("sdpa" if method == "nope" else "blocked")
+    assert choice(grad=False) != "blocked"
+    assert K.check_kernel("blocked", bias) == "blocked"
+
+
+def build_stack(method, heads=4, head_dim=16):
+    """The position object of ``method`` with its default params, trained at L = 64."""
+    params = {param.name: param.default for param in positions.POSITIONS[method].params}
+    return positions.build(method, heads, head_dim, params, Scaling("none", train_length=64))
+
+
+GRAD_CASES = list(itertools.product((torch.float32, torch.bfloat16), (False, True), (0.0, 0.3)))
+
+
+@pytest.mark.parametrize("dtype,padded,p", GRAD_CASES)
+def test_blocked_gives_a_learned_bias_its_gradient(dtype, padded, p, monkeypatch):
+    """A bias that requires a gradient (``[1, H, T, S]``, broadcast over the
+    batch; ``[B, H, T, S]`` once padding is merged in): the blocked path's
+    gradient of the bias, and of q, k, v, against autograd through the fp64
+    explicit attention with the same dropout mask; 30 queries, the last of 41
+    keys (a KV cache's offset), in blocks of 16 (the last one partial)."""
+    batch, heads, q_len, k_len, dim = 3, 4, 30, 41, 8
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(batch, heads, q_len, dim, generator=gen).to(dtype)
+    k, v = (torch.randn(batch, heads, k_len, dim, generator=gen).to(dtype) for _ in range(2))
+    learned = torch.randn(heads, q_len, k_len, generator=gen)  # any bias: not Toeplitz, not ALiBi
+    hidden = torch.arange(k_len)[None, :] > torch.arange(q_len)[:, None] + (k_len - q_len)
+    pad = right_padding([41, 30, 35], k_len) if padded else None
+    full_mask = None
+    if p > 0:
+        full_mask = (torch.rand(batch, heads, q_len, k_len, generator=gen) >= p).float()
+        monkeypatch.setattr(CB, "_keep_mask", lambda shape, p_, dt, dev, start:
+                            full_mask[:, :, start: start + shape[2], : shape[3]].to(dt))
+    real = torch.ones(batch, 1, q_len, 1, dtype=torch.bool)
+    if padded:  # a padded query row is read by no loss (its keys are all it sees)
+        real = ~pad[:, None, k_len - q_len:, None]
+    weight = torch.randn(batch, heads, q_len, dim, generator=gen) * real
+
+    def run(attention, leaf_dtype):
+        leaves = [t.detach().to(leaf_dtype).requires_grad_() for t in (q, k, v, learned)]
+        bias = leaves[3].masked_fill(hidden, float("-inf"))
+        (attention(*leaves[:3], bias).double() * weight.double()).sum().backward()
+        return [leaf.grad.double() for leaf in leaves]
+
+    got = run(lambda q_, k_, v_, b: CB.blocked_causal_attention(q_, k_, v_, merged(b, pad).to(dtype), p, block=16),
+              dtype)
+    want = run(lambda q_, k_, v_, b: explicit_attention(q_, k_, v_, b, pad, full_mask, p), torch.float64)
+    for name, g, w in zip(("q", "k", "v", "bias"), got, want):
+        if name == "bias":
+            assert (g[hidden.expand_as(g)] == 0).all()  # nothing right of the diagonal
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=name)
+        else:
+            assert (g - w).norm() <= BF16_REL * w.norm() + BF16_ABS, name
+
+
+@pytest.mark.parametrize("method", ["t5bias", "kerple", "fire"])
+def test_learned_position_biases_train_through_blocked_as_through_the_reference(method):
+    """The position modules' parameters (T5's table, Kerple's r1 r2, FIRE's
+    MLP) get the reference kernel's gradient through the blocked path: a
+    padded batch of 2 rows, 300 queries (blocks of 128 and a partial one)."""
+    torch.manual_seed(0)
+    bias = build_stack(method)
+    for param in bias.parameters():  # away from the init (T5's zeros)
+        param.data.add_(0.3 * torch.randn_like(param))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 300, 16, generator=gen) for _ in range(3))
+    pad = right_padding([300, 211], 300)
+    weight = torch.randn(q.shape, generator=gen) * ~pad[:, None, :, None]
+    grads = []
+    for kernel in (K.blocked_kernel, K.reference_kernel):
+        bias.start_pass()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = kernel(*leaves, bias, pad, 0.0)
+        (out * weight).sum().backward()
+        grads.append([t.grad for t in leaves] + [p.grad.clone() for p in bias.parameters()])
+        bias.zero_grad()
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_lm_training_with_attention_dropout_takes_blocked_path(tmp_path):

@@ -52,7 +52,7 @@ def test_the_bias_is_the_loop_over_the_gates():
     torch.testing.assert_close(dense.double(), loop_bias(layer, x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "chunked"])
+@pytest.mark.parametrize("kernel", ["sdpa", "chunked", "blocked"])
 def test_every_kernel_equals_the_reference(kernel):
     layer = gate(1)
     T = 70
@@ -73,11 +73,38 @@ def test_every_kernel_equals_the_reference(kernel):
             torch.testing.assert_close(out[0], expected[0], rtol=1e-5, atol=1e-5)
 
 
+def test_blocked_trains_the_gates_as_the_reference():
+    """CPU training's kernel (``blocked``: one bias per row, its gradient per
+    row) gives the gates, the input and q, k, v the reference kernel's
+    gradients; right padding in one row (as fairseq pads a training batch:
+    every query sees a real key), 150 queries (blocks of 128 and a partial one)."""
+    layer = gate(2)
+    T = 150
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(T, 2, DIM, generator=gen)
+    q, k, v = (torch.randn(2, HEADS, T, 8, generator=gen) for _ in range(3))
+    pad = torch.zeros(2, T, dtype=torch.bool)
+    pad[1, -9:] = True
+    weight = torch.randn(2, HEADS, T, 8, generator=gen)
+    weight[1, :, -9:] = 0  # padded queries: read by no loss
+    grads = []
+    for kernel in ("blocked", "reference"):
+        layer.zero_grad()
+        leaves = [t.clone().requires_grad_() for t in (x, q, k, v)]
+        bias, _ = layer.bind(leaves[0], pad, None)
+        assert kernels.choose_kernel("auto", bias, False, T, T, 0.1) == "blocked"  # CPU training with dropout
+        out, _ = kernels.attend(*leaves[1:], bias, kernel, pad)
+        (out * weight).sum().backward()
+        grads.append([t.grad for t in leaves] + [p.grad.clone() for p in layer.parameters()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_kernel_choice_builds_no_square_bias_for_long_inputs():
     bias = GateBias(torch.zeros(1, HEADS, 600))
     assert kernels.choose_kernel("auto", bias, False, 600, 600) == "chunked"
     layer = gate()
-    assert kernels.check_kernel("blocked", layer) == "sdpa"  # blocked keeps no gradient for a learned bias
+    assert kernels.check_kernel("blocked", layer) == "blocked"  # a per-row bias: its gradient per row
     with pytest.raises(Exception, match="flex has a score_mod for ALiBi"):
         kernels.check_kernel("flex", layer)
 

@@ -104,7 +104,7 @@ class StackBias:
     Class attributes say what a kernel may rely on: ``toeplitz`` (the bias
     depends on ``i - j`` only: the chunked kernel's ramp), ``has_slopes``
     (ALiBi's slopes: the key windows), ``learned`` (carries gradients: nothing
-    kept across forward passes, no ``blocked`` kernel), ``zero`` (no bias, the
+    kept across forward passes; the ``blocked`` kernel returns its gradient), ``zero`` (no bias, the
     causal mask alone), ``supports_flex`` (a FlexAttention ``score_mod``).
     """
 

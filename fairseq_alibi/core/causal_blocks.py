@@ -19,7 +19,14 @@ square (and draws 10/16 of the dropout mask).
   group of heads with the same key window when the batch has one row), with
   the block's slice of the bias as its mask, and one call of its backward; the
   gradients go straight into whole ``dq, dk, dv`` tensors; nothing ``T x T``
-  is saved.
+  is saved;
+* a learned bias (a mask that requires a gradient: T5's buckets, Kerple, FIRE)
+  takes the first path with or without dropout: its backward has each block's
+  score gradient ``dS`` at hand, and the mask's gradient is ``dS`` itself,
+  summed over the batch where the mask is broadcast over it (``[1, H, T, S]``,
+  never ``[B, H, T, S]``), written block by block; the keys right of a block
+  get none.  The flash kernel returns no ``dS``.  A Toeplitz bias built by
+  ``bias.toeplitz_block`` then reduces it to one value per distance.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
         ctx.save_for_backward(qs, k, vs, out)
         ctx.probs, ctx.kept = probs, kept_probs
         ctx.block, ctx.scale, ctx.keep, ctx.dropout_p = block, scale, keep, dropout_p
+        ctx.mask_shape = mask.shape if ctx.needs_input_grad[3] else None
         return out
 
     @staticmethod
@@ -93,6 +101,8 @@ class _BlockedCausalAttention(torch.autograd.Function):
         delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dP * P)
         dk = torch.zeros_like(k)
         dv = torch.zeros_like(vs)
+        # the mask's gradient (a learned bias): dS, batch-summed where the mask is broadcast
+        dmask = None if ctx.mask_shape is None else qs.new_zeros(ctx.mask_shape)
         dqs = []
         for i, start in enumerate(range(0, q_len, ctx.block)):
             stop = min(start + ctx.block, q_len)
@@ -111,11 +121,13 @@ class _BlockedCausalAttention(torch.autograd.Function):
             del p, kept
             dqs.append(torch.matmul(ds, k[:, :, :visible]))
             dk[:, :, :visible] += torch.matmul(ds.transpose(-1, -2), qs[:, :, start:stop])
+            if dmask is not None:
+                dmask[:, :, start:stop, :visible] = ds.sum(0, keepdim=True) if dmask.size(0) == 1 else ds
         dq = torch.cat(dqs, dim=2)
         dq.mul_(ctx.scale)
         if ctx.dropout_p > 0:
             dv.div_(ctx.keep)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, dmask, None, None
 
 
 def blocked_causal_attention(
@@ -135,11 +147,11 @@ def blocked_causal_attention(
     the part right of a block is never read).  Without dropout, ``windows``
     (``kernels.key_windows``) gives each head's first key per block: the keys
     before it together weigh less than 2^-16 of a rounding unit of the
-    softmax.  Returns ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
-    if mask.requires_grad:
-        raise ValueError("the blocked path computes no gradient for the bias; use sdpa for a learned bias")
+    softmax.  A ``mask`` that requires a gradient (a learned bias) gets one,
+    with or without dropout (the module docstring).  Returns ``[B, H, T, D]``
+    (stored as ``[T, B, H, D]``)."""
     mask = mask.to(q.dtype)
-    if dropout_p > 0:
+    if dropout_p > 0 or (mask.requires_grad and torch.is_grad_enabled()):
         return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK)
     return _flash_blocks(q, k, v, mask, block or block_size(q.size(2)), windows)
 

@@ -21,7 +21,8 @@ and keeps it in the bias object's cache:
 * ``chunked``: queries in blocks, each block's bias a view of one cached ramp,
   so memory grows linearly with the length (long evaluation); no dropout;
 * ``blocked``: causal attention in query blocks that only compute the keys they
-  can see (``causal_blocks.py``), for CPU training with attention dropout.
+  can see (``causal_blocks.py``), for CPU training (a learned bias's gradient
+  block by block, never ``[B, H, T, T]``).
 
 :func:`check_kernel` resolves a configured name once, when a layer is built,
 and refuses what can never run; :func:`choose_kernel` picks per call only what
@@ -283,7 +284,7 @@ def check_kernel(name: str, bias: StackBias, dropout: float = 0.0) -> str:
             f"attention_dropout={dropout:g}: use auto (which takes {name} where it can), or to evaluate, also "
             "override attention_dropout to 0"
         )
-    if name == "blocked" and (not bias.causal or bias.learned or bias.zero):
+    if name == "blocked" and not bias.causal:
         return "sdpa"
     return name
 
@@ -304,7 +305,8 @@ def choose_kernel(
     FlexAttention on CUDA for full forwards without attention dropout when the
     bias supports it; ``blocked`` for CPU training of a causal stack (it skips
     the keys right of each query block, and with key windows the far keys of
-    steep heads); ``chunked`` for long inference (linear memory, key windows);
+    steep heads; a learned bias gets its gradient block by block; without a
+    bias only with dropout, SDPA's causal flash kernel being as good without); ``chunked`` for long inference (linear memory, key windows);
     ``sdpa`` for everything else (bidirectional training, short inference,
     KV-cache steps).  docs/performance.md has the measurements behind each choice.
     """
@@ -312,16 +314,17 @@ def choose_kernel(
         return "reference"
     if name != "auto":
         return name
-    if bias.zero:
-        return "sdpa"
     if bias.batched and dropout_p == 0 and not incremental and q_len > CHUNK_SIZE:
         return "chunked"  # per query block c_i - c_j of the two vectors: no [B, H, T, T] bias
     device = device or torch.device("cpu")
     grad = torch.is_grad_enabled()
     if device.type == "cuda" and bias.supports_flex and dropout_p == 0 and not incremental and flex_available():
         return "flex"
-    if device.type == "cpu" and grad and bias.causal and not bias.learned and not incremental and q_len > 1:
-        return "blocked"
+    if (device.type == "cpu" and grad and bias.causal and not incremental and q_len > 1
+            and (dropout_p > 0 or not bias.zero)):
+        return "blocked"  # without a bias or dropout, SDPA's causal flash kernel does the same
+    if bias.zero:
+        return "sdpa"
     if not grad and q_len * k_len > CHUNK_THRESHOLD:
         return "chunked"
     return "sdpa"
