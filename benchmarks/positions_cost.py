@@ -324,7 +324,8 @@ def parse_args(argv=None):
     p.add_argument("--words", type=positive, default=10420,
                    help="corpus words (+4 fairseq specials: by default the embedded corpus's 10424 symbols)")
     p.add_argument("--data", help="train on this binarized directory instead of a corpus of random words")
-    p.add_argument("--eval-multiples", type=positive, nargs="+", default=[8, 64], help="evaluation lengths, x L")
+    p.add_argument("--eval-multiples", type=positive, nargs="*", default=[8, 64],
+                   help="evaluation lengths, x L (none: training only)")
     p.add_argument("--eval-calls", type=positive, default=2, help="timed forwards per evaluation cell")
     p.add_argument("--threads", type=positive, default=1, help="threads of every run and cell")
     p.add_argument("--keep", help="keep the corpus and training logs in this directory")
@@ -340,7 +341,29 @@ def parse_args(argv=None):
     if opts.skip < 0 or opts.skip >= opts.updates:
         p.error(f"--skip must be in 0 .. {opts.updates - 1} (fewer than --updates {opts.updates}), got {opts.skip}")
     opts.methods = [BASELINE] + [m for m in dict.fromkeys(opts.methods) if m != BASELINE]
+    problem = depth_problem(opts.methods, opts.layers, opts.heads, opts.embed_dim, opts.length)
+    if problem:
+        p.error(problem)
     return opts
+
+
+def depth_problem(methods, layers: int, heads: int, embed_dim: int, length: int):
+    """The first method that cannot be built ``layers`` deep (a hybrid needs
+    both kinds of layer), as its one-line error, before any run starts."""
+    from fairseq_alibi.core import positions
+    from fairseq_alibi.core.errors import ConfigError
+    from fairseq_alibi.core.scaling import Scaling
+
+    for method in methods:
+        if method not in positions.POSITIONS:
+            continue  # the stock sinusoidal model
+        params = {param.name: param.default for param in positions.POSITIONS[method].params}
+        try:
+            positions.build(method, heads, embed_dim // heads, params, Scaling("none", train_length=length)
+                            ).fit_depth(layers)
+        except ConfigError as err:
+            return f"--methods {method} with --layers {layers}: {err}"
+    return None
 
 
 def positive(text: str) -> int:

@@ -195,6 +195,7 @@ def test_significant_keeps_four_digits_without_an_exponent(value):
     (["--repeats", "0"], "argument --repeats: must be a positive integer, got 0"),
     (["--attention-dropout", "0", "1"], "--attention-dropout takes probabilities in [0, 1), got 0.0 1.0"),
     (["--methods", "learned"], "argument --methods: invalid choice: 'learned'"),
+    (["--methods", "alibi", "rnope", "--layers", "1"], "--methods rnope with --layers 1: rnope needs at least 2 layers"),
 ])
 def test_bad_arguments_are_one_error_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -202,6 +203,10 @@ def test_bad_arguments_are_one_error_line(args, message, capsys):
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], errors
+
+
+def test_no_evaluation_length_is_training_only():
+    assert positions_cost.parse_args(["--eval-multiples"]).eval_multiples == []
 
 
 def test_the_baseline_is_always_measured_first():

@@ -56,7 +56,7 @@ from .bias import StackBias
 from .configuration_alibi import AlibiLMConfig, rope_parameters_of, scaling_of_rope
 from .positions import build as build_positions
 from .errors import InputError
-from .kernels import attend, check_kernel
+from .kernels import attach_positions, attend
 from .ssmax import ScalableSoftmax
 
 
@@ -143,12 +143,9 @@ class AlibiSelfAttention(nn.Module):
         self.dropout = config.attention_dropout
         self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.v_proj, self.out_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
-        shared = stack.at_layer(layer_idx)  # the stack's object, or a hybrid's choice for this layer
-        own = shared.for_layer()
-        if own is not shared:  # a layer's own parameters (FoX's gate), named as fairseq's layer names them
-            setattr(self, own.layer_attribute, own)
-        self.__dict__["positions"] = own  # not a submodule: the stack's (model.positions) or the one above
-        self.kernel = check_kernel(config.alibi_attention, own, config.attention_dropout)
+        # the stack's object (or a hybrid's choice for this layer), or this layer's own (FoX's gate)
+        self.kernel = attach_positions(self, stack.at_layer(layer_idx), config.alibi_attention,
+                                       config.attention_dropout)
         # SSMax's learned scales (``ssmax.py``), as fairseq's layer holds them
         self.ssmax = ScalableSoftmax(self.num_heads, config.alibi_train_length) if config.ssmax else None
 

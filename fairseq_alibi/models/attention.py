@@ -38,11 +38,7 @@ class PositionMultiheadAttention(MultiheadAttention):
         super().__init__(embed_dim, num_heads, self_attention=True, **kwargs)
         if positions.num_heads != num_heads:
             raise ValueError(f"the position bias has {positions.num_heads} heads, attention has {num_heads}")
-        own = positions.for_layer()
-        if own is not positions:  # a layer's own parameters (slopes, gates): a submodule, as checkpoints hold it
-            setattr(self, own.layer_attribute, own)
-        attach_shared(self, "positions", own)
-        self.kernel = kernels.check_kernel(kernel, own, self.dropout_module.p)
+        self.kernel = kernels.attach_positions(self, positions, kernel, self.dropout_module.p)
         if ssmax_length is not None:  # scalable softmax: a learned s per head (core/ssmax.py); absent otherwise
             self.ssmax = ScalableSoftmax(num_heads, ssmax_length)
 
