@@ -44,8 +44,9 @@ compare: install
 	VENV_BIN=$(BIN) examples/positions/compare.sh
 
 # Tests in parallel, one worker per core (pytest-xdist); PYTEST_ARGS adds options.
-# `make test` (CI) leaves out the tests marked slow (end-to-end runs of a minute or
-# more: tests/conftest.py); `make test-all` runs every test.
+# `make test` (CI) is the fast tier: it leaves out the tests marked slow (end-to-end
+# runs, and the cases of large tables past their first: tests/tiers.py);
+# `make test-all` runs every test.
 test: install
 	$(BIN)/python -m pytest -q -n auto -m "not slow" $(PYTEST_ARGS) tests
 

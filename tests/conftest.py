@@ -47,6 +47,8 @@ import pytest
 import torch
 
 import forkserver
+import tiers
+from tiers import pytest_collection_modifyitems  # noqa: F401 (a hook: pytest finds it by name)
 from fairseq_alibi.core import alibi
 
 BIN = Path(sys.executable).parent
@@ -335,11 +337,7 @@ def pytest_configure(config):
     if worker and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
             tempfile.gettempdir(), f"torchinductor_{os.getuid()}_{worker}")
-    config.addinivalue_line(
-        "markers",
-        "slow: an end-to-end test that costs a minute or more on 2 cores (real training runs, fresh "
-        "processes, torch.compile, every method exported); `make test` leaves these out to stay "
-        "within 8 minutes, `make test-all` runs them (docs: README, 'Two commands')")
+    tiers.register_markers(config)  # slow and fast_cases(k): tests/tiers.py
 
 
 @pytest.fixture(scope="session")

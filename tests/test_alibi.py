@@ -231,6 +231,7 @@ def test_low_precision_bias_is_accurate_at_16k(dtype, rel):
     torch.testing.assert_close(last.diff(dim=-1), slopes[:, None].to(dtype).float().expand(-1, 7))
 
 
+@pytest.mark.slow
 def test_fork_form_loses_neighbour_differences_in_fp16():
     """The fork's +m*j bias cannot tell adjacent far keys apart in fp16."""
     slopes = alibi.get_slopes(8)

@@ -189,6 +189,7 @@ def test_chunked_without_grad_matches_reference(mode, padded, monkeypatch):
 
 @pytest.mark.parametrize("scaling", [NO_SCALING, Scaling("ntk", 0, 64), Scaling("log", 1, 256, 1.0),
                                      Scaling("cap", 1, 16)], ids=["none", "ntk", "log", "cap"])
+@pytest.mark.fast_cases(1)
 def test_chunked_key_windows_skip_far_keys_and_change_nothing(scaling, monkeypatch):
     """ALiBi's own sparsity: steep heads read only the keys whose weight is not
     negligible (kernels.negligible_gap), and the output is the reference's; a cap (bounded
@@ -334,6 +335,7 @@ def test_cap_changes_nothing_within_the_cap():
         assert torch.equal(plain, capped), kernel
 
 
+@pytest.mark.slow
 def test_cap_property_far_keys_are_interchangeable_at_16k():
     """What only ``cap`` guarantees, on the long-inference (chunked) path: keys
     farther than C from a query all get the bias -m * C, so shuffling them
@@ -443,6 +445,7 @@ def log_probs(model, tokens):
 
 @pytest.mark.parametrize("method,factor", [("none", "1"), ("linear", "2"), ("ntk", "2"), ("cap", "0.5"),
                                            ("log", "0.5"), ("power", "0.5"), ("capnorm", "0.5")])
+@pytest.mark.fast_cases(1)
 def test_incremental_decoding_equals_full_forward(dict_dir, method, factor):
     """Static factors and the distance methods (C = 8 tokens here): every step
     of a KV-cache decode equals the full forward, past C too (40 tokens)."""
@@ -459,6 +462,7 @@ def test_incremental_decoding_equals_full_forward(dict_dir, method, factor):
     assert (step - full).abs().max() < 1e-4
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("kernel", ["auto", "reference", "sdpa", "chunked"])
 def test_right_padded_batch_equals_rows_alone(dict_dir, kernel, monkeypatch):
     """Right padding (LM task, --sample-break-mode eos): every real token's
@@ -488,6 +492,7 @@ class CountingBias:
         return out
 
 
+@pytest.mark.slow
 def test_shared_bias_built_once_per_forward_without_batch_dim(dict_dir):
     _, model = build_lm(dict_dir, "--alibi-attention", "auto", heads=4, layers=3)
     model.train()
@@ -504,6 +509,7 @@ def test_shared_bias_built_once_per_forward_without_batch_dim(dict_dir):
     assert all(layer.self_attn.positions is layers[0].self_attn.positions for layer in layers)
 
 
+@pytest.mark.slow
 def test_padding_mask_merged_once_per_forward(dict_dir):
     task, model = build_lm(dict_dir, layers=3)
     model.train()
@@ -529,6 +535,7 @@ class LargestTensors(TorchDispatchMode):
         return out
 
 
+@pytest.mark.slow
 def test_long_inference_builds_nothing_quadratic(dict_dir):
     """A whole-model no-grad forward past the chunking threshold: no tensor with
     two dimensions >= T anywhere (decoder mask included), and the result equals
@@ -546,6 +553,7 @@ def test_long_inference_builds_nothing_quadratic(dict_dir):
     assert (fast - slow).abs().max() < 1e-4
 
 
+@pytest.mark.slow
 def test_sinusoidal_twin_has_same_parameter_count(dict_dir):
     _, alibi_model = build_lm(dict_dir, "--decoder-input-dim", "32", "--decoder-output-dim", "32")
     _, stock = build_lm(dict_dir, "--decoder-input-dim", "32", "--decoder-output-dim", "32",

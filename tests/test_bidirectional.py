@@ -165,6 +165,7 @@ def test_split_left_heads_ignore_the_right(heads, kernel):
         assert same_left == (directions[h] == alibi.LOOK_RIGHT), h
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_paths_agree(mode):
     """Same weights, the bias dense (reference, sdpa), per block
@@ -276,6 +277,7 @@ def build_transformer(dict_dir, mode, *extra):
     ])
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("mode", MODES)
 def test_roberta_structure(dict_dir, mode):
     model, cfg = build_roberta(dict_dir, mode)
@@ -298,6 +300,7 @@ def test_roberta_structure(dict_dir, mode):
     assert out.shape == (2, 100, len(model.encoder.dictionary)) and bool(torch.isfinite(out).all())
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("heads", [4, 8])
 def test_symmetric_encoder_is_reversal_equivariant(dict_dir, heads):
     model, _ = build_roberta(dict_dir, "symmetric", heads=heads)
@@ -316,6 +319,7 @@ def test_symmetric_encoder_is_reversal_equivariant(dict_dir, heads):
     assert (a - b).abs().max() > 1e-3
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("mode", MODES)
 def test_padding_leaves_real_positions_alone(dict_dir, mode):
     """Left and right padding: finite everywhere, real positions as unpadded."""
@@ -430,6 +434,7 @@ def check_mlm_checkpoint(path, mode):
             assert float((state["model"][key] - init).abs().min()) > 1e-4, key
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("mode", MODES)
 def test_fairseq_train_masked_lm(mlm_data, mode, tmp_path):
     """``fairseq-train --task masked_lm --arch roberta_alibi --user-dir ...``, 3 updates."""
@@ -437,6 +442,7 @@ def test_fairseq_train_masked_lm(mlm_data, mode, tmp_path):
     check_mlm_checkpoint(tmp_path / "checkpoint_last.pt", mode)
 
 
+@pytest.mark.slow
 def test_fairseq_train_console_script(mlm_data, tmp_path):
     """The literal shell command: stock console script, ``$(alibi-user-dir)``."""
     argv = " ".join(f"'{a}'" for a in mlm_train_args(mlm_data / "bin", "split", tmp_path))
@@ -447,6 +453,7 @@ def test_fairseq_train_console_script(mlm_data, tmp_path):
     check_mlm_checkpoint(tmp_path / "checkpoint_last.pt", "split")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,value,phrase", [
     ("--alibi-interpolation", "bogus", "alibi_interpolation='bogus' is not valid"),
     ("--alibi-bidirectional", "diagonal", "alibi_bidirectional='diagonal' is not valid"),
@@ -483,6 +490,7 @@ def copy_model(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_beam_search_matches_full_forward(copy_model):
     """fairseq-generate (beam 4, KV cache, left-padded batches) scores each best
     hypothesis exactly as a teacher-forced full forward of that hypothesis."""

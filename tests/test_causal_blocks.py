@@ -112,6 +112,7 @@ def test_blocked_matches_explicit_attention(dtype, padded, p, monkeypatch):
         assert_close(torch.where(real, g, 0.0), torch.where(real, w.float(), 0.0), dtype)
 
 
+@pytest.mark.slow
 def test_blocked_dropout_is_unbiased_and_drops_p():
     """The real draw: about a fraction p of the probabilities is dropped, and the
     mean output over many draws is the output without dropout (the 1/(1-p)
@@ -329,6 +330,7 @@ def test_lm_training_with_attention_dropout_takes_blocked_path(tmp_path):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scaling", [NO_SCALING, Scaling("ntk", 2.0)], ids=["none", "ntk2"])
 def test_blocked_key_windows_give_the_reference_forward_and_gradients(scaling, monkeypatch):
     """Without dropout each head's query block reads only the keys within its
@@ -362,6 +364,7 @@ def test_blocked_key_windows_give_the_reference_forward_and_gradients(scaling, m
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("item", ["none", "linear", "ntk:2", "ntk", "cap:0.5", "log:1:0.25", "power:1:2"])
 def test_blocked_without_dropout_matches_reference_for_every_method(item, monkeypatch):
     """The path without dropout (the flash kernel and its backward per block

@@ -78,6 +78,7 @@ def converted_ckpt(fork_ckpt, tmp_path_factory):
 # ------------------------------------------------------------------ detection
 
 
+@pytest.mark.slow
 def test_fork_fixture_is_the_forks_layout(fork_ckpt):
     """Plain data only (torch's default allowlist reads it), resolved values."""
     assert torch.serialization.get_unsafe_globals_in_checkpoint(fork_ckpt) == []
@@ -89,6 +90,7 @@ def test_fork_fixture_is_the_forks_layout(fork_ckpt):
     assert not [v for v in model.values() if isinstance(v, str) and v.startswith("${")]
 
 
+@pytest.mark.slow
 def test_signature_fork_vs_genuine_checkpoints(fork_ckpt, alibi_ckpt, stock_ckpt):
     assert "max_tokens" in fork.fork_signature(safe_load.load(fork_ckpt))
     assert fork.fork_signature(safe_load.load(alibi_ckpt)) is None
@@ -149,6 +151,7 @@ def test_converted_model_computes_what_the_alibi_model_did(converted_ckpt, alibi
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.slow
 def test_converted_evaluates_longer_than_training(converted_ckpt, alibi_ckpt, lm_data_bin):
     """Scores like the model it came from, at 4x its training length."""
     losses = [
@@ -159,6 +162,7 @@ def test_converted_evaluates_longer_than_training(converted_ckpt, alibi_ckpt, lm
     assert 0 < losses[0] < 10 and losses[0] == losses[1]
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("script", ["alibi-eval-lm", "fairseq-eval-lm"])
 def test_forks_readme_eval_command_on_a_converted_checkpoint(converted_ckpt, alibi_ckpt, lm_data_bin,
                                                              alibi_user_dir, script):
@@ -179,6 +183,7 @@ def test_forks_readme_eval_command_on_a_converted_checkpoint(converted_ckpt, ali
     assert forked.loss == pytest.approx(plain.loss, abs=1e-4) and forked.tokens == plain.tokens
 
 
+@pytest.mark.slow
 def test_converter_refusals(stock_ckpt, alibi_ckpt, converted_ckpt, tmp_path, capsys):
     out = str(tmp_path / "out.pt")
     for path, expected in [
@@ -207,6 +212,7 @@ def test_converter_replaces_an_existing_output_only_with_force(fork_ckpt, tmp_pa
     assert safe_load.load(str(out))["cfg"]["model"]["_name"] == "transformer_lm_wiki103_alibi"
 
 
+@pytest.mark.slow
 def test_other_model_family_is_refused(stock_ckpt):
     state = copy.deepcopy(safe_load.load(stock_ckpt))
     state["cfg"]["model"]["_name"] = "transformer_iwslt_de_en"
@@ -219,6 +225,7 @@ def test_other_model_family_is_refused(stock_ckpt):
 # ------------------------------------------------------ refusal at load time
 
 
+@pytest.mark.slow
 def test_eval_of_unconverted_fork_checkpoint_is_refused(fork_ckpt, lm_data_bin):
     result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", fork_ckpt, "--cpu",
                       "--gen-subset", "valid"], expect_ok=False)
@@ -228,6 +235,7 @@ def test_eval_of_unconverted_fork_checkpoint_is_refused(fork_ckpt, lm_data_bin):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.slow
 def test_stock_cli_with_user_dir_refuses_fork_checkpoint(fork_ckpt, lm_data_bin, alibi_user_dir):
     result = run_cli([tool("fairseq-eval-lm"), lm_data_bin, "--path", fork_ckpt, "--cpu",
                       "--gen-subset", "valid", "--user-dir", alibi_user_dir], expect_ok=False)
@@ -235,12 +243,14 @@ def test_stock_cli_with_user_dir_refuses_fork_checkpoint(fork_ckpt, lm_data_bin,
     assert "ForkCheckpointError" in result.output and "alibi-convert-checkpoint" in result.output
 
 
+@pytest.mark.slow
 def test_stock_sinusoidal_checkpoint_still_evaluates(stock_ckpt, lm_data_bin):
     result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", stock_ckpt, "--cpu",
                       "--gen-subset", "valid", "--tokens-per-sample", TRAIN_LENGTH])
     assert 0 < parse_eval(result.output).loss < 10
 
 
+@pytest.mark.slow
 def test_eval_of_another_model_family_is_one_line(stock_ckpt, lm_data_bin, tmp_path):
     state = copy.deepcopy(safe_load.load(stock_ckpt))
     state["cfg"]["model"]["_name"] = "roberta_base"
@@ -253,6 +263,7 @@ def test_eval_of_another_model_family_is_one_line(stock_ckpt, lm_data_bin, tmp_p
     assert len(lines) == 1 and "model family 'roberta'" in lines[0], result.output[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("curl") or shutil.which("wget")), reason="needs curl or wget")
 def test_download_script(fork_ckpt, tmp_path):
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "checkpoints", "download.sh")

@@ -73,6 +73,7 @@ def test_fairseq_train_with_user_dir(alibi_train_run, alibi_checkpoint):
     assert state["model"]["decoder.layers.0.self_attn.q_proj.weight"].shape == (48, 48)
 
 
+@pytest.mark.slow
 def test_alibi_train_console_script(lm_data_bin, alibi_checkpoint, tmp_path):
     result = run_cli([tool("alibi-train"), *train_args(lm_data_bin, tmp_path, max_update=4)])
     assert "done training" in result.output
@@ -215,6 +216,7 @@ def test_sliding_window_scores_every_token_once_with_more_context(eval_lm):
     assert sliding.loss < nonoverlapping.loss, (sliding, nonoverlapping)
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("method", [linear, ntk])
 def test_static_factor_changes_the_loss(eval_lm, method):
     plain = eval_lm(EVAL_LENGTH)
@@ -231,6 +233,7 @@ def test_dynamic_scaling_is_a_no_op_at_training_length(eval_lm):
     assert eval_lm(TRAIN_LENGTH, linear(0)).text == eval_lm(TRAIN_LENGTH).text
 
 
+@pytest.mark.slow
 def test_dynamic_scaling_takes_each_rows_own_length(eval_lm):
     """Dynamic factor = a row's own keys / alibi_train_length, the train length
     read from the checkpoint (32), not from eval's --tokens-per-sample (256): a
@@ -242,11 +245,13 @@ def test_dynamic_scaling_takes_each_rows_own_length(eval_lm):
     assert dynamic.loss != eval_lm(EVAL_LENGTH, linear(8)).loss
 
 
+@pytest.mark.slow
 def test_ntk_dynamic_at_8x_changes_the_loss(eval_lm):
     ntk_dynamic = eval_lm(EVAL_LENGTH, ntk(0))
     assert ntk_dynamic.loss not in (eval_lm(EVAL_LENGTH).loss, eval_lm(EVAL_LENGTH, linear(0)).loss)
 
 
+@pytest.mark.slow
 def test_dynamic_scaling_same_on_chunked_attention_path(eval_lm):
     """Past the chunked path's block size, dynamic slopes must still be those of
     the whole sequence (not of each query block's visible keys)."""
@@ -269,6 +274,7 @@ DYNAMIC_NTK = ["--model-overrides", "{'alibi_interpolation': 'ntk', 'alibi_scale
     (["--required-batch-size-multiple", "1", "--min-len", str(TRAIN_LENGTH + 8), *DYNAMIC_NTK], 1),
 ],
                          ids=["default-multiple", "multiple-1-dynamic"])
+@pytest.mark.fast_cases(1)
 def test_generate_with_prefix(extra, warned, lm_data_bin, alibi_checkpoint):
     # batches of 16 from 60 lines: fairseq 0.12 drops the last one (12, not a multiple
     # of fairseq's default 8); the plugin keeps it (patches/batching.py: remainder_batches_kept).
@@ -312,6 +318,7 @@ def test_only_the_trainers_batches_drop_a_short_last_batch():
     assert [len(b) for b in inside] == [4, 4, 4] and np.concatenate(inside).tolist() == indices[:12].tolist()
 
 
+@pytest.mark.slow
 def test_interactive_stdin(lm_data_bin, alibi_checkpoint, alibi_user_dir):
     prompts = "one the cat\ntwo a dog sees\n"
     result = run_cli([
@@ -406,6 +413,7 @@ def test_position_scaling_and_its_older_names_score_alike_on_every_checkpoint_fo
         hub_factory(position_scaling="ntk:half")
 
 
+@pytest.mark.slow
 def test_hub_sample(hub_factory):
     lm = hub_factory()
     greedy = lm.sample("one the cat", beam=1, max_len_b=3 * TRAIN_LENGTH)
@@ -426,12 +434,14 @@ def incremental_vs_full(lm, text) -> float:
     return (hypo["positional_scores"][: len(full)] - full).abs().max().item()
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("overrides", [{}, linear(2), ntk(3)], ids=["none", "linear2", "ntk3"])
 def test_kv_cache_exact_without_dynamic_scaling(hub_factory, lm_corpus, overrides):
     lm = hub_factory(**overrides)
     assert incremental_vs_full(lm, valid_text(lm_corpus, 2 * TRAIN_LENGTH)) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", [linear, ntk])
 def test_kv_cache_with_dynamic_scaling_differs_past_train_length(hub_factory, lm_corpus, method):
     """Documented behaviour (docs/usage.md): exact up to alibi_train_length; past
@@ -493,6 +503,7 @@ def write_hydra_config(tmp_path, data, user_dir, extra_model="") -> Path:
     return config_dir
 
 
+@pytest.mark.slow
 def test_fairseq_hydra_train(lm_data_bin, alibi_user_dir, tmp_path):
     """Stock fairseq-hydra-train, the plugin named by common.user_dir in the yaml
     (alibi-hydra-train runs in test_bad_value_in_hydra_config)."""
@@ -506,6 +517,7 @@ def test_fairseq_hydra_train(lm_data_bin, alibi_user_dir, tmp_path):
     assert num_updates(state) == 6
 
 
+@pytest.mark.slow
 def test_hydra_trains_another_position_method_and_stock_eval_lm_extends_it(lm_data_bin, alibi_user_dir, tmp_path):
     """A transformer_lm_<position> model through hydra with its own parameter
     (rotary_fraction), evaluated by stock fairseq-eval-lm at 8x L under a RoPE
@@ -559,6 +571,7 @@ def assert_reports(result, messages, script):
         assert len(errors) == 1 and all(m in errors[0] for m in messages), errors
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("script,flags,messages", BAD_TRAIN_FLAGS, ids=lambda v: str(v)[:24])
 def test_bad_value_fails_at_build_naming_the_field(
     lm_data_bin, alibi_user_dir, tmp_path, script, flags, messages
@@ -585,6 +598,7 @@ def test_dynamic_scaling_without_train_length_fails_eval(lm_data_bin, alibi_chec
     assert "Loss (base 2)" not in result.output
 
 
+@pytest.mark.slow
 def test_bad_value_in_hydra_config(lm_data_bin, alibi_user_dir, tmp_path):
     config_dir = write_hydra_config(
         tmp_path, lm_data_bin, alibi_user_dir, extra_model="  alibi_interpolation: cubic\n"
@@ -666,6 +680,7 @@ def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_wiki103_twin_is_the_paper_model_with_stock_parameter_count(wiki103_dict):
     from fairseq_alibi.models.attention import PositionMultiheadAttention
 
@@ -682,6 +697,7 @@ def test_wiki103_twin_is_the_paper_model_with_stock_parameter_count(wiki103_dict
     assert isinstance(attn, PositionMultiheadAttention) and attn.num_heads == 8
 
 
+@pytest.mark.slow
 def test_base_arch_builds_without_any_dimension_flags(wiki103_dict):
     """--arch transformer_lm_alibi with no --decoder-embed-dim: the arch function
     runs before the dataclass defaults exist, so the io dims are defaulted again
@@ -710,6 +726,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow
 def test_shipped_hydra_configs_take_overrides_without_plus():
     """docs/usage.md: ``model.alibi_scale_factor=2`` works on the shipped
     configs, ``+model.alibi_scale_factor=2`` is refused (the key is there).
@@ -741,6 +758,7 @@ def test_training_without_a_batch_size_is_one_line(lm_data_bin, tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("what,script,extra,phrase", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_is_one_line(what, script, extra, phrase, lm_data_bin, alibi_checkpoint, tmp_path):
     extra = [str(alibi_checkpoint.parent) if a == "DIR" else a for a in extra]
@@ -773,6 +791,7 @@ def test_dictionary_of_another_size_names_both_sizes(lm_corpus, alibi_checkpoint
                          "such option, so it would change nothing; did you mean dropout"),
     ("{'alibi_bidirectional': 'split'}", "ignored model override 'alibi_bidirectional'"),
 ])
+@pytest.mark.fast_cases(1)
 def test_silent_no_ops_are_warned(overrides, phrase, lm_data_bin, alibi_checkpoint):
     result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", alibi_checkpoint, "--cpu",
                       "--gen-subset", "valid", "--model-overrides", overrides])
@@ -787,6 +806,7 @@ def test_hub_keyword_typo_is_warned(hub_factory, caplog):
                for r in caplog.records), caplog.text
 
 
+@pytest.mark.slow
 def test_train_logs_like_stock_fairseq_train(lm_data_bin, alibi_user_dir, tmp_path):
     """Same format and streams as stock fairseq-train (timestamped INFO lines on
     stdout, nothing on stderr), and none of the known third-party noise."""
@@ -807,6 +827,7 @@ def test_train_logs_like_stock_fairseq_train(lm_data_bin, alibi_user_dir, tmp_pa
             assert noise not in result.output, (script, noise)
 
 
+@pytest.mark.slow
 def test_fork_training_command_warns(lm_data_bin, tmp_path):
     """The fork's ``--arch transformer_lm_wiki103`` is the stock sinusoidal model here."""
     args = train_args(lm_data_bin, tmp_path / "ckpt", max_update=1)
@@ -819,6 +840,7 @@ def test_fork_training_command_warns(lm_data_bin, tmp_path):
     assert "not ALiBi" in warnings[0]
 
 
+@pytest.mark.slow
 def test_training_with_an_evaluation_method_warns_once(lm_data_bin, tmp_path):
     """A method given to alibi-train is trained with and stored: said; without one, nothing."""
     args = train_args(lm_data_bin, tmp_path / "ckpt", max_update=1)

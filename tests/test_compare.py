@@ -69,6 +69,7 @@ def test_the_table_is_the_mean_and_range_over_seeds(compare_run):
     assert (out / "positions.png").stat().st_size > 10_000 and (out / "extensions.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_extension_methods_only_where_they_apply(compare_run):
     out, stdout = compare_run
     cells = sweep_cells(out / "extensions/results.json")
@@ -79,6 +80,7 @@ def test_extension_methods_only_where_they_apply(compare_run):
     assert "rotary cap" not in table and "alibi yarn" not in table
 
 
+@pytest.mark.slow
 def test_the_paired_table_is_each_seed_against_its_own_alibi(compare_run):
     out, _ = compare_run
     cells = [c for c in sweep_cells(out / "sweep/results.json") if c["mode"] == "nonoverlapping"]
@@ -165,6 +167,7 @@ def test_a_refused_setting_stops_before_anything_runs(lm_data_bin, tmp_path):
         assert not (out / "seed1").exists()
 
 
+@pytest.mark.slow
 def test_the_report_shows_the_cells_of_its_run_only(tmp_path, capsys):
     """results.json keeps the cells of earlier runs in the same folder (other methods,
     seeds, lengths, extension methods): --positions, --seeds, --lengths and

@@ -161,6 +161,7 @@ def test_wikitext_script_checks_its_input(tmp_path):
     assert "token count mismatch for wiki.train.tokens: 8, expected 103227021" in result.output
 
 
+@pytest.mark.slow
 def test_hydra_config_loads_and_trains(lm_data_bin, tmp_path):
     """The WikiText-103 config, shrunk by overrides, trains two updates on tiny data."""
     save = tmp_path / "ck"

@@ -142,6 +142,7 @@ def test_the_docs_have_python_blocks_and_mark_few():
     assert sum(bool(NOT_RUN.search(b.note)) for b in PYTHON_BLOCKS) <= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=lambda b: b.name)
 def test_every_python_block_runs(block, workspace):
     marked = NOT_RUN.search(block.note)

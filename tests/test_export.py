@@ -227,6 +227,7 @@ def test_exported_model_matches_a_forward_written_out_by_hand(data_dir, tmp_path
     assert max_diff(hf_log_probs(loaded, ids)[0], expected) < 1e-4
 
 
+@pytest.mark.slow
 def test_converted_fork_checkpoint_exports_and_an_unconverted_one_is_refused(data_dir, tmp_path):
     from fairseq_alibi.fork import convert_fork_state
 
@@ -299,6 +300,7 @@ def test_alibi_convert_checkpoint_prints_what_the_file_it_wrote_holds(name, data
         written["cfg"]["model"]["alibi_train_length"] == L
 
 
+@pytest.mark.slow
 def test_scaling_set_at_export_and_at_load_time(data_dir, tmp_path):
     model, cfg = build(data_dir, [])
     out = exported(model, cfg, tmp_path, "--alibi-scaling", "ntk")
@@ -374,6 +376,7 @@ def read_back(out: Path, custom: bool):
         return get_class_from_dynamic_module(reference, str(out)).from_pretrained(out).eval()
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("name", list(CHECKED))
 def test_the_printed_check_is_what_the_written_files_compute(name, data_dir, tmp_path):
     """Each number alibi-export-hf prints equals one computed here from the files
@@ -457,6 +460,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_a_written_model_that_is_not_the_checkpoint_is_refused_and_nothing_written(name, data_dir, tmp_path,
                                                                                    monkeypatch):
@@ -530,6 +534,7 @@ def fairseq_greedy(model, prompt: torch.Tensor, steps: int) -> list:
     return out
 
 
+@pytest.mark.slow
 def test_generate_equals_fairseq_greedy_decoding_and_the_cache_equals_a_full_forward(data_dir, tmp_path):
     from transformers.cache_utils import DynamicCache
 
@@ -556,6 +561,7 @@ def test_generate_equals_fairseq_greedy_decoding_and_the_cache_equals_a_full_for
     assert max_diff(torch.cat(pieces, 1).log_softmax(-1), hf_log_probs(loaded, generated)) < 1e-5
 
 
+@pytest.mark.slow
 def test_batched_generate_with_left_padding(data_dir, tmp_path):
     model, cfg = build(data_dir, VARIANTS["prenorm-gelu-tied-lnemb"])
     out = exported(model, cfg, tmp_path)
@@ -570,6 +576,7 @@ def test_batched_generate_with_left_padding(data_dir, tmp_path):
         assert together[r, -12:].tolist() == alone[0, -12:].tolist()
 
 
+@pytest.mark.slow
 def test_tokenizer_ids_are_fairseq_dictionary_ids_eos_first(data_dir, tmp_path):
     from fairseq.data import Dictionary
     from transformers import AutoTokenizer
@@ -613,6 +620,7 @@ def fairseq_generator_greedy(model, cfg, prompt: list, steps: int) -> list:
     return hypo["tokens"][:-1].tolist()  # the </s> forced at max_len dropped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task_flags, spelling", [([], "linear"), (["--add-bos-token"], "ntk:2")])
 def test_generate_starts_as_fairseqs_generator_does_also_with_add_bos_token(task_flags, spelling, data_dir, tmp_path):
     """A model trained with --add-bos-token reads <s> before a prompt in fairseq's inference
@@ -644,6 +652,7 @@ def write_gpt2_files(directory: Path):
     return directory / "encoder.json", directory / "vocab.bpe"
 
 
+@pytest.mark.slow
 def test_gpt2_bpe_tokenizer_matches_fairseq_and_missing_files_are_named(tmp_path):
     from fairseq.data import Dictionary
     from fairseq.data.encoders.gpt2_bpe_utils import get_encoder
@@ -676,6 +685,7 @@ def test_gpt2_bpe_tokenizer_matches_fairseq_and_missing_files_are_named(tmp_path
 
 
 # ------------------------------------------------------------------ BLOOM format
+@pytest.mark.slow
 def test_bloom_format_loads_as_stock_bloom_and_matches_at_4x_and_10x(data_dir, tmp_path):
     from transformers import BloomForCausalLM
 
@@ -703,6 +713,7 @@ def test_bloom_format_loads_as_stock_bloom_and_matches_at_4x_and_10x(data_dir, t
       "--no-scale-embedding", "--decoder-ffn-embed-dim", str(3 * DIM)], "FFN 3x d (BLOOM: 4x d)"),
     (BLOOM_ARGS + ["--decoder-output-dim", str(DIM)], None),
 ])
+@pytest.mark.fast_cases(1)
 def test_bloom_format_refuses_what_bloom_cannot_hold_in_one_line(extra, feature, data_dir, tmp_path):
     model, cfg = build(data_dir, extra)
     checkpoint = save(model, cfg, tmp_path / "m.pt")
@@ -769,6 +780,7 @@ def test_bad_inputs_are_one_error_line_each(data_dir, tmp_path):
     assert good.is_file() and (tmp_path / "dicts" / "dict.txt").is_file()
 
 
+@pytest.mark.slow
 def test_command_line_module_reports_one_error_line(tmp_path):
     """``python -m fairseq_alibi.export`` (what the alibi-export-hf console script runs)."""
     env = cli_env(PYTHONPATH=str(REPO))
@@ -787,6 +799,7 @@ def test_dynamic_scaling_without_a_training_length_is_refused(data_dir):
     assert resolve_scaling("linear:2", unknown) == Scaling("linear", 2.0)
 
 
+@pytest.mark.slow
 def test_writing_is_atomic_and_force_replaces(data_dir, tmp_path, monkeypatch):
     model, cfg = build(data_dir, [])
     checkpoint = save(model, cfg, tmp_path / "m.pt")
@@ -895,6 +908,7 @@ def test_loads_with_transformers_alone_without_the_package(data_dir, tmp_path):
 
 
 # ------------------------------------------------------------------ hf.py and the evaluation tools
+@pytest.mark.slow
 def test_hf_loads_exported_models_with_its_own_class_and_scales_them(data_dir, tmp_path, capfd):
     model, cfg = build(data_dir, VARIANTS["prenorm-gelu-tied-lnemb"])
     out = exported(model, cfg, tmp_path)
@@ -925,6 +939,7 @@ def test_hf_refuses_other_custom_code_models_in_one_line(tmp_path):
         assert "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_alibi_sweep_hf_accepts_an_exported_model(data_dir, tmp_path):
     from fairseq_alibi.evaluation import perplexity
 
@@ -1002,6 +1017,7 @@ def window_loss(model, ids: torch.Tensor, length: int) -> float:
     return total / count / math.log(2)
 
 
+@pytest.mark.slow
 def test_alibi_sweep_scores_each_export_as_its_files_compute(data_dir, tmp_path, capsys):
     """alibi-sweep over float32, bfloat16 and float16 exports of one checkpoint: each
     row is what that export's files compute in their own dtype (loaded here with
@@ -1068,6 +1084,7 @@ metric_list:
 """
 
 
+@pytest.mark.slow
 def test_lm_eval_harness_log_likelihoods_equal_fairseq(data_dir, tmp_path, monkeypatch):
     """lm_eval's Python API, offline, on a local task: ``--model hf`` with trust_remote_code."""
     import lm_eval
@@ -1102,6 +1119,7 @@ def test_lm_eval_harness_log_likelihoods_equal_fairseq(data_dir, tmp_path, monke
         assert sample["filtered_resps"][0][0] == pytest.approx(expected, abs=1e-4), doc["context"][:20]
 
 
+@pytest.mark.slow
 def test_alibi_retrieval_gives_the_same_scores_on_a_checkpoint_and_its_export(data_dir, tmp_path):
     """The same prompts through alibi-retrieval on the fairseq checkpoint (fairseq backend)
     and on its export (--hf backend, this package's own class): equal scores under every
@@ -1129,6 +1147,7 @@ def test_alibi_retrieval_gives_the_same_scores_on_a_checkpoint_and_its_export(da
                 ("none", "ntk dynamic", "cap x0.5")}) == 3  # past L the methods differ: not vacuous
 
 
+@pytest.mark.slow
 def test_exported_model_runs_the_fast_kernels_exactly(data_dir, tmp_path, monkeypatch):
     """The exported model runs the plugin's kernels: chunked (long inference,
     key windows) and blocked (CPU training) give the reference kernel's

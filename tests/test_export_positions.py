@@ -233,6 +233,7 @@ def test_the_custom_configs_name_each_methods_settings(exports):
     assert "AlibiForCausalLM (trust_remote_code=True)" in printed.splitlines()[1]
 
 
+@pytest.mark.slow
 def test_a_fox_export_generates_without_a_cache_and_refuses_one_in_one_line(data_dir, tmp_path):
     """FoX's running sums of log gates are not carried in transformers' cache: the export
     says so when asked for one, and generates with use_cache=False (its config's default)

@@ -102,6 +102,7 @@ def check_compiled(cases) -> None:
     assert not uncompiled, uncompiled
 
 
+@pytest.mark.slow  # compiling is a C++ build on the CPU: minutes on 2 loaded cores
 def test_compiled_flex_modes_methods_and_padding(dynamic_from_this_process):
     """One of each kind, four compiles: a slope method after ``none``, a distance method, padding,
     the split mode (the full product is the slow test below)."""
@@ -115,6 +116,7 @@ def test_compiled_flex_every_mode_method_and_padding(dynamic_from_this_process):
     check_compiled([(mode, padded, spelling) for mode in MODES for padded in (False, True) for spelling in METHODS])
 
 
+@pytest.mark.slow
 def test_compiled_flex_sequence_of_lengths_then_methods(dict_dir, dynamic_from_this_process):
     """What alibi-sweep does in one process: a model at 10 lengths, then
     rescaled under one method after another (two cap factors included), each
@@ -165,6 +167,7 @@ def test_slope_methods_share_one_variant_and_distance_methods_do_not():
     assert key("none") != key("none", padded=True) != key("none", mode="split")
 
 
+@pytest.mark.slow
 def test_training_with_flex_off_cuda_is_refused_in_one_line():
     attention_layer = make_attention("flex")
     x = torch.randn(20, 2, 32, requires_grad=True)

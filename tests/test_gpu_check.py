@@ -24,6 +24,7 @@ def run_script(*args):
                           cwd=REPO, timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check would run")
 def test_refuses_without_cuda_in_one_line():
     before = (REPO / "docs" / "performance.md").read_text()

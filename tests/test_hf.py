@@ -410,6 +410,7 @@ def test_kv_cache_equals_full_forward_with_a_static_factor(family):
     assert max_diff(incremental_logits(model, ids, prefix=20, cache=DynamicCache()), full) < 1e-4
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_generate_under_a_static_factor_equals_greedy_full_forwards(family):
     """generate() (2-D mask, growing cache) picks the argmax of full recomputations."""
@@ -479,6 +480,7 @@ def capture_block_inputs(block, into: dict):
     return block.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+@pytest.mark.slow
 def test_bloom_bfloat16_absolute_bias_collapses_and_relative_form_does_not():
     import copy
 
@@ -764,6 +766,7 @@ def test_sweep_hf_model_on_a_text_file(saved_mpt, monkeypatch):
     assert perplexity.main(argv) == 0 and calls == []
 
 
+@pytest.mark.slow
 def test_sweep_hf_models_are_loaded_one_at_a_time(saved_mpt, tmp_path, monkeypatch):
     """Planning reads configs and tokenizers only; each model's weights are
     loaded when its cells run and are gone before the next model loads."""
@@ -811,6 +814,7 @@ def test_config_family_refuses_what_resolve_refuses(family, settings, expected):
             hf.config_family(config)
 
 
+@pytest.mark.slow
 def test_retrieval_hf_model_on_jsonl_prompts(saved_mpt, tmp_path, monkeypatch, capsys):
     """alibi-retrieval --hf DIR: accuracies and answer log-probs equal a direct
     computation (bos + prompt + answer, argmax at the answer positions)."""

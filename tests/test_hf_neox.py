@@ -110,6 +110,7 @@ def test_families_read_a_neox_config():
     assert hf.hf_train_length(config) == TRAIN_LENGTH
 
 
+@pytest.mark.slow
 def test_alibi_sweep_hf_on_a_neox_directory_scores_transformers_own_scaling(tmp_path, monkeypatch):
     from test_hf import build_tokenizer, SENTENCES
 

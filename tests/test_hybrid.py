@@ -50,6 +50,7 @@ def test_the_blocked_and_chunked_kernels_skip_the_blocks_left_of_the_window():
     assert kernels.sliding_windows(CausalMask(4), 4, 0) is None  # full attention: nothing skipped
 
 
+@pytest.mark.slow
 def test_layers_interleave_windowed_rope_and_full_nope(data_dir):
     model = build(data_dir, "rnope", "--decoder-layers", "4", "--rnope-nope-every", "2")
     kinds = [type(layer.self_attn.positions) for layer in model.decoder.layers]
@@ -61,6 +62,7 @@ def test_layers_interleave_windowed_rope_and_full_nope(data_dir):
     assert isinstance(other.decoder.positions, HybridPositions)
 
 
+@pytest.mark.fast_cases(2)
 @pytest.mark.parametrize("layers,nope_layers", [(2, [1]), (3, [2]), (4, [3]), (9, [3, 7])])
 def test_the_default_interleaving_has_a_nope_layer_at_every_depth(data_dir, layers, nope_layers):
     """0 (the default): the paper's every 4th layer, or the last layer of a shallower stack."""
@@ -69,6 +71,7 @@ def test_the_default_interleaving_has_a_nope_layer_at_every_depth(data_dir, laye
     assert found == nope_layers
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("flags,message", [
     (["--decoder-layers", "2", "--rnope-nope-every", "4"], "rnope_nope_every=4 with 2 layers leaves no NoPE layer"),
     (["--decoder-layers", "1"], "rnope needs at least 2 layers"),
@@ -97,6 +100,7 @@ def test_a_nope_layer_attends_to_every_key_without_rotation(data_dir):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("spelling", ["none", "ntk:2", "logn"])
 def test_kv_cache_equals_the_full_forward(data_dir, spelling):
     model = build(data_dir, "rnope", "--decoder-layers", "4", "--rnope-nope-every", "2")

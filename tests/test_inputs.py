@@ -226,6 +226,7 @@ def test_python_readers_refuse_invalid_text(tmp_path):
 # ------------------------------------------------------------ alibi-preprocess writes whole splits
 
 
+@pytest.mark.slow
 def test_preprocess_writes_what_stock_fairseq_writes(small_data, tmp_path):
     """Staged, the outputs are byte for byte stock fairseq-preprocess's (its run in small_data),
     the log names --destdir (not the stage) and is appended to, and no stage is left."""
@@ -296,6 +297,7 @@ INTERRUPTIONS = [  # (how, after which call, of which writer method)
 ]
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("earlier", [False, True], ids=["new folder", "folder with splits"])
 @pytest.mark.parametrize("how,after,method", INTERRUPTIONS)
 def test_interrupted_preprocess_leaves_no_half_split(how, after, method, earlier, small_data, tmp_path):

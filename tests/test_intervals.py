@@ -296,6 +296,7 @@ def sweep_cells(methods):
     return out
 
 
+@pytest.mark.slow
 def test_a_methods_colour_and_marker_stay_across_runs_and_panels_share_their_axes(figures, tmp_path):
     first = [("none", 1.0, "none"), ("linear", 2.0, "linear x2"), ("ntk", 0.0, "ntk dynamic"), ("cap", 1.0, "cap x1")]
     second = [("cap", 1.0, "cap x1"), ("linear", 2.0, "linear x2")]  # other methods, another order
@@ -316,6 +317,7 @@ def test_a_methods_colour_and_marker_stay_across_runs_and_panels_share_their_axe
         assert left.get_shared_y_axes().joined(left, right) and left.get_ylim() == right.get_ylim()
 
 
+@pytest.mark.slow
 def test_every_line_band_and_mark_is_named(figures, tmp_path):
     cells = report.with_ppl_intervals(sweep_cells([("none", 1.0, "none"), ("ntk", 0.0, "ntk dynamic")]))
     report.plot_perplexity(str(tmp_path / "ppl.png"), cells, rank)
@@ -335,6 +337,7 @@ def test_every_line_band_and_mark_is_named(figures, tmp_path):
     assert "over every window that scored them" in pos._suptitle.get_text()
 
 
+@pytest.mark.slow
 def test_the_perplexity_plot_draws_the_paired_changes_in_a_lower_panel(figures, tmp_path):
     """Two methods whose own bands overlap at every length while their paired change
     is far from 0: the lower panel says so (bars of the paired interval, filled marks)."""

@@ -63,6 +63,7 @@ def test_logn_is_the_explicit_logit_scaling_on_every_kernel(spelling, kernel, na
     assert not torch.allclose(out, plain, atol=1e-3)  # the scaling changed the output
 
 
+@pytest.mark.slow  # one inductor compile: minutes on 2 loaded cores
 def test_logn_on_the_flex_kernel():
     torch.manual_seed(1)
     bias = AlibiBias(4, "causal", Scaling.parse("logn", L))
@@ -89,6 +90,7 @@ def test_logn_counts_a_rows_own_keys_under_padding_and_in_a_cache():
         torch.testing.assert_close(step[0, :, 0], batch[0, :, -1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.fast_cases(2)
 @pytest.mark.parametrize("name", list(POSITIONS))
 def test_logn_applies_to_every_position_method_and_its_cache_equals_the_full_forward(data_dir, name):
     assert "logn" in POSITIONS[name].extensions
@@ -154,6 +156,7 @@ def test_ssmax_initial_scale_is_softmax_at_the_training_length():
     assert torch.allclose(module.scale * math.log(1024), torch.ones(4))
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("name", ["alibi", "rotary", "fire"])
 def test_ssmax_model_cache_equals_the_full_forward_and_s_learns(data_dir, name):
     model = build(data_dir, name, "--ssmax")
@@ -172,6 +175,7 @@ def test_ssmax_model_cache_equals_the_full_forward_and_s_learns(data_dir, name):
     assert layer.ssmax.scale.grad is not None and layer.ssmax.scale.grad.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_a_model_without_ssmax_keeps_its_state_dict(data_dir):
     """--ssmax adds exactly one ``ssmax.scale`` per layer; without it nothing
     changes, and a config that predates the flag builds the same model."""

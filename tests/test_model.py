@@ -47,6 +47,7 @@ def test_io_dims_follow_embed_dim(data_dir):
     assert model.decoder.embed_tokens.weight.shape == (len(model.decoder.dictionary), 48)
 
 
+@pytest.mark.slow
 def test_train_length_defaults_to_tokens_per_sample(data_dir):
     _, cfg = build(data_dir)
     assert cfg.model.alibi_train_length == 128
@@ -76,12 +77,14 @@ def test_forward_runs_longer_than_training(data_dir):
         (["--alibi-train-length", "-4"], "alibi_train_length=-4 is not valid"),
     ],
 )
+@pytest.mark.fast_cases(1)
 def test_bad_config_fails_at_build(data_dir, flags, message):
     with pytest.raises(ValueError) as err:
         build(data_dir, *flags)
     assert message in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stock_arch", ["transformer_lm", "transformer_lm_gpt2_tiny"])
 def test_twin_has_stock_parameter_count(data_dir, stock_arch):
     """Same architecture, same size as the stock model (positions are sinusoidal
@@ -194,6 +197,7 @@ def test_built_decoder_equals_the_swapped_one(data_dir, position, embedding, mon
         torch.testing.assert_close(new(tokens)[0], old(tokens)[0], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_the_swapped_model_loads_into_the_built_one(data_dir, tmp_path, monkeypatch):
     """A checkpoint written by the old builder (adaptive input, the paper's
     family) loads through fairseq's loader into the new one and scores alike."""
@@ -219,6 +223,7 @@ def test_a_checkpoint_of_the_swapped_model_loads_into_the_built_one(data_dir, tm
         torch.testing.assert_close(loaded.eval()(tokens)[0], old(tokens)[0], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_tied_adaptive_weights_that_cannot_be_shared_are_one_error(data_dir):
     """Stock fairseq asserts these (a bare AssertionError); the built model names them."""
     flags = ADAPTIVE[:-4] + ["--adaptive-input-factor", "2", "--adaptive-softmax-factor", "4", "--tie-adaptive-weights"]

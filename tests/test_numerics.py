@@ -113,12 +113,14 @@ def test_fork_rows_helper_matches_fork_causal_bias():
     assert torch.equal(_fork_rows(slopes, 448, 64, 512, torch.float16), full[:, 448:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_bias_within_one_rounding_of_exact(dtype, exact):
     err, magnitude = _shifted_error(_bias("ours", dtype), exact)
     assert bool((err <= UNIT_ROUNDOFF[dtype] * magnitude).all()), float((err / magnitude.clamp_min(1e-30)).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fork_bias_fails_the_same_check(dtype, exact):
     err, magnitude = _shifted_error(_bias("fork", dtype), exact)
@@ -138,6 +140,7 @@ def _output_check(dtype, form, qkv, reference):
     return err, bound
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_attention_output_with_low_precision_bias(dtype, qkv, reference):
     err, bound = _output_check(dtype, "ours", qkv, reference)
@@ -146,6 +149,7 @@ def test_attention_output_with_low_precision_bias(dtype, qkv, reference):
     assert float(err.max()) < {torch.float16: 1e-4, torch.bfloat16: 5e-3}[dtype]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fork_attention_output_fails(dtype, qkv, reference):
     err, bound = _output_check(dtype, "fork", qkv, reference)

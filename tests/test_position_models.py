@@ -93,6 +93,7 @@ def naive_scores(name: str, position, q, k, x=None):
     return (scores + bias).masked_fill(~causal, float("-inf"))
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("name", METHODS)
 def test_attention_equals_the_naive_definition(data_dir, name):
     model = build(data_dir, name)
@@ -116,6 +117,7 @@ def incremental(model, ids) -> torch.Tensor:
     return torch.cat(steps, dim=1)
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("name", METHODS)
 def test_kv_cache_equals_the_full_forward(data_dir, name):
     model = build(data_dir, name)
@@ -125,6 +127,7 @@ def test_kv_cache_equals_the_full_forward(data_dir, name):
         torch.testing.assert_close(incremental(model, ids), full, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("name", METHODS)
 @pytest.mark.parametrize("kernel", ["sdpa", "chunked"])
 def test_kernels_equal_the_reference_past_the_training_length(data_dir, name, kernel):
@@ -139,6 +142,7 @@ def test_kernels_equal_the_reference_past_the_training_length(data_dir, name, ke
     torch.testing.assert_close(outputs[kernel], outputs["reference"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("name", METHODS)
 def test_training_gradients_reach_the_position_parameters(data_dir, name):
     model = build(data_dir, name).train()
@@ -154,6 +158,7 @@ def test_training_gradients_reach_the_position_parameters(data_dir, name):
         assert not [k for k in state if ".self_attn.positions." in k]  # shared: saved once, not per layer
 
 
+@pytest.mark.slow
 def test_fire_keeps_its_trained_threshold_under_another_training_length(data_dir):
     """The threshold's unit is saved with the weights: a FIRE model rebuilt with
     another alibi_train_length (an override) computes what it was trained to."""
@@ -241,6 +246,7 @@ def test_rotary_frequencies_follow_the_method(data_dir):
 @pytest.mark.parametrize("name,spelling", [("rotary", "cap"), ("rotary", "power:1:2"), ("alibi", "yarn:2"),
                                            ("t5bias", "linear:2"), ("nope", "ntk"), ("kerple", "cap"),
                                            ("fire", "yarn:2")])
+@pytest.mark.fast_cases(1)
 def test_a_method_that_does_not_apply_is_refused_in_one_line(data_dir, name, spelling):
     model = build(data_dir, name)
     with pytest.raises(ScalingError) as caught:
@@ -253,6 +259,7 @@ def test_a_method_that_does_not_apply_is_refused_in_one_line(data_dir, name, spe
         build(data_dir, name, "--alibi-interpolation", method, "--alibi-scale-factor", factor.split(":")[0] or "0")
 
 
+@pytest.mark.slow
 def test_position_models_refuse_flex_and_keep_no_dense_bias(data_dir):
     for name in ("t5bias", "kerple", "fire", "rotary", "nope"):
         model = build(data_dir, name)

@@ -159,6 +159,7 @@ def test_sigkill_then_resume_is_exact(lm_data_bin, tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_torchrun_gloo_sigkill_then_resume(lm_data_bin, alibi_user_dir, tmp_path):
     """Two processes (torchrun), killed after the first checkpoint: the resumed
     run (alibi-train) finishes and ends where an uninterrupted two-process run of
@@ -221,6 +222,7 @@ def _compare(data_bin, out, **popen):
                             stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, stdin=subprocess.DEVNULL, **popen)
 
 
+@pytest.mark.slow
 def test_a_recipe_interrupted_in_its_first_epoch_resumes_from_its_last_saved_update(lm_data_bin, tmp_path):
     """compare.sh saves every SAVE_EVERY updates from the first epoch on; Ctrl-C (SIGINT to
     the recipe's process group, as a terminal sends it) after the first save stops the

@@ -155,6 +155,7 @@ def jsonl_run(lm_data_bin, alibi_checkpoint, jsonl_prompts, tmp_path_factory):
     return out, json.loads((out / "results.json").read_text())["cells"]
 
 
+@pytest.mark.slow
 def test_scores_equal_an_independent_full_forward(jsonl_run, jsonl_prompts, alibi_checkpoint):
     out, cells = jsonl_run
     _, items = jsonl_prompts
@@ -192,6 +193,7 @@ def test_scores_equal_an_independent_full_forward(jsonl_run, jsonl_prompts, alib
     assert any(flags) and not all(flags)
 
 
+@pytest.mark.slow
 def test_jsonl_outputs_and_groups(jsonl_run, jsonl_prompts):
     out, cells = jsonl_run
     _, items = jsonl_prompts
@@ -227,6 +229,7 @@ def test_read_jsonl(tmp_path):
     assert [(x.prompt, x.answer, x.group, x.line) for x in items] == [("a b", "c", "3", 1), ("d", "e f", "", 3)]
 
 
+@pytest.mark.slow
 def test_builtin_lines_grid_and_resume(kv_data_bin, kv_checkpoint, tmp_path):
     out = tmp_path / "ret"
     argv = [str(kv_data_bin), "-c", f"kv={kv_checkpoint}", "--task", "lines", "--digits", "2",
@@ -278,6 +281,7 @@ def test_builtin_lines_grid_and_resume(kv_data_bin, kv_checkpoint, tmp_path):
         retrieval.score = real
 
 
+@pytest.mark.slow
 def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, kv_data_bin, kv_checkpoint, tmp_path, capsys):
     out = tmp_path / "o"
 
@@ -328,6 +332,7 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, kv_data_bin, kv_
     assert not (out / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_console_module(kv_data_bin, kv_checkpoint, tmp_path):
     """``python -m`` runs main() (the console script's target): one error line, status 1."""
     bad = run_cli([sys.executable, "-m", "fairseq_alibi.evaluation.retrieval", kv_data_bin, "-c", kv_checkpoint,
@@ -337,6 +342,7 @@ def test_console_module(kv_data_bin, kv_checkpoint, tmp_path):
     assert "Traceback" not in bad.output
 
 
+@pytest.mark.slow
 def test_passkey_fitted_to_a_vocabulary(kv_data_bin, kv_checkpoint, tmp_path):
     """The kv dictionary lacks the classic passkey words: templates and a dictionary filler fit it."""
     out = tmp_path / "pk"
@@ -362,6 +368,7 @@ def test_passkey_fitted_to_a_vocabulary(kv_data_bin, kv_checkpoint, tmp_path):
             assert 90 - longest_sentence < s.length <= 90 and d.unk() not in s.prompt
 
 
+@pytest.mark.slow
 def test_heads_example_runs(kv_data_bin, kv_checkpoint):
     """examples/retrieval/heads.py (the heads table of docs/retrieval.md) on the tiny
     model: a row per layer and head, attention masses in [0, 1]; within the cap
@@ -416,6 +423,7 @@ def counts(cells, label, length):
     return sum(c["correct"] for c in these), sum(c["n"] for c in these)
 
 
+@pytest.mark.slow
 def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
     """examples/retrieval/summary.py pools runs: each method's accuracy at each
     length is the mean [lowest, highest] of the runs' accuracies and the Wilson
@@ -449,6 +457,7 @@ def test_seed_summary_example(kv_data_bin, kv_checkpoint, tmp_path):
     assert plot.stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_summary_puts_each_method_under_its_family(tmp_path):
     """summary.py on hand-made results of three runs: an ALiBi model (none, cap),
     a RoPE one (none, yarn:2, ntk:2) and a sinusoidal one in the first run only.
@@ -605,6 +614,7 @@ def _fake_cells(path, cells):
     path.write_text(json.dumps({"meta": {}, "cells": cells}))
 
 
+@pytest.mark.slow
 def test_frontier_example_tables_choice_goal_and_plot(tmp_path):
     """examples/retrieval/frontier.py on hand-made results: accuracies pooled per
     seed (mean [min, max] over seeds), costs against none on the same windows

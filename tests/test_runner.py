@@ -212,6 +212,7 @@ def test_output_dir_that_is_a_file_is_refused(tmp_path):
         toy_run(target, ["a=1"])
 
 
+@pytest.mark.slow
 def test_a_second_writer_of_the_same_output_dir_is_refused(lm_data_bin, alibi_checkpoint, tmp_path):
     """Two real alibi-sweep processes on one --output-dir: the second stops at once
     with one line naming the first; the first finishes every cell.  The first is

@@ -77,6 +77,7 @@ def test_allowlist_is_exactly_the_documented_types():
     ])
 
 
+@pytest.mark.slow
 def test_real_checkpoint_last_needs_nothing_extra(trained):
     _, last = trained
     assert torch.serialization.get_unsafe_globals_in_checkpoint(last) == []
@@ -267,6 +268,7 @@ def _log_probs(path, data_bin):
         return models[0].eval().get_normalized_probs(models[0](ids), log_probs=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("arch", sorted(MARKED_ARCHS))
 def test_a_marker_buffer_holding_nan_or_inf_loads_everywhere(arch, dtype, lm_data_bin, tmp_path):
@@ -299,6 +301,7 @@ def test_a_marker_buffer_holding_nan_or_inf_loads_everywhere(arch, dtype, lm_dat
         safe_load.load(str(tmp_path / "nan_weight.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_a_fork_checkpoint_with_nan_markers_converts_and_evaluates(dtype, lm_data_bin, tmp_path):
     """The fork's layout (a sinusoidal-position marker besides the adaptive ones), through

@@ -170,6 +170,7 @@ def row_normalized(bias: torch.Tensor) -> torch.Tensor:
     return bias - diagonal
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("item,config,hf_dict,keywords", CASES, ids=IDS)
 def test_every_path_builds_the_same_bias(item, config, hf_dict, keywords):
     from fairseq_alibi.models.config import build_bias

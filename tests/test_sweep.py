@@ -60,6 +60,7 @@ def expected_keys():
     return keys
 
 
+@pytest.mark.slow
 def test_outputs_have_every_cell(sweep_run):
     out, cells = sweep_run
     for name in ("results.json", "results.csv", "results.md", "perplexity.png",
@@ -97,6 +98,7 @@ def paired_by_hand(cell, base):
     return 2 ** ratio, 2 ** (ratio - half), 2 ** (ratio + half)
 
 
+@pytest.mark.slow
 def test_results_carry_intervals_and_paired_changes(sweep_run):
     out, cells = sweep_run
     stored = json.loads((out / "results.json").read_text())
@@ -122,6 +124,7 @@ def test_results_carry_intervals_and_paired_changes(sweep_run):
         assert "ppl_no_interval" in next(csv.reader(f))
 
 
+@pytest.mark.slow
 def test_intervals_do_not_depend_on_window_order_or_batching(sweep_run, lm_data_bin, alibi_checkpoint, tmp_path):
     """The fixture sweep batches windows (--max-tokens 256); one window per batch here
     scores them in another order: the same intervals, the same paired changes."""
@@ -147,6 +150,7 @@ def test_intervals_do_not_depend_on_window_order_or_batching(sweep_run, lm_data_
             (batched["ppl_ratio_low"], batched["ppl_ratio_high"]), rel=1e-8)
 
 
+@pytest.mark.slow
 def test_dynamic_scaling_is_identity_up_to_training_length(sweep_run):
     _, cells = sweep_run
     by = {(c["checkpoint"], c["label"], c["mode"], c["length"]): c["loss"] for c in cells}
@@ -160,6 +164,7 @@ def test_dynamic_scaling_is_identity_up_to_training_length(sweep_run):
         by[("alibi", "none", "nonoverlapping", TRAIN_LENGTH)], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_per_position_losses_average_to_the_loss(sweep_run):
     out, cells = sweep_run
     for c in cells:
@@ -178,6 +183,7 @@ def test_per_position_losses_average_to_the_loss(sweep_run):
     assert len(rows) == sum(sum(1 for n in c["per_position_count"] if n) for c in cells)
 
 
+@pytest.mark.slow
 def test_resume_skips_done_cells(sweep_run, lm_data_bin, alibi_checkpoint, sinusoidal_checkpoint,
                                  tmp_path, monkeypatch):
     out, cells = sweep_run
@@ -211,6 +217,7 @@ def test_resume_skips_done_cells(sweep_run, lm_data_bin, alibi_checkpoint, sinus
 
 @pytest.mark.parametrize("checkpoint,label", [("alibi", "linear x2"), ("alibi", "ntk dynamic"), ("alibi", "cap x0.5"),
                                               ("sin", "none")])
+@pytest.mark.slow
 def test_sliding_window_matches_fairseq_eval_lm(sweep_run, lm_data_bin, alibi_checkpoint,
                                                 sinusoidal_checkpoint, alibi_user_dir, checkpoint, label):
     _, cells = sweep_run
@@ -235,6 +242,7 @@ def test_sliding_window_matches_fairseq_eval_lm(sweep_run, lm_data_bin, alibi_ch
     (64, 48, {"alibi_scaling": "ntk:2.0"}, dict(max_tokens=256, cpu=True)),
     (96, 16, {"max_target_positions": 96, "tokens_per_sample": 96}, dict(subset="test", batch_size=3)),
 ])
+@pytest.mark.slow
 def test_eval_lm_config_is_what_fairseq_composes_from_the_command_line(lm_data_bin, alibi_checkpoint, length, context,
                                                                          overrides, extra):
     from omegaconf import OmegaConf
@@ -286,6 +294,7 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, tmp_path, capsys
     assert not (out / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_stale_cells_are_recomputed(sweep_run, lm_data_bin, alibi_checkpoint, tmp_path):
     """Same NAME= and output directory, another checkpoint file: new numbers, not the stored ones."""
     out, _ = sweep_run
@@ -316,6 +325,7 @@ def test_stale_cells_are_recomputed(sweep_run, lm_data_bin, alibi_checkpoint, tm
     assert cell["path"] == str(other) and cell["ppl"] == pytest.approx(stored["none"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_console_script(lm_data_bin, alibi_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")  # a fresh process: what it imports, on stderr
     result = run_cli([
@@ -334,6 +344,7 @@ def test_console_script(lm_data_bin, alibi_checkpoint, tmp_path, monkeypatch):
     assert bad.returncode == 1 and bad.output.startswith("error: method=") and "Traceback" not in bad.output
 
 
+@pytest.mark.slow
 def test_masked_lm_checkpoint_is_refused_in_one_line(lm_data_bin, sinusoidal_checkpoint, tmp_path, capsys):
     """A roberta_alibi checkpoint stores its model config as an argparse
     Namespace (a model without a dataclass): named, not crashed on."""
@@ -350,6 +361,7 @@ def test_masked_lm_checkpoint_is_refused_in_one_line(lm_data_bin, sinusoidal_che
     assert "is a roberta_alibi checkpoint" in err and "task masked_lm" in err and "causal language models" in err
 
 
+@pytest.mark.slow
 def test_ctrl_c_says_rerunning_resumes(lm_data_bin, alibi_checkpoint, tmp_path):
     out = tmp_path / "o"
     proc = subprocess.Popen(
@@ -401,6 +413,7 @@ def test_results_csv_tells_tail_alphas_apart(tmp_path):
     assert [float(row["alpha"]) for row in rows] == [0.5, 1.0]
 
 
+@pytest.mark.slow
 def test_per_position_note_stays_inside_the_figure(tmp_path, monkeypatch):
     """The explanatory title of per_position.png is wrapped to the figure's width, never cut at its edges."""
     import matplotlib

@@ -157,6 +157,7 @@ def tiny_mpt(benchmark_files, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lines", "topics", "ruler"])
 def test_benchmark_files_through_alibi_retrieval(benchmark_files, tiny_mpt, tmp_path, monkeypatch, kind):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

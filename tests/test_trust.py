@@ -158,6 +158,7 @@ def hf_config(method, params):
     return AlibiLMConfig(position_method=method, position_params=params)
 
 
+@pytest.mark.slow
 def test_a_training_flag_out_of_range_is_one_line_before_fairseq_loads(lm_data_bin, tmp_path):
     """The wiring, once per method with options: ``alibi-train`` refuses the first
     option of each at 0 / -1 in one ``error:`` line and writes nothing."""
@@ -232,6 +233,7 @@ def override_cases():
 
 @pytest.mark.parametrize("method,key,value,refused", list(override_cases()),
                          ids=lambda v: str(v)[:40] if not isinstance(v, str) or len(v) < 40 else v[:40])
+@pytest.mark.fast_cases(8)
 def test_overrides_of_every_key_kind_on_every_method(dict_dir, method, key, value, refused):
     cfg = checkpoint_cfg(dict_dir, method)
     if refused is None:
@@ -244,6 +246,7 @@ def test_overrides_of_every_key_kind_on_every_method(dict_dir, method, key, valu
     assert "\n" not in message
 
 
+@pytest.mark.slow
 def test_a_learned_or_shape_override_is_refused_by_the_console_script_and_the_hub(lm_data_bin, tmp_path):
     """The issue's cases on trained models: ``{'fire_threshold': -3}`` and
     ``{'t5_buckets': 16}`` through ``--model-overrides`` and the hub API's
@@ -281,6 +284,7 @@ def split_tokens_by_hand(data_bin, subset="valid") -> int:
 EVAL = ["--gen-subset", "valid", "--tokens-per-sample", "128", "--max-tokens", "4096", "--cpu"]
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("entry", ["alibi-eval-lm", "fairseq-eval-lm --user-dir"])
 def test_eval_lm_refuses_a_split_the_model_s_limit_cuts_then_its_remedy_scores_all(entry, sinusoidal_checkpoint,
                                                                                    lm_data_bin, alibi_user_dir):
@@ -301,6 +305,7 @@ def test_eval_lm_refuses_a_split_the_model_s_limit_cuts_then_its_remedy_scores_a
     assert int(re.findall(r"Evaluated ([\d,]+) tokens", fixed.output)[-1].replace(",", "")) == total
 
 
+@pytest.mark.slow
 def test_the_sweep_scores_the_whole_split_of_the_same_model(sinusoidal_checkpoint, lm_data_bin, tmp_path):
     import json
 
@@ -310,6 +315,7 @@ def test_the_sweep_scores_the_whole_split_of_the_same_model(sinusoidal_checkpoin
     assert [c["tokens"] for c in cells] == [split_tokens_by_hand(lm_data_bin)]
 
 
+@pytest.mark.slow
 def test_a_short_enough_length_scores_everything_with_every_entry_point(sinusoidal_checkpoint, lm_data_bin):
     result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", sinusoidal_checkpoint, "--gen-subset", "valid",
                       "--tokens-per-sample", "32", "--cpu"])

@@ -47,6 +47,7 @@ NUMERIC_CASES = [
 ]
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("script,flag,value,allowed", NUMERIC_CASES)
 def test_impossible_numbers_are_refused_before_fairseq_runs(script, flag, value, allowed, lm_data_bin, tmp_path):
     result = run_cli([tool(script), lm_data_bin, flag, value, "--cpu"], expect_ok=False, cwd=tmp_path)
@@ -69,6 +70,7 @@ OVERRIDE_CASES = [
 ]
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("text,expected", OVERRIDE_CASES)
 def test_bad_model_overrides_name_the_key(text, expected, alibi_checkpoint, lm_data_bin):
     result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", alibi_checkpoint, "--cpu",
@@ -89,6 +91,7 @@ def test_python_api_checks_override_values_too(overrides, expected, alibi_checkp
                                                       data_name_or_path=str(lm_data_bin), **overrides)
 
 
+@pytest.mark.slow
 def test_alibi_overrides_on_a_model_without_alibi_warn(sinusoidal_checkpoint, lm_data_bin):
     result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", sinusoidal_checkpoint, "--cpu",
                       "--gen-subset", "valid", "--tokens-per-sample", "32",
@@ -120,6 +123,7 @@ def with_nan_weight(source, directory) -> str:
     return path
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("make,expected", [(damaged, "fails its checksum"), (with_nan_weight, "NaN/inf")])
 @pytest.mark.parametrize("script", ["alibi-eval-lm", "alibi-sweep", "alibi-export-hf"])
 def test_damaged_checkpoints_give_no_number(make, expected, script, alibi_checkpoint, lm_data_bin, tmp_path):
@@ -142,6 +146,7 @@ def test_the_python_api_refuses_damaged_checkpoints_alike(alibi_checkpoint, tmp_
         safe_load.load(with_nan_weight(alibi_checkpoint, tmp_path))
 
 
+@pytest.mark.slow
 def test_zero_evaluated_tokens_is_an_error(sinusoidal_checkpoint, lm_data_bin):
     """A sinusoidal model trained at 32 tokens cannot read blocks of 256: fairseq
     scores nothing and would print perplexity 1.00 (a split cut in part:
@@ -215,6 +220,7 @@ DATA_CASES = [
 ]
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("make,expected", DATA_CASES, ids=[c[0].__name__ for c in DATA_CASES])
 @pytest.mark.parametrize("script", ["alibi-eval-lm", "alibi-sweep"])
 def test_unreadable_data_files_are_named(make, expected, script, alibi_checkpoint, lm_data_bin, tmp_path):
@@ -242,6 +248,7 @@ BATCH_CASES = [
 ]
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("script,extra,expected", BATCH_CASES, ids=[f"{c[0]} {c[1][0]}" for c in BATCH_CASES])
 def test_values_that_cannot_work_are_refused(script, extra, expected, alibi_checkpoint, lm_data_bin, tmp_path):
     from conftest import EXAMPLES, train_args
@@ -323,6 +330,7 @@ BUILD_CASES = [
 ]
 
 
+@pytest.mark.fast_cases(1)
 @pytest.mark.parametrize("script,extra,expected", BUILD_CASES, ids=[" ".join(c[1][:2]) for c in BUILD_CASES])
 def test_options_fairseq_cannot_build_from_are_one_line(script, extra, expected, alibi_checkpoint, lm_data_bin,
                                                          tmp_path):
@@ -356,6 +364,7 @@ def test_the_hub_api_raises_the_same_error_and_bugs_keep_their_traceback(alibi_c
         build_errors._checked(ours, "build_model")()
 
 
+@pytest.mark.slow
 def test_alibi_train_defaults_are_those_its_help_shows(lm_data_bin, tmp_path):
     """No --task: language_modeling (stock fairseq-train's translation rejected --tokens-per-sample);
     no --arch: transformer_lm_alibi for that task (a bare RuntimeError before), named for another."""
@@ -387,6 +396,7 @@ def test_eval_lm_batch_size_alone_has_no_hidden_token_limit(given, added):
 
 
 # ------------------------------------------------------------ what a log receives
+@pytest.mark.slow
 def test_a_redirected_sweep_has_no_bars_and_each_cell_says_the_time_left(alibi_checkpoint, lm_data_bin, tmp_path):
     result = run_cli([tool("alibi-sweep"), lm_data_bin, "-c", f"m={alibi_checkpoint}", "--lengths", "1x,2x",
                       "--methods", "none", "--cpu", "-o", tmp_path / "sweep"])  # stdout and stderr are pipes
