@@ -241,18 +241,15 @@ def build_stack(method, heads=4, head_dim=16):
 GRAD_CASES = list(itertools.product((torch.float32, torch.bfloat16), (False, True), (0.0, 0.3)))
 
 
-@pytest.mark.parametrize("dtype,padded,p", GRAD_CASES)
-def test_blocked_gives_a_learned_bias_its_gradient(dtype, padded, p, monkeypatch):
-    """A bias that requires a gradient (``[1, H, T, S]``, broadcast over the
-    batch; ``[B, H, T, S]`` once padding is merged in): the blocked path's
-    gradient of the bias, and of q, k, v, against autograd through the fp64
-    explicit attention with the same dropout mask; 30 queries, the last of 41
-    keys (a KV cache's offset), in blocks of 16 (the last one partial)."""
+def gradient_case(dtype, padded, p, monkeypatch, seed):
+    """The inputs of a gradient test of the explicit path: (generator, q, k, v,
+    ``hidden`` (right of each query), right padding or None, the dropout mask
+    (patched in as ``_keep_mask``) or None, the loss's weight); 3 rows, 4 heads,
+    30 queries, the last of 41 keys, head size 8."""
     batch, heads, q_len, k_len, dim = 3, 4, 30, 41, 8
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, q_len, dim, generator=gen).to(dtype)
     k, v = (torch.randn(batch, heads, k_len, dim, generator=gen).to(dtype) for _ in range(2))
-    learned = torch.randn(heads, q_len, k_len, generator=gen)  # any bias: not Toeplitz, not ALiBi
     hidden = torch.arange(k_len)[None, :] > torch.arange(q_len)[:, None] + (k_len - q_len)
     pad = right_padding([41, 30, 35], k_len) if padded else None
     full_mask = None
@@ -264,6 +261,18 @@ def test_blocked_gives_a_learned_bias_its_gradient(dtype, padded, p, monkeypatch
     if padded:  # a padded query row is read by no loss (its keys are all it sees)
         real = ~pad[:, None, k_len - q_len:, None]
     weight = torch.randn(batch, heads, q_len, dim, generator=gen) * real
+    return gen, q, k, v, hidden, pad, full_mask, weight
+
+
+@pytest.mark.parametrize("dtype,padded,p", GRAD_CASES)
+def test_blocked_gives_a_learned_bias_its_gradient(dtype, padded, p, monkeypatch):
+    """A bias that requires a gradient (``[1, H, T, S]``, broadcast over the
+    batch; ``[B, H, T, S]`` once padding is merged in): the blocked path's
+    gradient of the bias, and of q, k, v, against autograd through the fp64
+    explicit attention with the same dropout mask; 30 queries, the last of 41
+    keys (a KV cache's offset), in blocks of 16 (the last one partial)."""
+    gen, q, k, v, hidden, pad, full_mask, weight = gradient_case(dtype, padded, p, monkeypatch, seed=7)
+    learned = torch.randn(4, 30, 41, generator=gen)  # any bias: not Toeplitz, not ALiBi
 
     def run(attention, leaf_dtype):
         leaves = [t.detach().to(leaf_dtype).requires_grad_() for t in (q, k, v, learned)]
@@ -277,6 +286,40 @@ def test_blocked_gives_a_learned_bias_its_gradient(dtype, padded, p, monkeypatch
     for name, g, w in zip(("q", "k", "v", "bias"), got, want):
         if name == "bias":
             assert (g[hidden.expand_as(g)] == 0).all()  # nothing right of the diagonal
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=name)
+        else:
+            assert (g - w).norm() <= BF16_REL * w.norm() + BF16_ABS, name
+
+
+@pytest.mark.parametrize("dtype,padded,p", GRAD_CASES)
+def test_blocked_builds_fox_bias_per_block_and_gives_c_its_gradient(dtype, padded, p, monkeypatch):
+    """FoX's bias ``c_i - c_j`` given as ``c`` (``cumulative``), built block by
+    block: the output and the gradients of q, k, v and ``c`` against autograd
+    through the fp64 explicit attention over the whole ``c_i - c_j`` square,
+    with the same dropout mask; 30 queries, the last of 41 keys (a KV cache's
+    offset: cached keys' ``c`` get the column sums only), in blocks of 16."""
+    gen, q, k, v, hidden, pad, full_mask, weight = gradient_case(dtype, padded, p, monkeypatch, seed=11)
+    batch, heads, k_len = k.shape[:3]
+    offset = k_len - q.size(2)
+    # a running sum of log gates in (-3, 0): decreasing, per row and head
+    c = torch.log(torch.rand(batch, heads, k_len, generator=gen) * 0.95 + 0.05).cumsum(-1)
+
+    def run(attention, leaf_dtype):
+        leaves = [t.detach().to(leaf_dtype).requires_grad_() for t in (q, k, v)]
+        leaves.append(c.detach().to(torch.float64 if leaf_dtype == torch.float64 else torch.float32)
+                      .requires_grad_())
+        out = attention(*leaves)
+        (out.double() * weight.double()).sum().backward()
+        return [out.detach().double()] + [leaf.grad.double() for leaf in leaves]
+
+    pad_mask = None if pad is None else torch.zeros(batch, 1, 1, k_len).masked_fill(pad[:, None, None, :],
+                                                                                      float("-inf"))
+    got = run(lambda q_, k_, v_, c_: CB.blocked_causal_attention(q_, k_, v_, pad_mask, p, block=16, cumulative=c_),
+              dtype)
+    square = lambda c_: (c_[:, :, offset:, None] - c_[:, :, None, :]).masked_fill(hidden, float("-inf"))
+    want = run(lambda q_, k_, v_, c_: explicit_attention(q_, k_, v_, square(c_), pad, full_mask, p), torch.float64)
+    for name, g, w in zip(("output", "q", "k", "v", "c"), got, want):
         if dtype == torch.float32:
             torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=name)
         else:

@@ -117,8 +117,10 @@ class StackBias:
     #: A sliding window: each query sees at most this many keys (None: all).
     window: Optional[int] = None
     #: ``block`` and ``dense`` give ``[B, H, q, k]``, one bias per batch row
-    #: (data-dependent: FoX's gates), built per call, never shared or cached.
+    #: (data-dependent: FoX's gates), built per call, never shared or cached:
+    #: ``c_i - c_j`` of ``cumulative`` ``[B, H, S]`` (the blocked kernel reads ``c`` itself).
     batched = False
+    cumulative: Optional[Tensor] = None
     #: The attribute under which a layer keeps its own object of
     #: :meth:`for_layer` as a submodule (its name in checkpoints).
     layer_attribute = "alibi"

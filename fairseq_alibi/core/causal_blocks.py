@@ -26,7 +26,15 @@ square (and draws 10/16 of the dropout mask).
   summed over the batch where the mask is broadcast over it (``[1, H, T, S]``,
   never ``[B, H, T, S]``), written block by block; the keys right of a block
   get none.  The flash kernel returns no ``dS``.  A Toeplitz bias built by
-  ``bias.toeplitz_block`` then reduces it to one value per distance.
+  ``bias.toeplitz_block`` then reduces it to one value per distance;
+* FoX's bias ``c_i - c_j`` (one cumulative sum per row and head, ``fox.py``)
+  is given as ``c`` itself (``cumulative``), not as a mask: each block builds
+  its own ``[B, H, block, visible]`` bias and the backward reduces its ``dS``
+  to ``dc`` (``+`` the row sums at the block's queries, ``-`` the column sums
+  at its keys), so no ``[B, H, T, S]`` bias or gradient exists (a dense mask
+  made FoX train at about half ALiBi's speed, docs/positions.md); without
+  dropout it runs the flash kernel instead (:class:`_FlashGates`), which
+  gets ``dc`` without ``dS``.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
+
+from .fox import gate_bias
 
 # Queries per block (see docs/performance.md): BLOCK with dropout, and the
 # least without it, where longer inputs take larger blocks (block_size).
@@ -60,7 +70,7 @@ def _keep_mask(shape, p: float, dtype, device, start: int) -> Tensor:
 
 class _BlockedCausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, mask, dropout_p, block):
+    def forward(ctx, q, k, v, mask, dropout_p, block, cumulative):
         bsz, heads, q_len, head_dim = q.shape
         k_len = k.size(2)
         offset = k_len - q_len  # queries are the last q_len positions
@@ -74,7 +84,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
             stop = min(start + block, q_len)
             visible = offset + stop
             scores = torch.matmul(qs[:, :, start:stop], k[:, :, :visible].transpose(-1, -2))
-            scores.add_(mask[:, :, start:stop, :visible])
+            scores.add_(_block_bias(mask, cumulative, start, stop, offset, visible, q.dtype))
             p = torch.softmax(scores, dim=-1)
             del scores
             kept = p * _keep_mask(p.shape, dropout_p, p.dtype, p.device, start) if dropout_p > 0 else p
@@ -87,6 +97,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
         ctx.probs, ctx.kept = probs, kept_probs
         ctx.block, ctx.scale, ctx.keep, ctx.dropout_p = block, scale, keep, dropout_p
         ctx.mask_shape = mask.shape if ctx.needs_input_grad[3] else None
+        ctx.cumulative_shape = cumulative.shape if ctx.needs_input_grad[6] else None
         return out
 
     @staticmethod
@@ -103,6 +114,8 @@ class _BlockedCausalAttention(torch.autograd.Function):
         dv = torch.zeros_like(vs)
         # the mask's gradient (a learned bias): dS, batch-summed where the mask is broadcast
         dmask = None if ctx.mask_shape is None else qs.new_zeros(ctx.mask_shape)
+        # FoX's c: + each block's row sums of dS at its queries, - its column sums at its keys
+        dc = None if ctx.cumulative_shape is None else qs.new_zeros(ctx.cumulative_shape, dtype=torch.float32)
         dqs = []
         for i, start in enumerate(range(0, q_len, ctx.block)):
             stop = min(start + ctx.block, q_len)
@@ -123,21 +136,38 @@ class _BlockedCausalAttention(torch.autograd.Function):
             dk[:, :, :visible] += torch.matmul(ds.transpose(-1, -2), qs[:, :, start:stop])
             if dmask is not None:
                 dmask[:, :, start:stop, :visible] = ds.sum(0, keepdim=True) if dmask.size(0) == 1 else ds
+            if dc is not None:
+                dc[:, :, offset + start: offset + stop] += ds.sum(-1, dtype=torch.float32)
+                dc[:, :, :visible] -= ds.sum(-2, dtype=torch.float32)
         dq = torch.cat(dqs, dim=2)
         dq.mul_(ctx.scale)
         if ctx.dropout_p > 0:
             dv.div_(ctx.keep)
-        return dq, dk, dv, dmask, None, None
+        return dq, dk, dv, dmask, None, None, dc
+
+
+def _block_bias(mask: Optional[Tensor], cumulative: Optional[Tensor], start: int, stop: int, offset: int,
+                visible: int, dtype) -> Tensor:
+    """The additive bias of queries ``start .. stop - 1`` (the last of ``offset
+    + q_len`` keys) over keys ``0 .. visible - 1``: the slice of the dense
+    ``mask`` ``[B or 1, H, T, S]``; or FoX's ``c_i - c_j`` of ``cumulative``
+    (``-inf`` right of each query), plus ``mask`` where there is one, then only
+    the ``[B, 1, 1, S]`` padding mask."""
+    if cumulative is None:
+        return mask[:, :, start:stop, :visible]
+    bias = gate_bias(cumulative, offset + start, stop - start, visible).to(dtype)
+    return bias if mask is None else bias + mask[..., :visible]
 
 
 def blocked_causal_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask: Tensor,
+    mask: Optional[Tensor],
     dropout_p: float = 0.0,
     block: Optional[int] = None,
     windows: Optional[Callable[[int, int], List[int]]] = None,
+    cumulative: Optional[Tensor] = None,
 ) -> Tensor:
     """Causal attention, queries the last ``q_len`` of ``k_len`` keys, in query
     blocks that only read the keys they can see.  q ``[B, H, T, D]``, k/v
@@ -148,11 +178,17 @@ def blocked_causal_attention(
     (``kernels.key_windows``) gives each head's first key per block: the keys
     before it together weigh less than 2^-16 of a rounding unit of the
     softmax.  A ``mask`` that requires a gradient (a learned bias) gets one,
-    with or without dropout (the module docstring).  Returns ``[B, H, T, D]``
-    (stored as ``[T, B, H, D]``)."""
-    mask = mask.to(q.dtype)
-    if dropout_p > 0 or (mask.requires_grad and torch.is_grad_enabled()):
-        return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK)
+    with or without dropout (the module docstring).  FoX: ``cumulative`` ``c``
+    ``[B, H, S]`` (float32) instead, the bias ``c_i - c_j`` built block by block
+    and ``c`` given its gradient, ``mask`` then only the ``[B, 1, 1, S]``
+    padding mask or None.  Returns ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
+    mask = None if mask is None else mask.to(q.dtype)
+    if cumulative is not None and dropout_p == 0 and q.device.type == "cpu":
+        calls = _block_calls(q.size(2), k.size(2), block or block_size(q.size(2)), q.size(1), windows,
+                             per_head=q.size(0) > 1)
+        return _FlashGates.apply(q, k, v, cumulative, mask, calls)
+    if cumulative is not None or dropout_p > 0 or (mask.requires_grad and torch.is_grad_enabled()):
+        return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK, cumulative)
     return _flash_blocks(q, k, v, mask, block or block_size(q.size(2)), windows)
 
 
@@ -221,6 +257,68 @@ class _FlashBlocks(torch.autograd.Function):
             dk[:, heads, first:end] += gk
             dv[:, heads, first:end] += gv
         return dq, dk, dv, None, None
+
+
+class _FlashGates(torch.autograd.Function):
+    """FoX without dropout: the CPU flash kernel once per call of
+    :func:`_block_calls`, each with its own ``c_i - c_j`` (plus padding) as
+    the mask, built in the forward and again in the backward, never whole.
+
+    ``c``'s gradient without ``dS``: ``c_i`` adds to every score of row ``i``,
+    which the softmax ignores, so only the keys' term is left, ``dc_j = -sum_i
+    dS_ij``, and with ``dS_ij = P_ij (dP_ij - delta_i)``, ``dP_ij = dO_i . v_j``,
+    that is ``-(v_j . dv_j - sum_i P_ij delta_i)``.  The flash backward returns
+    the last sum as the gradient of one more value column (of zeros) when
+    ``dO`` carries ``delta`` in that column: q, k, v get a zero column in the
+    backward (the kernel wants one head size; the scale stays ``D^-1/2``), which
+    changes none of its other gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cumulative, pad, calls):
+        scale = q.size(-1) ** -0.5
+        # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
+        out = q.new_empty(q.size(2), q.size(0), q.size(1), v.size(-1)).permute(1, 2, 0, 3)
+        lse = []
+        for start, stop, heads, first, end, mask in _gate_calls(q, k, cumulative, pad, calls):
+            block_out, block_lse = _flash_forward(q[:, heads, start:stop], k[:, heads, first:end],
+                                                  v[:, heads, first:end], attn_mask=mask, scale=scale)
+            out[:, heads, start:stop] = block_out
+            lse.append(block_lse)
+        ctx.save_for_backward(q, k, v, cumulative, pad, out, *lse)
+        ctx.calls = calls
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, cumulative, pad, out, *lse = ctx.saved_tensors
+        scale, head_dim = q.size(-1) ** -0.5, v.size(-1)
+        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)
+        grad_out = torch.cat([grad_out, delta.to(grad_out.dtype)], dim=-1)
+        q, k, v, out = (F.pad(t, (0, 1)) for t in (q, k, v, out))
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for (start, stop, heads, first, end, mask), block_lse in zip(
+                _gate_calls(q, k, cumulative, pad, ctx.calls), lse):
+            gq, gk, gv = _flash_backward(
+                grad_out[:, heads, start:stop], q[:, heads, start:stop], k[:, heads, first:end],
+                v[:, heads, first:end], out[:, heads, start:stop], block_lse, 0.0, False, attn_mask=mask,
+                scale=scale)
+            dq[:, heads, start:stop] = gq
+            dk[:, heads, first:end] += gk
+            dv[:, heads, first:end] += gv
+        dc = None
+        if ctx.needs_input_grad[3]:
+            dc = dv[..., head_dim].float() - (v[..., :head_dim].float() * dv[..., :head_dim].float()).sum(-1)
+        return dq[..., :-1], dk[..., :-1], dv[..., :-1], dc, None, None
+
+
+def _gate_calls(q, k, cumulative, pad, calls):
+    """The calls of :class:`_FlashGates`, each with its mask: FoX's ``c_i -
+    c_j`` over the call's keys (``-inf`` right of each query) plus padding."""
+    offset = k.size(2) - q.size(2)
+    for start, stop, heads, first, end in calls:
+        mask = gate_bias(cumulative[:, heads], offset + start, stop - start, end, first).to(q.dtype)
+        yield start, stop, heads, first, end, mask if pad is None else mask + pad[..., first:end]
 
 
 def _flash_blocks(q, k, v, mask, block: int, windows=None) -> Tensor:

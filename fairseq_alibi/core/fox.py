@@ -14,8 +14,9 @@ FoX needs no position embeddings.  With a constant gate ``f = exp(-m_h)``
 
 What the kernels see (``bias.StackBias``): :class:`GateBias`, ``batched``
 (one bias per row: ``block`` gives ``[B, H, q, k]`` built from the two
-vectors, per query block in the ``chunked`` kernel, so nothing ``[B, H, T, T]``
-exists there; ``reference`` and ``sdpa`` take it whole).  Padding: a padded
+vectors, per query block in the ``chunked`` kernel and in ``blocked``, CPU
+training's, which gives ``c`` its gradient block by block, so nothing ``[B, H,
+T, T]`` exists there; ``reference`` and ``sdpa`` take it whole).  Padding: a padded
 token's gate is 1 (``ln f = 0``), so a left- or right-padded row has the
 cumulative sums of its unpadded self, shifted by a constant that cancels in
 ``c_i - c_j``.  KV cache: ``c`` of every cached key is carried
@@ -66,25 +67,25 @@ def cumulative_gates(logf: Tensor, carried: Optional[Tensor] = None) -> Tensor:
     return torch.cat([carried, carried[..., -1:] + running], dim=-1)
 
 
-def gate_bias(c: Tensor, q_start: int, q_len: int, keys: int) -> Tensor:
-    """float32 ``[B, H, q_len, keys]``: ``c_i - c_j`` for queries ``q_start ..``
-    over keys ``0 .. keys - 1``, ``-inf`` right of each query."""
+def gate_bias(c: Tensor, q_start: int, q_len: int, keys: int, first_key: int = 0) -> Tensor:
+    """float32 ``[B, H, q_len, keys - first_key]``: ``c_i - c_j`` for queries
+    ``q_start ..`` over keys ``first_key .. keys - 1``, ``-inf`` right of each query."""
     query = c[..., q_start: q_start + q_len, None]
-    key = c[..., None, :keys]
+    key = c[..., None, first_key:keys]
     positions = torch.arange(q_start, q_start + q_len, device=c.device)[:, None]
-    future = torch.arange(keys, device=c.device)[None, :] > positions
+    future = torch.arange(first_key, keys, device=c.device)[None, :] > positions
     return (query - key).masked_fill(future, float("-inf"))
 
 
 class GateBias(StackBias):
-    """One call's FoX bias: ``c`` ``[B, H, S]`` (float32) of every key."""
+    """One call's FoX bias: ``c`` ``[B, H, S]`` (float32) of every key, as ``cumulative``."""
 
     batched = True
     learned = True
 
     def __init__(self, c: Tensor, scaling: Scaling = NO_SCALING):
         StackBias.__init__(self, c.size(1))
-        self.c = c
+        self.cumulative = c
         self.scaling = scaling
 
     @property
@@ -92,7 +93,7 @@ class GateBias(StackBias):
         return False
 
     def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
-        return gate_bias(self.c, q_start, q_len, keys or k_len).to(dtype)
+        return gate_bias(self.cumulative, q_start, q_len, keys or k_len).to(dtype)
 
     def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
         return self.block(k_len - q_len, q_len, k_len, dtype, device)

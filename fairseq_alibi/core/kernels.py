@@ -85,6 +85,10 @@ def sdpa_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
 
 def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
     k, v = _contiguous(k, v)
+    if bias.batched:  # FoX: c_i - c_j built per query block from c, its gradient reduced to c's
+        windows = gate_windows(bias, q, k) if key_padding_mask is None and dropout_p == 0 else None
+        return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p,
+                                        windows=windows, cumulative=bias.cumulative), None
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     windows = key_windows(bias, q, k, k.size(2)) if key_padding_mask is None and dropout_p == 0 else None
     windows = windows or sliding_windows(bias, q.size(1), k.size(2) - q.size(2))
@@ -164,12 +168,8 @@ def key_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
         return None
     scaling = bias.scaling
     slopes = scaled_slopes(scaling, bias.base_slopes, k_len, bias.exponents).tolist()
-    scale = q.size(-1) ** -0.5
     offset = k_len - q.size(2)
-    queries, keys = q.detach().float(), k.detach().float()
-    key_norm = keys.norm(dim=-1).amax(dim=(0, 2))  # [H]
-    own = (queries * keys[:, :, offset:]).sum(-1)  # [B, H, T]: a floor of each row's maximum
-    margins = ((queries.norm(dim=-1) * key_norm[:, None] - own) * scale).amax(dim=0)  # [H, T]
+    margins = score_margins(q, k)
     gap = negligible_gap(k_len, q.dtype)
 
     def first(start: int, stop: int) -> List[int]:
@@ -180,6 +180,43 @@ def key_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
             nearest = offset + start - math.ceil(window) if math.isfinite(window) else 0
             firsts.append(max(0, nearest // WINDOW_ALIGN * WINDOW_ALIGN))
         return firsts
+
+    return first
+
+
+def score_margins(q: Tensor, k: Tensor) -> Tensor:
+    """float32 ``[H, T]``: how far any key's content score (``q_i . k_j /
+    sqrt(D)``, at most ``|q_i| K_h / sqrt(D)`` with ``K_h`` the head's largest
+    key norm) can exceed the query's score of its own key (a floor of its row's
+    maximum, where the bias is 0), the largest over the batch: what a key
+    window adds to :func:`negligible_gap`."""
+    offset = k.size(2) - q.size(2)
+    queries, keys = q.detach().float(), k.detach().float()
+    key_norm = keys.norm(dim=-1).amax(dim=(0, 2))  # [H]
+    own = (queries * keys[:, :, offset:]).sum(-1)  # [B, H, T]
+    return ((queries.norm(dim=-1) * key_norm[:, None] - own) * q.size(-1) ** -0.5).amax(dim=0)
+
+
+def gate_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callable[[int, int], List[int]]]:
+    """FoX's key windows (a ``batched`` bias ``c_i - c_j``): ``c`` falls along
+    the keys (each ``ln f <= 0``), so for queries ``s ..`` of a block the bias
+    of key ``j`` is at most ``c_s - c_j`` and the keys with ``c_j > c_s +
+    margin + gap`` (:func:`score_margins`, :func:`negligible_gap`) are a prefix
+    that weighs less than ``SKIPPED_SHARE`` of a rounding unit in every row:
+    left out, as :func:`key_windows` leaves ALiBi's far keys out.  Each head
+    starts at its first needed key over the batch's rows.  Data-dependent: a
+    head whose gates stay near 1 keeps every key."""
+    if not (bias.batched and bias.causal):
+        return None
+    rising = -bias.cumulative.detach()  # [B, H, S], non-decreasing along the keys
+    offset = k.size(2) - q.size(2)
+    margins = score_margins(q, k)
+    gap = negligible_gap(k.size(2), q.dtype)
+
+    def first(start: int, stop: int) -> List[int]:
+        limit = rising[:, :, offset + start] - (margins[:, start:stop].amax(-1) + gap)  # [B, H]
+        needed = torch.searchsorted(rising, limit[..., None].contiguous())[..., 0]  # keys with c_j > c_s + ...
+        return [f // WINDOW_ALIGN * WINDOW_ALIGN for f in needed.amin(0).tolist()]
 
     return first
 
@@ -215,7 +252,8 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
     causal = bias.causal
     offset = k_len - q_len if causal else 0
     pad = padding_mask(key_padding_mask, q.dtype)
-    windows = key_windows(bias, q, k, k_len) if pad is None and q_len > chunk_size else None
+    windows = (key_windows(bias, q, k, k_len) or gate_windows(bias, q, k)) if pad is None and q_len > chunk_size \
+        else None
     windows = windows or sliding_windows(bias, q.size(1), offset)
     starts = range(0, q_len, chunk_size)
     firsts = [windows(s, min(s + chunk_size, q_len)) if windows else [0] * q.size(1) for s in starts]
@@ -329,13 +367,14 @@ def choose_kernel(
         return "reference"
     if name != "auto":
         return name
-    if bias.batched and dropout_p == 0 and not incremental and q_len > CHUNK_SIZE:
-        return "chunked"  # per query block c_i - c_j of the two vectors: no [B, H, T, T] bias
     device = device or torch.device("cpu")
     grad = torch.is_grad_enabled()
+    cpu_training = device.type == "cpu" and grad
+    if bias.batched and dropout_p == 0 and not incremental and q_len > CHUNK_SIZE and not cpu_training:
+        return "chunked"  # per query block c_i - c_j of the two vectors: no [B, H, T, T] bias
     if device.type == "cuda" and bias.supports_flex and dropout_p == 0 and not incremental and flex_available():
         return "flex"
-    if (device.type == "cpu" and grad and bias.causal and not incremental and q_len > 1
+    if (cpu_training and bias.causal and not incremental and q_len > 1
             and (dropout_p > 0 or not bias.zero)):
         return "blocked"  # without a bias or dropout, SDPA's causal flash kernel does the same
     if bias.zero:
