@@ -22,7 +22,9 @@ and keeps it in the bias object's cache:
   so memory grows linearly with the length (long evaluation); no dropout;
 * ``blocked``: causal attention in query blocks that only compute the keys they
   can see (``causal_blocks.py``), for CPU training (a learned bias's gradient
-  block by block, never ``[B, H, T, T]``).
+  block by block, never ``[B, H, T, T]``; FoX's ``c_i - c_j`` built per block
+  from ``c``, with key windows where its gates make far keys negligible,
+  :func:`gate_windows`).
 
 :func:`check_kernel` resolves a configured name once, when a layer is built,
 and refuses what can never run; :func:`choose_kernel` picks per call only what
