@@ -168,6 +168,7 @@ def blocked_causal_attention(
     block: Optional[int] = None,
     windows: Optional[Callable[[int, int], List[int]]] = None,
     cumulative: Optional[Tensor] = None,
+    floor: Optional[Callable[[int, int], Tensor]] = None,
 ) -> Tensor:
     """Causal attention, queries the last ``q_len`` of ``k_len`` keys, in query
     blocks that only read the keys they can see.  q ``[B, H, T, D]``, k/v
@@ -181,12 +182,17 @@ def blocked_causal_attention(
     with or without dropout (the module docstring).  FoX: ``cumulative`` ``c``
     ``[B, H, S]`` (float32) instead, the bias ``c_i - c_j`` built block by block
     and ``c`` given its gradient, ``mask`` then only the ``[B, 1, 1, S]``
-    padding mask or None.  Returns ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
+    padding mask or None; without dropout, ``floor`` (``kernels.negligible_floor``)
+    gives each head the bias below which a key weighs nothing in a block, and
+    such keys get ``-inf`` (exact to the dtype, as the windows; FoX's steep
+    gates would otherwise fill the block with subnormal ``exp`` values, which
+    the CPU computes many times slower).  Returns ``[B, H, T, D]`` (stored as
+    ``[T, B, H, D]``)."""
     mask = None if mask is None else mask.to(q.dtype)
     if cumulative is not None and dropout_p == 0 and q.device.type == "cpu":
         calls = _block_calls(q.size(2), k.size(2), block or block_size(q.size(2)), q.size(1), windows,
                              per_head=q.size(0) > 1)
-        return _FlashGates.apply(q, k, v, cumulative, mask, calls)
+        return _FlashGates.apply(q, k, v, cumulative, mask, calls, floor)
     if cumulative is not None or dropout_p > 0 or (mask.requires_grad and torch.is_grad_enabled()):
         return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK, cumulative)
     return _flash_blocks(q, k, v, mask, block or block_size(q.size(2)), windows)
@@ -274,18 +280,18 @@ class _FlashGates(torch.autograd.Function):
     changes none of its other gradients."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cumulative, pad, calls):
+    def forward(ctx, q, k, v, cumulative, pad, calls, floor):
         scale = q.size(-1) ** -0.5
         # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
         out = q.new_empty(q.size(2), q.size(0), q.size(1), v.size(-1)).permute(1, 2, 0, 3)
         lse = []
-        for start, stop, heads, first, end, mask in _gate_calls(q, k, cumulative, pad, calls):
+        for start, stop, heads, first, end, mask in _gate_calls(q, k, cumulative, pad, calls, floor):
             block_out, block_lse = _flash_forward(q[:, heads, start:stop], k[:, heads, first:end],
                                                   v[:, heads, first:end], attn_mask=mask, scale=scale)
             out[:, heads, start:stop] = block_out
             lse.append(block_lse)
         ctx.save_for_backward(q, k, v, cumulative, pad, out, *lse)
-        ctx.calls = calls
+        ctx.calls, ctx.floor = calls, floor
         return out
 
     @staticmethod
@@ -298,7 +304,7 @@ class _FlashGates(torch.autograd.Function):
         q, k, v, out = (F.pad(t, (0, 1)) for t in (q, k, v, out))
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for (start, stop, heads, first, end, mask), block_lse in zip(
-                _gate_calls(q, k, cumulative, pad, ctx.calls), lse):
+                _gate_calls(q, k, cumulative, pad, ctx.calls, ctx.floor), lse):
             gq, gk, gv = _flash_backward(
                 grad_out[:, heads, start:stop], q[:, heads, start:stop], k[:, heads, first:end],
                 v[:, heads, first:end], out[:, heads, start:stop], block_lse, 0.0, False, attn_mask=mask,
@@ -309,15 +315,19 @@ class _FlashGates(torch.autograd.Function):
         dc = None
         if ctx.needs_input_grad[3]:
             dc = dv[..., head_dim].float() - (v[..., :head_dim].float() * dv[..., :head_dim].float()).sum(-1)
-        return dq[..., :-1], dk[..., :-1], dv[..., :-1], dc, None, None
+        return dq[..., :-1], dk[..., :-1], dv[..., :-1], dc, None, None, None
 
 
-def _gate_calls(q, k, cumulative, pad, calls):
+def _gate_calls(q, k, cumulative, pad, calls, floor=None):
     """The calls of :class:`_FlashGates`, each with its mask: FoX's ``c_i -
-    c_j`` over the call's keys (``-inf`` right of each query) plus padding."""
+    c_j`` over the call's keys (``-inf`` right of each query and below the
+    block's ``floor``) plus padding."""
     offset = k.size(2) - q.size(2)
     for start, stop, heads, first, end in calls:
-        mask = gate_bias(cumulative[:, heads], offset + start, stop - start, end, first).to(q.dtype)
+        bias = gate_bias(cumulative[:, heads], offset + start, stop - start, end, first)
+        if floor is not None:
+            bias = bias.masked_fill_(bias < floor(start, stop)[heads, None, None], float("-inf"))
+        mask = bias.to(q.dtype)
         yield start, stop, heads, first, end, mask if pad is None else mask + pad[..., first:end]
 
 

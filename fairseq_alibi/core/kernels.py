@@ -88,9 +88,11 @@ def sdpa_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
 def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
     k, v = _contiguous(k, v)
     if bias.batched:  # FoX: c_i - c_j built per query block from c, its gradient reduced to c's
-        windows = gate_windows(bias, q, k) if key_padding_mask is None and dropout_p == 0 else None
+        bounded = key_padding_mask is None and dropout_p == 0
         return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p,
-                                        windows=windows, cumulative=bias.cumulative), None
+                                        windows=gate_windows(bias, q, k) if bounded else None,
+                                        cumulative=bias.cumulative,
+                                        floor=negligible_floor(q, k) if bounded else None), None
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     windows = key_windows(bias, q, k, k.size(2)) if key_padding_mask is None and dropout_p == 0 else None
     windows = windows or sliding_windows(bias, q.size(1), k.size(2) - q.size(2))
@@ -199,6 +201,18 @@ def score_margins(q: Tensor, k: Tensor) -> Tensor:
     return ((queries.norm(dim=-1) * key_norm[:, None] - own) * q.size(-1) ** -0.5).amax(dim=0)
 
 
+def negligible_floor(q: Tensor, k: Tensor) -> Callable[[int, int], Tensor]:
+    """``floor(start, stop)`` -> float32 ``[H]``: a bias below which a key
+    weighs nothing for the queries ``start .. stop - 1`` of a causal call
+    without padding: ``-(gap + margin)`` (:func:`negligible_gap`,
+    :func:`score_margins`), the bound of the key windows.  Keys below it
+    together weigh less than ``SKIPPED_SHARE`` of a rounding unit of any of
+    those rows."""
+    margins = score_margins(q, k)
+    gap = negligible_gap(k.size(2), q.dtype)
+    return lambda start, stop: -(margins[:, start:stop].amax(-1) + gap)
+
+
 def gate_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callable[[int, int], List[int]]]:
     """FoX's key windows (a ``batched`` bias ``c_i - c_j``): ``c`` falls along
     the keys (each ``ln f <= 0``), so for queries ``s ..`` of a block the bias
@@ -212,12 +226,11 @@ def gate_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callable[[in
         return None
     rising = -bias.cumulative.detach()  # [B, H, S], non-decreasing along the keys
     offset = k.size(2) - q.size(2)
-    margins = score_margins(q, k)
-    gap = negligible_gap(k.size(2), q.dtype)
+    floor = negligible_floor(q, k)
 
     def first(start: int, stop: int) -> List[int]:
-        limit = rising[:, :, offset + start] - (margins[:, start:stop].amax(-1) + gap)  # [B, H]
-        needed = torch.searchsorted(rising, limit[..., None].contiguous())[..., 0]  # keys with c_j > c_s + ...
+        limit = rising[:, :, offset + start] + floor(start, stop)  # [B, H]
+        needed = torch.searchsorted(rising, limit[..., None].contiguous())[..., 0]  # keys with c_s - c_j < floor
         return [f // WINDOW_ALIGN * WINDOW_ALIGN for f in needed.amin(0).tolist()]
 
     return first
