@@ -229,3 +229,19 @@ def test_the_learned_bias_benchmark_times_both_forms_in_a_tiny_run(tmp_path):
     stack = learned_bias.P.build("t5bias", 2, 8, {"t5_buckets": 8, "t5_max_distance": 16},
                                  learned_bias.Scaling("none", train_length=20))
     assert torch.equal(learned_bias.toeplitz(stack, 20), learned_bias.pairwise(stack, 20))  # the same bias
+
+
+def test_the_fox_kernel_benchmark_times_every_case_in_a_tiny_run(tmp_path):
+    """``benchmarks/fox_kernel.py`` on a tiny setting: a row per (case, dropout),
+    each case timed every repeat, the ratio the one of the medians to ALiBi's."""
+    import fox_kernel
+
+    out = tmp_path / "fox.json"
+    assert fox_kernel.main(["--length", "40", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "2",
+                            "--dropout", "0", "0.2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["case"], r["dropout"]) for r in rows] == [(c, d) for d in (0.0, 0.2) for c in fox_kernel.CASES]
+    for row in rows:
+        assert len(row["seconds"]) == 2 and row["median_s"] == pytest.approx(statistics.median(row["seconds"]))
+        alibi = next(r for r in rows if r["case"] == "alibi" and r["dropout"] == row["dropout"])
+        assert row["ratio"] == pytest.approx(row["median_s"] / alibi["median_s"])
