@@ -213,3 +213,31 @@ def test_the_gate_starts_as_the_authors_init(data_dir):
     layer = ForgetGates(HEADS, 256, Scaling()).for_layer()
     assert torch.equal(layer.proj.bias, torch.zeros(HEADS))
     assert 0.015 < float(layer.proj.weight.std()) < 0.025
+
+
+def test_the_gates_script_reads_each_layers_gates_from_a_checkpoint(data_dir, tmp_path, capsys):
+    """``examples/retrieval/fox_gates.py``: per layer, sigmoid of each head's
+    gate bias and the norm of its weight row, as the model holds them; a
+    checkpoint without FoX gates refused in one ``error:`` line."""
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "examples" / "retrieval"))
+    import fox_gates
+
+    model = build(data_dir, "fox")
+    path = tmp_path / "fox.pt"
+    torch.save({"model": model.state_dict(), "optimizer_history": [{"num_updates": 7}]}, path)
+    assert fox_gates.main([str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(model.decoder.layers)
+    for line, layer in zip(lines, model.decoder.layers):
+        proj = layer.self_attn.forget_gate.proj
+        gates = " ".join(f"{float(g):.2f}" for g in torch.sigmoid(proj.bias.detach()))
+        norms = " ".join(f"{float(n):.2f}" for n in proj.weight.detach().norm(dim=1))
+        assert "(7 updates)" in line and f"gate at bias {gates}; weight norms {norms}" in line
+    torch.save({"model": build(data_dir, "alibi").state_dict()}, tmp_path / "alibi.pt")
+    assert fox_gates.main([str(tmp_path / "alibi.pt")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "holds no FoX forget gates" in err and err.count("\n") == 1
