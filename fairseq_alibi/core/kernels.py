@@ -88,11 +88,10 @@ def sdpa_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
 def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
     k, v = _contiguous(k, v)
     if bias.batched:  # FoX: c_i - c_j built per query block from c, its gradient reduced to c's
-        bounded = key_padding_mask is None and dropout_p == 0
+        floor = negligible_floor(q, k) if key_padding_mask is None and dropout_p == 0 else None
         return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p,
-                                        windows=gate_windows(bias, q, k) if bounded else None,
-                                        cumulative=bias.cumulative,
-                                        floor=negligible_floor(q, k) if bounded else None), None
+                                        windows=gate_windows(bias, q, k, floor) if floor else None,
+                                        cumulative=bias.cumulative, floor=floor), None
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     windows = key_windows(bias, q, k, k.size(2)) if key_padding_mask is None and dropout_p == 0 else None
     windows = windows or sliding_windows(bias, q.size(1), k.size(2) - q.size(2))
@@ -213,7 +212,8 @@ def negligible_floor(q: Tensor, k: Tensor) -> Callable[[int, int], Tensor]:
     return lambda start, stop: -(margins[:, start:stop].amax(-1) + gap)
 
 
-def gate_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callable[[int, int], List[int]]]:
+def gate_windows(bias: StackBias, q: Tensor, k: Tensor,
+                 floor: Optional[Callable[[int, int], Tensor]] = None) -> Optional[Callable[[int, int], List[int]]]:
     """FoX's key windows (a ``batched`` bias ``c_i - c_j``): ``c`` falls along
     the keys (each ``ln f <= 0``), so for queries ``s ..`` of a block the bias
     of key ``j`` is at most ``c_s - c_j`` and the keys with ``c_j > c_s +
@@ -226,7 +226,7 @@ def gate_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callable[[in
         return None
     rising = -bias.cumulative.detach()  # [B, H, S], non-decreasing along the keys
     offset = k.size(2) - q.size(2)
-    floor = negligible_floor(q, k)
+    floor = floor or negligible_floor(q, k)  # the caller's, where it masks by the same floor
 
     def first(start: int, stop: int) -> List[int]:
         limit = rising[:, :, offset + start] + floor(start, stop)  # [B, H]
