@@ -236,3 +236,17 @@ def test_outputs_that_cannot_be_read_are_said_so(tmp_path):
     section = gpu_check.render("Fake GPU", "9.9", statuses, str(tmp_path), "2030-01-02")
     assert "(kernels wrote no output to read)" in section
     assert "(eval: its output could not be read: KeyError: 'config')" in section
+
+
+def test_a_step_that_ends_early_hands_its_time_to_the_later_steps():
+    steps = list(gpu_check.STEPS)
+    weights = [gpu_check.STEPS[s][0] for s in steps]
+    first = gpu_check.step_share(steps, 630.0)
+    assert first == pytest.approx(630.0 * weights[0] / sum(weights))
+    # The first step used a third of its share: the rest share what is left, in proportion.
+    left = 630.0 - first / 3
+    second = gpu_check.step_share(steps[1:], left)
+    assert second == pytest.approx(left * weights[1] / sum(weights[1:]))
+    assert second > 630.0 * weights[1] / sum(weights)
+    assert gpu_check.step_share(steps[-1:], 42.0) == pytest.approx(42.0)
+    assert gpu_check.step_share(steps[-1:], -3.0) == 0.0
