@@ -215,6 +215,32 @@ def test_the_gate_starts_as_the_authors_init(data_dir):
     assert 0.015 < float(layer.proj.weight.std()) < 0.025
 
 
+@pytest.mark.parametrize("k", [1.0, 2.5])
+def test_fox_init_slopes_starts_each_gate_at_exp_minus_k_slope_and_with_zero_weights_is_alibi(data_dir, k):
+    """``--fox-init-slopes k``: sigmoid of each head's gate bias is exp(-k m_h)
+    (m_h read from the ALiBi model, gates computed here in float64) in a layer
+    the model's stack makes (``build`` moves the model's own gates off their
+    init); with those biases and zero gate weights the model is ALiBi with
+    slopes k m_h."""
+    alibi = build(data_dir, "alibi")
+    fox = build(data_dir, "fox", "--fox-init-slopes", str(k))
+    slopes = alibi.decoder.positions.base_slopes.double()
+    torch.manual_seed(0)
+    fresh = fox.decoder.positions.for_layer().proj
+    torch.testing.assert_close(torch.sigmoid(fresh.bias.detach().double()), torch.exp(-k * slopes),
+                               rtol=1e-6, atol=0.0)
+    assert 0.015 < float(fresh.weight.std()) < 0.025  # the weights keep the authors' init
+    missing, _ = fox.load_state_dict(alibi.state_dict(), strict=False)
+    assert all(".forget_gate." in key for key in missing)
+    with torch.no_grad():
+        for layer in fox.decoder.layers:
+            layer.self_attn.forget_gate.proj.weight.zero_()
+            layer.self_attn.forget_gate.proj.bias.copy_(fresh.bias)
+        alibi.decoder.positions.base_slopes.mul_(k)
+        ids = tokens(2 * TRAIN)
+        torch.testing.assert_close(fox.decoder(ids)[0], alibi.decoder(ids)[0], rtol=1e-4, atol=1e-4)
+
+
 def test_the_gates_script_reads_each_layers_gates_from_a_checkpoint(data_dir, tmp_path, capsys):
     """``examples/retrieval/fox_gates.py``: per layer, sigmoid of each head's
     gate bias and the norm of its weight row, as the model holds them; a

@@ -26,7 +26,12 @@ Initialization (the authors' repository, zhixuan-lin/forgetting-transformer,
 ``fgate_type="full"``): the gate's projection like every linear layer there,
 weights normal with standard deviation 0.02 (``initializer_range``) and a zero
 bias, so gates start near ``sigmoid(0) = 0.5``; the ``T_min``/``T_max`` bias
-initialization there is for their data-independent gates only.
+initialization there is for their data-independent gates only.  The option
+``fox_init_slopes`` k > 0 starts each head's gate bias at ``logit(exp(-k m_h))``
+instead (:func:`slope_gate_bias`, ``m_h`` ALiBi's slopes), so that FoX starts
+as (k times) ALiBi with a little data dependence: the test of whether FoX's
+slow start on retrieval comes from gates that begin, and stay, near 0.5
+(docs/retrieval.md).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .alibi import get_slopes
 from .bias import StackBias, padding_mask
 from .errors import ConfigError
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling, check_applies
@@ -45,6 +51,13 @@ from .scaling import LOGIT_METHODS, NO_SCALING, Scaling, check_applies
 FOX_EXTENSIONS = ("none",) + LOGIT_METHODS
 #: The gate projection's initial weight standard deviation (the authors' ``initializer_range``).
 GATE_INIT_STD = 0.02
+
+
+def slope_gate_bias(slopes: Tensor) -> Tensor:
+    """The gate biases whose gates are ``exp(-slopes)`` when the weights are 0:
+    ``logit(exp(-m)) = -ln(expm1(m))`` (exact for small ``m``, where
+    ``1 - exp(-m)`` would round)."""
+    return -torch.log(torch.expm1(slopes))
 
 
 def log_gates(x: Tensor, weight: Tensor, bias: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
@@ -129,13 +142,14 @@ class ForgetGates(_UnboundGates):
     """The stack's FoX object: no parameters of its own; each layer gets its
     own gate (:meth:`for_layer`), as the paper computes one per layer."""
 
-    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING):
+    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING, init_slopes: float = 0.0):
         StackBias.__init__(self, num_heads)
         self.embed_dim = embed_dim
         self.scaling = _check_fox_scaling(scaling)
+        self.init_slopes = init_slopes
 
     def for_layer(self) -> "LayerForgetGate":
-        return LayerForgetGate(self.num_heads, self.embed_dim, self.scaling)
+        return LayerForgetGate(self.num_heads, self.embed_dim, self.scaling, self.init_slopes)
 
 
 class LayerForgetGate(nn.Module, _UnboundGates):
@@ -144,12 +158,16 @@ class LayerForgetGate(nn.Module, _UnboundGates):
 
     layer_attribute = "forget_gate"
 
-    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING):
+    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING, init_slopes: float = 0.0):
         nn.Module.__init__(self)
         StackBias.__init__(self, num_heads)
         self.proj = nn.Linear(embed_dim, num_heads)
         nn.init.normal_(self.proj.weight, std=GATE_INIT_STD)
-        nn.init.zeros_(self.proj.bias)
+        with torch.no_grad():
+            if init_slopes > 0:  # gates start at exp(-k m_h): (k times) ALiBi
+                self.proj.bias.copy_(slope_gate_bias(init_slopes * get_slopes(num_heads).double()))
+            else:  # the authors' zero bias: gates near 0.5
+                self.proj.bias.zero_()
         self.scaling = _check_fox_scaling(scaling)
 
     def for_layer(self) -> "LayerForgetGate":

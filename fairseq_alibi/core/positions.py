@@ -104,7 +104,7 @@ def _t5_distance(params: Dict[str, Any]) -> Optional[str]:
 
 
 def _fox(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
-    return ForgetGates(num_heads, num_heads * head_dim, scaling)
+    return ForgetGates(num_heads, num_heads * head_dim, scaling, params["fox_init_slopes"])
 
 
 def _rnope(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
@@ -152,7 +152,10 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
               Param("fire_threshold", 0.0, "FIRE's initial threshold L, in tokens, learned in training",
                     Range(float, 1.0, MAX_TOKENS, special=((0, "the training length"),)), LEARNED))),
     Position("fox", "gate", FOX_EXTENSIONS, "c_i - c_j, c the running sum of log forget gates sigmoid(w . x_t + "
-             "b) per head and layer (the Forgetting Transformer, Lin et al. 2025)", _fox),
+             "b) per head and layer (the Forgetting Transformer, Lin et al. 2025)", _fox,
+             (Param("fox_init_slopes", 0.0, "start each head's forget gate at exp(-k m_h), ALiBi's slope m_h "
+                    "times this k, through the gate's bias", Range(float, 0.0, 64.0, open_low=True, special=(
+                        (0, "the authors' zero gate bias, gates near 0.5"),)), LEARNED),)),
     Position("rnope", "hybrid", RNOPE_EXTENSIONS, "RoPE layers with a sliding window, every few layers a NoPE "
              "layer with full attention (RNoPE-SWA, Yang et al. 2025)", _rnope,
              (Param("rotary_base", DEFAULT_BASE, "RoPE's base in the RoPE layers", BASE_RANGE),
