@@ -46,10 +46,19 @@ trap 'interrupted SIGINT 130' INT
 trap 'interrupted SIGTERM 143' TERM
 trap 'interrupted SIGHUP 129' HUP
 
-stop_trainings() {  # every running training (train_model passes SIGINT on to its trainer once), then wait
+stop_trainings() {  # every running training (train_model passes the stop on to its trainer once), then wait
   local job
-  for job in $(jobs -p); do kill -INT "$job" 2>/dev/null || true; done
+  # SIGTERM, which train_model traps like SIGINT: a recipe started with `&` from a script runs
+  # with SIGINT ignored, which no shell it starts can trap again (bash's rule for signals
+  # ignored on entry), so SIGINT would not reach them.
+  for job in $(jobs -p); do kill -TERM "$job" 2>/dev/null || true; done
   wait || true
+}
+
+stop_signal() {  # PID: INT, the stop alibi-train handles, or TERM where PID ignores SIGINT (see stop_trainings)
+  local ignored
+  ignored=$(awk '/^SigIgn:/ {print $2}' "/proc/$1/status" 2>/dev/null) || true
+  if [ -n "$ignored" ] && (( 0x$ignored & 2 )); then echo TERM; else echo INT; fi
 }
 
 # ------------------------------------------------------------------ the registries
@@ -107,14 +116,14 @@ train_model() {
   # The trainer runs in a session of its own, so a Ctrl-C reaches it once, from here (the
   # terminal's would reach it too): SIGINT makes alibi-train stop and exit 130, keeping the
   # checkpoints it saved (every SAVE_EVERY updates; --keep-interval-updates 1 keeps the last).
-  trap '[ -n "$sent" ] || { sent=1; [ -z "$trainer" ] || kill -INT "$trainer" 2>/dev/null || true; }' INT TERM HUP
+  trap '[ -n "$sent" ] || { sent=1; [ -z "$trainer" ] || kill -"$(stop_signal "$trainer")" "$trainer" 2>/dev/null || true; }' INT TERM HUP
   [ -z "$sent" ] || return 130  # stopped before its trainer started: nothing to stop
   # (In a subshell: a plain `command &` would start with SIGINT ignored, as bash starts them.)
   ( OMP_NUM_THREADS=$TRAIN_THREADS MKL_NUM_THREADS=$TRAIN_THREADS exec $(command -v setsid || true) alibi-train "$@" \
     --save-dir "$dir" --save-interval-updates "$SAVE_EVERY" --keep-interval-updates 1 --no-epoch-checkpoints ) \
     >> "$dir/train.log" 2>&1 &
   trainer=$!
-  [ -z "$sent" ] || kill -INT "$trainer" 2>/dev/null || true  # a stop that came while it was being started
+  [ -z "$sent" ] || kill -"$(stop_signal "$trainer")" "$trainer" 2>/dev/null || true  # a stop while it started
   wait "$trainer" || true
   while kill -0 "$trainer" 2>/dev/null; do wait "$trainer" || true; done  # a wait cut short by the trap
   wait "$trainer" || status=$?  # the trainer's own exit status (bash keeps it)

@@ -1,0 +1,96 @@
+"""``examples/lib.sh``, what every recipe shares: stopping its trainings.
+
+A recipe is stopped by Ctrl-C (SIGINT to its process group), by SIGTERM or by
+SIGHUP, and each training it runs must then stop at once, resumable.  A recipe
+started with ``&`` from a script runs with SIGINT ignored, which neither it nor
+the shells it starts can trap again, and neither does ``alibi-train`` (Python
+leaves an ignored SIGINT ignored): there SIGTERM must still stop everything.
+The trainers here are fakes that record the signal that reached them, so the
+test takes seconds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+FAKE_TRAINER = """#!/usr/bin/env bash
+# alibi-train's stand-in: says it saved update 5, then waits to be stopped and records how.
+while [ $# -gt 0 ]; do [ "$1" != --save-dir ] || touch "$2/checkpoint_last.pt"; shift; done
+echo "Saved checkpoint x (epoch 1 @ 5 updates"
+trap 'echo INT >> "$MARKS/$$.signal"; exit 130' INT    # a no-op where SIGINT was ignored on entry
+trap 'echo TERM >> "$MARKS/$$.signal"; exit 143' TERM
+touch "$MARKS/$$.started"
+while :; do sleep 0.05; done
+"""
+
+DRIVER = """cd "$REPO"; RECIPE_TAG=stoptest; source examples/lib.sh
+UPDATES=10 SAVE_EVERY=5 PARALLEL=1 TRAIN_STEP=1/1 FOLLOW=
+training_threads; TRAIN_SLOTS=2
+train() { train_model "$OUT/$1" "run $1" "fake"; }
+run_trainings train < <(printf 'a\\nb\\n')
+"""
+
+
+def start(tmp_path: Path, ignore_sigint: bool) -> tuple:
+    fake_bin, marks = tmp_path / "bin", tmp_path / "marks"
+    fake_bin.mkdir()
+    marks.mkdir()
+    (fake_bin / "alibi-train").write_text(FAKE_TRAINER)
+    (fake_bin / "alibi-train").chmod(0o755)
+    env = dict(os.environ, REPO=str(REPO), OUT=str(tmp_path / "out"), VENV_BIN=str(fake_bin), MARKS=str(marks))
+    handler = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
+    proc = subprocess.Popen(["bash", "-c", DRIVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, handler))
+    deadline = time.time() + 60
+    while len(list(marks.glob("*.started"))) < 2:
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "the two fake trainings did not start within 60 s"
+        time.sleep(0.02)
+    return proc, marks
+
+
+def finish(proc, marks: Path, status: int, signal_name: str):
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        for started in marks.glob("*.started"):
+            os.kill(int(started.name.split(".")[0]), signal.SIGKILL)
+        pytest.fail(f"the recipe did not stop within 60 s of its {signal_name}: its trainings never stopped")
+    assert proc.returncode == status, stdout + stderr
+    received = sorted(p.read_text() for p in marks.glob("*.signal"))
+    return stdout, stderr, received
+
+
+STOPS = {  # how the recipe was started and stopped -> (exit status, the signal each trainer gets)
+    "SIGTERM, started with & (SIGINT ignored)": (True, lambda pid: os.kill(pid, signal.SIGTERM), 143, "TERM"),
+    "Ctrl-C (SIGINT to its process group)": (False, lambda pid: os.killpg(pid, signal.SIGINT), 130, "INT"),
+}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="lib.sh reads /proc (its recipes run on Linux)")
+@pytest.mark.parametrize("how", STOPS)
+def test_a_stopped_recipe_stops_each_trainer_once_and_says_where_it_resumes(tmp_path, how):
+    """Each trainer gets one signal it acts on: SIGINT, alibi-train's own stop,
+    after a Ctrl-C (the trainers run in sessions of their own, so it comes from
+    their training's shell); SIGTERM where SIGINT is ignored (SIGINT would not
+    reach it). Each says where it resumes from; the recipe ends with one line
+    and the signal's exit status."""
+    ignore_sigint, send, status, received_signal = STOPS[how]
+    proc, marks = start(tmp_path, ignore_sigint)
+    send(proc.pid)
+    stdout, stderr, received = finish(proc, marks, status, how)
+    assert received == [received_signal + "\n"] * 2
+    for name in ("a", "b"):
+        assert f"run {name}: stopped (exit {status}); it resumes from update 5" in stdout
+    assert stderr.splitlines()[-1].startswith(
+        f"stoptest interrupted (SIG{received_signal}): rerun the same command to resume")
