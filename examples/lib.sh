@@ -110,7 +110,9 @@ train_model() {
   [ -f "$dir/checkpoint_last.pt" ] && resume=", resuming from update $(last_saved "$dir")"
   stamp "$TRAIN_STEP training $label ($detail$resume; log in $dir/train.log)"
   if [ -n "${FOLLOW:-}" ]; then  # the trainer's progress lines, prefixed, until this training's shell ends
-    tail -n 0 -F --pid="$BASHPID" "$dir/train.log" 2>/dev/null \
+    # (its pid read here: inside the pipeline $BASHPID would be tail's own, and tail would never end)
+    local shell_pid=$BASHPID
+    tail -n 0 -F --pid="$shell_pid" "$dir/train.log" 2>/dev/null \
       | grep --line-buffered -E "$FOLLOW" | sed -u "s/^/[$label] /" &
   fi
   # The trainer runs in a session of its own, so a Ctrl-C reaches it once, from here (the

@@ -62,6 +62,13 @@ def _run_child(request: dict, fds: Optional[List[int]] = None) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    # torch read OMP_NUM_THREADS when the server imported it: a run's own value (the recipes give
+    # each training and evaluation one thread) applies as it would in a fresh interpreter. Left at
+    # the server's count, a run's threads oversubscribe the cores the others use, and every
+    # parallel region waits for them (an evaluation of toy models took minutes instead of seconds).
+    threads = request["env"].get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
     argv: List[str] = request["argv"]
     code = 0
     try:

@@ -25,6 +25,7 @@ FAKE_TRAINER = """#!/usr/bin/env bash
 # alibi-train's stand-in: says it saved update 5, then waits to be stopped and records how.
 while [ $# -gt 0 ]; do [ "$1" != --save-dir ] || touch "$2/checkpoint_last.pt"; shift; done
 echo "Saved checkpoint x (epoch 1 @ 5 updates"
+if [ -n "${FINISH:-}" ]; then sleep 1.5; echo "progress: done"; sleep 0.5; exit 0; fi  # a training that ends
 trap 'echo INT >> "$MARKS/$$.signal"; exit 130' INT    # a no-op where SIGINT was ignored on entry
 trap 'echo TERM >> "$MARKS/$$.signal"; exit 143' TERM
 touch "$MARKS/$$.started"
@@ -32,7 +33,7 @@ while :; do sleep 0.05; done
 """
 
 DRIVER = """cd "$REPO"; RECIPE_TAG=stoptest; source examples/lib.sh
-UPDATES=10 SAVE_EVERY=5 PARALLEL=1 TRAIN_STEP=1/1 FOLLOW=
+UPDATES=10 SAVE_EVERY=5 PARALLEL=1 TRAIN_STEP=1/1 FOLLOW=${FOLLOW:-}
 training_threads; TRAIN_SLOTS=2
 train() { train_model "$OUT/$1" "run $1" "fake"; }
 run_trainings train < <(printf 'a\\nb\\n')
@@ -94,3 +95,30 @@ def test_a_stopped_recipe_stops_each_trainer_once_and_says_where_it_resumes(tmp_
         assert f"run {name}: stopped (exit {status}); it resumes from update 5" in stdout
     assert stderr.splitlines()[-1].startswith(
         f"stoptest interrupted (SIG{received_signal}): rerun the same command to resume")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="lib.sh reads /proc (its recipes run on Linux)")
+def test_followed_log_lines_are_shown_and_their_reader_ends_with_the_training(tmp_path):
+    """FOLLOW shows the trainer's matching log lines, prefixed with the run's
+    label, and the ``tail`` that reads its log ends with the training's shell
+    (it watched its own pid once, and every training left one running)."""
+    fake_bin, marks, out = tmp_path / "bin", tmp_path / "marks", tmp_path / "out"
+    fake_bin.mkdir()
+    marks.mkdir()
+    (fake_bin / "alibi-train").write_text(FAKE_TRAINER)
+    (fake_bin / "alibi-train").chmod(0o755)
+    env = dict(os.environ, REPO=str(REPO), OUT=str(out), VENV_BIN=str(fake_bin), MARKS=str(marks),
+               FOLLOW="progress", FINISH="1")
+    run = subprocess.run(["bash", "-c", DRIVER], capture_output=True, text=True, env=env, timeout=60,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "[run a] progress: done" in run.stdout and "[run b] progress: done" in run.stdout
+    deadline = time.time() + 10
+    while True:
+        readers = subprocess.run(["pgrep", "-f", f"tail .*{out}"], capture_output=True, text=True).stdout.split()
+        if not readers or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in readers:  # leave nothing behind, then fail
+        os.kill(int(pid), signal.SIGKILL)
+    assert not readers, "a tail of a finished training's log is still running"
