@@ -21,6 +21,7 @@ import torch
 
 from conftest import EXAMPLES, TRAIN_LENGTH, error_lines, run_cli, tool, train_args, wilson_by_hand
 
+from fairseq_alibi.core.positions import POSITIONS
 from fairseq_alibi.evaluation import backends
 from fairseq_alibi.evaluation import prompts as P
 from fairseq_alibi.evaluation import retrieval
@@ -533,6 +534,36 @@ def test_summary_puts_each_method_under_its_family(tmp_path):
 
 
 @pytest.mark.slow
+def test_recipe_runs_every_family_of_the_registry(tmp_path):
+    """The retrieval recipe at toy size with every model (sinusoidal and each
+    position method of the registry, two layers for rnope's hybrid): each is
+    trained, each evaluated under ``none`` and ``logn`` (the methods every
+    position method takes; the stock sinusoidal model ``none`` only) at 1x, and
+    the summary has a column per model."""
+    import subprocess
+
+    from conftest import cli_env, recipe_bin
+
+    out = tmp_path / "out"
+    models = ["sinusoidal", *POSITIONS]
+    settings = dict(VENV_BIN=recipe_bin(), OUT=str(out), DATA=str(tmp_path / "data"), SEEDS="1", L="64",
+                    LAYERS="2", DIM="16", FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="2",
+                    WARMUP="2", MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1", RECIPE="families",
+                    MODELS=" ".join(models), METHODS="none,logn", LENGTHS="1x")
+    run = subprocess.run([str(EXAMPLES / "retrieval" / "run.sh")], capture_output=True, text=True,
+                         env=cli_env(**settings), timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert sorted(p.parent.name for p in out.glob("seed1/*/trained.ok")) == sorted(models)
+    cells = json.loads((out / "seed1" / "families" / "results.json").read_text())["cells"]
+    for name in models:  # logn applies to every position method, not to the stock sinusoidal model
+        mine = [c for c in cells if c["checkpoint"] == name]
+        assert {c["method"] for c in mine} == ({"none"} if name == "sinusoidal" else {"none", "logn"}), name
+        assert all(0.0 <= c["accuracy"] <= 1.0 for c in mine), name
+    header = markdown_rows((out / "summary-families.md").read_text(), "Accuracy % by prompt length")[0]
+    assert header == ["method"] + [f"{name} 64 (1x)" for name in sorted(models)]  # the summary sorts by name
+
+
+@pytest.mark.slow
 def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
     """examples/retrieval/run.sh at toy size, RECIPE=families plus the sinusoidal
     baseline: an ALiBi and a RoPE model per seed, the sinusoidal one for the
@@ -584,7 +615,8 @@ def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
     assert again.returncode == 0
     assert again.stdout.count("already trained") == 5 and "2/3 training" not in again.stdout
     failing = subprocess.run([script], capture_output=True, text=True, timeout=600, env=cli_env(**dict(
-        settings, MODELS="t5bias", SEEDS="1", EXTRA_TRAIN_ARGS="--t5-max-distance 16", OUT=str(tmp_path / "failing"))))
+        settings, MODELS="t5bias", METHODS="none", SEEDS="1", EXTRA_TRAIN_ARGS="--t5-max-distance 16",
+        OUT=str(tmp_path / "failing"))))
     log = tmp_path / "failing" / "seed1" / "t5bias" / "train.log"
     assert failing.returncode == 1 and failing.stderr.splitlines()[-1] == (
         "error: training seed 1 t5bias failed (exit 1): t5_max_distance=16 is not valid with t5_buckets=32; "
@@ -594,8 +626,8 @@ def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
                            env=cli_env(**dict(settings, MODELS="alibi rope", OUT=str(tmp_path / "wrong"))))
     assert wrong.returncode == 1 and not (tmp_path / "wrong").exists()
     assert wrong.stderr.splitlines() == [
-        "error: MODELS names 'rope', which is not a position method; allowed values: sinusoidal alibi rotary "
-        "t5bias nope kerple fire"]
+        "error: MODELS names 'rope', which is not a position method; allowed values: "
+        + " ".join(["sinusoidal", *POSITIONS])]
     recipe = subprocess.run([script], capture_output=True, text=True, timeout=600,
                             env=cli_env(**dict(settings, RECIPE="both", OUT=str(tmp_path / "wrong"))))
     assert recipe.returncode == 1 and recipe.stderr.splitlines() == [
