@@ -145,7 +145,10 @@ def run_cell(opts) -> dict:
 
 
 def cell_command(opts, method: str, length: int, dict_dir: str) -> List[str]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--cell-method", method, "--cell-length", str(length),
+    # --methods: the cell's own (a cell checks only the method it runs; the default, every method,
+    # would refuse a depth that another method needs more layers for)
+    cmd = [sys.executable, os.path.abspath(__file__), "--methods", method, "--cell-method", method,
+           "--cell-length", str(length),
            "--dict-dir", dict_dir, "--vocab", str(opts.vocab), "--threads", str(opts.threads),
            "--eval-calls", str(opts.eval_calls), "--eval-multiples", *map(str, opts.eval_multiples)]
     for flag in ("length", "layers", "embed_dim", "heads", "ffn"):
