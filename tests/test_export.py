@@ -1182,3 +1182,19 @@ def test_exported_model_runs_the_fast_kernels_exactly(data_dir, tmp_path, monkey
     assert len(results["blocked"][1]) == len(results["reference"][1]) > 0
     for got, want in zip(results["blocked"][1], results["reference"][1]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_check_reads_its_own_staged_code_when_another_remote_code_cache_is_on_the_path(
+        data_dir, tmp_path, monkeypatch):
+    """A process that loaded remote code before (transformers put its cache's
+    ``transformers_modules`` package on ``sys.path``) still reads the staged
+    directory back: the check's own cache comes first on the path (it came
+    after, and the import of the staged code found the other package)."""
+    other = tmp_path / "other-cache"
+    (other / "transformers_modules").mkdir(parents=True)
+    (other / "transformers_modules" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(other))
+    for name in [n for n in sys.modules if n.startswith("transformers_modules")]:
+        monkeypatch.delitem(sys.modules, name)
+    model, cfg = build(data_dir, [])
+    exported(model, cfg, tmp_path)

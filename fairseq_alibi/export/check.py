@@ -22,6 +22,7 @@ checkpoint, computed in float32.  Two numbers, max |log-prob difference|:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -101,6 +102,11 @@ def private_module_cache() -> Iterator[str]:
         for name in saved:
             del sys.modules[name]
         dynamic_module_utils.HF_MODULES_CACHE = os.path.join(scratch, "modules")
+        # first on the path: transformers appends its cache to sys.path once, so a cache put there
+        # earlier (any remote code loaded before in this process) would hold the package
+        # ``transformers_modules`` that the staged code's imports find, and they would fail
+        sys.path.insert(0, dynamic_module_utils.HF_MODULES_CACHE)
+        importlib.invalidate_caches()
         try:
             yield scratch
         finally:
