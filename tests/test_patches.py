@@ -343,3 +343,29 @@ def test_checked_overrides_runs_the_checks_it_is_given_once_per_config():
         installed.override_checks.remove(record)
     assert seen == [({"dropout": 0.0}, ["model", "task"])]
     assert cfg.model.dropout == 0.0
+
+
+def test_quiet_partial_dataset_cleanup_closes_only_what_was_opened(tmp_path):
+    """A memory-mapped index or dataset whose ``__init__`` never ran (cut short)
+    is collected without an error; a whole one still closes its file."""
+    import gc
+    import warnings
+
+    import numpy as np
+    from fairseq.data import indexed_dataset
+
+    patches.apply()
+    index_type = indexed_dataset.MMapIndexedDataset.Index
+    for partial in (object.__new__(index_type), object.__new__(indexed_dataset.MMapIndexedDataset)):
+        partial.__del__()  # stock: AttributeError
+    builder = indexed_dataset.MMapIndexedDatasetBuilder(str(tmp_path / "d.bin"), dtype=np.int32)
+    builder.add_item(torch.tensor([1, 2, 3], dtype=torch.int32))
+    builder.finalize(str(tmp_path / "d.idx"))
+    dataset = indexed_dataset.MMapIndexedDataset(str(tmp_path / "d"))
+    mmap = dataset._bin_buffer_mmap._mmap
+    assert len(dataset) == 1 and dataset.sizes.tolist() == [3]  # (an item read holds the buffer open)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del dataset
+        gc.collect()
+    assert mmap.closed

@@ -42,7 +42,9 @@ changes:
     silently go through the checks :func:`apply` is given.
 ``data_files.py``
     ``checked_data_files`` (crash): a ``dict.txt`` or binarized split fairseq
-    cannot read is one error naming the file.
+    cannot read is one error naming the file; ``quiet_partial_dataset_cleanup``
+    (quieting): a split whose opening was cut short (Ctrl-C) is collected
+    without a second traceback.
 ``hub.py``
     ``checked_hub_paths`` (crash): ``from_pretrained``'s missing or
     wrong-kind local paths are named; ``quiet_hub_config`` (quieting): the
@@ -131,6 +133,7 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(checkpoints.full_disk_checkpoints, CRASH),
     Patch(checkpoints.checked_overrides, WRONG_RESULT, takes=("override_checks",)),
     Patch(data_files.checked_data_files, CRASH),
+    Patch(data_files.quiet_partial_dataset_cleanup, QUIETING),
     Patch(hub.checked_hub_paths, CRASH),
     Patch(hub.quiet_hub_config, QUIETING),
     Patch(build_errors.build_assertions, CRASH),

@@ -57,3 +57,32 @@ def checked_data_files() -> None:
     Dictionary.add_from_file = add_from_file
     indexed_dataset.make_dataset = make_dataset
     indexed_dataset.MMapIndexedDataset.__del__ = __del__
+
+
+def quiet_partial_dataset_cleanup() -> None:
+    """fairseq's memory-mapped dataset and its index close their file in
+    ``__del__`` without asking whether ``__init__`` got as far as opening it:
+    one cut short (Ctrl-C while a split is opened, a file that fails the
+    checks above) is then collected with a second error.  Patched, the cleanup
+    closes only what was opened.
+
+    Kind: quieting.  Stock: after the interrupt or the one-line error, Python
+    prints "Exception ignored in ... __del__" with a traceback ending in
+    ``AttributeError: 'Index' object has no attribute '_bin_buffer_mmap'``."""
+    from fairseq.data.indexed_dataset import MMapIndexedDataset
+
+    index = MMapIndexedDataset.Index
+    if getattr(index.__del__, "_alibi_quiet", False):
+        return
+    stock_index_del, stock_dataset_del = index.__del__, MMapIndexedDataset.__del__
+
+    def index_del(self):
+        if "_bin_buffer_mmap" in self.__dict__:
+            stock_index_del(self)
+
+    def dataset_del(self):
+        if "_bin_buffer_mmap" in self.__dict__ and "_index" in self.__dict__:
+            stock_dataset_del(self)
+
+    index_del._alibi_quiet = dataset_del._alibi_quiet = True
+    index.__del__, MMapIndexedDataset.__del__ = index_del, dataset_del
