@@ -49,22 +49,17 @@ def checked_data_files() -> None:
             raise DataError(f"the binarized split {path} (.bin/.idx) cannot be read ({type(exc).__name__}: "
                             f"{' '.join(str(exc).split())[:200]}); binarize it again with alibi-preprocess") from None
 
-    def __del__(self, stock_del=indexed_dataset.MMapIndexedDataset.__del__):
-        if hasattr(self, "_bin_buffer_mmap"):  # a file that failed to open has nothing to close
-            stock_del(self)
-
     make_dataset._alibi_checked = True
     Dictionary.add_from_file = add_from_file
     indexed_dataset.make_dataset = make_dataset
-    indexed_dataset.MMapIndexedDataset.__del__ = __del__
 
 
 def quiet_partial_dataset_cleanup() -> None:
     """fairseq's memory-mapped dataset and its index close their file in
     ``__del__`` without asking whether ``__init__`` got as far as opening it:
-    one cut short (Ctrl-C while a split is opened, a file that fails the
-    checks above) is then collected with a second error.  Patched, the cleanup
-    closes only what was opened.
+    one cut short (Ctrl-C while a split is opened, a file that fails to open
+    behind :func:`checked_data_files`' one-line error) is then collected with
+    a second error.  Patched, the cleanup closes only what was opened.
 
     Kind: quieting.  Stock: after the interrupt or the one-line error, Python
     prints "Exception ignored in ... __del__" with a traceback ending in
