@@ -40,13 +40,21 @@ run_trainings train < <(printf 'a\\nb\\n')
 """
 
 
-def start(tmp_path: Path, ignore_sigint: bool) -> tuple:
+def fake_recipe_env(tmp_path: Path, **extra: str) -> dict:
+    """The driver's environment: the fake trainer first on its PATH, its marks
+    in ``tmp_path/marks``, the trainings under ``tmp_path/out``."""
     fake_bin, marks = tmp_path / "bin", tmp_path / "marks"
     fake_bin.mkdir()
     marks.mkdir()
     (fake_bin / "alibi-train").write_text(FAKE_TRAINER)
     (fake_bin / "alibi-train").chmod(0o755)
-    env = dict(os.environ, REPO=str(REPO), OUT=str(tmp_path / "out"), VENV_BIN=str(fake_bin), MARKS=str(marks))
+    return dict(os.environ, REPO=str(REPO), OUT=str(tmp_path / "out"), VENV_BIN=str(fake_bin), MARKS=str(marks),
+                **extra)
+
+
+def start(tmp_path: Path, ignore_sigint: bool) -> tuple:
+    env = fake_recipe_env(tmp_path)
+    marks = Path(env["MARKS"])
     handler = signal.SIG_IGN if ignore_sigint else signal.SIG_DFL
     proc = subprocess.Popen(["bash", "-c", DRIVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -102,13 +110,8 @@ def test_followed_log_lines_are_shown_and_their_reader_ends_with_the_training(tm
     """FOLLOW shows the trainer's matching log lines, prefixed with the run's
     label, and the ``tail`` that reads its log ends with the training's shell
     (it watched its own pid once, and every training left one running)."""
-    fake_bin, marks, out = tmp_path / "bin", tmp_path / "marks", tmp_path / "out"
-    fake_bin.mkdir()
-    marks.mkdir()
-    (fake_bin / "alibi-train").write_text(FAKE_TRAINER)
-    (fake_bin / "alibi-train").chmod(0o755)
-    env = dict(os.environ, REPO=str(REPO), OUT=str(out), VENV_BIN=str(fake_bin), MARKS=str(marks),
-               FOLLOW="progress", FINISH="1")
+    env = fake_recipe_env(tmp_path, FOLLOW="progress", FINISH="1")
+    out = env["OUT"]
     run = subprocess.run(["bash", "-c", DRIVER], capture_output=True, text=True, env=env, timeout=60,
                          stdin=subprocess.DEVNULL)
     assert run.returncode == 0, run.stdout + run.stderr
