@@ -44,6 +44,18 @@ def explicit_attention(q, k, v, bias, pad=None, keep_mask=None, p=0.0):
     return probs @ v
 
 
+def fixed_keep(full_mask, calls=None):
+    """A stand-in for ``CB._keep_mask``: the slice of one fixed dropout mask
+    for the block from ``start``, rows reversed where the path asks so (a
+    Toeplitz bias's blocks); ``calls`` records (start, shape)."""
+    def keep(shape, p, dtype, device, start, reverse=False):
+        if calls is not None:
+            calls.append((start, shape))
+        block = full_mask[:, :, start: start + shape[2], : shape[3]].to(dtype)
+        return block.flip(2) if reverse else block
+    return keep
+
+
 def merged(bias, pad=None):
     """The additive mask the module passes: [1, H, T, S] bias, plus -inf at padded keys."""
     mask = bias[None]
@@ -90,12 +102,7 @@ def test_blocked_matches_explicit_attention(dtype, padded, p, monkeypatch):
         gen = torch.Generator().manual_seed(5)
         full_mask = (torch.rand(batch, heads, length, length, generator=gen) >= p).float()
         calls = []
-
-        def fixed_mask(shape, p_, dtype_, device, start):
-            calls.append((start, shape))
-            return full_mask[:, :, start : start + shape[2], : shape[3]].to(dtype_)
-
-        monkeypatch.setattr(CB, "_keep_mask", fixed_mask)
+        monkeypatch.setattr(CB, "_keep_mask", fixed_keep(full_mask, calls))
     weight = torch.linspace(-1, 1, batch * heads * length * dim).view(batch, heads, length, dim)
     got = outputs_and_grads(
         lambda q_, k_, v_: CB.blocked_causal_attention(q_, k_, v_, merged(bias, pad).to(dtype), p, block=16),
@@ -165,9 +172,7 @@ def test_blocked_path_with_dropout_in_module_matches_reference(monkeypatch):
     length, batch, heads, p = 21, 2, 4, 0.25
     gen = torch.Generator().manual_seed(3)
     full_mask = (torch.rand(batch, heads, length, length, generator=gen) >= p).float()
-    monkeypatch.setattr(
-        CB, "_keep_mask", lambda shape, p_, dt, dev, start: full_mask[:, :, start : start + shape[2], : shape[3]]
-    )
+    monkeypatch.setattr(CB, "_keep_mask", fixed_keep(full_mask))
 
     def fixed_dropout(probs, p=0.0, training=True, inplace=False):
         return probs * full_mask / (1 - p)
@@ -255,8 +260,7 @@ def gradient_case(dtype, padded, p, monkeypatch, seed):
     full_mask = None
     if p > 0:
         full_mask = (torch.rand(batch, heads, q_len, k_len, generator=gen) >= p).float()
-        monkeypatch.setattr(CB, "_keep_mask", lambda shape, p_, dt, dev, start:
-                            full_mask[:, :, start: start + shape[2], : shape[3]].to(dt))
+        monkeypatch.setattr(CB, "_keep_mask", fixed_keep(full_mask))
     real = torch.ones(batch, 1, q_len, 1, dtype=torch.bool)
     if padded:  # a padded query row is read by no loss (its keys are all it sees)
         real = ~pad[:, None, k_len - q_len:, None]
@@ -293,6 +297,48 @@ def test_blocked_gives_a_learned_bias_its_gradient(dtype, padded, p, monkeypatch
 
 
 @pytest.mark.parametrize("dtype,padded,p", GRAD_CASES)
+def test_blocked_gives_a_toeplitz_bias_its_gradient_per_distance(dtype, padded, p, monkeypatch):
+    """A learned Toeplitz bias given as its values per distance
+    (``per_distance`` ``[H, S]``, built into reversed-row block views, its
+    gradient summed along anti-diagonals): the output and the gradients of q,
+    k, v and the per-distance values against autograd through the fp64
+    explicit attention over the dense bias ``w[i - j]`` gathered pair by pair,
+    with the same dropout mask; 30 queries, the last of 41 keys, blocks of 16."""
+    gen, q, k, v, hidden, pad, full_mask, weight = gradient_case(dtype, padded, p, monkeypatch, seed=11)
+    values = torch.randn(4, 41, generator=gen)
+    distance = (torch.arange(30)[:, None] + 11 - torch.arange(41)[None, :]).clamp(min=0)
+
+    def run(attention, leaf_dtype):
+        leaves = [t.detach().to(leaf_dtype).requires_grad_() for t in (q, k, v, values)]
+        out = attention(*leaves)
+        (out.double() * weight.double()).sum().backward()
+        return [out.detach().double()] + [leaf.grad.double() for leaf in leaves]
+
+    padding = None if pad is None else torch.zeros(pad.shape).masked_fill(pad, float("-inf"))[:, None, None, :]
+    got = run(lambda q_, k_, v_, w: CB.blocked_causal_attention(
+        q_, k_, v_, None if padding is None else padding.to(dtype), p, block=16, per_distance=w), dtype)
+    want = run(lambda q_, k_, v_, w: explicit_attention(
+        q_, k_, v_, w[:, distance].masked_fill(hidden, float("-inf")), pad, full_mask, p), torch.float64)
+    real = torch.ones(1, dtype=torch.bool) if pad is None else ~pad[:, None, 11:, None]
+    for name, g, w in zip(("out", "q", "k", "v", "per_distance"), got, want):
+        if name in ("out", "q"):
+            g, w = torch.where(real, g, 0.0), torch.where(real, w, 0.0)
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=name)
+        else:
+            assert (g - w).norm() <= BF16_REL * w.norm() + BF16_ABS, name
+
+
+def test_antidiagonal_sums_against_a_loop():
+    m = torch.randn(3, 5, 9, dtype=torch.float64)
+    want = torch.zeros(3, 13, dtype=torch.float64)
+    for i in range(5):
+        for j in range(9):
+            want[:, i + j] += m[:, i, j]
+    torch.testing.assert_close(CB._antidiagonal_sums(m), want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,padded,p", GRAD_CASES)
 def test_blocked_builds_fox_bias_per_block_and_gives_c_its_gradient(dtype, padded, p, monkeypatch):
     """FoX's bias ``c_i - c_j`` given as ``c`` (``cumulative``), built block by
     block: the output and the gradients of q, k, v and ``c`` against autograd
@@ -326,13 +372,20 @@ def test_blocked_builds_fox_bias_per_block_and_gives_c_its_gradient(dtype, padde
             assert (g - w).norm() <= BF16_REL * w.norm() + BF16_ABS, name
 
 
-@pytest.mark.parametrize("method", ["t5bias", "kerple", "fire"])
-def test_learned_position_biases_train_through_blocked_as_through_the_reference(method):
+@pytest.mark.parametrize("method,threshold", [("t5bias", None), ("kerple", None), ("fire", None), ("fire", 400.0)])
+def test_learned_position_biases_train_through_blocked_as_through_the_reference(method, threshold):
     """The position modules' parameters (T5's table, Kerple's r1 r2, FIRE's
     MLP) get the reference kernel's gradient through the blocked path: a
-    padded batch of 2 rows, 300 queries (blocks of 128 and a partial one)."""
+    padded batch of 2 rows, 300 queries (blocks of 128 and a partial one).
+    T5, Kerple and FIRE with every query below its threshold run from one
+    value per distance (``per_distance``); FIRE past it (threshold 64) from
+    the dense bias of every pair."""
     torch.manual_seed(0)
     bias = build_stack(method)
+    if threshold is not None:
+        bias = positions.build("fire", 4, 16, {"fire_hidden": 32, "fire_threshold": threshold},
+                               Scaling("none", train_length=64))
+    assert (bias.per_distance(300, "cpu") is None) == (method == "fire" and threshold is None)
     for param in bias.parameters():  # away from the init (T5's zeros)
         param.data.add_(0.3 * torch.randn_like(param))
     gen = torch.Generator().manual_seed(3)
@@ -433,3 +486,28 @@ def test_blocked_without_dropout_matches_reference_for_every_method(item, monkey
         results.append([out] + [x.grad for x in leaves])
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_softmax_above_floor_drops_only_what_weighs_nothing(dtype):
+    """The explicit path's floor (``_softmax_above_floor``): rows whose scores
+    span hundreds (a steep bias) come out as the softmax in float64 within
+    SKIPPED_SHARE of a rounding unit (plus the dtype's own rounding), masked
+    keys keep weight exactly 0, and no weight is subnormal (the reason for the
+    floor: the CPU computes subnormal numbers many times slower)."""
+    keys = 300
+    gen = torch.Generator().manual_seed(3)
+    ramp = -torch.arange(keys, dtype=torch.float64) * torch.tensor([0.0, 0.25, 1.0, 3.0])[:, None, None]
+    scores = (ramp + torch.randn(4, 5, keys, generator=gen, dtype=torch.float64))
+    scores[..., -7:] = float("-inf")  # keys right of the query
+    expected = torch.softmax(scores, dim=-1)
+    got = CB._softmax_above_floor(scores.to(dtype), CB.negligible_gap(keys, dtype)).double()
+    eps = torch.finfo(dtype).eps
+    assert (got - expected).abs().max() <= 2 * eps + keys * CB.SKIPPED_SHARE * eps
+    assert torch.equal(got[..., -7:], torch.zeros_like(got[..., -7:]))
+    assert bool((got[got > 0] >= torch.finfo(dtype).tiny).all())
+    # the steep rows really had subnormal weights to drop: the floor is not vacuous
+    plain = torch.softmax(scores.to(dtype), dim=-1)
+    if dtype != torch.float64:
+        assert bool(((plain > 0) & (plain < torch.finfo(dtype).tiny)).any())
+    assert int((got == 0).sum()) > int((expected == 0).sum())

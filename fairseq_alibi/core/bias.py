@@ -173,6 +173,14 @@ class StackBias:
         return self.cached("dense", (q_len, k_len, dtype, str(device), self.scaling.factor_at(k_len)),
                            lambda: _aligned(self.block(k_len - q_len, q_len, k_len, dtype, device)))
 
+    def per_distance(self, k_len: int, device) -> Optional[Tensor]:
+        """A learned causal bias that depends on the distance alone over a
+        ``k_len``-key pass: float32 ``[H, k_len]``, its values at distances
+        ``0 .. k_len - 1`` (with gradients; the blocked kernel builds its
+        blocks from them and reduces their gradient per distance).  None for
+        every other bias."""
+        return None
+
     def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         """The additive mask for SDPA: ``[1, H, T, S]`` without padding (a view of
         ``bias``, nothing copied), else ``[B, H, T, S]`` with ``-inf`` at padded
@@ -360,7 +368,8 @@ class ModuleBias(nn.Module, StackBias):
     for integer positions, keys right of a query are masked here.  One per
     stack, shared by its layers (T5's convention); the dense bias is built once
     per forward pass (:meth:`start_pass`, which the decoder calls) and carries
-    gradients to the module's parameters."""
+    gradients to the module's parameters.  A module that is not Toeplitz
+    (FIRE) says with ``distance_only(k_len)`` when a pass is."""
 
     learned = True
 
@@ -382,6 +391,21 @@ class ModuleBias(nn.Module, StackBias):
         """Cached within one forward pass, with the parameters as they are now."""
         versions = tuple(p._version for p in self.parameters())
         return StackBias.cached(self, name, (key, self._pass, versions, torch.is_grad_enabled()), build)
+
+    def per_distance(self, k_len: int, device) -> Optional[Tensor]:
+        """The module's values at distances ``0 .. k_len - 1`` where a pass of
+        ``k_len`` keys depends on the distance alone: always for T5's buckets
+        and Kerple; for FIRE while every query is below its threshold
+        (``distance_only``); cached for the pass, shared by its layers."""
+        if not (self._toeplitz or self.method.distance_only(k_len)):
+            return None
+
+        def build() -> Tensor:
+            distance = torch.arange(k_len, device=device, dtype=torch.int64)[:, None]
+            return self.method.values(distance, torch.zeros(1, 1, dtype=torch.int64, device=device))[..., 0].to(
+                torch.float32)
+
+        return self.cached("per_distance", (k_len, str(device)), build)
 
     def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
         keys = keys or k_len

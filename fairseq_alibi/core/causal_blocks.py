@@ -39,6 +39,7 @@ square (and draws 10/16 of the dropout mask).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -54,6 +55,38 @@ BLOCK = 128
 MAX_BLOCK = 512
 
 
+#: Keys left out of a row together weigh at most this share of one rounding
+#: unit (``eps``) of the row's softmax sum: 2^-40 of it in float32.
+SKIPPED_SHARE = 2.0**-16
+
+
+def negligible_gap(k_len: int, dtype: torch.dtype) -> float:
+    """How far below its row's largest score a key may be left out: ``k_len``
+    keys that each weigh less than ``exp(-gap)`` of the row's largest weight
+    move its softmax sum by less than ``SKIPPED_SHARE * eps`` (relative), and
+    an output by less than twice that times the largest ``|v|``: 2^16 times
+    below the rounding of ``dtype`` itself.  36.7 for 16K float32 keys.  The
+    key windows (``kernels.key_windows``) leave such keys out; the explicit
+    path raises their scores to this floor (:func:`_softmax_above_floor`)."""
+    return math.log(k_len / (torch.finfo(dtype).eps * SKIPPED_SHARE))
+
+
+def _softmax_above_floor(scores: Tensor, gap: float) -> Tensor:
+    """``softmax(scores)`` over the last dimension, the scores more than
+    ``gap`` (:func:`negligible_gap`) below their row's largest first set to
+    ``-inf`` (in place): the keys the key windows would leave out.
+
+    Why: a steep bias (ALiBi's steep heads, FoX's closed gates) leaves far
+    keys 100 or more below the row's largest score, and ``exp`` of that is a
+    subnormal number, which the CPU computes many times slower (ALiBi with
+    attention dropout took 1.6x NoPE's time in this path, and NoPE's time with
+    subnormals flushed; docs/performance.md).  The keys set to ``-inf``
+    together weighed less than ``SKIPPED_SHARE`` of a rounding unit of the
+    row: exact to the dtype, as the key windows are, and a masked key stays
+    masked (a clamp to the floor would give it weight)."""
+    return torch.softmax(scores.masked_fill_(scores < scores.amax(-1, keepdim=True) - gap, float("-inf")), dim=-1)
+
+
 def block_size(q_len: int) -> int:
     """Queries per block without dropout: an eighth of the input, in multiples
     of 64, between ``BLOCK`` and ``MAX_BLOCK`` (fewer, larger calls as the
@@ -61,34 +94,52 @@ def block_size(q_len: int) -> int:
     return min(MAX_BLOCK, max(BLOCK, q_len // 8 // 64 * 64))
 
 
-def _keep_mask(shape, p: float, dtype, device, start: int) -> Tensor:
+def _keep_mask(shape, p: float, dtype, device, start: int, reverse: bool = False) -> Tensor:
     """0/1 mask keeping each entry with probability ``1 - p`` (the draw of
-    ``F.dropout``) for the block of queries from ``start``.  Tests replace it
-    to compare against the reference with the same mask."""
+    ``F.dropout``) for the block of queries from ``start``, its rows in
+    reverse order where ``reverse`` (a Toeplitz bias's blocks: a random draw
+    is the same in any order).  Tests replace it to compare against the
+    reference with the same mask."""
     return torch.empty(shape, dtype=dtype, device=device).bernoulli_(1.0 - p)
 
 
 class _BlockedCausalAttention(torch.autograd.Function):
+    """The explicit path (module docstring).  The bias is one of: ``mask``
+    (dense, ``[B or 1, H, T, S]``); FoX's ``cumulative`` ``c`` (``mask`` then
+    only padding or None); a Toeplitz bias's ``per_distance`` values ``[H, S]``
+    at distances ``0 .. S - 1`` (``mask`` padding or None), whose blocks are
+    views of one vector with their query rows in reverse order (a row's keys
+    read the vector forwards, so successive queries step backwards through
+    it, and a view cannot step backwards): such a block's queries, output
+    and output gradient are flipped instead, ``block x D`` values where the
+    bias has ``block x S``, and its ``dS`` reduces to the per-distance
+    gradient along anti-diagonals (:func:`_antidiagonal_sums`)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, mask, dropout_p, block, cumulative):
+    def forward(ctx, q, k, v, mask, dropout_p, block, cumulative, steep, per_distance):
         bsz, heads, q_len, head_dim = q.shape
         k_len = k.size(2)
         offset = k_len - q_len  # queries are the last q_len positions
         scale = head_dim**-0.5
         keep = 1.0 - dropout_p
+        gap = negligible_gap(k_len, q.dtype) if steep else None
         qs = (q * scale).contiguous()
         k = k.contiguous()
         vs = (v / keep if dropout_p > 0 else v).contiguous()
+        reverse = per_distance is not None
+        ramp = None if per_distance is None else _distance_ramp(per_distance, block, q.dtype)
         probs, kept_probs, outputs = [], [], []
         for start in range(0, q_len, block):
             stop = min(start + block, q_len)
             visible = offset + stop
-            scores = torch.matmul(qs[:, :, start:stop], k[:, :, :visible].transpose(-1, -2))
-            scores.add_(_block_bias(mask, cumulative, start, stop, offset, visible, q.dtype))
-            p = torch.softmax(scores, dim=-1)
+            queries = qs[:, :, start:stop].flip(2) if reverse else qs[:, :, start:stop]
+            scores = torch.matmul(queries, k[:, :, :visible].transpose(-1, -2))
+            scores.add_(_block_bias(mask, cumulative, ramp, start, stop, offset, visible, q.dtype, k_len))
+            p = _softmax_above_floor(scores, gap) if steep else torch.softmax(scores, dim=-1)
             del scores
-            kept = p * _keep_mask(p.shape, dropout_p, p.dtype, p.device, start) if dropout_p > 0 else p
-            outputs.append(torch.matmul(kept, vs[:, :, :visible]))
+            kept = p * _keep_mask(p.shape, dropout_p, p.dtype, p.device, start, reverse) if dropout_p > 0 else p
+            o = torch.matmul(kept, vs[:, :, :visible])
+            outputs.append(o.flip(2) if reverse else o)
             probs.append(p)
             kept_probs.append(kept)
         # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
@@ -98,6 +149,8 @@ class _BlockedCausalAttention(torch.autograd.Function):
         ctx.block, ctx.scale, ctx.keep, ctx.dropout_p = block, scale, keep, dropout_p
         ctx.mask_shape = mask.shape if ctx.needs_input_grad[3] else None
         ctx.cumulative_shape = cumulative.shape if ctx.needs_input_grad[6] else None
+        ctx.reverse = reverse
+        ctx.distances = per_distance.shape if ctx.needs_input_grad[8] else None
         return out
 
     @staticmethod
@@ -108,6 +161,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
         ctx.probs = ctx.kept = None
         q_len, k_len = qs.size(2), k.size(2)
         offset = k_len - q_len
+        reverse = ctx.reverse
         grad_out = grad_out.contiguous()
         delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dP * P)
         dk = torch.zeros_like(k)
@@ -116,46 +170,83 @@ class _BlockedCausalAttention(torch.autograd.Function):
         dmask = None if ctx.mask_shape is None else qs.new_zeros(ctx.mask_shape)
         # FoX's c: + each block's row sums of dS at its queries, - its column sums at its keys
         dc = None if ctx.cumulative_shape is None else qs.new_zeros(ctx.cumulative_shape, dtype=torch.float32)
+        # a Toeplitz bias: the gradient of its ramp (_distance_ramp), one value per entry
+        dramp = None if ctx.distances is None else qs.new_zeros(
+            (ctx.distances[0], ctx.distances[1] + ctx.block), dtype=torch.float32)
         dqs = []
         for i, start in enumerate(range(0, q_len, ctx.block)):
             stop = min(start + ctx.block, q_len)
             visible = offset + stop
             p, kept = probs[i], kept_probs[i]
             probs[i] = kept_probs[i] = None
-            do = grad_out[:, :, start:stop]
+            do, queries, row_delta = grad_out[:, :, start:stop], qs[:, :, start:stop], delta[:, :, start:stop]
+            if reverse:
+                do, queries, row_delta = do.flip(2), queries.flip(2), row_delta.flip(2)
             dv[:, :, :visible] += torch.matmul(kept.transpose(-1, -2), do)
             # d scores = P * (dP - delta), dP = (dO v^T) * mask: with kept = P * mask
             # that is (dO v^T) * kept - P * delta
             ds = torch.matmul(do, vs[:, :, :visible].transpose(-1, -2))
             if kept is p:
-                ds.sub_(delta[:, :, start:stop]).mul_(p)
+                ds.sub_(row_delta).mul_(p)
             else:
-                ds.mul_(kept).addcmul_(p, delta[:, :, start:stop], value=-1)
+                ds.mul_(kept).addcmul_(p, row_delta, value=-1)
             del p, kept
-            dqs.append(torch.matmul(ds, k[:, :, :visible]))
-            dk[:, :, :visible] += torch.matmul(ds.transpose(-1, -2), qs[:, :, start:stop])
+            dq = torch.matmul(ds, k[:, :, :visible])
+            dqs.append(dq.flip(2) if reverse else dq)
+            dk[:, :, :visible] += torch.matmul(ds.transpose(-1, -2), queries)
             if dmask is not None:
                 dmask[:, :, start:stop, :visible] = ds.sum(0, keepdim=True) if dmask.size(0) == 1 else ds
             if dc is not None:
                 dc[:, :, offset + start: offset + stop] += ds.sum(-1, dtype=torch.float32)
                 dc[:, :, :visible] -= ds.sum(-2, dtype=torch.float32)
+            if dramp is not None:
+                first = k_len - offset - stop  # the ramp entry of the block's first row (its last query), first key
+                dramp[:, first: first + stop - start + visible - 1] += _antidiagonal_sums(
+                    ds.sum(0, dtype=torch.float32))
         dq = torch.cat(dqs, dim=2)
         dq.mul_(ctx.scale)
         if ctx.dropout_p > 0:
             dv.div_(ctx.keep)
-        return dq, dk, dv, dmask, None, None, dc
+        dd = None if dramp is None else dramp[:, :k_len].flip(-1)
+        return dq, dk, dv, dmask, None, None, dc, None, dd
 
 
-def _block_bias(mask: Optional[Tensor], cumulative: Optional[Tensor], start: int, stop: int, offset: int,
-                visible: int, dtype) -> Tensor:
-    """The additive bias of queries ``start .. stop - 1`` (the last of ``offset
-    + q_len`` keys) over keys ``0 .. visible - 1``: the slice of the dense
-    ``mask`` ``[B or 1, H, T, S]``; or FoX's ``c_i - c_j`` of ``cumulative``
-    (``-inf`` right of each query), plus ``mask`` where there is one, then only
-    the ``[B, 1, 1, S]`` padding mask."""
-    if cumulative is None:
+def _distance_ramp(per_distance: Tensor, block: int, dtype) -> Tensor:
+    """``[H, S + block]``: a Toeplitz bias's values from distance ``S - 1``
+    down to 0, then ``-inf`` (keys right of a query), in ``dtype``.  Query
+    ``a`` over key ``j`` reads entry ``S - 1 - a + j``, so a block's rows are
+    windows of it (:func:`_block_bias`)."""
+    far_to_near = per_distance.flip(-1).to(dtype)
+    return torch.cat([far_to_near, far_to_near.new_full((far_to_near.size(0), block), float("-inf"))], dim=-1)
+
+
+def _antidiagonal_sums(m: Tensor) -> Tensor:
+    """``[H, r + c - 1]`` sums of ``m`` ``[H, r, c]`` along its anti-diagonals
+    (entry ``x``: the sum of ``m[:, i, j]`` with ``i + j = x``): the gradient of
+    a ramp whose rows are its windows ``ramp[i : i + c]``.  One padded copy:
+    in a ``[H, r, c + r]`` buffer row ``i``'s entry ``j`` lies ``x`` after the
+    row's start at stride ``c + r - 1``, and the padding reads as 0."""
+    heads, rows, cols = m.shape
+    padded = F.pad(m, (0, rows))
+    width = cols + rows - 1
+    return padded.as_strided((heads, rows, width), (rows * (cols + rows), width, 1)).sum(1)
+
+
+def _block_bias(mask: Optional[Tensor], cumulative: Optional[Tensor], ramp: Optional[Tensor], start: int,
+                stop: int, offset: int, visible: int, dtype, k_len: int) -> Tensor:
+    """The additive bias of queries ``start .. stop - 1`` (the last of the
+    ``k_len`` keys, ``offset`` before the first query) over keys ``0 .. visible - 1``: the slice of the dense
+    ``mask`` ``[B or 1, H, T, S]``; FoX's ``c_i - c_j`` of ``cumulative``
+    (``-inf`` right of each query); a Toeplitz ``ramp``'s view
+    (:func:`_distance_ramp`; rows in reverse order); the last two plus
+    ``mask`` where there is one, then only the ``[B, 1, 1, S]`` padding mask."""
+    if cumulative is not None:
+        bias = gate_bias(cumulative, offset + start, stop - start, visible).to(dtype)
+    elif ramp is not None:
+        first = k_len - offset - stop  # the entry of the last query's first key: its row comes first
+        bias = ramp.unfold(-1, visible, 1)[:, first: first + stop - start]
+    else:
         return mask[:, :, start:stop, :visible]
-    bias = gate_bias(cumulative, offset + start, stop - start, visible).to(dtype)
     return bias if mask is None else bias + mask[..., :visible]
 
 
@@ -169,6 +260,8 @@ def blocked_causal_attention(
     windows: Optional[Callable[[int, int], List[int]]] = None,
     cumulative: Optional[Tensor] = None,
     floor: Optional[Callable[[int, int], Tensor]] = None,
+    steep: bool = True,
+    per_distance: Optional[Tensor] = None,
 ) -> Tensor:
     """Causal attention, queries the last ``q_len`` of ``k_len`` keys, in query
     blocks that only read the keys they can see.  q ``[B, H, T, D]``, k/v
@@ -186,15 +279,24 @@ def blocked_causal_attention(
     gives each head the bias below which a key weighs nothing in a block, and
     such keys get ``-inf`` (exact to the dtype, as the windows; FoX's steep
     gates would otherwise fill the block with subnormal ``exp`` values, which
-    the CPU computes many times slower).  Returns ``[B, H, T, D]`` (stored as
-    ``[T, B, H, D]``)."""
+    the CPU computes many times slower).  The explicit path (dropout, a
+    learned bias) does the same per row (:func:`_softmax_above_floor`) unless
+    the caller knows the bias cannot be steep (``steep=False``: no bias, where
+    the floor's passes would cost 4% for nothing).  A learned Toeplitz bias
+    (T5's, Kerple's, FIRE's below its threshold): ``per_distance`` ``[H, S]``,
+    its values at distances ``0 .. S - 1``, instead of a dense bias, ``mask``
+    then padding or None; it takes the explicit path and gets a gradient per
+    distance, never a ``[H, T, S]`` bias or gradient.  Returns ``[B, H, T, D]``
+    (stored as ``[T, B, H, D]``)."""
     mask = None if mask is None else mask.to(q.dtype)
     if cumulative is not None and dropout_p == 0 and q.device.type == "cpu":
         calls = _block_calls(q.size(2), k.size(2), block or block_size(q.size(2)), q.size(1), windows,
                              per_head=q.size(0) > 1)
         return _FlashGates.apply(q, k, v, cumulative, mask, calls, floor)
-    if cumulative is not None or dropout_p > 0 or (mask.requires_grad and torch.is_grad_enabled()):
-        return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK, cumulative)
+    if (cumulative is not None or per_distance is not None or dropout_p > 0
+            or (mask.requires_grad and torch.is_grad_enabled())):
+        return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK, cumulative, steep,
+                                             per_distance)
     return _flash_blocks(q, k, v, mask, block or block_size(q.size(2)), windows)
 
 

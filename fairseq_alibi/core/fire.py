@@ -74,6 +74,16 @@ class Fire(nn.Module):
         """float32 scalar > 0: queries before it share the normalizer ``psi(threshold)``."""
         return self.threshold_unit * positive(self.raw_threshold)
 
+    def distance_only(self, k_len: int) -> bool:
+        """Whether the bias of a pass over ``k_len`` keys is a function of the
+        distance alone: every query (positions below ``k_len``) is at most
+        the threshold, so every normalizer is ``psi(threshold)``.  In training
+        at L with the initial threshold L that holds, and the blocked kernel
+        then builds the bias from one value per distance (``ModuleBias.
+        per_distance``): ``values(d, 0)`` is the value of every pair at
+        distance ``d``, bit for bit."""
+        return float(self.threshold.detach()) >= k_len - 1
+
     def mlp_input(self, query: Tensor, key: Tensor) -> Tensor:
         """float32 ``[q, k]``: ``psi(i - j) / psi(max(threshold, i))``, in ``[0, 1]``
         for every key ``j <= i`` (keys after the query, which the causal mask

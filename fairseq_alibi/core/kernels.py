@@ -43,7 +43,7 @@ from torch import Tensor
 from .alibi import reach, scaled_slopes
 from .bias import StackBias, padding_mask
 from .errors import ConfigError
-from .causal_blocks import blocked_causal_attention, head_groups
+from .causal_blocks import SKIPPED_SHARE, blocked_causal_attention, head_groups, negligible_gap  # noqa: F401
 from .flex import flex_available, flex_kernel
 from .logit_scale import scaled_queries
 from .scaling import warn_if_cache_drifts
@@ -92,10 +92,14 @@ def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
         return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p,
                                         windows=gate_windows(bias, q, k, floor) if floor else None,
                                         cumulative=bias.cumulative, floor=floor), None
+    per_distance = bias.per_distance(k.size(2), q.device) if bias.learned and torch.is_grad_enabled() else None
+    if per_distance is not None:  # a learned Toeplitz bias: its values and gradient per distance, never [H, T, S]
+        return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p,
+                                        per_distance=per_distance), None
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     windows = key_windows(bias, q, k, k.size(2)) if key_padding_mask is None and dropout_p == 0 else None
     windows = windows or sliding_windows(bias, q.size(1), k.size(2) - q.size(2))
-    return blocked_causal_attention(q, k, v, mask, dropout_p, windows=windows), None
+    return blocked_causal_attention(q, k, v, mask, dropout_p, windows=windows, steep=not bias.zero), None
 
 
 def _contiguous(*tensors: Tensor) -> List[Tensor]:
@@ -135,20 +139,8 @@ def chunk_ramp(bias: StackBias, rows: int, k_len: int, dtype, device) -> Tuple[i
     return top, bias.cached("ramp", key, build)
 
 
-#: Keys left out of a row together weigh at most this share of one rounding
-#: unit (``eps``) of the row's softmax sum: 2^-40 of it in float32.
-SKIPPED_SHARE = 2.0**-16
 #: Key windows start at multiples of this (fewer distinct head groups per block).
 WINDOW_ALIGN = 64
-
-
-def negligible_gap(k_len: int, dtype: torch.dtype) -> float:
-    """How far below its row's largest score a key may be left out: ``k_len``
-    keys that each weigh less than ``exp(-gap)`` of the row's largest weight
-    move its softmax sum by less than ``SKIPPED_SHARE * eps`` (relative), and
-    an output by less than twice that times the largest ``|v|``: 2^16 times
-    below the rounding of ``dtype`` itself.  36.7 for 16K float32 keys."""
-    return math.log(k_len / (torch.finfo(dtype).eps * SKIPPED_SHARE))
 
 
 def key_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[Callable[[int, int], List[int]]]:
