@@ -24,7 +24,9 @@ from fairseq_alibi.core.scaling import NO_SCALING, Scaling
 from fairseq_alibi.core import bias as B
 from fairseq_alibi.core import kernels as K
 from fairseq_alibi.models.attention import PositionMultiheadAttention
-from fairseq_alibi.core.bias import AlibiBias
+from fairseq_alibi.core.bias import AlibiBias, reversed_rows
+from fairseq_alibi.core import positions
+from fairseq_alibi.core.t5bias import relative_bucket
 from fairseq_alibi.errors import ConfigError
 
 CUDA = torch.cuda.is_available()
@@ -132,18 +134,36 @@ def test_chunk_block_equals_causal_bias(q_start, q_len, k_len, dtype):
 @pytest.mark.parametrize("scaling", [Scaling("linear", 0, 8), Scaling("cap", 0.5, 8),
                                      Scaling("log", 1, 8, 1.0), Scaling("power", 1, 8, 1.5)],
                          ids=["linear", "cap", "log", "power"])
-def test_chunk_ramp_windows_equal_causal_bias(chunk, scaling):
-    """The chunked kernel's blocks (views of one shared ramp) against the
-    whole bias, with the slopes of the whole length (dynamic scaling) and the
-    cap of the whole model."""
+def test_toeplitz_ramp_views_equal_causal_bias(chunk, scaling):
+    """The chunked kernel's blocks (reversed-row views of one vector per head)
+    against the whole bias, with the slopes of the whole length (dynamic
+    scaling) and the cap of the whole model, with and without a KV offset."""
     shared = AlibiBias(3, scaling=scaling)
     k_len = 37
     full = shared.block(0, k_len, k_len, torch.float32, "cpu")
-    top, ramp = K.chunk_ramp(shared, chunk, k_len, torch.float32, "cpu")
-    for start in range(0, k_len, chunk):
-        rows = min(chunk, k_len - start)
-        window = ramp[:, :rows, top - start : top - start + start + rows]
-        assert torch.equal(window, full[:, start : start + rows, : start + rows])
+    ramp = K.toeplitz_ramp(shared, k_len, chunk, torch.float32, "cpu")
+    assert ramp.shape == (3, k_len + chunk)
+    for offset in (0, 5):
+        for start in range(0, k_len - offset, chunk):
+            rows = min(chunk, k_len - offset - start)
+            visible = offset + start + rows
+            window = reversed_rows(ramp, offset + start, rows, visible, k_len)
+            assert torch.equal(window.flip(1), full[:, offset + start: visible, :visible])
+
+
+@pytest.mark.parametrize("cap", [None, 0.5])
+def test_constant_tail_finds_where_the_bias_stops_changing(cap):
+    """T5's buckets are one value from max_distance on; a capped ALiBi from its
+    cap; plain ALiBi changes at every distance."""
+    table = positions.build("t5bias", 2, 8, {"t5_buckets": 8, "t5_max_distance": 20}, NO_SCALING)
+    with torch.no_grad():
+        table.method.table.weight.copy_(torch.arange(16.0).view(8, 2))
+    found = K.constant_tail(K.toeplitz_ramp(table, 50, 4, torch.float32, "cpu"), 50)
+    buckets = [int(b) for b in relative_bucket(-torch.arange(50), False, 8, 20)]
+    assert found[0] == buckets.index(7) and torch.equal(found[1], table.method.table.weight[7])
+    alibi_bias = AlibiBias(2, scaling=Scaling("cap", cap, 8) if cap else NO_SCALING)
+    found = K.constant_tail(K.toeplitz_ramp(alibi_bias, 50, 4, torch.float32, "cpu"), 50)
+    assert found is None if cap is None else found[0] == 4
 
 
 def test_chunked_dynamic_scaling_matches_reference(monkeypatch):
@@ -208,7 +228,10 @@ def test_chunked_key_windows_skip_far_keys_and_change_nothing(scaling, monkeypat
         ref, _ = K.reference_kernel(q, k, v, bias, None, 0.0)
         monkeypatch.setattr(K, "key_windows", lambda *a: None)
         whole, _ = K.chunked_kernel(q, k, v, bias, None, 0.0)
-    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    if scaling.method == "cap":  # one value past the cap: far_and_near's merge of two log-sum-exps near 100,
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)  # each rounded to 2^-17 (float32 at 100)
+    else:
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-6)
 
 
@@ -595,3 +618,25 @@ def test_oracle_check_passes_sdpa_and_fails_a_wrong_bias(dtype, monkeypatch):
 def test_cuda_dense_bias_rows_are_aligned():
     bias = AlibiBias(4).dense(301, 301, torch.bfloat16, torch.device("cuda"))
     assert bias.shape == (4, 301, 301) and bias.stride(1) % 8 == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len", [300, 170])
+def test_chunked_runs_a_constant_far_bias_without_a_mask_as_the_reference(dtype, q_len, monkeypatch):
+    """T5's bias past its max distance (20 here) is one value per head: the
+    chunked kernel runs those keys in a mask-free call and merges it with the
+    near keys' call by log-sum-exp (``far_and_near``); the output against the
+    reference kernel's over the whole dense bias, 300 keys in blocks of 32,
+    with and without a KV offset (170 queries)."""
+    monkeypatch.setattr(K, "CHUNK_SIZE", 32)
+    table = positions.build("t5bias", 4, 8, {"t5_buckets": 8, "t5_max_distance": 20}, NO_SCALING)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        table.method.table.weight.copy_(torch.randn(8, 4, generator=gen) * 3)
+    q = torch.randn(2, 4, q_len, 8, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 4, 300, 8, generator=gen).to(dtype) for _ in range(2))
+    with torch.no_grad(), mock.patch.object(K, "far_and_near", wraps=K.far_and_near) as spy:
+        got, _ = K.chunked_kernel(q, k, v, table, None, 0.0)
+        want, _ = K.reference_kernel(q.double(), k.double(), v.double(), table, None, 0.0)
+    assert spy.call_count >= q_len // 32 - 1
+    assert_close(got.float(), want.float(), dtype)

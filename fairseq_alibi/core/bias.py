@@ -445,6 +445,29 @@ def toeplitz_block(values: Callable[[Tensor, Tensor], Tensor], q_start: int, q_l
     return rows.flip(-2)
 
 
+def distance_ramp(far_to_near: Tensor, extra: int) -> Tensor:
+    """``[H, S + extra]``: a causal Toeplitz bias as one vector per head, its
+    values at distances ``S - 1`` down to 0 (``far_to_near`` ``[H, S]``: the
+    row of the last of ``S`` queries), then ``extra`` entries of ``-inf``
+    (keys right of a query).  Query ``a`` over key ``j`` reads entry ``S - 1 -
+    a + j``, so every block of the ``[H, T, S]`` bias is a view of it
+    (:func:`reversed_rows`), ``H x (S + extra)`` values where the bias has
+    ``H x T x S``."""
+    return torch.cat([far_to_near, far_to_near.new_full((far_to_near.size(0), extra), float("-inf"))], dim=-1)
+
+
+def reversed_rows(ramp: Tensor, q_start: int, rows: int, keys: int, k_len: int) -> Tensor:
+    """``[H, rows, keys]`` view of a :func:`distance_ramp` of ``k_len`` keys:
+    the bias of the queries at positions ``q_start + rows - 1`` down to
+    ``q_start`` (last query first) over keys ``0 .. keys - 1``.  Rows in
+    reverse order: a row reads the ramp forwards, so the next query's row
+    starts one entry earlier, and a view cannot step backwards; callers flip
+    their queries and outputs instead (``rows x D`` values, not ``rows x
+    keys``).  The ramp needs ``rows - 1`` entries of ``extra``."""
+    first = k_len - q_start - rows
+    return ramp.unfold(-1, keys, 1)[:, first: first + rows]
+
+
 class CausalMask(StackBias):
     """No bias: the causal mask alone (NoPE).  ``zero``: the kernels run
     bias-free causal attention where they can (SDPA's ``is_causal``); the dense

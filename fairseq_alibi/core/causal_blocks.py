@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .bias import distance_ramp, reversed_rows
 from .fox import gate_bias
 
 # Queries per block (see docs/performance.md): BLOCK with dropout, and the
@@ -127,7 +128,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
         k = k.contiguous()
         vs = (v / keep if dropout_p > 0 else v).contiguous()
         reverse = per_distance is not None
-        ramp = None if per_distance is None else _distance_ramp(per_distance, block, q.dtype)
+        ramp = None if per_distance is None else distance_ramp(per_distance.flip(-1).to(q.dtype), block)
         probs, kept_probs, outputs = [], [], []
         for start in range(0, q_len, block):
             stop = min(start + block, q_len)
@@ -170,7 +171,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
         dmask = None if ctx.mask_shape is None else qs.new_zeros(ctx.mask_shape)
         # FoX's c: + each block's row sums of dS at its queries, - its column sums at its keys
         dc = None if ctx.cumulative_shape is None else qs.new_zeros(ctx.cumulative_shape, dtype=torch.float32)
-        # a Toeplitz bias: the gradient of its ramp (_distance_ramp), one value per entry
+        # a Toeplitz bias: the gradient of its ramp (bias.distance_ramp), one value per entry
         dramp = None if ctx.distances is None else qs.new_zeros(
             (ctx.distances[0], ctx.distances[1] + ctx.block), dtype=torch.float32)
         dqs = []
@@ -200,7 +201,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
                 dc[:, :, offset + start: offset + stop] += ds.sum(-1, dtype=torch.float32)
                 dc[:, :, :visible] -= ds.sum(-2, dtype=torch.float32)
             if dramp is not None:
-                first = k_len - offset - stop  # the ramp entry of the block's first row (its last query), first key
+                first = k_len - offset - stop  # the ramp entry of the block's first row (its last query), key 0
                 dramp[:, first: first + stop - start + visible - 1] += _antidiagonal_sums(
                     ds.sum(0, dtype=torch.float32))
         dq = torch.cat(dqs, dim=2)
@@ -209,15 +210,6 @@ class _BlockedCausalAttention(torch.autograd.Function):
             dv.div_(ctx.keep)
         dd = None if dramp is None else dramp[:, :k_len].flip(-1)
         return dq, dk, dv, dmask, None, None, dc, None, dd
-
-
-def _distance_ramp(per_distance: Tensor, block: int, dtype) -> Tensor:
-    """``[H, S + block]``: a Toeplitz bias's values from distance ``S - 1``
-    down to 0, then ``-inf`` (keys right of a query), in ``dtype``.  Query
-    ``a`` over key ``j`` reads entry ``S - 1 - a + j``, so a block's rows are
-    windows of it (:func:`_block_bias`)."""
-    far_to_near = per_distance.flip(-1).to(dtype)
-    return torch.cat([far_to_near, far_to_near.new_full((far_to_near.size(0), block), float("-inf"))], dim=-1)
 
 
 def _antidiagonal_sums(m: Tensor) -> Tensor:
@@ -238,13 +230,12 @@ def _block_bias(mask: Optional[Tensor], cumulative: Optional[Tensor], ramp: Opti
     ``k_len`` keys, ``offset`` before the first query) over keys ``0 .. visible - 1``: the slice of the dense
     ``mask`` ``[B or 1, H, T, S]``; FoX's ``c_i - c_j`` of ``cumulative``
     (``-inf`` right of each query); a Toeplitz ``ramp``'s view
-    (:func:`_distance_ramp`; rows in reverse order); the last two plus
+    (``bias.reversed_rows``: rows in reverse order); the last two plus
     ``mask`` where there is one, then only the ``[B, 1, 1, S]`` padding mask."""
     if cumulative is not None:
         bias = gate_bias(cumulative, offset + start, stop - start, visible).to(dtype)
     elif ramp is not None:
-        first = k_len - offset - stop  # the entry of the last query's first key: its row comes first
-        bias = ramp.unfold(-1, visible, 1)[:, first: first + stop - start]
+        bias = reversed_rows(ramp, offset + start, stop - start, visible, k_len)
     else:
         return mask[:, :, start:stop, :visible]
     return bias if mask is None else bias + mask[..., :visible]

@@ -18,8 +18,9 @@ and keeps it in the bias object's cache:
 * ``flex``: FlexAttention (``flex.py``; compiled, on CUDA forward and backward,
   on the CPU forward only), ALiBi as a ``score_mod`` with a cached causal block
   mask: nothing ``T x T`` is materialized; no attention dropout, no learned slopes;
-* ``chunked``: queries in blocks, each block's bias a view of one cached ramp,
-  so memory grows linearly with the length (long evaluation); no dropout;
+* ``chunked``: queries in blocks, each block's bias a view of one cached
+  vector per head, so memory grows linearly with the length (long
+  evaluation); no dropout;
 * ``blocked``: causal attention in query blocks that only compute the keys they
   can see (``causal_blocks.py``), for CPU training (a learned bias's gradient
   block by block, never ``[B, H, T, T]``; FoX's ``c_i - c_j`` built per block
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .alibi import reach, scaled_slopes
-from .bias import StackBias, padding_mask
+from .bias import StackBias, distance_ramp, padding_mask, reversed_rows
 from .errors import ConfigError
 from .causal_blocks import SKIPPED_SHARE, blocked_causal_attention, head_groups, negligible_gap  # noqa: F401
 from .flex import flex_available, flex_kernel
@@ -52,8 +53,8 @@ Kernel = Callable[[Tensor, Tensor, Tensor, StackBias, Optional[Tensor], float], 
 
 # Inference with more query x key pairs than this is "long" (auto: chunked).
 CHUNK_THRESHOLD = 1024 * 1024
-# Queries per block of the chunked kernel; its ramp is H x CHUNK_SIZE x
-# (T + CHUNK_SIZE) values (docs/performance.md has the measurement behind it).
+# Queries per block of the chunked kernel (its ramp: H x (T + CHUNK_SIZE)
+# values; docs/performance.md has the measurement behind the size).
 CHUNK_SIZE = 256
 
 
@@ -115,28 +116,14 @@ def _dense(q, k, bias: StackBias) -> Tensor:
 
 
 # ----------------------------------------------------------------- chunked
-def chunk_ramp(bias: StackBias, rows: int, k_len: int, dtype, device) -> Tuple[int, Tensor]:
-    """(``P``, ramp ``R[h, i, j] = bias of distance P + i - j``) of a causal
-    stack, cached: ``rows`` x ``P + rows`` values with ``P = k_len - 1`` (the
-    slopes of a ``k_len``-key forward).  A causal bias that depends on ``query -
-    key`` only (``Scaling.relative``) makes the block of queries ``s .. s + q - 1``
-    over keys ``0 .. visible - 1`` the view ``R[:, :q, P - s : P - s + visible]``:
-    built once per forward, shared by every layer and block, linear in the length."""
-    top = k_len - 1
-    width = (top + rows + 7) // 8 * 8  # aligned rows for CUDA kernels
-
-    def build() -> Tensor:
-        # Toeplitz: row i is row i + 1 shifted by one key, so one bias row (the
-        # last query's, over rows - 1 + width keys) copied row by row makes the
-        # ramp, 2-3x faster than evaluating the bias at every entry
-        last = bias.block(top + rows - 1, 1, k_len, dtype, device, keys=width + rows - 1)[:, 0]
-        ramp = last.new_empty(last.size(0), rows, width)
-        for i in range(rows):
-            ramp[:, i] = last[:, rows - 1 - i : rows - 1 - i + width]
-        return ramp
-
-    key = (k_len, rows, dtype, str(device), bias.scaling.factor_at(k_len))
-    return top, bias.cached("ramp", key, build)
+def toeplitz_ramp(bias: StackBias, k_len: int, extra: int, dtype, device) -> Tensor:
+    """The :func:`bias.distance_ramp` of a causal stack whose bias depends on
+    ``query - key`` only (``Scaling.relative``: the slopes of a ``k_len``-key
+    forward), cached: one vector per head, its values from the last query's
+    row, of which every block of queries is a view (:func:`bias.reversed_rows`),
+    shared by every layer and block, linear in the length."""
+    key = (k_len, extra, dtype, str(device), bias.scaling.factor_at(k_len))
+    return bias.cached("ramp", key, lambda: distance_ramp(bias.block(k_len - 1, 1, k_len, dtype, device)[:, 0], extra))
 
 
 #: Key windows start at multiples of this (fewer distinct head groups per block).
@@ -243,6 +230,42 @@ def sliding_windows(bias: StackBias, heads: int, offset: int) -> Optional[Callab
     return first
 
 
+def constant_tail(ramp: Tensor, k_len: int) -> Optional[Tuple[int, Tensor]]:
+    """``(D, far)`` where every head's bias is one value ``far[h]`` (float32
+    ``[H]``) at every distance from ``D`` to ``k_len - 1`` (T5's last bucket
+    from its max distance, a capped ALiBi from its cap), read from the
+    :func:`toeplitz_ramp` (distances ``k_len - 1`` down to 0); None where only
+    the farthest distance has its value (ALiBi, Kerple)."""
+    far_to_near = ramp[:, :k_len]
+    shared = int((far_to_near == far_to_near[:, :1]).all(0).int().cumprod(0).sum())
+    # from distance 1 at least: a block's near part keeps each query's own key (no row without a key)
+    return (max(k_len - shared, 1), far_to_near[:, 0].float()) if shared > 1 else None
+
+
+_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def far_and_near(q: Tensor, k: Tensor, v: Tensor, near: int, far: Tensor, mask: Tensor) -> Tensor:
+    """Attention of the queries ``q`` (one block) over keys ``0 .. near - 1``,
+    which all share the bias ``far`` (``[H, 1]``, one per head), and keys
+    ``near ..`` with their bias ``mask``: two flash calls, the first without
+    a mask (bias-free attention's speed over most keys of a long input), merged
+    by their log-sum-exps.  Exact: ``softmax`` over the union is the two parts'
+    softmaxes weighted by ``exp(lse_part - lse)``, ``far`` added to the first
+    part's log-sum-exp; the merge weighs each part by its log-sum-exp, which
+    the kernel returns rounded to float32 (its largest score included), so a
+    row whose scores reach 100 gets weights within ~1e-5 (relative), where one
+    call rounds each weight alone.  Inference only (the log-sum-exps carry no
+    gradient)."""
+    visible = near + mask.size(-1)
+    o_far, lse_far = _flash_forward(q, k[:, :, :near], v[:, :, :near])
+    o_near, lse_near = _flash_forward(q, k[:, :, near:visible], v[:, :, near:visible], attn_mask=mask)
+    lse_far = lse_far + far
+    lse = torch.logaddexp(lse_far, lse_near)
+    merged = o_far.float() * (lse_far - lse).exp()[..., None] + o_near.float() * (lse_near - lse).exp()[..., None]
+    return merged.to(q.dtype)
+
+
 def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
     """Queries in blocks of ``chunk_size`` (default ``CHUNK_SIZE``); each block's
     bias a view of the shared ramp (causal) or built on the fly (bidirectional,
@@ -250,9 +273,11 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
     the dense kernels, so dynamic scaling agrees across kernels).  Causal blocks
     read only the keys they can see, and each head only those within its
     :func:`key_windows` (exact to the dtype: the others together weigh less
-    than 2^-16 of its rounding unit).  Ramp views run head by head: one head's
-    plane of the ramp (``chunk_size x T`` values) stays in cache across its
-    blocks, all heads' do not (~15% faster at 8K than block by block)."""
+    than 2^-16 of its rounding unit).  A causal Toeplitz bias's blocks are
+    views of one vector per head (:func:`toeplitz_ramp`), their query rows in
+    reverse order (the block's queries and output are flipped instead), and
+    where the bias is one value past some distance (:func:`constant_tail`,
+    T5's buckets) the keys past it run without a mask (:func:`far_and_near`)."""
     chunk_size = chunk_size or CHUNK_SIZE
     k, v = _contiguous(k, v)
     q_len, k_len = q.size(2), k.size(2)
@@ -267,14 +292,17 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
     # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
     out = q.new_empty(q_len, q.size(0), q.size(1), v.size(-1))
 
-    def attend_block(start: int, heads: slice, first: int, mask: Tensor) -> None:
+    def attend_block(start: int, heads: slice, first: int, mask: Tensor, reverse: bool = False) -> None:
         """Queries ``start ..`` of ``heads`` against keys ``first ..``; ``mask``
-        is their bias over every key they see (its shape gives both extents)."""
+        is their bias over every key they see (its shape gives both extents),
+        its rows in reverse order where ``reverse``."""
         stop, visible = start + mask.size(-2), mask.size(-1)
         mask = mask if pad is None else mask + pad[..., :visible]
-        out[start:stop, :, heads] = F.scaled_dot_product_attention(
-            q[:, heads, start:stop], k[:, heads, first:visible], v[:, heads, first:visible],
-            attn_mask=mask[..., first:]).permute(2, 0, 1, 3)
+        queries = q[:, heads, start:stop]
+        block_out = F.scaled_dot_product_attention(
+            queries.flip(2) if reverse else queries, k[:, heads, first:visible], v[:, heads, first:visible],
+            attn_mask=mask[..., first:])
+        out[start:stop, :, heads] = (block_out.flip(2) if reverse else block_out).permute(2, 0, 1, 3)
 
     def extent(start: int) -> Tuple[int, int]:
         """(queries, keys they see) of the block from ``start``."""
@@ -282,12 +310,21 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
         return rows, offset + start + rows if causal else k_len
 
     if causal and bias.toeplitz:
-        top, ramp = chunk_ramp(bias, chunk_size, k_len, q.dtype, q.device)
-        for h in range(q.size(1)):
-            for start, first in zip(starts, (f[h] for f in firsts)):
-                rows, visible = extent(start)
-                column = top - (offset + start)
-                attend_block(start, slice(h, h + 1), first, ramp[None, h : h + 1, :rows, column : column + visible])
+        ramp = toeplitz_ramp(bias, k_len, chunk_size, q.dtype, q.device)
+        # keys at least D from every query of a block share one bias: no mask for them (T5's buckets, a cap)
+        skips = any(any(f) for f in firsts)
+        tail = constant_tail(ramp, k_len) if pad is None and not skips and not torch.is_grad_enabled() else None
+        for start, block_firsts in zip(starts, firsts):
+            rows, visible = extent(start)
+            block = reversed_rows(ramp, offset + start, rows, visible, k_len)[None]  # last query first
+            near = offset + start - tail[0] + 1 if tail else 0  # keys before it: the far bias
+            if near > 0:
+                block_out = far_and_near(q[:, :, start:start + rows].flip(2), k, v, near, tail[1][:, None],
+                                         block[..., near:])
+                out[start:start + rows] = block_out.flip(2).permute(2, 0, 1, 3)
+                continue
+            for heads, first in head_groups(block_firsts):
+                attend_block(start, heads, first, block[:, heads], reverse=True)
     else:
         for start, block_firsts in zip(starts, firsts):
             rows, visible = extent(start)
