@@ -245,3 +245,24 @@ def test_the_fox_kernel_benchmark_times_every_case_in_a_tiny_run(tmp_path):
         assert len(row["seconds"]) == 2 and row["median_s"] == pytest.approx(statistics.median(row["seconds"]))
         alibi = next(r for r in rows if r["case"] == "alibi" and r["dropout"] == row["dropout"])
         assert row["ratio"] == pytest.approx(row["median_s"] / alibi["median_s"])
+
+
+def test_the_position_kernels_benchmark_times_every_method_of_the_registry(tmp_path):
+    """``benchmarks/position_kernels.py`` on a tiny setting: every method of the
+    registry (the hybrid's layer kinds, FoX's gates from an input) in a row per
+    column (two dropouts, one evaluation length), each timed every repeat, the
+    ratio the one of the medians to ALiBi's."""
+    import position_kernels
+
+    out = tmp_path / "kernels.json"
+    assert position_kernels.main(["--length", "40", "--batch", "1", "--heads", "2", "--head-dim", "8",
+                                  "--repeats", "2", "--dropout", "0", "0.2", "--eval-length", "90",
+                                  "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    columns = ["train, dropout 0", "train, dropout 0.2", "eval 90 tokens"]
+    methods = ["alibi"] + [m for m in position_kernels.P.POSITIONS if m != "alibi"]
+    assert [(r["method"], r["column"]) for r in rows] == [(m, c) for m in methods for c in columns]
+    for row in rows:
+        assert len(row["seconds"]) == 2 and row["median_s"] == pytest.approx(statistics.median(row["seconds"]))
+        alibi = next(r for r in rows if r["method"] == "alibi" and r["column"] == row["column"])
+        assert row["ratio"] == pytest.approx(row["median_s"] / alibi["median_s"])

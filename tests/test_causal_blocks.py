@@ -6,6 +6,7 @@ multiple of the block, with and without attention dropout."""
 from __future__ import annotations
 
 import itertools
+import math
 from unittest import mock
 
 import pytest
@@ -511,3 +512,21 @@ def test_softmax_above_floor_drops_only_what_weighs_nothing(dtype):
     if dtype != torch.float64:
         assert bool(((plain > 0) & (plain < torch.finfo(dtype).tiny)).any())
     assert int((got == 0).sum()) > int((expected == 0).sum())
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 2.0, 3.0])
+def test_may_underflow_is_a_sound_bound(scale):
+    """``kernels.may_underflow``: where it says no row can reach a subnormal
+    weight, no row's scores (content plus a bias of the given span) spread
+    past -ln(tiny); an unknown span (inf) always may; the bound is not vacuous
+    (small inputs pass, large ones do not)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k = (scale * torch.randn(2, 3, 50, 16, generator=gen) for _ in range(2))
+    span = 10.0
+    scores = q @ k.transpose(-1, -2) / 4
+    spread = float((scores.amax(-1) - scores.amin(-1)).max()) + span
+    verdict = K.may_underflow(q, k, span)
+    if not verdict:
+        assert spread < -math.log(torch.finfo(torch.float32).tiny)
+    assert K.may_underflow(q, k, float("inf"))
+    assert verdict == (scale >= 3.0), (scale, spread)

@@ -272,8 +272,9 @@ def blocked_causal_attention(
     gates would otherwise fill the block with subnormal ``exp`` values, which
     the CPU computes many times slower).  The explicit path (dropout, a
     learned bias) does the same per row (:func:`_softmax_above_floor`) unless
-    the caller knows the bias cannot be steep (``steep=False``: no bias, where
-    the floor's passes would cost 4% for nothing).  A learned Toeplitz bias
+    the caller knows that no row's scores span far enough for a subnormal
+    weight (``steep=False``: ``kernels.may_underflow``; there the floor's
+    passes would cost 4% to 13% for nothing).  A learned Toeplitz bias
     (T5's, Kerple's, FIRE's below its threshold): ``per_distance`` ``[H, S]``,
     its values at distances ``0 .. S - 1``, instead of a dense bias, ``mask``
     then padding or None; it takes the explicit path and gets a gradient per

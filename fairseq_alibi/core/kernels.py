@@ -95,12 +95,30 @@ def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
                                         cumulative=bias.cumulative, floor=floor), None
     per_distance = bias.per_distance(k.size(2), q.device) if bias.learned and torch.is_grad_enabled() else None
     if per_distance is not None:  # a learned Toeplitz bias: its values and gradient per distance, never [H, T, S]
+        values = per_distance.detach()
         return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p,
-                                        per_distance=per_distance), None
+                                        per_distance=per_distance,
+                                        steep=may_underflow(q, k, float(values.max() - values.min()))), None
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     windows = key_windows(bias, q, k, k.size(2)) if key_padding_mask is None and dropout_p == 0 else None
     windows = windows or sliding_windows(bias, q.size(1), k.size(2) - q.size(2))
-    return blocked_causal_attention(q, k, v, mask, dropout_p, windows=windows, steep=not bias.zero), None
+    return blocked_causal_attention(q, k, v, mask, dropout_p, windows=windows,
+                                    steep=may_underflow(q, k, 0.0 if bias.zero else math.inf)), None
+
+
+def may_underflow(q: Tensor, k: Tensor, bias_span: float) -> bool:
+    """Whether some row's scores may spread so far that ``exp`` of the lowest
+    less the largest is a subnormal number (below ``-ln(tiny)``: 87.3 in
+    float32 and bfloat16): a content score lies within ``|q_i| K / sqrt(D)``
+    of 0 (``K`` the largest key norm), so a row spans at most twice the
+    largest of those plus ``bias_span``, the bias's own range (``inf`` where
+    not known).  Where it cannot, the explicit path's floor would only spend
+    its passes (4% to 13% of a call) and is skipped (``steep=False``); where
+    it may, the floor keeps the subnormal numbers out."""
+    if math.isinf(bias_span):
+        return True
+    content = 2 * q.detach().norm(dim=-1).amax() * k.detach().norm(dim=-1).amax() * q.size(-1) ** -0.5
+    return float(content) + bias_span >= -math.log(torch.finfo(q.dtype).tiny)
 
 
 def _contiguous(*tensors: Tensor) -> List[Tensor]:

@@ -1,0 +1,144 @@
+"""Every position method's attention call alone, in CPU training and in long
+evaluation: the part of an update or a forward that the position method
+changes, where ``positions_cost.py`` times whole models.
+
+    python benchmarks/position_kernels.py                     # T = 1024, B = 4, 4 heads of 64
+    python benchmarks/position_kernels.py --length 2048 --batch 2 --eval-length 16384 --repeats 7
+    python benchmarks/position_kernels.py --methods alibi t5bias --dropout 0 --eval-length
+
+One call is what a layer runs between its projections: the method's
+rotation of queries and keys (rotary, rnope), its bias built for the pass
+(T5, Kerple, FIRE; FoX's gates from a random input), ``kernels.attend`` with
+``alibi_attention=auto`` (the kernel a model runs: ``blocked`` in CPU training,
+``chunked`` or SDPA in evaluation) and, in training, the backward pass into
+q, k, v and the method's parameters.  The hybrid (rnope) alternates its two
+layer kinds call by call, as a stack of ``rnope_nope_every`` layers would run
+them (one NoPE call per group).  Weights are each method's initial ones, q, k
+and v random normal (ALiBi's key windows and FoX's depend on them: a trained
+model skips a different share of the keys).
+
+Time is CPU time of this process (``time.process_time``, one thread); the
+cases of a repeat alternate (A B C, then C B A, ...).  The table gives each
+method's median and its ratio to ALiBi's median.  Words per second of whole
+models: ``positions_cost.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_description, median  # noqa: E402
+
+from fairseq_alibi.core import kernels  # noqa: E402
+from fairseq_alibi.core import positions as P  # noqa: E402
+from fairseq_alibi.core.scaling import Scaling  # noqa: E402
+
+
+class Case:
+    """One method's position object(s), built as a layer stack of ``heads``
+    heads of ``head_dim`` trained at ``length`` would build them."""
+
+    def __init__(self, method: str, heads: int, head_dim: int, length: int):
+        entry = P.position(method)
+        params = {p.name: p.default for p in entry.params}
+        self.stack = P.build(method, heads, head_dim, params, Scaling("none", train_length=length))
+        depth = getattr(self.stack, "nope_every", 1)  # one group of a hybrid's layers, else one layer
+        self.stack.fit_depth(max(2, depth))
+        self.layers = [self.stack.at_layer(i).for_layer() for i in range(depth)]
+        self.calls = 0
+        self.embed_dim = heads * head_dim
+
+    def seconds(self, q, k, v, weight, dropout: float, train: bool) -> float:
+        """CPU seconds of one call (and its backward where ``train``)."""
+        layer = self.layers[self.calls % len(self.layers)]
+        self.calls += 1
+        self.stack.start_pass()
+        with torch.set_grad_enabled(train):
+            leaves = [t.clone().requires_grad_(train) for t in (q, k, v)]
+            x = torch.randn(q.size(2), q.size(0), self.embed_dim)  # the layer's input: FoX's gates read it
+            start = time.process_time()
+            bias, _ = layer.bind(x, None, None)
+            rq, rk = bias.rotate(leaves[0], leaves[1], 0, k.size(2))
+            out, _ = kernels.attend(rq, rk, leaves[2], bias, "auto", None, dropout)
+            if train:
+                (out * weight).sum().backward()
+            return time.process_time() - start
+
+
+def measure(methods, shape, dropout: float, train: bool, repeats: int, length: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, weight = (torch.randn(shape, generator=gen) for _ in range(4))
+    cases = {m: Case(m, shape[1], shape[3], length) for m in methods}
+    for case in cases.values():  # warm-up
+        case.seconds(q, k, v, weight, dropout, train)
+    times = {m: [] for m in methods}
+    for r in range(repeats):
+        for m in (methods if r % 2 == 0 else methods[::-1]):
+            times[m].append(cases[m].seconds(q, k, v, weight, dropout, train))
+    return times
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", choices=tuple(P.POSITIONS), default=list(P.POSITIONS),
+                   help="the methods (alibi, every ratio's reference, is always measured)")
+    p.add_argument("--length", type=int, default=1024, help="training length L (tokens per row)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dropout", type=float, nargs="*", default=[0.0, 0.1], help="attention dropout, training")
+    p.add_argument("--eval-length", type=int, nargs="*", default=[8192],
+                   help="evaluation lengths (batch 1, no grad); none: training only")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", help="write every measurement here too")
+    args = p.parse_args(argv)
+    for name in ("length", "batch", "heads", "head_dim", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if any(not 0 <= d < 1 for d in args.dropout):
+        p.error("--dropout values must be in [0, 1)")
+    if any(n < 1 for n in args.eval_length):
+        p.error("--eval-length values must be at least 1")
+    methods = ["alibi"] + [m for m in args.methods if m != "alibi"]
+    torch.set_num_threads(args.threads)
+    print(f"position_kernels: L={args.length}, B={args.batch}, {args.heads} heads of {args.head_dim}, "
+          f"{args.threads} thread(s); {machine_description()}", file=sys.stderr)
+    columns, rows = [], []
+    for dropout in args.dropout:
+        columns.append((f"train, dropout {dropout:g}", measure(
+            methods, (args.batch, args.heads, args.length, args.head_dim), dropout, True, args.repeats, args.length)))
+        print(f"[position_kernels] {columns[-1][0]} done", file=sys.stderr)
+    for n in args.eval_length:
+        columns.append((f"eval {n} tokens", measure(
+            methods, (1, args.heads, n, args.head_dim), 0.0, False, args.repeats, args.length)))
+        print(f"[position_kernels] {columns[-1][0]} done", file=sys.stderr)
+    command = " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"Command: `python benchmarks/position_kernels.py {command}`\n")
+    print("CPU seconds per call (median of " f"{args.repeats}), and / ALiBi:\n")
+    print("| method | " + " | ".join(f"{name}, s | / ALiBi" for name, _ in columns) + " |")
+    print("|---|" + "---|---|" * len(columns))
+    for m in methods:
+        cells = []
+        for name, times in columns:
+            med = median(times[m])
+            ratio = med / median(times["alibi"])
+            cells.append(f"{med:.3f} | {ratio:.2f}")
+            rows.append({"method": m, "column": name, "seconds": times[m], "median_s": med, "ratio": ratio})
+        print(f"| {m} | " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
