@@ -7,6 +7,7 @@ that only holds a dictionary of the requested size.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import subprocess
@@ -92,3 +93,32 @@ def median(values):
     values = sorted(values)
     n = len(values)
     return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
+
+
+def kernel_parser(description: str, dropout_nargs: str = "+") -> argparse.ArgumentParser:
+    """The options of a benchmark of one attention call (``fox_kernel.py``,
+    ``position_kernels.py``): its shape, attention dropouts, repeats, threads,
+    a JSON file; :func:`parse_kernel_args` checks them."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--length", type=int, default=1024, help="tokens per row (training length L)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dropout", type=float, nargs=dropout_nargs, default=[0.0, 0.1], help="attention dropout")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", help="write every measurement here too")
+    return p
+
+
+def parse_kernel_args(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """``p``'s arguments, each size at least 1 and each dropout in [0, 1)
+    (``p.error`` otherwise); sets torch's thread count."""
+    args = p.parse_args(argv)
+    for name in ("length", "batch", "heads", "head_dim", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if any(not 0 <= d < 1 for d in args.dropout):
+        p.error("--dropout values must be in [0, 1)")
+    torch.set_num_threads(args.threads)
+    return args

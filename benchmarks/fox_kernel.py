@@ -22,7 +22,6 @@ ALiBi's median.  Words per second of whole models: ``positions_cost.py``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -32,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_description, median  # noqa: E402
+from common import kernel_parser, machine_description, median, parse_kernel_args  # noqa: E402
 
 from fairseq_alibi.core import kernels  # noqa: E402
 from fairseq_alibi.core.bias import AlibiBias  # noqa: E402
@@ -59,23 +58,7 @@ def seconds(case: str, q, k, v, weight, dropout: float) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--length", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", help="write every measurement here too")
-    args = p.parse_args(argv)
-    for name in ("length", "batch", "heads", "head_dim", "repeats", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if any(not 0 <= d < 1 for d in args.dropout):
-        p.error("--dropout values must be in [0, 1)")
-    torch.set_num_threads(args.threads)
+    args = parse_kernel_args(kernel_parser(__doc__.split("\n\n")[0]), argv)
     gen = torch.Generator().manual_seed(0)
     shape = (args.batch, args.heads, args.length, args.head_dim)
     q, k, v, weight = (torch.randn(shape, generator=gen) for _ in range(4))

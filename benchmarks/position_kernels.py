@@ -25,7 +25,6 @@ models: ``positions_cost.py``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -34,7 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_description, median  # noqa: E402
+from common import kernel_parser, machine_description, median, parse_kernel_args  # noqa: E402
 
 from fairseq_alibi.core import kernels  # noqa: E402
 from fairseq_alibi.core import positions as P  # noqa: E402
@@ -86,30 +85,15 @@ def measure(methods, shape, dropout: float, train: bool, repeats: int, length: i
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = kernel_parser(__doc__.split("\n\n")[0], dropout_nargs="*")
     p.add_argument("--methods", nargs="+", choices=tuple(P.POSITIONS), default=list(P.POSITIONS),
                    help="the methods (alibi, every ratio's reference, is always measured)")
-    p.add_argument("--length", type=int, default=1024, help="training length L (tokens per row)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dropout", type=float, nargs="*", default=[0.0, 0.1], help="attention dropout, training")
     p.add_argument("--eval-length", type=int, nargs="*", default=[8192],
                    help="evaluation lengths (batch 1, no grad); none: training only")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", help="write every measurement here too")
-    args = p.parse_args(argv)
-    for name in ("length", "batch", "heads", "head_dim", "repeats", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if any(not 0 <= d < 1 for d in args.dropout):
-        p.error("--dropout values must be in [0, 1)")
+    args = parse_kernel_args(p, argv)
     if any(n < 1 for n in args.eval_length):
         p.error("--eval-length values must be at least 1")
     methods = ["alibi"] + [m for m in args.methods if m != "alibi"]
-    torch.set_num_threads(args.threads)
     print(f"position_kernels: L={args.length}, B={args.batch}, {args.heads} heads of {args.head_dim}, "
           f"{args.threads} thread(s); {machine_description()}", file=sys.stderr)
     columns, rows = [], []
