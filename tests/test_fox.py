@@ -10,7 +10,7 @@ import torch
 
 import fairseq_alibi.models  # noqa: F401  (registers the models)
 from fairseq_alibi.core import kernels
-from fairseq_alibi.core.fox import ForgetGates, GateBias, LayerForgetGate
+from fairseq_alibi.core.fox import ForgetGates, GateBias, LayerForgetGate, log_gates
 from fairseq_alibi.core.scaling import Scaling
 from fairseq_alibi.models.attention import PositionMultiheadAttention
 
@@ -239,6 +239,30 @@ def test_fox_init_slopes_starts_each_gate_at_exp_minus_k_slope_and_with_zero_wei
         alibi.decoder.positions.base_slopes.mul_(k)
         ids = tokens(2 * TRAIN)
         torch.testing.assert_close(fox.decoder(ids)[0], alibi.decoder(ids)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_data_independent_gates_stay_constant_per_head_and_learn_their_bias(data_dir):
+    """``--fox-data-dependent 0`` (with ``--fox-init-slopes 1``): every layer's
+    gate weight is 0 and gets no gradient, so after an optimizer step each
+    head's gate is still one value for every token (ALiBi with learned
+    slopes), while the gate biases did learn."""
+    fresh = ForgetGates(HEADS, 256, Scaling(), 1.0, data_dependent=False).for_layer().proj
+    assert not fresh.weight.requires_grad and torch.equal(fresh.weight, torch.zeros_like(fresh.weight))
+    fox = build(data_dir, "fox", "--fox-data-dependent", "0", "--fox-init-slopes", "1").train()
+    gates = [layer.self_attn.forget_gate.proj for layer in fox.decoder.layers]
+    with torch.no_grad():  # build moved every parameter off its init
+        for g in gates:
+            g.weight.zero_()
+    assert all(not g.weight.requires_grad for g in gates)
+    before = [g.bias.detach().clone() for g in gates]
+    optimizer = torch.optim.SGD([p for p in fox.parameters() if p.requires_grad], lr=1.0)
+    fox.decoder(tokens(TRAIN))[0].float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    assert all(g.weight.grad is None and torch.equal(g.weight, torch.zeros_like(g.weight)) for g in gates)
+    assert all(not torch.equal(g.bias, b) for g, b in zip(gates, before))
+    x = torch.randn(TRAIN, 2, gates[0].in_features)
+    logf = log_gates(x, gates[0].weight, gates[0].bias)
+    assert torch.equal(logf, logf[..., :1].expand_as(logf))
 
 
 def test_the_gates_script_reads_each_layers_gates_from_a_checkpoint(data_dir, tmp_path, capsys):

@@ -4,6 +4,7 @@ forward, every kernel equal to the reference, extension methods that apply
 accepted and the others refused in one line."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -267,3 +268,34 @@ def test_position_models_refuse_flex_and_keep_no_dense_bias(data_dir):
         assert not positions.supports_flex
         with pytest.raises(Exception, match="flex has a score_mod for ALiBi"):
             kernels.check_kernel("flex", positions)
+
+
+def test_rotary_alibi_heads_add_alibi_to_the_first_heads_and_cache_as_the_full_forward(data_dir):
+    """``--rotary-alibi-heads 1`` (the retrieval diagnostic): the first
+    head's logits are RoPE's plus ``-m (i - j)`` with ALiBi's steepest slope
+    for 4 heads, the others RoPE's alone (the naive definition, fp64),
+    in a full forward and in one with a KV cache; the checkpoint cannot be
+    exported (no exported model holds the bias)."""
+    from fairseq_alibi.core.alibi import get_slopes
+
+    model = build(data_dir, "rotary", "--rotary-alibi-heads", "1")
+    attention = model.decoder.layers[0].self_attn
+    x = torch.randn(12, 2, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out, _ = attention(x, x, x, need_weights=False)
+        q, k, v = (proj(x).view(12, 2, 4, 8).permute(1, 2, 0, 3)
+                   for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
+        scores = naive_scores("rotary", attention.positions, q, k, x)
+        distance = (torch.arange(12)[:, None] - torch.arange(12)[None, :]).double()
+        scores[:, :1] -= get_slopes(4)[:1].double()[:, None, None] * distance
+        probs = torch.softmax(scores, -1)
+        expected = attention.out_proj((probs @ v.double()).float().permute(2, 0, 1, 3).reshape(12, 2, 32))
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        ids = tokens(3 * TRAIN)
+        full, _ = model.decoder(ids)
+        torch.testing.assert_close(incremental(model, ids), full, rtol=1e-4, atol=1e-4)
+    from fairseq_alibi.export.custom import refuse_unmappable
+    from fairseq_alibi.errors import ExportError
+
+    with pytest.raises(ExportError, match="rotary-alibi-heads"):
+        refuse_unmappable(types.SimpleNamespace(rotary_alibi_heads=1))

@@ -152,9 +152,10 @@ ROPE_KEYS = {"rotary_base": "rope_theta", "rotary_fraction": "partial_rotary_fac
 
 def hf_config(method, params):
     """The exported model's config of ``method`` with ``params``, spelled as the export writes it."""
-    if method == "rotary":
-        rope = {"rope_type": "default", **{ROPE_KEYS[name]: value for name, value in params.items()}}
-        return AlibiLMConfig(position_method=method, rope_parameters=rope)
+    if method == "rotary":  # rotary's own parameters in transformers' rope_parameters, the others as any method's
+        rope = {"rope_type": "default", **{ROPE_KEYS[name]: value for name, value in params.items() if name in ROPE_KEYS}}
+        others = {name: value for name, value in params.items() if name not in ROPE_KEYS}
+        return AlibiLMConfig(position_method=method, rope_parameters=rope, position_params=others or None)
     return AlibiLMConfig(position_method=method, position_params=params)
 
 

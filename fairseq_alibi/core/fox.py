@@ -142,27 +142,36 @@ class ForgetGates(_UnboundGates):
     """The stack's FoX object: no parameters of its own; each layer gets its
     own gate (:meth:`for_layer`), as the paper computes one per layer."""
 
-    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING, init_slopes: float = 0.0):
+    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING, init_slopes: float = 0.0,
+                 data_dependent: bool = True):
         StackBias.__init__(self, num_heads)
         self.embed_dim = embed_dim
         self.scaling = _check_fox_scaling(scaling)
         self.init_slopes = init_slopes
+        self.data_dependent = data_dependent
 
     def for_layer(self) -> "LayerForgetGate":
-        return LayerForgetGate(self.num_heads, self.embed_dim, self.scaling, self.init_slopes)
+        return LayerForgetGate(self.num_heads, self.embed_dim, self.scaling, self.init_slopes, self.data_dependent)
 
 
 class LayerForgetGate(nn.Module, _UnboundGates):
     """One layer's forget gates: ``proj`` (``embed_dim -> H``), saved in
-    checkpoints as ``self_attn.forget_gate.proj``."""
+    checkpoints as ``self_attn.forget_gate.proj``.  Not ``data_dependent``:
+    the projection's weight is 0 and frozen (no gradient), so each head's gate
+    is the learned constant ``sigmoid(b_h)``: ALiBi with learned slopes, the
+    paper's data-independent ablation (``fox_data_dependent=0``)."""
 
     layer_attribute = "forget_gate"
 
-    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING, init_slopes: float = 0.0):
+    def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING, init_slopes: float = 0.0,
+                 data_dependent: bool = True):
         nn.Module.__init__(self)
         StackBias.__init__(self, num_heads)
         self.proj = nn.Linear(embed_dim, num_heads)
-        nn.init.normal_(self.proj.weight, std=GATE_INIT_STD)
+        if data_dependent:
+            nn.init.normal_(self.proj.weight, std=GATE_INIT_STD)
+        else:
+            nn.init.zeros_(self.proj.weight).requires_grad_(False)
         with torch.no_grad():
             if init_slopes > 0:  # gates start at exp(-k m_h): (k times) ALiBi
                 self.proj.bias.copy_(slope_gate_bias(init_slopes * get_slopes(num_heads).double()))

@@ -75,7 +75,8 @@ def _alibi(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scali
 
 
 def _rotary(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
-    return RotaryPositions(num_heads, head_dim, params["rotary_base"], params["rotary_fraction"], scaling)
+    return RotaryPositions(num_heads, head_dim, params["rotary_base"], params["rotary_fraction"], scaling,
+                           params["rotary_alibi_heads"])
 
 
 def _t5bias(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
@@ -104,7 +105,8 @@ def _t5_distance(params: Dict[str, Any]) -> Optional[str]:
 
 
 def _fox(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
-    return ForgetGates(num_heads, num_heads * head_dim, scaling, params["fox_init_slopes"])
+    return ForgetGates(num_heads, num_heads * head_dim, scaling, params["fox_init_slopes"],
+                       bool(params["fox_data_dependent"]))
 
 
 def _rnope(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
@@ -135,7 +137,11 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
               Param("rotary_fraction", 1.0, "the fraction of each head's dimensions rotated",
                     Range(float, 0.0, 1.0, open_low=True),
                     note="partial rotary: rounded down to an even number of dimensions, so a "
-                         "15-dimension head rotates 14; the rest carry no position"))),
+                         "15-dimension head rotates 14; the rest carry no position"),
+              Param("rotary_alibi_heads", 0, "how many heads, steepest first, also get ALiBi's bias (a diagnostic: "
+                    "RoPE with a built-in recency head)", Range(int, 0, 1), SHAPE,
+                    note="1: the first head gets ALiBi's steepest slope for the model's heads; a model with it "
+                         "cannot be exported"))),
     Position("t5bias", "bias", PLAIN, "a learned scalar per (log-bucketed distance, head), one table for every "
              "layer (T5, Raffel et al. 2020)", _t5bias,
              (Param("t5_buckets", 32, "the number of T5 bias buckets, half exact distances and half logarithmic",
@@ -155,7 +161,10 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
              "b) per head and layer (the Forgetting Transformer, Lin et al. 2025)", _fox,
              (Param("fox_init_slopes", 0.0, "start each head's forget gate at exp(-k m_h), ALiBi's slope m_h "
                     "times this k, through the gate's bias", Range(float, 0.0, 64.0, open_low=True, special=(
-                        (0, "the authors' zero gate bias, gates near 0.5"),)), LEARNED),)),
+                        (0, "the authors' zero gate bias, gates near 0.5"),)), LEARNED),
+              Param("fox_data_dependent", 1, "whether each forget gate reads its token (1: sigmoid(w . x_t + b), "
+                    "the paper's) or is a learned constant per head (0: w fixed at 0, the paper's data-independent "
+                    "ablation: ALiBi with learned slopes)", Range(int, 0, 1), SHAPE))),
     Position("rnope", "hybrid", RNOPE_EXTENSIONS, "RoPE layers with a sliding window, every few layers a NoPE "
              "layer with full attention (RNoPE-SWA, Yang et al. 2025)", _rnope,
              (Param("rotary_base", DEFAULT_BASE, "RoPE's base in the RoPE layers", BASE_RANGE),

@@ -34,6 +34,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .alibi import get_slopes, positions as grid
 from .bias import CausalMask
 from .errors import ConfigError, ScalingError
 from .params import Range
@@ -216,11 +217,32 @@ class RotaryPositions(CausalMask):
     an approximation in incremental decoding (a static factor stays exact)."""
 
     def __init__(self, num_heads: int, head_dim: int, base: float = DEFAULT_BASE, fraction: float = 1.0,
-                 scaling: Scaling = NO_SCALING):
+                 scaling: Scaling = NO_SCALING, alibi_heads: int = 0):
         super().__init__(num_heads)
         self.rotary_dim = rotated_dims(head_dim, fraction)
         self.base = _check_base(base)
+        if not 0 <= alibi_heads <= num_heads:
+            raise ConfigError(f"rotary_alibi_heads={alibi_heads!r} is not valid with {num_heads} heads; it must be "
+                              f"between 0 and {num_heads}")
+        self.alibi_heads = alibi_heads
+        if alibi_heads:
+            self.zero = False  # a bias now: not SDPA's bias-free causal path
         self.rescale(scaling)
+
+    def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
+        """The causal mask; with ``alibi_heads``, the first (steepest) of
+        ALiBi's slopes for this many heads add ``-m_h (i - j)`` to as many
+        heads: a RoPE model with built-in recency heads, the diagnostic of
+        docs/retrieval.md (does RoPE retrieve late for want of a
+        previous-token head?).  Not extended by the spec's method (it scales
+        the frequencies)."""
+        mask = super().block(q_start, q_len, k_len, dtype, device, keys)
+        if self.alibi_heads:
+            query, key = grid(q_len, keys or k_len, q_start, device)
+            slopes = get_slopes(self.num_heads)[: self.alibi_heads].to(device)
+            distance = (query - key).clamp(min=0).to(torch.float32)
+            mask[: self.alibi_heads] -= (slopes[:, None, None] * distance).to(dtype)
+        return mask
 
     def rescale(self, scaling: Scaling) -> None:
         self.scaling = check_applies(scaling, "rotary", ROPE_METHODS + LOGIT_METHODS).complete()

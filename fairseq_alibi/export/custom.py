@@ -42,6 +42,9 @@ def hf_weights(model) -> Dict[str, object]:
 
 def refuse_unmappable(cfg) -> None:
     """One line for the fairseq options no Hugging Face layer here reproduces."""
+    if getattr(cfg, "rotary_alibi_heads", 0):
+        raise ExportError("a rotary model with ALiBi heads (--rotary-alibi-heads, a diagnostic) cannot be exported: "
+                          "neither GPT-NeoX nor this plugin's Hugging Face model holds the heads' bias")
     activation = cfg.activation_fn
     if activation not in ACTIVATIONS:
         raise ExportError(f"activation_fn {activation!r} cannot be exported (supported: {', '.join(ACTIVATIONS)}; "
