@@ -624,10 +624,11 @@ def test_cuda_dense_bias_rows_are_aligned():
 @pytest.mark.parametrize("q_len", [300, 170])
 def test_chunked_runs_a_constant_far_bias_without_a_mask_as_the_reference(dtype, q_len, monkeypatch):
     """T5's bias past its max distance (20 here) is one value per head: the
-    chunked kernel runs those keys in a mask-free call and merges it with the
-    near keys' call by log-sum-exp (``far_and_near``); the output against the
-    reference kernel's over the whole dense bias, 300 keys in blocks of 32,
-    with and without a KV offset (170 queries)."""
+    chunked kernel runs those keys without a mask and merges them with the
+    near keys by log-sum-exp: a full forward in one causal call plus a band
+    per block (``far_causal_and_band``), with a KV offset (170 queries) per
+    block (``far_and_near``); the output against the reference kernel's over
+    the whole dense bias, 300 keys in blocks of 32."""
     monkeypatch.setattr(K, "CHUNK_SIZE", 32)
     table = positions.build("t5bias", 4, 8, {"t5_buckets": 8, "t5_max_distance": 20}, NO_SCALING)
     gen = torch.Generator().manual_seed(2)
@@ -635,8 +636,24 @@ def test_chunked_runs_a_constant_far_bias_without_a_mask_as_the_reference(dtype,
         table.method.table.weight.copy_(torch.randn(8, 4, generator=gen) * 3)
     q = torch.randn(2, 4, q_len, 8, generator=gen).to(dtype)
     k, v = (torch.randn(2, 4, 300, 8, generator=gen).to(dtype) for _ in range(2))
-    with torch.no_grad(), mock.patch.object(K, "far_and_near", wraps=K.far_and_near) as spy:
+    path = "far_causal_and_band" if q_len == 300 else "far_and_near"
+    with torch.no_grad(), mock.patch.object(K, path, wraps=getattr(K, path)) as spy:
         got, _ = K.chunked_kernel(q, k, v, table, None, 0.0)
         want, _ = K.reference_kernel(q.double(), k.double(), v.double(), table, None, 0.0)
-    assert spy.call_count >= q_len // 32 - 1
+    assert spy.call_count == 1 if q_len == 300 else spy.call_count >= q_len // 32 - 1
     assert_close(got.float(), want.float(), dtype)
+
+
+def test_a_bias_constant_from_distance_1_keeps_each_query_s_own_key_in_the_band(monkeypatch):
+    """T5's zero-initialized table is one value at every distance: the band
+    of near keys is each query's own key alone (the far call has every other
+    key), still the reference's output."""
+    monkeypatch.setattr(K, "CHUNK_SIZE", 32)
+    table = positions.build("t5bias", 4, 8, {"t5_buckets": 8, "t5_max_distance": 20}, NO_SCALING)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 100, 8, generator=gen) for _ in range(3))
+    with torch.no_grad():
+        assert K.constant_tail(K.toeplitz_ramp(table, 100, 32, torch.float32, "cpu"), 100)[0] == 1
+        got, _ = K.chunked_kernel(q, k, v, table, None, 0.0)
+        want, _ = K.reference_kernel(q.double(), k.double(), v.double(), table, None, 0.0)
+    assert_close(got.float(), want.float(), torch.float32)
