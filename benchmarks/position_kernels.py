@@ -90,7 +90,12 @@ def main(argv=None) -> int:
                    help="the methods (alibi, every ratio's reference, is always measured)")
     p.add_argument("--eval-length", type=int, nargs="*", default=[8192],
                    help="evaluation lengths (batch 1, no grad); none: training only")
+    p.add_argument("--flush-denormal", action="store_true",
+                   help="flush subnormal numbers to zero (torch.set_flush_denormal; this thread only): what the "
+                        "explicit path's floor saves")
     args = parse_kernel_args(p, argv)
+    if args.flush_denormal and not torch.set_flush_denormal(True):
+        p.error("--flush-denormal: this CPU cannot flush subnormal numbers")
     if any(n < 1 for n in args.eval_length):
         p.error("--eval-length values must be at least 1")
     methods = ["alibi"] + [m for m in args.methods if m != "alibi"]
