@@ -238,6 +238,21 @@ def test_auto_trains_learned_biases_and_dropout_without_a_bias_on_blocked(method
     assert K.check_kernel("blocked", bias) == "blocked"
 
 
+def test_auto_trains_a_short_fixed_bias_without_dropout_on_sdpa():
+    """Up to SHORT_TRAINING queries a fixed bias without attention dropout
+    trains through SDPA with the dense bias (one call); longer, with dropout,
+    or a learned bias: blocked."""
+    alibi_bias, t5 = AlibiBias(4), build_stack("t5bias")
+
+    def choice(bias, q_len, dropout=0.0):
+        return K.choose_kernel("auto", bias, False, q_len, q_len, dropout, False, torch.device("cpu"))
+
+    assert choice(alibi_bias, K.SHORT_TRAINING) == "sdpa"
+    assert choice(alibi_bias, K.SHORT_TRAINING + 1) == "blocked"
+    assert choice(alibi_bias, 64, dropout=0.1) == "blocked"
+    assert choice(t5, 64) == "blocked"
+
+
 def build_stack(method, heads=4, head_dim=16):
     """The position object of ``method`` with its default params, trained at L = 64."""
     params = {param.name: param.default for param in positions.POSITIONS[method].params}

@@ -53,6 +53,12 @@ Kernel = Callable[[Tensor, Tensor, Tensor, StackBias, Optional[Tensor], float], 
 
 # Inference with more query x key pairs than this is "long" (auto: chunked).
 CHUNK_THRESHOLD = 1024 * 1024
+# CPU training of a fixed bias without attention dropout up to this many
+# queries runs SDPA with the dense bias, one call per layer: the blocked
+# kernel's calls per block and head cost more than they skip there, and it
+# wins from 512 on (the comparison's L = 64 trained 10% slower than the stock
+# model through it; docs/positions.md, "Speed and memory").
+SHORT_TRAINING = 256
 # Queries per block of the chunked kernel (its ramp: H x (T + CHUNK_SIZE)
 # values; docs/performance.md has the measurement behind the size).
 CHUNK_SIZE = 256
@@ -467,7 +473,8 @@ def choose_kernel(
     steep heads; a learned bias gets its gradient block by block; without a
     bias only with dropout, SDPA's causal flash kernel being as good without); ``chunked`` for long inference (linear memory, key windows);
     ``sdpa`` for everything else (bidirectional training, short inference,
-    KV-cache steps).  docs/performance.md has the measurements behind each choice.
+    KV-cache steps, CPU training of a fixed bias without dropout up to
+    ``SHORT_TRAINING`` queries).  docs/performance.md has the measurements behind each choice.
     """
     if need_weights:
         return "reference"
@@ -482,6 +489,8 @@ def choose_kernel(
         return "flex"
     if (cpu_training and bias.causal and not incremental and q_len > 1
             and (dropout_p > 0 or not bias.zero)):
+        if dropout_p == 0 and not bias.learned and q_len <= SHORT_TRAINING:
+            return "sdpa"  # one flash call with the cached dense bias beats the blocks' many small calls
         return "blocked"  # without a bias or dropout, SDPA's causal flash kernel does the same
     if bias.zero:
         return "sdpa"
