@@ -4,10 +4,12 @@
 
 One ALiBi attention layer (d=256, 8 heads), batch 1, no grad, the chunked path
 at several chunk sizes, repeated in rotating order; reports median wall and CPU
-time per size and the size of the shared bias ramp ([H, chunk, T + chunk] fp32,
-built once per forward; every block's bias is a view of it), which is what the
-chunk size adds to the peak memory (the SDPA scores of a block are tiled inside
-the kernel).
+time per size and the size of the shared bias ramp ([H, T + chunk] fp32, one
+vector per head, built once per forward; every block's bias is a view of it:
+``bias.reversed_rows``); the chunk size adds little else to the peak memory
+(the SDPA scores of a block are tiled inside the kernel).  Before 2026-11-28
+the ramp was [H, chunk, T + chunk], which the tables of docs/performance.md
+from before that date list.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def main():
                     wall[chunk].append(time.perf_counter() - t)
                     cpu[chunk].append(time.process_time() - c)
         for chunk in opts.chunks:
-            mib = opts.heads * chunk * (length + chunk) * 4 / 2**20
+            mib = opts.heads * (length + chunk) * 4 / 2**20
             print(f"| {length} | {chunk} | {median(wall[chunk]):.3f} | {median(cpu[chunk]):.3f} | {mib:.0f} |")
 
 
