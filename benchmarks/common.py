@@ -8,6 +8,7 @@ that only holds a dictionary of the requested size.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import subprocess
@@ -122,3 +123,10 @@ def parse_kernel_args(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
         p.error("--dropout values must be in [0, 1)")
     torch.set_num_threads(args.threads)
     return args
+
+
+def write_rows(path, args: argparse.Namespace, rows) -> None:
+    """``{"args": ..., "rows": ...}`` to ``path`` (``--json``), where given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)

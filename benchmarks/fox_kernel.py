@@ -22,7 +22,6 @@ ALiBi's median.  Words per second of whole models: ``positions_cost.py``.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -31,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import kernel_parser, machine_description, median, parse_kernel_args  # noqa: E402
+from common import kernel_parser, machine_description, median, parse_kernel_args, write_rows  # noqa: E402
 
 from fairseq_alibi.core import kernels  # noqa: E402
 from fairseq_alibi.core.bias import AlibiBias  # noqa: E402
@@ -82,9 +81,7 @@ def main(argv=None) -> int:
     print(f"Command: `python benchmarks/fox_kernel.py {command}`\n")
     print("| case | attention dropout | CPU s, forward + backward | / ALiBi |\n|---|---|---|---|")
     print("\n".join(lines))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    write_rows(args.json, args, rows)
     return 0
 
 

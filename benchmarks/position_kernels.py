@@ -25,7 +25,6 @@ models: ``positions_cost.py``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import kernel_parser, machine_description, median, parse_kernel_args  # noqa: E402
+from common import kernel_parser, machine_description, median, parse_kernel_args, write_rows  # noqa: E402
 
 from fairseq_alibi.core import kernels  # noqa: E402
 from fairseq_alibi.core import positions as P  # noqa: E402
@@ -123,9 +122,7 @@ def main(argv=None) -> int:
             cells.append(f"{med:.3f} | {ratio:.2f}")
             rows.append({"method": m, "column": name, "seconds": times[m], "median_s": med, "ratio": ratio})
         print(f"| {m} | " + " | ".join(cells) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    write_rows(args.json, args, rows)
     return 0
 
 
