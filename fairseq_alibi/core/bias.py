@@ -423,26 +423,19 @@ def toeplitz_block(values: Callable[[Tensor, Tensor], Tensor], q_start: int, q_l
     alone (``values(query, key)``, integer positions: T5's buckets, Kerple).
 
     Evaluated once per distance (``q_start + q_len`` values per head, not one
-    per pair) and laid out by ``unfold``: row ``i`` reads a window of one
-    vector ``w`` (the values from the farthest distance down to 0, then
-    ``-inf`` for the keys right of the query).  Autograd's gradient of
-    ``unfold`` sums the score gradient along each diagonal, so the backward
-    pass costs one pass over ``[H, q_len, keys]`` plus a per-distance gradient,
+    per pair) and laid out as the rows of one vector (:func:`distance_ramp`,
+    :func:`reversed_rows`, put back in query order: the dense form the
+    ``sdpa`` and ``reference`` kernels read).  Autograd's gradient of the
+    view sums the score gradient along each diagonal, so the backward pass
+    costs one pass over ``[H, q_len, keys]`` plus a per-distance gradient,
     where the pairwise form scatters every pair into the table.  The values
     are the pairwise form's, bit for bit (the same function of the same
     distances)."""
     far = q_start + q_len - 1  # the largest distance of the block
     distance = torch.arange(far, -1, -1, device=device, dtype=torch.int64)[:, None]  # far .. 0
-    per_distance = values(distance, torch.zeros(1, 1, dtype=torch.int64, device=device))[..., 0]
-    per_distance = per_distance.to(torch.float32)  # [H, far + 1]
-    # query i, key j reads w[j - i + far]: at most keys - 1 - q_start + far = keys + q_len - 2
-    right = keys + q_len - 1 - (far + 1)
-    if right >= 0:
-        w = torch.cat([per_distance, per_distance.new_full((per_distance.size(0), right), float("-inf"))], dim=-1)
-    else:
-        w = per_distance[:, : keys + q_len - 1]
-    rows = w.unfold(-1, keys, 1)  # [H, q_len, keys]: row r is w[r : r + keys], the query far - r
-    return rows.flip(-2)
+    far_to_near = values(distance, torch.zeros(1, 1, dtype=torch.int64, device=device))[..., 0].to(torch.float32)
+    ramp = distance_ramp(far_to_near, q_len + max(0, keys - far - 1))  # -inf for every key right of a query
+    return reversed_rows(ramp, q_start, q_len, keys, far + 1).flip(-2)
 
 
 def distance_ramp(far_to_near: Tensor, extra: int) -> Tensor:

@@ -274,7 +274,7 @@ def blocked_causal_attention(
     learned bias) does the same per row (:func:`_softmax_above_floor`) unless
     the caller knows that no row's scores span far enough for a subnormal
     weight (``steep=False``: ``kernels.may_underflow``; there the floor's
-    passes would cost 4% to 13% for nothing).  A learned Toeplitz bias
+    passes would cost time for nothing).  A learned Toeplitz bias
     (T5's, Kerple's, FIRE's below its threshold): ``per_distance`` ``[H, S]``,
     its values at distances ``0 .. S - 1``, instead of a dense bias, ``mask``
     then padding or None; it takes the explicit path and gets a gradient per

@@ -119,7 +119,7 @@ def may_underflow(q: Tensor, k: Tensor, bias_span: float) -> bool:
     of 0 (``K`` the largest key norm), so a row spans at most twice the
     largest of those plus ``bias_span``, the bias's own range (``inf`` where
     not known).  Where it cannot, the explicit path's floor would only spend
-    its passes (4% to 13% of a call) and is skipped (``steep=False``); where
+    its passes and is skipped (``steep=False``); where
     it may, the floor keeps the subnormal numbers out."""
     if math.isinf(bias_span):
         return True
