@@ -11,6 +11,7 @@ import torch
 import fairseq_alibi.models  # noqa: F401  (registers the models)
 from fairseq_alibi.core import kernels
 from fairseq_alibi.core.fox import ForgetGates, GateBias, LayerForgetGate, log_gates
+from fairseq_alibi.core.errors import ConfigError
 from fairseq_alibi.core.scaling import Scaling
 from fairseq_alibi.models.attention import PositionMultiheadAttention
 
@@ -263,6 +264,26 @@ def test_data_independent_gates_stay_constant_per_head_and_learn_their_bias(data
     x = torch.randn(TRAIN, 2, gates[0].in_features)
     logf = log_gates(x, gates[0].weight, gates[0].bias)
     assert torch.equal(logf, logf[..., :1].expand_as(logf))
+
+
+def test_gate_weights_started_at_zero_are_trained(data_dir):
+    """``--fox-gate-init-std 0``: the gates start as one value per head for
+    every token (weights exactly 0), but the weights take gradients and
+    move, unlike ``--fox-data-dependent 0``; with that option the spread is
+    refused in one sentence naming both."""
+    fresh = ForgetGates(HEADS, 256, Scaling(), 1.0, init_std=0.0).for_layer().proj
+    assert fresh.weight.requires_grad and torch.equal(fresh.weight, torch.zeros_like(fresh.weight))
+    spread = ForgetGates(HEADS, 256, Scaling(), 1.0, init_std=0.5).for_layer().proj
+    assert 0.4 < float(spread.weight.std()) < 0.6
+    fox = build(data_dir, "fox", "--fox-gate-init-std", "0", "--fox-init-slopes", "1", perturb=False).train()
+    gates = [layer.self_attn.forget_gate.proj for layer in fox.decoder.layers]
+    assert all(g.weight.requires_grad and torch.equal(g.weight, torch.zeros_like(g.weight)) for g in gates)
+    optimizer = torch.optim.SGD([p for p in fox.parameters() if p.requires_grad], lr=1.0)
+    fox.decoder(tokens(TRAIN))[0].float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    assert all(g.weight.grad is not None and bool(g.weight.ne(0).any()) for g in gates)
+    with pytest.raises(ConfigError, match="fox_gate_init_std=0.1 .* fox_data_dependent=0"):
+        build(data_dir, "fox", "--fox-gate-init-std", "0.1", "--fox-data-dependent", "0")
 
 
 def test_the_gates_script_reads_each_layers_gates_from_a_checkpoint(data_dir, tmp_path, capsys):

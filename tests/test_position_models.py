@@ -15,6 +15,7 @@ from fairseq_alibi import facts
 from fairseq_alibi.core import kernels, rotary
 from fairseq_alibi.core import positions as P
 from fairseq_alibi.core.bias import ModuleBias
+from fairseq_alibi.core.errors import ConfigError
 from fairseq_alibi.core.errors import ScalingError
 from fairseq_alibi.core.positions import POSITIONS
 from fairseq_alibi.core.scaling import Scaling
@@ -33,13 +34,15 @@ def data_dir(tmp_path_factory):
     return path
 
 
-def build(data_dir, position: str, *extra):
+def build(data_dir, position: str, *extra, perturb: bool = True):
     argv = [str(data_dir), "--task", "language_modeling", "--arch", facts.position_model(position),
             "--tokens-per-sample", str(TRAIN), "--decoder-layers", "2", "--decoder-embed-dim", "32",
             "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", *extra]
     cfg = fairseq_config(argv)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
+    if not perturb:
+        return model.eval()
     generator = torch.Generator().manual_seed(0)
     # learned position parameters away from their init, so they shape the scores: the stack's, and a layer's own
     learned = [model.decoder.positions] + [layer.self_attn.positions for layer in model.decoder.layers]
@@ -270,15 +273,17 @@ def test_position_models_refuse_flex_and_keep_no_dense_bias(data_dir):
             kernels.check_kernel("flex", positions)
 
 
-def test_rotary_alibi_heads_add_alibi_to_the_first_heads_and_cache_as_the_full_forward(data_dir):
-    """``--rotary-alibi-heads 1`` (the retrieval diagnostic): the first
-    head's logits are RoPE's plus ``-m (i - j)`` with ALiBi's steepest slope
-    for 4 heads, the others RoPE's alone (the naive definition, fp64),
-    in a full forward and in one with a KV cache; the checkpoint cannot be
-    exported (no exported model holds the bias)."""
+@pytest.mark.parametrize("alibi_heads", [1, 3])
+def test_rotary_alibi_heads_add_alibi_to_the_first_heads_and_cache_as_the_full_forward(data_dir, alibi_heads):
+    """``--rotary-alibi-heads n`` (the retrieval diagnostic): the first n
+    heads' logits are RoPE's plus ``-m_h (i - j)`` with the n steepest of
+    ALiBi's slopes for 4 heads, the others RoPE's alone (the naive
+    definition, fp64), in a full forward and in one with a KV cache; the
+    checkpoint cannot be exported (no exported model holds the bias); more
+    ALiBi heads than heads refused."""
     from fairseq_alibi.core.alibi import get_slopes
 
-    model = build(data_dir, "rotary", "--rotary-alibi-heads", "1")
+    model = build(data_dir, "rotary", "--rotary-alibi-heads", str(alibi_heads))
     attention = model.decoder.layers[0].self_attn
     x = torch.randn(12, 2, 32, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -287,7 +292,7 @@ def test_rotary_alibi_heads_add_alibi_to_the_first_heads_and_cache_as_the_full_f
                    for proj in (attention.q_proj, attention.k_proj, attention.v_proj))
         scores = naive_scores("rotary", attention.positions, q, k, x)
         distance = (torch.arange(12)[:, None] - torch.arange(12)[None, :]).double()
-        scores[:, :1] -= get_slopes(4)[:1].double()[:, None, None] * distance
+        scores[:, :alibi_heads] -= get_slopes(4)[:alibi_heads].double()[:, None, None] * distance
         probs = torch.softmax(scores, -1)
         expected = attention.out_proj((probs @ v.double()).float().permute(2, 0, 1, 3).reshape(12, 2, 32))
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
@@ -298,4 +303,6 @@ def test_rotary_alibi_heads_add_alibi_to_the_first_heads_and_cache_as_the_full_f
     from fairseq_alibi.errors import ExportError
 
     with pytest.raises(ExportError, match="rotary-alibi-heads"):
-        refuse_unmappable(types.SimpleNamespace(rotary_alibi_heads=1))
+        refuse_unmappable(types.SimpleNamespace(rotary_alibi_heads=alibi_heads))
+    with pytest.raises(ConfigError, match="rotary_alibi_heads=5 is not valid with 4 heads; it must be between 0 and 4"):
+        build(data_dir, "rotary", "--rotary-alibi-heads", "5")

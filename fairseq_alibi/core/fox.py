@@ -143,15 +143,17 @@ class ForgetGates(_UnboundGates):
     own gate (:meth:`for_layer`), as the paper computes one per layer."""
 
     def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING, init_slopes: float = 0.0,
-                 data_dependent: bool = True):
+                 data_dependent: bool = True, init_std: float = GATE_INIT_STD):
         StackBias.__init__(self, num_heads)
         self.embed_dim = embed_dim
         self.scaling = _check_fox_scaling(scaling)
         self.init_slopes = init_slopes
         self.data_dependent = data_dependent
+        self.init_std = init_std
 
     def for_layer(self) -> "LayerForgetGate":
-        return LayerForgetGate(self.num_heads, self.embed_dim, self.scaling, self.init_slopes, self.data_dependent)
+        return LayerForgetGate(self.num_heads, self.embed_dim, self.scaling, self.init_slopes, self.data_dependent,
+                               self.init_std)
 
 
 class LayerForgetGate(nn.Module, _UnboundGates):
@@ -159,17 +161,20 @@ class LayerForgetGate(nn.Module, _UnboundGates):
     checkpoints as ``self_attn.forget_gate.proj``.  Not ``data_dependent``:
     the projection's weight is 0 and frozen (no gradient), so each head's gate
     is the learned constant ``sigmoid(b_h)``: ALiBi with learned slopes, the
-    paper's data-independent ablation (``fox_data_dependent=0``)."""
+    paper's data-independent ablation (``fox_data_dependent=0``).
+    ``init_std``: the weights' initial standard deviation (0: they start at
+    0 and are trained, the run that separates the weights' initial noise from
+    what they learn)."""
 
     layer_attribute = "forget_gate"
 
     def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING, init_slopes: float = 0.0,
-                 data_dependent: bool = True):
+                 data_dependent: bool = True, init_std: float = GATE_INIT_STD):
         nn.Module.__init__(self)
         StackBias.__init__(self, num_heads)
         self.proj = nn.Linear(embed_dim, num_heads)
         if data_dependent:
-            nn.init.normal_(self.proj.weight, std=GATE_INIT_STD)
+            nn.init.normal_(self.proj.weight, std=init_std)
         else:
             nn.init.zeros_(self.proj.weight).requires_grad_(False)
         with torch.no_grad():

@@ -37,7 +37,7 @@ from .alibi import EXTENSIONS
 from .bias import AlibiBias, CausalMask, ModuleBias, StackBias
 from .errors import ConfigError
 from .fire import INIT_THRESHOLD, Fire
-from .fox import FOX_EXTENSIONS, ForgetGates
+from .fox import FOX_EXTENSIONS, GATE_INIT_STD, ForgetGates
 from .hybrid import AUTO_NOPE_EVERY, DEFAULT_NOPE_EVERY, RNOPE_EXTENSIONS, HybridPositions
 from .kerple import KerpleLog
 from .params import LEARNED, SHAPE, Param, Range
@@ -106,7 +106,14 @@ def _t5_distance(params: Dict[str, Any]) -> Optional[str]:
 
 def _fox(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
     return ForgetGates(num_heads, num_heads * head_dim, scaling, params["fox_init_slopes"],
-                       bool(params["fox_data_dependent"]))
+                       bool(params["fox_data_dependent"]), params["fox_gate_init_std"])
+
+
+def _fox_gate_init(params: Dict[str, Any]) -> Optional[str]:
+    if not params["fox_data_dependent"] and params["fox_gate_init_std"] != GATE_INIT_STD:
+        return (f"fox_gate_init_std={params['fox_gate_init_std']!r} sets the gate weights' initial spread, but "
+                "fox_data_dependent=0 fixes them at 0; leave one of the two out")
+    return None
 
 
 def _rnope(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
@@ -139,9 +146,9 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
                     note="partial rotary: rounded down to an even number of dimensions, so a "
                          "15-dimension head rotates 14; the rest carry no position"),
               Param("rotary_alibi_heads", 0, "how many heads, steepest first, also get ALiBi's bias (a diagnostic: "
-                    "RoPE with a built-in recency head)", Range(int, 0, 1), SHAPE,
-                    note="1: the first head gets ALiBi's steepest slope for the model's heads; a model with it "
-                         "cannot be exported"))),
+                    "RoPE with built-in recency heads)", Range(int, 0, 4096), SHAPE,
+                    note="n: the first n heads get the n steepest of ALiBi's slopes for the model's heads (at most "
+                         "the number of heads); a model with it cannot be exported"))),
     Position("t5bias", "bias", PLAIN, "a learned scalar per (log-bucketed distance, head), one table for every "
              "layer (T5, Raffel et al. 2020)", _t5bias,
              (Param("t5_buckets", 32, "the number of T5 bias buckets, half exact distances and half logarithmic",
@@ -164,7 +171,11 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
                         (0, "the authors' zero gate bias, gates near 0.5"),)), LEARNED),
               Param("fox_data_dependent", 1, "whether each forget gate reads its token (1: sigmoid(w . x_t + b), "
                     "the paper's) or is a learned constant per head (0: w fixed at 0, the paper's data-independent "
-                    "ablation: ALiBi with learned slopes)", Range(int, 0, 1), SHAPE))),
+                    "ablation: ALiBi with learned slopes)", Range(int, 0, 1), SHAPE),
+              Param("fox_gate_init_std", GATE_INIT_STD, "the standard deviation of the gate weights w at "
+                    "initialization (normal, mean 0)", Range(float, 0.0, 1.0), LEARNED,
+                    note="0: the weights start at 0 and are trained (gates that start data-independent)")),
+             _fox_gate_init),
     Position("rnope", "hybrid", RNOPE_EXTENSIONS, "RoPE layers with a sliding window, every few layers a NoPE "
              "layer with full attention (RNoPE-SWA, Yang et al. 2025)", _rnope,
              (Param("rotary_base", DEFAULT_BASE, "RoPE's base in the RoPE layers", BASE_RANGE),
