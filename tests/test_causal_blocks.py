@@ -345,6 +345,171 @@ def test_blocked_gives_a_toeplitz_bias_its_gradient_per_distance(dtype, padded, 
             assert (g - w).norm() <= BF16_REL * w.norm() + BF16_ABS, name
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("length,near,block", [(300, 37, 128), (300, 1, 64), (129, 128, 128), (200, 113, 16)])
+def test_far_and_band_matches_the_dense_bias_and_gives_each_value_its_gradient(dtype, length, near, block):
+    """``far_and_band_attention`` (T5's last bucket: one value per head from
+    distance D on, a bias-free causal flash call for those keys, a band for
+    the nearer ones): the output and the gradients of q, k, v, the values at
+    distances below D and the shared far value against autograd through the
+    fp64 explicit attention over the dense bias ``w[min(i - j, D)]``; lengths
+    that straddle the blocks, D from 1 to T - 1."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = qkv(2, 3, length, 16, dtype, seed=7)
+    values = torch.randn(3, near + 1, generator=gen)
+    weight = torch.randn(2, 3, length, 16, generator=gen)
+    distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+    hidden = distance < 0
+
+    def run(attention, leaf_dtype):
+        leaves = [t.detach().to(leaf_dtype).requires_grad_() for t in (q, k, v)]
+        leaves.append(values.detach().to(torch.float64 if leaf_dtype == torch.float64 else torch.float32).requires_grad_())
+        out = attention(*leaves)
+        (out.double() * weight.double()).sum().backward()
+        return [out.detach().double()] + [leaf.grad.double() for leaf in leaves]
+
+    got = run(lambda q_, k_, v_, w: CB.far_and_band_attention(q_, k_, v_, w, block), dtype)
+    want = run(lambda q_, k_, v_, w: explicit_attention(
+        q_, k_, v_, w[:, distance.clamp(0, near)].masked_fill(hidden, float("-inf"))), torch.float64)
+    for name, g, w in zip(("out", "q", "k", "v", "values"), got, want):
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=name)
+        else:
+            assert (g - w).norm() <= BF16_REL * w.norm() + BF16_ABS, name
+    with pytest.raises(ValueError, match="0 < D < T"):
+        CB.far_and_band_attention(q, k, v, torch.zeros(3, length + 1))
+
+
+def test_t5_trains_through_far_and_band_as_through_the_reference(monkeypatch):
+    """T5's table through the blocked kernel without padding or dropout, past
+    its last bucket's first distance: the flash path runs (each layer one
+    call, values up to that distance) and every bucket gets the reference's
+    gradient, from the zero init (where every value is equal: the shared
+    tail is the buckets', not the values') and away from it."""
+    bias = build_stack("t5bias")
+    shared = bias.shared_from(300)
+    assert shared == bias.method.shared_from(300) and 0 < shared < 300
+    calls = []
+    real = K.far_and_band_attention
+    monkeypatch.setattr(K, "far_and_band_attention", lambda q, k, v, w: calls.append(w.shape) or real(q, k, v, w))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 300, 16, generator=gen) for _ in range(3))
+    weight = torch.randn(q.shape, generator=gen)
+    for moved in (False, True):
+        if moved:
+            for param in bias.parameters():
+                param.data.add_(0.3 * torch.randn_like(param))
+        grads = []
+        for kernel in (K.blocked_kernel, K.reference_kernel):
+            bias.start_pass()
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out, _ = kernel(*leaves, bias, None, 0.0)
+            (out * weight).sum().backward()
+            grads.append([out.detach()] + [t.grad for t in leaves] + [p.grad.clone() for p in bias.parameters()])
+            bias.zero_grad()
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert calls == [(4, shared + 1)] * 2
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("length,block", [(300, 128), (129, 64), (40, 16)])
+def test_per_head_attention_gives_each_parameter_the_dense_bias_gradient(dtype, length, block):
+    """``per_head_attention`` (a learned Toeplitz bias whose parameters are one
+    value per head; their gradients from one flash forward each, the mask
+    tilted by ``log G'``, no ``dS``): a two-parameter bias ``-a_h d - b_h
+    log(1 + d)`` (one direction rising, one logarithmic) against autograd
+    through the fp64 explicit attention over the dense bias: the output and
+    the gradients of q, k, v, ``a`` and ``b``."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = qkv(2, 3, length, 16, dtype, seed=4)
+    a, b = torch.rand(3, generator=gen) * 0.2, torch.rand(3, generator=gen) * 2
+    weight = torch.randn(2, 3, length, 16, generator=gen)
+    distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+    d = torch.arange(length, dtype=torch.float64)
+
+    def run(attention, leaf_dtype):
+        leaves = [t.detach().to(leaf_dtype).requires_grad_() for t in (q, k, v)]
+        leaves += [p.detach().to(torch.float64 if leaf_dtype == torch.float64 else torch.float32).requires_grad_()
+                   for p in (a, b)]
+        out = attention(*leaves)
+        (out.double() * weight.double()).sum().backward()
+        return [out.detach().double()] + [leaf.grad.double() for leaf in leaves]
+
+    def dense(a_, b_):
+        values = -a_[:, None] * d.to(a_.dtype) - b_[:, None] * torch.log1p(d.to(a_.dtype))
+        return values[:, distance.clamp(min=0)].masked_fill(distance < 0, float("-inf"))
+
+    def fast(q_, k_, v_, a_, b_):
+        values = -a_[:, None] * d.float() - b_[:, None] * torch.log1p(d.float())
+        directions = torch.stack([-d.float().expand(3, -1), -torch.log1p(d.float()).expand(3, -1)])
+        return CB.per_head_attention(q_, k_, v_, values, directions, [a_, b_], block)
+
+    got = run(fast, dtype)
+    want = run(lambda q_, k_, v_, a_, b_: explicit_attention(q_, k_, v_, dense(a_, b_)), torch.float64)
+    for name, g, w in zip(("out", "q", "k", "v", "a", "b"), got, want):
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=name)
+        else:
+            assert (g - w).norm() <= BF16_REL * w.norm() + BF16_ABS, name
+
+
+def test_positive_direction_is_at_least_one_and_smallest_at_distance_zero():
+    """``_positive_direction``: ``G' = sign G + c >= 1``, ``G'`` 1 at distance
+    0 for a direction monotone away from it (either sign)."""
+    d = torch.arange(50, dtype=torch.float32)
+    direction = torch.stack([-d, d.sqrt(), torch.cos(d)])
+    shifted, sign = CB._positive_direction(direction)
+    assert sign.tolist() == [-1.0, 1.0, -1.0]
+    torch.testing.assert_close(shifted - sign[:, None] * direction, (shifted - sign[:, None] * direction)[:, :1]
+                               .expand(-1, 50))
+    assert (shifted >= 1 - 1e-6).all() and shifted[:2, 0].tolist() == [1.0, 1.0]
+
+
+def test_kerple_trains_through_per_head_as_through_the_reference(monkeypatch):
+    """Kerple's ``r1``, ``r2`` through the blocked kernel without padding or
+    dropout: the per-head path runs (one call per pass) with the directions
+    of ``per_head_directions`` (against autograd's Jacobian, head by head),
+    and the output and every gradient equal the reference kernel's."""
+    bias = build_stack("kerple")
+    for param in bias.parameters():
+        param.data.add_(0.3 * torch.randn_like(param))
+    params, directions = bias.per_head_directions(300, "cpu")
+    names = [name for name, _ in bias.method.named_parameters()]
+    for n, (name, param) in enumerate(zip(names, params)):
+        jacobian = torch.autograd.functional.jacobian(lambda p: _values_with(bias, name, p), param.detach().clone())
+        torch.testing.assert_close(directions[n], torch.einsum("hdh->hd", jacobian), rtol=1e-5, atol=1e-6)
+    calls = []
+    real = K.per_head_attention
+    monkeypatch.setattr(K, "per_head_attention", lambda *a: calls.append(a[3].shape) or real(*a))
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 300, 16, generator=gen) for _ in range(3))
+    weight = torch.randn(q.shape, generator=gen)
+    grads = []
+    for kernel in (K.blocked_kernel, K.reference_kernel):
+        bias.start_pass()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, _ = kernel(*leaves, bias, None, 0.0)
+        (out * weight).sum().backward()
+        grads.append([out.detach()] + [t.grad for t in leaves] + [p.grad.clone() for p in bias.parameters()])
+        bias.zero_grad()
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert calls == [(4, 300)]
+
+
+def _values_with(bias, name, value):
+    """Kerple's values at distances 0..299 with its parameter ``name`` replaced by ``value``."""
+    saved = getattr(bias.method, name)
+    try:
+        delattr(bias.method, name)
+        setattr(bias.method, name, value)
+        return bias.method.values(torch.arange(300)[:, None], torch.zeros(1, 1, dtype=torch.int64))[..., 0]
+    finally:
+        delattr(bias.method, name)
+        bias.method.register_parameter(name, saved)
+
+
 def test_antidiagonal_sums_against_a_loop():
     m = torch.randn(3, 5, 9, dtype=torch.float64)
     want = torch.zeros(3, 13, dtype=torch.float64)

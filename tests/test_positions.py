@@ -240,6 +240,19 @@ def test_causal_buckets_match_the_definition_and_saturate():
     assert (relative_bucket(torch.arange(1, 50), bidirectional=False) == 0).all()  # keys after the query
 
 
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (32, 64), (8, 20), (4, 3)])
+def test_t5_shared_from_is_the_first_distance_of_the_last_bucket(num_buckets, max_distance):
+    """``T5Bias.shared_from(k_len)``: the least distance whose bucket (by the
+    naive definition) is the last, every farther one in it too, where a pass
+    of ``k_len`` keys reaches it; None where it does not."""
+    module = T5Bias(2, num_buckets, max_distance)
+    buckets = [naive_causal_bucket(n, num_buckets, max_distance) for n in range(3 * max_distance)]
+    first = buckets.index(num_buckets - 1)
+    assert all(b == num_buckets - 1 for b in buckets[first:])
+    assert module.shared_from(3 * max_distance) == first == module.shared_from(first + 1)
+    assert module.shared_from(first) is None
+
+
 def t5_module(heads=3):
     torch.manual_seed(4)
     module = T5Bias(heads)

@@ -25,8 +25,13 @@ square (and draws 10/16 of the dropout mask).
   score gradient ``dS`` at hand, and the mask's gradient is ``dS`` itself,
   summed over the batch where the mask is broadcast over it (``[1, H, T, S]``,
   never ``[B, H, T, S]``), written block by block; the keys right of a block
-  get none.  The flash kernel returns no ``dS``.  A Toeplitz bias built by
-  ``bias.toeplitz_block`` then reduces it to one value per distance;
+  get none.  The flash kernel returns no ``dS``.  A Toeplitz bias given per
+  distance reduces it to one value per distance.  Two learned biases need
+  less than ``dS`` and, in a full forward without dropout or padding, run on
+  flash calls: T5's (one value per head from its last bucket on,
+  :class:`_FarAndBand`: ``dS`` only in a band) and Kerple's (parameters one
+  value per head, :class:`_FlashPerHead`: one more flash forward per
+  parameter);
 * FoX's bias ``c_i - c_j`` (one cumulative sum per row and head, ``fox.py``)
   is given as ``c`` itself (``cumulative``), not as a mask: each block builds
   its own ``[B, H, block, visible]`` bias and the backward reduces its ``dS``
@@ -54,6 +59,10 @@ from .fox import gate_bias
 # least without it, where longer inputs take larger blocks (block_size).
 BLOCK = 128
 MAX_BLOCK = 512
+#: Queries per block of T5's band (:class:`_FarAndBand`): its explicit backward
+#: costs the band's area, ``block + D`` keys per query, so its blocks are
+#: smaller than the flash path's (64 took less time than 128 and 256 at T = 2048).
+BAND_BLOCK = 64
 
 
 #: Keys left out of a row together weigh at most this share of one rounding
@@ -210,6 +219,232 @@ class _BlockedCausalAttention(torch.autograd.Function):
             dv.div_(ctx.keep)
         dd = None if dramp is None else dramp[:, :k_len].flip(-1)
         return dq, dk, dv, dmask, None, None, dc, None, dd
+
+
+class _FarAndBand(torch.autograd.Function):
+    """Training of a causal Toeplitz bias that is one learned value per head
+    from distance ``D`` on (T5's last bucket: ``StackBias.shared_from``), in a
+    full forward without dropout or padding, at the flash kernel's cost:
+
+    * forward: every key at distance ``>= D`` in one bias-free causal flash
+      call (queries ``D ..`` over keys ``.. T - D``: SDPA's top-left causal
+      mask is exactly "distance ``>= D``"), the nearer keys per query block in
+      a flash call over the band with its bias (a reversed-row view, the
+      block's queries and output flipped), the two merged per row by their
+      log-sum-exps (``kernels.merged_parts``), the far value added to the first;
+    * backward: the far keys' ``dq, dk, dv`` from the flash kernel's backward
+      given the whole row's output and log-sum-exp (less the far value), which
+      are what its ``P`` and ``delta = rowsum(dO * O)`` need; the band's
+      explicitly (``P = exp(S - lse)``, ``dS = P (dP - delta)``, in float32), its
+      ``dS`` summed along anti-diagonals into the gradient per distance
+      ``< D``.  The far value's gradient is minus the sum of those: every
+      row of ``dS`` sums to 0 (``sum_j P_ij dP_ij = dO_i . O_i = delta_i``), so
+      the far keys' share is minus the band's, and no far ``dS`` is formed.
+
+    ``values`` ``[H, D + 1]``: the bias at distances ``0 .. D - 1``, then the
+    one value of every distance ``>= D``.  Nothing ``T x T`` is saved; the
+    merge weighs each part by its float32 log-sum-exp (``kernels.far_and_near``
+    has the precision)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, values, block):
+        length, head_dim = q.size(2), q.size(-1)
+        near = values.size(1) - 1
+        scale = head_dim**-0.5
+        far = values[:, near].float()
+        ramp = _band_ramp(values, length, block, q.dtype)
+        o_far, lse_far = _flash_forward(q[:, :, near:], k[:, :, : length - near], v[:, :, : length - near],
+                                        is_causal=True, scale=scale)
+        lse_far = lse_far + far[:, None]
+        # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
+        out = q.new_empty(length, q.size(0), q.size(1), v.size(-1)).permute(1, 2, 0, 3)
+        lse = lse_far.new_empty(q.shape[:3])
+        for start, stop, first in _band_blocks(length, near, block):
+            o_near, lse_near = _flash_forward(q[:, :, start:stop].flip(2), k[:, :, first:stop], v[:, :, first:stop],
+                                              attn_mask=reversed_rows(ramp, start, stop - start, stop, length)[
+                                                  None, :, :, first:], scale=scale)
+            o_near, lse_near = o_near.flip(2).float(), lse_near.flip(2)
+            merge_from = max(start, near)  # queries before near have no far keys
+            if merge_from < stop:
+                rows, far_rows = slice(merge_from - start, stop - start), slice(merge_from - near, stop - near)
+                both = torch.logaddexp(lse_far[:, :, far_rows], lse_near[:, :, rows])
+                o_near[:, :, rows] = (o_far[:, :, far_rows].float() * (lse_far[:, :, far_rows] - both).exp()[..., None]
+                                      + o_near[:, :, rows] * (lse_near[:, :, rows] - both).exp()[..., None])
+                lse_near[:, :, rows] = both
+            out[:, :, start:stop] = o_near
+            lse[:, :, start:stop] = lse_near
+        ctx.save_for_backward(q, k, v, out, lse, far)
+        ctx.block, ctx.near = block, near
+        ctx.ramp = ramp
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, far = ctx.saved_tensors
+        ramp, ctx.ramp = ctx.ramp, None
+        near, length = ctx.near, q.size(2)
+        scale = q.size(-1) ** -0.5
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # the far keys: the flash backward over them, with each row's whole output and log-sum-exp
+        dq[:, :, near:], dk[:, :, : length - near], dv[:, :, : length - near] = _flash_backward(
+            grad_out[:, :, near:], q[:, :, near:], k[:, :, : length - near], v[:, :, : length - near],
+            out[:, :, near:], lse[:, :, near:] - far[:, None], 0.0, True, scale=scale)
+        delta = (grad_out.float() * out.float()).sum(-1)
+        dramp = q.new_zeros((ramp.size(0), ramp.size(1)), dtype=torch.float32)
+        for start, stop, first in _band_blocks(length, near, ctx.block):
+            rows = slice(start, stop)
+            queries, do = q[:, :, rows].flip(2).float(), grad_out[:, :, rows].flip(2).float()
+            keys, values = k[:, :, first:stop].float(), v[:, :, first:stop].float()
+            scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(scale)
+            scores += reversed_rows(ramp, start, stop - start, stop, length)[None, :, :, first:].float()
+            p = scores.sub_(lse[:, :, rows].flip(2)[..., None]).exp_()
+            ds = torch.matmul(do, values.transpose(-1, -2)).sub_(delta[:, :, rows].flip(2)[..., None]).mul_(p)
+            dv[:, :, first:stop] += torch.matmul(p.transpose(-1, -2), do).to(dv.dtype)
+            del p
+            dq[:, :, rows] += torch.matmul(ds, keys).mul_(scale).flip(2).to(dq.dtype)
+            dk[:, :, first:stop] += torch.matmul(ds.transpose(-1, -2), queries).mul_(scale).to(dk.dtype)
+            begin = length - stop + first  # the ramp entry of the block's first row (its last query), key first
+            dramp[:, begin: begin + (stop - start) + (stop - first) - 1] += _antidiagonal_sums(ds.sum(0))
+        per_distance = dramp[:, :length].flip(-1)[:, :near]  # ramp entry e holds distance T - 1 - e
+        dvalues = torch.cat([per_distance, -per_distance.sum(-1, keepdim=True)], dim=-1)
+        return dq, dk, dv, dvalues, None
+
+
+def _band_ramp(values: Tensor, length: int, block: int, dtype) -> Tensor:
+    """The :func:`distance_ramp` of the band of :class:`_FarAndBand`: the
+    values at distances below ``D`` (``values[:, :D]``), ``-inf`` from ``D``
+    on (those keys are the far call's)."""
+    near = values.size(1) - 1
+    far_to_near = F.pad(values[:, :near].flip(-1).to(dtype), (length - near, 0), value=float("-inf"))
+    return distance_ramp(far_to_near, block)
+
+
+def _band_blocks(length: int, near: int, block: int):
+    """(first query, end query, first key) of each query block of
+    :class:`_FarAndBand`: its band, the keys less than ``near`` before some
+    query of the block."""
+    for start in range(0, length, block):
+        yield start, min(start + block, length), max(0, start - near + 1)
+
+
+def far_and_band_attention(q: Tensor, k: Tensor, v: Tensor, values: Tensor, block: Optional[int] = None) -> Tensor:
+    """Causal attention of a full forward (queries = keys, no padding, no
+    dropout) with a Toeplitz bias that is one value per head from distance
+    ``D`` on: ``values`` ``[H, D + 1]``, the bias at distances ``0 .. D - 1``
+    and then the value of every farther one (:class:`_FarAndBand`, which gives
+    ``values`` its gradient).  ``D`` must be below the length.  Returns
+    ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
+    if not 0 < values.size(1) - 1 < q.size(2) or q.size(2) != k.size(2):
+        raise ValueError(f"far_and_band_attention needs queries = keys and 0 < D < T (D = {values.size(1) - 1}, "
+                         f"{q.size(2)} queries, {k.size(2)} keys)")
+    return _FarAndBand.apply(q, k, v, values, block or BAND_BLOCK)
+
+
+class _FlashPerHead(torch.autograd.Function):
+    """Training of a learned causal Toeplitz bias whose parameters are each
+    one value per head (Kerple's ``r1``, ``r2``: ``StackBias.per_head_parameters``),
+    without dropout or padding, from flash calls alone: no ``dS`` is formed.
+
+    The loss's gradient in a parameter ``theta_h`` is ``sum_ij dS_ij G_ij``,
+    ``G_ij = d bias_ij / d theta_h`` (one vector per head, ``G[d]``), and
+    ``dS_ij = P_ij (dP_ij - delta_i)``.  Every row of ``dS`` sums to 0, so any
+    constant may be added to ``G``: with ``G' = G - min G + 1 > 0``, the flash
+    forward with the mask ``bias + log G'`` returns ``o'_i = sum_j P_ij G'_ij
+    v_j / Z_i`` and ``lse'_i = lse_i + log Z_i``, ``Z_i = sum_j P_ij G'_ij``,
+    so ``sum_j dS_ij G'_ij = Z_i (dO_i . o'_i - delta_i)``: one flash forward
+    per parameter, its gradient for every head at once.  ``dq, dk, dv`` come
+    from the flash backward.  The calls are per query block over the keys it
+    sees, its rows in reverse order (a reversed-row view of one vector per
+    head, ``bias.reversed_rows``; queries and outputs flipped).
+
+    ``values`` ``[H, S]`` the bias at distances ``0 .. S - 1``; ``directions``
+    ``[P, H, S]`` each parameter's derivative per distance; ``params`` the
+    ``P`` parameters (``[H]`` each), which get the gradients; all detached
+    except ``params``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, values, directions, block, *params):
+        length = q.size(2)
+        scale = q.size(-1) ** -0.5
+        ramp = distance_ramp(values.flip(-1).to(q.dtype), block)
+        # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
+        out = q.new_empty(length, q.size(0), q.size(1), v.size(-1)).permute(1, 2, 0, 3)
+        lse = []
+        for start, stop, first in _band_blocks(length, length, block):
+            block_out, block_lse = _flash_forward(q[:, :, start:stop].flip(2), k[:, :, :stop], v[:, :, :stop],
+                                                  attn_mask=reversed_rows(ramp, start, stop - start, stop, length)[None],
+                                                  scale=scale)
+            out[:, :, start:stop] = block_out.flip(2)
+            lse.append(block_lse)
+        ctx.save_for_backward(q, k, v, out, values, directions, *lse)
+        ctx.block = block
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, values, directions, *lse = ctx.saved_tensors
+        length, block = q.size(2), ctx.block
+        scale = q.size(-1) ** -0.5
+        grad_out = grad_out.contiguous()
+        ramp = distance_ramp(values.flip(-1).to(q.dtype), block)
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        blocks = list(_band_blocks(length, length, block))
+        for (start, stop, _), block_lse in zip(blocks, lse):
+            rows = slice(start, stop)
+            gq, gk, gv = _flash_backward(
+                grad_out[:, :, rows].flip(2), q[:, :, rows].flip(2), k[:, :, :stop], v[:, :, :stop],
+                out[:, :, rows].flip(2), block_lse, 0.0, False,
+                attn_mask=reversed_rows(ramp, start, stop - start, stop, length)[None], scale=scale)
+            dq[:, :, rows] = gq.flip(2)
+            dk[:, :, :stop] += gk
+            dv[:, :, :stop] += gv
+        delta = (grad_out.float() * out.float()).sum(-1)
+        grads = []
+        for direction in directions:
+            shifted, sign = _positive_direction(direction)
+            tilted = distance_ramp((values + shifted.log()).flip(-1).to(q.dtype), block)
+            grad = delta.new_zeros(delta.size(1))
+            for (start, stop, _), block_lse in zip(blocks, lse):
+                rows = slice(start, stop)
+                o_tilted, lse_tilted = _flash_forward(
+                    q[:, :, rows].flip(2), k[:, :, :stop], v[:, :, :stop],
+                    attn_mask=reversed_rows(tilted, start, stop - start, stop, length)[None], scale=scale)
+                weight = (lse_tilted - block_lse).exp()  # Z_i
+                do = grad_out[:, :, rows].flip(2).float()
+                grad += (weight * ((do * o_tilted.float()).sum(-1) - delta[:, :, rows].flip(2))).sum((0, 2))
+            grads.append(grad * sign)
+        return (dq, dk, dv, None, None, None, *grads)
+
+
+def _positive_direction(direction: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(G', sign)``: ``G' = sign * G + c >= 1`` per head (``[H, S]``; the gradient in
+    ``G`` is ``sign`` times the one in ``G'``, rows of ``dS`` summing to 0), the sign
+    the one that leaves ``G'`` smallest at distance 0: recent keys carry most of
+    the attention, and ``Z = sum_j P_ij G'_ij`` then stays near 1, where the
+    two terms of ``Z (dO . o' - delta)`` cancel least."""
+    rising = direction - direction.amin(-1, keepdim=True) + 1
+    falling = direction.amax(-1, keepdim=True) - direction + 1
+    up = rising[:, :1] <= falling[:, :1]
+    return torch.where(up, rising, falling), torch.where(up[:, 0], 1.0, -1.0)
+
+
+def per_head_attention(q: Tensor, k: Tensor, v: Tensor, values: Tensor, directions: Tensor, params: List[Tensor],
+                       block: Optional[int] = None) -> Tensor:
+    """Causal attention of a full forward (queries = keys, no padding, no
+    dropout) with a learned Toeplitz bias whose parameters are one value per
+    head: ``values`` ``[H, T]`` the bias at distances ``0 .. T - 1``,
+    ``directions`` ``[P, H, T]`` the derivative of those values in each of
+    the ``P`` ``params`` (``[H]`` each, which get their gradients:
+    :class:`_FlashPerHead`).  Returns ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
+    if q.size(2) != k.size(2) or values.size(-1) != k.size(2) or directions.size(0) != len(params):
+        raise ValueError(f"per_head_attention needs queries = keys = distances and a direction per parameter "
+                         f"({q.size(2)} queries, {k.size(2)} keys, {values.size(-1)} distances, "
+                         f"{directions.size(0)} directions for {len(params)} parameters)")
+    return _FlashPerHead.apply(q, k, v, values.detach(), directions.detach(), block or block_size(q.size(2)),
+                               *params)
 
 
 def _antidiagonal_sums(m: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ than rotary, at a higher training and inference cost).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
@@ -86,6 +87,16 @@ class T5Bias(nn.Module):
         after 0); keys after the query share bucket 0 (the causal mask hides them)."""
         return relative_bucket(key.to(torch.int64) - query.to(torch.int64), bidirectional=False,
                                num_buckets=self.num_buckets, max_distance=self.max_distance)
+
+    def shared_from(self, k_len: int) -> Optional[int]:
+        """The least distance from which every key is in the last bucket (one
+        learned value per head; ``max_distance`` or less, where the log
+        buckets saturate earlier), if a pass of ``k_len`` keys reaches it, else
+        None.  A property of the buckets, not of the values: a table of equal
+        values (T5's zero init) still has a gradient per bucket."""
+        distance = torch.arange(min(k_len, self.max_distance + 1))[:, None]
+        last = self.buckets(distance, torch.zeros(1, 1, dtype=torch.int64))[:, 0] == self.num_buckets - 1
+        return int(last.to(torch.int64).argmax()) if bool(last.any()) else None
 
     def values(self, query: Tensor, key: Tensor) -> Tensor:
         """The float32 bias ``[H, q, k]`` of queries ``query [q, 1]`` over keys ``key [1, k]``."""
