@@ -24,7 +24,7 @@ grows), and what a kernel may rely on (``toeplitz``, ``has_slopes``,
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, Hashable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -179,14 +179,6 @@ class StackBias:
         ``0 .. k_len - 1`` (with gradients; the blocked kernel builds its
         blocks from them and reduces their gradient per distance).  None for
         every other bias."""
-        return None
-
-    def per_head_directions(self, k_len: int, device) -> Optional[Tuple[List[Tensor], Tensor]]:
-        """For a :meth:`per_distance` bias whose every parameter is one value
-        per head (Kerple's ``r1``, ``r2``): ``(params, directions)``, the
-        parameters and float32 ``[P, H, k_len]``, the derivative of the values
-        per distance in each (head ``h``'s values depend on its own entry
-        alone); None for every other bias."""
         return None
 
     def shared_from(self, k_len: int) -> Optional[int]:
@@ -421,33 +413,6 @@ class ModuleBias(nn.Module, StackBias):
                 torch.float32)
 
         return self.cached("per_distance", (k_len, str(device)), build)
-
-    def per_head_directions(self, k_len: int, device) -> Optional[Tuple[List[Tensor], Tensor]]:
-        """For a module that says ``per_head_parameters`` (every parameter
-        ``[H]``, head ``h``'s values a function of entry ``h`` alone): the
-        derivative of :meth:`per_distance` in each parameter (each head's
-        values in its own entry: the Jacobian times a tangent of ones, as the
-        gradient in ``u`` of ``ones . J^T u``, two small backward calls), cached
-        for the pass."""
-        if not (self._toeplitz and getattr(self.method, "per_head_parameters", False)):
-            return None
-        params = list(self.method.parameters())
-        if any(p.shape != (self.num_heads,) for p in params):
-            raise ValueError(f"{type(self.method).__name__} says per_head_parameters, but its parameters have shapes "
-                             f"{[tuple(p.shape) for p in params]}, not ({self.num_heads},)")
-
-        def build() -> Tuple[List[Tensor], Tensor]:
-            distance = torch.arange(k_len, device=device, dtype=torch.int64)[:, None]
-            with torch.enable_grad():
-                values = self.method.values(distance, torch.zeros(1, 1, dtype=torch.int64, device=device))[..., 0]
-                u = torch.zeros_like(values, requires_grad=True)
-                directions = []
-                for p in params:
-                    (transposed,) = torch.autograd.grad(values, p, u, create_graph=True)
-                    directions.append(torch.autograd.grad(transposed, u, torch.ones_like(transposed))[0])
-            return params, torch.stack(directions).to(torch.float32)
-
-        return self.cached("per_head_directions", (k_len, str(device)), build)
 
     def shared_from(self, k_len: int) -> Optional[int]:
         shared_from = getattr(self.method, "shared_from", None)

@@ -26,12 +26,10 @@ square (and draws 10/16 of the dropout mask).
   summed over the batch where the mask is broadcast over it (``[1, H, T, S]``,
   never ``[B, H, T, S]``), written block by block; the keys right of a block
   get none.  The flash kernel returns no ``dS``.  A Toeplitz bias given per
-  distance reduces it to one value per distance.  Two learned biases need
-  less than ``dS`` and, in a full forward without dropout or padding, run on
-  flash calls: T5's (one value per head from its last bucket on,
-  :class:`_FarAndBand`: ``dS`` only in a band) and Kerple's (parameters one
-  value per head, :class:`_FlashPerHead`: one more flash forward per
-  parameter);
+  distance reduces it to one value per distance.  T5's bias needs ``dS``
+  only in a band (it is one value per head from its last bucket on) and, in
+  a full forward without dropout or padding, runs on flash calls
+  (:class:`_FarAndBand`);
 * FoX's bias ``c_i - c_j`` (one cumulative sum per row and head, ``fox.py``)
   is given as ``c`` itself (``cumulative``), not as a mask: each block builds
   its own ``[B, H, block, visible]`` bias and the backward reduces its ``dS``
@@ -340,111 +338,6 @@ def far_and_band_attention(q: Tensor, k: Tensor, v: Tensor, values: Tensor, bloc
         raise ValueError(f"far_and_band_attention needs queries = keys and 0 < D < T (D = {values.size(1) - 1}, "
                          f"{q.size(2)} queries, {k.size(2)} keys)")
     return _FarAndBand.apply(q, k, v, values, block or BAND_BLOCK)
-
-
-class _FlashPerHead(torch.autograd.Function):
-    """Training of a learned causal Toeplitz bias whose parameters are each
-    one value per head (Kerple's ``r1``, ``r2``: ``StackBias.per_head_parameters``),
-    without dropout or padding, from flash calls alone: no ``dS`` is formed.
-
-    The loss's gradient in a parameter ``theta_h`` is ``sum_ij dS_ij G_ij``,
-    ``G_ij = d bias_ij / d theta_h`` (one vector per head, ``G[d]``), and
-    ``dS_ij = P_ij (dP_ij - delta_i)``.  Every row of ``dS`` sums to 0, so any
-    constant may be added to ``G``: with ``G' = G - min G + 1 > 0``, the flash
-    forward with the mask ``bias + log G'`` returns ``o'_i = sum_j P_ij G'_ij
-    v_j / Z_i`` and ``lse'_i = lse_i + log Z_i``, ``Z_i = sum_j P_ij G'_ij``,
-    so ``sum_j dS_ij G'_ij = Z_i (dO_i . o'_i - delta_i)``: one flash forward
-    per parameter, its gradient for every head at once.  ``dq, dk, dv`` come
-    from the flash backward.  The calls are per query block over the keys it
-    sees, its rows in reverse order (a reversed-row view of one vector per
-    head, ``bias.reversed_rows``; queries and outputs flipped).
-
-    ``values`` ``[H, S]`` the bias at distances ``0 .. S - 1``; ``directions``
-    ``[P, H, S]`` each parameter's derivative per distance; ``params`` the
-    ``P`` parameters (``[H]`` each), which get the gradients; all detached
-    except ``params``."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, values, directions, block, *params):
-        length = q.size(2)
-        scale = q.size(-1) ** -0.5
-        ramp = distance_ramp(values.flip(-1).to(q.dtype), block)
-        # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
-        out = q.new_empty(length, q.size(0), q.size(1), v.size(-1)).permute(1, 2, 0, 3)
-        lse = []
-        for start, stop, first in _band_blocks(length, length, block):
-            block_out, block_lse = _flash_forward(q[:, :, start:stop].flip(2), k[:, :, :stop], v[:, :, :stop],
-                                                  attn_mask=reversed_rows(ramp, start, stop - start, stop, length)[None],
-                                                  scale=scale)
-            out[:, :, start:stop] = block_out.flip(2)
-            lse.append(block_lse)
-        ctx.save_for_backward(q, k, v, out, values, directions, *lse)
-        ctx.block = block
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, out, values, directions, *lse = ctx.saved_tensors
-        length, block = q.size(2), ctx.block
-        scale = q.size(-1) ** -0.5
-        grad_out = grad_out.contiguous()
-        ramp = distance_ramp(values.flip(-1).to(q.dtype), block)
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        blocks = list(_band_blocks(length, length, block))
-        for (start, stop, _), block_lse in zip(blocks, lse):
-            rows = slice(start, stop)
-            gq, gk, gv = _flash_backward(
-                grad_out[:, :, rows].flip(2), q[:, :, rows].flip(2), k[:, :, :stop], v[:, :, :stop],
-                out[:, :, rows].flip(2), block_lse, 0.0, False,
-                attn_mask=reversed_rows(ramp, start, stop - start, stop, length)[None], scale=scale)
-            dq[:, :, rows] = gq.flip(2)
-            dk[:, :, :stop] += gk
-            dv[:, :, :stop] += gv
-        delta = (grad_out.float() * out.float()).sum(-1)
-        grads = []
-        for direction in directions:
-            shifted, sign = _positive_direction(direction)
-            tilted = distance_ramp((values + shifted.log()).flip(-1).to(q.dtype), block)
-            grad = delta.new_zeros(delta.size(1))
-            for (start, stop, _), block_lse in zip(blocks, lse):
-                rows = slice(start, stop)
-                o_tilted, lse_tilted = _flash_forward(
-                    q[:, :, rows].flip(2), k[:, :, :stop], v[:, :, :stop],
-                    attn_mask=reversed_rows(tilted, start, stop - start, stop, length)[None], scale=scale)
-                weight = (lse_tilted - block_lse).exp()  # Z_i
-                do = grad_out[:, :, rows].flip(2).float()
-                grad += (weight * ((do * o_tilted.float()).sum(-1) - delta[:, :, rows].flip(2))).sum((0, 2))
-            grads.append(grad * sign)
-        return (dq, dk, dv, None, None, None, *grads)
-
-
-def _positive_direction(direction: Tensor) -> Tuple[Tensor, Tensor]:
-    """``(G', sign)``: ``G' = sign * G + c >= 1`` per head (``[H, S]``; the gradient in
-    ``G`` is ``sign`` times the one in ``G'``, rows of ``dS`` summing to 0), the sign
-    the one that leaves ``G'`` smallest at distance 0: recent keys carry most of
-    the attention, and ``Z = sum_j P_ij G'_ij`` then stays near 1, where the
-    two terms of ``Z (dO . o' - delta)`` cancel least."""
-    rising = direction - direction.amin(-1, keepdim=True) + 1
-    falling = direction.amax(-1, keepdim=True) - direction + 1
-    up = rising[:, :1] <= falling[:, :1]
-    return torch.where(up, rising, falling), torch.where(up[:, 0], 1.0, -1.0)
-
-
-def per_head_attention(q: Tensor, k: Tensor, v: Tensor, values: Tensor, directions: Tensor, params: List[Tensor],
-                       block: Optional[int] = None) -> Tensor:
-    """Causal attention of a full forward (queries = keys, no padding, no
-    dropout) with a learned Toeplitz bias whose parameters are one value per
-    head: ``values`` ``[H, T]`` the bias at distances ``0 .. T - 1``,
-    ``directions`` ``[P, H, T]`` the derivative of those values in each of
-    the ``P`` ``params`` (``[H]`` each, which get their gradients:
-    :class:`_FlashPerHead`).  Returns ``[B, H, T, D]`` (stored as ``[T, B, H, D]``)."""
-    if q.size(2) != k.size(2) or values.size(-1) != k.size(2) or directions.size(0) != len(params):
-        raise ValueError(f"per_head_attention needs queries = keys = distances and a direction per parameter "
-                         f"({q.size(2)} queries, {k.size(2)} keys, {values.size(-1)} distances, "
-                         f"{directions.size(0)} directions for {len(params)} parameters)")
-    return _FlashPerHead.apply(q, k, v, values.detach(), directions.detach(), block or block_size(q.size(2)),
-                               *params)
 
 
 def _antidiagonal_sums(m: Tensor) -> Tensor:

@@ -45,7 +45,7 @@ from .alibi import reach, scaled_slopes
 from .bias import StackBias, distance_ramp, padding_mask, reversed_rows
 from .errors import ConfigError
 from .causal_blocks import (SKIPPED_SHARE, blocked_causal_attention, far_and_band_attention, head_groups,  # noqa: F401
-                            negligible_gap, per_head_attention)
+                            negligible_gap)
 from .flex import flex_available, flex_kernel
 from .logit_scale import scaled_queries
 from .scaling import warn_if_cache_drifts
@@ -106,9 +106,6 @@ def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
             shared = bias.shared_from(k.size(2))
             if shared is not None:  # T5's far bucket: flash calls, dS only in the band before it
                 return far_and_band_attention(q, k, v, per_distance[:, : shared + 1]), None
-            per_head = bias.per_head_directions(k.size(2), q.device)
-            if per_head is not None:  # Kerple: flash calls, each parameter's gradient from one more forward
-                return per_head_attention(q, k, v, per_distance, per_head[1], per_head[0]), None
         values = per_distance.detach()
         return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p,
                                         per_distance=per_distance,

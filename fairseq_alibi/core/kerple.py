@@ -39,11 +39,6 @@ class KerpleLog(nn.Module):
     and the model starts from a recency bias known to train, without a seed.
     """
 
-    #: Every parameter is one value per head, head h's bias a function of
-    #: its own (``bias.ModuleBias.per_head_directions``: the kernel's gradient
-    #: without dS, ``causal_blocks._FlashPerHead``).
-    per_head_parameters = True
-
     def __init__(self, num_heads: int):
         super().__init__()
         self.num_heads = num_heads
