@@ -186,10 +186,12 @@ run_trainings() {
 fresh_report() { rm -f "$@"; }
 
 # write_report FILE COMMAND...: COMMAND's output shown and written to FILE whole or not at all.
+# The partial file is this shell's own: two recipes of one OUT at once (one seed each) each
+# write their report whole, the last one's kept, where a shared name had one move the other's away.
 write_report() {
-  local file=$1
+  local file=$1 partial="$1.partial.$BASHPID"
   shift
-  "$@" > "$file.partial" || { rm -f "$file.partial"; return 1; }
-  mv "$file.partial" "$file"
+  "$@" > "$partial" || { rm -f "$partial"; return 1; }
+  mv "$partial" "$file"
   cat "$file"
 }

@@ -125,3 +125,25 @@ def test_followed_log_lines_are_shown_and_their_reader_ends_with_the_training(tm
     for pid in readers:  # leave nothing behind, then fail
         os.kill(int(pid), signal.SIGKILL)
     assert not readers, "a tail of a finished training's log is still running"
+
+
+def test_write_report_of_two_recipes_at_once_both_succeed(tmp_path):
+    """``write_report``: two shells writing one report at once (two seeds'
+    recipes of one OUT) both succeed and the file holds one of them whole; a
+    failing command leaves the earlier report and no partial file."""
+    report = tmp_path / "summary.md"
+    script = ('cd "$REPO"; RECIPE_TAG=reporttest; source examples/lib.sh; '
+              'write_report "$REPORT" bash -c "for i in \\$(seq 200); do echo $WHO \\$i; done; sleep 0.3"')
+    env = dict(os.environ, REPO=str(REPO), REPORT=str(report))
+    procs = [subprocess.Popen(["bash", "-c", script], env=dict(env, WHO=who), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for who in ("a", "b")]
+    errors = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    lines = report.read_text().splitlines()
+    assert len(lines) == 200 and len({line.split()[0] for line in lines}) == 1
+    failing = ('cd "$REPO"; RECIPE_TAG=reporttest; source examples/lib.sh; '
+               'write_report "$REPORT" bash -c "echo half; exit 3"')
+    assert subprocess.run(["bash", "-c", failing], env=env, capture_output=True).returncode != 0
+    assert report.read_text().splitlines() == lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.md"]
+
