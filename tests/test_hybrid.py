@@ -40,6 +40,39 @@ def test_the_window_is_the_explicit_mask_on_every_kernel(kernel):
     torch.testing.assert_close(out.double(), explicit_window(q, k, v, window), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel,dropout", [("reference", 0.0), ("reference", 0.3), ("sdpa", 0.0), ("blocked", 0.0),
+                                            ("blocked", 0.3)])
+def test_a_padded_query_whose_window_holds_only_padding_gets_zeros_not_nan(kernel, dropout):
+    """A right-padded row shorter than the window's reach: its padded queries
+    past ``length + window`` see only padded keys.  Every kernel gives them
+    output 0 and every gradient stays finite (a NaN there, ignored by the
+    loss, reached every weight through 0 * NaN: RNoPE with attention dropout
+    failed at L = 2048 on a short last batch); the real queries equal the
+    explicit windowed attention over the row's own keys."""
+    torch.manual_seed(0)
+    T, window, short = 100, 16, 30
+    bias = WindowedRotary(4, 8, window)
+    pad = torch.arange(T)[None, :] >= torch.tensor([T, short])[:, None]
+    q, k, v = (torch.randn(2, 4, T, 8, requires_grad=True) for _ in range(3))
+    out, _ = kernels.attend(q, k, v, bias, kernel, key_padding_mask=pad, dropout_p=dropout)
+    out.sum().backward()
+    assert all(bool(t.grad.isfinite().all()) for t in (q, k, v))
+    assert bool(out.isfinite().all()) and bool((out[1, :, short + window - 1:] == 0).all())
+    if dropout == 0:
+        with torch.no_grad():
+            torch.testing.assert_close(out[1, :, :short].double(), explicit_window(
+                q[1:, :, :short], k[1:, :, :short], v[1:, :, :short], window)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_masked_softmax_gives_a_row_without_keys_zeros_and_zero_gradients():
+    scores = torch.tensor([[0.5, float("-inf"), 1.0], [float("-inf")] * 3]).requires_grad_()
+    probs = kernels.masked_softmax(scores)
+    torch.testing.assert_close(probs[0], torch.softmax(scores[0].detach(), -1))
+    assert probs[1].tolist() == [0.0, 0.0, 0.0]
+    (probs * torch.arange(6.0).view(2, 3)).sum().backward()
+    assert scores.grad.isfinite().all() and scores.grad[1].tolist() == [0.0, 0.0, 0.0]
+
+
 def test_the_blocked_and_chunked_kernels_skip_the_blocks_left_of_the_window():
     T, window = 600, 50
     first = kernels.sliding_windows(WindowedRotary(4, 8, window), 4, 0)

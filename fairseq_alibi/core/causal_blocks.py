@@ -135,6 +135,8 @@ class _BlockedCausalAttention(torch.autograd.Function):
         k = k.contiguous()
         vs = (v / keep if dropout_p > 0 else v).contiguous()
         reverse = per_distance is not None
+        # padding: a [B, 1, 1, S] mask, or the bias merged with it ([B, H, T, S], B > 1)
+        padded = mask is not None and (mask.size(-2) == 1 or mask.size(0) > 1)
         ramp = None if per_distance is None else distance_ramp(per_distance.flip(-1).to(q.dtype), block)
         probs, kept_probs, outputs = [], [], []
         for start in range(0, q_len, block):
@@ -144,6 +146,8 @@ class _BlockedCausalAttention(torch.autograd.Function):
             scores = torch.matmul(queries, k[:, :, :visible].transpose(-1, -2))
             scores.add_(_block_bias(mask, cumulative, ramp, start, stop, offset, visible, q.dtype, k_len))
             p = _softmax_above_floor(scores, gap) if steep else torch.softmax(scores, dim=-1)
+            if padded:  # a padded query with every key masked (a window past a short row's end): weights 0, not NaN
+                p = p.nan_to_num_(nan=0.0)
             del scores
             kept = p * _keep_mask(p.shape, dropout_p, p.dtype, p.device, start, reverse) if dropout_p > 0 else p
             o = torch.matmul(kept, vs[:, :, :visible])

@@ -77,9 +77,19 @@ def reference_attention(q, k, v, mask, key_padding_mask=None, dropout_p=0.0):
     pad = padding_mask(key_padding_mask, exact)
     if pad is not None:
         scores = scores + pad
-    probs = torch.softmax(scores, dim=-1)
+    probs = masked_softmax(scores)
     dropped = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
     return torch.matmul(dropped, v.to(exact)).to(q.dtype), probs.to(q.dtype)
+
+
+def masked_softmax(scores: Tensor) -> Tensor:
+    """``softmax`` over the last dimension, a row whose every score is
+    ``-inf`` given weights 0 (and gradients 0) instead of NaN, as SDPA and the
+    CPU flash kernel give it: a padded query whose keys are all padding (the
+    hybrid's sliding window past the end of a short row).  Its output is
+    ignored, but a NaN there reached every gradient (0 * NaN)."""
+    empty = scores.amax(-1, keepdim=True) == float("-inf")
+    return torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
 
 
 def reference_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
