@@ -174,7 +174,7 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
                     "ablation: ALiBi with learned slopes)", Range(int, 0, 1), SHAPE),
               Param("fox_gate_init_std", GATE_INIT_STD, "the standard deviation of the gate weights w at "
                     "initialization (normal, mean 0)", Range(float, 0.0, 1.0), LEARNED,
-                    note="0: the weights start at 0 and are trained (gates that start data-independent)")),
+                    note="0: the weights start at 0 and are trained (the gates start the same for every token)")),
              _fox_gate_init),
     Position("rnope", "hybrid", RNOPE_EXTENSIONS, "RoPE layers with a sliding window, every few layers a NoPE "
              "layer with full attention (RNoPE-SWA, Yang et al. 2025)", _rnope,
