@@ -399,16 +399,7 @@ def test_t5_trains_through_far_and_band_as_through_the_reference(monkeypatch):
         if moved:
             for param in bias.parameters():
                 param.data.add_(0.3 * torch.randn_like(param))
-        grads = []
-        for kernel in (K.blocked_kernel, K.reference_kernel):
-            bias.start_pass()
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out, _ = kernel(*leaves, bias, None, 0.0)
-            (out * weight).sum().backward()
-            grads.append([out.detach()] + [t.grad for t in leaves] + [p.grad.clone() for p in bias.parameters()])
-            bias.zero_grad()
-        for got, want in zip(*grads):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        assert_blocked_trains_as_the_reference(bias, q, k, v, weight)
     assert calls == [(4, shared + 1)] * 2
 
 
@@ -475,13 +466,21 @@ def test_learned_position_biases_train_through_blocked_as_through_the_reference(
     q, k, v = (torch.randn(2, 4, 300, 16, generator=gen) for _ in range(3))
     pad = right_padding([300, 211], 300)
     weight = torch.randn(q.shape, generator=gen) * ~pad[:, None, :, None]
+    assert_blocked_trains_as_the_reference(bias, q, k, v, weight, pad)
+
+
+def assert_blocked_trains_as_the_reference(bias, q, k, v, weight, pad=None):
+    """The blocked kernel's output (its real rows: ``weight`` is 0 at padded
+    queries) and the gradients of q, k, v and the bias's parameters equal
+    the reference kernel's."""
     grads = []
     for kernel in (K.blocked_kernel, K.reference_kernel):
         bias.start_pass()
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out, _ = kernel(*leaves, bias, pad, 0.0)
         (out * weight).sum().backward()
-        grads.append([t.grad for t in leaves] + [p.grad.clone() for p in bias.parameters()])
+        grads.append([out.detach() * (weight != 0)] + [t.grad for t in leaves]
+                     + [p.grad.clone() for p in bias.parameters()])
         bias.zero_grad()
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

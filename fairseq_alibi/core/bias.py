@@ -416,7 +416,9 @@ class ModuleBias(nn.Module, StackBias):
 
     def shared_from(self, k_len: int) -> Optional[int]:
         shared_from = getattr(self.method, "shared_from", None)
-        return shared_from(k_len) if self._toeplitz and shared_from else None
+        if not (self._toeplitz and shared_from):
+            return None
+        return self.cached("shared_from", k_len, lambda: shared_from(k_len))  # once per pass, not per layer
 
     def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
         keys = keys or k_len

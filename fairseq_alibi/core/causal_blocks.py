@@ -59,7 +59,7 @@ BLOCK = 128
 MAX_BLOCK = 512
 #: Queries per block of T5's band (:class:`_FarAndBand`): its explicit backward
 #: costs the band's area, ``block + D`` keys per query, so its blocks are
-#: smaller than the flash path's (64 took less time than 128 and 256 at T = 2048).
+#: smaller than the flash path's.
 BAND_BLOCK = 64
 
 
