@@ -228,12 +228,9 @@ class _FarAndBand(torch.autograd.Function):
     from distance ``D`` on (T5's last bucket: ``StackBias.shared_from``), in a
     full forward without dropout or padding, at the flash kernel's cost:
 
-    * forward: every key at distance ``>= D`` in one bias-free causal flash
-      call (queries ``D ..`` over keys ``.. T - D``: SDPA's top-left causal
-      mask is exactly "distance ``>= D``"), the nearer keys per query block in
-      a flash call over the band with its bias (a reversed-row view, the
-      block's queries and output flipped), the two merged per row by their
-      log-sum-exps (``kernels.merged_parts``), the far value added to the first;
+    * forward: :func:`far_and_band_forward` (the far keys in one bias-free
+      causal flash call, the nearer ones in a band per block, merged by
+      log-sum-exp), keeping each row's output and log-sum-exp;
     * backward: the far keys' ``dq, dk, dv`` from the flash kernel's backward
       given the whole row's output and log-sum-exp (less the far value), which
       are what its ``P`` and ``delta = rowsum(dO * O)`` need; the band's
@@ -244,37 +241,16 @@ class _FarAndBand(torch.autograd.Function):
       the far keys' share is minus the band's, and no far ``dS`` is formed.
 
     ``values`` ``[H, D + 1]``: the bias at distances ``0 .. D - 1``, then the
-    one value of every distance ``>= D``.  Nothing ``T x T`` is saved; the
-    merge weighs each part by its float32 log-sum-exp (``kernels.far_and_near``
-    has the precision)."""
+    one value of every distance ``>= D``.  Nothing ``T x T`` is saved."""
 
     @staticmethod
     def forward(ctx, q, k, v, values, block):
-        length, head_dim = q.size(2), q.size(-1)
-        near = values.size(1) - 1
-        scale = head_dim**-0.5
+        length, near = q.size(2), values.size(1) - 1
         far = values[:, near].float()
         ramp = _band_ramp(values, length, block, q.dtype)
-        o_far, lse_far = _flash_forward(q[:, :, near:], k[:, :, : length - near], v[:, :, : length - near],
-                                        is_causal=True, scale=scale)
-        lse_far = lse_far + far[:, None]
         # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
         out = q.new_empty(length, q.size(0), q.size(1), v.size(-1)).permute(1, 2, 0, 3)
-        lse = lse_far.new_empty(q.shape[:3])
-        for start, stop, first in _band_blocks(length, near, block):
-            o_near, lse_near = _flash_forward(q[:, :, start:stop].flip(2), k[:, :, first:stop], v[:, :, first:stop],
-                                              attn_mask=reversed_rows(ramp, start, stop - start, stop, length)[
-                                                  None, :, :, first:], scale=scale)
-            o_near, lse_near = o_near.flip(2).float(), lse_near.flip(2)
-            merge_from = max(start, near)  # queries before near have no far keys
-            if merge_from < stop:
-                rows, far_rows = slice(merge_from - start, stop - start), slice(merge_from - near, stop - near)
-                both = torch.logaddexp(lse_far[:, :, far_rows], lse_near[:, :, rows])
-                o_near[:, :, rows] = (o_far[:, :, far_rows].float() * (lse_far[:, :, far_rows] - both).exp()[..., None]
-                                      + o_near[:, :, rows] * (lse_near[:, :, rows] - both).exp()[..., None])
-                lse_near[:, :, rows] = both
-            out[:, :, start:stop] = o_near
-            lse[:, :, start:stop] = lse_near
+        lse = far_and_band_forward(q, k, v, ramp, near, far, block, out)
         ctx.save_for_backward(q, k, v, out, lse, far)
         ctx.block, ctx.near = block, near
         ctx.ramp = ramp
@@ -312,6 +288,51 @@ class _FarAndBand(torch.autograd.Function):
         per_distance = dramp[:, :length].flip(-1)[:, :near]  # ramp entry e holds distance T - 1 - e
         dvalues = torch.cat([per_distance, -per_distance.sum(-1, keepdim=True)], dim=-1)
         return dq, dk, dv, dvalues, None
+
+
+def merged_parts(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """Attention over the union of two disjoint key sets, from each set's
+    output and log-sum-exp (``[B, H, T, D]``, ``[B, H, T]``): each weighed by
+    ``exp(lse_part - lse)``; float32 ``(output, lse)``."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return o_a.float() * (lse_a - lse).exp()[..., None] + o_b.float() * (lse_b - lse).exp()[..., None], lse
+
+
+def far_and_band_forward(q: Tensor, k: Tensor, v: Tensor, band: Tensor, near: int, far: Tensor, block: int,
+                         out: Tensor) -> Tensor:
+    """The forward of a full forward's causal Toeplitz bias that is ``far``
+    (float32 ``[H]``) at every distance from ``near`` on: every such key in
+    one bias-free causal flash call (queries ``near ..`` over keys ``.. T -
+    near``: SDPA's top-left causal mask leaves row ``r`` exactly the keys at
+    least ``near`` before query ``near + r``), the nearer keys per block of
+    ``block`` queries with their bias (``band``: a :func:`distance_ramp` with
+    ``extra = block`` and ``-inf`` from ``near`` on; reversed-row views, the
+    queries and outputs flipped), the two merged per row by log-sum-exp.
+    Writes ``out`` (``[B, H, T, D]``, any strides) and returns each row's
+    float32 log-sum-exp ``[B, H, T]``.  The merge weighs each part by the
+    log-sum-exp the kernel returns, rounded to float32 with the row's largest
+    score in it: weights within about 1e-5 (relative) for a row whose scores
+    reach 100, where one call rounds each weight alone.  The training path
+    (:class:`_FarAndBand`) and T5's long evaluation (``kernels.chunked_kernel``)
+    both run it."""
+    length = q.size(2)
+    o_far, lse_far = _flash_forward(q[:, :, near:], k[:, :, : length - near], v[:, :, : length - near],
+                                    is_causal=True)
+    lse_far = lse_far + far[:, None]
+    lse = lse_far.new_empty(q.shape[:3])
+    for start, stop, first in _band_blocks(length, near, block):
+        o_near, lse_near = _flash_forward(q[:, :, start:stop].flip(2), k[:, :, first:stop], v[:, :, first:stop],
+                                          attn_mask=reversed_rows(band, start, stop - start, stop, length)[
+                                              None, :, :, first:])
+        o_near, lse_near = o_near.flip(2).float(), lse_near.flip(2)
+        merge_from = max(start, near)  # queries before near have no far keys
+        if merge_from < stop:
+            rows, far_rows = slice(merge_from - start, stop - start), slice(merge_from - near, stop - near)
+            o_near[:, :, rows], lse_near[:, :, rows] = merged_parts(o_far[:, :, far_rows], lse_far[:, :, far_rows],
+                                                                    o_near[:, :, rows], lse_near[:, :, rows])
+        out[:, :, start:stop] = o_near
+        lse[:, :, start:stop] = lse_near
+    return lse
 
 
 def _band_ramp(values: Tensor, length: int, block: int, dtype) -> Tensor:

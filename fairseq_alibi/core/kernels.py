@@ -44,8 +44,8 @@ from torch import Tensor
 from .alibi import reach, scaled_slopes
 from .bias import StackBias, distance_ramp, padding_mask, reversed_rows
 from .errors import ConfigError
-from .causal_blocks import (SKIPPED_SHARE, blocked_causal_attention, far_and_band_attention, head_groups,  # noqa: F401
-                            negligible_gap)
+from .causal_blocks import (SKIPPED_SHARE, blocked_causal_attention, far_and_band_attention,  # noqa: F401
+                            far_and_band_forward, head_groups, merged_parts, negligible_gap)
 from .flex import flex_available, flex_kernel
 from .logit_scale import scaled_queries
 from .scaling import warn_if_cache_drifts
@@ -299,51 +299,21 @@ def far_and_near(q: Tensor, k: Tensor, v: Tensor, near: int, far: Tensor, mask: 
     visible = near + mask.size(-1)
     o_far, lse_far = _flash_forward(q, k[:, :, :near], v[:, :, :near])
     o_near, lse_near = _flash_forward(q, k[:, :, near:visible], v[:, :, near:visible], attn_mask=mask)
-    return merged_parts(o_far, lse_far + far, o_near, lse_near).to(q.dtype)
-
-
-def merged_parts(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> Tensor:
-    """float32 attention output over the union of two disjoint key sets, from
-    each set's output and log-sum-exp (``[B, H, T, D]``, ``[B, H, T]``):
-    each weighed by ``exp(lse_part - lse)``."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    return o_a.float() * (lse_a - lse).exp()[..., None] + o_b.float() * (lse_b - lse).exp()[..., None]
+    return merged_parts(o_far, lse_far + far, o_near, lse_near)[0].to(q.dtype)
 
 
 def far_causal_and_band(q: Tensor, k: Tensor, v: Tensor, ramp: Tensor, far_from: int, far: Tensor,
                         chunk_size: int, out: Tensor) -> None:
     """A full forward (queries = keys, no cache) of a causal Toeplitz bias
     that is one value per head, ``far`` ``[H]``, from distance ``far_from``
-    on (:func:`constant_tail`): every key that far from its query in one
-    bias-free causal flash call (queries ``far_from ..`` over keys ``..
-    T - far_from``: SDPA's top-left causal mask leaves row ``r`` exactly the
-    keys at least ``far_from`` before query ``far_from + r``), the band of the
-    nearer keys per block of ``chunk_size`` queries with its bias
-    (:func:`toeplitz_ramp` with ``-inf`` from ``far_from`` on), the two merged
-    per row by log-sum-exp (:func:`merged_parts`; its precision is
-    :func:`far_and_near`'s).  Writes ``out`` (``[T, B, H, D]`` storage).  The
-    work of bias-free causal attention plus a band of ``far_from + chunk_size``
-    keys per query; no grad."""
-    length = q.size(2)
+    on (:func:`constant_tail`): ``causal_blocks.far_and_band_forward`` over
+    the :func:`toeplitz_ramp` with ``-inf`` from ``far_from`` on, queries in
+    blocks of ``chunk_size``.  Writes ``out`` (``[T, B, H, D]`` storage).  The
+    work of bias-free causal attention plus a band of ``far_from +
+    chunk_size`` keys per query; no grad."""
     band = ramp.clone()
-    band[:, : length - far_from] = float("-inf")  # entries of distances >= far_from (length - 1 - x >= far_from)
-    o_far, lse_far = _flash_forward(q[:, :, far_from:], k[:, :, : length - far_from], v[:, :, : length - far_from],
-                                    is_causal=True)
-    lse_far = lse_far + far[:, None]
-    for start in range(0, length, chunk_size):
-        stop = min(start + chunk_size, length)
-        first = max(0, start - far_from + 1)
-        mask = reversed_rows(band, start, stop - start, stop, length)[None, :, :, first:]
-        o_near, lse_near = _flash_forward(q[:, :, start:stop].flip(2), k[:, :, first:stop], v[:, :, first:stop],
-                                          attn_mask=mask)
-        o_near, lse_near = o_near.flip(2), lse_near.flip(2)
-        block = o_near.float()
-        merge_from = max(start, far_from)  # queries before far_from have no far keys
-        if merge_from < stop:
-            rows, far_rows = slice(merge_from - start, stop - start), slice(merge_from - far_from, stop - far_from)
-            block[:, :, rows] = merged_parts(o_far[:, :, far_rows], lse_far[:, :, far_rows], o_near[:, :, rows],
-                                             lse_near[:, :, rows])
-        out[start:stop] = block.to(out.dtype).permute(2, 0, 1, 3)
+    band[:, : q.size(2) - far_from] = float("-inf")  # entries of distances >= far_from (length - 1 - x >= far_from)
+    far_and_band_forward(q, k, v, band, far_from, far, chunk_size, out.permute(1, 2, 0, 3))
 
 
 def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
