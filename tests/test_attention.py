@@ -155,7 +155,7 @@ def test_toeplitz_ramp_views_equal_causal_bias(chunk, scaling):
 def test_constant_tail_finds_where_the_bias_stops_changing(cap):
     """T5's buckets are one value from max_distance on; a capped ALiBi from its
     cap; plain ALiBi changes at every distance."""
-    table = positions.build("t5bias", 2, 8, {"t5_buckets": 8, "t5_max_distance": 20}, NO_SCALING)
+    table = positions.build("t5bias", 2, 8, {"t5_buckets": 8, "t5_max_distance": 20, "t5_init_slopes": 0.0}, NO_SCALING)
     with torch.no_grad():
         table.method.table.weight.copy_(torch.arange(16.0).view(8, 2))
     found = K.constant_tail(K.toeplitz_ramp(table, 50, 4, torch.float32, "cpu"), 50)
@@ -630,7 +630,7 @@ def test_chunked_runs_a_constant_far_bias_without_a_mask_as_the_reference(dtype,
     block (``far_and_near``); the output against the reference kernel's over
     the whole dense bias, 300 keys in blocks of 32."""
     monkeypatch.setattr(K, "CHUNK_SIZE", 32)
-    table = positions.build("t5bias", 4, 8, {"t5_buckets": 8, "t5_max_distance": 20}, NO_SCALING)
+    table = positions.build("t5bias", 4, 8, {"t5_buckets": 8, "t5_max_distance": 20, "t5_init_slopes": 0.0}, NO_SCALING)
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         table.method.table.weight.copy_(torch.randn(8, 4, generator=gen) * 3)
@@ -649,7 +649,7 @@ def test_a_bias_constant_from_distance_1_keeps_each_query_s_own_key_in_the_band(
     of near keys is each query's own key alone (the far call has every other
     key), still the reference's output."""
     monkeypatch.setattr(K, "CHUNK_SIZE", 32)
-    table = positions.build("t5bias", 4, 8, {"t5_buckets": 8, "t5_max_distance": 20}, NO_SCALING)
+    table = positions.build("t5bias", 4, 8, {"t5_buckets": 8, "t5_max_distance": 20, "t5_init_slopes": 0.0}, NO_SCALING)
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 4, 100, 8, generator=gen) for _ in range(3))
     with torch.no_grad():

@@ -220,7 +220,7 @@ def test_the_custom_configs_name_each_methods_settings(exports):
     configs = {name: json.loads((exports[f"{name}-float32"][2] / "config.json").read_text()) for name in CUSTOM}
     assert configs["rotary-postnorm"]["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0,
                                                              "partial_rotary_factor": 1.0}
-    assert configs["t5bias"]["position_params"] == {"t5_buckets": 8, "t5_max_distance": 24}
+    assert configs["t5bias"]["position_params"] == {"t5_buckets": 8, "t5_max_distance": 24, "t5_init_slopes": 0.0}
     assert configs["fire"]["position_params"]["fire_hidden"] == 8
     assert configs["rnope"]["position_params"] == {"rotary_base": 10000.0, "rnope_window": 6, "rnope_nope_every": 0}
     assert configs["alibi-ssmax"]["ssmax"] is True and configs["fox"]["ssmax"] is False

@@ -278,6 +278,28 @@ def test_t5_starts_as_no_position_and_learns():
     assert module.table.weight.grad[:8].abs().sum() > 0
 
 
+@pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (8, 20), (16, 1000)])
+def test_t5_init_slopes_starts_at_alibis_bias(num_buckets, max_distance):
+    """``t5_init_slopes`` k: every pair's initial value is ALiBi's bias times
+    k at the nearest distance of its bucket (a loop over distances, each
+    bucket's first one found by hand); on the exact buckets that is ALiBi's
+    own bias, and every head's values never rise with distance."""
+    heads, k = 4, 1.5
+    module = T5Bias(heads, num_buckets, max_distance, init_slopes=k)
+    slopes = alibi.get_slopes(heads)
+    values = module.values(*grid(max_distance + 40, 1, max_distance + 41))[:, 0].flip(-1)  # [H, distance]
+    nearest = {}
+    for d in range(max_distance + 41):
+        nearest.setdefault(naive_causal_bucket(d, num_buckets, max_distance), d)
+    for d in range(max_distance + 41):
+        expected = -k * slopes * nearest[naive_causal_bucket(d, num_buckets, max_distance)]
+        torch.testing.assert_close(values[:, d], expected, rtol=1e-6, atol=0)
+    exact = num_buckets // 2
+    torch.testing.assert_close(values[:, :exact], -k * slopes[:, None] * torch.arange(exact), rtol=1e-6, atol=0)
+    assert (values[:, 1:] <= values[:, :-1]).all()
+    assert (T5Bias(heads, num_buckets, max_distance).table.weight == 0).all()  # the default: zeros
+
+
 def test_t5_incremental_and_long():
     module = t5_module()
     assert_incremental(module)

@@ -80,7 +80,8 @@ def _rotary(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scal
 
 
 def _t5bias(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
-    return ModuleBias(T5Bias(num_heads, params["t5_buckets"], params["t5_max_distance"]), num_heads, toeplitz=True)
+    return ModuleBias(T5Bias(num_heads, params["t5_buckets"], params["t5_max_distance"], params["t5_init_slopes"]),
+                      num_heads, toeplitz=True)
 
 
 def _nope(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
@@ -154,7 +155,11 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
              (Param("t5_buckets", 32, "the number of T5 bias buckets, half exact distances and half logarithmic",
                     Range(int, 2, 4096), SHAPE),
               Param("t5_max_distance", 128, "the distance from which every key shares the last bucket",
-                    Range(int, 2, MAX_TOKENS))), _t5_distance),
+                    Range(int, 2, MAX_TOKENS)),
+              Param("t5_init_slopes", 0.0, "start the table at ALiBi's bias times this k: each bucket at -k m_h d, "
+                    "d its nearest distance (a diagnostic: T5's bias with ALiBi's recency from step 0)",
+                    Range(float, 0.0, 64.0, open_low=True, special=((0, "zeros, no position preference"),)),
+                    LEARNED)), _t5_distance),
     Position("nope", "none", PLAIN, "no position information: the causal mask alone (Haviv et al. 2022)",
              _nope),
     Position("kerple", "bias", PLAIN, "-r1 log(1 + r2 (i - j)), r1 and r2 learned per head (Kerple's log "

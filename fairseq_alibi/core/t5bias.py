@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from .alibi import get_slopes
 from .errors import ConfigError
 
 
@@ -71,15 +72,38 @@ class T5Bias(nn.Module):
     random order preferences per head before any training.)
     """
 
-    def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128):
+    def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128, init_slopes: float = 0.0):
         super().__init__()
         _check_buckets(num_buckets, max_distance, bidirectional=False)
         self.num_heads, self.num_buckets, self.max_distance = num_heads, num_buckets, max_distance
+        self.init_slopes = float(init_slopes)
         self.table = nn.Embedding(num_buckets, num_heads)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Zeros; with ``init_slopes`` k > 0, ALiBi's bias instead: each
+        bucket starts at ``-k m_h d``, ``d`` the bucket's nearest distance
+        (exactly ALiBi's bias on the exact buckets, its value at the near
+        edge of each log bucket), a recency per head from step 0 (a
+        diagnostic of the retrieval experiment, docs/retrieval.md)."""
         nn.init.zeros_(self.table.weight)
+        if self.init_slopes > 0:
+            with torch.no_grad():
+                self.table.weight.copy_(-self.init_slopes * self.first_distances()[:, None]
+                                        * get_slopes(self.num_heads)[None, :])
+
+    def first_distances(self) -> Tensor:
+        """float32 ``[num_buckets]``: each bucket's nearest distance (a bucket
+        no distance falls in, which coarse log buckets can leave, takes its
+        predecessor's)."""
+        distance = torch.arange(self.max_distance + 1)
+        buckets = self.buckets(distance[:, None], torch.zeros(1, 1, dtype=torch.int64))[:, 0].tolist()
+        first = [None] * self.num_buckets
+        for n, b in enumerate(buckets):
+            first[b] = n if first[b] is None else first[b]
+        for b in range(1, self.num_buckets):  # bucket 0 holds distance 0
+            first[b] = first[b - 1] if first[b] is None else first[b]
+        return torch.tensor(first, dtype=torch.float32)
 
     def buckets(self, query: Tensor, key: Tensor) -> Tensor:
         """The int64 ``[q, k]`` buckets of integer positions ``query [q, 1]`` and

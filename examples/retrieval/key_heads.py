@@ -1,0 +1,153 @@
+"""Which heads find a record's own key, and which read the queried record:
+the two steps a model needs for ``lines``, measured in any position family.
+
+``lines`` asks for the number of the record ``line KEY : REGISTER_CONTENT is
+N .`` whose KEY the question repeats.  A two-layer model can answer by
+(1) carrying each record's KEY to the record's later tokens (a head that
+attends from ``:``, ``REGISTER_CONTENT``, ``is``, the digits and ``.`` to the
+key of its own line, 1 to 8 tokens back, and not to the other lines' keys),
+then (2) attending from the question's last token to the record whose carried
+key matches.  Step (1) needs "the nearest key before me": content (a key
+token) and recency together, which a bias that falls with distance gives
+every head from the start.
+
+For each model (any ``transformer_lm_<method>``: the weights come from the
+model's own attention, its reference kernel), over ``lines`` prompts of
+``--length`` tokens built as ``alibi-retrieval`` builds them, printed per
+layer: the head with the most mass on the own key (step 1: mean over every
+record token after the key, of the weight on that line's key), its mass on
+the other lines' keys, the head with the most mass on the queried record
+from the answer's position (step 2), and the share of prompts whose whole
+answer the model predicts (teacher-forced greedy).
+
+    python examples/retrieval/key_heads.py DATA -c alibi=CKPT -c rotary=CKPT --length 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from typing import Dict, List, Tuple
+
+import torch
+
+
+def record_spans(meta: Dict, header: int, line_len: int) -> List[Tuple[int, int]]:
+    """``(key position, end)`` of each record in the prompt (positions in the
+    prompt's words; the key is a record's second word)."""
+    return [(header + i * line_len + 1, header + (i + 1) * line_len) for i in range(meta["lines"])]
+
+
+def own_key_mass(weights: torch.Tensor, spans: List[Tuple[int, int]], shift: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(own, other)`` float ``[H]``: from every record token after its key,
+    the mean weight on its own line's key and the mean summed weight on the
+    other lines' keys.  ``weights`` ``[H, T, S]`` of one prompt; ``shift``:
+    input positions before the prompt's first word (the prepended eos)."""
+    keys = torch.tensor([k + shift for k, _ in spans])
+    own, other, count = 0.0, 0.0, 0
+    for key, end in spans:
+        rows = weights[:, key + shift + 1:end + shift]  # [H, r, S]
+        at_keys = rows[..., keys].sum(-1)
+        mine = rows[..., key + shift]
+        own, other, count = own + mine.sum(-1), other + (at_keys - mine).sum(-1), count + rows.size(1)
+    return own / count, other / count
+
+
+def analyse(model, dictionary, task, length: int, samples: int, seed: int) -> Dict[str, torch.Tensor]:
+    """The per-(layer, head) masses and the answer accuracy of one model."""
+    layers = model.decoder.layers
+    captured: Dict[int, torch.Tensor] = {}
+
+    def ask(_module, args, kwargs):
+        kwargs = dict(kwargs, need_weights=True, need_head_weights=True)
+        return args, kwargs
+
+    def keep(index):
+        def fn(_module, _args, output):
+            captured[index] = output[1][:, 0].float()  # [H, T, S]
+        return fn
+
+    handles = [h for i, layer in enumerate(layers) for h in (
+        layer.self_attn.register_forward_pre_hook(ask, with_kwargs=True),
+        layer.self_attn.register_forward_hook(keep(i)))]
+    heads = layers[0].self_attn.num_heads
+    own = torch.zeros(len(layers), heads)
+    other, record = torch.zeros_like(own), torch.zeros_like(own)
+    correct = 0
+    header = len(task.words["header"])
+    try:
+        for s in range(samples):
+            rng = random.Random(f"{seed}:key_heads:{length}:{s}")
+            prompt = task.build(length, rng.randrange(5), 5, rng)
+            words = prompt.prompt + prompt.answer[:-1]
+            tokens = torch.tensor([[dictionary.eos()] + [dictionary.index(w) for w in words]])
+            with torch.no_grad():
+                logits, _ = model(tokens)
+            answer = torch.tensor([dictionary.index(w) for w in prompt.answer])
+            at = len(prompt.prompt)  # input position (after the eos) predicting the answer's first word
+            correct += bool((logits[0, at:at + len(answer)].argmax(-1) == answer).all())
+            line_len = len(task.record("k", prompt.answer))
+            spans = record_spans(prompt.meta, header, line_len)
+            needle = 1 + prompt.meta["needle_offset"]
+            for li in range(len(layers)):
+                mine, others = own_key_mass(captured[li], spans, shift=1)
+                own[li] += mine / samples
+                other[li] += others / samples
+                record[li] += captured[li][:, at, needle:needle + line_len].sum(-1) / samples
+    finally:
+        for h in handles:
+            h.remove()
+    return {"own": own, "other": other, "record": record, "accuracy": torch.tensor(correct / samples)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data", help="the binarized retrieval corpus (its dict.txt)")
+    p.add_argument("-c", "--checkpoint", action="append", required=True, metavar="NAME=PATH")
+    p.add_argument("--digits", type=int, default=3)
+    p.add_argument("--length", type=int, default=128, help="prompt length in tokens (default 128)")
+    p.add_argument("--samples", type=int, default=20, help="prompts (default 20)")
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+    for name in ("digits", "length", "samples"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    pairs = []
+    for item in args.checkpoint:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            p.error(f"--checkpoint {item!r} is not NAME=PATH")
+        pairs.append((name, path))
+
+    import fairseq_alibi.models  # noqa: F401  (registers the models)
+    from fairseq import checkpoint_utils
+    from fairseq_alibi.evaluation import prompts as P
+
+    print(f"`lines` at {args.length} tokens, {args.samples} prompts: per layer, the head with the most mass "
+          "on its record's own key (step 1) and the head with the most mass on the queried record from "
+          "the answer's position (step 2)\n")
+    print("| model | layer | own key: head, mass | that head on the other keys | queried record: head, mass "
+          "| answers right |")
+    print("|---|---|---|---|---|---|")
+    for name, path in pairs:
+        try:
+            models, _ = checkpoint_utils.load_model_ensemble([path], arg_overrides={"data": args.data})
+        except (OSError, KeyError, RuntimeError) as e:
+            print(f"error: cannot load {name}={path}: {e}", file=sys.stderr)
+            return 1
+        model = models[0].eval()
+        d = model.decoder.dictionary
+        task = P.Lines(P.Vocabulary([d[i] for i in range(d.nspecial, len(d))]), digits=args.digits)
+        r = analyse(model, d, task, args.length, args.samples, args.seed)
+        for li in range(r["own"].size(0)):
+            h = int(r["own"][li].argmax())
+            g = int(r["record"][li].argmax())
+            accuracy = f"{100 * float(r['accuracy']):.0f}%" if li == 0 else ""
+            print(f"| {name if li == 0 else ''} | {li + 1} | {h + 1}: {r['own'][li, h]:.2f} | "
+                  f"{r['other'][li, h]:.2f} | {g + 1}: {r['record'][li, g]:.2f} | {accuracy} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
