@@ -396,6 +396,49 @@ def test_heads_example_runs(kv_data_bin, kv_checkpoint):
     assert set(top_rows) <= set(rows["none"])
 
 
+def test_own_key_mass_by_hand():
+    """key_heads.own_key_mass: two records (keys at 1 and 4, records end at 4
+    and 7), one head, weights chosen per row; the means by hand."""
+    sys.path.insert(0, str(EXAMPLES / "retrieval"))
+    try:
+        import key_heads
+    finally:
+        sys.path.pop(0)
+    spans = [(1, 4), (4, 7)]
+    weights = torch.zeros(1, 8, 8)
+    weights[0, 2, 1], weights[0, 3, 1] = 0.5, 0.25  # record 1's rows 2, 3 on their own key
+    weights[0, 5, 4], weights[0, 6, 1], weights[0, 6, 4] = 1.0, 0.25, 0.5  # record 2's rows 5, 6
+    own, other = key_heads.own_key_mass(weights, spans, shift=0)
+    assert own.tolist() == [pytest.approx((0.5 + 0.25 + 1.0 + 0.5) / 4)]
+    assert other.tolist() == [pytest.approx(0.25 / 4)]
+    shifted = torch.zeros(1, 9, 9)
+    shifted[:, 1:, 1:] = weights
+    assert key_heads.own_key_mass(shifted, spans, shift=1)[0].tolist() == own.tolist()
+
+
+@pytest.mark.slow
+def test_key_heads_example_agrees_with_heads(kv_data_bin, kv_checkpoint):
+    """examples/retrieval/key_heads.py on the tiny ALiBi model: a row per layer,
+    masses in [0, 1], own plus other keys at most 1; its step-2 column (the
+    model's own attention weights, the reference kernel) is heads.py's largest
+    mass per layer (scores by hand, the same prompts)."""
+    args = ["--digits", "2", "--samples", "2"]
+    result = run_cli([sys.executable, EXAMPLES / "retrieval" / "key_heads.py", kv_data_bin,
+                      "-c", f"tiny={kv_checkpoint}", "--length", "48", *args])
+    rows = markdown_rows(result.stdout, "`lines` at")[1:]
+    assert [r[1] for r in rows] == ["1", "2"] and rows[0][0] == "tiny" and rows[0][5].endswith("%")
+    for row in rows:
+        own, other, record = float(row[2].split(": ")[1]), float(row[3]), float(row[4].split(": ")[1])
+        assert 0 <= own <= 1 and 0 <= other <= 1 and own + other <= 1.005 and 0 <= record <= 1
+    by_hand = run_cli([sys.executable, EXAMPLES / "retrieval" / "heads.py", kv_data_bin, kv_checkpoint,
+                       "--lengths", "48", "--methods", "none", *args])
+    table = [line.split("|") for line in by_hand.stdout.splitlines()
+             if line.startswith("| ") and not line.startswith("| layer")]
+    for layer, row in zip((1, 2), rows):
+        masses = [float(cells[4]) for cells in table if int(cells[1]) == layer]
+        assert float(row[4].split(": ")[1]) == pytest.approx(max(masses), abs=0.011)
+
+
 def markdown_rows(text: str, title: str):
     """The rows (lists of cells, header first, separator dropped) of the Markdown
     table that follows the first line starting with ``title``."""

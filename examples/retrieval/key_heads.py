@@ -78,7 +78,7 @@ def analyse(model, dictionary, task, length: int, samples: int, seed: int) -> Di
     header = len(task.words["header"])
     try:
         for s in range(samples):
-            rng = random.Random(f"{seed}:key_heads:{length}:{s}")
+            rng = random.Random(f"{seed}:heads:{length}:{s}")  # heads.py's prompts (its mass is step 2's)
             prompt = task.build(length, rng.randrange(5), 5, rng)
             words = prompt.prompt + prompt.answer[:-1]
             tokens = torch.tensor([[dictionary.eos()] + [dictionary.index(w) for w in words]])
