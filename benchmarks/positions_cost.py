@@ -71,15 +71,29 @@ from fairseq_train_wps import BIN, make_corpus, read_log, run_all, summarize  # 
 from fairseq_alibi.core.positions import POSITIONS  # noqa: E402
 
 BASELINE = "sinusoidal"
-#: Every method, in the order the tables list them: the baseline, then the registry's.
+#: A method trained with scalable softmax (``--ssmax``): ``<method>+ssmax``, any method of the registry.
+SSMAX = "+ssmax"
+#: Every method, in the order the tables list them: the baseline, then the registry's; ALiBi with SSMax by default.
 METHODS = (BASELINE,) + tuple(POSITIONS)
+CHOICES = METHODS + tuple(name + SSMAX for name in POSITIONS)
+DEFAULT_METHODS = METHODS + ("alibi" + SSMAX,)
 #: A sinusoidal cell is skipped when its ``T x T`` float future mask, twice, would take more
 #: than this share of the memory available (the machine may be shared).
 MEMORY_SHARE = 0.6
 
 
 def arch_of(method: str) -> str:
-    return "transformer_lm" if method == BASELINE else f"transformer_lm_{method}"
+    return "transformer_lm" if method == BASELINE else f"transformer_lm_{position_of(method)}"
+
+
+def position_of(method: str) -> str:
+    """The registry's position method of a table's method (``alibi+ssmax``: ``alibi``)."""
+    return method[:-len(SSMAX)] if method.endswith(SSMAX) else method
+
+
+def method_flags(method: str) -> List[str]:
+    """The training flags a table's method adds to its arch (``--ssmax``)."""
+    return ["--ssmax"] if method.endswith(SSMAX) else []
 
 
 def rotated(methods: Sequence[str], shift: int) -> List[str]:
@@ -96,7 +110,7 @@ def train_command(data: str, method: str, opts, attention_dropout: float) -> Lis
     """``alibi-train`` with compare.sh's training flags, logging every update's words/s."""
     return [
         os.path.join(BIN, "alibi-train"), data, "--task", "language_modeling", "--arch", arch_of(method),
-        *size_args(opts), "--attention-dropout", str(attention_dropout),
+        *size_args(opts), *method_flags(method), "--attention-dropout", str(attention_dropout),
         "--tokens-per-sample", str(opts.length), "--sample-break-mode", "none", "--max-tokens", str(opts.max_tokens),
         "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0", "--weight-decay", "0.01",
         "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100", "--warmup-init-lr", "1e-7",
@@ -111,6 +125,12 @@ def sinusoidal_mask_gib(length: int) -> float:
     return 4 * length * length / 2**30
 
 
+def cell_extra_args(opts, method: str) -> List[str]:
+    """The model flags of an evaluation cell of ``method``."""
+    return size_args(opts) + method_flags(method) + [
+        "--max-target-positions", str(opts.length * max(opts.eval_multiples))]
+
+
 def run_cell(opts) -> dict:
     """Time and memory of the no-grad decoder stack of ``opts.cell_method`` over ``opts.cell_length`` tokens."""
     import torch
@@ -118,8 +138,8 @@ def run_cell(opts) -> dict:
 
     torch.set_num_threads(opts.threads)
     torch.manual_seed(0)
-    extra = size_args(opts) + ["--max-target-positions", str(opts.length * max(opts.eval_multiples))]
-    _, model, _, _ = build_lm(arch_of(opts.cell_method), opts.dict_dir, extra, tokens_per_sample=opts.length)
+    _, model, _, _ = build_lm(arch_of(opts.cell_method), opts.dict_dir, cell_extra_args(opts, opts.cell_method),
+                              tokens_per_sample=opts.length)
     model.eval()
 
     def tokens(n: int):
@@ -311,7 +331,7 @@ def measure_evaluation(opts, dict_dir: str, start: float):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+    p.add_argument("--methods", nargs="+", choices=CHOICES, default=list(DEFAULT_METHODS),
                    help="the methods to compare (sinusoidal, every ratio's baseline, is always measured)")
     p.add_argument("--attention-dropout", type=float, nargs="+", default=[0.0, 0.1])
     p.add_argument("--repeats", type=positive, default=3, help="runs per (method, attention dropout) and cells per "
@@ -357,7 +377,7 @@ def depth_problem(methods, layers: int, heads: int, embed_dim: int, length: int)
     from fairseq_alibi.core.errors import ConfigError
     from fairseq_alibi.core.scaling import Scaling
 
-    for method in methods:
+    for method in map(position_of, methods):
         if method not in positions.POSITIONS:
             continue  # the stock sinusoidal model
         params = {param.name: param.default for param in positions.POSITIONS[method].params}

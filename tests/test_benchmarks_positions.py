@@ -26,7 +26,7 @@ SCRIPT = REPO / "benchmarks" / "positions_cost.py"
 LENGTH = 16
 # One attention dropout and one length, the fewest runs (every run is a fresh process);
 # the report's several columns and tables are checked on measurements made up here.
-TINY = ["--methods", "t5bias", "--attention-dropout", "0.1", "--repeats", "1", "--updates", "3", "--skip", "1",
+TINY = ["--methods", "t5bias", "alibi+ssmax", "--attention-dropout", "0.1", "--repeats", "1", "--updates", "3", "--skip", "1",
         "--length", str(LENGTH), "--max-tokens", "64", "--layers", "1", "--embed-dim", "16", "--heads", "2",
         "--ffn", "32", "--eval-multiples", "4", "--eval-calls", "1"]
 RATIO = re.compile(r"^(\S+) \[(\S+), (\S+)\]$")
@@ -109,7 +109,7 @@ def test_tiny_run_report(tiny_run):
     assert data["code"] in stdout.splitlines()[2]
     host = next(line for line in stdout.splitlines() if line.startswith("Host: "))
     assert f"torch {torch.__version__}" in host and "1 thread(s) per run" in host and "load average" in host
-    assert check_report(stdout, ["sinusoidal", "t5bias"], ["0.1"], [4], repeats=1) >= 4
+    assert check_report(stdout, ["sinusoidal", "t5bias", "alibi+ssmax"], ["0.1"], [4], repeats=1) >= 6
     assert data["threads"] == 1 and data["torch"] == torch.__version__ and set(data["train"]) == {"0.1"}
 
 
@@ -211,7 +211,19 @@ def test_no_evaluation_length_is_training_only():
 
 def test_the_baseline_is_always_measured_first():
     assert positions_cost.parse_args(["--methods", "fire", "alibi", "fire"]).methods == ["sinusoidal", "fire", "alibi"]
-    assert positions_cost.parse_args([]).methods == list(positions_cost.METHODS)
+    assert positions_cost.parse_args([]).methods == list(positions_cost.METHODS) + ["alibi+ssmax"]
+
+
+def test_a_ssmax_method_trains_and_evaluates_its_arch_with_the_flag():
+    """``M+ssmax``: the arch of M, trained and built with ``--ssmax`` (the
+    plain method without it), for every method of the registry."""
+    opts = positions_cost.parse_args(["--methods", "fox+ssmax"])
+    for method in positions_cost.POSITIONS:
+        for name, flagged in ((method, False), (method + "+ssmax", True)):
+            command = positions_cost.train_command("DATA", name, opts, 0.0)
+            assert command[command.index("--arch") + 1] == f"transformer_lm_{method}"
+            assert ("--ssmax" in command) == flagged
+            assert ("--ssmax" in positions_cost.cell_extra_args(opts, name)) == flagged
 
 
 def test_the_learned_bias_benchmark_times_both_forms_in_a_tiny_run(tmp_path):
