@@ -157,7 +157,8 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
               Param("t5_max_distance", 128, "the distance from which every key shares the last bucket",
                     Range(int, 2, MAX_TOKENS)),
               Param("t5_init_slopes", 0.0, "start the table at ALiBi's bias times this k: each bucket at -k m_h d, "
-                    "d its nearest distance (a diagnostic: T5's bias with ALiBi's recency from step 0)",
+                    "d its nearest distance (T5's table with ALiBi's recency from step 0; it learns the retrieval "
+                    "task that T5 from zeros does not, docs/retrieval.md)",
                     Range(float, 0.0, 64.0, open_low=True, special=((0, "zeros, no position preference"),)),
                     LEARNED)), _t5_distance),
     Position("nope", "none", PLAIN, "no position information: the causal mask alone (Haviv et al. 2022)",

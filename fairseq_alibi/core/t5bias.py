@@ -69,7 +69,8 @@ class T5Bias(nn.Module):
     seed starts from the same bias; a bucket's gradient is nonzero as soon as
     its offsets carry attention, so training moves the table from there.  (T5
     draws it from N(0, d_model^-0.5), which at small widths already adds
-    random order preferences per head before any training.)
+    random order preferences per head before any training.)  ``init_slopes``
+    k > 0 starts it at ALiBi's bias instead (:meth:`reset_parameters`).
     """
 
     def __init__(self, num_heads: int, num_buckets: int = 32, max_distance: int = 128, init_slopes: float = 0.0):
@@ -84,8 +85,9 @@ class T5Bias(nn.Module):
         """Zeros; with ``init_slopes`` k > 0, ALiBi's bias instead: each
         bucket starts at ``-k m_h d``, ``d`` the bucket's nearest distance
         (exactly ALiBi's bias on the exact buckets, its value at the near
-        edge of each log bucket), a recency per head from step 0 (a
-        diagnostic of the retrieval experiment, docs/retrieval.md)."""
+        edge of each log bucket), a recency per head from step 0, with
+        which T5's table learns the retrieval task that it does not learn
+        from zeros (docs/retrieval.md, "Why")."""
         nn.init.zeros_(self.table.weight)
         if self.init_slopes > 0:
             with torch.no_grad():
