@@ -120,9 +120,8 @@ class T5Bias(nn.Module):
         buckets saturate earlier), if a pass of ``k_len`` keys reaches it, else
         None.  A property of the buckets, not of the values: a table of equal
         values (T5's zero init) still has a gradient per bucket."""
-        distance = torch.arange(min(k_len, self.max_distance + 1))[:, None]
-        last = self.buckets(distance, torch.zeros(1, 1, dtype=torch.int64))[:, 0] == self.num_buckets - 1
-        return int(last.to(torch.int64).argmax()) if bool(last.any()) else None
+        far = int(self.first_distances()[-1])  # the last bucket always holds max_distance: never a placeholder
+        return far if far < k_len else None
 
     def values(self, query: Tensor, key: Tensor) -> Tensor:
         """The float32 bias ``[H, q, k]`` of queries ``query [q, 1]`` over keys ``key [1, k]``."""
