@@ -440,6 +440,46 @@ def test_fire_values_are_its_pieces_exactly_and_contiguous(make):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("make", [fire_module, knotted_fire])
+@pytest.mark.parametrize("q_start, q_len, keys", [
+    (0, 16, 16),  # below the threshold (8) and across it
+    (30, 20, 50),  # past it, keys to the right of every query (masked)
+    (3000, 64, 3064),  # far past it: rows straddle knots
+    (900, 1, 901),  # one query (a KV cache step)
+    (2000, 150, 2150),  # several row groups (fire.ROW_GROUP), the last a partial one
+])
+def test_fire_reversed_block_is_values_bit_for_bit(make, q_start, q_len, keys):
+    """The chunked kernel's block (one value per distance and piece, pairs
+    only where the rows straddle a knot) is :meth:`values` of every pair,
+    masked, rows last first: the same floats, and the same gradients."""
+    module = make()
+    query, key = grid(q_start, q_len, keys)
+    expected = module.values(query, key).masked_fill(key > query, float("-inf")).flip(-2)
+    got = module.reversed_block(q_start, q_len, keys, "cpu")
+    assert torch.equal(got, expected) and got.is_contiguous()
+    with torch.no_grad():  # written into one buffer, group by group
+        assert torch.equal(module.reversed_block(q_start, q_len, keys, "cpu"), expected)
+    seen = torch.isfinite(expected)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+    grads = [torch.autograd.grad((out[seen] * weights[seen]).sum(), list(module.parameters()))
+             for out in (got, expected)]
+    for name, a, b in zip(dict(module.named_parameters()), *grads):  # sums in another order: rounding only
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()), msg=name)
+
+
+def test_fire_reversed_block_writes_the_rows_that_straddle_a_knot():
+    """Far past the threshold a block's rows see one distance on both sides of
+    a knot: the case the pairwise correction exists for (without it, the
+    values of the test above differ there)."""
+    module = knotted_fire()
+    q_start, q_len = 3000, 64
+    psi = torch.log1p(module.c * torch.arange(q_start + q_len, dtype=torch.float32))
+    normalizer = torch.log1p(module.c * torch.tensor([q_start, q_start + q_len - 1], dtype=torch.float32))
+    knots = module.pieces()[0]
+    straddling = torch.bucketize(psi / normalizer[1], knots) != torch.bucketize(psi / normalizer[0], knots)
+    assert straddling.sum() > 0
+
+
 def test_fire_is_not_toeplitz_past_the_threshold():
     module = fire_module()
     values = module.values(*grid(0, 40, 40))

@@ -165,6 +165,16 @@ class StackBias:
         a finite stand-in) where a head does not look."""
         raise NotImplementedError
 
+    def key_block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: int,
+                  first: int = 0) -> Tuple[Tensor, bool]:
+        """``(bias, reversed)``: :meth:`block`'s bias over keys ``first ..
+        keys - 1`` only, its rows in reverse order (last query first, as
+        :func:`reversed_rows`) where ``reversed``: the form the ``chunked``
+        kernel reads, which a bias overrides where it is less work than
+        :meth:`block` (FoX builds only the keys of its windows, FIRE one value
+        per distance and knot).  The values are :meth:`block`'s."""
+        return self.block(q_start, q_len, k_len, dtype, device, keys=keys)[..., first:], False
+
     def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
         """The whole ``[H, q_len, k_len]`` bias (queries the last ``q_len`` of
         the keys), cached: the first layer of a forward builds it, the others
@@ -428,6 +438,13 @@ class ModuleBias(nn.Module, StackBias):
         values = self.method.values(query, key).to(torch.float32)
         return values.masked_fill(key > query, float("-inf")).to(dtype)
 
+    def key_block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: int,
+                  first: int = 0) -> Tuple[Tensor, bool]:
+        reversed_block = getattr(self.method, "reversed_block", None)
+        if self._toeplitz or reversed_block is None:
+            return StackBias.key_block(self, q_start, q_len, k_len, dtype, device, keys, first)
+        return reversed_block(q_start, q_len, keys, device)[..., first:].to(dtype), True
+
 
 def toeplitz_block(values: Callable[[Tensor, Tensor], Tensor], q_start: int, q_len: int, keys: int,
                    device) -> Tensor:
@@ -451,15 +468,15 @@ def toeplitz_block(values: Callable[[Tensor, Tensor], Tensor], q_start: int, q_l
     return reversed_rows(ramp, q_start, q_len, keys, far + 1).flip(-2)
 
 
-def distance_ramp(far_to_near: Tensor, extra: int) -> Tensor:
+def distance_ramp(far_to_near: Tensor, extra: int, fill: float = float("-inf")) -> Tensor:
     """``[H, S + extra]``: a causal Toeplitz bias as one vector per head, its
     values at distances ``S - 1`` down to 0 (``far_to_near`` ``[H, S]``: the
-    row of the last of ``S`` queries), then ``extra`` entries of ``-inf``
-    (keys right of a query).  Query ``a`` over key ``j`` reads entry ``S - 1 -
+    row of the last of ``S`` queries), then ``extra`` entries of ``fill``
+    (keys right of a query: ``-inf``, the causal mask).  Query ``a`` over key ``j`` reads entry ``S - 1 -
     a + j``, so every block of the ``[H, T, S]`` bias is a view of it
     (:func:`reversed_rows`), ``H x (S + extra)`` values where the bias has
     ``H x T x S``."""
-    return torch.cat([far_to_near, far_to_near.new_full((far_to_near.size(0), extra), float("-inf"))], dim=-1)
+    return torch.cat([far_to_near, far_to_near.new_full((far_to_near.size(0), extra), fill)], dim=-1)
 
 
 def reversed_rows(ramp: Tensor, q_start: int, rows: int, keys: int, k_len: int) -> Tensor:

@@ -17,7 +17,7 @@ than ALiBi.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,9 @@ from torch import Tensor, nn
 from .alibi import learned_slopes as positive, learned_slopes_inverse as positive_inverse
 from .kerple import causal_distance
 
+#: Rows per group of :meth:`Fire.reversed_block`: a group pays ``ROW_GROUP ** 2 / 2`` pairwise values per knot
+#: its rows straddle, and a few small operations per group.
+ROW_GROUP = 64
 #: The initial values of the reference implementation: ``c`` of psi, the threshold ``L`` (in tokens).
 INIT_C = 0.1
 INIT_THRESHOLD = 512.0
@@ -133,3 +136,74 @@ class Fire(nn.Module):
             return table.t().gather(1, piece).view(self.num_heads, *x.shape)
 
         return per_head(slopes) * x + per_head(intercepts)
+
+    def reversed_block(self, q_start: int, q_len: int, keys: int, device) -> Tensor:
+        """The float32 causal bias ``[H, q_len, keys]`` of queries ``q_start +
+        q_len - 1`` down to ``q_start`` (last query first, as
+        ``bias.reversed_rows``) over keys ``0 .. keys - 1``, ``-inf`` right of
+        each query: :meth:`values` of the same pairs, bit for bit, without a
+        transcendental or a lookup per pair.
+
+        Row ``i`` reads distance ``d`` at ``x = psi(d) / n_i``.  Over a group
+        of rows ``x`` of one distance lies between ``psi(d) / n_last`` and
+        ``psi(d) / n_first`` (``n`` grows with ``i``; division and
+        ``bucketize`` are monotone), so where those two fall in one piece
+        every row of the group does, and the pair's value is that piece's
+        ``slope * x + intercept``: the piece's coefficients are one vector per
+        distance, laid out as a Toeplitz view (``bias.distance_ramp``), and
+        ``x`` a ``[g, k]`` view of ``psi`` divided by each row's ``n``, shared
+        by the heads.  The distances whose rows straddle a knot (near each
+        knot, at most about ``g`` of them; none below the threshold, where
+        ``n`` is one value) are written pair by pair, ``g x g`` pairs per knot:
+        hence groups of :data:`ROW_GROUP` rows, not the caller's block."""
+        groups = [(max(q_start, stop - ROW_GROUP), stop) for stop in range(q_start + q_len, q_start, -ROW_GROUP)]
+        if torch.is_grad_enabled():
+            return torch.cat([self._reversed_group(a, b - a, keys, device) for a, b in groups], dim=1)
+        out = torch.empty(self.num_heads, q_len, keys, device=device)
+        for a, b in groups:  # the last queries first
+            row = q_start + q_len - b
+            self._reversed_group(a, b - a, keys, device, out[:, row: row + b - a])
+        return out
+
+    def _reversed_group(self, q_start: int, q_len: int, keys: int, device, out: Optional[Tensor] = None) -> Tensor:
+        """:meth:`reversed_block` of one group of rows, into ``out`` where given (no gradient then)."""
+        from .bias import distance_ramp, reversed_rows  # bias imports the position modules' home
+
+        c = self.c
+        far = q_start + q_len - 1  # the group's largest distance
+        extra = q_len + max(0, keys - far - 1)  # entries right of every query's own key
+        psi = torch.log1p(c * torch.arange(far, -1, -1, device=device, dtype=torch.float32))  # distances far .. 0
+        query = torch.arange(far, q_start - 1, -1, device=device, dtype=torch.float32)  # the rows, last first
+        normalizer = torch.log1p(c * torch.maximum(query, self.threshold))
+        knots, slopes, intercepts = self.pieces()
+        # distances in one piece for every row: the last query has the largest normalizer (smallest x)
+        low, high = (torch.bucketize((psi / n).detach(), knots) for n in (normalizer[:1], normalizer[-1:]))
+
+        def view(table: Tensor, right: float) -> Tensor:
+            """``[H, q, k]`` view of ``table [H, far + 1]`` (distances far .. 0), ``right`` right of each query."""
+            return reversed_rows(distance_ramp(table, extra, right), q_start, q_len, keys, far + 1)
+
+        # Right of each query: intercept -inf, slope and x 0 (the causal mask, and no inf * 0).  The views'
+        # rows step by one entry, as their columns do, and an operation whose first operand is such a view lays
+        # its output out column by column (strided writes): x is made row-major, and comes first.
+        x = view(psi[None], 0.0).contiguous() / normalizer[:, None]  # [1, q, k], shared by the heads
+        out = torch.mul(x, view(slopes[low].t(), 0.0), **({} if out is None else {"out": out}))
+        out += view(intercepts[low].t(), float("-inf"))  # not addcmul: its fused rounding is not values()'s
+        straddling = (low != high).nonzero()[:, 0]  # entries of psi (distance far - e)
+        if straddling.numel():
+            distance = far - straddling  # [S]
+            row = far - query.long()  # the rows' own index in the group, last query first: 0 ..
+            key = query.long()[:, None] - distance[None, :]  # [q, S]
+            seen = (key >= 0) & (key < keys)
+            x_pair = psi[straddling][None, :] / normalizer[:, None]  # [q, S]
+            piece = torch.bucketize(x_pair.detach(), knots)
+            value = slopes.t()[:, piece] * x_pair + intercepts.t()[:, piece]  # [H, q, S]
+            rows, cols = row[:, None].expand_as(key)[seen], key[seen]
+            _put_pairs(out, rows, cols, value[:, seen])
+        return out
+
+
+def _put_pairs(out: Tensor, rows: Tensor, cols: Tensor, values: Tensor) -> None:
+    """Write ``values [H, n]`` into ``out [H, q, k]`` at the pairs ``(rows[n], cols[n])`` of every head."""
+    heads = torch.arange(out.size(0), device=out.device)[:, None].expand_as(values)
+    out.index_put_((heads, rows[None].expand_as(values), cols[None].expand_as(values)), values)

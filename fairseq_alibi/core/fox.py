@@ -108,6 +108,10 @@ class GateBias(StackBias):
     def block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: Optional[int] = None) -> Tensor:
         return gate_bias(self.cumulative, q_start, q_len, keys or k_len).to(dtype)
 
+    def key_block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: int,
+                  first: int = 0) -> Tuple[Tensor, bool]:
+        return gate_bias(self.cumulative, q_start, q_len, keys, first).to(dtype), False  # the window's keys only
+
     def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
         return self.block(k_len - q_len, q_len, k_len, dtype, device)
 

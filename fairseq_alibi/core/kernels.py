@@ -44,6 +44,7 @@ from torch import Tensor
 from .alibi import reach, scaled_slopes
 from .bias import StackBias, distance_ramp, padding_mask, reversed_rows
 from .errors import ConfigError
+from .fox import gate_bias
 from .causal_blocks import (SKIPPED_SHARE, blocked_causal_attention, far_and_band_attention,  # noqa: F401
                             far_and_band_forward, head_groups, merged_parts, negligible_gap)
 from .flex import flex_available, flex_kernel
@@ -302,6 +303,29 @@ def far_and_near(q: Tensor, k: Tensor, v: Tensor, near: int, far: Tensor, mask: 
     return merged_parts(o_far, lse_far + far, o_near, lse_near)[0].to(q.dtype)
 
 
+def gated_far_and_near(q: Tensor, k: Tensor, v: Tensor, c: Tensor, q_start: int, first: int) -> Tensor:
+    """FoX's attention (a ``batched`` bias ``c_i - c_j``, ``c`` ``[B, H, S]``)
+    of the queries ``q`` (one block, positions ``q_start ..``) over keys
+    ``first ..`` up to the last query.  ``c_i - c_j = (c_i - c_s) + (c_s -
+    c_j)`` with ``s = q_start``: over the keys before the block the second
+    term is one row every query shares (a ``[B, H, 1, keys]`` mask, no
+    ``[q, k]`` bias built) and the first a constant of each query's row,
+    added to that part's log-sum-exp; the block's own keys take the plain
+    ``c_i - c_j`` with its causal mask.  Two flash calls merged by their
+    log-sum-exps, as :func:`far_and_near` (the same rounding).  Inference
+    only."""
+    rows = q.size(2)
+    visible = q_start + rows
+    near = gate_bias(c, q_start, rows, visible, first_key=q_start).to(q.dtype)
+    o_near, lse_near = _flash_forward(q, k[:, :, q_start:visible], v[:, :, q_start:visible], attn_mask=near)
+    if first >= q_start:
+        return o_near
+    shared = (c[..., q_start:q_start + 1] - c[..., first:q_start])[..., None, :].to(q.dtype)  # c_s - c_j <= 0
+    o_far, lse_far = _flash_forward(q, k[:, :, first:q_start], v[:, :, first:q_start], attn_mask=shared)
+    lse_far = lse_far + (c[..., q_start:visible] - c[..., q_start:q_start + 1])  # c_i - c_s, per row
+    return merged_parts(o_far, lse_far, o_near, lse_near)[0].to(q.dtype)
+
+
 def far_causal_and_band(q: Tensor, k: Tensor, v: Tensor, ramp: Tensor, far_from: int, far: Tensor,
                         chunk_size: int, out: Tensor) -> None:
     """A full forward (queries = keys, no cache) of a causal Toeplitz bias
@@ -327,7 +351,11 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
     views of one vector per head (:func:`toeplitz_ramp`), their query rows in
     reverse order (the block's queries and output are flipped instead), and
     where the bias is one value past some distance (:func:`constant_tail`,
-    T5's buckets) the keys past it run without a mask (:func:`far_and_near`)."""
+    T5's buckets) the keys past it run without a mask (:func:`far_and_near`).
+    Other biases build each block over the keys its heads read
+    (``StackBias.key_block``: FIRE one value per distance and knot); FoX's
+    keys before each block run with one shared row of bias
+    (:func:`gated_far_and_near`)."""
     chunk_size = chunk_size or CHUNK_SIZE
     k, v = _contiguous(k, v)
     q_len, k_len = q.size(2), k.size(2)
@@ -342,16 +370,17 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
     # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
     out = q.new_empty(q_len, q.size(0), q.size(1), v.size(-1))
 
-    def attend_block(start: int, heads: slice, first: int, mask: Tensor, reverse: bool = False) -> None:
+    def attend_block(start: int, heads: slice, first: int, mask: Tensor, reverse: bool = False,
+                     base: int = 0) -> None:
         """Queries ``start ..`` of ``heads`` against keys ``first ..``; ``mask``
-        is their bias over every key they see (its shape gives both extents),
-        its rows in reverse order where ``reverse``."""
-        stop, visible = start + mask.size(-2), mask.size(-1)
-        mask = mask if pad is None else mask + pad[..., :visible]
+        is their bias over the keys from ``base`` to the last they see (its
+        shape gives both extents), its rows in reverse order where ``reverse``."""
+        stop, visible = start + mask.size(-2), base + mask.size(-1)
+        mask = mask if pad is None else mask + pad[..., base:visible]
         queries = q[:, heads, start:stop]
         block_out = F.scaled_dot_product_attention(
             queries.flip(2) if reverse else queries, k[:, heads, first:visible], v[:, heads, first:visible],
-            attn_mask=mask[..., first:])
+            attn_mask=mask[..., first - base:])
         out[start:stop, :, heads] = (block_out.flip(2) if reverse else block_out).permute(2, 0, 1, 3)
 
     def extent(start: int) -> Tuple[int, int]:
@@ -379,11 +408,20 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
             for heads, first in head_groups(block_firsts):
                 attend_block(start, heads, first, block[:, heads], reverse=True)
     else:
+        split = bias.batched and causal and pad is None and not torch.is_grad_enabled()  # FoX's inference
         for start, block_firsts in zip(starts, firsts):
             rows, visible = extent(start)
-            block = bias.block(offset + start, rows, k_len, q.dtype, q.device, keys=visible)
+            if split:
+                for heads, first in head_groups(block_firsts):
+                    block_out = gated_far_and_near(q[:, heads, start:start + rows], k[:, heads], v[:, heads],
+                                                   bias.cumulative[:, heads], offset + start, first)
+                    out[start:start + rows, :, heads] = block_out.permute(2, 0, 1, 3)
+                continue
+            base = min(block_firsts)  # no head reads a key before it
+            block, reverse = bias.key_block(offset + start, rows, k_len, q.dtype, q.device, visible, base)
             for heads, first in head_groups(block_firsts):  # a batched bias (FoX) has its rows' own blocks
-                attend_block(start, heads, first, block[:, heads] if bias.batched else block[None, heads])
+                attend_block(start, heads, first, block[:, heads] if bias.batched else block[None, heads], reverse,
+                             base)
             del block
     return out.permute(1, 2, 0, 3), None
 
