@@ -15,6 +15,9 @@ a stack of 2 or 3 layers (:meth:`HybridPositions.fit_depth`: a stack without
 a NoPE layer, or without a RoPE layer, is not the method and is refused), and a window of half
 the training length (our choice: the paper's window relative to its training
 length was not in the material we could read; ``rnope_window`` sets it).
+A window narrower than the records of docs/retrieval.md's ``lines`` task
+(8 keys for its 9-token records, against the default 64) is what lets the
+hybrid learn that task: each record token then sees one key, its own.
 
 The window is a band mask (``-inf`` at ``i - j >= window``); the ``blocked``
 and ``chunked`` kernels skip the key blocks left of it
