@@ -110,8 +110,9 @@ def test_key_windows_leave_out_only_keys_that_weigh_nothing():
     """Two heads with steep gates (f = 0.3: c falls by 1.2 a token) and two
     near 1, 700 queries: ``gate_windows`` starts the steep heads' late blocks
     past key 0 and the others at 0, and the blocked kernel (training) and the
-    chunked one (inference) with those windows give the reference's output and
-    gradients of q, k, v and c."""
+    chunked one (inference; and with gradients on the steep heads, whose late
+    blocks start past key 0) with those windows give the reference's output
+    and gradients of q, k, v and c."""
     T, D = 700, 16
     gen = torch.Generator().manual_seed(8)
     gates = torch.tensor([0.3, 0.3, 0.999, 0.99])[None, :, None].expand(2, HEADS, T)
@@ -134,6 +135,17 @@ def test_key_windows_leave_out_only_keys_that_weigh_nothing():
     torch.testing.assert_close(results["chunked"][0], results["reference"][0], rtol=1e-5, atol=1e-5)
     for name, got, want in zip(("out", "q", "k", "v", "c"), results["blocked"], results["reference"]):
         assert (got - want).norm() <= 2e-4 * want.norm(), name
+    # chunked with gradients (an explicit alibi_attention=chunked in training), the two steep heads alone:
+    # a late block's bias is built over its window's keys only (GateBias.key_block from the heads' first key)
+    steep = [t[:, :2].clone() for t in (q0, k0, v0, c0, weight)]
+    for kernel in ("chunked", "reference"):
+        leaves = [t.clone().requires_grad_() for t in steep[:4]]
+        out, _ = kernels.KERNELS[kernel](*leaves[:3], GateBias(leaves[3]), None, 0.0, **(
+            {"chunk_size": 128} if kernel == "chunked" else {}))
+        (out * steep[4]).sum().backward()
+        results[kernel] = [out.detach()] + [t.grad for t in leaves]
+    for name, got, want in zip(("out", "q", "k", "v", "c"), results["chunked"], results["reference"]):
+        assert (got - want).norm() <= 2e-5 * want.norm(), name
 
 
 def test_kernel_choice_builds_no_square_bias_for_long_inputs():
