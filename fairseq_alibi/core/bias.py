@@ -472,10 +472,10 @@ def distance_ramp(far_to_near: Tensor, extra: int, fill: float = float("-inf")) 
     """``[H, S + extra]``: a causal Toeplitz bias as one vector per head, its
     values at distances ``S - 1`` down to 0 (``far_to_near`` ``[H, S]``: the
     row of the last of ``S`` queries), then ``extra`` entries of ``fill``
-    (keys right of a query: ``-inf``, the causal mask).  Query ``a`` over key ``j`` reads entry ``S - 1 -
-    a + j``, so every block of the ``[H, T, S]`` bias is a view of it
-    (:func:`reversed_rows`), ``H x (S + extra)`` values where the bias has
-    ``H x T x S``."""
+    (keys right of a query: ``-inf``, the causal mask).  Query ``a`` over
+    key ``j`` reads entry ``S - 1 - a + j``, so every block of the ``[H, T,
+    S]`` bias is a view of it (:func:`reversed_rows`), ``H x (S + extra)``
+    values where the bias has ``H x T x S``."""
     return torch.cat([far_to_near, far_to_near.new_full((far_to_near.size(0), extra), fill)], dim=-1)
 
 
