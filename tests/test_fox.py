@@ -148,6 +148,24 @@ def test_key_windows_leave_out_only_keys_that_weigh_nothing():
         assert (got - want).norm() <= 2e-5 * want.norm(), name
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_chunked_inference_splits_each_block_and_matches_the_reference(dtype, tol):
+    """Long inference (the chunked kernel: each block's earlier keys under one
+    shared row of bias, merged with its own keys by log-sum-exp) against the
+    reference kernel, gates from steep to near 1, float32 and bfloat16."""
+    layer = gate(4)
+    T = 300
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(T, 2, DIM, generator=gen)
+    q, k, v = (torch.randn(2, HEADS, T, 8, generator=gen).to(dtype) for _ in range(3))
+    with torch.no_grad():
+        bias, _ = layer.bind(x, None, None)
+        expected, _ = kernels.reference_kernel(q.float(), k.float(), v.float(), bias, None, 0.0)
+        got, _ = kernels.chunked_kernel(q, k, v, bias, None, 0.0, chunk_size=64)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
 def test_kernel_choice_builds_no_square_bias_for_long_inputs():
     """Long inference: chunked; CPU training, with or without dropout: blocked
     (both build c_i - c_j per query block)."""

@@ -467,6 +467,24 @@ def test_fire_reversed_block_is_values_bit_for_bit(make, q_start, q_len, keys):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()), msg=name)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fire_chunked_evaluation_equals_the_reference_kernel(dtype, tol):
+    """Long inference past the threshold (the chunked kernel reading
+    ``reversed_block``'s blocks, queries flipped) against the reference
+    kernel's dense bias, in float32 and bfloat16."""
+    from fairseq_alibi.core import kernels
+    from fairseq_alibi.core.bias import ModuleBias
+
+    bias = ModuleBias(knotted_fire(), 3, toeplitz=False)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 300, 8, generator=gen).to(dtype) for _ in range(3))
+    with torch.no_grad():
+        expected, _ = kernels.reference_kernel(q.float(), k.float(), v.float(), bias, None, 0.0)
+        got, _ = kernels.chunked_kernel(q, k, v, bias, None, 0.0, chunk_size=128)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
 def test_fire_reversed_block_writes_the_rows_that_straddle_a_knot():
     """Far past the threshold a block's rows see one distance on both sides of
     a knot: the case the pairwise correction exists for (without it, the
