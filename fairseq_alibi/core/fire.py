@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .alibi import learned_slopes as positive, learned_slopes_inverse as positive_inverse
+from .bias import distance_ramp, reversed_rows
 from .kerple import causal_distance
 
 #: Rows per group of :meth:`Fire.reversed_block`: a group pays ``ROW_GROUP ** 2 / 2`` pairwise values per knot
@@ -167,8 +168,6 @@ class Fire(nn.Module):
 
     def _reversed_group(self, q_start: int, q_len: int, keys: int, device, out: Optional[Tensor] = None) -> Tensor:
         """:meth:`reversed_block` of one group of rows, into ``out`` where given (no gradient then)."""
-        from .bias import distance_ramp, reversed_rows  # bias imports the position modules' home
-
         c = self.c
         far = q_start + q_len - 1  # the group's largest distance
         extra = q_len + max(0, keys - far - 1)  # entries right of every query's own key
