@@ -26,8 +26,8 @@ from .alibi import learned_slopes as positive, learned_slopes_inverse as positiv
 from .bias import distance_ramp, reversed_rows
 from .kerple import causal_distance
 
-#: Rows per group of :meth:`Fire.reversed_block`: a group pays ``ROW_GROUP ** 2 / 2`` pairwise values per knot
-#: its rows straddle, and a few small operations per group.
+#: Rows per group of :meth:`Fire.reversed_block`: a group pays up to ``ROW_GROUP ** 2`` pairwise values per
+#: knot its rows straddle, and a few small operations per group.
 ROW_GROUP = 64
 #: The initial values of the reference implementation: ``c`` of psi, the threshold ``L`` (in tokens).
 INIT_C = 0.1
@@ -155,8 +155,8 @@ class Fire(nn.Module):
         ``x`` a ``[g, k]`` view of ``psi`` divided by each row's ``n``, shared
         by the heads.  The distances whose rows straddle a knot (near each
         knot, at most about ``g`` of them; none below the threshold, where
-        ``n`` is one value) are written pair by pair, ``g x g`` pairs per knot:
-        hence groups of :data:`ROW_GROUP` rows, not the caller's block."""
+        ``n`` is one value) are written pair by pair, up to ``g x g`` pairs per
+        knot: hence groups of :data:`ROW_GROUP` rows, not the caller's block."""
         groups = [(max(q_start, stop - ROW_GROUP), stop) for stop in range(q_start + q_len, q_start, -ROW_GROUP)]
         if torch.is_grad_enabled():
             return torch.cat([self._reversed_group(a, b - a, keys, device) for a, b in groups], dim=1)
