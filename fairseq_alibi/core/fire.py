@@ -193,12 +193,13 @@ class Fire(nn.Module):
             distance = far - straddling  # [S]
             row = far - query.long()  # the rows' own index in the group, last query first: 0 ..
             key = query.long()[:, None] - distance[None, :]  # [q, S]
-            seen = (key >= 0) & (key < keys)
             x_pair = psi[straddling][None, :] / normalizer[:, None]  # [q, S]
             piece = torch.bucketize(x_pair.detach(), knots)
-            value = slopes.t()[:, piece] * x_pair + intercepts.t()[:, piece]  # [H, q, S]
-            rows, cols = row[:, None].expand_as(key)[seen], key[seen]
-            _put_pairs(out, rows, cols, value[:, seen])
+            # the pairs the per-distance tables got wrong: another piece than `low`, a key the row sees
+            wrong = (piece != low[straddling][None, :]) & (key >= 0) & (key < keys)
+            x_wrong, piece = x_pair[wrong], piece[wrong]
+            value = slopes.t()[:, piece] * x_wrong + intercepts.t()[:, piece]  # [H, n]
+            _put_pairs(out, row[:, None].expand_as(key)[wrong], key[wrong], value)
         return out
 
 
