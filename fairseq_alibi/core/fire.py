@@ -157,24 +157,28 @@ class Fire(nn.Module):
         knot, at most about ``g`` of them; none below the threshold, where
         ``n`` is one value) are written pair by pair, up to ``g x g`` pairs per
         knot: hence groups of :data:`ROW_GROUP` rows, not the caller's block."""
+        # once per block, shared by its groups: psi at distances far .. 0 (a group's is the tail) and the pieces
+        psi = torch.log1p(self.c * torch.arange(q_start + q_len - 1, -1, -1, device=device, dtype=torch.float32))
+        pieces = self.pieces()
         groups = [(max(q_start, stop - ROW_GROUP), stop) for stop in range(q_start + q_len, q_start, -ROW_GROUP)]
         if torch.is_grad_enabled():
-            return torch.cat([self._reversed_group(a, b - a, keys, device) for a, b in groups], dim=1)
+            return torch.cat([self._reversed_group(a, b - a, keys, psi[-b:], pieces) for a, b in groups], dim=1)
         out = torch.empty(self.num_heads, q_len, keys, device=device)
         for a, b in groups:  # the last queries first
             row = q_start + q_len - b
-            self._reversed_group(a, b - a, keys, device, out[:, row: row + b - a])
+            self._reversed_group(a, b - a, keys, psi[-b:], pieces, out[:, row: row + b - a])
         return out
 
-    def _reversed_group(self, q_start: int, q_len: int, keys: int, device, out: Optional[Tensor] = None) -> Tensor:
-        """:meth:`reversed_block` of one group of rows, into ``out`` where given (no gradient then)."""
-        c = self.c
+    def _reversed_group(self, q_start: int, q_len: int, keys: int, psi: Tensor, pieces: Tuple[Tensor, Tensor, Tensor],
+                        out: Optional[Tensor] = None) -> Tensor:
+        """:meth:`reversed_block` of one group of rows, given ``psi`` at its
+        distances ``far .. 0`` and :meth:`pieces`; into ``out`` where given
+        (no gradient then)."""
         far = q_start + q_len - 1  # the group's largest distance
         extra = q_len + max(0, keys - far - 1)  # entries right of every query's own key
-        psi = torch.log1p(c * torch.arange(far, -1, -1, device=device, dtype=torch.float32))  # distances far .. 0
-        query = torch.arange(far, q_start - 1, -1, device=device, dtype=torch.float32)  # the rows, last first
-        normalizer = torch.log1p(c * torch.maximum(query, self.threshold))
-        knots, slopes, intercepts = self.pieces()
+        query = torch.arange(far, q_start - 1, -1, device=psi.device, dtype=torch.float32)  # the rows, last first
+        normalizer = torch.log1p(self.c * torch.maximum(query, self.threshold))
+        knots, slopes, intercepts = pieces
         # distances in one piece for every row: the last query has the largest normalizer (smallest x)
         low, high = (torch.bucketize((psi / n).detach(), knots) for n in (normalizer[:1], normalizer[-1:]))
 
