@@ -52,6 +52,7 @@ class Case:
         self.layers = [self.stack.at_layer(i).for_layer() for i in range(depth)]
         self.calls = 0
         self.embed_dim = heads * head_dim
+        self.shares = []  # per evaluation call: kernels.keys_read of the kernel it ran
 
     def seconds(self, q, k, v, weight, dropout: float, train: bool) -> float:
         """CPU seconds of one call (and its backward where ``train``)."""
@@ -67,10 +68,15 @@ class Case:
             out, _ = kernels.attend(rq, rk, leaves[2], bias, "auto", None, dropout)
             if train:
                 (out * weight).sum().backward()
-            return time.process_time() - start
+            seconds = time.process_time() - start
+            if not train:
+                chunked = kernels.choose_kernel("auto", bias, False, q.size(2), k.size(2)) == "chunked"
+                self.shares.append(kernels.keys_read(bias, rq, rk) if chunked else 1.0)
+            return seconds
 
 
-def measure(methods, shape, dropout: float, train: bool, repeats: int, length: int) -> dict:
+def measure(methods, shape, dropout: float, train: bool, repeats: int, length: int):
+    """(CPU seconds per call, keys read per evaluation call) per method."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, weight = (torch.randn(shape, generator=gen) for _ in range(4))
     cases = {m: Case(m, shape[1], shape[3], length) for m in methods}
@@ -80,7 +86,7 @@ def measure(methods, shape, dropout: float, train: bool, repeats: int, length: i
     for r in range(repeats):
         for m in (methods if r % 2 == 0 else methods[::-1]):
             times[m].append(cases[m].seconds(q, k, v, weight, dropout, train))
-    return times
+    return times, {m: cases[m].shares for m in methods}
 
 
 def main(argv=None) -> int:
@@ -100,27 +106,37 @@ def main(argv=None) -> int:
     methods = ["alibi"] + [m for m in args.methods if m != "alibi"]
     print(f"position_kernels: L={args.length}, B={args.batch}, {args.heads} heads of {args.head_dim}, "
           f"{args.threads} thread(s); {machine_description()}", file=sys.stderr)
-    columns, rows = [], []
+    columns, shares, rows = [], {}, []
     for dropout in args.dropout:
-        columns.append((f"train, dropout {dropout:g}", measure(
-            methods, (args.batch, args.heads, args.length, args.head_dim), dropout, True, args.repeats, args.length)))
+        times, _ = measure(methods, (args.batch, args.heads, args.length, args.head_dim), dropout, True,
+                           args.repeats, args.length)
+        columns.append((f"train, dropout {dropout:g}", times))
         print(f"[position_kernels] {columns[-1][0]} done", file=sys.stderr)
     for n in args.eval_length:
-        columns.append((f"eval {n} tokens", measure(
-            methods, (1, args.heads, n, args.head_dim), 0.0, False, args.repeats, args.length)))
+        times, shares[f"eval {n} tokens"] = measure(methods, (1, args.heads, n, args.head_dim), 0.0, False,
+                                                    args.repeats, args.length)
+        columns.append((f"eval {n} tokens", times))
         print(f"[position_kernels] {columns[-1][0]} done", file=sys.stderr)
     command = " ".join(sys.argv[1:] if argv is None else argv)
     print(f"Command: `python benchmarks/position_kernels.py {command}`\n")
-    print("CPU seconds per call (median of " f"{args.repeats}), and / ALiBi:\n")
-    print("| method | " + " | ".join(f"{name}, s | / ALiBi" for name, _ in columns) + " |")
-    print("|---|" + "---|---|" * len(columns))
+    print("CPU seconds per call (median of " f"{args.repeats}), and / ALiBi; in evaluation also the share of the "
+          "causal (query, key) pairs the call scores (kernels.keys_read: below 1 where key windows skip keys; "
+          "a hybrid's mean over its layer kinds):\n")
+    print("| method | " + " | ".join(f"{name}, s | / ALiBi" + (" | keys read" if name in shares else "")
+                                     for name, _ in columns) + " |")
+    print("|---|" + "".join("---|---|---|" if name in shares else "---|---|" for name, _ in columns))
     for m in methods:
         cells = []
         for name, times in columns:
             med = median(times[m])
             ratio = med / median(times["alibi"])
-            cells.append(f"{med:.3f} | {ratio:.2f}")
-            rows.append({"method": m, "column": name, "seconds": times[m], "median_s": med, "ratio": ratio})
+            row = {"method": m, "column": name, "seconds": times[m], "median_s": med, "ratio": ratio}
+            if name in shares:
+                row["keys_read"] = sum(shares[name][m]) / len(shares[name][m])
+                cells.append(f"{med:.3f} | {ratio:.2f} | {row['keys_read']:.2f}")
+            else:
+                cells.append(f"{med:.3f} | {ratio:.2f}")
+            rows.append(row)
         print(f"| {m} | " + " | ".join(cells) + " |")
     write_rows(args.json, args, rows)
     return 0

@@ -235,6 +235,35 @@ def test_chunked_key_windows_skip_far_keys_and_change_nothing(scaling, monkeypat
     torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("slopes", ["alibi", "flat"])
+def test_keys_read_counts_the_pairs_the_chunked_kernel_scores(slopes, monkeypatch):
+    """``kernels.keys_read`` (the benchmarks' "keys read") against a count of
+    every (query, key) pair the chunked kernel hands SDPA: below 1 with ALiBi's
+    key windows, just above 1 (each diagonal block's masked half) without."""
+    monkeypatch.setattr(K, "CHUNK_SIZE", 64)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 8, 700, 16, generator=gen) for _ in range(3))
+    bias = AlibiBias(8)
+    if slopes == "flat":
+        bias.base_slopes.mul_(1e-3)  # no key weighs little enough to skip
+    scored = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(query, key, value, **kwargs):
+        scored.append(query.size(0) * query.size(1) * query.size(2) * key.size(2))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    with torch.no_grad():
+        K.chunked_kernel(q, k, v, bias, None, 0.0)
+    causal = 8 * 700 * 701 // 2
+    assert K.keys_read(bias, q, k) == pytest.approx(sum(scored) / causal)
+    if slopes == "alibi":
+        assert K.keys_read(bias, q, k) < 0.97  # at 700 tokens only the steepest heads skip keys
+    else:
+        assert 1 < K.keys_read(bias, q, k) < 1 + 64 / 700
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_key_windows_bound_holds_for_adversarial_scores(dtype):
     """Keys aligned with the query at the window's edge, the query's own key

@@ -263,7 +263,7 @@ def test_the_position_kernels_benchmark_times_every_method_of_the_registry(tmp_p
     """``benchmarks/position_kernels.py`` on a tiny setting: every method of the
     registry (the hybrid's layer kinds, FoX's gates from an input) in a row per
     column (two dropouts, one evaluation length), each timed every repeat, the
-    ratio the one of the medians to ALiBi's."""
+    ratio the one of the medians to ALiBi's, evaluation with its keys read."""
     import position_kernels
 
     out = tmp_path / "kernels.json"
@@ -278,3 +278,6 @@ def test_the_position_kernels_benchmark_times_every_method_of_the_registry(tmp_p
         assert len(row["seconds"]) == 2 and row["median_s"] == pytest.approx(statistics.median(row["seconds"]))
         alibi = next(r for r in rows if r["method"] == "alibi" and r["column"] == row["column"])
         assert row["ratio"] == pytest.approx(row["median_s"] / alibi["median_s"])
+        # evaluation only: the share of causal pairs scored (one block of 90 queries: no window skips a key)
+        assert ("keys_read" in row) == row["column"].startswith("eval")
+        assert row.get("keys_read", 1.0) >= 1.0

@@ -316,6 +316,43 @@ def test_gate_weights_started_at_zero_are_trained(data_dir):
         build(data_dir, "fox", "--fox-gate-init-std", "0.1", "--fox-data-dependent", "0")
 
 
+def test_gate_weights_wait_for_their_delay_in_fairseqs_training_step(data_dir):
+    """``--fox-weight-delay N``: fairseq's own ``train_step`` (which reports the
+    update to the model) leaves the gate weights without a gradient before
+    update N, while the gate biases learn, and gives them one from update N
+    on; refused with ``--fox-data-dependent 0``, which never trains them."""
+    from fairseq import tasks
+    from fairseq.optim.adam import FairseqAdam
+
+    from conftest import fairseq_config
+
+    argv = [str(data_dir), "--task", "language_modeling", "--arch", "transformer_lm_fox", "--tokens-per-sample",
+            str(TRAIN), "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+            "--decoder-attention-heads", "4", "--fox-weight-delay", "2", "--fox-gate-init-std", "0",
+            "--fox-init-slopes", "1", "--optimizer", "adam", "--lr", "0.01"]
+    cfg = fairseq_config(argv)
+    task = tasks.setup_task(cfg.task)
+    model, criterion = task.build_model(cfg.model), task.build_criterion(cfg.criterion)
+    optimizer = FairseqAdam(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    gates = [layer.self_attn.forget_gate.proj for layer in model.decoder.layers]
+    ids = tokens(TRAIN)
+    sample = {"net_input": {"src_tokens": ids[:, :-1].contiguous(), "src_lengths": torch.full((2,), TRAIN - 1)},
+              "target": ids[:, 1:].contiguous(), "ntokens": 2 * (TRAIN - 1)}
+    for update in range(4):
+        biases = [g.bias.detach().clone() for g in gates]
+        optimizer.zero_grad()
+        task.train_step(sample, model, criterion, optimizer, update)
+        optimizer.step()
+        if update < 2:
+            assert all(g.weight.grad is None and torch.equal(g.weight, torch.zeros_like(g.weight)) for g in gates)
+        else:
+            assert all(g.weight.grad is not None and bool(g.weight.grad.ne(0).any()) for g in gates)
+        assert all(not torch.equal(g.bias, b) for g, b in zip(gates, biases))
+    assert all(bool(g.weight.ne(0).any()) for g in gates)
+    with pytest.raises(ConfigError, match="fox_weight_delay=5 .* fox_data_dependent=0"):
+        build(data_dir, "fox", "--fox-weight-delay", "5", "--fox-data-dependent", "0")
+
+
 def test_the_gates_script_reads_each_layers_gates_from_a_checkpoint(data_dir, tmp_path, capsys):
     """``examples/retrieval/fox_gates.py``: per layer, sigmoid of each head's
     gate bias and the norm of its weight row, as the model holds them; a

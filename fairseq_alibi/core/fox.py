@@ -147,17 +147,18 @@ class ForgetGates(_UnboundGates):
     own gate (:meth:`for_layer`), as the paper computes one per layer."""
 
     def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING, init_slopes: float = 0.0,
-                 data_dependent: bool = True, init_std: float = GATE_INIT_STD):
+                 data_dependent: bool = True, init_std: float = GATE_INIT_STD, weight_delay: int = 0):
         StackBias.__init__(self, num_heads)
         self.embed_dim = embed_dim
         self.scaling = _check_fox_scaling(scaling)
         self.init_slopes = init_slopes
         self.data_dependent = data_dependent
         self.init_std = init_std
+        self.weight_delay = weight_delay
 
     def for_layer(self) -> "LayerForgetGate":
         return LayerForgetGate(self.num_heads, self.embed_dim, self.scaling, self.init_slopes, self.data_dependent,
-                               self.init_std)
+                               self.init_std, self.weight_delay)
 
 
 class LayerForgetGate(nn.Module, _UnboundGates):
@@ -168,12 +169,16 @@ class LayerForgetGate(nn.Module, _UnboundGates):
     paper's data-independent ablation (``fox_data_dependent=0``).
     ``init_std``: the weights' initial standard deviation (0: they start at
     0 and are trained, the run that separates the weights' initial noise from
-    what they learn)."""
+    what they learn).  ``weight_delay``: the number of training updates during
+    which the weights keep their initial values (no gradient reaches them;
+    fairseq's trainer reports each update through :meth:`set_num_updates`),
+    the run that asks whether the data dependence slows only the search for
+    the retrieval heads or also what is learned after it."""
 
     layer_attribute = "forget_gate"
 
     def __init__(self, num_heads: int, embed_dim: int, scaling: Scaling = NO_SCALING, init_slopes: float = 0.0,
-                 data_dependent: bool = True, init_std: float = GATE_INIT_STD):
+                 data_dependent: bool = True, init_std: float = GATE_INIT_STD, weight_delay: int = 0):
         nn.Module.__init__(self)
         StackBias.__init__(self, num_heads)
         self.proj = nn.Linear(embed_dim, num_heads)
@@ -187,11 +192,17 @@ class LayerForgetGate(nn.Module, _UnboundGates):
             else:  # the authors' zero bias: gates near 0.5
                 self.proj.bias.zero_()
         self.scaling = _check_fox_scaling(scaling)
+        self.weight_delay = weight_delay
+        self.num_updates = 0  # not saved: the trainer sets it at every update and after loading a checkpoint
 
     def for_layer(self) -> "LayerForgetGate":
         return self
 
+    def set_num_updates(self, num_updates: int) -> None:
+        self.num_updates = num_updates
+
     def bind(self, x: Tensor, key_padding_mask: Optional[Tensor], carried: Optional[Tensor]
              ) -> Tuple[GateBias, Tensor]:
-        c = cumulative_gates(log_gates(x, self.proj.weight, self.proj.bias, key_padding_mask), carried)
+        weight = self.proj.weight if self.num_updates >= self.weight_delay else self.proj.weight.detach()
+        c = cumulative_gates(log_gates(x, weight, self.proj.bias, key_padding_mask), carried)
         return GateBias(c, self.scaling), c

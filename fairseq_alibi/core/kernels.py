@@ -340,6 +340,38 @@ def far_causal_and_band(q: Tensor, k: Tensor, v: Tensor, ramp: Tensor, far_from:
     far_and_band_forward(q, k, v, band, far_from, far, chunk_size, out.permute(1, 2, 0, 3))
 
 
+def block_windows(bias: StackBias, q: Tensor, k: Tensor, padded: bool, chunk_size: int) -> List[List[int]]:
+    """Per block of ``chunk_size`` queries, the first key each head of the
+    ``chunked`` kernel reads: ALiBi's :func:`key_windows`, FoX's
+    :func:`gate_windows` (neither with padding, nor for a single block), or a
+    sliding window (:func:`sliding_windows`); 0 for every head otherwise."""
+    q_len, k_len = q.size(2), k.size(2)
+    windows = (key_windows(bias, q, k, k_len) or gate_windows(bias, q, k)) if not padded and q_len > chunk_size \
+        else None
+    windows = windows or sliding_windows(bias, q.size(1), k_len - q_len if bias.causal else 0)
+    return [windows(s, min(s + chunk_size, q_len)) if windows else [0] * q.size(1)
+            for s in range(0, q_len, chunk_size)]
+
+
+def keys_read(bias: StackBias, q: Tensor, k: Tensor, chunk_size: Optional[int] = None) -> float:
+    """The (query, key) pairs a causal call of the ``chunked`` kernel scores
+    without padding, as a share of the pairs causal attention scores (every
+    query with the keys up to its own): below 1 where key windows skip keys
+    (what makes ALiBi's and FoX's long evaluation cheaper than bias-free
+    attention's, which scores every causal pair), slightly above 1 with none
+    (a block scores its diagonal square whole, its upper half masked).  For
+    the benchmarks (``benchmarks/position_kernels.py``)."""
+    chunk_size = chunk_size or CHUNK_SIZE
+    q_len, k_len = q.size(2), k.size(2)
+    offset = k_len - q_len
+    read = 0
+    for start, firsts in zip(range(0, q_len, chunk_size), block_windows(bias, q, k, False, chunk_size)):
+        rows = min(chunk_size, q_len - start)
+        read += sum(rows * (offset + start + rows - first) for first in firsts)
+    causal = q.size(1) * (q_len * offset + q_len * (q_len + 1) // 2)
+    return read / causal
+
+
 def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
     """Queries in blocks of ``chunk_size`` (default ``CHUNK_SIZE``); each block's
     bias a view of the shared ramp (causal) or built on the fly (bidirectional,
@@ -362,11 +394,8 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
     causal = bias.causal
     offset = k_len - q_len if causal else 0
     pad = padding_mask(key_padding_mask, q.dtype)
-    windows = (key_windows(bias, q, k, k_len) or gate_windows(bias, q, k)) if pad is None and q_len > chunk_size \
-        else None
-    windows = windows or sliding_windows(bias, q.size(1), offset)
     starts = range(0, q_len, chunk_size)
-    firsts = [windows(s, min(s + chunk_size, q_len)) if windows else [0] * q.size(1) for s in starts]
+    firsts = block_windows(bias, q, k, pad is not None, chunk_size)
     # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
     out = q.new_empty(q_len, q.size(0), q.size(1), v.size(-1))
 

@@ -107,13 +107,16 @@ def _t5_distance(params: Dict[str, Any]) -> Optional[str]:
 
 def _fox(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
     return ForgetGates(num_heads, num_heads * head_dim, scaling, params["fox_init_slopes"],
-                       bool(params["fox_data_dependent"]), params["fox_gate_init_std"])
+                       bool(params["fox_data_dependent"]), params["fox_gate_init_std"], params["fox_weight_delay"])
 
 
 def _fox_gate_init(params: Dict[str, Any]) -> Optional[str]:
     if not params["fox_data_dependent"] and params["fox_gate_init_std"] != GATE_INIT_STD:
         return (f"fox_gate_init_std={params['fox_gate_init_std']!r} sets the gate weights' initial spread, but "
                 "fox_data_dependent=0 fixes them at 0; leave one of the two out")
+    if not params["fox_data_dependent"] and params["fox_weight_delay"]:
+        return (f"fox_weight_delay={params['fox_weight_delay']!r} delays the training of the gate weights, but "
+                "fox_data_dependent=0 never trains them; leave one of the two out")
     return None
 
 
@@ -180,7 +183,12 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
                     "ablation: ALiBi with learned slopes)", Range(int, 0, 1), SHAPE),
               Param("fox_gate_init_std", GATE_INIT_STD, "the standard deviation of the gate weights w at "
                     "initialization (normal, mean 0)", Range(float, 0.0, 1.0), LEARNED,
-                    note="0: the weights start at 0 and are trained (the gates start the same for every token)")),
+                    note="0: the weights start at 0 and are trained (the gates start the same for every token)"),
+              Param("fox_weight_delay", 0, "the number of training updates during which the gate weights w keep "
+                    "their initial values (no gradient): the gates read their token only after it",
+                    Range(int, 0, MAX_TOKENS), LEARNED,
+                    note="with fox_gate_init_std 0: data-independent gates (ALiBi with learned slopes) until "
+                         "then, FoX after")),
              _fox_gate_init),
     Position("rnope", "hybrid", RNOPE_EXTENSIONS, "RoPE layers with a sliding window, every few layers a NoPE "
              "layer with full attention (RNoPE-SWA, Yang et al. 2025)", _rnope,
