@@ -349,6 +349,10 @@ def test_gate_weights_wait_for_their_delay_in_fairseqs_training_step(data_dir):
             assert all(g.weight.grad is not None and bool(g.weight.grad.ne(0).any()) for g in gates)
         assert all(not torch.equal(g.bias, b) for g, b in zip(gates, biases))
     assert all(bool(g.weight.ne(0).any()) for g in gates)
+    # where no trainer reports updates (the exported model under another trainer) nothing is held
+    fresh = ForgetGates(HEADS, DIM, Scaling(), 1.0, weight_delay=1000).for_layer()
+    fresh.bind(torch.randn(6, 2, DIM), None, None)[1].sum().backward()
+    assert fresh.proj.weight.grad is not None
     with pytest.raises(ConfigError, match="fox_weight_delay=5 .* fox_data_dependent=0"):
         build(data_dir, "fox", "--fox-weight-delay", "5", "--fox-data-dependent", "0")
 

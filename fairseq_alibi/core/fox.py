@@ -171,7 +171,9 @@ class LayerForgetGate(nn.Module, _UnboundGates):
     0 and are trained, the run that separates the weights' initial noise from
     what they learn).  ``weight_delay``: the number of training updates during
     which the weights keep their initial values (no gradient reaches them;
-    fairseq's trainer reports each update through :meth:`set_num_updates`),
+    fairseq's trainer reports each update through :meth:`set_num_updates`; a
+    model that no trainer reports to, such as the exported one, holds
+    nothing),
     the run that asks whether the data dependence slows only the search for
     the retrieval heads or also what is learned after it."""
 
@@ -193,7 +195,9 @@ class LayerForgetGate(nn.Module, _UnboundGates):
                 self.proj.bias.zero_()
         self.scaling = _check_fox_scaling(scaling)
         self.weight_delay = weight_delay
-        self.num_updates = 0  # not saved: the trainer sets it at every update and after loading a checkpoint
+        # fairseq's trainer reports the update before every step and after loading a checkpoint (not saved);
+        # None where no trainer reports one (the exported model, fine-tuned by another trainer): no hold then
+        self.num_updates: Optional[int] = None
 
     def for_layer(self) -> "LayerForgetGate":
         return self
@@ -203,6 +207,7 @@ class LayerForgetGate(nn.Module, _UnboundGates):
 
     def bind(self, x: Tensor, key_padding_mask: Optional[Tensor], carried: Optional[Tensor]
              ) -> Tuple[GateBias, Tensor]:
-        weight = self.proj.weight if self.num_updates >= self.weight_delay else self.proj.weight.detach()
+        held = self.num_updates is not None and self.num_updates < self.weight_delay
+        weight = self.proj.weight.detach() if held else self.proj.weight
         c = cumulative_gates(log_gates(x, weight, self.proj.bias, key_padding_mask), carried)
         return GateBias(c, self.scaling), c

@@ -188,7 +188,7 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
                     "their initial values (no gradient): the gates read their token only after it",
                     Range(int, 0, MAX_TOKENS), LEARNED,
                     note="with fox_gate_init_std 0: data-independent gates (ALiBi with learned slopes) until "
-                         "then, FoX after")),
+                         "then, FoX after; counted by fairseq's trainer only (an exported model holds nothing)")),
              _fox_gate_init),
     Position("rnope", "hybrid", RNOPE_EXTENSIONS, "RoPE layers with a sliding window, every few layers a NoPE "
              "layer with full attention (RNoPE-SWA, Yang et al. 2025)", _rnope,
