@@ -607,6 +607,40 @@ def test_recipe_runs_every_family_of_the_registry(tmp_path):
 
 
 @pytest.mark.slow
+def test_recipe_filler_corpus_passkey_and_one_models_own_arguments(tmp_path):
+    """The retrieval recipe with FILLER_SHARE (the corpus has filler documents),
+    PASSKEY=1 (the passkey at 1x for every model, beside `lines`) and
+    EXTRA_TRAIN_ARGS_fox (FoX's option reaches FoX's trainer alone: ALiBi's
+    would refuse it); PASSKEY takes 0 or 1 only."""
+    import subprocess
+
+    from conftest import cli_env, recipe_bin
+
+    out, data = tmp_path / "out", tmp_path / "data"
+    settings = dict(VENV_BIN=recipe_bin(), OUT=str(out), DATA=str(data), SEEDS="1", L="64", LAYERS="1", DIM="16",
+                    FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="2", WARMUP="2",
+                    MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1", RECIPE="families",
+                    MODELS="alibi fox", METHODS="none", LENGTHS="1x", FILLER_SHARE="0.5", PASSKEY="1",
+                    EXTRA_TRAIN_ARGS_fox="--fox-weight-delay 1")
+    script = str(EXAMPLES / "retrieval" / "run.sh")
+    run = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    documents = (data / "raw" / "train.txt").read_text().splitlines()
+    plain_start = "below is a record of lines i want you to remember . line"
+    assert 0 < sum(not d.startswith(plain_start) for d in documents) < len(documents)
+    assert "fox_weight_delay': 1" in (out / "seed1" / "fox" / "train.log").read_text()
+    for task in ("families", "passkey"):
+        cells = json.loads((out / "seed1" / task / "results.json").read_text())["cells"]
+        assert sorted(c["checkpoint"] for c in cells) == ["alibi", "fox"], task
+    assert {c["task"] for c in json.loads((out / "seed1" / "passkey" / "results.json").read_text())["cells"]} == {
+        "passkey"}
+    wrong = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                           env=cli_env(**dict(settings, PASSKEY="yes", OUT=str(tmp_path / "wrong"))))
+    assert wrong.returncode == 1 and wrong.stderr.splitlines() == [
+        "error: PASSKEY=yes is not allowed: 1 (evaluate the passkey at 1x too) or 0"]
+
+
+@pytest.mark.slow
 def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
     """examples/retrieval/run.sh at toy size, RECIPE=families plus the sinusoidal
     baseline: an ALiBi and a RoPE model per seed, the sinusoidal one for the
@@ -682,6 +716,60 @@ def test_corpus_generator_refuses_a_length_that_holds_no_record(tmp_path):
                       "--max-length", "20", "--digits", "2"], expect_ok=False)
     assert result.returncode == 2 and "Traceback" not in result.output
     assert "--max-length 20 is too short" in result.stderr and "at least 41 words" in result.stderr
+
+
+def test_corpus_filler_documents_hold_their_answer_and_fit(tmp_path):
+    """corpus.py --filler-share: about that share of documents put filler
+    sentences (5-9 corpus words and a full stop) between their records; every
+    document fits in --max-length words and ends with the question about one of
+    its own records and that record's number (read back from the text, as a
+    model would); share 0 writes the plain corpus, share 1 only filler
+    documents; a share outside [0, 1] is refused."""
+    def documents(share, name):
+        run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--destdir", tmp_path / name, "--max-length",
+                 "90", "--keys", "40", "--digits", "2", "--train-docs", "400", "--valid-docs", "5",
+                 "--filler-share", str(share)])
+        return [line.split() for line in (tmp_path / name / "train.txt").read_text().splitlines()]
+
+    header = "below is a record of lines i want you to remember .".split()
+    question = "now the record is over . tell me the REGISTER_CONTENT in line".split()
+    keys = {f"k{i}" for i in range(40)}
+
+    def parse(words):
+        """(records {key: number}, filler sentences, queried key, its answer) of a filler document."""
+        assert words[:len(header)] == header
+        at = next(i for i in range(len(words)) if words[i:i + len(question)] == question)
+        body, tail = words[len(header):at], words[at + len(question):]
+        records, fillers, i = {}, [], 0
+        while i < len(body):
+            if body[i] == "line" and body[i + 2:i + 5] == [":", "REGISTER_CONTENT", "is"]:  # line KEY : ... D D .
+                assert body[i + 7] == ".", body[i:i + 8]
+                records[body[i + 1]] = body[i + 5:i + 7]
+                i += 8
+            else:
+                end = body.index(".", i)
+                fillers.append(body[i:end])
+                i = end + 1
+        key = tail[0]
+        assert tail[1:7] == [".", "line", key, ":", "REGISTER_CONTENT", "is"]
+        return records, fillers, key, tail[7:9]
+
+    def filler_count(docs):
+        count = 0
+        for words in docs:
+            assert len(words) <= 90
+            records, fillers, key, answer = parse(words)
+            assert records and key in records and answer == records[key], words
+            assert all(5 <= len(f) <= 9 and set(f) <= keys | set(header + question) for f in fillers), fillers
+            count += bool(fillers)
+        return count
+
+    assert filler_count(documents(0, "plain")) == 0
+    assert 140 < filler_count(documents(0.5, "mixed")) < 220  # about half of 400 (a few too long for a sentence)
+    assert filler_count(documents(1, "all")) > 320
+    refused = run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--destdir", tmp_path / "x",
+                       "--max-length", "90", "--filler-share", "1.5"], expect_ok=False)
+    assert refused.returncode == 2 and "--filler-share must be between 0 and 1" in refused.stderr
 
 
 def _fake_cells(path, cells):

@@ -6,6 +6,13 @@ builder, ``fairseq_alibi.evaluation.prompts.Lines``) with a random number of
 records and a random queried record, its answer, then up to ``--queries - 1``
 of the record's lines repeated, each a further retrieval to learn from.
 
+With ``--filler-share P`` a share P of the documents (drawn one by one) put
+sentences of random corpus words between their records instead: one record
+at least, at most half of what a random length holds, the rest filler, one
+question.  The passkey of ``alibi-retrieval --filler dictionary`` is one
+record in such filler, a prompt the plain corpus never shows.  P = 0 (the
+default) writes the plain corpus, document for document as before.
+
     python examples/retrieval/corpus.py --destdir DIR --max-length 127 --keys 256 --digits 3
 """
 
@@ -35,6 +42,42 @@ def training_example(task: Lines, max_length: int, rng: random.Random, queries: 
     return words
 
 
+def filler_words(task: Lines) -> List[str]:
+    """The words filler sentences draw from: the keys and the template's words
+    (what ``--filler dictionary`` draws from this corpus's dictionary)."""
+    template = {w for ws in task.words.values() for w in ws if Vocabulary.WORD.match(w)}
+    return sorted(set(task.keys) | template)
+
+
+def filler_example(task: Lines, words: List[str], max_length: int, rng: random.Random) -> List[str]:
+    """One document of at most ``max_length`` words: the header, records
+    (at most half of what the length holds) with filler sentences (5-9 of
+    ``words`` and a full stop) at random places between them, the question
+    about one record and its answer."""
+    number_width = task.number_width()
+    line_len = len(task.record("k", task.number(rng)))
+    fixed = len(task.words["header"]) + len(task.fill("question", key=["k"])) + number_width + 1  # 1: "."
+    length = rng.randint(min(task.minimum_length() + 1, max_length), max_length)
+    count = rng.randint(1, max(1, (length - fixed) // line_len // 2))  # at most half of the body records
+    keys = rng.sample(task.keys, count)
+    numbers = [task.number(rng) for _ in keys]
+    budget = length - fixed - count * line_len
+    sentences: List[List[str]] = []
+    while True:
+        sentence = rng.sample(words, rng.randint(5, 9)) + ["."]
+        if len(sentence) > budget:
+            break
+        sentences.append(sentence)
+        budget -= len(sentence)
+    at_records = set(rng.sample(range(count + len(sentences)), count))  # slots of the records, in order
+    pieces, records, fill = [], iter(zip(keys, numbers)), iter(sentences)
+    for slot in range(count + len(sentences)):
+        pieces += task.record(*next(records)) if slot in at_records else next(fill)
+    target = rng.randrange(count)
+    document = task.words["header"] + pieces + task.fill("question", key=[keys[target]]) + numbers[target]
+    return document + ["."] if len(document) < max_length else document
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--destdir", required=True)
@@ -44,8 +87,12 @@ def main(argv=None) -> int:
     p.add_argument("--queries", type=int, default=4)
     p.add_argument("--train-docs", type=int, default=40000)
     p.add_argument("--valid-docs", type=int, default=500)
+    p.add_argument("--filler-share", type=float, default=0.0,
+                   help="share of documents with filler sentences between their records (0-1)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
+    if not 0.0 <= args.filler_share <= 1.0:
+        p.error(f"--filler-share must be between 0 and 1 (a share of the documents), got {args.filler_share}")
     for name in ("keys", "digits", "queries", "train_docs", "valid_docs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -53,12 +100,18 @@ def main(argv=None) -> int:
     if args.max_length < task.minimum_length():
         p.error(f"--max-length {args.max_length} is too short for one record and its question with "
                 f"{args.digits} digits: at least {task.minimum_length()} words (give a larger L)")
+    filler = filler_words(task)
     os.makedirs(args.destdir, exist_ok=True)
     for split, n, seed in (("train", args.train_docs, args.seed), ("valid", args.valid_docs, args.seed + 1000)):
         rng = random.Random(seed)
         with open(os.path.join(args.destdir, f"{split}.txt"), "w", encoding="utf-8") as f:
             for _ in range(n):
-                f.write(" ".join(training_example(task, args.max_length, rng, args.queries)) + "\n")
+                # (no draw at share 0: the plain corpus stays the one earlier versions wrote)
+                if args.filler_share and rng.random() < args.filler_share:
+                    words = filler_example(task, filler, args.max_length, rng)
+                else:
+                    words = training_example(task, args.max_length, rng, args.queries)
+                f.write(" ".join(words) + "\n")
     return 0
 
 

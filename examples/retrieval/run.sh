@@ -63,9 +63,17 @@ LR=${LR:-0.003}
 WARMUP=${WARMUP:-500}
 SEEDS=${SEEDS:-${SEED:-1 2 3}}   # model seeds (initialization, batch order, evaluation prompts)
 CORPUS_SEED=${CORPUS_SEED:-1}    # one corpus for every model seed
+# Share of training documents whose records stand between filler sentences
+# (corpus.py --filler-share): 0 the plain corpus; e.g. 0.25 for models that
+# must also find one record in filler (the passkey, PASSKEY=1).
+FILLER_SHARE=${FILLER_SHARE:-0}
+PASSKEY=${PASSKEY:-0}            # 1: the passkey at 1x too (one record in dictionary filler) -> seedS/passkey
 OUT=${OUT:-outputs/retrieval}
-# A corpus of another seed gets its own directory (an existing one is never taken for it).
-if [ "$CORPUS_SEED" = 1 ]; then DATA=${DATA:-data-bin/retrieval-L$L}; else DATA=${DATA:-data-bin/retrieval-L$L-c$CORPUS_SEED}; fi
+# A corpus of another seed or filler share gets its own directory (an existing one is never taken for it).
+CORPUS_TAG=""; [ "$CORPUS_SEED" = 1 ] || CORPUS_TAG="-c$CORPUS_SEED"
+case "$FILLER_SHARE" in 0|0.0|0.00) ;; *) CORPUS_TAG="$CORPUS_TAG-f$FILLER_SHARE" ;; esac
+DATA=${DATA:-data-bin/retrieval-L$L$CORPUS_TAG}
+case "$PASSKEY" in 0|1) ;; *) echo "error: PASSKEY=$PASSKEY is not allowed: 1 (evaluate the passkey at 1x too) or 0" >&2; exit 1 ;; esac
 RECIPE=${RECIPE:-methods}
 case "$RECIPE" in
   methods)
@@ -77,7 +85,7 @@ case "$RECIPE" in
   *) echo "error: RECIPE=$RECIPE is not a recipe; allowed values: methods, families" >&2; exit 1 ;;
 esac
 DEPTHS=${DEPTHS:-5}
-EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}
+EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}  # for every model; EXTRA_TRAIN_ARGS_<model> (e.g. _fox) for one
 BASELINE_SEEDS=${BASELINE_SEEDS:-first}  # sinusoidal for the first seed only, or: all
 SAVE_EVERY=${SAVE_EVERY:-250}
 training_threads
@@ -103,7 +111,8 @@ fresh_report "$OUT/$SUMMARY.md" "$OUT/$SUMMARY.png"
 if [ ! -f "$DATA/train.bin" ]; then
   stamp "1/3 synthetic lines corpus (L=$L, $KEYS keys, $DIGITS digits, $DOCS documents) -> $DATA"
   python examples/retrieval/corpus.py --destdir "$DATA/raw" --max-length $((L - 1)) \
-    --keys "$KEYS" --digits "$DIGITS" --train-docs "$DOCS" --valid-docs 300 --seed "$CORPUS_SEED"
+    --keys "$KEYS" --digits "$DIGITS" --train-docs "$DOCS" --valid-docs 300 --seed "$CORPUS_SEED" \
+    --filler-share "$FILLER_SHARE"
   alibi-preprocess --only-source --trainpref "$DATA/raw/train.txt" --validpref "$DATA/raw/valid.txt" \
     --destdir "$DATA" --workers 2 > "$DATA/preprocess.log" 2>&1
 else
@@ -111,7 +120,7 @@ else
 fi
 
 train() {  # train SEED NAME: identical settings; only the arch (position handling) differs
-  local seed=$1 name=$2
+  local seed=$1 name=$2 own="EXTRA_TRAIN_ARGS_$2"
   # Each document is a whole line of the corpus (--sample-break-mode complete packs
   # whole documents into blocks of L tokens), so no record is cut from its question.
   train_model "$OUT/seed$seed/$name" "seed $seed $name" \
@@ -124,7 +133,7 @@ train() {  # train SEED NAME: identical settings; only the arch (position handli
     --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-7 \
     --dropout 0.0 --max-update "$UPDATES" --seed "$seed" \
     --validate-interval-updates 500 --log-format simple --log-interval 50 --num-workers 0 \
-    $DEVICE_FLAGS $EXTRA_TRAIN_ARGS
+    $DEVICE_FLAGS $EXTRA_TRAIN_ARGS ${!own:-}
 }
 # At most as many trainings at once as cores with PARALLEL=1 (one thread each), else one at a time.
 TRAIN_STEP=2/3 FOLLOW="train_inner|valid on|num. shared model params|done training|Error|error" \
@@ -144,6 +153,16 @@ for seed in $SEEDS; do
     --task lines --digits "$DIGITS" --lengths "$LENGTHS" --methods "$METHODS" --depths "$DEPTHS" \
     --samples "$SAMPLES" --seed "$seed" --output-dir "$OUT/seed$seed/$EVAL" $CPU_FLAG --no-progress
   summaries+=("seed$seed=$OUT/seed$seed/$EVAL/results.json")
+  if [ "$PASSKEY" = 1 ]; then  # the lines task's own words as the passkey's texts: one record in filler
+    stamp "3/3 passkey, seed $seed: one record in dictionary filler at 1x on {${names[*]}} -> $OUT/seed$seed/passkey"
+    OMP_NUM_THREADS=${EVAL_THREADS:-$(nproc)} python -m fairseq_alibi.evaluation.retrieval "$DATA" \
+      "${checkpoints[@]}" --task passkey --filler dictionary --digits "$DIGITS" \
+      --template "header=below is a record of lines i want you to remember ." \
+      --template "needle=line k1 : REGISTER_CONTENT is {number} ." \
+      --template "question=now the record is over . tell me the REGISTER_CONTENT in line k1 . line k1 : REGISTER_CONTENT is" \
+      --lengths 1x --methods none --depths "$DEPTHS" --samples "$SAMPLES" --seed "$seed" \
+      --output-dir "$OUT/seed$seed/passkey" $CPU_FLAG --no-progress
+  fi
 done
 # Across seeds, a column per model at each length, then each model's accuracy by
 # needle distance (tokens from the queried record to the end of the prompt).
