@@ -638,6 +638,10 @@ def test_recipe_filler_corpus_passkey_and_one_models_own_arguments(tmp_path):
                            env=cli_env(**dict(settings, PASSKEY="yes", OUT=str(tmp_path / "wrong"))))
     assert wrong.returncode == 1 and wrong.stderr.splitlines() == [
         "error: PASSKEY=yes is not allowed: 1 (evaluate the passkey at 1x too) or 0"]
+    share = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                           env=cli_env(**dict(settings, FILLER_SHARE="1.5", OUT=str(tmp_path / "wrong"))))
+    assert share.returncode == 1 and share.stderr.splitlines() == [
+        "error: FILLER_SHARE=1.5 is not a share of the documents: give a number from 0 to 1, e.g. 0.25"]
 
 
 @pytest.mark.slow

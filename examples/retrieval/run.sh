@@ -13,7 +13,9 @@
 #   3. alibi-retrieval --task lines at LENGTHS for each seed, every model under
 #      the METHODS that apply to it (the tool names the ones it skips); then
 #      examples/retrieval/summary.py puts the seeds side by side, a column per
-#      model at each length (mean [min, max] over seeds, pooled Wilson interval).
+#      model at each length (mean [min, max] over seeds, pooled Wilson interval);
+#      with PASSKEY=1 also the passkey at 1x (one record in filler), and with
+#      FILLER_SHARE=P a share P of the training documents hold filler too.
 #
 # Two recipes (RECIPE), each a default for MODELS, METHODS, LENGTHS and the
 # evaluation's name; any of them can still be set:
@@ -71,7 +73,10 @@ PASSKEY=${PASSKEY:-0}            # 1: the passkey at 1x too (one record in dicti
 OUT=${OUT:-outputs/retrieval}
 # A corpus of another seed or filler share gets its own directory (an existing one is never taken for it).
 CORPUS_TAG=""; [ "$CORPUS_SEED" = 1 ] || CORPUS_TAG="-c$CORPUS_SEED"
-case "$FILLER_SHARE" in 0|0.0|0.00) ;; *) CORPUS_TAG="$CORPUS_TAG-f$FILLER_SHARE" ;; esac
+if ! [[ $FILLER_SHARE =~ ^(0(\.[0-9]+)?|1(\.0+)?)$ ]]; then
+  echo "error: FILLER_SHARE=$FILLER_SHARE is not a share of the documents: give a number from 0 to 1, e.g. 0.25" >&2; exit 1
+fi
+[[ $FILLER_SHARE =~ ^0(\.0+)?$ ]] || CORPUS_TAG="$CORPUS_TAG-f$FILLER_SHARE"
 DATA=${DATA:-data-bin/retrieval-L$L$CORPUS_TAG}
 case "$PASSKEY" in 0|1) ;; *) echo "error: PASSKEY=$PASSKEY is not allowed: 1 (evaluate the passkey at 1x too) or 0" >&2; exit 1 ;; esac
 RECIPE=${RECIPE:-methods}
