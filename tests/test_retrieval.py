@@ -611,7 +611,8 @@ def test_recipe_filler_corpus_passkey_and_one_models_own_arguments(tmp_path):
     """The retrieval recipe with FILLER_SHARE (the corpus has filler documents),
     PASSKEY=1 (the passkey at 1x for every model, beside `lines`) and
     EXTRA_TRAIN_ARGS_fox (FoX's option reaches FoX's trainer alone: ALiBi's
-    would refuse it); PASSKEY takes 0 or 1 only."""
+    would refuse it); PASSKEY takes 0 or 1 only, FILLER_WORDS keys or
+    non-keys, and non-keys only with filler."""
     import subprocess
 
     from conftest import cli_env, recipe_bin
@@ -642,6 +643,13 @@ def test_recipe_filler_corpus_passkey_and_one_models_own_arguments(tmp_path):
                            env=cli_env(**dict(settings, FILLER_SHARE="1.5", OUT=str(tmp_path / "wrong"))))
     assert share.returncode == 1 and share.stderr.splitlines() == [
         "error: FILLER_SHARE=1.5 is not a share of the documents: give a number from 0 to 1, e.g. 0.25"]
+    for words, share, message in (("nouns", "0.5", "is not allowed: keys (the default) or non-keys"),
+                                  ("non-keys", "0", "needs filler: give FILLER_SHARE too, e.g. 0.25")):
+        refused = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                                 env=cli_env(**dict(settings, FILLER_WORDS=words, FILLER_SHARE=share,
+                                                    OUT=str(tmp_path / "wrong"))))
+        assert refused.returncode == 1 and refused.stderr.splitlines() == [f"error: FILLER_WORDS={words} {message}"]
+    assert not (tmp_path / "wrong").exists()  # refused before anything ran
 
 
 @pytest.mark.slow
@@ -728,11 +736,12 @@ def test_corpus_filler_documents_hold_their_answer_and_fit(tmp_path):
     document fits in --max-length words and ends with the question about one of
     its own records and that record's number (read back from the text, as a
     model would); share 0 writes the plain corpus, share 1 only filler
-    documents; a share outside [0, 1] is refused."""
-    def documents(share, name):
+    documents; a share outside [0, 1] is refused.  With --filler-words
+    non-keys the sentences hold no key, only words of their own pool."""
+    def documents(share, name, *extra):
         run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--destdir", tmp_path / name, "--max-length",
                  "90", "--keys", "40", "--digits", "2", "--train-docs", "400", "--valid-docs", "5",
-                 "--filler-share", str(share)])
+                 "--filler-share", str(share), *extra])
         return [line.split() for line in (tmp_path / name / "train.txt").read_text().splitlines()]
 
     header = "below is a record of lines i want you to remember .".split()
@@ -758,19 +767,25 @@ def test_corpus_filler_documents_hold_their_answer_and_fit(tmp_path):
         assert tail[1:7] == [".", "line", key, ":", "REGISTER_CONTENT", "is"]
         return records, fillers, key, tail[7:9]
 
-    def filler_count(docs):
-        count = 0
+    def filler_count(docs, pool=keys):
+        count, used = 0, set()
         for words in docs:
             assert len(words) <= 90
             records, fillers, key, answer = parse(words)
             assert records and key in records and answer == records[key], words
-            assert all(5 <= len(f) <= 9 and set(f) <= keys | set(header + question) for f in fillers), fillers
+            assert all(5 <= len(f) <= 9 and set(f) <= pool | set(header + question) for f in fillers), fillers
             count += bool(fillers)
-        return count
+            used.update(w for f in fillers for w in f)
+        return count, used
 
-    assert filler_count(documents(0, "plain")) == 0
-    assert 140 < filler_count(documents(0.5, "mixed")) < 220  # about half of 400 (a few too long for a sentence)
-    assert filler_count(documents(1, "all")) > 320
+    assert filler_count(documents(0, "plain"))[0] == 0
+    count, used = filler_count(documents(0.5, "mixed"))
+    assert 140 < count < 220 and len(used & keys) > 30  # about half of 400 (a few too long for a sentence)
+    assert filler_count(documents(1, "all"))[0] > 320
+    non_keys = {f"f{i}" for i in range(40)}
+    count, used = filler_count(documents(0.5, "non-keys", "--filler-words", "non-keys"), pool=non_keys)
+    assert 140 < count < 220 and not used & keys and len(used & non_keys) > 30
+
     refused = run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--destdir", tmp_path / "x",
                        "--max-length", "90", "--filler-share", "1.5"], expect_ok=False)
     assert refused.returncode == 2 and "--filler-share must be between 0 and 1" in refused.stderr

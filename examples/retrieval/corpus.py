@@ -12,6 +12,11 @@ at least, at most half of what a random length holds, the rest filler, one
 question.  The passkey of ``alibi-retrieval --filler dictionary`` is one
 record in such filler, a prompt the plain corpus never shows.  P = 0 (the
 default) writes the plain corpus, document for document as before.
+``--filler-words keys`` (the default) draws the sentences from the keys and
+the template's words, what ``--filler dictionary`` draws from this corpus's
+dictionary (keys are 256 of its 275 words); ``non-keys`` from as many words
+that are not keys (``f0``, ``f1``, ...) and the template's words, so that no
+key but a record's own stands near it.
 
     python examples/retrieval/corpus.py --destdir DIR --max-length 127 --keys 256 --digits 3
 """
@@ -42,11 +47,18 @@ def training_example(task: Lines, max_length: int, rng: random.Random, queries: 
     return words
 
 
-def filler_words(task: Lines) -> List[str]:
-    """The words filler sentences draw from: the keys and the template's words
-    (what ``--filler dictionary`` draws from this corpus's dictionary)."""
+FILLER_WORDS = ("keys", "non-keys")
+
+
+def filler_words(task: Lines, kind: str = "keys") -> List[str]:
+    """The words filler sentences draw from: the template's words and either
+    the keys (``keys``: what ``--filler dictionary`` draws from this corpus's
+    dictionary) or as many words that are no key (``non-keys``: f0, f1, ...)."""
+    if kind not in FILLER_WORDS:
+        raise ValueError(f"filler words {kind!r}: allowed are {', '.join(FILLER_WORDS)}")
     template = {w for ws in task.words.values() for w in ws if Vocabulary.WORD.match(w)}
-    return sorted(set(task.keys) | template)
+    pool = set(task.keys) if kind == "keys" else {f"f{i}" for i in range(len(task.keys))}
+    return sorted(pool | template)
 
 
 def filler_example(task: Lines, words: List[str], max_length: int, rng: random.Random) -> List[str]:
@@ -89,6 +101,9 @@ def main(argv=None) -> int:
     p.add_argument("--valid-docs", type=int, default=500)
     p.add_argument("--filler-share", type=float, default=0.0,
                    help="share of documents with filler sentences between their records (0-1)")
+    p.add_argument("--filler-words", choices=FILLER_WORDS, default="keys",
+                   help="what filler sentences draw from besides the template's words: the keys (default) or "
+                        "as many words that are not keys (f0, f1, ...)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     if not 0.0 <= args.filler_share <= 1.0:
@@ -100,7 +115,7 @@ def main(argv=None) -> int:
     if args.max_length < task.minimum_length():
         p.error(f"--max-length {args.max_length} is too short for one record and its question with "
                 f"{args.digits} digits: at least {task.minimum_length()} words (give a larger L)")
-    filler = filler_words(task)
+    filler = filler_words(task, args.filler_words)
     os.makedirs(args.destdir, exist_ok=True)
     for split, n, seed in (("train", args.train_docs, args.seed), ("valid", args.valid_docs, args.seed + 1000)):
         rng = random.Random(seed)

@@ -15,7 +15,8 @@
 #      examples/retrieval/summary.py puts the seeds side by side, a column per
 #      model at each length (mean [min, max] over seeds, pooled Wilson interval);
 #      with PASSKEY=1 also the passkey at 1x (one record in filler), and with
-#      FILLER_SHARE=P a share P of the training documents hold filler too.
+#      FILLER_SHARE=P a share P of the training documents hold filler too
+#      (of key words, or with FILLER_WORDS=non-keys of words that are no key).
 #
 # Two recipes (RECIPE), each a default for MODELS, METHODS, LENGTHS and the
 # evaluation's name; any of them can still be set:
@@ -69,6 +70,9 @@ CORPUS_SEED=${CORPUS_SEED:-1}    # one corpus for every model seed
 # (corpus.py --filler-share): 0 the plain corpus; e.g. 0.25 for models that
 # must also find one record in filler (the passkey, PASSKEY=1).
 FILLER_SHARE=${FILLER_SHARE:-0}
+# What the filler sentences draw from besides the template's words (corpus.py --filler-words):
+# keys (the default; as the passkey's dictionary filler) or non-keys (words that are no key).
+FILLER_WORDS=${FILLER_WORDS:-keys}
 PASSKEY=${PASSKEY:-0}            # 1: the passkey at 1x too (one record in dictionary filler) -> seedS/passkey
 OUT=${OUT:-outputs/retrieval}
 # A corpus of another seed or filler share gets its own directory (an existing one is never taken for it).
@@ -76,7 +80,15 @@ CORPUS_TAG=""; [ "$CORPUS_SEED" = 1 ] || CORPUS_TAG="-c$CORPUS_SEED"
 if ! [[ $FILLER_SHARE =~ ^(0(\.[0-9]+)?|1(\.0+)?)$ ]]; then
   echo "error: FILLER_SHARE=$FILLER_SHARE is not a share of the documents: give a number from 0 to 1, e.g. 0.25" >&2; exit 1
 fi
-[[ $FILLER_SHARE =~ ^0(\.0+)?$ ]] || CORPUS_TAG="$CORPUS_TAG-f$FILLER_SHARE"
+case "$FILLER_WORDS" in
+  keys|non-keys) ;;
+  *) echo "error: FILLER_WORDS=$FILLER_WORDS is not allowed: keys (the default) or non-keys" >&2; exit 1 ;;
+esac
+if [[ $FILLER_SHARE =~ ^0(\.0+)?$ ]]; then
+  [ "$FILLER_WORDS" = keys ] || { echo "error: FILLER_WORDS=$FILLER_WORDS needs filler: give FILLER_SHARE too, e.g. 0.25" >&2; exit 1; }
+else
+  CORPUS_TAG="$CORPUS_TAG-f$FILLER_SHARE"; [ "$FILLER_WORDS" = keys ] || CORPUS_TAG="$CORPUS_TAG-nonkeys"
+fi
 DATA=${DATA:-data-bin/retrieval-L$L$CORPUS_TAG}
 case "$PASSKEY" in 0|1) ;; *) echo "error: PASSKEY=$PASSKEY is not allowed: 1 (evaluate the passkey at 1x too) or 0" >&2; exit 1 ;; esac
 RECIPE=${RECIPE:-methods}
@@ -117,7 +129,7 @@ if [ ! -f "$DATA/train.bin" ]; then
   stamp "1/3 synthetic lines corpus (L=$L, $KEYS keys, $DIGITS digits, $DOCS documents) -> $DATA"
   python examples/retrieval/corpus.py --destdir "$DATA/raw" --max-length $((L - 1)) \
     --keys "$KEYS" --digits "$DIGITS" --train-docs "$DOCS" --valid-docs 300 --seed "$CORPUS_SEED" \
-    --filler-share "$FILLER_SHARE"
+    --filler-share "$FILLER_SHARE" --filler-words "$FILLER_WORDS"
   alibi-preprocess --only-source --trainpref "$DATA/raw/train.txt" --validpref "$DATA/raw/valid.txt" \
     --destdir "$DATA" --workers 2 > "$DATA/preprocess.log" 2>&1
 else
