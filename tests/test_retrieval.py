@@ -416,6 +416,64 @@ def test_own_key_mass_by_hand():
     assert key_heads.own_key_mass(shifted, spans, shift=1)[0].tolist() == own.tolist()
 
 
+def test_token_kinds_by_hand():
+    """token_losses.token_kinds: keys after `line` new or repeated, a record's
+    digits new until the key has had a record, then retrieved (first digit
+    apart); template words, the question's words and full stops are rest.
+    token_losses.record_guess: minus the log of the share of earlier records
+    whose first digit is the retrieved one."""
+    sys.path.insert(0, str(EXAMPLES / "retrieval"))
+    try:
+        import token_losses
+    finally:
+        sys.path.pop(0)
+    words = ("line k1 : REGISTER_CONTENT is 1 2 . line k2 : REGISTER_CONTENT is 3 4 . tell me the "
+             "REGISTER_CONTENT in line k2 . line k2 : REGISTER_CONTENT is 3 4 . line k1 : REGISTER_CONTENT is 1 2 .")
+    kinds = token_losses.token_kinds(words.split())
+    r, n, first, later = "rest", "new digit", "retrieved 1st digit", "retrieved later digit"
+    record = [r, "{key}", r, r, r, "{d1}", "{d2}", r]
+    expected = ([k.format(key="new key", d1=n, d2=n) for k in record] * 2
+                + [r, r, r, r, r, r, "repeated key", r]
+                + [k.format(key="repeated key", d1=first, d2=later) for k in record] * 2)
+    assert kinds == expected
+    # the no-key guess: two earlier records, first digits 1 and 3 (then 1 and 1: no doubt left)
+    assert token_losses.record_guess(words.split()) == [pytest.approx(math.log(2))] * 2
+    assert token_losses.record_guess(words.replace("3 4", "1 4").split()) == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_token_losses_example_by_kind(kv_data_bin, kv_checkpoint, tmp_path):
+    """examples/retrieval/token_losses.py on the tiny ALiBi model: the kinds'
+    shares sum to 100%, the `all` column is their share-weighted mean and
+    equals the mean loss of every word computed here (a full forward per
+    document, in nats); a missing text is one error line."""
+    from fairseq import checkpoint_utils
+
+    import fairseq_alibi.models  # noqa: F401
+    text = kv_data_bin.parent / "valid.txt"
+    result = run_cli([sys.executable, EXAMPLES / "retrieval" / "token_losses.py", kv_data_bin,
+                      "--text", text, "-c", f"tiny={kv_checkpoint}"])
+    header, guess, row = markdown_rows(result.stdout, "Mean loss")[:3]
+    assert guess[0].startswith("(no model") and 0 <= float(guess[1]) < math.log(10)
+    shares = [float(cell.rsplit("(", 1)[1].rstrip("%)")) for cell in header[1:-1]]
+    cells = [float(c) if c != "n/a" else 0.0 for c in row[1:-1]]
+    assert row[0] == "tiny" and abs(sum(shares) - 100) <= 3
+    assert float(row[-1]) == pytest.approx(sum(s * c for s, c in zip(shares, cells)) / 100, abs=0.03)
+    models, _ = checkpoint_utils.load_model_ensemble([str(kv_checkpoint)], arg_overrides={"data": str(kv_data_bin)})
+    model, losses = models[0].eval(), []
+    d = model.decoder.dictionary
+    for line in text.read_text().splitlines():
+        ids = [d.eos()] + [d.index(w) for w in line.split()]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([ids]))[0][0].float(), -1)
+        losses += [-float(logprobs[t, ids[t + 1]]) for t in range(len(ids) - 1)]
+    assert float(row[-1]) == pytest.approx(sum(losses) / len(losses), abs=0.0015)
+    missing = run_cli([sys.executable, EXAMPLES / "retrieval" / "token_losses.py", kv_data_bin,
+                       "-c", f"tiny={kv_checkpoint}"], expect_ok=False)
+    lines = missing.stderr.splitlines()
+    assert missing.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: cannot read the held-out documents")
+
+
 @pytest.mark.slow
 def test_key_heads_example_agrees_with_heads(kv_data_bin, kv_checkpoint):
     """examples/retrieval/key_heads.py on the tiny ALiBi model: a row per layer,
