@@ -101,6 +101,31 @@ def analyse(model, dictionary, task, length: int, samples: int, seed: int) -> Di
     return {"own": own, "other": other, "record": record, "accuracy": torch.tensor(correct / samples)}
 
 
+def named_checkpoints(parser: argparse.ArgumentParser, items: List[str]) -> List[Tuple[str, str]]:
+    """The ``-c NAME=PATH`` items as ``(name, path)``; a malformed one is a usage error."""
+    pairs = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            parser.error(f"--checkpoint {item!r} is not NAME=PATH")
+        pairs.append((name, path))
+    return pairs
+
+
+def load_model(name: str, path: str, data: str):
+    """The model of checkpoint ``path`` in eval mode, with ``data``'s
+    dictionary; None after one ``error:`` line when it cannot be loaded."""
+    import fairseq_alibi.models  # noqa: F401  (registers the models)
+    from fairseq import checkpoint_utils
+
+    try:
+        models, _ = checkpoint_utils.load_model_ensemble([path], arg_overrides={"data": data})
+    except (OSError, KeyError, RuntimeError) as e:
+        print(f"error: cannot load {name}={path}: {e}", file=sys.stderr)
+        return None
+    return models[0].eval()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data", help="the binarized retrieval corpus (its dict.txt)")
@@ -113,15 +138,8 @@ def main(argv=None) -> int:
     for name in ("digits", "length", "samples"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    pairs = []
-    for item in args.checkpoint:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            p.error(f"--checkpoint {item!r} is not NAME=PATH")
-        pairs.append((name, path))
+    pairs = named_checkpoints(p, args.checkpoint)
 
-    import fairseq_alibi.models  # noqa: F401  (registers the models)
-    from fairseq import checkpoint_utils
     from fairseq_alibi.evaluation import prompts as P
 
     print(f"`lines` at {args.length} tokens, {args.samples} prompts: per layer, the head with the most mass "
@@ -131,12 +149,9 @@ def main(argv=None) -> int:
           "| answers right |")
     print("|---|---|---|---|---|---|")
     for name, path in pairs:
-        try:
-            models, _ = checkpoint_utils.load_model_ensemble([path], arg_overrides={"data": args.data})
-        except (OSError, KeyError, RuntimeError) as e:
-            print(f"error: cannot load {name}={path}: {e}", file=sys.stderr)
+        model = load_model(name, path, args.data)
+        if model is None:
             return 1
-        model = models[0].eval()
         d = model.decoder.dictionary
         task = P.Lines(P.Vocabulary([d[i] for i in range(d.nspecial, len(d))]), digits=args.digits)
         r = analyse(model, d, task, args.length, args.samples, args.seed)

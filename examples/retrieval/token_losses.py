@@ -35,6 +35,8 @@ from typing import Dict, List
 
 import torch
 
+from key_heads import load_model, named_checkpoints  # (this directory: the script's own)
+
 KINDS = ("retrieved 1st digit", "retrieved later digit", "new digit", "repeated key", "new key", "rest")
 
 
@@ -109,12 +111,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.documents < 1:
         p.error(f"--documents must be at least 1, got {args.documents}")
-    pairs = []
-    for item in args.checkpoint:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            p.error(f"--checkpoint {item!r} is not NAME=PATH")
-        pairs.append((name, path))
+    pairs = named_checkpoints(p, args.checkpoint)
     valid = args.text or os.path.join(args.data, "raw", "valid.txt")
     try:
         with open(valid, encoding="utf-8") as f:
@@ -123,9 +120,6 @@ def main(argv=None) -> int:
         print(f"error: cannot read the held-out documents {valid}: {e}; give the DATA directory "
               "run.sh wrote (it keeps the text under raw/) or --text", file=sys.stderr)
         return 1
-
-    import fairseq_alibi.models  # noqa: F401  (registers the models)
-    from fairseq import checkpoint_utils
 
     counts = {k: 0 for k in KINDS}
     for kind in (k for words in documents for k in token_kinds(words)):
@@ -140,12 +134,9 @@ def main(argv=None) -> int:
         print(f"| (no model: any earlier record's first digit, uniformly) | {sum(guesses) / len(guesses):.3f} | "
               + " | ".join("" for _ in KINDS[1:]) + " |  |")
     for name, path in pairs:
-        try:
-            models, _ = checkpoint_utils.load_model_ensemble([path], arg_overrides={"data": args.data})
-        except (OSError, KeyError, RuntimeError) as e:
-            print(f"error: cannot load {name}={path}: {e}", file=sys.stderr)
+        model = load_model(name, path, args.data)
+        if model is None:
             return 1
-        model = models[0].eval()
         try:
             by_kind = losses_by_kind(model, model.decoder.dictionary, documents)
         except ValueError as e:
