@@ -847,6 +847,9 @@ def test_corpus_filler_documents_hold_their_answer_and_fit(tmp_path):
     refused = run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--destdir", tmp_path / "x",
                        "--max-length", "90", "--filler-share", "1.5"], expect_ok=False)
     assert refused.returncode == 2 and "--filler-share must be between 0 and 1" in refused.stderr
+    refused = run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--destdir", tmp_path / "x",
+                       "--max-length", "90", "--filler-words", "non-keys"], expect_ok=False)
+    assert refused.returncode == 2 and "--filler-words non-keys needs filler documents" in refused.stderr
 
 
 def _fake_cells(path, cells):

@@ -14,7 +14,7 @@ record in such filler, a prompt the plain corpus never shows.  P = 0 (the
 default) writes the plain corpus, document for document as before.
 ``--filler-words keys`` (the default) draws the sentences from the keys and
 the template's words, what ``--filler dictionary`` draws from this corpus's
-dictionary (keys are 256 of its 275 words); ``non-keys`` from as many words
+dictionary (with the default 256 keys, 256 of its 275 words); ``non-keys`` from as many words
 that are not keys (``f0``, ``f1``, ...) and the template's words, so that no
 key but a record's own stands near it.
 
@@ -108,6 +108,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not 0.0 <= args.filler_share <= 1.0:
         p.error(f"--filler-share must be between 0 and 1 (a share of the documents), got {args.filler_share}")
+    if args.filler_words != "keys" and not args.filler_share:
+        p.error(f"--filler-words {args.filler_words} needs filler documents: give --filler-share above 0, e.g. 0.25")
     for name in ("keys", "digits", "queries", "train_docs", "valid_docs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
