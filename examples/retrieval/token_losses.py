@@ -31,13 +31,21 @@ import argparse
 import math
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from key_heads import load_model, named_checkpoints  # (this directory: the script's own)
 
 KINDS = ("retrieved 1st digit", "retrieved later digit", "new digit", "repeated key", "new key", "rest")
+
+
+def record_key(words: List[str], i: int) -> Optional[str]:
+    """The KEY of the record line whose header ``line KEY : REGISTER_CONTENT
+    is`` ends at word ``i`` (its digits follow), else None."""
+    if i >= 4 and words[i - 4:i + 1] == ["line", words[i - 3], ":", "REGISTER_CONTENT", "is"]:
+        return words[i - 3]
+    return None
 
 
 def token_kinds(words: List[str]) -> List[str]:
@@ -54,9 +62,9 @@ def token_kinds(words: List[str]) -> List[str]:
                          else "new digit")
         else:
             kinds.append("rest")
-        if i >= 4 and word == "is" and words[i - 1] == "REGISTER_CONTENT" and words[i - 2] == ":" \
-                and words[i - 4] == "line":
-            number_of = words[i - 3]
+        key = record_key(words, i)
+        if key is not None:
+            number_of = key
         elif not word.isdigit() and number_of is not None:
             recorded.add(number_of)  # the record's number ended
             number_of = None
@@ -66,8 +74,8 @@ def token_kinds(words: List[str]) -> List[str]:
 def record_guess(words: List[str]) -> List[float]:
     """The loss (nats) of each retrieved first digit (in order) under a guess
     that reads no key: any of the document's earlier records, uniformly, and
-    its first digit.  What a model that attends to every record alike (no
-    head that tells a record's key) can reach at best on that digit."""
+    its first digit; what a model gets that weighs every earlier record
+    alike (no head that tells one record's key from another's)."""
     numbers: Dict[str, List[str]] = {}  # key -> its record's digits, once the record ended
     out, number_of, digits = [], None, []
     for i, (word, kind) in enumerate(zip(words, token_kinds(words))):
@@ -79,9 +87,7 @@ def record_guess(words: List[str]) -> List[float]:
         elif number_of is not None:
             numbers.setdefault(number_of, digits)
             number_of, digits = None, []
-        if i >= 4 and word == "is" and words[i - 1] == "REGISTER_CONTENT" and words[i - 2] == ":" \
-                and words[i - 4] == "line":
-            number_of = words[i - 3]
+        number_of = record_key(words, i) or number_of
     return out
 
 
