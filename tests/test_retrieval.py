@@ -14,6 +14,7 @@ import csv
 import json
 import math
 import random
+import re
 import sys
 
 import pytest
@@ -414,6 +415,11 @@ def test_own_key_mass_by_hand():
     shifted = torch.zeros(1, 9, 9)
     shifted[:, 1:, 1:] = weights
     assert key_heads.own_key_mass(shifted, spans, shift=1)[0].tolist() == own.tolist()
+    # previous token: rows 3 (record 1) and 6 (record 2), two or more after their keys
+    weights[0, 3, 2], weights[0, 6, 5], weights[0, 2, 1] = 0.75, 0.25, 0.5  # row 2's token before is the key
+    assert key_heads.previous_token_mass(weights, spans, shift=0).tolist() == [pytest.approx((0.75 + 0.25) / 2)]
+    shifted[:, 1:, 1:] = weights
+    assert key_heads.previous_token_mass(shifted, spans, shift=1).tolist() == [pytest.approx(0.5)]
 
 
 def test_token_kinds_by_hand():
@@ -484,10 +490,11 @@ def test_key_heads_example_agrees_with_heads(kv_data_bin, kv_checkpoint):
     result = run_cli([sys.executable, EXAMPLES / "retrieval" / "key_heads.py", kv_data_bin,
                       "-c", f"tiny={kv_checkpoint}", "--length", "48", *args])
     rows = markdown_rows(result.stdout, "`lines` at")[1:]
-    assert [r[1] for r in rows] == ["1", "2"] and rows[0][0] == "tiny" and rows[0][5].endswith("%")
+    assert [r[1] for r in rows] == ["1", "2"] and rows[0][0] == "tiny" and rows[0][6].endswith("%")
     for row in rows:
         own, other, record = float(row[2].split(": ")[1]), float(row[3]), float(row[4].split(": ")[1])
-        assert 0 <= own <= 1 and 0 <= other <= 1 and own + other <= 1.005 and 0 <= record <= 1
+        previous = float(row[5].split(": ")[1])
+        assert 0 <= own <= 1 and 0 <= other <= 1 and own + other <= 1.005 and 0 <= record <= 1 and 0 <= previous <= 1
     by_hand = run_cli([sys.executable, EXAMPLES / "retrieval" / "heads.py", kv_data_bin, kv_checkpoint,
                        "--lengths", "48", "--methods", "none", *args])
     table = [line.split("|") for line in by_hand.stdout.splitlines()
@@ -669,8 +676,10 @@ def test_recipe_filler_corpus_passkey_and_one_models_own_arguments(tmp_path):
     """The retrieval recipe with FILLER_SHARE (the corpus has filler documents),
     PASSKEY=1 (the passkey at 1x for every model, beside `lines`) and
     EXTRA_TRAIN_ARGS_fox (FoX's option reaches FoX's trainer alone: ALiBi's
-    would refuse it); PASSKEY takes 0 or 1 only, FILLER_WORDS keys or
-    non-keys, and non-keys only with filler."""
+    would refuse it), in LAYOUT=adjacent (records `line KEY N .` in the
+    corpus and in both evaluations' prompts); PASSKEY takes 0 or 1 only,
+    FILLER_WORDS keys or non-keys, and non-keys only with filler, LAYOUT
+    record or adjacent."""
     import subprocess
 
     from conftest import cli_env, recipe_bin
@@ -680,19 +689,26 @@ def test_recipe_filler_corpus_passkey_and_one_models_own_arguments(tmp_path):
                     FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="2", WARMUP="2",
                     MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1", RECIPE="families",
                     MODELS="alibi fox", METHODS="none", LENGTHS="1x", FILLER_SHARE="0.5", PASSKEY="1",
-                    EXTRA_TRAIN_ARGS_fox="--fox-weight-delay 1")
+                    EXTRA_TRAIN_ARGS_fox="--fox-weight-delay 1", LAYOUT="adjacent")
     script = str(EXAMPLES / "retrieval" / "run.sh")
     run = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     documents = (data / "raw" / "train.txt").read_text().splitlines()
     plain_start = "below is a record of lines i want you to remember . line"
     assert 0 < sum(not d.startswith(plain_start) for d in documents) < len(documents)
+    assert all(re.search(r" line k\d+ \d \d \.", d) and ":" not in d.split() for d in documents)
     assert "fox_weight_delay': 1" in (out / "seed1" / "fox" / "train.log").read_text()
     for task in ("families", "passkey"):
         cells = json.loads((out / "seed1" / task / "results.json").read_text())["cells"]
         assert sorted(c["checkpoint"] for c in cells) == ["alibi", "fox"], task
     assert {c["task"] for c in json.loads((out / "seed1" / "passkey" / "results.json").read_text())["cells"]} == {
         "passkey"}
+    templates = {task: json.loads((out / "seed1" / task / "results.json").read_text())["meta"]["template"]
+                 for task in ("families", "passkey")}  # the prompts' fields that the layout replaces
+    assert templates["families"]["line"] == "line {key} {number} ." and templates["passkey"]["needle"] == (
+        "line k1 {number} .")
+    assert all(t["question"].endswith(" line {key}".replace("{key}", k)) for t, k in (
+        (templates["families"], "{key}"), (templates["passkey"], "k1")))
     wrong = subprocess.run([script], capture_output=True, text=True, timeout=600,
                            env=cli_env(**dict(settings, PASSKEY="yes", OUT=str(tmp_path / "wrong"))))
     assert wrong.returncode == 1 and wrong.stderr.splitlines() == [
@@ -701,6 +717,10 @@ def test_recipe_filler_corpus_passkey_and_one_models_own_arguments(tmp_path):
                            env=cli_env(**dict(settings, FILLER_SHARE="1.5", OUT=str(tmp_path / "wrong"))))
     assert share.returncode == 1 and share.stderr.splitlines() == [
         "error: FILLER_SHARE=1.5 is not a share of the documents: give a number from 0 to 1, e.g. 0.25"]
+    layout = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                            env=cli_env(**dict(settings, LAYOUT="packed", OUT=str(tmp_path / "wrong"))))
+    assert layout.returncode == 1 and layout.stderr.splitlines() == [
+        "error: LAYOUT=packed is not allowed: record (the default) or adjacent"]
     for words, share, message in (("nouns", "0.5", "is not allowed: keys (the default) or non-keys"),
                                   ("non-keys", "0", "needs filler: give FILLER_SHARE too, e.g. 0.25")):
         refused = subprocess.run([script], capture_output=True, text=True, timeout=600,
@@ -850,6 +870,49 @@ def test_corpus_filler_documents_hold_their_answer_and_fit(tmp_path):
     refused = run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--destdir", tmp_path / "x",
                        "--max-length", "90", "--filler-words", "non-keys"], expect_ok=False)
     assert refused.returncode == 2 and "--filler-words non-keys needs filler documents" in refused.stderr
+
+
+def test_corpus_adjacent_layout_documents_and_prompts_answer_their_question(tmp_path):
+    """corpus.py --layout adjacent: every record is `line KEY D D .`, every
+    document (filler or not) ends with `line KEY` and that record's number;
+    the layout's --template-args give alibi-retrieval's lines prompts the same
+    records and question, and token_losses' kinds find the answer's first
+    digit after its key."""
+    sys.path.insert(0, str(EXAMPLES / "retrieval"))
+    try:
+        import token_losses
+    finally:
+        sys.path.pop(0)
+    from fairseq_alibi.evaluation import prompts as P
+    from fairseq_alibi.evaluation.retrieval import _template
+
+    run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--destdir", tmp_path, "--max-length", "60",
+             "--keys", "30", "--digits", "2", "--train-docs", "50", "--valid-docs", "2", "--filler-share", "0.5",
+             "--layout", "adjacent"])
+    header = token_losses.record_header("adjacent")
+    assert header == ("line", "{key}")
+
+    def check(words, answer_at):
+        records = {words[i + 1]: words[i + 2:i + 4] for i in range(len(words) - 4)
+                   if words[i] == "line" and words[i + 2].isdigit() and words[i + 4] == "."}
+        key = words[answer_at - 1]
+        assert words[answer_at - 2] == "line" and records[key] == words[answer_at:answer_at + 2], words
+        kinds = token_losses.token_kinds(words, header)
+        assert kinds[answer_at:answer_at + 2] == ["retrieved 1st digit", "retrieved later digit"], words
+
+    documents = [line.split() for line in (tmp_path / "train.txt").read_text().splitlines()]
+    assert any(len(d) > 40 and "REGISTER_CONTENT" in d[:-8] for d in documents)
+    for words in documents:
+        assert ":" not in words and len(words) <= 60
+        check(words, next(i for i in range(len(words)) if words[i - 7:i - 2] == "tell me the REGISTER_CONTENT in".split()
+                          ) + 3)
+    args = run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--layout", "adjacent",
+                    "--template-args", "lines"]).stdout.splitlines()
+    assert args[::2] == ["--template"] * 2
+    vocabulary = P.Vocabulary(sorted({w for d in documents for w in d}))
+    task = P.make_task("lines", vocabulary, digits=2, template=_template(args[1::2]))
+    prompt = task.build(50, 0, 1, random.Random(3))
+    check(prompt.prompt + prompt.answer, len(prompt.prompt))
 
 
 def _fake_cells(path, cells):

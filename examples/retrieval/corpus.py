@@ -18,6 +18,16 @@ dictionary (with the default 256 keys, 256 of its 275 words); ``non-keys`` from 
 that are not keys (``f0``, ``f1``, ...) and the template's words, so that no
 key but a record's own stands near it.
 
+``--layout adjacent`` writes records ``line KEY N .`` and questions ending
+``line KEY`` (the header and the question's words otherwise the same; a
+shorter record, so more of them per document): the record's number
+right after its key, so that finding the record is the copying an induction
+head does (a head that carries the token before), where the default layout
+(``record``) puts three template words between the key and the number.  The
+evaluation must use the same layout: ``--template-args`` prints the
+``alibi-retrieval --template`` arguments of a layout, for ``lines`` and for
+the recipe's passkey (one record in filler), one per line.
+
     python examples/retrieval/corpus.py --destdir DIR --max-length 127 --keys 256 --digits 3
 """
 
@@ -32,12 +42,43 @@ from typing import List
 from fairseq_alibi.evaluation.prompts import Lines, Vocabulary
 
 
+# The ``lines`` templates each layout replaces (the rest is ``Lines``' own).
+LAYOUTS = {
+    "record": {},
+    "adjacent": {"line": "line {key} {number} .",
+                 "question": "now the record is over . tell me the REGISTER_CONTENT in line {key} . line {key}"},
+}
+
+
+def lines_task(vocabulary: Vocabulary, digits: int, layout: str = "record", **options) -> Lines:
+    """The ``lines`` task of a layout (:data:`LAYOUTS`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: allowed are {', '.join(LAYOUTS)}")
+    return Lines(vocabulary, digits=digits, template=LAYOUTS[layout], **options)
+
+
+def template_args(layout: str, task: str) -> List[str]:
+    """``alibi-retrieval`` arguments (``--template``, ``FIELD=TEXT``, ...) that
+    build a layout's prompts: ``lines`` (nothing for the default layout), or
+    ``passkey``, the recipe's passkey of the lines vocabulary: one record of
+    key ``k1`` in filler, asked for as ``lines`` asks."""
+    fields = dict(Lines.template, **LAYOUTS[layout])
+    if task == "lines":
+        pairs = list(LAYOUTS[layout].items())
+    else:
+        pairs = [("header", fields["header"]), ("needle", fields["line"].replace("{key}", "k1")),
+                 ("question", fields["question"].replace("{key}", "k1"))]
+    return [arg for name, text in pairs for arg in ("--template", f"{name}={text}")]
+
+
 def training_example(task: Lines, max_length: int, rng: random.Random, queries: int = 4) -> List[str]:
     """One document of at most ``max_length`` words (see the module docstring)."""
     line_len = len(task.record("k", task.number(rng)))
     length = rng.randint(task.minimum_length(), max_length)
     prompt = task.build(length, rng.randrange(1 << 16), 1 << 16, rng)
-    words = prompt.prompt + prompt.answer + task.record("k", [])[-1:]  # the record's closing "."
+    words = prompt.prompt + prompt.answer  # a prompt and its answer fill at most `length` words
+    if len(words) < max_length:  # the record's closing "." where it fits (as filler_example's)
+        words += task.record("k", [])[-1:]
     count = prompt.meta["lines"]
     header = len(task.words["header"])
     records = [prompt.prompt[header + i * line_len:][:line_len] for i in range(count)]
@@ -92,8 +133,8 @@ def filler_example(task: Lines, words: List[str], max_length: int, rng: random.R
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--destdir", required=True)
-    p.add_argument("--max-length", type=int, required=True, help="words per document at most (< tokens per sample)")
+    p.add_argument("--destdir", help="where train.txt and valid.txt are written (required)")
+    p.add_argument("--max-length", type=int, help="words per document at most (< tokens per sample; required)")
     p.add_argument("--keys", type=int, default=256, help="size of the key pool")
     p.add_argument("--digits", type=int, default=3)
     p.add_argument("--queries", type=int, default=4)
@@ -104,8 +145,19 @@ def main(argv=None) -> int:
     p.add_argument("--filler-words", choices=FILLER_WORDS, default="keys",
                    help="what filler sentences draw from besides the template's words: the keys (default) or "
                         "as many words that are not keys (f0, f1, ...)")
+    p.add_argument("--layout", choices=tuple(LAYOUTS), default="record",
+                   help="record: line KEY : REGISTER_CONTENT is N . (the default); adjacent: line KEY N .")
+    p.add_argument("--template-args", choices=("lines", "passkey"),
+                   help="print the layout's alibi-retrieval --template arguments for this task (one per line) "
+                        "and exit")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
+    if args.template_args:  # the one use that writes no corpus
+        for arg in template_args(args.layout, args.template_args):  # none for the default layout's lines
+            print(arg)
+        return 0
+    if args.destdir is None or args.max_length is None:
+        p.error("--destdir and --max-length are required (but with --template-args)")
     if not 0.0 <= args.filler_share <= 1.0:
         p.error(f"--filler-share must be between 0 and 1 (a share of the documents), got {args.filler_share}")
     if args.filler_words != "keys" and not args.filler_share:
@@ -113,7 +165,7 @@ def main(argv=None) -> int:
     for name in ("keys", "digits", "queries", "train_docs", "valid_docs"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    task = Lines(Vocabulary(None), digits=args.digits, keys=[f"k{i}" for i in range(args.keys)])
+    task = lines_task(Vocabulary(None), args.digits, args.layout, keys=[f"k{i}" for i in range(args.keys)])
     if args.max_length < task.minimum_length():
         p.error(f"--max-length {args.max_length} is too short for one record and its question with "
                 f"{args.digits} digits: at least {task.minimum_length()} words (give a larger L)")

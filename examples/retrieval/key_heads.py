@@ -2,7 +2,8 @@
 the two steps a model needs for ``lines``, measured in any position family.
 
 ``lines`` asks for the number of the record ``line KEY : REGISTER_CONTENT is
-N .`` whose KEY the question repeats.  A two-layer model can answer by
+N .`` (``line KEY N .`` with ``--layout adjacent``) whose KEY the question
+repeats.  A two-layer model can answer by
 (1) carrying each record's KEY to the record's later tokens (a head that
 attends from ``:``, ``REGISTER_CONTENT``, ``is``, the digits and ``.`` to the
 key of its own line, 1 to 8 tokens back, and not to the other lines' keys),
@@ -17,8 +18,12 @@ model's own attention, its reference kernel), over ``lines`` prompts of
 layer: the head with the most mass on the own key (step 1: mean over every
 record token after the key, of the weight on that line's key), its mass on
 the other lines' keys, the head with the most mass on the queried record
-from the answer's position (step 2), and the share of prompts whose whole
-answer the model predicts (teacher-forced greedy).
+from the answer's position (step 2), the head with the most mass on the token
+just before (a previous-token head: from every record token two or more after
+its key, so that the token before is never the key; the step that copying a
+number's later digits needs, and that a key right before the number would
+make enough for step 1), and the share of prompts whose whole answer the
+model predicts (teacher-forced greedy).
 
     python examples/retrieval/key_heads.py DATA -c alibi=CKPT -c rotary=CKPT --length 128
 """
@@ -31,6 +36,8 @@ import sys
 from typing import Dict, List, Tuple
 
 import torch
+
+from corpus import LAYOUTS, lines_task  # (this directory: the script's own)
 
 
 def record_spans(meta: Dict, header: int, line_len: int) -> List[Tuple[int, int]]:
@@ -54,6 +61,14 @@ def own_key_mass(weights: torch.Tensor, spans: List[Tuple[int, int]], shift: int
     return own / count, other / count
 
 
+def previous_token_mass(weights: torch.Tensor, spans: List[Tuple[int, int]], shift: int) -> torch.Tensor:
+    """float ``[H]``: from every record token two or more after its key, the
+    mean weight on the token just before it (never the key).  ``weights``
+    ``[H, T, S]`` of one prompt; ``shift`` as in :func:`own_key_mass`."""
+    rows = torch.cat([torch.arange(key + 2, end) for key, end in spans]) + shift
+    return weights[:, rows, rows - 1].mean(-1)
+
+
 def analyse(model, dictionary, task, length: int, samples: int, seed: int) -> Dict[str, torch.Tensor]:
     """The per-(layer, head) masses and the answer accuracy of one model."""
     layers = model.decoder.layers
@@ -73,7 +88,7 @@ def analyse(model, dictionary, task, length: int, samples: int, seed: int) -> Di
         layer.self_attn.register_forward_hook(keep(i)))]
     heads = layers[0].self_attn.num_heads
     own = torch.zeros(len(layers), heads)
-    other, record = torch.zeros_like(own), torch.zeros_like(own)
+    other, record, previous = torch.zeros_like(own), torch.zeros_like(own), torch.zeros_like(own)
     correct = 0
     header = len(task.words["header"])
     try:
@@ -95,10 +110,12 @@ def analyse(model, dictionary, task, length: int, samples: int, seed: int) -> Di
                 own[li] += mine / samples
                 other[li] += others / samples
                 record[li] += captured[li][:, at, needle:needle + line_len].sum(-1) / samples
+                previous[li] += previous_token_mass(captured[li], spans, shift=1) / samples
     finally:
         for h in handles:
             h.remove()
-    return {"own": own, "other": other, "record": record, "accuracy": torch.tensor(correct / samples)}
+    return {"own": own, "other": other, "record": record, "previous": previous,
+            "accuracy": torch.tensor(correct / samples)}
 
 
 def named_checkpoints(parser: argparse.ArgumentParser, items: List[str]) -> List[Tuple[str, str]]:
@@ -134,6 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int, default=128, help="prompt length in tokens (default 128)")
     p.add_argument("--samples", type=int, default=20, help="prompts (default 20)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--layout", choices=tuple(LAYOUTS), default="record",
+                   help="the corpus's record layout (corpus.py --layout; default record)")
     args = p.parse_args(argv)
     for name in ("digits", "length", "samples"):
         if getattr(args, name) < 1:
@@ -144,23 +163,26 @@ def main(argv=None) -> int:
 
     print(f"`lines` at {args.length} tokens, {args.samples} prompts: per layer, the head with the most mass "
           "on its record's own key (step 1) and the head with the most mass on the queried record from "
-          "the answer's position (step 2)\n")
+          "the answer's position (step 2), and the head with the most mass on the token before "
+          "(a previous-token head)\n")
     print("| model | layer | own key: head, mass | that head on the other keys | queried record: head, mass "
-          "| answers right |")
-    print("|---|---|---|---|---|---|")
+          "| previous token: head, mass | answers right |")
+    print("|---|---|---|---|---|---|---|")
     for name, path in pairs:
         model = load_model(name, path, args.data)
         if model is None:
             return 1
         d = model.decoder.dictionary
-        task = P.Lines(P.Vocabulary([d[i] for i in range(d.nspecial, len(d))]), digits=args.digits)
+        task = lines_task(P.Vocabulary([d[i] for i in range(d.nspecial, len(d))]), args.digits, args.layout)
         r = analyse(model, d, task, args.length, args.samples, args.seed)
         for li in range(r["own"].size(0)):
             h = int(r["own"][li].argmax())
             g = int(r["record"][li].argmax())
+            b = int(r["previous"][li].argmax())
             accuracy = f"{100 * float(r['accuracy']):.0f}%" if li == 0 else ""
             print(f"| {name if li == 0 else ''} | {li + 1} | {h + 1}: {r['own'][li, h]:.2f} | "
-                  f"{r['other'][li, h]:.2f} | {g + 1}: {r['record'][li, g]:.2f} | {accuracy} |")
+                  f"{r['other'][li, h]:.2f} | {g + 1}: {r['record'][li, g]:.2f} | "
+                  f"{b + 1}: {r['previous'][li, b]:.2f} | {accuracy} |")
     return 0
 
 

@@ -74,6 +74,9 @@ FILLER_SHARE=${FILLER_SHARE:-0}
 # keys (the default; as the passkey's dictionary filler) or non-keys (words that are no key).
 FILLER_WORDS=${FILLER_WORDS:-keys}
 PASSKEY=${PASSKEY:-0}            # 1: the passkey at 1x too (one record in dictionary filler) -> seedS/passkey
+# Record layout (corpus.py --layout): record (line KEY : REGISTER_CONTENT is N ., the default) or
+# adjacent (line KEY N .: the number right after its key); the evaluation's prompts take the same.
+LAYOUT=${LAYOUT:-record}
 OUT=${OUT:-outputs/retrieval}
 # A corpus of another seed or filler share gets its own directory (an existing one is never taken for it).
 CORPUS_TAG=""; [ "$CORPUS_SEED" = 1 ] || CORPUS_TAG="-c$CORPUS_SEED"
@@ -89,6 +92,11 @@ if [[ $FILLER_SHARE =~ ^0(\.0+)?$ ]]; then
 else
   CORPUS_TAG="$CORPUS_TAG-f$FILLER_SHARE"; [ "$FILLER_WORDS" = keys ] || CORPUS_TAG="$CORPUS_TAG-nonkeys"
 fi
+case "$LAYOUT" in
+  record) ;;
+  adjacent) CORPUS_TAG="$CORPUS_TAG-adjacent" ;;
+  *) echo "error: LAYOUT=$LAYOUT is not allowed: record (the default) or adjacent" >&2; exit 1 ;;
+esac
 DATA=${DATA:-data-bin/retrieval-L$L$CORPUS_TAG}
 case "$PASSKEY" in 0|1) ;; *) echo "error: PASSKEY=$PASSKEY is not allowed: 1 (evaluate the passkey at 1x too) or 0" >&2; exit 1 ;; esac
 RECIPE=${RECIPE:-methods}
@@ -129,7 +137,7 @@ if [ ! -f "$DATA/train.bin" ]; then
   stamp "1/3 synthetic lines corpus (L=$L, $KEYS keys, $DIGITS digits, $DOCS documents) -> $DATA"
   python examples/retrieval/corpus.py --destdir "$DATA/raw" --max-length $((L - 1)) \
     --keys "$KEYS" --digits "$DIGITS" --train-docs "$DOCS" --valid-docs 300 --seed "$CORPUS_SEED" \
-    --filler-share "$FILLER_SHARE" --filler-words "$FILLER_WORDS"
+    --filler-share "$FILLER_SHARE" --filler-words "$FILLER_WORDS" --layout "$LAYOUT"
   alibi-preprocess --only-source --trainpref "$DATA/raw/train.txt" --validpref "$DATA/raw/valid.txt" \
     --destdir "$DATA" --workers 2 > "$DATA/preprocess.log" 2>&1
 else
@@ -157,6 +165,8 @@ TRAIN_STEP=2/3 FOLLOW="train_inner|valid on|num. shared model params|done traini
   run_trainings train < <(jobs_of)
 
 CPU_FLAG=""; [ "$SCALE" = gpu ] || CPU_FLAG=--cpu
+mapfile -t LINES_TEMPLATE < <(python examples/retrieval/corpus.py --layout "$LAYOUT" --template-args lines)
+mapfile -t PASSKEY_TEMPLATE < <(python examples/retrieval/corpus.py --layout "$LAYOUT" --template-args passkey)
 summaries=()
 for seed in $SEEDS; do
   checkpoints=() names=()
@@ -167,16 +177,14 @@ for seed in $SEEDS; do
   stamp "3/3 retrieval, seed $seed: lines at $LENGTHS x {$METHODS} on {${names[*]}}, $DEPTHS depths x $SAMPLES samples -> $OUT/seed$seed/$EVAL"
   OMP_NUM_THREADS=${EVAL_THREADS:-$(nproc)} python -m fairseq_alibi.evaluation.retrieval "$DATA" \
     "${checkpoints[@]}" \
-    --task lines --digits "$DIGITS" --lengths "$LENGTHS" --methods "$METHODS" --depths "$DEPTHS" \
+    --task lines "${LINES_TEMPLATE[@]}" --digits "$DIGITS" --lengths "$LENGTHS" --methods "$METHODS" --depths "$DEPTHS" \
     --samples "$SAMPLES" --seed "$seed" --output-dir "$OUT/seed$seed/$EVAL" $CPU_FLAG --no-progress
   summaries+=("seed$seed=$OUT/seed$seed/$EVAL/results.json")
   if [ "$PASSKEY" = 1 ]; then  # the lines task's own words as the passkey's texts: one record in filler
     stamp "3/3 passkey, seed $seed: one record in dictionary filler at 1x on {${names[*]}} -> $OUT/seed$seed/passkey"
     OMP_NUM_THREADS=${EVAL_THREADS:-$(nproc)} python -m fairseq_alibi.evaluation.retrieval "$DATA" \
       "${checkpoints[@]}" --task passkey --filler dictionary --digits "$DIGITS" \
-      --template "header=below is a record of lines i want you to remember ." \
-      --template "needle=line k1 : REGISTER_CONTENT is {number} ." \
-      --template "question=now the record is over . tell me the REGISTER_CONTENT in line k1 . line k1 : REGISTER_CONTENT is" \
+      "${PASSKEY_TEMPLATE[@]}" \
       --lengths 1x --methods none --depths "$DEPTHS" --samples "$SAMPLES" --seed "$seed" \
       --output-dir "$OUT/seed$seed/passkey" $CPU_FLAG --no-progress
   fi

@@ -3,8 +3,9 @@ per kind of token, so that a loss close to a retrieving model's can be told
 apart from retrieval.
 
 A document of the corpus (``corpus.py``) holds records ``line KEY :
-REGISTER_CONTENT is D D D .``, a question about one of them and repeated
-records.  Each word of ``valid.txt`` is one of:
+REGISTER_CONTENT is D D D .`` (``line KEY D D D .`` with ``--layout
+adjacent``), a question about one of them and repeated records.  Each word
+of ``valid.txt`` is one of:
 
 * ``retrieved 1st digit`` / ``retrieved later digit``: a digit of a record
   line whose KEY had a record earlier in the document (the question's
@@ -31,67 +32,82 @@ import argparse
 import math
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from key_heads import load_model, named_checkpoints  # (this directory: the script's own)
+from corpus import LAYOUTS  # (this directory: the script's own)
+from key_heads import load_model, named_checkpoints
+from fairseq_alibi.evaluation.prompts import Lines
 
 KINDS = ("retrieved 1st digit", "retrieved later digit", "new digit", "repeated key", "new key", "rest")
 
 
-def record_key(words: List[str], i: int) -> Optional[str]:
-    """The KEY of the record line whose header ``line KEY : REGISTER_CONTENT
-    is`` ends at word ``i`` (its digits follow), else None."""
-    if i >= 4 and words[i - 4:i + 1] == ["line", words[i - 3], ":", "REGISTER_CONTENT", "is"]:
-        return words[i - 3]
-    return None
+def record_header(layout: str = "record") -> Tuple[str, ...]:
+    """The words of a layout's record line before its number, ``{key}`` where
+    the key stands: ``line {key} : REGISTER_CONTENT is`` (``record``),
+    ``line {key}`` (``adjacent``)."""
+    line = dict(Lines.template, **LAYOUTS[layout])["line"].split()
+    return tuple(line[:line.index("{number}")])
 
 
-def token_kinds(words: List[str]) -> List[str]:
+def record_key(words: List[str], i: int, header: Sequence[str] = record_header()) -> Optional[str]:
+    """The KEY of the record line whose ``header`` (:func:`record_header`)
+    ends at word ``i`` (its digits follow), else None."""
+    start = i - len(header) + 1
+    if start < 0 or any(h != "{key}" and words[start + j] != h for j, h in enumerate(header)):
+        return None
+    return words[start + header.index("{key}")]
+
+
+def token_kinds(words: List[str], header: Sequence[str] = record_header()) -> List[str]:
     """The kind (one of :data:`KINDS`) of each word of one document."""
     kinds, seen_keys, recorded = [], set(), set()
-    number_of = None  # the key whose number the digits being read belong to
+    number_of, digits = None, 0  # the key whose number the digits being read belong to, and how many were read
     for i, word in enumerate(words):
         if i > 0 and words[i - 1] == "line" and word not in ("line", ":", "."):
             kinds.append("repeated key" if word in seen_keys else "new key")
             seen_keys.add(word)
         elif word.isdigit() and number_of is not None:
-            first = words[i - 1] == "is"
-            kinds.append(("retrieved 1st digit" if first else "retrieved later digit") if number_of in recorded
+            kinds.append(("retrieved later digit" if digits else "retrieved 1st digit") if number_of in recorded
                          else "new digit")
         else:
             kinds.append("rest")
-        key = record_key(words, i)
+        key = record_key(words, i, header)
         if key is not None:
-            number_of = key
-        elif not word.isdigit() and number_of is not None:
-            recorded.add(number_of)  # the record's number ended
+            number_of, digits = key, 0
+        elif word.isdigit() and number_of is not None:
+            digits += 1
+        elif number_of is not None:
+            if digits:  # the record's number ended (a header without one, "in line KEY .", records nothing)
+                recorded.add(number_of)
             number_of = None
     return kinds
 
 
-def record_guess(words: List[str]) -> List[float]:
+def record_guess(words: List[str], header: Sequence[str] = record_header()) -> List[float]:
     """The loss (nats) of each retrieved first digit (in order) under a guess
     that reads no key: any of the document's earlier records, uniformly, and
     its first digit; what a model gets that weighs every earlier record
     alike (no head that tells one record's key from another's)."""
     numbers: Dict[str, List[str]] = {}  # key -> its record's digits, once the record ended
     out, number_of, digits = [], None, []
-    for i, (word, kind) in enumerate(zip(words, token_kinds(words))):
+    for i, (word, kind) in enumerate(zip(words, token_kinds(words, header))):
         if kind == "retrieved 1st digit":
             firsts = [n[0] for n in numbers.values()]
             out.append(-math.log(firsts.count(word) / len(firsts)) if word in firsts else math.inf)
         if number_of is not None and word.isdigit():
             digits.append(word)
         elif number_of is not None:
-            numbers.setdefault(number_of, digits)
+            if digits:
+                numbers.setdefault(number_of, digits)
             number_of, digits = None, []
-        number_of = record_key(words, i) or number_of
+        number_of = record_key(words, i, header) or number_of
     return out
 
 
-def losses_by_kind(model, dictionary, documents: List[List[str]]) -> Dict[str, List[float]]:
+def losses_by_kind(model, dictionary, documents: List[List[str]],
+                   header: Sequence[str] = record_header()) -> Dict[str, List[float]]:
     """Every word's loss (nats), grouped by :func:`token_kinds`."""
     out: Dict[str, List[float]] = {k: [] for k in KINDS}
     for words in documents:
@@ -102,7 +118,7 @@ def losses_by_kind(model, dictionary, documents: List[List[str]]) -> Dict[str, L
         with torch.no_grad():
             logits, _ = model(tokens[:, :-1])
         nll = -torch.log_softmax(logits[0].float(), -1).gather(1, tokens[0, 1:, None])[:, 0]
-        for kind, loss in zip(token_kinds(words), nll.tolist()):
+        for kind, loss in zip(token_kinds(words, header), nll.tolist()):
             out[kind].append(loss)
     return out
 
@@ -114,6 +130,8 @@ def main(argv=None) -> int:
                                   "where run.sh's corpus.py writes them)")
     p.add_argument("-c", "--checkpoint", action="append", required=True, metavar="NAME=PATH")
     p.add_argument("--documents", type=int, default=300, help="documents of raw/valid.txt to read (default 300)")
+    p.add_argument("--layout", choices=tuple(LAYOUTS), default="record",
+                   help="the corpus's record layout (corpus.py --layout; default record)")
     args = p.parse_args(argv)
     if args.documents < 1:
         p.error(f"--documents must be at least 1, got {args.documents}")
@@ -128,14 +146,15 @@ def main(argv=None) -> int:
         return 1
 
     counts = {k: 0 for k in KINDS}
-    for kind in (k for words in documents for k in token_kinds(words)):
+    header = record_header(args.layout)
+    for kind in (k for words in documents for k in token_kinds(words, header)):
         counts[kind] += 1
     total = sum(counts.values())
     print(f"Mean loss (nats) per kind of token, {len(documents)} held-out documents of {valid} "
           f"(share of the tokens in brackets)\n")
     print("| model | " + " | ".join(f"{k} ({100 * counts[k] / total:.0f}%)" for k in KINDS) + " | all |")
     print("|---|" + "---|" * (len(KINDS) + 1))
-    guesses = [x for words in documents for x in record_guess(words)]
+    guesses = [x for words in documents for x in record_guess(words, header)]
     if guesses:
         print(f"| (no model: any earlier record's first digit, uniformly) | {sum(guesses) / len(guesses):.3f} | "
               + " | ".join("" for _ in KINDS[1:]) + " |  |")
@@ -144,7 +163,7 @@ def main(argv=None) -> int:
         if model is None:
             return 1
         try:
-            by_kind = losses_by_kind(model, model.decoder.dictionary, documents)
+            by_kind = losses_by_kind(model, model.decoder.dictionary, documents, header)
         except ValueError as e:
             print(f"error: {name}: {e}; give the DATA the model was trained on", file=sys.stderr)
             return 1

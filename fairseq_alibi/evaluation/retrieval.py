@@ -242,6 +242,7 @@ class Retrieval:
     def meta(self) -> dict:
         a = self.args
         return {"data": os.path.abspath(a.data) if a.data else None, "hf": a.hf, "task": a.task,
+                "template": None if self.file else _template(a.template),  # the fields given (the rest: the task's)
                 "depths": a.depths, "samples": a.samples, "seed": a.seed}
 
     def cells(self, described) -> List[PromptCell]:
