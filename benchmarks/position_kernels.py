@@ -39,17 +39,27 @@ from fairseq_alibi.core import positions as P  # noqa: E402
 from fairseq_alibi.core.scaling import Scaling  # noqa: E402
 
 
+# --t5-paths: T5 also through the generic path of a learned Toeplitz bias
+# (kernels.blocked_kernel without its far-and-band branch), timed beside it.
+T5_GENERIC = "t5bias-generic"
+
+
 class Case:
     """One method's position object(s), built as a layer stack of ``heads``
     heads of ``head_dim`` trained at ``length`` would build them."""
 
     def __init__(self, method: str, heads: int, head_dim: int, length: int):
+        generic = method == T5_GENERIC
+        method = "t5bias" if generic else method
         entry = P.position(method)
         params = {p.name: p.default for p in entry.params}
         self.stack = P.build(method, heads, head_dim, params, Scaling("none", train_length=length))
         depth = getattr(self.stack, "nope_every", 1)  # one group of a hybrid's layers, else one layer
         self.stack.fit_depth(max(2, depth))
         self.layers = [self.stack.at_layer(i).for_layer() for i in range(depth)]
+        if generic:  # no far bucket: the per-distance explicit path that Kerple takes, not the far-and-band one
+            for layer in self.layers:
+                layer.shared_from = lambda k_len: None
         self.calls = 0
         self.embed_dim = heads * head_dim
         self.shares = []  # per evaluation call: kernels.keys_read of the kernel it ran
@@ -98,12 +108,15 @@ def main(argv=None) -> int:
     p.add_argument("--flush-denormal", action="store_true",
                    help="flush subnormal numbers to zero (torch.set_flush_denormal; this thread only): what the "
                         "explicit path's floor saves")
+    p.add_argument("--t5-paths", action="store_true",
+                   help=f"also time T5 through the generic per-distance path ({T5_GENERIC}), beside its far-and-band "
+                        "path: which of the two is faster depends on the CPU")
     args = parse_kernel_args(p, argv)
     if args.flush_denormal and not torch.set_flush_denormal(True):
         p.error("--flush-denormal: this CPU cannot flush subnormal numbers")
     if any(n < 1 for n in args.eval_length):
         p.error("--eval-length values must be at least 1")
-    methods = ["alibi"] + [m for m in args.methods if m != "alibi"]
+    methods = ["alibi"] + [m for m in args.methods if m != "alibi"] + ([T5_GENERIC] if args.t5_paths else [])
     print(f"position_kernels: L={args.length}, B={args.batch}, {args.heads} heads of {args.head_dim}, "
           f"{args.threads} thread(s); {machine_description()}", file=sys.stderr)
     columns, shares, rows = [], {}, []

@@ -281,3 +281,40 @@ def test_the_position_kernels_benchmark_times_every_method_of_the_registry(tmp_p
         # evaluation only: the share of causal pairs scored (one block of 90 queries: no window skips a key)
         assert ("keys_read" in row) == row["column"].startswith("eval")
         assert row.get("keys_read", 1.0) >= 1.0
+
+
+def test_the_position_kernels_benchmark_times_t5s_two_training_paths():
+    """``position_kernels.py --t5-paths``: a row for T5 through the generic
+    per-distance path beside T5's own; that case has no far bucket (so the
+    blocked kernel cannot take the far-and-band path) where T5's own has one,
+    and both paths give the same attention and gradients."""
+    import position_kernels
+
+    from fairseq_alibi.core import kernels
+    rows = []
+    original = position_kernels.write_rows
+    position_kernels.write_rows = lambda path, args, r: rows.extend(r)
+    try:
+        assert position_kernels.main(["--length", "40", "--batch", "1", "--heads", "2", "--head-dim", "8",
+                                      "--repeats", "1", "--dropout", "0", "--eval-length", "--methods", "t5bias",
+                                      "--t5-paths"]) == 0
+    finally:
+        position_kernels.write_rows = original
+    assert [r["method"] for r in rows] == ["alibi", "t5bias", position_kernels.T5_GENERIC]
+    own, generic = (position_kernels.Case(m, 2, 8, 200) for m in ("t5bias", position_kernels.T5_GENERIC))
+    generic.stack.load_state_dict(own.stack.state_dict())
+    with torch.no_grad():
+        own.stack.method.table.weight.normal_(generator=torch.Generator().manual_seed(1))
+        generic.stack.method.table.weight.copy_(own.stack.method.table.weight)
+    assert own.layers[0].shared_from(200) is not None and generic.layers[0].shared_from(200) is None
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 200, 8, generator=gen) for _ in range(3))
+    results = []
+    for case in (own, generic):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        case.stack.start_pass()
+        out, _ = kernels.attend(*leaves, case.layers[0], "auto", None, 0.0)
+        out.sum().backward()
+        results.append([out.detach()] + [t.grad for t in leaves] + [case.stack.method.table.weight.grad.clone()])
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
