@@ -385,7 +385,9 @@ def test_t5_trains_through_far_and_band_as_through_the_reference(monkeypatch):
     its last bucket's first distance: the flash path runs (each layer one
     call, values up to that distance) and every bucket gets the reference's
     gradient, from the zero init (where every value is equal: the shared
-    tail is the buckets', not the values') and away from it."""
+    tail is the buckets', not the values') and away from it; heads of
+    ``BAND_HEAD_DIM`` take the per-distance explicit path, with the same
+    gradients."""
     bias = build_stack("t5bias")
     shared = bias.shared_from(300)
     assert shared == bias.method.shared_from(300) and 0 < shared < 300
@@ -401,6 +403,9 @@ def test_t5_trains_through_far_and_band_as_through_the_reference(monkeypatch):
                 param.data.add_(0.3 * torch.randn_like(param))
         assert_blocked_trains_as_the_reference(bias, q, k, v, weight)
     assert calls == [(4, shared + 1)] * 2
+    wide = [t.repeat(1, 1, 1, K.BAND_HEAD_DIM // 16) for t in (q, k, v, weight)]  # heads of 64: the explicit path
+    assert_blocked_trains_as_the_reference(bias, *wide)
+    assert len(calls) == 2
 
 
 def test_antidiagonal_sums_against_a_loop():

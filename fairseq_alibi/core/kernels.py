@@ -104,6 +104,14 @@ def sdpa_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
 
 
+# T5's far-and-band path pays off for narrow heads only: at 8 heads of 32 it took
+# T5's training call from 1.76x ALiBi's time to 1.00x on an Intel Xeon and is
+# 11% faster than the per-distance explicit path on an AMD EPYC; from 64
+# dimensions on, the explicit path's matrix products are as fast on the Xeon
+# and 7-40% faster on the EPYC (docs/positions.md, "T5's two training paths").
+BAND_HEAD_DIM = 64
+
+
 def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
     k, v = _contiguous(k, v)
     if bias.batched:  # FoX: c_i - c_j built per query block from c, its gradient reduced to c's
@@ -113,7 +121,8 @@ def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
                                         cumulative=bias.cumulative, floor=floor), None
     per_distance = bias.per_distance(k.size(2), q.device) if bias.learned and torch.is_grad_enabled() else None
     if per_distance is not None:  # a learned Toeplitz bias: its values and gradient per distance, never [H, T, S]
-        if dropout_p == 0 and key_padding_mask is None and q.size(2) == k.size(2) and q.device.type == "cpu":
+        if (dropout_p == 0 and key_padding_mask is None and q.size(2) == k.size(2) and q.device.type == "cpu"
+                and q.size(-1) < BAND_HEAD_DIM):
             shared = bias.shared_from(k.size(2))
             if shared is not None:  # T5's far bucket: flash calls, dS only in the band before it
                 return far_and_band_attention(q, k, v, per_distance[:, : shared + 1]), None
