@@ -50,6 +50,11 @@ LAYOUTS = {
 }
 
 
+def layout_fields(layout: str) -> dict:
+    """Every ``lines`` template field of a layout (``Lines``' own where it replaces none)."""
+    return dict(Lines.template, **LAYOUTS[layout])
+
+
 def lines_task(vocabulary: Vocabulary, digits: int, layout: str = "record", **options) -> Lines:
     """The ``lines`` task of a layout (:data:`LAYOUTS`)."""
     if layout not in LAYOUTS:
@@ -62,7 +67,7 @@ def template_args(layout: str, task: str) -> List[str]:
     build a layout's prompts: ``lines`` (nothing for the default layout), or
     ``passkey``, the recipe's passkey of the lines vocabulary: one record of
     key ``k1`` in filler, asked for as ``lines`` asks."""
-    fields = dict(Lines.template, **LAYOUTS[layout])
+    fields = layout_fields(layout)
     if task == "lines":
         pairs = list(LAYOUTS[layout].items())
     else:

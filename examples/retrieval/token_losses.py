@@ -36,9 +36,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from corpus import LAYOUTS  # (this directory: the script's own)
+from corpus import LAYOUTS, layout_fields  # (this directory: the script's own)
 from key_heads import load_model, named_checkpoints
-from fairseq_alibi.evaluation.prompts import Lines
 
 KINDS = ("retrieved 1st digit", "retrieved later digit", "new digit", "repeated key", "new key", "rest")
 
@@ -47,7 +46,7 @@ def record_header(layout: str = "record") -> Tuple[str, ...]:
     """The words of a layout's record line before its number, ``{key}`` where
     the key stands: ``line {key} : REGISTER_CONTENT is`` (``record``),
     ``line {key}`` (``adjacent``)."""
-    line = dict(Lines.template, **LAYOUTS[layout])["line"].split()
+    line = layout_fields(layout)["line"].split()
     return tuple(line[:line.index("{number}")])
 
 
