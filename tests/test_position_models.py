@@ -306,3 +306,33 @@ def test_rotary_alibi_heads_add_alibi_to_the_first_heads_and_cache_as_the_full_f
         refuse_unmappable(types.SimpleNamespace(rotary_alibi_heads=alibi_heads))
     with pytest.raises(ConfigError, match="rotary_alibi_heads=5 is not valid with 4 heads; it must be between 0 and 4"):
         build(data_dir, "rotary", "--rotary-alibi-heads", "5")
+
+
+def first_layer_weights(model, ids: torch.Tensor) -> torch.Tensor:
+    """``[H, T, T]``: the first layer's attention weights in a forward of ``ids`` (one row)."""
+    attention = model.decoder.layers[0].self_attn
+    captured = []
+    ask = attention.register_forward_pre_hook(
+        lambda _m, args, kwargs: (args, dict(kwargs, need_weights=True, need_head_weights=True)), with_kwargs=True)
+    keep = attention.register_forward_hook(lambda _m, _args, output: captured.append(output[1][:, 0]))
+    try:
+        with torch.no_grad():
+            model.decoder(ids)
+    finally:
+        ask.remove()
+        keep.remove()
+    return captured[0]
+
+
+def test_nope_first_layer_weighs_a_token_alike_at_every_distance(data_dir):
+    """docs/retrieval.md ("the layout test"): a NoPE model's first layer
+    scores a key by its token alone, so it gives one token the same weight
+    near and far and cannot prefer "the nearest key before me", the head a
+    two-layer model needs to find a record; RoPE's first layer can, the same
+    token gets different weights at different distances."""
+    ids = torch.tensor([[5, 7, 9, 7, 11, 13, 15, 17, 19, 21, 23, 7, 25]])  # token 7 at 1, 3 and 11; query at 12
+    nope = first_layer_weights(build(data_dir, "nope"), ids)
+    torch.testing.assert_close(nope[:, 12, 1], nope[:, 12, 11], rtol=1e-6, atol=0)
+    torch.testing.assert_close(nope[:, 12, 3], nope[:, 12, 11], rtol=1e-6, atol=0)
+    rotary = first_layer_weights(build(data_dir, "rotary"), ids)
+    assert (rotary[:, 12, 1] - rotary[:, 12, 11]).abs().max() > 1e-3
