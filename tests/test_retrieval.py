@@ -980,3 +980,50 @@ def test_frontier_example_tables_choice_goal_and_plot(tmp_path):
     low, high = (float(x.strip("%")) for x in interval.strip("[]").split(", "))
     assert cost == "+2.00%" and low <= 2.0 + 1e-9 and high >= 2.0 - 1e-9 and high - low < 0.01
     assert (tmp_path / "fig" / "frontier.png").stat().st_size > 0
+
+
+def test_learning_curves_from_the_recipes_logs(tmp_path):
+    """examples/retrieval/curves.py: the held-out loss per update from a
+    model directory's train.log (the last value where a resumed run
+    validated one update twice) and from a log file; the table every
+    --every updates plus each curve's last, blank where a curve has no
+    value; the plot written; one error line and exit 1 for a log without a
+    validation line, an unreadable path and a non-UTF-8 log."""
+    def valid(loss, updates):
+        return (f"2026-11-29 01:00:00 | INFO | valid | epoch 001 | valid on 'valid' subset | loss {loss} | "
+                f"ppl 4.0 | wps 1.0 | wpb 1.0 | bsz 36 | num_updates {updates} | best_loss {loss}\n")
+
+    model = tmp_path / "rotary"
+    model.mkdir()
+    (model / "train.log").write_text(
+        "2026-11-29 | INFO | train_inner | epoch 001: loss=9.0, num_updates=50\n"
+        + valid(2.5, 250) + valid(2.25, 500) + valid(2.125, 750)
+        + "resuming from checkpoint_last.pt\n" + valid(2.0, 750) + valid(1.75, 1000))
+    other = tmp_path / "nope.log"
+    other.write_text(valid(2.75, 500) + valid(2.5, 1500))
+    script = str(EXAMPLES / "retrieval" / "curves.py")
+    out = tmp_path / "out" / "curves"
+    result = run_cli([sys.executable, script, "-c", f"rope={model}", "-c", f"nope={other}",
+                      "--output", str(out), "--every", "500"])
+    table = result.stdout.strip().splitlines()
+    assert table[0] == "| updates | rope | nope |"
+    assert table[2:] == ["| 500 | 2.250 | 2.750 |", "| 1,000 | 1.750 |  |", "| 1,500 |  | 2.500 |"]
+    assert (tmp_path / "out" / "curves.png").stat().st_size > 0
+    assert "| 1,000 | 1.750 |  |" in (tmp_path / "out" / "curves.md").read_text()
+    sys.path.insert(0, str(EXAMPLES / "retrieval"))
+    try:
+        import curves
+    finally:
+        sys.path.pop(0)
+    assert curves.read_curve(str(model)) == {250: 2.5, 500: 2.25, 750: 2.0, 1000: 1.75}
+
+    (tmp_path / "empty.log").write_text("2026-11-29 | INFO | train_inner | num_updates=50\n")
+    (tmp_path / "latin1.log").write_bytes(b"caf\xe9 " + valid(2.0, 500).encode())
+    for path, message in ((tmp_path / "empty.log", "has no validation line"),
+                          (tmp_path / "missing", "cannot read"),
+                          (tmp_path / "latin1.log", "is not UTF-8 text")):
+        bad = run_cli([sys.executable, script, "-c", f"x={path}", "--output", str(out)], expect_ok=False)
+        assert bad.returncode == 1 and len(error_lines(bad)) == 1 and message in error_lines(bad)[0], bad.output
+    twice = run_cli([sys.executable, script, "-c", f"a={other}", "-c", f"a={other}", "--output", str(out)],
+                    expect_ok=False)
+    assert twice.returncode == 2 and "given twice" in twice.output
