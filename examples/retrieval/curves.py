@@ -22,7 +22,9 @@ import argparse
 import os
 import re
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict
+
+from key_heads import named_checkpoints  # (this directory: the script's own)
 
 #: One validation line of fairseq-train's simple log format: the loss (base 2) and the update it was taken at.
 VALID_LINE = re.compile(r"valid on 'valid' subset \| loss ([0-9.]+) \|.*?\| num_updates (\d+)")
@@ -30,19 +32,6 @@ VALID_LINE = re.compile(r"valid on 'valid' subset \| loss ([0-9.]+) \|.*?\| num_
 
 class CurveError(Exception):
     """A log that cannot be read as a learning curve (the message says why and what to give)."""
-
-
-def named_paths(parser: argparse.ArgumentParser, items: List[str]) -> List[Tuple[str, str]]:
-    """The ``-c NAME=PATH`` items as ``(name, path)``; a malformed one or a name given twice is a usage error."""
-    pairs: List[Tuple[str, str]] = []
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name or not path:
-            parser.error(f"-c {item!r} is not NAME=PATH")
-        if name in dict(pairs):
-            parser.error(f"-c: the name {name!r} is given twice; give each curve its own name")
-        pairs.append((name, path))
-    return pairs
 
 
 def read_curve(path: str) -> Dict[int, float]:
@@ -106,7 +95,7 @@ def main(argv=None) -> int:
     if args.every < 1:
         p.error(f"--every must be at least 1, got {args.every}")
     curves: Dict[str, Dict[int, float]] = {}
-    for name, path in named_paths(p, args.curve):
+    for name, path in named_checkpoints(p, args.curve, "--curve"):
         try:
             curves[name] = read_curve(path)
         except CurveError as e:

@@ -118,13 +118,17 @@ def analyse(model, dictionary, task, length: int, samples: int, seed: int) -> Di
             "accuracy": torch.tensor(correct / samples)}
 
 
-def named_checkpoints(parser: argparse.ArgumentParser, items: List[str]) -> List[Tuple[str, str]]:
-    """The ``-c NAME=PATH`` items as ``(name, path)``; a malformed one is a usage error."""
-    pairs = []
+def named_checkpoints(parser: argparse.ArgumentParser, items: List[str], flag: str = "--checkpoint"
+                      ) -> List[Tuple[str, str]]:
+    """The ``-c NAME=PATH`` items (of option ``flag``) as ``(name, path)``; a
+    malformed one or a name given twice is a usage error."""
+    pairs: List[Tuple[str, str]] = []
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            parser.error(f"--checkpoint {item!r} is not NAME=PATH")
+            parser.error(f"{flag} {item!r} is not NAME=PATH")
+        if name in dict(pairs):
+            parser.error(f"{flag}: the name {name!r} is given twice; give each its own name")
         pairs.append((name, path))
     return pairs
 
