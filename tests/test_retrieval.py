@@ -985,10 +985,11 @@ def test_frontier_example_tables_choice_goal_and_plot(tmp_path):
 def test_learning_curves_from_the_recipes_logs(tmp_path):
     """examples/retrieval/curves.py: the held-out loss per update from a
     model directory's train.log (the last value where a resumed run
-    validated one update twice) and from a log file; the table every
-    --every updates plus each curve's last, blank where a curve has no
-    value; the plot written; one error line and exit 1 for a log without a
-    validation line, an unreadable path and a non-UTF-8 log."""
+    validated one update twice) and from a log file (a diverged "inf"
+    kept); the table every --every updates plus each curve's last, blank
+    where a curve has no value; the plot written; one error line and exit 1
+    for a log without a validation line, one with a loss that is no number,
+    an unreadable path and a non-UTF-8 log."""
     def valid(loss, updates):
         return (f"2026-11-29 01:00:00 | INFO | valid | epoch 001 | valid on 'valid' subset | loss {loss} | "
                 f"ppl 4.0 | wps 1.0 | wpb 1.0 | bsz 36 | num_updates {updates} | best_loss {loss}\n")
@@ -1000,16 +1001,16 @@ def test_learning_curves_from_the_recipes_logs(tmp_path):
         + valid(2.5, 250) + valid(2.25, 500) + valid(2.125, 750)
         + "resuming from checkpoint_last.pt\n" + valid(2.0, 750) + valid(1.75, 1000))
     other = tmp_path / "nope.log"
-    other.write_text(valid(2.75, 500) + valid(2.5, 1500))
+    other.write_text(valid(2.75, 500) + valid("inf", 1000) + valid(2.5, 1500))
     script = str(EXAMPLES / "retrieval" / "curves.py")
     out = tmp_path / "out" / "curves"
     result = run_cli([sys.executable, script, "-c", f"rope={model}", "-c", f"nope={other}",
                       "--output", str(out), "--every", "500"])
     table = result.stdout.strip().splitlines()
     assert table[0] == "| updates | rope | nope |"
-    assert table[2:] == ["| 500 | 2.250 | 2.750 |", "| 1,000 | 1.750 |  |", "| 1,500 |  | 2.500 |"]
+    assert table[2:] == ["| 500 | 2.250 | 2.750 |", "| 1,000 | 1.750 | inf |", "| 1,500 |  | 2.500 |"]
     assert (tmp_path / "out" / "curves.png").stat().st_size > 0
-    assert "| 1,000 | 1.750 |  |" in (tmp_path / "out" / "curves.md").read_text()
+    assert "| 1,000 | 1.750 | inf |" in (tmp_path / "out" / "curves.md").read_text()
     sys.path.insert(0, str(EXAMPLES / "retrieval"))
     try:
         import curves
@@ -1019,7 +1020,9 @@ def test_learning_curves_from_the_recipes_logs(tmp_path):
 
     (tmp_path / "empty.log").write_text("2026-11-29 | INFO | train_inner | num_updates=50\n")
     (tmp_path / "latin1.log").write_bytes(b"caf\xe9 " + valid(2.0, 500).encode())
+    (tmp_path / "garbled.log").write_text(valid("2.0x", 500))
     for path, message in ((tmp_path / "empty.log", "has no validation line"),
+                          (tmp_path / "garbled.log", "whose loss is not a number"),
                           (tmp_path / "missing", "cannot read"),
                           (tmp_path / "latin1.log", "is not UTF-8 text")):
         bad = run_cli([sys.executable, script, "-c", f"x={path}", "--output", str(out)], expect_ok=False)

@@ -26,8 +26,9 @@ from typing import Dict
 
 from key_heads import named_checkpoints  # (this directory: the script's own)
 
-#: One validation line of fairseq-train's simple log format: the loss (base 2) and the update it was taken at.
-VALID_LINE = re.compile(r"valid on 'valid' subset \| loss ([0-9.]+) \|.*?\| num_updates (\d+)")
+#: One validation line of fairseq-train's simple log format: the loss (base 2; "inf" or "nan" where a run
+#: diverged, kept as such) and the update it was taken at.
+VALID_LINE = re.compile(r"valid on 'valid' subset \| loss (\S+) \|.*?\| num_updates (\d+)")
 
 
 class CurveError(Exception):
@@ -46,7 +47,11 @@ def read_curve(path: str) -> Dict[int, float]:
     except UnicodeDecodeError as e:
         raise CurveError(f"{log} is not UTF-8 text ({e.reason} at byte {e.start}); give a fairseq-train log") \
             from None
-    curve = {int(updates): float(loss) for loss, updates in VALID_LINE.findall(text)}
+    try:
+        curve = {int(updates): float(loss) for loss, updates in VALID_LINE.findall(text)}
+    except ValueError as e:
+        raise CurveError(f"{log} has a validation line whose loss is not a number ({e}); give an unedited "
+                         "fairseq-train log") from None
     if not curve:
         raise CurveError(f"{log} has no validation line (\"valid on 'valid' subset | loss ... | num_updates N\"); "
                          "give the log of a fairseq-train run that validated at least once")
