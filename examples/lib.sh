@@ -68,6 +68,10 @@ models() { python examples/registry.py models; }  # sinusoidal, then each positi
 # list given, one that applies to none of the models) and completed (every model where the first
 # is empty; DEFAULT_METHODS less the methods that apply to none of them where the second is),
 # and EXTENDED: the models that one of the extension methods kept, besides none, applies to.
+# DEFAULT_EXTENSIONS: the recipes' default list, every method of the registry
+# (fairseq_alibi/core/scaling.py): ALiBi's tails and cap at their defaults, the factor methods at 2 and
+# dynamic (YaRN at 2 and 4), and logn, the one that applies to every position method.
+DEFAULT_EXTENSIONS=none,cap,log,power,capnorm,ntk:2,ntk,linear:2,linear,yarn:2,yarn:4,logn
 recipe_settings() {
   local settings
   settings=$(python examples/registry.py settings --models-variable "$1" --models "${!1:-}" \

@@ -138,13 +138,28 @@ def test_a_subset_of_methods_runs_to_a_fresh_report(lm_data_bin, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     alibi = REGISTRY["alibi"].extensions
     methods = {c["method"] for c in sweep_cells(tmp_path / "extensions/results.json")}
-    assert methods == {"none", "cap", "capnorm", "power", "ntk", "linear"} and methods <= set(alibi)
+    assert methods == {"none", "cap", "log", "power", "capnorm", "ntk", "linear", "logn"} and methods <= set(alibi)
     table = (tmp_path / "positions.md").read_text()
     rows = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| ")]
     assert "| alibi" in rows and "| kerple" in rows and "| rotary" not in rows and "earlier" not in table
     assert "### alibi: context-extension methods" in table and "yarn" not in table
     assert (tmp_path / "extensions.png").read_bytes() != b"an earlier run's figure"
-    assert "extension methods {none,cap,capnorm,power,ntk:2,ntk,linear:2,linear} on {alibi}" in result.stdout
+    assert "extension methods {none,cap,log,power,capnorm,ntk:2,ntk,linear:2,linear,logn} on {alibi kerple}" \
+        in result.stdout  # logn applies to Kerple too
+
+
+def test_the_default_extension_list_is_every_method_of_the_registry():
+    """examples/lib.sh's DEFAULT_EXTENSIONS, the default of `make compare` and of the
+    retrieval families recipe: each spelling parses, and the methods it names are those
+    of fairseq_alibi/core/scaling.py, none left out (a method registered later is
+    evaluated by default only once it is added here, and this test says so)."""
+    from fairseq_alibi.core.scaling import METHODS, Scaling
+
+    line = next(text for text in (REPO / "examples/lib.sh").read_text().splitlines()
+                if text.startswith("DEFAULT_EXTENSIONS="))
+    spellings = line.split("=", 1)[1].split(",")
+    assert {Scaling.parse(spelling, train_length=64).method for spelling in spellings} == set(METHODS)
+    assert len(spellings) == len(set(spellings))
 
 
 def test_a_refused_setting_stops_before_anything_runs(lm_data_bin, tmp_path):

@@ -51,7 +51,7 @@ training_threads
 
 # Checked before anything runs: the methods (default: every model), the extension methods (the
 # default list less those that apply to no model of the run), the seeds.
-recipe_settings POSITIONS EXTENSIONS none,cap,capnorm,power,ntk:2,ntk,linear:2,linear,yarn:2,yarn:4
+recipe_settings POSITIONS EXTENSIONS "$DEFAULT_EXTENSIONS"
 [ -n "${SEEDS// /}" ] || { echo "error: SEEDS must name at least one seed" >&2; exit 1; }
 mkdir -p "$OUT"
 fresh_report "$OUT/positions.md" "$OUT/positions.png" "$OUT/extensions.png"

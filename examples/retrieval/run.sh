@@ -105,7 +105,7 @@ case "$RECIPE" in
     MODELS=${MODELS:-alibi sinusoidal}; DEFAULT_METHODS=none,linear:2,linear,ntk:2,ntk,cap:0.5,cap,cap:2
     LENGTHS=${LENGTHS:-1x,1.5x,2x,3x,4x,6x,8x}; EVAL=lines; SUMMARY=summary ;;
   families)
-    MODELS=${MODELS:-alibi rotary}; DEFAULT_METHODS=none,cap,capnorm,power,ntk:2,ntk,linear:2,linear,yarn:2,yarn:4
+    MODELS=${MODELS:-alibi rotary}; DEFAULT_METHODS=$DEFAULT_EXTENSIONS
     LENGTHS=${LENGTHS:-1x,8x}; EVAL=families; SUMMARY=summary-families ;;
   *) echo "error: RECIPE=$RECIPE is not a recipe; allowed values: methods, families" >&2; exit 1 ;;
 esac
