@@ -731,6 +731,54 @@ def test_recipe_filler_corpus_passkey_and_one_models_own_arguments(tmp_path):
 
 
 @pytest.mark.slow
+def test_every_family_recipe_gives_each_family_its_own_settings(tmp_path):
+    """RECIPE=every-family: every position method of the registry, in the adjacent
+    layout with filler in a quarter of the training documents and the passkey; T5,
+    FoX and RNoPE get their own arguments, RoPE and NoPE their own update counts
+    and NoPE its third layer (UPDATES_<model>, LAYERS_<model> replace the recipe's
+    for that model alone; the models' logs and trained.ok say so); every
+    extension method applies where it may (logn to each family). A per-model
+    setting that names no model, or a count that is no whole number, is refused
+    before anything runs."""
+    import subprocess
+
+    from conftest import cli_env, recipe_bin
+
+    out, data = tmp_path / "out", tmp_path / "data"
+    settings = dict(VENV_BIN=recipe_bin(), OUT=str(out), DATA=str(data), SEEDS="1", L="64", LAYERS="2", DIM="16",
+                    FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="2", WARMUP="2",
+                    MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1", RECIPE="every-family",
+                    LENGTHS="1x", UPDATES_rotary="3", UPDATES_nope="4")
+    script = str(EXAMPLES / "retrieval" / "run.sh")
+    run = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    updates = {p.parent.name: p.read_text().strip() for p in out.glob("seed1/*/trained.ok")}
+    assert updates == {**{name: "2" for name in POSITIONS}, "rotary": "3", "nope": "4"}
+    logs = {name: (out / "seed1" / name / "train.log").read_text() for name in POSITIONS}
+    assert {name for name, log in logs.items() if "'decoder_layers': 3" in log} == {"nope"}
+    assert all("'decoder_layers': 2" in log for name, log in logs.items() if name != "nope")
+    own = {"t5bias": "'t5_init_slopes': 1", "fox": "'fox_weight_delay': 1000", "rnope": "'rnope_window': 8"}
+    for name, setting in own.items():
+        assert {n for n, log in logs.items() if setting in log} == {name}, setting
+    documents = (data / "raw" / "train.txt").read_text().splitlines()
+    assert all(re.search(r" line k\d+ \d \d \.", d) for d in documents)  # adjacent records
+    assert 0 < sum(not d.startswith("below is a record of lines i want you to remember . line") for d in documents) < len(documents)  # filler
+    cells = json.loads((out / "seed1" / "families" / "results.json").read_text())["cells"]
+    assert all({"none", "logn"} <= {c["method"] for c in cells if c["checkpoint"] == name} for name in POSITIONS)
+    assert {c["method"] for c in cells if c["checkpoint"] == "alibi"} >= {"cap", "log", "power", "capnorm", "ntk"}
+    passkeys = json.loads((out / "seed1" / "passkey" / "results.json").read_text())["cells"]
+    assert {c["checkpoint"] for c in passkeys} == set(POSITIONS)
+    for extra, message in ((dict(UPDATES_rope="5"), "error: UPDATES_rope names 'rope', which is not a model; "
+                            "allowed suffixes: sinusoidal " + " ".join(POSITIONS)),
+                           (dict(LAYERS_nope="three"), "error: LAYERS_nope=three is not a positive whole number"),
+                           (dict(UPDATES="0"), "error: UPDATES=0 is not a positive whole number")):
+        refused = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                                 env=cli_env(**dict(settings, OUT=str(tmp_path / "wrong"), **extra)))
+        assert refused.returncode == 1 and refused.stderr.splitlines() == [message], refused.stderr
+    assert not (tmp_path / "wrong").exists()  # refused before anything ran
+
+
+@pytest.mark.slow
 def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
     """examples/retrieval/run.sh at toy size, RECIPE=families plus the sinusoidal
     baseline: an ALiBi and a RoPE model per seed, the sinusoidal one for the

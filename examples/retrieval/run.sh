@@ -18,7 +18,7 @@
 #      FILLER_SHARE=P a share P of the training documents hold filler too
 #      (of key words, or with FILLER_WORDS=non-keys of words that are no key).
 #
-# Two recipes (RECIPE), each a default for MODELS, METHODS, LENGTHS and the
+# Three recipes (RECIPE), each a default for MODELS, METHODS, LENGTHS and the
 # evaluation's name; any of them can still be set:
 #   methods   (default) ALiBi under none, linear and NTK (static and dynamic)
 #             and the distance cap at 1x-8x L, the sinusoidal twin as baseline
@@ -27,25 +27,59 @@
 #             (ALiBi: cap, capnorm, power, ntk, linear; RoPE: linear, ntk, yarn)
 #             at 1x and 8x L (docs/retrieval.md, "Which method, when"):
 #             RECIPE=families examples/retrieval/run.sh
+#   every-family  every position method of the registry, each with the
+#             settings under which it learned both `lines` and the passkey
+#             within L here (docs/retrieval.md, "A recipe under which every
+#             family retrieves"): records `line KEY N .` (LAYOUT=adjacent),
+#             filler in a quarter of the training documents, PASSKEY=1, and per
+#             family EXTRA_TRAIN_ARGS_<model>, UPDATES_<model>, LAYERS_<model>
+#             (below); then every extension method at 1x-8x L.
+#
+# Per model (any recipe): EXTRA_TRAIN_ARGS_<model> (e.g. EXTRA_TRAIN_ARGS_fox)
+# reach that model's trainer alone, after EXTRA_TRAIN_ARGS; UPDATES_<model>
+# and LAYERS_<model> replace UPDATES and LAYERS for it (e.g. UPDATES_rotary=10000).
 #
 # Resumable (examples/lib.sh): a finished model (its trained.ok) is not
 # retrained, an interrupted one (Ctrl-C; or one trained for fewer than UPDATES)
 # resumes from its last saved update (every SAVE_EVERY updates) when the same
 # command is run again, and finished retrieval cells of unchanged checkpoints
-# are kept.  Both recipes share the models of one OUT.  A training that fails
+# are kept.  The recipes share the models of one OUT.  A training that fails
 # ends the recipe with one `error:` line (the run, the trainer's reason, its log)
 # and exit status 1, the other trainings stopped.  The METHODS of a recipe's
 # default that apply to none of the MODELS are left out (any subset of models
 # runs); a METHODS given that holds such a method is refused before anything runs.
 # Outputs: $OUT/seedS/<model> (checkpoints, logs) and $OUT/seedS/<evaluation>
 # per seed (evaluation `lines` for RECIPE=methods, `families` for
-# RECIPE=families), and across seeds $OUT/summary.{md,png} (methods) or
+# RECIPE=families and every-family), and across seeds $OUT/summary.{md,png} (methods) or
 # $OUT/summary-families.{md,png}, removed when a run starts, written at its end.
 # Every setting can be overridden from the environment.  On a GPU, e.g.:
 #   SCALE=gpu examples/retrieval/run.sh          (see docs/retrieval.md)
 cd "$(dirname "$0")/../.."
 RECIPE_TAG=retrieval
 source examples/lib.sh
+
+RECIPE=${RECIPE:-methods}
+case "$RECIPE" in
+  methods)
+    MODELS=${MODELS:-alibi sinusoidal}; DEFAULT_METHODS=none,linear:2,linear,ntk:2,ntk,cap:0.5,cap,cap:2
+    LENGTHS=${LENGTHS:-1x,1.5x,2x,3x,4x,6x,8x}; EVAL=lines; SUMMARY=summary ;;
+  families)
+    MODELS=${MODELS:-alibi rotary}; DEFAULT_METHODS=$DEFAULT_EXTENSIONS
+    LENGTHS=${LENGTHS:-1x,8x}; EVAL=families; SUMMARY=summary-families ;;
+  every-family)
+    # What each family needed to learn both tasks within L (docs/retrieval.md): T5's table
+    # started at ALiBi's bias, FoX at ALiBi's slopes with its gate weights held at zero for the
+    # first 1,000 updates, RNoPE with a window narrower than a record, RoPE more updates,
+    # NoPE a third layer (its first cannot prefer a near key) and more updates.
+    MODELS=${MODELS:-$(models | cut -d' ' -f2-)}; DEFAULT_METHODS=$DEFAULT_EXTENSIONS
+    LENGTHS=${LENGTHS:-1x,2x,4x,8x}; EVAL=families; SUMMARY=summary-families
+    LAYOUT=${LAYOUT:-adjacent}; FILLER_SHARE=${FILLER_SHARE:-0.25}; PASSKEY=${PASSKEY:-1}
+    EXTRA_TRAIN_ARGS_t5bias=${EXTRA_TRAIN_ARGS_t5bias---t5-init-slopes 1}
+    EXTRA_TRAIN_ARGS_fox=${EXTRA_TRAIN_ARGS_fox---fox-init-slopes 1 --fox-gate-init-std 0 --fox-weight-delay 1000}
+    EXTRA_TRAIN_ARGS_rnope=${EXTRA_TRAIN_ARGS_rnope---rnope-window 8}
+    UPDATES_rotary=${UPDATES_rotary-10000}; UPDATES_nope=${UPDATES_nope-10000}; LAYERS_nope=${LAYERS_nope-3} ;;
+  *) echo "error: RECIPE=$RECIPE is not a recipe; allowed values: methods, families, every-family" >&2; exit 1 ;;
+esac
 
 SCALE=${SCALE:-cpu}
 if [ "$SCALE" = gpu ]; then
@@ -99,16 +133,6 @@ case "$LAYOUT" in
 esac
 DATA=${DATA:-data-bin/retrieval-L$L$CORPUS_TAG}
 case "$PASSKEY" in 0|1) ;; *) echo "error: PASSKEY=$PASSKEY is not allowed: 1 (evaluate the passkey at 1x too) or 0" >&2; exit 1 ;; esac
-RECIPE=${RECIPE:-methods}
-case "$RECIPE" in
-  methods)
-    MODELS=${MODELS:-alibi sinusoidal}; DEFAULT_METHODS=none,linear:2,linear,ntk:2,ntk,cap:0.5,cap,cap:2
-    LENGTHS=${LENGTHS:-1x,1.5x,2x,3x,4x,6x,8x}; EVAL=lines; SUMMARY=summary ;;
-  families)
-    MODELS=${MODELS:-alibi rotary}; DEFAULT_METHODS=$DEFAULT_EXTENSIONS
-    LENGTHS=${LENGTHS:-1x,8x}; EVAL=families; SUMMARY=summary-families ;;
-  *) echo "error: RECIPE=$RECIPE is not a recipe; allowed values: methods, families" >&2; exit 1 ;;
-esac
 DEPTHS=${DEPTHS:-5}
 EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}  # for every model; EXTRA_TRAIN_ARGS_<model> (e.g. _fox) for one
 BASELINE_SEEDS=${BASELINE_SEEDS:-first}  # sinusoidal for the first seed only, or: all
@@ -119,6 +143,19 @@ training_threads
 # sinusoidal (the stock transformer_lm); METHODS: the recipe's default less the
 # methods that apply to none of them; both checked before anything runs.
 recipe_settings MODELS METHODS "$DEFAULT_METHODS"
+# The per-model settings name a model of the registry (a misspelt one would be ignored) and the
+# update and layer counts are whole numbers (an empty per-model one: the recipe's own).
+KNOWN_MODELS=" $(models) "
+for var in UPDATES LAYERS $(compgen -v | grep -E '^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS)_' || true); do
+  if [[ $var =~ ^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS)_(.+)$ ]] && [[ $KNOWN_MODELS != *" ${BASH_REMATCH[2]} "* ]]; then
+    echo "error: $var names '${BASH_REMATCH[2]}', which is not a model; allowed suffixes: $(models)" >&2; exit 1
+  fi
+  case $var in
+    EXTRA_TRAIN_ARGS_*) ;;
+    *) [[ ${!var} =~ ^[1-9][0-9]*$ || ( $var == *_* && -z ${!var} ) ]] || {
+         echo "error: $var=${!var} is not a positive whole number" >&2; exit 1; } ;;
+  esac
+done
 jobs_of() {  # the (seed, model) pairs to train, one per line; sinusoidal for the first seed unless BASELINE_SEEDS=all
   local first=1
   for seed in $SEEDS; do
@@ -145,11 +182,12 @@ else
 fi
 
 train() {  # train SEED NAME: identical settings; only the arch (position handling) differs
-  local seed=$1 name=$2 own="EXTRA_TRAIN_ARGS_$2"
+  local seed=$1 name=$2 own="EXTRA_TRAIN_ARGS_$2" own_updates="UPDATES_$2" own_layers="LAYERS_$2"
+  local UPDATES=${!own_updates:-$UPDATES} LAYERS=${!own_layers:-$LAYERS}  # train_model reads UPDATES
   # Each document is a whole line of the corpus (--sample-break-mode complete packs
   # whole documents into blocks of L tokens), so no record is cut from its question.
   train_model "$OUT/seed$seed/$name" "seed $seed $name" \
-    "$(arch_of "$name"), L=$L, $UPDATES updates, warm-up $WARMUP" "$DATA" --task language_modeling \
+    "$(arch_of "$name"), L=$L, $LAYERS layers, $UPDATES updates, warm-up $WARMUP" "$DATA" --task language_modeling \
     --arch "$(arch_of "$name")" --decoder-layers "$LAYERS" --decoder-embed-dim "$DIM" --decoder-input-dim "$DIM" \
     --decoder-output-dim "$DIM" --decoder-ffn-embed-dim "$FFN" --decoder-attention-heads "$HEADS" \
     --decoder-normalize-before --share-decoder-input-output-embed \
