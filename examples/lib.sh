@@ -96,7 +96,7 @@ last_saved() {  # DIR: the update count of the last checkpoint its train.log say
 }
 
 # train_model DIR LABEL DETAIL ALIBI_TRAIN_ARGS...: train into DIR (train.log, checkpoints), unless
-# DIR/trained.ok records UPDATES. Reads UPDATES, SAVE_EVERY, TRAIN_THREADS, TRAIN_STEP (the
+# DIR/trained.ok records UPDATES (refused: a DIR whose model was trained past UPDATES). Reads UPDATES, SAVE_EVERY, TRAIN_THREADS, TRAIN_STEP (the
 # recipe's step, e.g. 2/4) and FOLLOW (a pattern of log lines to show, prefixed with LABEL; empty:
 # none). Returns 0 (trained), 1 (failed: one error: line on stderr) or 130 (stopped: resumable).
 # Runs as a job of run_trainings (it sets the traps of its own shell).
@@ -108,6 +108,13 @@ train_model() {
     && { [ "$(cat "$dir/trained.ok")" = "$UPDATES" ] || [ ! -s "$dir/trained.ok" ]; }; then
     stamp "$label: already trained ($dir/checkpoint_last.pt, $UPDATES updates)"
     return 0
+  fi
+  # A model trained past UPDATES is not "resumed" to fewer: its trainer would stop at once and
+  # trained.ok would record a count the model is not at.
+  if [ -f "$dir/checkpoint_last.pt" ] && [ "$(last_saved "$dir")" -gt "$UPDATES" ]; then
+    echo "error: $label: $dir holds a model trained for $(last_saved "$dir") updates, more than the $UPDATES" \
+      "asked; give that count (UPDATES, or UPDATES_<model> in the retrieval recipe) or another OUT" >&2
+    return 1
   fi
   mkdir -p "$dir"
   touch "$dir/train.log"

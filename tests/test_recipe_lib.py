@@ -147,3 +147,25 @@ def test_write_report_of_two_recipes_at_once_both_succeed(tmp_path):
     assert report.read_text().splitlines() == lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.md"]
 
+
+
+def test_a_model_trained_past_the_updates_asked_is_refused_not_resumed(tmp_path):
+    """A run folder whose model was trained for 20 updates, asked for 10: its trainer
+    would stop at once and trained.ok would say 10 for a model at 20, so the
+    recipe stops with one error line naming both counts, and no trainer starts."""
+    env = fake_recipe_env(tmp_path)
+    for name in ("a", "b"):
+        run = tmp_path / "out" / name
+        run.mkdir(parents=True)
+        (run / "checkpoint_last.pt").write_bytes(b"")
+        (run / "train.log").write_text("Saved checkpoint x (epoch 2 @ 20 updates, score 1.0)\n")
+        (run / "trained.ok").write_text("20\n")
+    result = subprocess.run(["bash", "-c", DRIVER], capture_output=True, text=True, env=env,
+                            stdin=subprocess.DEVNULL, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    expected = {f"error: run {name}: {tmp_path}/out/{name} holds a model trained for 20 updates, more than the 10 "
+                "asked; give that count (UPDATES, or UPDATES_<model> in the retrieval recipe) or another OUT"
+                for name in ("a", "b")}  # the two run at once: either may stop the recipe first
+    assert result.stderr.splitlines() and set(result.stderr.splitlines()) <= expected, result.stderr
+    assert not list((tmp_path / "marks").glob("*.started"))
+    assert (tmp_path / "out" / "a" / "trained.ok").read_text() == "20\n"
