@@ -748,7 +748,8 @@ def test_every_family_recipe_gives_each_family_its_own_settings(tmp_path):
     settings = dict(VENV_BIN=recipe_bin(), OUT=str(out), DATA=str(data), SEEDS="1", L="64", LAYERS="2", DIM="16",
                     FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="2", WARMUP="2",
                     MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1", RECIPE="every-family",
-                    LENGTHS="1x", UPDATES_rotary="3", UPDATES_nope="4")
+                    LENGTHS="1x", UPDATES_rotary="3", UPDATES_nope="4",
+                    **{f"UPDATES_{name}": "" for name in ("fire", "kerple", "t5bias", "fox", "rnope")})  # "": UPDATES
     script = str(EXAMPLES / "retrieval" / "run.sh")
     run = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
