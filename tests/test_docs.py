@@ -498,3 +498,50 @@ def test_core_docstring_names_every_module_of_the_folder():
     modules = {p.stem for p in (REPO / "fairseq_alibi" / "core").glob("*.py") if p.stem != "__init__"}
     assert named == modules, (f"core/__init__.py's docstring lacks {sorted(modules - named)}, "
                               f"names no module {sorted(named - modules)}")
+
+
+def heading_anchors(text: str) -> set:
+    """The anchors GitHub gives a Markdown file's headings: lower case, every
+    character but letters, digits, spaces, hyphens and underscores dropped,
+    spaces turned to hyphens, a repeated heading numbered ``-1``, ``-2``, ...
+    (fenced code is no heading)."""
+    anchors, seen, fenced = set(), {}, False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        match = None if fenced else re.match(r"#{1,6} +(.+?) *#* *$", line)
+        if match:
+            slug = re.sub(r"[^\w\- ]", "", match.group(1).lower()).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+LINKED_FILES = [*DOC_FILES, *sorted((REPO / "examples").glob("*/README.md"))]
+
+
+def test_every_relative_link_reaches_its_file_and_heading():
+    """A link between the docs (``[text](other.md#heading)``, ``(#heading)``)
+    names a file that exists and, where it names a heading, one the file has: a
+    renamed heading would leave its links pointing at the top of the page."""
+    broken = []
+    for path in LINKED_FILES:
+        text = path.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"```.*?```", "", text, flags=re.S)):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: not checked offline
+            file_part, _, anchor = target.partition("#")
+            linked = (path.parent / file_part).resolve() if file_part else path
+            where = f"{path.relative_to(REPO)} -> {target}"
+            if not linked.exists():
+                broken.append(f"{where}: no such file")
+            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text(encoding="utf-8")):
+                broken.append(f"{where}: no such heading")
+    assert not broken, "\n".join(broken)
+
+
+def test_heading_anchors_follow_githubs_rule():
+    """The rule on the headings this repository writes: backticks, brackets,
+    apostrophes, commas and '=' dropped, a space per hyphen kept."""
+    text = "# At L = 2048 (a size), with T5's `band` path\n```\n# not a heading\n```\n## Same\n## Same\n"
+    assert heading_anchors(text) == {"at-l--2048-a-size-with-t5s-band-path", "same", "same-1"}

@@ -68,7 +68,7 @@ case "$RECIPE" in
     LENGTHS=${LENGTHS:-1x,8x}; EVAL=families; SUMMARY=summary-families ;;
   every-family)
     # What each family needed to learn both tasks within L on three seeds (docs/retrieval.md):
-    # ALiBi the recipe's 1,500 updates; FIRE, Kerple, FoX and RNoPE 3,000; T5's table started at
+    # ALiBi the recipe's 1,500 updates; FIRE, Kerple and FoX 3,000, T5 and RNoPE 4,500; T5's table started at
     # ALiBi's bias, FoX at ALiBi's slopes with its gate weights held at zero for the first 1,000
     # updates, RNoPE with a window narrower than a record. RoPE (more updates) and NoPE (a third
     # layer: its first cannot prefer a near key; more updates) get the best settings found, under
@@ -79,8 +79,8 @@ case "$RECIPE" in
     EXTRA_TRAIN_ARGS_t5bias=${EXTRA_TRAIN_ARGS_t5bias---t5-init-slopes 1}
     EXTRA_TRAIN_ARGS_fox=${EXTRA_TRAIN_ARGS_fox---fox-init-slopes 1 --fox-gate-init-std 0 --fox-weight-delay 1000}
     EXTRA_TRAIN_ARGS_rnope=${EXTRA_TRAIN_ARGS_rnope---rnope-window 8}
-    UPDATES_fire=${UPDATES_fire-3000}; UPDATES_kerple=${UPDATES_kerple-3000}; UPDATES_t5bias=${UPDATES_t5bias-3000}
-    UPDATES_fox=${UPDATES_fox-3000}; UPDATES_rnope=${UPDATES_rnope-3000}
+    UPDATES_fire=${UPDATES_fire-3000}; UPDATES_kerple=${UPDATES_kerple-3000}; UPDATES_t5bias=${UPDATES_t5bias-4500}
+    UPDATES_fox=${UPDATES_fox-3000}; UPDATES_rnope=${UPDATES_rnope-4500}
     UPDATES_rotary=${UPDATES_rotary-10000}; UPDATES_nope=${UPDATES_nope-10000}; LAYERS_nope=${LAYERS_nope-3} ;;
   *) echo "error: RECIPE=$RECIPE is not a recipe; allowed values: methods, families, every-family" >&2; exit 1 ;;
 esac
