@@ -149,10 +149,10 @@ training_threads
 recipe_settings MODELS METHODS "$DEFAULT_METHODS"
 # The per-model settings name a model of the registry (a misspelt one would be ignored) and the
 # update and layer counts are whole numbers (an empty per-model one: the recipe's own).
-KNOWN_MODELS=" $(models) "
+KNOWN_MODELS=$(models)
 for var in UPDATES LAYERS $(compgen -v | grep -E '^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS)_' || true); do
-  if [[ $var =~ ^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS)_(.+)$ ]] && [[ $KNOWN_MODELS != *" ${BASH_REMATCH[2]} "* ]]; then
-    echo "error: $var names '${BASH_REMATCH[2]}', which is not a model; allowed suffixes: $(models)" >&2; exit 1
+  if [[ $var =~ ^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS)_(.+)$ ]] && [[ " $KNOWN_MODELS " != *" ${BASH_REMATCH[2]} "* ]]; then
+    echo "error: $var names '${BASH_REMATCH[2]}', which is not a model; allowed suffixes: $KNOWN_MODELS" >&2; exit 1
   fi
   case $var in
     EXTRA_TRAIN_ARGS_*) ;;
