@@ -748,7 +748,7 @@ def test_every_family_recipe_gives_each_family_its_own_settings(tmp_path):
     settings = dict(VENV_BIN=recipe_bin(), OUT=str(out), DATA=str(data), SEEDS="1", L="64", LAYERS="2", DIM="16",
                     FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="2", WARMUP="2",
                     MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1", RECIPE="every-family",
-                    LENGTHS="1x", UPDATES_rotary="3", UPDATES_nope="4",
+                    LENGTHS="1x", UPDATES_rotary="3", UPDATES_nope="4", UNTIL="",  # fixed counts (staged: below)
                     **{f"UPDATES_{name}": "" for name in ("fire", "kerple", "t5bias", "fox", "rnope")})  # "": UPDATES
     script = str(EXAMPLES / "retrieval" / "run.sh")
     run = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=900)
@@ -777,6 +777,58 @@ def test_every_family_recipe_gives_each_family_its_own_settings(tmp_path):
                                  env=cli_env(**dict(settings, OUT=str(tmp_path / "wrong"), **extra)))
         assert refused.returncode == 1 and refused.stderr.splitlines() == [message], refused.stderr
     assert not (tmp_path / "wrong").exists()  # refused before anything ran
+
+
+@pytest.mark.slow
+def test_recipe_trains_in_stages_until_the_model_retrieves(tmp_path):
+    """UNTIL=P (every-family's default, 90): each model trains in stages of
+    CHECK_EVERY updates up to its budget (UPDATES), checked at 1x after each
+    (`lines` and the passkey; checks.tsv, stages.md): a toy model that never
+    reaches P trains to its budget, checked at 2, 4 and 5 updates; a rerun
+    trains and checks nothing again; a model whose check at its own count
+    reached P stops there (no training towards a larger budget) while the other
+    trains on; UNTIL must be a whole percentage."""
+    import subprocess
+
+    from conftest import cli_env, recipe_bin
+
+    out, data = tmp_path / "out", tmp_path / "data"
+    settings = dict(VENV_BIN=recipe_bin(), OUT=str(out), DATA=str(data), SEEDS="1", L="64", LAYERS="1", DIM="16",
+                    FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="5", WARMUP="2",
+                    MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1", RECIPE="every-family",
+                    MODELS="alibi kerple", METHODS="none", LENGTHS="1x", CHECK_EVERY="2", SAVE_EVERY="1")
+    script = str(EXAMPLES / "retrieval" / "run.sh")
+    run = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for name in ("alibi", "kerple"):
+        model = out / "seed1" / name
+        assert [row.split("\t")[0] for row in (model / "checks.tsv").read_text().splitlines()] == ["2", "4", "5"]
+        assert (model / "trained.ok").read_text().strip() == "5"
+        assert sorted(p.name for p in (model / "checks" / "4").iterdir()) == ["lines", "passkey"]
+        assert f"seed 1 {name}: below 90% at its last check, 5 updates (its budget)" in run.stdout
+    stages = (out / "stages.md").read_text()
+    assert re.search(r"\| alibi \| not by 5 \(\d+ / \d+\) \|", stages) and (out / "stages.png").stat().st_size > 0
+    again = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=600)
+    assert again.returncode == 0 and "2/3 training" not in again.stdout and not re.search(r"check at \d+ updates", again.stdout)
+
+    checks = out / "seed1" / "alibi" / "checks.tsv"  # as if ALiBi had answered everything at its last check
+    checks.write_text(checks.read_text().replace(checks.read_text().splitlines()[-1], "5\t100.0\t100.0"))
+    longer = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                            env=cli_env(**dict(settings, UPDATES="7")))
+    assert longer.returncode == 0, longer.stdout[-3000:] + longer.stderr[-3000:]
+    assert "seed 1 alibi: retrieves at 5 updates" in longer.stdout
+    assert (out / "seed1" / "alibi" / "trained.ok").read_text().strip() == "5"
+    assert (out / "seed1" / "kerple" / "trained.ok").read_text().strip() == "7"
+    assert [row.split("\t")[0] for row in (out / "seed1" / "kerple" / "checks.tsv").read_text().splitlines()] == [
+        "2", "4", "5", "6", "7"]
+    assert "| alibi | **5** (100 / 100) |" in (out / "stages.md").read_text()
+    for until in ("0", "ninety", "101"):
+        refused = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                                 env=cli_env(**dict(settings, UNTIL=until, OUT=str(tmp_path / "wrong"))))
+        assert refused.returncode == 1 and refused.stderr.splitlines() == [
+            f"error: UNTIL={until} is not allowed: a whole percentage from 1 to 100 (e.g. 90), or empty to train "
+            "every model to its UPDATES"], refused.stderr
+    assert not (tmp_path / "wrong").exists()
 
 
 @pytest.mark.slow
@@ -1079,3 +1131,49 @@ def test_learning_curves_from_the_recipes_logs(tmp_path):
     twice = run_cli([sys.executable, script, "-c", f"a={other}", "-c", f"a={other}", "--output", str(out)],
                     expect_ok=False)
     assert twice.returncode == 2 and "given twice" in twice.output
+
+
+def test_stage_checks_record_and_report_the_updates_each_model_took(tmp_path):
+    """examples/retrieval/stages.py: a stage's check is each task's accuracy at
+    1x without an extension method, every depth pooled (cells at 2x or under
+    another method left out), one row per stage (a stage checked again
+    replaced); the report gives the first check at which every task reached
+    UNTIL, or "not by" the last, and the plot is written; one error line and
+    exit 1 for results without a 1x cell, a malformed checks.tsv and an OUT
+    without checks."""
+    def results(path, checkpoint, cells):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": {}, "cells": [
+            dict(checkpoint=checkpoint, length_ratio=ratio, method=method, correct=correct, n=n)
+            for ratio, method, correct, n in cells]}))
+        return str(path)
+
+    script = str(EXAMPLES / "retrieval" / "stages.py")
+    out = tmp_path / "out"
+    alibi, rope = out / "seed7" / "alibi", out / "seed7" / "rotary"
+    lines = results(tmp_path / "a" / "lines.json", "alibi", [(1.0, "none", 9, 10), (1.0, "none", 8, 10),
+                                                             (2.0, "none", 0, 10), (1.0, "logn", 0, 10)])
+    passkey = results(tmp_path / "a" / "passkey.json", "alibi", [(1.0, "none", 10, 10), (1.0, "none", 9, 10)])
+    alibi.mkdir(parents=True)
+    assert run_cli([sys.executable, script, "record", str(alibi), "1500", lines, passkey]).stdout == "1500\t85.0\t95.0\n"
+    better = results(tmp_path / "b" / "lines.json", "alibi", [(1.0, "none", 19, 20)])
+    run_cli([sys.executable, script, "record", str(alibi), "3000", better, passkey])
+    run_cli([sys.executable, script, "record", str(alibi), "1500", lines, passkey])  # the same stage again: one row
+    assert (alibi / "checks.tsv").read_text() == "1500\t85.0\t95.0\n3000\t95.0\t95.0\n"
+    rope.mkdir(parents=True)
+    (rope / "checks.tsv").write_text("1500\t2.0\t30.0\n3000\t40.0\t88.0\n")
+    report = run_cli([sys.executable, script, "report", str(out), "--until", "90", "--plot",
+                      str(tmp_path / "stages.png")]).stdout
+    assert "| alibi | **3,000** (95 / 95) |" in report and "| rotary | not by 3,000 (40 / 88) |" in report
+    assert "| rotary | seed7 | 1,500: 2 / 30, 3,000: 40 / 88 |" in report
+    assert (tmp_path / "stages.png").stat().st_size > 0
+    lower = run_cli([sys.executable, script, "report", str(out), "--until", "85"]).stdout
+    assert "| alibi | **1,500** (85 / 95) |" in lower
+
+    far = results(tmp_path / "c" / "lines.json", "alibi", [(2.0, "none", 1, 10)])
+    (rope / "checks.tsv").write_text("1500\t2.0\n")
+    for args, message in ((["record", str(alibi), "4500", far], "holds no cell at 1x without an extension method"),
+                          (["report", str(out), "--until", "90"], "is not a check"),
+                          (["report", str(tmp_path / "none"), "--until", "90"], "holds no staged training")):
+        bad = run_cli([sys.executable, script, *args], expect_ok=False)
+        assert bad.returncode == 1 and len(error_lines(bad)) == 1 and message in error_lines(bad)[0], bad.output

@@ -39,6 +39,14 @@
 # reach that model's trainer alone, after EXTRA_TRAIN_ARGS; UPDATES_<model>
 # and LAYERS_<model> replace UPDATES and LAYERS for it (e.g. UPDATES_rotary=10000).
 #
+# Until it retrieves (any recipe; every-family's default UNTIL=90): with UNTIL=P
+# each model trains in stages of CHECK_EVERY updates (default 1500) up to its
+# UPDATES, now a budget, and after each stage answers `lines` at 1x L (and the
+# passkey with PASSKEY=1; $OUT/seedS/<model>/checks/<updates>); it stops at the
+# first stage where every task reaches P% (its checks in $OUT/seedS/<model>/checks.tsv),
+# and the updates each model took, with every check, go to $OUT/stages.{md,png}
+# (examples/retrieval/stages.py). UNTIL= (empty) trains every model to its UPDATES.
+#
 # Resumable (examples/lib.sh): a finished model (its trained.ok) is not
 # retrained, an interrupted one (Ctrl-C; or one trained for fewer than UPDATES)
 # resumes from its last saved update (every SAVE_EVERY updates) when the same
@@ -79,9 +87,10 @@ case "$RECIPE" in
     EXTRA_TRAIN_ARGS_t5bias=${EXTRA_TRAIN_ARGS_t5bias---t5-init-slopes 1}
     EXTRA_TRAIN_ARGS_fox=${EXTRA_TRAIN_ARGS_fox---fox-init-slopes 1 --fox-gate-init-std 0 --fox-weight-delay 1000}
     EXTRA_TRAIN_ARGS_rnope=${EXTRA_TRAIN_ARGS_rnope---rnope-window 8}
-    UPDATES_fire=${UPDATES_fire-3000}; UPDATES_kerple=${UPDATES_kerple-3000}; UPDATES_t5bias=${UPDATES_t5bias-4500}
-    UPDATES_fox=${UPDATES_fox-3000}; UPDATES_rnope=${UPDATES_rnope-4500}
-    UPDATES_rotary=${UPDATES_rotary-10000}; UPDATES_nope=${UPDATES_nope-10000}; LAYERS_nope=${LAYERS_nope-3} ;;
+    # Each family until it answers 90% of both tasks, checked every 1,500 updates: on three seeds
+    # ALiBi took 1,500, FIRE, Kerple and FoX up to 3,000, T5 and RNoPE up to 4,500 (by seed, not family).
+    UNTIL=${UNTIL-90}; UPDATES=${UPDATES:-4500}
+    UPDATES_rotary=${UPDATES_rotary-12000}; UPDATES_nope=${UPDATES_nope-12000}; LAYERS_nope=${LAYERS_nope-3} ;;
   *) echo "error: RECIPE=$RECIPE is not a recipe; allowed values: methods, families, every-family" >&2; exit 1 ;;
 esac
 
@@ -141,6 +150,12 @@ DEPTHS=${DEPTHS:-5}
 EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}  # for every model; EXTRA_TRAIN_ARGS_<model> (e.g. _fox) for one
 BASELINE_SEEDS=${BASELINE_SEEDS:-first}  # sinusoidal for the first seed only, or: all
 SAVE_EVERY=${SAVE_EVERY:-250}
+UNTIL=${UNTIL:-}                 # P: train in stages until lines (and the passkey) reach P% at 1x (above)
+CHECK_EVERY=${CHECK_EVERY:-1500}
+if [ -n "$UNTIL" ] && ! [[ $UNTIL =~ ^([1-9][0-9]?|100)$ ]]; then
+  echo "error: UNTIL=$UNTIL is not allowed: a whole percentage from 1 to 100 (e.g. 90), or empty to train every" \
+    "model to its UPDATES" >&2; exit 1
+fi
 training_threads
 
 # MODELS: position methods of core.positions (transformer_lm_<name>) or
@@ -150,7 +165,7 @@ recipe_settings MODELS METHODS "$DEFAULT_METHODS"
 # The per-model settings name a model of the registry (a misspelt one would be ignored) and the
 # update and layer counts are whole numbers (an empty per-model one: the recipe's own).
 KNOWN_MODELS=$(models)
-for var in UPDATES LAYERS $(compgen -v | grep -E '^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS)_' || true); do
+for var in UPDATES LAYERS CHECK_EVERY $(compgen -v | grep -E '^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS)_' || true); do
   if [[ $var =~ ^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS)_(.+)$ ]] && [[ " $KNOWN_MODELS " != *" ${BASH_REMATCH[2]} "* ]]; then
     echo "error: $var names '${BASH_REMATCH[2]}', which is not a model; allowed suffixes: $KNOWN_MODELS" >&2; exit 1
   fi
@@ -173,6 +188,7 @@ jobs_of() {  # the (seed, model) pairs to train, one per line; sinusoidal for th
 
 mkdir -p "$OUT"
 fresh_report "$OUT/$SUMMARY.md" "$OUT/$SUMMARY.png"
+[ -z "$UNTIL" ] || fresh_report "$OUT/stages.md" "$OUT/stages.png"
 
 if [ ! -f "$DATA/train.bin" ]; then
   stamp "1/3 synthetic lines corpus (L=$L, $KEYS keys, $DIGITS digits, $DOCS documents) -> $DATA"
@@ -185,9 +201,9 @@ else
   stamp "1/3 corpus: $DATA already binarized"
 fi
 
-train() {  # train SEED NAME: identical settings; only the arch (position handling) differs
+train() {  # train SEED NAME [UPDATES]: identical settings; only the arch (position handling) differs
   local seed=$1 name=$2 own="EXTRA_TRAIN_ARGS_$2" own_updates="UPDATES_$2" own_layers="LAYERS_$2"
-  local UPDATES=${!own_updates:-$UPDATES} LAYERS=${!own_layers:-$LAYERS}  # train_model reads UPDATES
+  local UPDATES=${3:-${!own_updates:-$UPDATES}} LAYERS=${!own_layers:-$LAYERS}  # train_model reads UPDATES
   # Each document is a whole line of the corpus (--sample-break-mode complete packs
   # whole documents into blocks of L tokens), so no record is cut from its question.
   train_model "$OUT/seed$seed/$name" "seed $seed $name" \
@@ -202,13 +218,75 @@ train() {  # train SEED NAME: identical settings; only the arch (position handli
     --validate-interval-updates 500 --log-format simple --log-interval 50 --num-workers 0 \
     $DEVICE_FLAGS $EXTRA_TRAIN_ARGS ${!own:-}
 }
-# At most as many trainings at once as cores with PARALLEL=1 (one thread each), else one at a time.
-TRAIN_STEP=2/3 FOLLOW="train_inner|valid on|num. shared model params|done training|Error|error" \
-  run_trainings train < <(jobs_of)
-
 CPU_FLAG=""; [ "$SCALE" = gpu ] || CPU_FLAG=--cpu
 mapfile -t LINES_TEMPLATE < <(python examples/retrieval/corpus.py --layout "$LAYOUT" --template-args lines)
 mapfile -t PASSKEY_TEMPLATE < <(python examples/retrieval/corpus.py --layout "$LAYOUT" --template-args passkey)
+# evaluate TASK THREADS SEED OUTPUT_DIR LENGTHS METHODS CHECKPOINT_ARGS...: one alibi-retrieval run
+# (lines in the corpus's layout; the passkey, one record in dictionary filler, in its words)
+evaluate() {
+  local task=$1 threads=$2 seed=$3 output=$4 lengths=$5 methods=$6
+  shift 6
+  if [ "$task" = lines ]; then set -- "$@" --task lines "${LINES_TEMPLATE[@]}"
+  else set -- "$@" --task passkey --filler dictionary "${PASSKEY_TEMPLATE[@]}"; fi
+  OMP_NUM_THREADS=$threads python -m fairseq_alibi.evaluation.retrieval "$DATA" "$@" --digits "$DIGITS" \
+    --lengths "$lengths" --methods "$methods" --depths "$DEPTHS" --samples "$SAMPLES" --seed "$seed" \
+    --output-dir "$output" $CPU_FLAG --no-progress
+}
+
+check_stage() {  # SEED NAME STAGE: the model at STAGE updates answers lines (and the passkey) at 1x
+  local seed=$1 name=$2 stage=$3 dir="$OUT/seed$1/$2" checker="" status=0 row
+  local checks="$dir/checks/$stage" model=(--checkpoint "$name=$OUT/seed$1/$2/checkpoint_last.pt")
+  # a stop ends the evaluation (the group's shell and its python) and this training's job, resumable
+  trap '[ -z "$checker" ] || { pkill -TERM -P "$checker"; kill -TERM "$checker"; } 2>/dev/null || true; exit 130' \
+    INT TERM HUP
+  mkdir -p "$checks"
+  {
+    evaluate lines "$TRAIN_THREADS" "$seed" "$checks/lines" 1x none "${model[@]}"
+    [ "$PASSKEY" = 0 ] || evaluate passkey "$TRAIN_THREADS" "$seed" "$checks/passkey" 1x none "${model[@]}"
+  } > "$checks.log" 2>&1 &
+  checker=$!
+  wait "$checker" || status=$?
+  trap - INT TERM HUP
+  if [ "$status" != 0 ]; then
+    echo "error: the check of seed $seed $name at $stage updates failed (exit $status):" \
+      "$(grep '^error: ' "$checks.log" | tail -n 1 | cut -c8-) (log: $checks.log)" >&2
+    return 1
+  fi
+  local results=("$checks/lines/results.json"); [ "$PASSKEY" = 0 ] || results+=("$checks/passkey/results.json")
+  row=$(python examples/retrieval/stages.py record "$dir" "$stage" "${results[@]}") || return 1
+  stamp "seed $seed $name: check at $stage updates: $(echo "$row" | awk -F'\t' '{print "lines " $2 "%" \
+    ($3 == "-" ? "" : ", passkey " $3 "%")}') at 1x"
+}
+
+train_until() {  # SEED NAME: in stages of CHECK_EVERY to its budget; stop at the first check that reaches UNTIL
+  local seed=$1 name=$2 own_updates="UPDATES_$2" dir="$OUT/seed$1/$2" stage current row status
+  local budget=${!own_updates:-$UPDATES}
+  current=$(last_saved "$dir")
+  [ "$current" -le "$budget" ] || { train "$seed" "$name" "$budget"; return $?; }  # refused: trained past it
+  # the multiples of CHECK_EVERY below the budget, the budget, and the model's own count (a model trained
+  # before, or under another budget, is checked where it stands before it trains on)
+  for stage in $({ [ "$current" = 0 ] || echo "$current"; seq "$CHECK_EVERY" "$CHECK_EVERY" "$((budget - 1))"
+                   echo "$budget"; } | sort -n -u); do
+    [ "$stage" -ge "$current" ] || continue  # a stage the model is past (its check, if any, is history)
+    row=$(awk -F'\t' -v s="$stage" '$1 == s' "$dir/checks.tsv" 2>/dev/null) || true
+    if [ -z "$row" ]; then
+      status=0; train "$seed" "$name" "$stage" || status=$?
+      [ "$status" = 0 ] || return "$status"
+      check_stage "$seed" "$name" "$stage" || { status=$?; return "$status"; }
+      row=$(awk -F'\t' -v s="$stage" '$1 == s' "$dir/checks.tsv")
+    fi
+    current=$stage
+    if echo "$row" | awk -F'\t' -v p="$UNTIL" '{exit !($2 >= p && ($3 == "-" || $3 >= p))}'; then
+      stamp "seed $seed $name: retrieves at $stage updates (at least $UNTIL% of every task at 1x)"
+      return 0
+    fi
+  done
+  stamp "seed $seed $name: below $UNTIL% at its last check, $budget updates (its budget)"
+}
+
+# At most as many trainings at once as cores with PARALLEL=1 (one thread each), else one at a time.
+TRAIN_STEP=2/3 FOLLOW="train_inner|valid on|num. shared model params|done training|Error|error" \
+  run_trainings "$([ -n "$UNTIL" ] && echo train_until || echo train)" < <(jobs_of)
 summaries=()
 for seed in $SEEDS; do
   checkpoints=() names=()
@@ -217,20 +295,15 @@ for seed in $SEEDS; do
   done < <(jobs_of | awk -v seed="$seed" '$1 == seed')
   [ ${#checkpoints[@]} -gt 0 ] || continue
   stamp "3/3 retrieval, seed $seed: lines at $LENGTHS x {$METHODS} on {${names[*]}}, $DEPTHS depths x $SAMPLES samples -> $OUT/seed$seed/$EVAL"
-  OMP_NUM_THREADS=${EVAL_THREADS:-$(nproc)} python -m fairseq_alibi.evaluation.retrieval "$DATA" \
-    "${checkpoints[@]}" \
-    --task lines "${LINES_TEMPLATE[@]}" --digits "$DIGITS" --lengths "$LENGTHS" --methods "$METHODS" --depths "$DEPTHS" \
-    --samples "$SAMPLES" --seed "$seed" --output-dir "$OUT/seed$seed/$EVAL" $CPU_FLAG --no-progress
+  evaluate lines "${EVAL_THREADS:-$(nproc)}" "$seed" "$OUT/seed$seed/$EVAL" "$LENGTHS" "$METHODS" "${checkpoints[@]}"
   summaries+=("seed$seed=$OUT/seed$seed/$EVAL/results.json")
   if [ "$PASSKEY" = 1 ]; then  # the lines task's own words as the passkey's texts: one record in filler
     stamp "3/3 passkey, seed $seed: one record in dictionary filler at 1x on {${names[*]}} -> $OUT/seed$seed/passkey"
-    OMP_NUM_THREADS=${EVAL_THREADS:-$(nproc)} python -m fairseq_alibi.evaluation.retrieval "$DATA" \
-      "${checkpoints[@]}" --task passkey --filler dictionary --digits "$DIGITS" \
-      "${PASSKEY_TEMPLATE[@]}" \
-      --lengths 1x --methods none --depths "$DEPTHS" --samples "$SAMPLES" --seed "$seed" \
-      --output-dir "$OUT/seed$seed/passkey" $CPU_FLAG --no-progress
+    evaluate passkey "${EVAL_THREADS:-$(nproc)}" "$seed" "$OUT/seed$seed/passkey" 1x none "${checkpoints[@]}"
   fi
 done
+[ -z "$UNTIL" ] || write_report "$OUT/stages.md" python examples/retrieval/stages.py report "$OUT" --until "$UNTIL" \
+  --plot "$OUT/stages.png"
 # Across seeds, a column per model at each length, then each model's accuracy by
 # needle distance (tokens from the queried record to the end of the prompt).
 write_report "$OUT/$SUMMARY.md" python examples/retrieval/summary.py "${summaries[@]}" --plot "$OUT/$SUMMARY.png"

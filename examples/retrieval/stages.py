@@ -1,0 +1,191 @@
+"""Updates to retrieve: the retrieval recipe's staged trainings (``UNTIL=P``).
+
+With ``UNTIL=P`` ``run.sh`` trains each model in stages of ``CHECK_EVERY``
+updates up to its budget and, after each stage, evaluates it at 1x L
+(`lines`, and the passkey with ``PASSKEY=1``); the model stops at the first
+stage where every task reaches P%.  Which stage that is depends on the seed
+more than on the family (docs/retrieval.md), so a fixed count per family is a
+lottery and a budget with checks is not.  This script keeps the checks:
+
+* ``record DIR STAGE LINES.json [PASSKEY.json]``: each task's accuracy at 1x
+  without an extension method (every prompt of the run pooled), as the row
+  ``STAGE<TAB>lines %<TAB>passkey %`` (``-`` without a passkey) of
+  ``DIR/checks.tsv``, replacing a row of the same stage; prints the row;
+* ``report OUT --until P``: for every ``OUT/seedS/MODEL/checks.tsv``, the
+  updates the model took (the first stage where each task reached P%) or
+  "not by N" (its last check), and each check's accuracies, as Markdown,
+  and with ``--plot`` the learning curves (accuracy against updates, a panel
+  per task, a colour per model, a marker per seed).
+
+    python examples/retrieval/stages.py report outputs/comb --until 90 --plot outputs/comb/stages.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Dict, List, Optional, Tuple
+
+from summary import read_results  # (this directory: the script's own)
+
+#: A check: (updates, lines %, passkey % or None).
+Check = Tuple[int, float, Optional[float]]
+
+
+def accuracy_at_1x(path: str) -> float:
+    """% of the prompts at 1x L without an extension method that ``path`` (an
+    ``alibi-retrieval`` results.json of one checkpoint) answers, every depth pooled."""
+    cells = [c for c in read_results(path)["cells"] if c.get("length_ratio") == 1.0 and c.get("method") == "none"]
+    if not cells:
+        raise SystemExit(f"error: {path} holds no cell at 1x without an extension method; evaluate with "
+                         "--lengths 1x --methods none")
+    if len({c.get("checkpoint") for c in cells}) > 1:
+        raise SystemExit(f"error: {path} holds several checkpoints; a stage's check evaluates one model")
+    return 100.0 * sum(c["correct"] for c in cells) / sum(c["n"] for c in cells)
+
+
+def read_checks(path: str) -> List[Check]:
+    """The rows of a ``checks.tsv``, by updates."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"error: cannot read the checks {path}: {getattr(e, 'strerror', None) or e}") from None
+    for number, line in enumerate(lines, 1):
+        fields = line.rstrip("\n").split("\t")
+        try:
+            updates, accuracy, passkey = int(fields[0]), float(fields[1]), fields[2]
+            rows.append((updates, accuracy, None if passkey == "-" else float(passkey)))
+        except (IndexError, ValueError):
+            raise SystemExit(f"error: {path}, line {number}: {line.strip()!r} is not a check "
+                             "(updates, lines %, passkey % or -, tab-separated)") from None
+    return sorted(rows)
+
+
+def record(directory: str, stage: int, lines_results: str, passkey_results: Optional[str]) -> str:
+    lines = accuracy_at_1x(lines_results)
+    passkey = accuracy_at_1x(passkey_results) if passkey_results else None
+    path = os.path.join(directory, "checks.tsv")
+    rows = [r for r in (read_checks(path) if os.path.exists(path) else []) if r[0] != stage]
+    rows = sorted(rows + [(stage, lines, passkey)])
+    partial = f"{path}.partial.{os.getpid()}"
+    with open(partial, "w", encoding="utf-8") as f:
+        f.writelines(format_row(r) + "\n" for r in rows)
+    os.replace(partial, path)  # whole or not at all: a stopped run leaves the last complete table
+    return format_row((stage, lines, passkey))
+
+
+def format_row(check: Check) -> str:
+    updates, lines, passkey = check
+    return f"{updates}\t{lines:.1f}\t{'-' if passkey is None else f'{passkey:.1f}'}"
+
+
+def passes(check: Check, until: float) -> bool:
+    return check[1] >= until and (check[2] is None or check[2] >= until)
+
+
+def took(checks: List[Check], until: float) -> str:
+    """The first check where every task reached ``until`` %, or "not by" the last one."""
+    def shown(c: Check) -> str:
+        return f"{c[1]:.0f}" + ("" if c[2] is None else f" / {c[2]:.0f}")
+
+    first = next((c for c in checks if passes(c, until)), None)
+    if first:
+        return f"**{first[0]:,}** ({shown(first)})"
+    return f"not by {checks[-1][0]:,} ({shown(checks[-1])})"
+
+
+def collect(out: str) -> Dict[str, Dict[str, List[Check]]]:
+    """``{model: {seed: checks}}`` of every ``OUT/seedS/MODEL/checks.tsv``."""
+    found: Dict[str, Dict[str, List[Check]]] = {}
+    for seed_dir in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+        if not re.fullmatch(r"seed\d+", seed_dir):
+            continue
+        for model in sorted(os.listdir(os.path.join(out, seed_dir))):
+            path = os.path.join(out, seed_dir, model, "checks.tsv")
+            if os.path.isfile(path) and read_checks(path):
+                found.setdefault(model, {})[seed_dir] = read_checks(path)
+    return found
+
+
+def report(found: Dict[str, Dict[str, List[Check]]], until: float) -> str:
+    seeds = sorted({s for runs in found.values() for s in runs}, key=lambda s: int(s[4:]))
+    passkey = any(c[2] is not None for runs in found.values() for checks in runs.values() for c in checks)
+    tasks = "`lines` / passkey" if passkey else "`lines`"
+    out = [f"Updates to retrieve: the first check at which each task reached {until:g}% at 1x L "
+           f"(its {tasks} %), or the last check", "",
+           "| model | " + " | ".join(seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for model, runs in sorted(found.items()):
+        out.append(f"| {model} | " + " | ".join(took(runs[s], until) if s in runs else "" for s in seeds) + " |")
+    out += ["", f"Every check ({tasks} % at 1x L):", "", "| model | seed | " + "updates: accuracy, ... |", "|---|---|---|"]
+    for model, runs in sorted(found.items()):
+        for seed in seeds:
+            if seed in runs:
+                out.append(f"| {model} | {seed} | " + ", ".join(
+                    f"{c[0]:,}: {c[1]:.0f}" + ("" if c[2] is None else f" / {c[2]:.0f}") for c in runs[seed]) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot(found: Dict[str, Dict[str, List[Check]]], until: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    passkey = any(c[2] is not None for runs in found.values() for checks in runs.values() for c in checks)
+    panels = ["lines", "passkey"] if passkey else ["lines"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    markers = "osD^v<>px*"
+    seeds = sorted({s for runs in found.values() for s in runs}, key=lambda s: int(s[4:]))
+    for column, (ax, task) in enumerate(zip(axes[0], panels)):
+        for colour, (model, runs) in enumerate(sorted(found.items())):
+            for seed, checks in runs.items():
+                points = [(c[0], c[1 + column]) for c in checks if c[1 + column] is not None]
+                ax.plot(*zip(*points), color=f"C{colour % 10}", marker=markers[seeds.index(seed) % len(markers)],
+                        label=f"{model} {seed}", alpha=0.8)
+        ax.axhline(until, color="grey", linestyle=":", linewidth=1)
+        ax.set(title=f"{task} at 1x L", xlabel="updates", ylabel="accuracy %", ylim=(-3, 103))
+    axes[0][-1].legend(fontsize=7, ncol=2, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("record", help="add a stage's check to DIR/checks.tsv")
+    r.add_argument("directory")
+    r.add_argument("stage", type=int)
+    r.add_argument("lines_results")
+    r.add_argument("passkey_results", nargs="?")
+    s = sub.add_parser("report", help="the updates each model of OUT took, and its checks")
+    s.add_argument("out")
+    s.add_argument("--until", type=float, required=True, help="the accuracy % a check must reach on every task")
+    s.add_argument("--plot", help="the learning curves, as this PNG")
+    args = p.parse_args(argv)
+    if args.command == "record":
+        print(record(args.directory, args.stage, args.lines_results, args.passkey_results))
+        return 0
+    if not 0 < args.until <= 100:
+        p.error(f"--until must be a percentage above 0 and at most 100, got {args.until:g}")
+    found = collect(args.out)
+    if not found:
+        print(f"error: {args.out} holds no staged training (no seedS/MODEL/checks.tsv); train with UNTIL=P",
+              file=sys.stderr)
+        return 1
+    print(report(found, args.until), end="")
+    if args.plot:
+        try:
+            plot(found, args.until, args.plot)
+        except OSError as e:
+            print(f"error: cannot write {args.plot}: {e.strerror or e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
