@@ -783,7 +783,8 @@ def test_every_family_recipe_gives_each_family_its_own_settings(tmp_path):
 def test_recipe_trains_in_stages_until_the_model_retrieves(tmp_path):
     """UNTIL=P (every-family's default, 90): each model trains in stages of
     CHECK_EVERY updates up to its budget (UPDATES), checked at 1x after each
-    (`lines` and the passkey; checks.tsv, stages.md): a toy model that never
+    (`lines` and the passkey, on prompts of another seed than the final
+    evaluation's; checks.tsv, stages.md): a toy model that never
     reaches P trains to its budget, checked at 2, 4 and 5 updates; a rerun
     trains and checks nothing again; a model whose check at its own count
     reached P stops there (no training towards a larger budget) while the other
@@ -805,6 +806,8 @@ def test_recipe_trains_in_stages_until_the_model_retrieves(tmp_path):
         assert [row.split("\t")[0] for row in (model / "checks.tsv").read_text().splitlines()] == ["2", "4", "5"]
         assert (model / "trained.ok").read_text().strip() == "5"
         assert sorted(p.name for p in (model / "checks" / "4").iterdir()) == ["lines", "passkey"]
+        for task in ("lines", "passkey"):  # prompts of their own: the final evaluation's are the seed's
+            assert json.loads((model / "checks" / "4" / task / "results.json").read_text())["meta"]["seed"] == 1001
         assert f"seed 1 {name}: below 90% at its last check, 5 updates (its budget)" in run.stdout
     stages = (out / "stages.md").read_text()
     assert re.search(r"\| alibi \| not by 5 \(\d+ / \d+\) \|", stages) and (out / "stages.png").stat().st_size > 0

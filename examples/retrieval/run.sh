@@ -42,8 +42,8 @@
 # Until it retrieves (any recipe; every-family's default UNTIL=90): with UNTIL=P
 # each model trains in stages of CHECK_EVERY updates (default 1500) up to its
 # UPDATES, now a budget, and after each stage answers `lines` at 1x L (and the
-# passkey with PASSKEY=1; $OUT/seedS/<model>/checks/<updates>); it stops at the
-# first stage where every task reaches P% (its checks in $OUT/seedS/<model>/checks.tsv),
+# passkey with PASSKEY=1; $OUT/seedS/<model>/checks/<updates>, prompts of their own); it stops
+# at the first stage where every task reaches P% (its checks in $OUT/seedS/<model>/checks.tsv),
 # and the updates each model took, with every check, go to $OUT/stages.{md,png}
 # (examples/retrieval/stages.py). UNTIL= (empty) trains every model to its UPDATES.
 #
@@ -233,16 +233,20 @@ evaluate() {
     --output-dir "$output" $CPU_FLAG --no-progress
 }
 
+# The checks draw their prompts with the seed plus CHECK_SEED_OFFSET: the evaluation at the end (the
+# seed's own prompts) is then on prompts the stopping rule never saw, as a test set after a validation set.
+CHECK_SEED_OFFSET=1000
 check_stage() {  # SEED NAME STAGE: the model at STAGE updates answers lines (and the passkey) at 1x
   local seed=$1 name=$2 stage=$3 dir="$OUT/seed$1/$2" checker="" status=0 row
+  local prompts=$((seed + CHECK_SEED_OFFSET))
   local checks="$dir/checks/$stage" model=(--checkpoint "$name=$OUT/seed$1/$2/checkpoint_last.pt")
   # a stop ends the evaluation (the group's shell and its python) and this training's job, resumable
   trap '[ -z "$checker" ] || { pkill -TERM -P "$checker"; kill -TERM "$checker"; } 2>/dev/null || true; exit 130' \
     INT TERM HUP
   mkdir -p "$checks"
   {
-    evaluate lines "$TRAIN_THREADS" "$seed" "$checks/lines" 1x none "${model[@]}"
-    [ "$PASSKEY" = 0 ] || evaluate passkey "$TRAIN_THREADS" "$seed" "$checks/passkey" 1x none "${model[@]}"
+    evaluate lines "$TRAIN_THREADS" "$prompts" "$checks/lines" 1x none "${model[@]}"
+    [ "$PASSKEY" = 0 ] || evaluate passkey "$TRAIN_THREADS" "$prompts" "$checks/passkey" 1x none "${model[@]}"
   } > "$checks.log" 2>&1 &
   checker=$!
   wait "$checker" || status=$?
