@@ -186,6 +186,8 @@ def rotate(x: Tensor, positions: Tensor, inv_freq: Tensor, attention_scale: floa
     turned = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
     if attention_scale != 1.0:
         turned = turned * attention_scale
+    if 2 * half == x.shape[-1]:  # every dimension rotated: no copy to join an empty rest
+        return turned.to(x.dtype)
     return torch.cat((turned.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
