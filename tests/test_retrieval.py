@@ -788,7 +788,8 @@ def test_recipe_trains_in_stages_until_the_model_retrieves(tmp_path):
     reaches P trains to its budget, checked at 2, 4 and 5 updates; a rerun
     trains and checks nothing again; a model whose check at its own count
     reached P stops there (no training towards a larger budget) while the other
-    trains on; UNTIL must be a whole percentage."""
+    trains on, checked again where its check lacked the passkey; UNTIL must be
+    a whole percentage."""
     import subprocess
 
     from conftest import cli_env, recipe_bin
@@ -816,14 +817,17 @@ def test_recipe_trains_in_stages_until_the_model_retrieves(tmp_path):
 
     checks = out / "seed1" / "alibi" / "checks.tsv"  # as if ALiBi had answered everything at its last check
     checks.write_text(checks.read_text().replace(checks.read_text().splitlines()[-1], "5\t100.0\t100.0"))
+    kerple = out / "seed1" / "kerple" / "checks.tsv"  # as if its last check had been made without the passkey
+    kerple.write_text(kerple.read_text().replace(kerple.read_text().splitlines()[-1], "5\t100.0\t-"))
     longer = subprocess.run([script], capture_output=True, text=True, timeout=600,
                             env=cli_env(**dict(settings, UPDATES="7")))
     assert longer.returncode == 0, longer.stdout[-3000:] + longer.stderr[-3000:]
     assert "seed 1 alibi: retrieves at 5 updates" in longer.stdout
     assert (out / "seed1" / "alibi" / "trained.ok").read_text().strip() == "5"
     assert (out / "seed1" / "kerple" / "trained.ok").read_text().strip() == "7"
-    assert [row.split("\t")[0] for row in (out / "seed1" / "kerple" / "checks.tsv").read_text().splitlines()] == [
-        "2", "4", "5", "6", "7"]
+    assert [row.split("\t")[0] for row in kerple.read_text().splitlines()] == ["2", "4", "5", "6", "7"]
+    assert "-" not in kerple.read_text()  # checked again at 5 with the passkey (a check without it stood for none)
+    assert "seed 1 kerple: check at 5 updates" in longer.stdout
     assert "| alibi | **5** (100 / 100) |" in (out / "stages.md").read_text()
     for until in ("0", "ninety", "101"):
         refused = subprocess.run([script], capture_output=True, text=True, timeout=600,

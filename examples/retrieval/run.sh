@@ -267,12 +267,20 @@ train_until() {  # SEED NAME: in stages of CHECK_EVERY to its budget; stop at th
   local budget=${!own_updates:-$UPDATES}
   current=$(last_saved "$dir")
   [ "$current" -le "$budget" ] || { train "$seed" "$name" "$budget"; return $?; }  # refused: trained past it
-  # the multiples of CHECK_EVERY below the budget, the budget, and the model's own count (a model trained
-  # before, or under another budget, is checked where it stands before it trains on)
-  for stage in $({ [ "$current" = 0 ] || echo "$current"; seq "$CHECK_EVERY" "$CHECK_EVERY" "$((budget - 1))"
+  # the multiples of CHECK_EVERY below the budget, the budget, and the count a finished training left the
+  # model at (one trained before, or under another budget, is checked there before it trains on; one
+  # interrupted mid-stage goes on to the stage)
+  local finished
+  finished=$(cat "$dir/trained.ok" 2>/dev/null) || true
+  for stage in $({ [ "$current" = 0 ] || [ "$finished" != "$current" ] || echo "$current"
+                   seq "$CHECK_EVERY" "$CHECK_EVERY" "$((budget - 1))"
                    echo "$budget"; } | sort -n -u); do
     [ "$stage" -ge "$current" ] || continue  # a stage the model is past (its check, if any, is history)
-    row=$(awk -F'\t' -v s="$stage" '$1 == s' "$dir/checks.tsv" 2>/dev/null) || true
+    # a check made of the model where it stands (not of one that stood there before it was replaced),
+    # of every task asked (a check without the passkey does not stand for one with it)
+    row=""
+    [ "$stage" != "$current" ] || row=$(awk -F'\t' -v s="$stage" -v p="$PASSKEY" '$1 == s && !(p == 1 && $3 == "-")' \
+      "$dir/checks.tsv" 2>/dev/null) || true
     if [ -z "$row" ]; then
       status=0; train "$seed" "$name" "$stage" || status=$?
       [ "$status" = 0 ] || return "$status"
