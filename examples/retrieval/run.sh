@@ -78,9 +78,9 @@ case "$RECIPE" in
     # What each family needed to learn both tasks within L on three seeds (docs/retrieval.md):
     # ALiBi the recipe's 1,500 updates; FIRE, Kerple and FoX 3,000, T5 and RNoPE 4,500; T5's table started at
     # ALiBi's bias, FoX at ALiBi's slopes with its gate weights held at zero for the first 1,000
-    # updates, RNoPE with a window narrower than a record. RoPE (more updates) and NoPE (a third
-    # layer: its first cannot prefer a near key; more updates) get the best settings found, under
-    # which they learned `lines` without filler on some seeds and not yet both tasks.
+    # updates, RNoPE with a window narrower than a record. NoPE: a third layer (its first cannot prefer
+    # a near key) and more updates (both tasks at 10,500 on seed 60). RoPE: more updates, and in a run of
+    # its own FILLER_SHARE=0.1 (a quarter of the documents with filler held it back; a tenth: both at 4,500).
     MODELS=${MODELS:-$(models | cut -d' ' -f2-)}; DEFAULT_METHODS=$DEFAULT_EXTENSIONS
     LENGTHS=${LENGTHS:-1x,2x,4x,8x}; EVAL=families; SUMMARY=summary-families
     LAYOUT=${LAYOUT:-adjacent}; FILLER_SHARE=${FILLER_SHARE:-0.25}; PASSKEY=${PASSKEY:-1}
