@@ -87,11 +87,13 @@ def passes(check: Check, until: float) -> bool:
     return check[1] >= until and (check[2] is None or check[2] >= until)
 
 
+def shown(check: Check) -> str:
+    """A check's accuracies as the docs give them: ``lines / passkey`` (or ``lines``), whole percent."""
+    return f"{check[1]:.0f}" + ("" if check[2] is None else f" / {check[2]:.0f}")
+
+
 def took(checks: List[Check], until: float) -> str:
     """The first check where every task reached ``until`` %, or "not by" the last one."""
-    def shown(c: Check) -> str:
-        return f"{c[1]:.0f}" + ("" if c[2] is None else f" / {c[2]:.0f}")
-
     first = next((c for c in checks if passes(c, until)), None)
     if first:
         return f"**{first[0]:,}** ({shown(first)})"
@@ -106,15 +108,23 @@ def collect(out: str) -> Dict[str, Dict[str, List[Check]]]:
             continue
         for model in sorted(os.listdir(os.path.join(out, seed_dir))):
             path = os.path.join(out, seed_dir, model, "checks.tsv")
-            if os.path.isfile(path) and read_checks(path):
-                found.setdefault(model, {})[seed_dir] = read_checks(path)
+            checks = read_checks(path) if os.path.isfile(path) else []
+            if checks:
+                found.setdefault(model, {})[seed_dir] = checks
     return found
 
 
+def seeds_of(found: Dict[str, Dict[str, List[Check]]]) -> List[str]:
+    return sorted({s for runs in found.values() for s in runs}, key=lambda s: int(s[4:]))
+
+
+def with_passkey(found: Dict[str, Dict[str, List[Check]]]) -> bool:
+    return any(c[2] is not None for runs in found.values() for checks in runs.values() for c in checks)
+
+
 def report(found: Dict[str, Dict[str, List[Check]]], until: float) -> str:
-    seeds = sorted({s for runs in found.values() for s in runs}, key=lambda s: int(s[4:]))
-    passkey = any(c[2] is not None for runs in found.values() for checks in runs.values() for c in checks)
-    tasks = "`lines` / passkey" if passkey else "`lines`"
+    seeds = seeds_of(found)
+    tasks = "`lines` / passkey" if with_passkey(found) else "`lines`"
     out = [f"Updates to retrieve: the first check at which each task reached {until:g}% at 1x L "
            f"(its {tasks} %), or the last check", "",
            "| model | " + " | ".join(seeds) + " |", "|---|" + "---|" * len(seeds)]
@@ -124,8 +134,7 @@ def report(found: Dict[str, Dict[str, List[Check]]], until: float) -> str:
     for model, runs in sorted(found.items()):
         for seed in seeds:
             if seed in runs:
-                out.append(f"| {model} | {seed} | " + ", ".join(
-                    f"{c[0]:,}: {c[1]:.0f}" + ("" if c[2] is None else f" / {c[2]:.0f}") for c in runs[seed]) + " |")
+                out.append(f"| {model} | {seed} | " + ", ".join(f"{c[0]:,}: {shown(c)}" for c in runs[seed]) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -135,11 +144,10 @@ def plot(found: Dict[str, Dict[str, List[Check]]], until: float, path: str) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    passkey = any(c[2] is not None for runs in found.values() for checks in runs.values() for c in checks)
-    panels = ["lines", "passkey"] if passkey else ["lines"]
+    panels = ["lines", "passkey"] if with_passkey(found) else ["lines"]
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     markers = "osD^v<>px*"
-    seeds = sorted({s for runs in found.values() for s in runs}, key=lambda s: int(s[4:]))
+    seeds = seeds_of(found)
     for column, (ax, task) in enumerate(zip(axes[0], panels)):
         for colour, (model, runs) in enumerate(sorted(found.items())):
             for seed, checks in runs.items():
