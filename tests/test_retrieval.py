@@ -504,6 +504,29 @@ def test_key_heads_example_agrees_with_heads(kv_data_bin, kv_checkpoint):
         assert float(row[4].split(": ")[1]) == pytest.approx(max(masses), abs=0.011)
 
 
+def test_key_heads_names_the_layout_when_the_template_is_not_in_the_dictionary(tmp_path):
+    """A model of an adjacent-layout corpus (no ``:`` in its dictionary) read
+    with the default --layout record: one ``error:`` line that names the
+    model and the option to give, exit 1, no traceback; with --layout
+    adjacent the same model is read."""
+    raw = tmp_path / "raw"
+    run_cli([sys.executable, EXAMPLES / "retrieval" / "corpus.py", "--destdir", raw, "--max-length", "100",
+             "--keys", "64", "--digits", "2", "--train-docs", "200", "--valid-docs", "10", "--layout", "adjacent"])
+    data = raw / "data-bin"
+    run_cli([tool("fairseq-preprocess"), "--only-source", "--trainpref", raw / "train.txt",
+             "--validpref", raw / "valid.txt", "--destdir", data, "--workers", "1"])
+    assert ":" not in [line.split()[0] for line in (data / "dict.txt").read_text().splitlines()]
+    run_cli([tool("alibi-train"), *train_args(data, tmp_path / "model", max_update=1)])
+    argv = [sys.executable, EXAMPLES / "retrieval" / "key_heads.py", data, "-c", f"adj={tmp_path / 'model' / 'checkpoint_last.pt'}",
+            "--digits", "2", "--samples", "1", "--length", "40"]
+    result = run_cli(argv, expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.output
+    [line] = error_lines(result)
+    assert line.startswith("error: adj: ") and "--layout adjacent" in line
+    rows = markdown_rows(run_cli(argv + ["--layout", "adjacent"]).stdout, "`lines` at")[1:]
+    assert [r[1] for r in rows] == ["1", "2"] and rows[0][0] == "adj"
+
+
 def markdown_rows(text: str, title: str):
     """The rows (lists of cells, header first, separator dropped) of the Markdown
     table that follows the first line starting with ``title``."""

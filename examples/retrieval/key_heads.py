@@ -163,6 +163,7 @@ def main(argv=None) -> int:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     pairs = named_checkpoints(p, args.checkpoint)
 
+    from fairseq_alibi.errors import PromptError
     from fairseq_alibi.evaluation import prompts as P
 
     print(f"`lines` at {args.length} tokens, {args.samples} prompts: per layer, the head with the most mass "
@@ -177,7 +178,13 @@ def main(argv=None) -> int:
         if model is None:
             return 1
         d = model.decoder.dictionary
-        task = lines_task(P.Vocabulary([d[i] for i in range(d.nspecial, len(d))]), args.digits, args.layout)
+        try:
+            task = lines_task(P.Vocabulary([d[i] for i in range(d.nspecial, len(d))]), args.digits, args.layout)
+        except PromptError as e:  # most often a corpus of the other layout: its template's words are not in DATA
+            other = next(layout for layout in LAYOUTS if layout != args.layout)
+            print(f"error: {name}: {e}; give the --layout of the corpus the model was trained on "
+                  f"(now {args.layout}; e.g. --layout {other})", file=sys.stderr)
+            return 1
         r = analyse(model, d, task, args.length, args.samples, args.seed)
         for li in range(r["own"].size(0)):
             h = int(r["own"][li].argmax())
