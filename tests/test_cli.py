@@ -302,7 +302,8 @@ def test_generate_with_prefix(extra, warned, lm_data_bin, alibi_checkpoint):
 
 def test_only_the_trainers_batches_drop_a_short_last_batch():
     """fairseq's batch_by_size drops a last batch that is no multiple of the
-    required size; the plugin keeps it, except for the trainer's iterators."""
+    required size; the plugin keeps it, except for the trainer's training
+    batches (its validation: the test below)."""
     import fairseq_alibi.models  # noqa: F401  (applies patches.py)
     from fairseq.data import data_utils
 
@@ -316,6 +317,23 @@ def test_only_the_trainers_batches_drop_a_short_last_batch():
     assert np.concatenate(batches()).tolist() == indices.tolist()  # every index once, in order
     inside = batching._in_trainer(batches)()
     assert [len(b) for b in inside] == [4, 4, 4] and np.concatenate(inside).tolist() == indices[:12].tolist()
+
+
+def test_validation_during_training_reads_the_whole_split(lm_data_bin, tmp_path):
+    """A batch size above the split's block count, which is no multiple of
+    fairseq's required 8: the logged validation covers every block and token
+    of the split (stock fairseq drops the blocks past the last multiple of 8)."""
+    from fairseq.data import Dictionary, data_utils
+
+    split = data_utils.load_indexed_dataset(str(lm_data_bin / "valid"), Dictionary.load(str(lm_data_bin / "dict.txt")))
+    tokens = int(split.sizes.sum())  # (the sizes are a view of the split's mapped index: the split kept alive)
+    blocks = math.ceil(tokens / TRAIN_LENGTH)  # --sample-break-mode none: blocks of TRAIN_LENGTH, the last shorter
+    assert blocks % 8, "the fixture's validation split must not fill whole batches of 8"
+    result = run_cli([tool("alibi-train"), *train_args(lm_data_bin, tmp_path, max_update=1, batch_size=10_000)])
+    [valid] = [line for line in result.output.splitlines() if "valid on 'valid' subset" in line]
+    stats = dict(re.findall(r"\| (\w+) ([\d.]+)", valid))
+    # two batches: fairseq's one of the blocks up to the last multiple of 8, then the rest (the log's means)
+    assert 2 * float(stats["bsz"]) == blocks and 2 * float(stats["wpb"]) == tokens, valid
 
 
 @pytest.mark.slow

@@ -55,8 +55,9 @@ changes:
 ``batching.py``
     ``loader_threads_stop_at_exit`` (crash): fairseq's loader thread killed in
     a torch operation at exit aborts a finished run;
-    ``remainder_batches_kept`` (wrong result): ``fairseq-generate`` and
-    ``fairseq-validate`` skip the last, short batch (fairseq issue 5036).
+    ``remainder_batches_kept`` (wrong result): ``fairseq-generate``,
+    ``fairseq-validate`` and validation during training skip the last, short
+    batch (fairseq issue 5036).
 
 ``eval_lm.py``
     ``guarded_stock_eval_lm`` (wrong result): a stock ``fairseq-eval-lm

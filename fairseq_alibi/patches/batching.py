@@ -59,7 +59,7 @@ def loader_threads_stop_at_exit() -> None:
     atexit.register(stop_all)
 
 
-_TRAINER = threading.local()  # depth: > 0 while fairseq's Trainer builds its batch iterators
+_TRAINER = threading.local()  # depth: > 0 while fairseq's Trainer builds its training batches
 
 
 def _in_trainer(stock):
@@ -75,17 +75,21 @@ def _in_trainer(stock):
 
 
 def remainder_batches_kept() -> None:
-    """Every line of a split is generated or validated: outside fairseq's
-    ``Trainer``, the last batch of ``fairseq.data.data_utils.batch_by_size`` is
-    kept whatever its size.
+    """Every line of a split is generated or validated: except for the
+    training batches of fairseq's ``Trainer``, the last batch of
+    ``fairseq.data.data_utils.batch_by_size`` is kept whatever its size.
 
     Kind: wrong result.  Stock: fairseq 0.12 drops a last batch whose size is
     no multiple of ``--required-batch-size-multiple`` (default 8), so
     ``fairseq-generate`` and ``fairseq-validate`` silently skip up to
-    ``--batch-size - 1`` lines (fairseq issue 5036).  The batches are
-    consecutive slices of ``indices``, so the dropped one is the tail.  The
-    trainer's own iterators (training, and validation during training) keep
-    fairseq's batches, so a training run is the stock one."""
+    ``--batch-size - 1`` lines (fairseq issue 5036), the validation loss of a
+    training run is of part of the split, and a split of fewer samples than
+    that multiple stops training with "The dataset is empty".  The batches
+    are consecutive slices of ``indices``, so the dropped one is the tail.
+    The training batches stay fairseq's, so the updates of a training run are
+    the stock one's (validation reads the whole split, which changes nothing
+    the optimizer sees unless the learning rate follows the validation loss,
+    ``--lr-scheduler reduce_lr_on_plateau``, or ``--patience`` stops on it)."""
     from fairseq.data import data_utils
     from fairseq.trainer import Trainer
 
@@ -108,4 +112,3 @@ def remainder_batches_kept() -> None:
     batch_by_size._alibi_keeps_remainder = True
     data_utils.batch_by_size = batch_by_size
     Trainer.get_train_iterator = _in_trainer(Trainer.get_train_iterator)
-    Trainer.get_valid_iterator = _in_trainer(Trainer.get_valid_iterator)
