@@ -342,6 +342,27 @@ def help_text(*argv) -> str:
     return unwrapped(run_cli([tool(argv[0]), *argv[1:], "--help"]).stdout)
 
 
+def test_every_help_string_formats_as_written():
+    """argparse formats each ``help=`` with ``%``: a bare ``%`` (``"90% of"``)
+    prints ``ascii()`` of the action's attributes in ``--help``, or fails it.
+    Every ``help=`` string in the repository's Python files (scripts,
+    examples, benchmarks, the package) has only ``%%`` and ``%(name)s``."""
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    escaped = re.compile(r"%%|%\(\w+\)[sdrfg]")  # what argparse formats as written
+    wrong, seen = [], 0
+    for name in files:
+        calls = [n for n in ast.walk(ast.parse((REPO / name).read_text(encoding="utf-8"))) if isinstance(n, ast.Call)]
+        for call in calls:
+            for keyword in call.keywords:
+                text = keyword.value.value if isinstance(keyword.value, ast.Constant) else None
+                if keyword.arg == "help" and isinstance(text, str):
+                    seen += 1
+                    if "%" in escaped.sub("", text):
+                        wrong.append(f"{name}:{call.lineno}: {text!r}")
+    assert seen > 100 and not wrong, wrong
+
+
 def test_eval_lm_help_lists_every_override_key_with_its_values():
     from fairseq_alibi.models.config import ALIBI_FIELDS
 

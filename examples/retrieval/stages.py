@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     r.add_argument("passkey_results", nargs="?")
     s = sub.add_parser("report", help="the updates each model of OUT took, and its checks")
     s.add_argument("out")
-    s.add_argument("--until", type=float, required=True, help="the accuracy % a check must reach on every task")
+    s.add_argument("--until", type=float, required=True, help="the accuracy %% a check must reach on every task")
     s.add_argument("--plot", help="the learning curves, as this PNG")
     args = p.parse_args(argv)
     if args.command == "record":
