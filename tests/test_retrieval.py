@@ -504,6 +504,27 @@ def test_key_heads_example_agrees_with_heads(kv_data_bin, kv_checkpoint):
         assert float(row[4].split(": ")[1]) == pytest.approx(max(masses), abs=0.011)
 
 
+@pytest.mark.parametrize("script,missing", [
+    ("retrieval/key_heads.py", "data"), ("retrieval/heads.py", "checkpoint"),
+    ("retrieval/token_losses.py", "data"), ("language_model/far_attention.py", "data"),
+])
+def test_analysis_scripts_check_their_inputs_before_printing(tmp_path, script, missing):
+    """A data directory or a checkpoint that is not there: one ``error:`` line
+    that names it, exit 1, nothing on stdout (no table header before it), no
+    traceback.  Both are missing here; the script names the one it checks
+    first (the data, except heads.py's second case: a real directory)."""
+    data = tmp_path / "data"
+    if missing == "checkpoint":
+        data.mkdir()
+        (data / "dict.txt").write_text("w 1\n")
+    checkpoint = tmp_path / "model.pt"
+    given = [checkpoint] if script.endswith(("/heads.py", "far_attention.py")) else ["-c", f"m={checkpoint}"]
+    result = run_cli([sys.executable, EXAMPLES / script, data, *given], expect_ok=False)
+    assert result.returncode == 1 and "Traceback" not in result.output and not result.stdout.strip()
+    [line] = error_lines(result)
+    assert str(data if missing == "data" else checkpoint) in line, line
+
+
 def test_key_heads_names_the_layout_when_the_template_is_not_in_the_dictionary(tmp_path):
     """A model of an adjacent-layout corpus (no ``:`` in its dictionary) read
     with the default --layout record: one ``error:`` line that names the

@@ -66,8 +66,15 @@ def main(argv=None) -> int:
     from fairseq_alibi.models.attention import biases, rescale
     from fairseq_alibi.evaluation.axes import parse_methods
 
+    from fairseq_alibi.errors import EvaluationError
+    from fairseq_alibi.evaluation.data_dir import check_data
+
     logging.disable(logging.WARNING)  # importing fairseq set the root logger to DEBUG
-    models, _ = checkpoint_utils.load_model_ensemble([args.checkpoint], arg_overrides={"data": args.data})
+    try:  # the inputs, before anything is read: one error line, no traceback
+        check_data(args.data, args.subset)
+        models, _ = checkpoint_utils.load_model_ensemble([args.checkpoint], arg_overrides={"data": args.data})
+    except (EvaluationError, OSError, KeyError, RuntimeError) as e:
+        raise SystemExit(f"error: cannot read {args.checkpoint} with {args.data}: {e}")
     model = models[0].eval()
     train_length = biases(model)[0].scaling.train_length
     dataset = data_utils.load_indexed_dataset(f"{args.data}/{args.subset}", None)

@@ -17,8 +17,11 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import sys
 
 import torch
+
+from key_heads import inputs_problem, load_model  # (this directory: the script's own)
 
 
 @torch.no_grad()  # analysis only: no autograd graph for the hand-computed scores
@@ -34,18 +37,20 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=0,
                    help="print only the K heads with the most mass at the first length (default: all)")
     args = p.parse_args(argv)
+    problem = inputs_problem(args.data, [args.checkpoint])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
 
-    import fairseq_alibi.models  # noqa: F401  (registers the models)
-    from fairseq import checkpoint_utils
     from fairseq_alibi.core import alibi
     from fairseq_alibi.evaluation import prompts as P
     from fairseq_alibi.evaluation.axes import parse_methods
 
     lengths = [int(x) for x in args.lengths.split(",")]
     for method in parse_methods(args.methods):
-        overrides = dict(method.config_values(), data=args.data)
-        models, _ = checkpoint_utils.load_model_ensemble([args.checkpoint], arg_overrides=overrides)
-        model = models[0].eval()
+        model = load_model("the checkpoint", args.checkpoint, args.data, method.config_values())
+        if model is None:
+            return 1
         d = model.decoder.dictionary
         vocab = P.Vocabulary([d[i] for i in range(d.nspecial, len(d))])
         task = P.Lines(vocab, digits=args.digits)

@@ -31,9 +31,10 @@ model predicts (teacher-forced greedy).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -133,14 +134,31 @@ def named_checkpoints(parser: argparse.ArgumentParser, items: List[str], flag: s
     return pairs
 
 
-def load_model(name: str, path: str, data: str):
+def inputs_problem(data: str, paths: Sequence[str]) -> Optional[str]:
+    """What is wrong with the DATA directory (``evaluation.data_dir.
+    check_data``) or a checkpoint path, checked before anything is printed;
+    None where both are fine.  The analysis scripts' one check of their
+    inputs (heads.py, token_losses.py and this one)."""
+    from fairseq_alibi.errors import EvaluationError
+    from fairseq_alibi.evaluation.data_dir import check_data
+
+    try:
+        check_data(data)
+    except EvaluationError as e:
+        return str(e)
+    missing = [path for path in paths if not os.path.isfile(path)]
+    return f"checkpoint not found: {missing[0]}" if missing else None
+
+
+def load_model(name: str, path: str, data: str, overrides: Optional[dict] = None):
     """The model of checkpoint ``path`` in eval mode, with ``data``'s
-    dictionary; None after one ``error:`` line when it cannot be loaded."""
+    dictionary (and the config ``overrides``); None after one ``error:`` line
+    when it cannot be loaded."""
     import fairseq_alibi.models  # noqa: F401  (registers the models)
     from fairseq import checkpoint_utils
 
     try:
-        models, _ = checkpoint_utils.load_model_ensemble([path], arg_overrides={"data": data})
+        models, _ = checkpoint_utils.load_model_ensemble([path], arg_overrides={**(overrides or {}), "data": data})
     except (OSError, KeyError, RuntimeError) as e:
         print(f"error: cannot load {name}={path}: {e}", file=sys.stderr)
         return None
@@ -162,6 +180,10 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     pairs = named_checkpoints(p, args.checkpoint)
+    problem = inputs_problem(args.data, [path for _, path in pairs])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
 
     from fairseq_alibi.errors import PromptError
     from fairseq_alibi.evaluation import prompts as P
