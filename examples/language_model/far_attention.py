@@ -64,9 +64,8 @@ def main(argv=None) -> int:
 
     import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
     from fairseq_alibi.models.attention import biases, rescale
-    from fairseq_alibi.evaluation.axes import parse_methods
-
     from fairseq_alibi.errors import EvaluationError
+    from fairseq_alibi.evaluation.axes import parse_methods
     from fairseq_alibi.evaluation.data_dir import check_data
 
     logging.disable(logging.WARNING)  # importing fairseq set the root logger to DEBUG

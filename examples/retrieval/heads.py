@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 
 import torch
 
-from key_heads import inputs_problem, load_model  # (this directory: the script's own)
+from key_heads import inputs_ok, load_model  # (this directory: the script's own)
 
 
 @torch.no_grad()  # analysis only: no autograd graph for the hand-computed scores
@@ -37,9 +36,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=0,
                    help="print only the K heads with the most mass at the first length (default: all)")
     args = p.parse_args(argv)
-    problem = inputs_problem(args.data, [args.checkpoint])
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
+    if not inputs_ok(args.data, [args.checkpoint]):
         return 1
 
     from fairseq_alibi.core import alibi

@@ -134,20 +134,24 @@ def named_checkpoints(parser: argparse.ArgumentParser, items: List[str], flag: s
     return pairs
 
 
-def inputs_problem(data: str, paths: Sequence[str]) -> Optional[str]:
-    """What is wrong with the DATA directory (``evaluation.data_dir.
-    check_data``) or a checkpoint path, checked before anything is printed;
-    None where both are fine.  The analysis scripts' one check of their
-    inputs (heads.py, token_losses.py and this one)."""
+def inputs_ok(data: str, paths: Sequence[str]) -> bool:
+    """Whether the DATA directory (``evaluation.data_dir.check_data``) and
+    every checkpoint path are there, checked before anything is printed;
+    False after one ``error:`` line naming the first that is not.  The
+    analysis scripts' one check of their inputs (heads.py, token_losses.py
+    and this one)."""
     from fairseq_alibi.errors import EvaluationError
     from fairseq_alibi.evaluation.data_dir import check_data
 
     try:
         check_data(data)
     except EvaluationError as e:
-        return str(e)
+        print(f"error: {e}", file=sys.stderr)
+        return False
     missing = [path for path in paths if not os.path.isfile(path)]
-    return f"checkpoint not found: {missing[0]}" if missing else None
+    if missing:
+        print(f"error: checkpoint not found: {missing[0]}", file=sys.stderr)
+    return not missing
 
 
 def load_model(name: str, path: str, data: str, overrides: Optional[dict] = None):
@@ -180,9 +184,7 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     pairs = named_checkpoints(p, args.checkpoint)
-    problem = inputs_problem(args.data, [path for _, path in pairs])
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
+    if not inputs_ok(args.data, [path for _, path in pairs]):
         return 1
 
     from fairseq_alibi.errors import PromptError

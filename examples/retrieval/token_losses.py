@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from corpus import LAYOUTS, layout_fields  # (this directory: the script's own)
-from key_heads import inputs_problem, load_model, named_checkpoints
+from key_heads import inputs_ok, load_model, named_checkpoints
 
 KINDS = ("retrieved 1st digit", "retrieved later digit", "new digit", "repeated key", "new key", "rest")
 
@@ -135,9 +135,7 @@ def main(argv=None) -> int:
     if args.documents < 1:
         p.error(f"--documents must be at least 1, got {args.documents}")
     pairs = named_checkpoints(p, args.checkpoint)
-    problem = inputs_problem(args.data, [path for _, path in pairs])
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
+    if not inputs_ok(args.data, [path for _, path in pairs]):
         return 1
     valid = args.text or os.path.join(args.data, "raw", "valid.txt")
     try:
