@@ -511,8 +511,9 @@ def test_key_heads_example_agrees_with_heads(kv_data_bin, kv_checkpoint):
 def test_analysis_scripts_check_their_inputs_before_printing(tmp_path, script, missing):
     """A data directory or a checkpoint that is not there: one ``error:`` line
     that names it, exit 1, nothing on stdout (no table header before it), no
-    traceback.  Both are missing here; the script names the one it checks
-    first (the data, except heads.py's second case: a real directory)."""
+    traceback.  Case "data": neither is there, and the data directory, checked
+    first, is named; case "checkpoint": a data directory with a dict.txt,
+    and the checkpoint is named."""
     data = tmp_path / "data"
     if missing == "checkpoint":
         data.mkdir()
