@@ -120,12 +120,8 @@ train_model() {
   touch "$dir/train.log"
   [ -f "$dir/checkpoint_last.pt" ] && resume=", resuming from update $(last_saved "$dir")"
   stamp "$TRAIN_STEP training $label ($detail$resume; log in $dir/train.log)"
-  if [ -n "${FOLLOW:-}" ]; then  # the trainer's progress lines, prefixed, until this training's shell ends
-    # (its pid read here: inside the pipeline $BASHPID would be tail's own, and tail would never end)
-    local shell_pid=$BASHPID
-    tail -n 0 -F --pid="$shell_pid" "$dir/train.log" 2>/dev/null \
-      | grep --line-buffered -E "$FOLLOW" | sed -u "s/^/[$label] /" &
-  fi
+  local from follower=""
+  from=$(( $(wc -l < "$dir/train.log") + 1 ))  # the trainer's lines start after what the log holds now
   # The trainer runs in a session of its own, so a Ctrl-C reaches it once, from here (the
   # terminal's would reach it too): SIGINT makes alibi-train stop and exit 130, keeping the
   # checkpoints it saved (every SAVE_EVERY updates; --keep-interval-updates 1 keeps the last).
@@ -137,9 +133,16 @@ train_model() {
     >> "$dir/train.log" 2>&1 &
   trainer=$!
   [ -z "$sent" ] || kill -"$(stop_signal "$trainer")" "$trainer" 2>/dev/null || true  # a stop while it started
+  if [ -n "${FOLLOW:-}" ]; then  # the trainer's progress lines, prefixed, until this trainer ends: a follower
+    # that outlived it (one per stage of a staged training) would print every later stage's lines again
+    tail -n "+$from" -F --pid="$trainer" "$dir/train.log" 2>/dev/null \
+      | grep --line-buffered -E "$FOLLOW" | sed -u "s/^/[$label] /" &
+    follower=$!
+  fi
   wait "$trainer" || true
   while kill -0 "$trainer" 2>/dev/null; do wait "$trainer" || true; done  # a wait cut short by the trap
   wait "$trainer" || status=$?  # the trainer's own exit status (bash keeps it)
+  [ -z "$follower" ] || wait "$follower" 2>/dev/null || true  # its last lines shown before what follows
   case $status in
     0)
       echo "$UPDATES" > "$dir/trained.ok"

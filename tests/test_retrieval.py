@@ -15,6 +15,7 @@ import json
 import math
 import random
 import re
+import shutil
 import sys
 
 import pytest
@@ -884,6 +885,64 @@ def test_recipe_trains_in_stages_until_the_model_retrieves(tmp_path):
 
 
 @pytest.mark.slow
+def test_recipe_restarts_a_model_below_its_bar_under_another_seed(tmp_path):
+    """RESTART_AT=U (with UNTIL): a model whose `lines` check at U updates is
+    below RESTART_BELOW% starts again from scratch under the seed plus 10000,
+    at most RESTARTS times; the discarded attempt is kept whole in
+    seedS/restarts/MODEL.N, stages.md shows it and the updates of both
+    attempts; a rerun trains and restarts nothing; each trainer's progress
+    lines are shown once (a follower of one stage does not outlive it); a
+    restart that is no check, or without UNTIL, is refused before anything runs."""
+    import subprocess
+
+    from conftest import cli_env, recipe_bin
+
+    out, data = tmp_path / "out", tmp_path / "data"
+    settings = dict(VENV_BIN=recipe_bin(), OUT=str(out), DATA=str(data), SEEDS="1", L="64", LAYERS="1", DIM="16",
+                    FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="4", WARMUP="2",
+                    MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1", RECIPE="every-family",
+                    MODELS="rotary", UPDATES_rotary="", METHODS="none", LENGTHS="1x", CHECK_EVERY="2",
+                    SAVE_EVERY="1", UNTIL="100", RESTART_AT_rotary="2", RESTART_BELOW="100", RESTARTS="1")
+    script = str(EXAMPLES / "retrieval" / "run.sh")
+    run = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    first, model = out / "seed1" / "restarts" / "rotary.1", out / "seed1" / "rotary"
+    assert "'seed': 1," in (first / "train.log").read_text() and (first / "checkpoint_last.pt").is_file()
+    assert [row.split("\t")[0] for row in (first / "checks.tsv").read_text().splitlines()] == ["2"]
+    assert "'seed': 10001," in (model / "train.log").read_text() and "'seed': 1," not in (model / "train.log").read_text()
+    assert [row.split("\t")[0] for row in (model / "checks.tsv").read_text().splitlines()] == ["2", "4"]
+    assert (model / "trained.ok").read_text().strip() == "4"
+    assert re.search(r"seed 1 rotary: lines [\d.]+% at 2 updates, below 100%: restart 1 of at most 1, training seed "
+                     rf"10001 \(the attempt kept in {re.escape(str(first))}\)", run.stdout)
+    assert "below 100%, and its RESTARTS=1 restarts are spent: it trains on" in run.stdout
+    assert "restart 1: training seed 10001" in run.stdout  # the training's own line says which seed
+    done = [line for line in run.stdout.splitlines() if line.startswith("[seed 1 rotary]") and "done training" in line]
+    assert len(done) == 3  # three trainers (2 updates, then 2 and 4 of the second attempt), each shown once
+    assert re.search(r"\| rotary \| not by 4 \([\d /]+\) after 1 restart \([\d /]+ at 2\); 6 updates in all \|",
+                     (out / "stages.md").read_text())
+    again = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=600)
+    assert again.returncode == 0 and "2/3 training" not in again.stdout and "restart 1 of" not in again.stdout
+    assert sorted(p.name for p in (out / "seed1" / "restarts").iterdir()) == ["rotary.1"]
+    for extra, message in (
+            (dict(UNTIL=""), "error: RESTART_AT=2 (rotary) needs checks: give UNTIL too (e.g. UNTIL=90), or leave "
+                             "RESTART_AT empty"),
+            (dict(RESTART_AT_rotary="3"), "error: RESTART_AT=3 (rotary) is not one of its checks: a multiple of "
+                                          "CHECK_EVERY=2 below its budget of 4 updates"),
+            (dict(RESTART_AT_rotary="4"), "error: RESTART_AT=4 (rotary) is not one of its checks: a multiple of "
+                                          "CHECK_EVERY=2 below its budget of 4 updates"),
+            (dict(RESTART_AT_rope="2"), "error: RESTART_AT_rope names 'rope', which is not a model; allowed suffixes: "
+                                        "sinusoidal " + " ".join(POSITIONS)),
+            (dict(RESTART_BELOW="0"), "error: RESTART_BELOW=0 is not allowed: a whole percentage from 1 to 100 "
+                                      "(e.g. 10)"),
+            (dict(RESTARTS="-1"), "error: RESTARTS=-1 is not allowed: the most restarts of one model, a whole number "
+                                  "(e.g. 3)")):
+        refused = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                                 env=cli_env(**dict(settings, OUT=str(tmp_path / "wrong"), **extra)))
+        assert refused.returncode == 1 and refused.stderr.splitlines() == [message], refused.stderr
+    assert not (tmp_path / "wrong").exists()  # refused before anything ran
+
+
+@pytest.mark.slow
 def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
     """examples/retrieval/run.sh at toy size, RECIPE=families plus the sinusoidal
     baseline: an ALiBi and a RoPE model per seed, the sinusoidal one for the
@@ -1221,6 +1280,24 @@ def test_stage_checks_record_and_report_the_updates_each_model_took(tmp_path):
     assert (tmp_path / "stages.png").stat().st_size > 0
     lower = run_cli([sys.executable, script, "report", str(out), "--until", "85"]).stdout
     assert "| alibi | **1,500** (85 / 95) |" in lower
+
+    # a model started again (RESTART_AT): its discarded attempts beside the one that stands
+    for number, rows in ((1, "1500\t1.0\t20.0\n3000\t4.0\t30.0\n"), (2, "1500\t0.0\t10.0\n3000\t2.0\t25.0\n")):
+        (out / "seed7" / "restarts" / f"rotary.{number}").mkdir(parents=True, exist_ok=True)
+        (out / "seed7" / "restarts" / f"rotary.{number}" / "checks.tsv").write_text(rows)
+    (rope / "checks.tsv").write_text("1500\t30.0\t70.0\n3000\t91.0\t96.0\n")
+    restarted = run_cli([sys.executable, script, "report", str(out), "--until", "90"]).stdout
+    assert ("| rotary | **3,000** (91 / 96) after 2 restarts (4 / 30 at 3,000; 2 / 25 at 3,000); "
+            "9,000 updates in all |") in restarted
+    assert "| rotary | seed7, attempt 1 (discarded) | 1,500: 1 / 20, 3,000: 4 / 30 |" in restarted
+    assert "| rotary | seed7, attempt 3 | 1,500: 30 / 70, 3,000: 91 / 96 |" in restarted
+    assert "| alibi | seed7 | 1,500: 85 / 95, 3,000: 95 / 95 |" in restarted  # one attempt: as before
+    (rope / "checks.tsv").unlink()  # the third attempt before its first check
+    assert ("| rotary | training (no check yet) after 2 restarts (4 / 30 at 3,000; 2 / 25 at 3,000); "
+            "6,000 updates in all |") in run_cli([sys.executable, script, "report", str(out), "--until", "90",
+                                                  "--plot", str(tmp_path / "restarts.png")]).stdout
+    assert (tmp_path / "restarts.png").stat().st_size > 0
+    shutil.rmtree(out / "seed7" / "restarts")
 
     far = results(tmp_path / "c" / "lines.json", "alibi", [(2.0, "none", 1, 10)])
     (rope / "checks.tsv").write_text("1500\t2.0\n")

@@ -46,6 +46,13 @@
 # at the first stage where every task reaches P% (its checks in $OUT/seedS/<model>/checks.tsv),
 # and the updates each model took, with every check, go to $OUT/stages.{md,png}
 # (examples/retrieval/stages.py). UNTIL= (empty) trains every model to its UPDATES.
+# Restarts (with UNTIL): RESTART_AT=U (or RESTART_AT_<model>, for one model) starts a model again from
+# scratch when its `lines` check at U updates (a stage: a multiple of CHECK_EVERY below its budget) is
+# below RESTART_BELOW% (default 10), under another training seed (the seed plus 10000 per restart: other
+# initial weights and batch order; the corpus and every prompt stay the seed's), at most RESTARTS times
+# (default 3); each discarded attempt is kept whole in $OUT/seedS/restarts/<model>.N and shown in stages.md.
+# every-family sets RESTART_AT_rotary=3000: RoPE's own-key head forms on some runs only, and whether it
+# has shows by 3,000 updates (docs/retrieval.md, "RoPE's lottery").
 #
 # Resumable (examples/lib.sh): a finished model (its trained.ok) is not
 # retrained, an interrupted one (Ctrl-C; or one trained for fewer than UPDATES)
@@ -90,7 +97,10 @@ case "$RECIPE" in
     # Each family until it answers 90% of both tasks, checked every 1,500 updates: on three seeds
     # ALiBi took 1,500, FIRE, Kerple and FoX up to 3,000, T5 and RNoPE up to 4,500 (by seed, not family).
     UNTIL=${UNTIL-90}; UPDATES=${UPDATES:-4500}
-    UPDATES_rotary=${UPDATES_rotary-12000}; UPDATES_nope=${UPDATES_nope-12000}; LAYERS_nope=${LAYERS_nope-3} ;;
+    UPDATES_rotary=${UPDATES_rotary-12000}; UPDATES_nope=${UPDATES_nope-12000}; LAYERS_nope=${LAYERS_nope-3}
+    # RoPE forms its own-key head on about one run in three; a run below 10% `lines` at 3,000 never did
+    # (docs/retrieval.md, "RoPE's lottery"), so it starts again under another seed rather than train on.
+    RESTART_AT_rotary=${RESTART_AT_rotary-3000} ;;
   *) echo "error: RECIPE=$RECIPE is not a recipe; allowed values: methods, families, every-family" >&2; exit 1 ;;
 esac
 
@@ -156,6 +166,16 @@ if [ -n "$UNTIL" ] && ! [[ $UNTIL =~ ^([1-9][0-9]?|100)$ ]]; then
   echo "error: UNTIL=$UNTIL is not allowed: a whole percentage from 1 to 100 (e.g. 90), or empty to train every" \
     "model to its UPDATES" >&2; exit 1
 fi
+RESTART_AT=${RESTART_AT:-}        # U: a model below RESTART_BELOW% `lines` at U updates starts again (above)
+RESTART_BELOW=${RESTART_BELOW:-10}
+RESTARTS=${RESTARTS:-3}
+RESTART_SEED_STEP=10000          # restart N trains under the seed plus N times this
+if ! [[ $RESTART_BELOW =~ ^([1-9][0-9]?|100)$ ]]; then
+  echo "error: RESTART_BELOW=$RESTART_BELOW is not allowed: a whole percentage from 1 to 100 (e.g. 10)" >&2; exit 1
+fi
+if ! [[ $RESTARTS =~ ^[0-9]+$ ]]; then
+  echo "error: RESTARTS=$RESTARTS is not allowed: the most restarts of one model, a whole number (e.g. 3)" >&2; exit 1
+fi
 training_threads
 
 # MODELS: position methods of core.positions (transformer_lm_<name>) or
@@ -165,8 +185,8 @@ recipe_settings MODELS METHODS "$DEFAULT_METHODS"
 # The per-model settings name a model of the registry (a misspelt one would be ignored) and the
 # update and layer counts are whole numbers (an empty per-model one: the recipe's own).
 KNOWN_MODELS=$(models)
-for var in UPDATES LAYERS CHECK_EVERY $(compgen -v | grep -E '^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS)_' || true); do
-  if [[ $var =~ ^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS)_(.+)$ ]] && [[ " $KNOWN_MODELS " != *" ${BASH_REMATCH[2]} "* ]]; then
+for var in UPDATES LAYERS CHECK_EVERY RESTART_AT $(compgen -v | grep -E '^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS|RESTART_AT)_' || true); do
+  if [[ $var =~ ^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS|RESTART_AT)_(.+)$ ]] && [[ " $KNOWN_MODELS " != *" ${BASH_REMATCH[2]} "* ]]; then
     echo "error: $var names '${BASH_REMATCH[2]}', which is not a model; allowed suffixes: $KNOWN_MODELS" >&2; exit 1
   fi
   case $var in
@@ -185,6 +205,19 @@ jobs_of() {  # the (seed, model) pairs to train, one per line; sinusoidal for th
   done
 }
 [ -n "$(jobs_of)" ] || { echo "error: MODELS must name at least one model and SEEDS at least one seed" >&2; exit 1; }
+restart_at_of() { local own="RESTART_AT_$1"; echo "${!own:-$RESTART_AT}"; }  # NAME: its restart stage, or none
+budget_of() { local own="UPDATES_$1"; echo "${!own:-$UPDATES}"; }
+for name in $MODELS; do  # a restart is decided at a check: a stage of a staged training, before its budget
+  at=$(restart_at_of "$name")
+  [ -n "$at" ] || continue
+  if [ -z "$UNTIL" ]; then
+    echo "error: RESTART_AT=$at ($name) needs checks: give UNTIL too (e.g. UNTIL=90), or leave RESTART_AT empty" >&2
+    exit 1
+  elif [ $((at % CHECK_EVERY)) != 0 ] || [ "$at" -ge "$(budget_of "$name")" ]; then
+    echo "error: RESTART_AT=$at ($name) is not one of its checks: a multiple of CHECK_EVERY=$CHECK_EVERY below" \
+      "its budget of $(budget_of "$name") updates" >&2; exit 1
+  fi
+done
 
 mkdir -p "$OUT"
 fresh_report "$OUT/$SUMMARY.md" "$OUT/$SUMMARY.png"
@@ -201,20 +234,27 @@ else
   stamp "1/3 corpus: $DATA already binarized"
 fi
 
+restarts_of() {  # SEED NAME: how many times the model was started again (its discarded attempts)
+  [ -d "$OUT/seed$1/restarts" ] || { echo 0; return; }
+  find "$OUT/seed$1/restarts" -mindepth 1 -maxdepth 1 -type d -name "$2.*" | wc -l
+}
 train() {  # train SEED NAME [UPDATES]: identical settings; only the arch (position handling) differs
   local seed=$1 name=$2 own="EXTRA_TRAIN_ARGS_$2" own_updates="UPDATES_$2" own_layers="LAYERS_$2"
   local UPDATES=${3:-${!own_updates:-$UPDATES}} LAYERS=${!own_layers:-$LAYERS}  # train_model reads UPDATES
+  local restarts train_seed=$seed attempt=""
+  restarts=$(restarts_of "$seed" "$name")
+  [ "$restarts" = 0 ] || { train_seed=$((seed + RESTART_SEED_STEP * restarts)); attempt=", restart $restarts: training seed $train_seed"; }
   # Each document is a whole line of the corpus (--sample-break-mode complete packs
   # whole documents into blocks of L tokens), so no record is cut from its question.
   train_model "$OUT/seed$seed/$name" "seed $seed $name" \
-    "$(arch_of "$name"), L=$L, $LAYERS layers, $UPDATES updates, warm-up $WARMUP" "$DATA" --task language_modeling \
+    "$(arch_of "$name"), L=$L, $LAYERS layers, $UPDATES updates, warm-up $WARMUP$attempt" "$DATA" --task language_modeling \
     --arch "$(arch_of "$name")" --decoder-layers "$LAYERS" --decoder-embed-dim "$DIM" --decoder-input-dim "$DIM" \
     --decoder-output-dim "$DIM" --decoder-ffn-embed-dim "$FFN" --decoder-attention-heads "$HEADS" \
     --decoder-normalize-before --share-decoder-input-output-embed \
     --tokens-per-sample "$L" --sample-break-mode complete --max-tokens "$MAX_TOKENS" \
     --optimizer adam --adam-betas '(0.9, 0.98)' --clip-norm 1.0 --weight-decay 0.01 \
     --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-7 \
-    --dropout 0.0 --max-update "$UPDATES" --seed "$seed" \
+    --dropout 0.0 --max-update "$UPDATES" --seed "$train_seed" \
     --validate-interval-updates 500 --log-format simple --log-interval 50 --num-workers 0 \
     $DEVICE_FLAGS $EXTRA_TRAIN_ARGS ${!own:-}
 }
@@ -291,6 +331,21 @@ train_until() {  # SEED NAME: in stages of CHECK_EVERY to its budget; stop at th
     if echo "$row" | awk -F'\t' -v p="$UNTIL" '{exit !($2 >= p && ($3 == "-" || $3 >= p))}'; then
       stamp "seed $seed $name: retrieves at $stage updates (at least $UNTIL% of every task at 1x)"
       return 0
+    fi
+    if [ "$stage" = "$(restart_at_of "$name")" ] && echo "$row" | awk -F'\t' -v p="$RESTART_BELOW" '{exit !($2 < p)}'; then
+      local restarts
+      restarts=$(restarts_of "$seed" "$name")
+      if [ "$restarts" -lt "$RESTARTS" ]; then  # the attempt moved whole, in one rename: a stop leaves one or the other
+        mkdir -p "$OUT/seed$seed/restarts"
+        mv "$dir" "$OUT/seed$seed/restarts/$name.$((restarts + 1))"
+        stamp "seed $seed $name: lines $(echo "$row" | cut -f2)% at $stage updates, below $RESTART_BELOW%: restart" \
+          "$((restarts + 1)) of at most $RESTARTS, training seed $((seed + RESTART_SEED_STEP * (restarts + 1)))" \
+          "(the attempt kept in $OUT/seed$seed/restarts/$name.$((restarts + 1)))"
+        train_until "$seed" "$name"
+        return $?
+      fi
+      stamp "seed $seed $name: lines $(echo "$row" | cut -f2)% at $stage updates, below $RESTART_BELOW%, and its" \
+        "RESTARTS=$RESTARTS restarts are spent: it trains on"
     fi
   done
   stamp "seed $seed $name: below $UNTIL% at its last check, $budget updates (its budget)"

@@ -15,7 +15,10 @@ lottery and a budget with checks is not.  This script keeps the checks:
   updates the model took (the first stage where each task reached P%) or
   "not by N" (its last check), and each check's accuracies, as Markdown,
   and with ``--plot`` the learning curves (accuracy against updates, a panel
-  per task, a colour per model, a marker per seed).
+  per task, a colour per model, a marker per seed).  A model started again
+  (``RESTART_AT``) shows its discarded attempts too
+  (``OUT/seedS/restarts/MODEL.N/checks.tsv``: their last checks, dashed
+  curves) and the updates of every attempt together.
 
     python examples/retrieval/stages.py report outputs/comb --until 90 --plot outputs/comb/stages.png
 """
@@ -26,12 +29,25 @@ import argparse
 import os
 import re
 import sys
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from summary import read_results  # (this directory: the script's own)
 
 #: A check: (updates, lines %, passkey % or None).
 Check = Tuple[int, float, Optional[float]]
+
+
+@dataclass
+class Run:
+    """One model of one seed: the checks of the attempt that stands, and those of
+    the attempts discarded before it (``RESTART_AT``), in the order they ran."""
+
+    checks: List[Check] = field(default_factory=list)
+    discarded: List[List[Check]] = field(default_factory=list)
+
+    def attempts(self) -> List[List[Check]]:
+        return [*self.discarded, self.checks]
 
 
 def accuracy_at_1x(path: str) -> float:
@@ -92,17 +108,28 @@ def shown(check: Check) -> str:
     return f"{check[1]:.0f}" + ("" if check[2] is None else f" / {check[2]:.0f}")
 
 
-def took(checks: List[Check], until: float) -> str:
-    """The first check where every task reached ``until`` %, or "not by" the last one."""
-    first = next((c for c in checks if passes(c, until)), None)
+def took(run: Run, until: float) -> str:
+    """The first check where every task reached ``until`` %, or "not by" the last one; after
+    restarts, each discarded attempt's last check and the updates of every attempt together."""
+    first = next((c for c in run.checks if passes(c, until)), None)
     if first:
-        return f"**{first[0]:,}** ({shown(first)})"
-    return f"not by {checks[-1][0]:,} ({shown(checks[-1])})"
+        text, updates = f"**{first[0]:,}** ({shown(first)})", first[0]
+    elif run.checks:
+        text, updates = f"not by {run.checks[-1][0]:,} ({shown(run.checks[-1])})", run.checks[-1][0]
+    else:
+        text, updates = "training (no check yet)", 0
+    if not run.discarded:
+        return text
+    restarts = len(run.discarded)
+    given_up = "; ".join(f"{shown(a[-1])} at {a[-1][0]:,}" for a in run.discarded)
+    in_all = updates + sum(a[-1][0] for a in run.discarded)
+    return f"{text} after {restarts} restart{'s' * (restarts > 1)} ({given_up}); {in_all:,} updates in all"
 
 
-def collect(out: str) -> Dict[str, Dict[str, List[Check]]]:
-    """``{model: {seed: checks}}`` of every ``OUT/seedS/MODEL/checks.tsv``."""
-    found: Dict[str, Dict[str, List[Check]]] = {}
+def collect(out: str) -> Dict[str, Dict[str, Run]]:
+    """``{model: {seed: Run}}`` of every ``OUT/seedS/MODEL/checks.tsv``, with the
+    discarded attempts of ``OUT/seedS/restarts/MODEL.N/checks.tsv``."""
+    found: Dict[str, Dict[str, Run]] = {}
     for seed_dir in sorted(os.listdir(out)) if os.path.isdir(out) else []:
         if not re.fullmatch(r"seed\d+", seed_dir):
             continue
@@ -110,19 +137,28 @@ def collect(out: str) -> Dict[str, Dict[str, List[Check]]]:
             path = os.path.join(out, seed_dir, model, "checks.tsv")
             checks = read_checks(path) if os.path.isfile(path) else []
             if checks:
-                found.setdefault(model, {})[seed_dir] = checks
+                found.setdefault(model, {})[seed_dir] = Run(checks)
+        restarts = os.path.join(out, seed_dir, "restarts")
+        attempts = [m.groups() for m in (re.fullmatch(r"(.+)\.(\d+)", name) for name in
+                                         (sorted(os.listdir(restarts)) if os.path.isdir(restarts) else [])) if m]
+        for model, number in sorted(attempts, key=lambda a: (a[0], int(a[1]))):
+            path = os.path.join(restarts, f"{model}.{number}", "checks.tsv")
+            checks = read_checks(path) if os.path.isfile(path) else []
+            if checks:
+                found.setdefault(model, {}).setdefault(seed_dir, Run()).discarded.append(checks)
     return found
 
 
-def seeds_of(found: Dict[str, Dict[str, List[Check]]]) -> List[str]:
+def seeds_of(found: Dict[str, Dict[str, Run]]) -> List[str]:
     return sorted({s for runs in found.values() for s in runs}, key=lambda s: int(s[4:]))
 
 
-def with_passkey(found: Dict[str, Dict[str, List[Check]]]) -> bool:
-    return any(c[2] is not None for runs in found.values() for checks in runs.values() for c in checks)
+def with_passkey(found: Dict[str, Dict[str, Run]]) -> bool:
+    return any(c[2] is not None for runs in found.values() for run in runs.values()
+               for checks in run.attempts() for c in checks)
 
 
-def report(found: Dict[str, Dict[str, List[Check]]], until: float) -> str:
+def report(found: Dict[str, Dict[str, Run]], until: float) -> str:
     seeds = seeds_of(found)
     tasks = "`lines` / passkey" if with_passkey(found) else "`lines`"
     out = [f"Updates to retrieve: the first check at which each task reached {until:g}% at 1x L "
@@ -133,12 +169,19 @@ def report(found: Dict[str, Dict[str, List[Check]]], until: float) -> str:
     out += ["", f"Every check ({tasks} % at 1x L):", "", "| model | seed | " + "updates: accuracy, ... |", "|---|---|---|"]
     for model, runs in sorted(found.items()):
         for seed in seeds:
-            if seed in runs:
-                out.append(f"| {model} | {seed} | " + ", ".join(f"{c[0]:,}: {shown(c)}" for c in runs[seed]) + " |")
+            if seed not in runs:
+                continue
+            attempts = runs[seed].attempts()
+            for number, checks in enumerate(attempts, 1):
+                if not checks:  # an attempt that has not reached its first check
+                    continue
+                label = seed if len(attempts) == 1 else \
+                    f"{seed}, attempt {number}" + (" (discarded)" if number < len(attempts) else "")
+                out.append(f"| {model} | {label} | " + ", ".join(f"{c[0]:,}: {shown(c)}" for c in checks) + " |")
     return "\n".join(out) + "\n"
 
 
-def plot(found: Dict[str, Dict[str, List[Check]]], until: float, path: str) -> None:
+def plot(found: Dict[str, Dict[str, Run]], until: float, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -150,10 +193,15 @@ def plot(found: Dict[str, Dict[str, List[Check]]], until: float, path: str) -> N
     seeds = seeds_of(found)
     for column, (ax, task) in enumerate(zip(axes[0], panels)):
         for colour, (model, runs) in enumerate(sorted(found.items())):
-            for seed, checks in runs.items():
-                points = [(c[0], c[1 + column]) for c in checks if c[1 + column] is not None]
-                ax.plot(*zip(*points), color=f"C{colour % 10}", marker=markers[seeds.index(seed) % len(markers)],
-                        label=f"{model} {seed}", alpha=0.8)
+            for seed, run in runs.items():
+                for checks in run.attempts():  # the discarded attempts dashed, unlabelled
+                    points = [(c[0], c[1 + column]) for c in checks if c[1 + column] is not None]
+                    if not points:
+                        continue
+                    standing = checks is run.checks
+                    ax.plot(*zip(*points), color=f"C{colour % 10}", marker=markers[seeds.index(seed) % len(markers)],
+                            label=f"{model} {seed}" if standing else None, alpha=0.8 if standing else 0.4,
+                            linestyle="-" if standing else "--")
         ax.axhline(until, color="grey", linestyle=":", linewidth=1)
         ax.set(title=f"{task} at 1x L", xlabel="updates", ylabel="accuracy %", ylim=(-3, 103))
     axes[0][-1].legend(fontsize=7, ncol=2, loc="lower right")
