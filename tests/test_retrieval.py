@@ -1010,7 +1010,7 @@ def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
     recipe = subprocess.run([script], capture_output=True, text=True, timeout=600,
                             env=cli_env(**dict(settings, RECIPE="both", OUT=str(tmp_path / "wrong"))))
     assert recipe.returncode == 1 and recipe.stderr.splitlines() == [
-        "error: RECIPE=both is not a recipe; allowed values: methods, families"]
+        "error: RECIPE=both is not a recipe; allowed values: methods, families, every-family"]
 
 
 def test_corpus_generator_refuses_a_length_that_holds_no_record(tmp_path):
