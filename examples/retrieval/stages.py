@@ -202,6 +202,8 @@ def plot(found: Dict[str, Dict[str, Run]], until: float, path: str) -> None:
                     ax.plot(*zip(*points), color=f"C{colour % 10}", marker=markers[seeds.index(seed) % len(markers)],
                             label=f"{model} {seed}" if standing else None, alpha=0.8 if standing else 0.4,
                             linestyle="-" if standing else "--")
+        if any(run.discarded for runs in found.values() for run in runs.values()):
+            ax.plot([], [], color="grey", linestyle="--", alpha=0.6, label="discarded attempts (restarts)")
         ax.axhline(until, color="grey", linestyle=":", linewidth=1)
         ax.set(title=f"{task} at 1x L", xlabel="updates", ylabel="accuracy %", ylim=(-3, 103))
     axes[0][-1].legend(fontsize=7, ncol=2, loc="lower right")
