@@ -310,7 +310,8 @@ def test_a_method_registered_in_every_process_is_trained_swept_and_reported(lm_d
     """compare.sh with a registry of alibi and ``dummy`` (a sitecustomize module on the
     PYTHONPATH of every process the recipe starts; real processes, not the fork server):
     POSITIONS left to its default trains sinusoidal, alibi and dummy; the extension sweep
-    runs ALiBi's methods of the default list only (no RoPE model: no yarn); the report has a
+    runs the default list's methods where they apply (ALiBi's on alibi, logn on both; no RoPE
+    model: no yarn); the report has a
     row for dummy; alibi-sweep's help names it.  Every tool here imports torch and fairseq
     anew: about 2 minutes on a quiet 2-core machine, over 15 on a loaded one."""
     hook = tmp_path / "hook"
@@ -328,8 +329,11 @@ def test_a_method_registered_in_every_process_is_trained_swept_and_reported(lm_d
     table = (out / "positions.md").read_text()
     assert re.search(r"^\| dummy \| \d+\.\d\d \| \d+\.\d\d \| 1 \|$", table, re.M), table
     labels = {(c["checkpoint"], c["method"]) for c in sweep_cells(out / "extensions/results.json")}
-    assert {checkpoint for checkpoint, _ in labels} == {"alibi_s1"}
-    assert {method for _, method in labels} == {"none", "cap", "capnorm", "power", "ntk", "linear"}
+    # every extension method of the default list (no RoPE model: no yarn) on the models it applies to:
+    # ALiBi's own and logn on alibi, logn (the one every method takes) on dummy
+    assert {method for checkpoint, method in labels if checkpoint == "alibi_s1"} == set(REGISTRY["alibi"].extensions)
+    assert {method for checkpoint, method in labels if checkpoint == "dummy_s1"} == {"none", "logn"}
+    assert {checkpoint for checkpoint, _ in labels} == {"alibi_s1", "dummy_s1"}
     sweep_help = subprocess.run([str(BIN / "alibi-sweep"), "--help"], capture_output=True, text=True, env=env,
                                 timeout=300).stdout
     groups = help_groups(sweep_help)
