@@ -923,6 +923,13 @@ def test_recipe_restarts_a_model_below_its_bar_under_another_seed(tmp_path):
     again = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=600)
     assert again.returncode == 0 and "2/3 training" not in again.stdout and "restart 1 of" not in again.stdout
     assert sorted(p.name for p in (out / "seed1" / "restarts").iterdir()) == ["rotary.1"]
+    # numbered past the last attempt kept (not counted: an attempt removed by hand leaves a gap)
+    (out / "seed1" / "restarts" / "rotary.1").rename(out / "seed1" / "restarts" / "rotary.2")
+    shutil.rmtree(model)
+    gap = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                         env=cli_env(**dict(settings, UPDATES="2", RESTART_AT_rotary="", UNTIL="")))
+    assert gap.returncode == 0 and "restart 2: training seed 20001" in gap.stdout, gap.stdout[-2000:] + gap.stderr
+    assert "'seed': 20001," in (model / "train.log").read_text()
     for extra, message in (
             (dict(UNTIL=""), "error: RESTART_AT=2 (rotary) needs checks: give UNTIL too (e.g. UNTIL=90), or leave "
                              "RESTART_AT empty"),

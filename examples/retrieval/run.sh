@@ -237,9 +237,13 @@ else
   stamp "1/3 corpus: $DATA already binarized"
 fi
 
-restarts_of() {  # SEED NAME: how many times the model was started again (its discarded attempts)
-  [ -d "$OUT/seed$1/restarts" ] || { echo 0; return; }
-  find "$OUT/seed$1/restarts" -mindepth 1 -maxdepth 1 -type d -name "$2.*" | wc -l
+restarts_of() {  # SEED NAME: the number of its last restart (its discarded attempts are NAME.1 .. NAME.N), or 0
+  local n last=0 attempt
+  for attempt in "$OUT/seed$1/restarts/$2".*; do
+    n=${attempt##*.}
+    [ ! -d "$attempt" ] || ! [[ $n =~ ^[0-9]+$ ]] || [ "$n" -le "$last" ] || last=$n
+  done
+  echo "$last"
 }
 train() {  # train SEED NAME [UPDATES]: identical settings; only the arch (position handling) differs
   local seed=$1 name=$2 own="EXTRA_TRAIN_ARGS_$2" own_updates="UPDATES_$2" own_layers="LAYERS_$2"
@@ -339,8 +343,9 @@ train_until() {  # SEED NAME: in stages of CHECK_EVERY to its budget; stop at th
       local restarts
       restarts=$(restarts_of "$seed" "$name")
       if [ "$restarts" -lt "$RESTARTS" ]; then  # the attempt moved whole, in one rename: a stop leaves one or the other
-        mkdir -p "$OUT/seed$seed/restarts"
-        mv "$dir" "$OUT/seed$seed/restarts/$name.$((restarts + 1))"
+        mkdir -p "$OUT/seed$seed/restarts" && mv -T "$dir" "$OUT/seed$seed/restarts/$name.$((restarts + 1))" || {
+          echo "error: seed $seed $name: cannot move the attempt to restart to $OUT/seed$seed/restarts/$name.$((restarts + 1))" >&2
+          return 1; }
         stamp "seed $seed $name: lines $(echo "$row" | cut -f2)% at $stage updates, below $RESTART_BELOW%: restart" \
           "$((restarts + 1)) of at most $RESTARTS, training seed $((seed + RESTART_SEED_STEP * (restarts + 1)))" \
           "(the attempt kept in $OUT/seed$seed/restarts/$name.$((restarts + 1)))"
