@@ -209,7 +209,7 @@ jobs_of() {  # the (seed, model) pairs to train, one per line; sinusoidal for th
 }
 [ -n "$(jobs_of)" ] || { echo "error: MODELS must name at least one model and SEEDS at least one seed" >&2; exit 1; }
 restart_at_of() { local own="RESTART_AT_$1"; echo "${!own:-$RESTART_AT}"; }  # NAME: its restart stage, or none
-budget_of() { local own="UPDATES_$1"; echo "${!own:-$UPDATES}"; }
+budget_of() { local own="UPDATES_$1"; echo "${!own:-$UPDATES}"; }  # NAME: its UPDATES (in stages: its budget)
 for name in $MODELS; do  # a restart is decided at a check: a stage of a staged training, before its budget
   at=$(restart_at_of "$name")
   [ -n "$at" ] || continue
@@ -246,8 +246,8 @@ restarts_of() {  # SEED NAME: the number of its last restart (its discarded atte
   echo "$last"
 }
 train() {  # train SEED NAME [UPDATES]: identical settings; only the arch (position handling) differs
-  local seed=$1 name=$2 own="EXTRA_TRAIN_ARGS_$2" own_updates="UPDATES_$2" own_layers="LAYERS_$2"
-  local UPDATES=${3:-${!own_updates:-$UPDATES}} LAYERS=${!own_layers:-$LAYERS}  # train_model reads UPDATES
+  local seed=$1 name=$2 own="EXTRA_TRAIN_ARGS_$2" own_layers="LAYERS_$2"
+  local UPDATES=${3:-$(budget_of "$2")} LAYERS=${!own_layers:-$LAYERS}  # train_model reads UPDATES
   local restarts train_seed=$seed attempt=""
   restarts=$(restarts_of "$seed" "$name")
   [ "$restarts" = 0 ] || { train_seed=$((seed + RESTART_SEED_STEP * restarts)); attempt=", restart $restarts: training seed $train_seed"; }
@@ -310,8 +310,8 @@ check_stage() {  # SEED NAME STAGE: the model at STAGE updates answers lines (an
 }
 
 train_until() {  # SEED NAME: in stages of CHECK_EVERY to its budget; stop at the first check that reaches UNTIL
-  local seed=$1 name=$2 own_updates="UPDATES_$2" dir="$OUT/seed$1/$2" stage current row status
-  local budget=${!own_updates:-$UPDATES}
+  local seed=$1 name=$2 dir="$OUT/seed$1/$2" stage current row status budget
+  budget=$(budget_of "$name")
   current=$(last_saved "$dir")
   [ "$current" -le "$budget" ] || { train "$seed" "$name" "$budget"; return $?; }  # refused: trained past it
   # the multiples of CHECK_EVERY below the budget, the budget, and the count a finished training left the
