@@ -245,12 +245,13 @@ restarts_of() {  # SEED NAME: the number of its last restart (its discarded atte
   done
   echo "$last"
 }
+training_seed_of() { echo $(( $1 + RESTART_SEED_STEP * $2 )); }  # SEED RESTART: the seed restart RESTART trains under
 train() {  # train SEED NAME [UPDATES]: identical settings; only the arch (position handling) differs
   local seed=$1 name=$2 own="EXTRA_TRAIN_ARGS_$2" own_layers="LAYERS_$2"
   local UPDATES=${3:-$(budget_of "$2")} LAYERS=${!own_layers:-$LAYERS}  # train_model reads UPDATES
   local restarts train_seed=$seed attempt=""
   restarts=$(restarts_of "$seed" "$name")
-  [ "$restarts" = 0 ] || { train_seed=$((seed + RESTART_SEED_STEP * restarts)); attempt=", restart $restarts: training seed $train_seed"; }
+  [ "$restarts" = 0 ] || { train_seed=$(training_seed_of "$seed" "$restarts"); attempt=", restart $restarts: training seed $train_seed"; }
   # Each document is a whole line of the corpus (--sample-break-mode complete packs
   # whole documents into blocks of L tokens), so no record is cut from its question.
   train_model "$OUT/seed$seed/$name" "seed $seed $name" \
@@ -340,15 +341,13 @@ train_until() {  # SEED NAME: in stages of CHECK_EVERY to its budget; stop at th
       return 0
     fi
     if [ "$stage" = "$(restart_at_of "$name")" ] && echo "$row" | awk -F'\t' -v p="$RESTART_BELOW" '{exit !($2 < p)}'; then
-      local restarts
-      restarts=$(restarts_of "$seed" "$name")
-      if [ "$restarts" -lt "$RESTARTS" ]; then  # the attempt moved whole, in one rename: a stop leaves one or the other
-        mkdir -p "$OUT/seed$seed/restarts" && mv -T "$dir" "$OUT/seed$seed/restarts/$name.$((restarts + 1))" || {
-          echo "error: seed $seed $name: cannot move the attempt to restart to $OUT/seed$seed/restarts/$name.$((restarts + 1))" >&2
-          return 1; }
+      local next kept
+      next=$(( $(restarts_of "$seed" "$name") + 1 )); kept="$OUT/seed$seed/restarts/$name.$next"
+      if [ "$next" -le "$RESTARTS" ]; then  # the attempt moved whole, in one rename: a stop leaves one or the other
+        mkdir -p "$OUT/seed$seed/restarts" && mv -T "$dir" "$kept" || {
+          echo "error: seed $seed $name: cannot move the attempt to restart to $kept" >&2; return 1; }
         stamp "seed $seed $name: lines $(echo "$row" | cut -f2)% at $stage updates, below $RESTART_BELOW%: restart" \
-          "$((restarts + 1)) of at most $RESTARTS, training seed $((seed + RESTART_SEED_STEP * (restarts + 1)))" \
-          "(the attempt kept in $OUT/seed$seed/restarts/$name.$((restarts + 1)))"
+          "$next of at most $RESTARTS, training seed $(training_seed_of "$seed" "$next") (the attempt kept in $kept)"
         train_until "$seed" "$name"
         return $?
       fi
