@@ -95,14 +95,23 @@ last_saved() {  # DIR: the update count of the last checkpoint its train.log say
   echo "${updates:-0}"
 }
 
-# train_model DIR LABEL DETAIL ALIBI_TRAIN_ARGS...: train into DIR (train.log, checkpoints), unless
-# DIR/trained.ok records UPDATES (refused: a DIR whose model was trained past UPDATES). Reads UPDATES, SAVE_EVERY, TRAIN_THREADS, TRAIN_STEP (the
+# train_model DIR LABEL DETAIL DATA ALIBI_TRAIN_ARGS...: train into DIR (train.log, checkpoints) on DATA,
+# unless DIR/trained.ok records UPDATES (refused: a DIR whose model was trained past UPDATES, or on
+# another DATA, recorded in DIR/data.path). Reads UPDATES, SAVE_EVERY, TRAIN_THREADS, TRAIN_STEP (the
 # recipe's step, e.g. 2/4) and FOLLOW (a pattern of log lines to show, prefixed with LABEL; empty:
 # none). Returns 0 (trained), 1 (failed: one error: line on stderr) or 130 (stopped: resumable).
 # Runs as a job of run_trainings (it sets the traps of its own shell).
 train_model() {
-  local dir=$1 label=$2 detail=$3 status=0 trainer="" sent="" resume=""
+  local dir=$1 label=$2 detail=$3 status=0 trainer="" sent="" resume="" data
   shift 3
+  # A model goes on (or counts as trained) only on the corpus it was trained on: a resumed run on
+  # another would report a model that no corpus describes. (A DIR from before the record: taken as is.)
+  data=$([ $# = 0 ] || realpath -m -- "$1")
+  if [ -n "$data" ] && [ -f "$dir/data.path" ] && [ "$(cat "$dir/data.path")" != "$data" ]; then
+    echo "error: $label: $dir holds a model trained on $(cat "$dir/data.path"), not on $data; give another" \
+      "OUT, or remove $dir to train it again" >&2
+    return 1
+  fi
   # (an empty trained.ok is the mark of an earlier demo.sh, which recorded no count: kept as trained)
   if [ -f "$dir/trained.ok" ] && [ -f "$dir/checkpoint_last.pt" ] \
     && { [ "$(cat "$dir/trained.ok")" = "$UPDATES" ] || [ ! -s "$dir/trained.ok" ]; }; then
@@ -117,6 +126,7 @@ train_model() {
     return 1
   fi
   mkdir -p "$dir"
+  [ -z "$data" ] || echo "$data" > "$dir/data.path"
   touch "$dir/train.log"
   [ -f "$dir/checkpoint_last.pt" ] && resume=", resuming from update $(last_saved "$dir")"
   stamp "$TRAIN_STEP training $label ($detail$resume; log in $dir/train.log)"

@@ -1,4 +1,5 @@
-"""``examples/lib.sh``, what every recipe shares: stopping its trainings.
+"""``examples/lib.sh``, what every recipe shares: stopping its trainings (and
+training each model on one corpus, last test).
 
 A recipe is stopped by Ctrl-C (SIGINT to its process group), by SIGTERM or by
 SIGHUP, and each training it runs must then stop at once, resumable.  A recipe
@@ -169,3 +170,30 @@ def test_a_model_trained_past_the_updates_asked_is_refused_not_resumed(tmp_path)
     assert result.stderr.splitlines() and set(result.stderr.splitlines()) <= expected, result.stderr
     assert not list((tmp_path / "marks").glob("*.started"))
     assert (tmp_path / "out" / "a" / "trained.ok").read_text() == "20\n"
+
+
+def test_a_model_goes_on_only_on_the_corpus_it_was_trained_on(tmp_path):
+    """train_model records the corpus a model trains on (DIR/data.path, its real
+    path); a run folder recorded for another corpus is refused with one error
+    line, whether it is finished (trained.ok) or to be resumed, and no trainer
+    starts; the same corpus by another spelling trains."""
+    env = fake_recipe_env(tmp_path, FINISH="1")
+    driver = DRIVER.replace('"fake"; }', '"fake" "$DATA"; }')
+    (tmp_path / "corpus").mkdir()
+    first = subprocess.run(["bash", "-c", driver], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                           env=dict(env, DATA=str(tmp_path / "corpus")))
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert (tmp_path / "out" / "a" / "data.path").read_text() == f"{tmp_path}/corpus\n"
+    (tmp_path / "out" / "b" / "trained.ok").unlink()  # b to be resumed, a finished
+    again = subprocess.run(["bash", "-c", driver], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                           env=dict(env, DATA=str(tmp_path / "corpus" / ".." / "corpus")))
+    assert again.returncode == 0 and "run a: already trained" in again.stdout, again.stdout + again.stderr
+    logs = {name: (tmp_path / "out" / name / "train.log").read_text() for name in ("a", "b")}
+    other = subprocess.run(["bash", "-c", driver], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                           env=dict(env, DATA=str(tmp_path / "other")))
+    assert other.returncode == 1, other.stdout + other.stderr
+    expected = {f"error: run {name}: {tmp_path}/out/{name} holds a model trained on {tmp_path}/corpus, not on "
+                f"{tmp_path}/other; give another OUT, or remove {tmp_path}/out/{name} to train it again"
+                for name in ("a", "b")}
+    assert other.stderr.splitlines() and set(other.stderr.splitlines()) <= expected, other.stderr
+    assert logs == {name: (tmp_path / "out" / name / "train.log").read_text() for name in ("a", "b")}  # no trainer ran

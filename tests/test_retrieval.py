@@ -782,10 +782,14 @@ def test_every_family_recipe_gives_each_family_its_own_settings(tmp_path):
     layout with filler in a quarter of the training documents and the passkey; T5,
     FoX and RNoPE get their own arguments, RoPE and NoPE their own update counts
     and NoPE its third layer (UPDATES_<model>, LAYERS_<model> replace the recipe's
-    for that model alone; the models' logs and trained.ok say so); every
-    extension method applies where it may (logn to each family). A per-model
-    setting that names no model, or a count that is no whole number, is refused
-    before anything runs."""
+    for that model alone; the models' logs and trained.ok say so); RoPE trains
+    on a corpus of its own with filler in a tenth (FILLER_SHARE_rotary), under
+    the run's dictionary; every extension method applies where it may (logn to
+    each family); a rerun that would take RoPE for trained on the run's corpus
+    is refused. A per-model setting that names no model, a count that is no
+    whole number or a share that is none, is refused before anything runs, and
+    a model's own corpus with words the run's dictionary lacks before it
+    trains."""
     import subprocess
 
     from conftest import cli_env, recipe_bin
@@ -809,7 +813,22 @@ def test_every_family_recipe_gives_each_family_its_own_settings(tmp_path):
         assert {n for n, log in logs.items() if setting in log} == {name}, setting
     documents = (data / "raw" / "train.txt").read_text().splitlines()
     assert all(re.search(r" line k\d+ \d \d \.", d) for d in documents)  # adjacent records
-    assert 0 < sum(not d.startswith("below is a record of lines i want you to remember . line") for d in documents) < len(documents)  # filler
+    with_filler = lambda docs: sum(not d.startswith("below is a record of lines i want you to remember . line") for d in docs)
+    assert 0 < with_filler(documents) < len(documents)
+    # RoPE's corpus of its own: the seed's records with filler in a tenth of the documents, not a
+    # quarter, binarized with the run's dictionary (the checks and the evaluation read that one)
+    rope_data = data / "filler-0.1"
+    data_of = {name: re.search(r"'data': '([^']*)'", log).group(1) for name, log in logs.items()}
+    assert data_of == {name: str(rope_data if name == "rotary" else data) for name in POSITIONS}
+    assert (rope_data / "dict.txt").read_bytes() == (data / "dict.txt").read_bytes()
+    rope_documents = (rope_data / "raw" / "train.txt").read_text().splitlines()
+    assert len(rope_documents) == len(documents) and 0 < with_filler(rope_documents) < with_filler(documents)
+    # a model goes on only on the corpus it was trained on (here: RoPE asked to count as trained on the run's)
+    moved = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                           env=cli_env(**dict(settings, FILLER_SHARE_rotary="")))
+    assert moved.returncode == 1 and (
+        f"error: seed 1 rotary: {out}/seed1/rotary holds a model trained on {rope_data}, not on {data}; give "
+        f"another OUT, or remove {out}/seed1/rotary to train it again") in moved.stderr.splitlines(), moved.stderr
     cells = json.loads((out / "seed1" / "families" / "results.json").read_text())["cells"]
     assert all({"none", "logn"} <= {c["method"] for c in cells if c["checkpoint"] == name} for name in POSITIONS)
     assert {c["method"] for c in cells if c["checkpoint"] == "alibi"} >= {"cap", "log", "power", "capnorm", "ntk"}
@@ -818,11 +837,26 @@ def test_every_family_recipe_gives_each_family_its_own_settings(tmp_path):
     for extra, message in ((dict(UPDATES_rope="5"), "error: UPDATES_rope names 'rope', which is not a model; "
                             "allowed suffixes: sinusoidal " + " ".join(POSITIONS)),
                            (dict(LAYERS_nope="three"), "error: LAYERS_nope=three is not a positive whole number"),
-                           (dict(UPDATES="0"), "error: UPDATES=0 is not a positive whole number")):
+                           (dict(UPDATES="0"), "error: UPDATES=0 is not a positive whole number"),
+                           (dict(FILLER_SHARE_rope="0.1"), "error: FILLER_SHARE_rope names 'rope', which is not "
+                            "a model; allowed suffixes: sinusoidal " + " ".join(POSITIONS)),
+                           (dict(FILLER_SHARE_rotary="2"), "error: FILLER_SHARE_rotary=2 is not a share of the "
+                            "documents: give a number from 0 to 1, e.g. 0.1, or leave it empty for FILLER_SHARE")):
         refused = subprocess.run([script], capture_output=True, text=True, timeout=600,
                                  env=cli_env(**dict(settings, OUT=str(tmp_path / "wrong"), **extra)))
         assert refused.returncode == 1 and refused.stderr.splitlines() == [message], refused.stderr
     assert not (tmp_path / "wrong").exists()  # refused before anything ran
+    # a model's own corpus with words the run's dictionary lacks (filler of non-keys where the run's
+    # corpus holds almost none) would train on <unk>: refused before it trains
+    lacking = dict(settings, OUT=str(tmp_path / "lacking"), DATA=str(tmp_path / "lacking-data"), MODELS="rotary",
+                   FILLER_SHARE="0.005", FILLER_WORDS="non-keys", FILLER_SHARE_rotary="1")
+    refused = subprocess.run([script], capture_output=True, text=True, timeout=600, env=cli_env(**lacking))
+    own = tmp_path / "lacking-data" / "filler-1"
+    assert refused.returncode == 1 and re.fullmatch(
+        rf"error: the corpus in {own} has words the dictionary of {tmp_path / 'lacking-data'} lacks \(train "
+        rf"[0-9.]+%, valid [0-9.]+% of its tokens <unk>; log: {own}/preprocess.log\): give its model the "
+        r"run's FILLER_SHARE or FILLER_WORDS=keys\n", refused.stderr), refused.stderr
+    assert not (own / "train.bin").exists() and not (tmp_path / "lacking" / "seed1").exists()
 
 
 @pytest.mark.slow

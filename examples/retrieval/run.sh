@@ -33,11 +33,15 @@
 #             family retrieves"): records `line KEY N .` (LAYOUT=adjacent),
 #             filler in a quarter of the training documents, PASSKEY=1, and per
 #             family EXTRA_TRAIN_ARGS_<model>, UPDATES_<model>, LAYERS_<model>
-#             (below); then every extension method at 1x-8x L.
+#             and RoPE's filler in a tenth (FILLER_SHARE_rotary, below); then
+#             every extension method at 1x-8x L.
 #
 # Per model (any recipe): EXTRA_TRAIN_ARGS_<model> (e.g. EXTRA_TRAIN_ARGS_fox)
 # reach that model's trainer alone, after EXTRA_TRAIN_ARGS; UPDATES_<model>
-# and LAYERS_<model> replace UPDATES and LAYERS for it (e.g. UPDATES_rotary=10000).
+# and LAYERS_<model> replace UPDATES and LAYERS for it (e.g. UPDATES_rotary=10000);
+# FILLER_SHARE_<model> trains it on a corpus of its own, the same seed's records with that share of
+# filler documents, binarized with the dictionary of the run's corpus (the checks and the evaluation
+# read that one): a corpus whose words that dictionary lacks is refused.
 #
 # Until it retrieves (any recipe; every-family's default UNTIL=90): with UNTIL=P
 # each model trains in stages of CHECK_EVERY updates (default 1500) up to its
@@ -86,10 +90,13 @@ case "$RECIPE" in
     # ALiBi the recipe's 1,500 updates; FIRE, Kerple and FoX 3,000, T5 and RNoPE 4,500; T5's table started at
     # ALiBi's bias, FoX at ALiBi's slopes with its gate weights held at zero for the first 1,000
     # updates, RNoPE with a window narrower than a record. NoPE: a third layer (its first cannot prefer
-    # a near key) and more updates (both tasks at 10,500 on seed 60). RoPE: more updates, and in a run of
-    # its own FILLER_SHARE=0.1 (a quarter of the documents with filler held it back; a tenth: both at 4,500).
+    # a near key) and more updates (both tasks at 10,500 on seed 60). RoPE: more updates, and filler in a
+    # tenth of its documents (a quarter held it back; a tenth: both at 4,500 on seed 60), its own corpus.
     MODELS=${MODELS:-$(models | cut -d' ' -f2-)}; DEFAULT_METHODS=$DEFAULT_EXTENSIONS
     LENGTHS=${LENGTHS:-1x,2x,4x,8x}; EVAL=families; SUMMARY=summary-families
+    # RoPE's corpus of its own (a FILLER_SHARE given is every model's, RoPE's too, unless
+    # FILLER_SHARE_rotary is given as well)
+    [ -n "${FILLER_SHARE:-}" ] || FILLER_SHARE_rotary=${FILLER_SHARE_rotary-0.1}
     LAYOUT=${LAYOUT:-adjacent}; FILLER_SHARE=${FILLER_SHARE:-0.25}; PASSKEY=${PASSKEY:-1}
     EXTRA_TRAIN_ARGS_t5bias=${EXTRA_TRAIN_ARGS_t5bias---t5-init-slopes 1}
     EXTRA_TRAIN_ARGS_fox=${EXTRA_TRAIN_ARGS_fox---fox-init-slopes 1 --fox-gate-init-std 0 --fox-weight-delay 1000}
@@ -140,7 +147,8 @@ LAYOUT=${LAYOUT:-record}
 OUT=${OUT:-outputs/retrieval}
 # A corpus of another seed or filler share gets its own directory (an existing one is never taken for it).
 CORPUS_TAG=""; [ "$CORPUS_SEED" = 1 ] || CORPUS_TAG="-c$CORPUS_SEED"
-if ! [[ $FILLER_SHARE =~ ^(0(\.[0-9]+)?|1(\.0+)?)$ ]]; then
+SHARE_PATTERN='^(0(\.[0-9]+)?|1(\.0+)?)$'
+if ! [[ $FILLER_SHARE =~ $SHARE_PATTERN ]]; then
   echo "error: FILLER_SHARE=$FILLER_SHARE is not a share of the documents: give a number from 0 to 1, e.g. 0.25" >&2; exit 1
 fi
 case "$FILLER_WORDS" in
@@ -188,12 +196,16 @@ recipe_settings MODELS METHODS "$DEFAULT_METHODS"
 # The per-model settings name a model of the registry (a misspelt one would be ignored) and the
 # update and layer counts are whole numbers (an empty per-model one: the recipe's own).
 KNOWN_MODELS=$(models)
-for var in UPDATES LAYERS CHECK_EVERY RESTART_AT $(compgen -v | grep -E '^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS|RESTART_AT)_' || true); do
-  if [[ $var =~ ^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS|RESTART_AT)_(.+)$ ]] && [[ " $KNOWN_MODELS " != *" ${BASH_REMATCH[2]} "* ]]; then
+for var in UPDATES LAYERS CHECK_EVERY RESTART_AT \
+           $(compgen -v | grep -E '^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS|RESTART_AT|FILLER_SHARE)_' || true); do
+  if [[ $var =~ ^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS|RESTART_AT|FILLER_SHARE)_(.+)$ ]] && [[ " $KNOWN_MODELS " != *" ${BASH_REMATCH[2]} "* ]]; then
     echo "error: $var names '${BASH_REMATCH[2]}', which is not a model; allowed suffixes: $KNOWN_MODELS" >&2; exit 1
   fi
   case $var in
     EXTRA_TRAIN_ARGS_*) ;;
+    FILLER_SHARE_*) [[ -z ${!var} || ${!var} =~ $SHARE_PATTERN ]] || {
+         echo "error: $var=${!var} is not a share of the documents: give a number from 0 to 1, e.g. 0.1," \
+           "or leave it empty for FILLER_SHARE" >&2; exit 1; } ;;
     *) [[ ${!var} =~ ^[1-9][0-9]*$ || ( $var == *_* && -z ${!var} ) ]] || {
          echo "error: $var=${!var} is not a positive whole number" >&2; exit 1; } ;;
   esac
@@ -210,6 +222,13 @@ jobs_of() {  # the (seed, model) pairs to train, one per line; sinusoidal for th
 [ -n "$(jobs_of)" ] || { echo "error: MODELS must name at least one model and SEEDS at least one seed" >&2; exit 1; }
 restart_at_of() { local own="RESTART_AT_$1"; echo "${!own:-$RESTART_AT}"; }  # NAME: its restart stage, or none
 budget_of() { local own="UPDATES_$1"; echo "${!own:-$UPDATES}"; }  # NAME: its UPDATES (in stages: its budget)
+filler_share_of() { local own="FILLER_SHARE_$1"; echo "${!own:-$FILLER_SHARE}"; }  # NAME: its share of filler
+data_of() {  # NAME: its training corpus: DATA, or one of its own filler share binarized with DATA's dictionary,
+  # so that the checks and the evaluation (DATA's dictionary) feed every model the same tokens
+  local share; share=$(filler_share_of "$1")
+  if awk -v a="$share" -v b="$FILLER_SHARE" 'BEGIN {exit !(a + 0 == b + 0)}'; then echo "$DATA"
+  else echo "$DATA/filler-$(awk -v a="$share" 'BEGIN {printf "%g", a}')"; fi
+}
 for name in $MODELS; do  # a restart is decided at a check: a stage of a staged training, before its budget
   at=$(restart_at_of "$name")
   [ -n "$at" ] || continue
@@ -226,16 +245,31 @@ mkdir -p "$OUT"
 fresh_report "$OUT/$SUMMARY.md" "$OUT/$SUMMARY.png"
 [ -z "$UNTIL" ] || fresh_report "$OUT/stages.md" "$OUT/stages.png"
 
-if [ ! -f "$DATA/train.bin" ]; then
-  stamp "1/3 synthetic lines corpus (L=$L, $KEYS keys, $DIGITS digits, $DOCS documents) -> $DATA"
-  python examples/retrieval/corpus.py --destdir "$DATA/raw" --max-length $((L - 1)) \
+build_corpus() {  # DIR SHARE [DICT]: the corpus with SHARE of its documents in filler, binarized into DIR
+  local dir=$1 share=$2 dict=${3:-} unk
+  if [ -f "$dir/train.bin" ]; then stamp "1/3 corpus: $dir already binarized"; return 0; fi
+  stamp "1/3 synthetic lines corpus (L=$L, $KEYS keys, $DIGITS digits, $DOCS documents, filler in a share" \
+    "of $share${dict:+, the dictionary of $DATA}) -> $dir"
+  python examples/retrieval/corpus.py --destdir "$dir/raw" --max-length $((L - 1)) \
     --keys "$KEYS" --digits "$DIGITS" --train-docs "$DOCS" --valid-docs 300 --seed "$CORPUS_SEED" \
-    --filler-share "$FILLER_SHARE" --filler-words "$FILLER_WORDS" --layout "$LAYOUT"
-  alibi-preprocess --only-source --trainpref "$DATA/raw/train.txt" --validpref "$DATA/raw/valid.txt" \
-    --destdir "$DATA" --workers 2 > "$DATA/preprocess.log" 2>&1
-else
-  stamp "1/3 corpus: $DATA already binarized"
-fi
+    --filler-share "$share" --filler-words "$FILLER_WORDS" --layout "$LAYOUT"
+  alibi-preprocess --only-source --trainpref "$dir/raw/train.txt" --validpref "$dir/raw/valid.txt" \
+    --destdir "$dir" --workers 2 ${dict:+--srcdict "$dict"} > "$dir/preprocess.log" 2>&1 || {
+    echo "error: binarizing the corpus in $dir failed (log: $dir/preprocess.log)" >&2; exit 1; }
+  # a word missing from a shared dictionary would train as <unk>: the same words or no corpus
+  unk=$(grep -o '/\(train\|valid\)\.txt: .*% replaced' "$dir/preprocess.log" | sort -u \
+        | sed -E 's|^/([a-z]+)\.txt: .* ([0-9.]+)% replaced$|\1 \2%|' | grep -v ' 0\.0*%$' | paste -sd, | sed 's/,/, /g' || true)
+  if [ -n "$unk" ]; then
+    rm -f "$dir/train.bin"
+    echo "error: the corpus in $dir has words the dictionary of $DATA lacks ($unk of its tokens <unk>;" \
+      "log: $dir/preprocess.log): give its model the run's FILLER_SHARE or FILLER_WORDS=keys" >&2; exit 1
+  fi
+}
+build_corpus "$DATA" "$FILLER_SHARE"
+for name in $(echo $MODELS | tr ' ' '\n' | awk '!seen[$0]++'); do  # the models with a filler share of their own
+  data=$(data_of "$name")
+  [ "$data" = "$DATA" ] || build_corpus "$data" "$(filler_share_of "$name")" "$DATA/dict.txt"
+done
 
 restarts_of() {  # SEED NAME: the number of its last restart (its discarded attempts are NAME.1 .. NAME.N), or 0
   local n last=0 attempt
@@ -255,7 +289,8 @@ train() {  # train SEED NAME [UPDATES]: identical settings; only the arch (posit
   # Each document is a whole line of the corpus (--sample-break-mode complete packs
   # whole documents into blocks of L tokens), so no record is cut from its question.
   train_model "$OUT/seed$seed/$name" "seed $seed $name" \
-    "$(arch_of "$name"), L=$L, $LAYERS layers, $UPDATES updates, warm-up $WARMUP$attempt" "$DATA" --task language_modeling \
+    "$(arch_of "$name"), L=$L, $LAYERS layers, $UPDATES updates, warm-up $WARMUP$attempt" "$(data_of "$name")" \
+    --task language_modeling \
     --arch "$(arch_of "$name")" --decoder-layers "$LAYERS" --decoder-embed-dim "$DIM" --decoder-input-dim "$DIM" \
     --decoder-output-dim "$DIM" --decoder-ffn-embed-dim "$FFN" --decoder-attention-heads "$HEADS" \
     --decoder-normalize-before --share-decoder-input-output-embed \
