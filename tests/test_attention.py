@@ -686,3 +686,69 @@ def test_a_bias_constant_from_distance_1_keeps_each_query_s_own_key_in_the_band(
         got, _ = K.chunked_kernel(q, k, v, table, None, 0.0)
         want, _ = K.reference_kernel(q.double(), k.double(), v.double(), table, None, 0.0)
     assert_close(got.float(), want.float(), torch.float32)
+
+
+def learned_near_biases(heads: int = 4):
+    """A T5 table whose heads 0 and 3 learned to look near (far buckets 45-60
+    below the own key's, head 0's rising again at the last bucket: the suffix
+    maximum, not the bucket next door, bounds its far keys), head 1 flat and
+    head 2 mild; and a Kerple whose first head is steep (r1 = 20)."""
+    table = positions.build("t5bias", heads, 8, {"t5_buckets": 8, "t5_max_distance": 20, "t5_init_slopes": 0.0},
+                            NO_SCALING)
+    rows = torch.tensor([[0.0, -10, -20, -30, -40, -50, -60, -45], [0.0] * 8, [0.0, -1, -2, -3, -4, -5, -6, -7],
+                         [0.0, -5, -50, -55, -60, -60, -60, -60]])
+    kerple = positions.build("kerple", heads, 8, {}, NO_SCALING)
+    with torch.no_grad():
+        table.method.table.weight.copy_(rows.T)
+        kerple.method.raw_r1[0] = 20.0  # softplus(20) ~ 20
+    return {"t5bias": table, "kerple": kerple}
+
+
+@pytest.mark.parametrize("name", ["t5bias", "kerple"])
+@pytest.mark.parametrize("q_len", [700, 300])
+def test_distance_windows_skip_the_far_keys_of_a_learned_bias_that_looks_near(name, q_len, monkeypatch):
+    """``kernels.distance_windows``: a learned bias of the distance alone leaves
+    out, per head, the keys its values make negligible (ALiBi's bound with the
+    bias read from its values), in inference only: the steep heads skip keys,
+    the flat ones read all; the chunked kernel's output is the reference's, and
+    the same as without the windows (T5's heads that read every key keep the
+    far call without a mask); under autograd nothing is skipped."""
+    monkeypatch.setattr(K, "CHUNK_SIZE", 64)
+    bias = learned_near_biases()[name]
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, q_len, 8, generator=gen)
+    k, v = (torch.randn(1, 4, 700, 8, generator=gen) for _ in range(2))
+    with torch.no_grad():
+        firsts = K.distance_windows(bias, q, k, 700)(q_len - 64, q_len)
+        assert firsts[0] > 0 and firsts[1] == firsts[2] == 0 and (firsts[3] > 0) == (name == "t5bias"), firsts
+        assert K.keys_read(bias, q, k) < 0.95  # of 4 heads, 2 (T5) or 1 (Kerple) skip
+        got, _ = K.chunked_kernel(q, k, v, bias, None, 0.0)
+        want, _ = K.reference_kernel(q.double(), k.double(), v.double(), bias, None, 0.0)
+        monkeypatch.setattr(K, "distance_windows", lambda *a: None)
+        whole, _ = K.chunked_kernel(q, k, v, bias, None, 0.0)
+    assert_close(got, want.float(), torch.float32)
+    torch.testing.assert_close(got, whole, atol=1e-6, rtol=1e-6)
+    monkeypatch.undo()
+    assert K.distance_windows(bias, q, k, 700) is None  # grad enabled: the blocked kernel's, over every key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_distance_windows_leave_out_negligible_mass_for_every_query(dtype):
+    """Every query of a block and every head, the T5 table above, keys aligned
+    with their queries (the own key scoring high narrows the floor): the keys
+    before a head's first key weigh together at most SKIPPED_SHARE * eps of
+    the row (fp64 softmax over the dense bias)."""
+    heads, length, start, stop = 4, 900, 800, 864
+    bias = learned_near_biases(heads)["t5bias"]
+    gen = torch.Generator().manual_seed(12)
+    k = 2 * torch.randn(1, heads, length, 8, generator=gen)
+    q = k.clone()
+    with torch.no_grad():
+        firsts = K.distance_windows(bias, q.to(dtype), k.to(dtype), length)(start, stop)
+        scores = (q[:, :, start:stop] @ k.transpose(-1, -2)).double() / 8 ** 0.5
+        scores = scores + bias.block(start, stop - start, length, torch.float64, "cpu")
+    weights = torch.softmax(scores, dim=-1)[0]
+    assert firsts[0] > 0 and firsts[3] > 0, firsts
+    allowed = K.SKIPPED_SHARE * torch.finfo(dtype).eps
+    for h, first in enumerate(firsts):
+        assert float(weights[h, :, :first].sum(-1).max()) <= allowed, (h, first)

@@ -215,6 +215,49 @@ def key_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
     return first
 
 
+def distance_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[Callable[[int, int], List[int]]]:
+    """:func:`key_windows` for every other causal bias of the distance alone
+    (a learned one's :meth:`StackBias.per_distance`: T5's buckets, Kerple,
+    FIRE within its threshold), in inference: ``first(start, stop)`` -> the
+    first key each head needs for queries ``start .. stop - 1``, or None where
+    no head can skip a key.
+
+    The bound is ALiBi's with the bias read from its values: a key at distance
+    ``d`` scores at most ``|q_i| K / sqrt(D) + b(d)`` and its row's maximum is
+    at least ``s_ii + b(0)``, so every key at distance ``D`` or more can be
+    left out once the largest ``b(d) - b(0)`` over ``d >= D`` (a suffix
+    maximum: the bias need not fall monotonically, T5's table may rise again)
+    is below ``-(gap + margin)`` (:func:`negligible_gap`,
+    :func:`score_margins`).  A head whose far bias stays near its near one (T5
+    and Kerple as initialized, most heads of a trained model) keeps every key;
+    one that learned to look near skips its far keys, as ALiBi's steep heads
+    do.  Values and gradients of what it reads are unchanged, so it is kept
+    out of training (a learned bias's gradient runs through the blocked
+    kernel, over every key)."""
+    if not bias.causal or bias.has_slopes or torch.is_grad_enabled():
+        return None
+    values = bias.per_distance(k_len, q.device)
+    if values is None:
+        return None
+    values = values.detach().float()
+    # the most any key at distance d or more has above the query's own key: non-increasing in d
+    above_own = (values - values[:, :1]).flip(-1).cummax(-1).values.flip(-1)
+    gap = negligible_gap(k_len, q.dtype)
+    if not bool((above_own[:, -1] < -gap).any()):  # not even the farthest key of any head, with no margin
+        return None
+    below_own = (-above_own).contiguous()  # non-decreasing: searchsorted finds each head's reach
+    offset = k_len - q.size(2)
+    margins = score_margins(q, k)
+
+    def first(start: int, stop: int) -> List[int]:
+        bound = (margins[:, start:stop].amax(-1) + gap)[:, None].contiguous()  # [H, 1]
+        reach = torch.searchsorted(below_own, bound, right=True)[:, 0].tolist()  # least d below the bound
+        # keys at distance >= reach from the block's first query (so from every query) are left out
+        return [max(0, offset + start - r + 1) // WINDOW_ALIGN * WINDOW_ALIGN if r < k_len else 0 for r in reach]
+
+    return first
+
+
 def score_margins(q: Tensor, k: Tensor) -> Tensor:
     """float32 ``[H, T]``: how far any key's content score (``q_i . k_j /
     sqrt(D)``, at most ``|q_i| K_h / sqrt(D)`` with ``K_h`` the head's largest
@@ -352,11 +395,12 @@ def far_causal_and_band(q: Tensor, k: Tensor, v: Tensor, ramp: Tensor, far_from:
 def block_windows(bias: StackBias, q: Tensor, k: Tensor, padded: bool, chunk_size: int) -> List[List[int]]:
     """Per block of ``chunk_size`` queries, the first key each head of the
     ``chunked`` kernel reads: ALiBi's :func:`key_windows`, FoX's
-    :func:`gate_windows` (neither with padding, nor for a single block), or a
-    sliding window (:func:`sliding_windows`); 0 for every head otherwise."""
+    :func:`gate_windows`, a learned distance bias's :func:`distance_windows`
+    (none of them with padding, nor for a single block), or a sliding window
+    (:func:`sliding_windows`); 0 for every head otherwise."""
     q_len, k_len = q.size(2), k.size(2)
-    windows = (key_windows(bias, q, k, k_len) or gate_windows(bias, q, k)) if not padded and q_len > chunk_size \
-        else None
+    windows = (key_windows(bias, q, k, k_len) or gate_windows(bias, q, k) or distance_windows(bias, q, k, k_len)) \
+        if not padded and q_len > chunk_size else None
     windows = windows or sliding_windows(bias, q.size(1), k_len - q_len if bias.causal else 0)
     return [windows(s, min(s + chunk_size, q_len)) if windows else [0] * q.size(1)
             for s in range(0, q_len, chunk_size)]
@@ -430,21 +474,21 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
         ramp = toeplitz_ramp(bias, k_len, chunk_size, q.dtype, q.device)
         # keys at least D from every query of a block share one bias: no mask for them (T5's buckets, a cap)
         skips = any(any(f) for f in firsts)
-        tail = constant_tail(ramp, k_len) if pad is None and not skips and not torch.is_grad_enabled() else None
-        if tail and offset == 0:
+        tail = constant_tail(ramp, k_len) if pad is None and not torch.is_grad_enabled() else None
+        if tail and offset == 0 and not skips:
             far_causal_and_band(q, k, v, ramp, tail[0], tail[1], chunk_size, out)
             return out.permute(1, 2, 0, 3), None
         for start, block_firsts in zip(starts, firsts):
             rows, visible = extent(start)
             block = reversed_rows(ramp, offset + start, rows, visible, k_len)[None]  # last query first
             near = offset + start - tail[0] + 1 if tail else 0  # keys before it: the far bias
-            if near > 0:
-                block_out = far_and_near(q[:, :, start:start + rows].flip(2), k, v, near, tail[1][:, None],
-                                         block[..., near:])
-                out[start:start + rows] = block_out.flip(2).permute(2, 0, 1, 3)
-                continue
             for heads, first in head_groups(block_firsts):
-                attend_block(start, heads, first, block[:, heads], reverse=True)
+                if near > 0 and first == 0:  # heads that read every key: the far ones without a mask
+                    block_out = far_and_near(q[:, heads, start:start + rows].flip(2), k[:, heads], v[:, heads], near,
+                                             tail[1][heads, None], block[:, heads, :, near:])
+                    out[start:start + rows, :, heads] = block_out.flip(2).permute(2, 0, 1, 3)
+                else:  # heads whose key windows leave the far keys out (or no far bias)
+                    attend_block(start, heads, first, block[:, heads], reverse=True)
     else:
         split = bias.batched and causal and pad is None and not torch.is_grad_enabled()  # FoX's inference
         for start, block_firsts in zip(starts, firsts):
