@@ -313,3 +313,30 @@ def test_the_position_kernels_benchmark_times_t5s_two_training_paths(monkeypatch
         results.append([out.detach()] + [t.grad for t in leaves] + [case.stack.method.table.weight.grad.clone()])
     for a, b in zip(*results):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_the_trained_windows_benchmark_compares_both_forms_on_a_checkpoint(lm_data_bin, tmp_path, monkeypatch,
+                                                                            capsys):
+    """``benchmarks/trained_windows.py`` on a tiny T5 model started at ALiBi's bias
+    (its steepest head's far bucket 50 below its near one), trained a few updates:
+    a row per length, the chunked kernel (its threshold lowered here) reading
+    fewer pairs with the distance windows than without, the two forms' log-probs
+    equal to rounding; a short input is no chunked call; a missing checkpoint is
+    one error line."""
+    from conftest import tool, train_args
+
+    import trained_windows
+
+    args = train_args(lm_data_bin, tmp_path, max_update=3)
+    args[args.index("transformer_lm_alibi")] = "transformer_lm_t5bias"
+    run_cli([tool("alibi-train"), *args, "--t5-init-slopes", "1"])
+    monkeypatch.setattr(trained_windows.K, "CHUNK_THRESHOLD", 64 * 64)
+    checkpoint = f"t5={tmp_path / 'checkpoint_last.pt'}"
+    assert trained_windows.main([str(lm_data_bin), "-c", checkpoint, "--tokens", "40", "600", "--repeats", "1"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| t5 |")]
+    assert [row[1] for row in rows] == ["40", "600"]
+    assert rows[0][2:4] == ["- (not chunked)"] * 2
+    windows, every = float(rows[1][2]), float(rows[1][3])
+    assert windows < every and every > 1 and float(rows[1][7].rstrip(" |")) < 1e-4
+    assert trained_windows.main([str(lm_data_bin), "-c", f"t5={tmp_path / 'none.pt'}"]) == 1
+    assert capsys.readouterr().err.startswith("error: ")
