@@ -231,9 +231,8 @@ def distance_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optio
     :func:`score_margins`).  A head whose far bias stays near its near one (T5
     and Kerple as initialized, most heads of a trained model) keeps every key;
     one that learned to look near skips its far keys, as ALiBi's steep heads
-    do.  Values and gradients of what it reads are unchanged, so it is kept
-    out of training (a learned bias's gradient runs through the blocked
-    kernel, over every key)."""
+    do.  Inference only: in training a learned bias runs through the blocked
+    kernel, whose gradient reaches every distance."""
     if not bias.causal or bias.has_slopes or torch.is_grad_enabled():
         return None
     values = bias.per_distance(k_len, q.device)
