@@ -429,9 +429,10 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
     bias a view of the shared ramp (causal) or built on the fly (bidirectional,
     learned, ``capnorm``), every block with the slopes of all ``k_len`` keys (as
     the dense kernels, so dynamic scaling agrees across kernels).  Causal blocks
-    read only the keys they can see, and each head only those within its
-    :func:`key_windows` (exact to the dtype: the others together weigh less
-    than 2^-16 of its rounding unit).  A causal Toeplitz bias's blocks are
+    read only the keys they can see, and each head only those within its key
+    windows (ALiBi's :func:`key_windows`, a learned distance bias's
+    :func:`distance_windows`; exact to the dtype: the others together weigh
+    less than 2^-16 of its rounding unit).  A causal Toeplitz bias's blocks are
     views of one vector per head (:func:`toeplitz_ramp`), their query rows in
     reverse order (the block's queries and output are flipped instead), and
     where the bias is one value past some distance (:func:`constant_tail`,
