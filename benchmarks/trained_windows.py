@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     except EvaluationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"host: {machine_description()}, {args.threads} thread(s), torch {torch.__version__}\n")
+    print(f"host: {machine_description()}\n")
     print("| model | tokens | keys read, windows | keys read, all | s, windows | s, all keys | windows / all "
           "| max diff of log-probs |")
     print("|---|---|---|---|---|---|---|---|")
