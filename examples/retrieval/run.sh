@@ -105,8 +105,9 @@ case "$RECIPE" in
     # ALiBi took 1,500, FIRE, Kerple and FoX up to 3,000, T5 and RNoPE up to 4,500 (by seed, not family).
     UNTIL=${UNTIL-90}; UPDATES=${UPDATES:-4500}
     UPDATES_rotary=${UPDATES_rotary-12000}; UPDATES_nope=${UPDATES_nope-12000}; LAYERS_nope=${LAYERS_nope-3}
-    # RoPE forms its own-key head on about one run in three; a run below 10% `lines` at 3,000 never did
-    # (docs/retrieval.md, "RoPE's lottery"), so it starts again under another seed rather than train on
+    # RoPE forms its own-key head by 4,500 updates on about one run in three; a run below 10% `lines` at
+    # 3,000 forms it late if at all (docs/retrieval.md, "RoPE's lottery", "Every family in one command"),
+    # so it starts again under another seed rather than train on
     # (where it trains in stages past 3,000; RESTART_AT_rotary= (empty) trains every draw to its budget).
     if [ -n "$UNTIL" ] && [ "${UPDATES_rotary:-$UPDATES}" -gt 3000 ] 2>/dev/null; then
       RESTART_AT_rotary=${RESTART_AT_rotary-3000}
