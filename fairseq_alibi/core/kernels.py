@@ -238,13 +238,17 @@ def distance_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optio
     values = bias.per_distance(k_len, q.device)
     if values is None:
         return None
-    values = values.detach().float()
-    # the most any key at distance d or more has above the query's own key: non-increasing in d
-    above_own = (values - values[:, :1]).flip(-1).cummax(-1).values.flip(-1)
+
+    def suffix() -> Tensor:
+        """How far every key at distance d or more stays below the query's own key
+        (the least of ``b(0) - b(d')``, d' >= d): non-decreasing in d, once per pass."""
+        below = values.detach().float()[:, :1] - values.detach().float()
+        return below.flip(-1).cummin(-1).values.flip(-1).contiguous()
+
+    below_own = bias.cached("distance_windows", (k_len, str(q.device)), suffix)
     gap = negligible_gap(k_len, q.dtype)
-    if not bool((above_own[:, -1] < -gap).any()):  # not even the farthest key of any head, with no margin
+    if not bool((below_own[:, -1] > gap).any()):  # not even the farthest key of any head, with no margin
         return None
-    below_own = (-above_own).contiguous()  # non-decreasing: searchsorted finds each head's reach
     offset = k_len - q.size(2)
     margins = score_margins(q, k)
 
