@@ -242,8 +242,8 @@ def distance_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optio
     def suffix() -> Tensor:
         """How far every key at distance d or more stays below the query's own key
         (the least of ``b(0) - b(d')``, d' >= d): non-decreasing in d, once per pass."""
-        below = values.detach().float()[:, :1] - values.detach().float()
-        return below.flip(-1).cummin(-1).values.flip(-1).contiguous()
+        table = values.detach().float()
+        return (table[:, :1] - table).flip(-1).cummin(-1).values.flip(-1).contiguous()
 
     below_own = bias.cached("distance_windows", (k_len, str(q.device)), suffix)
     gap = negligible_gap(k_len, q.dtype)
