@@ -799,6 +799,7 @@ def test_every_family_recipe_gives_each_family_its_own_settings(tmp_path):
                     FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2", UPDATES="2", WARMUP="2",
                     MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1", RECIPE="every-family",
                     LENGTHS="1x", UPDATES_rotary="3", UPDATES_nope="4", UNTIL="",  # fixed counts (staged: below)
+                    FILLER_SHARE_nope="0.10",  # RoPE's share, spelt otherwise: one corpus for the two
                     **{f"UPDATES_{name}": "" for name in ("fire", "kerple", "t5bias", "fox", "rnope")})  # "": UPDATES
     script = str(EXAMPLES / "retrieval" / "run.sh")
     run = subprocess.run([script], capture_output=True, text=True, env=cli_env(**settings), timeout=900)
@@ -819,7 +820,8 @@ def test_every_family_recipe_gives_each_family_its_own_settings(tmp_path):
     # quarter, binarized with the run's dictionary (the checks and the evaluation read that one)
     rope_data = data / "filler-0.1"
     data_of = {name: re.search(r"'data': '([^']*)'", log).group(1) for name, log in logs.items()}
-    assert data_of == {name: str(rope_data if name == "rotary" else data) for name in POSITIONS}
+    assert data_of == {name: str(rope_data if name in ("rotary", "nope") else data) for name in POSITIONS}
+    assert run.stdout.count(f"-> {rope_data}\n") == 1 and "already binarized" not in run.stdout  # built once
     assert (rope_data / "dict.txt").read_bytes() == (data / "dict.txt").read_bytes()
     rope_documents = (rope_data / "raw" / "train.txt").read_text().splitlines()
     assert len(rope_documents) == len(documents) and 0 < with_filler(rope_documents) < with_filler(documents)

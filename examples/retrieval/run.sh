@@ -267,9 +267,12 @@ build_corpus() {  # DIR SHARE [DICT]: the corpus with SHARE of its documents in 
   fi
 }
 build_corpus "$DATA" "$FILLER_SHARE"
-for name in $(echo $MODELS | tr ' ' '\n' | awk '!seen[$0]++'); do  # the models with a filler share of their own
+built=" $DATA "  # each corpus once, however many models share its filler share
+for name in $MODELS; do  # the models with a filler share of their own
   data=$(data_of "$name")
-  [ "$data" = "$DATA" ] || build_corpus "$data" "$(filler_share_of "$name")" "$DATA/dict.txt"
+  [[ $built == *" $data "* ]] && continue
+  built+="$data "
+  build_corpus "$data" "$(filler_share_of "$name")" "$DATA/dict.txt"
 done
 
 restarts_of() {  # SEED NAME: the number of its last restart (its discarded attempts are NAME.1 .. NAME.N), or 0
