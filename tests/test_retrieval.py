@@ -987,6 +987,32 @@ def test_recipe_restarts_a_model_below_its_bar_under_another_seed(tmp_path):
 
 
 @pytest.mark.slow
+def test_every_family_allows_six_restarts(tmp_path):
+    """RECIPE=every-family allows six restarts where RESTARTS is not given
+    (three in the other recipes): the first restart's line says "of at most 6".
+    The run is stopped there (Ctrl-C), which the recipe reports as such."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import cli_env, recipe_bin
+
+    settings = dict(VENV_BIN=recipe_bin(), OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"), SEEDS="1",
+                    L="64", LAYERS="1", DIM="16", FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2",
+                    UPDATES="4", WARMUP="2", MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1",
+                    RECIPE="every-family", MODELS="rotary", UPDATES_rotary="", METHODS="none", LENGTHS="1x",
+                    CHECK_EVERY="2", UNTIL="100", RESTART_AT_rotary="2", RESTART_BELOW="100")
+    run = subprocess.Popen([str(EXAMPLES / "retrieval" / "run.sh")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=cli_env(**settings), start_new_session=True)
+    try:
+        restart = next((line for line in run.stdout if "restart 1 of at most" in line), "")
+    finally:
+        os.killpg(run.pid, signal.SIGINT)
+        run.communicate(timeout=300)
+    assert "below 100%: restart 1 of at most 6, training seed 10001" in restart, restart
+
+
+@pytest.mark.slow
 def test_recipe_script_trains_every_model_and_summarizes_by_family(tmp_path):
     """examples/retrieval/run.sh at toy size, RECIPE=families plus the sinusoidal
     baseline: an ALiBi and a RoPE model per seed, the sinusoidal one for the

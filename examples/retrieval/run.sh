@@ -55,8 +55,8 @@
 # below RESTART_BELOW% (default 10), under another training seed (the seed plus 10000 per restart: other
 # initial weights and batch order; the corpus and every prompt stay the seed's), at most RESTARTS times
 # (default 3); each discarded attempt is kept whole in $OUT/seedS/restarts/<model>.N and shown in stages.md.
-# every-family sets RESTART_AT_rotary=3000: RoPE's own-key head forms on some runs only, and whether it
-# has shows by 3,000 updates (docs/retrieval.md, "RoPE's lottery").
+# every-family sets RESTART_AT_rotary=3000 and RESTARTS=6: RoPE's own-key head forms by 3,000-4,500
+# updates on about one run in four, late or never on the others (docs/retrieval.md, "RoPE's lottery").
 #
 # Resumable (examples/lib.sh): a finished model (its trained.ok) is not
 # retrained, an interrupted one (Ctrl-C; or one trained for fewer than UPDATES)
@@ -104,14 +104,18 @@ case "$RECIPE" in
     # Each family until it answers 90% of both tasks, checked every 1,500 updates: on three seeds
     # ALiBi took 1,500, FIRE, Kerple and FoX up to 3,000, T5 and RNoPE up to 4,500 (by seed, not family).
     UNTIL=${UNTIL-90}; UPDATES=${UPDATES:-4500}
-    UPDATES_rotary=${UPDATES_rotary-12000}; UPDATES_nope=${UPDATES_nope-12000}; LAYERS_nope=${LAYERS_nope-3}
-    # RoPE forms its own-key head by 4,500 updates on about one run in three; a run below 10% `lines` at
-    # 3,000 forms it late if at all (docs/retrieval.md, "RoPE's lottery", "Every family in one command"),
-    # so it starts again under another seed rather than train on
-    # (where it trains in stages past 3,000; RESTART_AT_rotary= (empty) trains every draw to its budget).
+    # NoPE rises late and slowly: 90% of both at 9,000-12,000 updates on three seeds, at 18,000 on a
+    # fourth (73% of `lines` at 12,000), not by 12,000 on a fifth (81%, still rising): a budget of 24,000.
+    UPDATES_rotary=${UPDATES_rotary-12000}; UPDATES_nope=${UPDATES_nope-24000}; LAYERS_nope=${LAYERS_nope-3}
+    # RoPE forms its own-key head by 4,500 updates on about one run in four; a run below 10% `lines` at
+    # 3,000 forms it late (3 of 7 by 12,000) or not at all, and on average a new draw finds it sooner
+    # (docs/retrieval.md, "RoPE's lottery", "Restart or train on"), so it starts again under another seed,
+    # up to six times, the last draw then training on to its budget (where it trains in stages past
+    # 3,000; RESTART_AT_rotary= (empty) trains every draw to its budget).
     if [ -n "$UNTIL" ] && [ "${UPDATES_rotary:-$UPDATES}" -gt 3000 ] 2>/dev/null; then
       RESTART_AT_rotary=${RESTART_AT_rotary-3000}
-    fi ;;
+    fi
+    RESTARTS=${RESTARTS:-6} ;;
   *) echo "error: RECIPE=$RECIPE is not a recipe; allowed values: methods, families, every-family" >&2; exit 1 ;;
 esac
 
@@ -180,7 +184,7 @@ if [ -n "$UNTIL" ] && ! [[ $UNTIL =~ ^([1-9][0-9]?|100)$ ]]; then
 fi
 RESTART_AT=${RESTART_AT:-}        # U: a model below RESTART_BELOW% `lines` at U updates starts again (above)
 RESTART_BELOW=${RESTART_BELOW:-10}
-RESTARTS=${RESTARTS:-3}
+RESTARTS=${RESTARTS:-3}          # the most restarts of one model (every-family: 6)
 RESTART_SEED_STEP=10000          # restart N trains under the seed plus N times this
 if ! [[ $RESTART_BELOW =~ ^([1-9][0-9]?|100)$ ]]; then
   echo "error: RESTART_BELOW=$RESTART_BELOW is not allowed: a whole percentage from 1 to 100 (e.g. 10)" >&2; exit 1
