@@ -1002,14 +1002,15 @@ def test_every_family_allows_six_restarts(tmp_path):
                     UPDATES="4", WARMUP="2", MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1",
                     RECIPE="every-family", MODELS="rotary", UPDATES_rotary="", METHODS="none", LENGTHS="1x",
                     CHECK_EVERY="2", UNTIL="100", RESTART_AT_rotary="2", RESTART_BELOW="100")
-    run = subprocess.Popen([str(EXAMPLES / "retrieval" / "run.sh")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, env=cli_env(**settings), start_new_session=True)
+    run = subprocess.Popen([str(EXAMPLES / "retrieval" / "run.sh")], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, env=cli_env(**settings), start_new_session=True)
     try:
         restart = next((line for line in run.stdout if "restart 1 of at most" in line), "")
     finally:
         os.killpg(run.pid, signal.SIGINT)
-        run.communicate(timeout=300)
+        rest = run.communicate(timeout=300)[0]
     assert "below 100%: restart 1 of at most 6, training seed 10001" in restart, restart
+    assert run.returncode == 130 and "interrupted" in rest, rest[-2000:]
 
 
 @pytest.mark.slow
