@@ -180,24 +180,35 @@ train_model() {
   esac
 }
 
+# reap_trainings: run_trainings' wait for one of its jobs (the pids in its `live`) to end; takes
+# the exit status of each that has ended, by its pid, the first non-zero into `status`. Not the
+# status `wait -n` returns: bash 5.2's `wait -n` can pass over a job that ended together with the
+# one it reports (it then returns 127, "nothing to wait for", or waits on for the next), where
+# `wait PID` still gives the status bash kept for that pid.
+reap_trainings() {
+  local pid code lost=0 running=()
+  wait -n 2>/dev/null || [ $? != 127 ] || lost=1  # 127: no job left to wait for (a pid kill -0 finds is not ours)
+  for pid in "${live[@]}"; do
+    if [ "$lost" = 0 ] && kill -0 "$pid" 2>/dev/null; then running+=("$pid"); continue; fi
+    code=0
+    wait "$pid" || code=$?
+    [ "$status" != 0 ] || status=$code
+  done
+  live=("${running[@]}")
+}
+
 # run_trainings FUNCTION < lines: FUNCTION WORDS... for each line of WORDS, TRAIN_SLOTS at once.
 # The first that fails (FUNCTION returned 1: it said why) stops the others and exits 1; one that
 # was stopped (130) ends the recipe as interrupted.
 run_trainings() {
-  local fn=$1 running=0 status=0 words
+  local fn=$1 status=0 words live=()
   while [ "$status" = 0 ] && read -r words; do
-    if [ "$running" -ge "$TRAIN_SLOTS" ]; then
-      wait -n || status=$?
-      running=$((running - 1))
-      [ "$status" = 0 ] || break
-    fi
+    while [ "$status" = 0 ] && [ "${#live[@]}" -ge "$TRAIN_SLOTS" ]; do reap_trainings; done
+    [ "$status" = 0 ] || break
     # shellcheck disable=SC2086
-    "$fn" $words & running=$((running + 1))
+    "$fn" $words & live+=("$!")
   done
-  while [ "$status" = 0 ] && [ "$running" -gt 0 ]; do
-    wait -n || status=$?
-    running=$((running - 1))
-  done
+  while [ "$status" = 0 ] && [ "${#live[@]}" -gt 0 ]; do reap_trainings; done
   case $status in
     0) return 0 ;;
     1) trap '' INT TERM HUP; stop_trainings; exit 1 ;;
