@@ -1356,12 +1356,16 @@ def test_stage_checks_record_and_report_the_updates_each_model_took(tmp_path):
     for number, rows in ((1, "1500\t1.0\t20.0\n3000\t4.0\t30.0\n"), (2, "1500\t0.0\t10.0\n3000\t2.0\t25.0\n")):
         (out / "seed7" / "restarts" / f"rotary.{number}").mkdir(parents=True, exist_ok=True)
         (out / "seed7" / "restarts" / f"rotary.{number}" / "checks.tsv").write_text(rows)
+    # the training seeds, as fairseq's config lines give them (each stage logs its config); attempt 2 has no log
+    (out / "seed7" / "restarts" / "rotary.1" / "train.log").write_text("{'common': {'seed': 7}}\n" * 2)
+    (rope / "train.log").write_text("{'common': {'seed': 20007, 'fixed_validation_seed': None}}\n")
     (rope / "checks.tsv").write_text("1500\t30.0\t70.0\n3000\t91.0\t96.0\n")
     restarted = run_cli([sys.executable, script, "report", str(out), "--until", "90"]).stdout
     assert ("| rotary | **3,000** (91 / 96) after 2 restarts (4 / 30 at 3,000; 2 / 25 at 3,000); "
             "9,000 updates in all |") in restarted
-    assert "| rotary | seed7, attempt 1 (discarded) | 1,500: 1 / 20, 3,000: 4 / 30 |" in restarted
-    assert "| rotary | seed7, attempt 3 | 1,500: 30 / 70, 3,000: 91 / 96 |" in restarted
+    assert "| rotary | seed7, attempt 1 (training seed 7, discarded) | 1,500: 1 / 20, 3,000: 4 / 30 |" in restarted
+    assert "| rotary | seed7, attempt 2 (discarded) | 1,500: 0 / 10, 3,000: 2 / 25 |" in restarted
+    assert "| rotary | seed7, attempt 3 (training seed 20,007) | 1,500: 30 / 70, 3,000: 91 / 96 |" in restarted
     assert "| alibi | seed7 | 1,500: 85 / 95, 3,000: 95 / 95 |" in restarted  # one attempt: as before
     (rope / "checks.tsv").unlink()  # the third attempt before its first check
     assert ("| rotary | training (no check yet) after 2 restarts (4 / 30 at 3,000; 2 / 25 at 3,000); "

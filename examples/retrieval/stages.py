@@ -45,6 +45,10 @@ class Run:
 
     checks: List[Check] = field(default_factory=list)
     discarded: List[List[Check]] = field(default_factory=list)
+    #: Each attempt's training seed (fairseq's ``--seed``, read from its train.log; None where the log
+    #: gives none or more than one), in the order of :meth:`attempts` (the one that stands last, where it
+    #: has a check).
+    seeds: List[Optional[int]] = field(default_factory=list)
 
     def attempts(self) -> List[List[Check]]:
         return [*self.discarded, self.checks]
@@ -99,6 +103,18 @@ def format_row(check: Check) -> str:
     return f"{updates}\t{lines:.1f}\t{'-' if passkey is None else f'{passkey:.1f}'}"
 
 
+def training_seed(run_dir: str) -> Optional[int]:
+    """The ``--seed`` an attempt trained under, as its ``train.log`` records it
+    (fairseq logs its config, ``'seed': N``, at every start of a stage); None
+    without a log or where the log gives more than one."""
+    try:
+        with open(os.path.join(run_dir, "train.log"), encoding="utf-8", errors="replace") as log:
+            found = set(re.findall(r"'seed': (\d+)", log.read()))
+    except FileNotFoundError:
+        return None
+    return int(found.pop()) if len(found) == 1 else None
+
+
 def passes(check: Check, until: float) -> bool:
     return check[1] >= until and (check[2] is None or check[2] >= until)
 
@@ -138,6 +154,7 @@ def collect(out: str) -> Dict[str, Dict[str, Run]]:
             checks = read_checks(path) if os.path.isfile(path) else []
             if checks:
                 found.setdefault(model, {})[seed_dir] = Run(checks)
+                found[model][seed_dir].seeds.append(training_seed(os.path.dirname(path)))
         restarts = os.path.join(out, seed_dir, "restarts")
         attempts = [m.groups() for m in (re.fullmatch(r"(.+)\.(\d+)", name) for name in
                                          (sorted(os.listdir(restarts)) if os.path.isdir(restarts) else [])) if m]
@@ -145,7 +162,9 @@ def collect(out: str) -> Dict[str, Dict[str, Run]]:
             path = os.path.join(restarts, f"{model}.{number}", "checks.tsv")
             checks = read_checks(path) if os.path.isfile(path) else []
             if checks:
-                found.setdefault(model, {}).setdefault(seed_dir, Run()).discarded.append(checks)
+                run = found.setdefault(model, {}).setdefault(seed_dir, Run())
+                run.discarded.append(checks)
+                run.seeds.insert(len(run.discarded) - 1, training_seed(os.path.dirname(path)))
     return found
 
 
@@ -175,8 +194,11 @@ def report(found: Dict[str, Dict[str, Run]], until: float) -> str:
             for number, checks in enumerate(attempts, 1):
                 if not checks:  # an attempt that has not reached its first check
                     continue
+                trained = runs[seed].seeds[number - 1] if number <= len(runs[seed].seeds) else None
+                notes = ([f"training seed {trained:,}"] if trained is not None else []) + \
+                    (["discarded"] if number < len(attempts) else [])
                 label = seed if len(attempts) == 1 else \
-                    f"{seed}, attempt {number}" + (" (discarded)" if number < len(attempts) else "")
+                    f"{seed}, attempt {number}" + (f" ({', '.join(notes)})" if notes else "")
                 out.append(f"| {model} | {label} | " + ", ".join(f"{c[0]:,}: {shown(c)}" for c in checks) + " |")
     return "\n".join(out) + "\n"
 
