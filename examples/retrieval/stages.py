@@ -45,13 +45,17 @@ class Run:
 
     checks: List[Check] = field(default_factory=list)
     discarded: List[List[Check]] = field(default_factory=list)
-    #: Each attempt's training seed (fairseq's ``--seed``, read from its train.log; None where the log
-    #: gives none or more than one), in the order of :meth:`attempts` (the one that stands last, where it
-    #: has a check).
-    seeds: List[Optional[int]] = field(default_factory=list)
+    #: The training seeds (fairseq's ``--seed``, from each attempt's train.log; None where unknown) of
+    #: the attempt that stands and of the discarded ones.
+    seed: Optional[int] = None
+    discarded_seeds: List[Optional[int]] = field(default_factory=list)
 
     def attempts(self) -> List[List[Check]]:
         return [*self.discarded, self.checks]
+
+    def training_seeds(self) -> List[Optional[int]]:
+        """The training seed of each of :meth:`attempts`."""
+        return [*self.discarded_seeds, self.seed]
 
 
 def accuracy_at_1x(path: str) -> float:
@@ -153,8 +157,7 @@ def collect(out: str) -> Dict[str, Dict[str, Run]]:
             path = os.path.join(out, seed_dir, model, "checks.tsv")
             checks = read_checks(path) if os.path.isfile(path) else []
             if checks:
-                found.setdefault(model, {})[seed_dir] = Run(checks)
-                found[model][seed_dir].seeds.append(training_seed(os.path.dirname(path)))
+                found.setdefault(model, {})[seed_dir] = Run(checks, seed=training_seed(os.path.dirname(path)))
         restarts = os.path.join(out, seed_dir, "restarts")
         attempts = [m.groups() for m in (re.fullmatch(r"(.+)\.(\d+)", name) for name in
                                          (sorted(os.listdir(restarts)) if os.path.isdir(restarts) else [])) if m]
@@ -164,7 +167,7 @@ def collect(out: str) -> Dict[str, Dict[str, Run]]:
             if checks:
                 run = found.setdefault(model, {}).setdefault(seed_dir, Run())
                 run.discarded.append(checks)
-                run.seeds.insert(len(run.discarded) - 1, training_seed(os.path.dirname(path)))
+                run.discarded_seeds.append(training_seed(os.path.dirname(path)))
     return found
 
 
@@ -191,10 +194,9 @@ def report(found: Dict[str, Dict[str, Run]], until: float) -> str:
             if seed not in runs:
                 continue
             attempts = runs[seed].attempts()
-            for number, checks in enumerate(attempts, 1):
+            for number, (checks, trained) in enumerate(zip(attempts, runs[seed].training_seeds()), 1):
                 if not checks:  # an attempt that has not reached its first check
                     continue
-                trained = runs[seed].seeds[number - 1] if number <= len(runs[seed].seeds) else None
                 notes = ([f"training seed {trained:,}"] if trained is not None else []) + \
                     (["discarded"] if number < len(attempts) else [])
                 label = seed if len(attempts) == 1 else \
