@@ -205,7 +205,7 @@ def test_a_training_whose_end_wait_n_passed_over_is_still_counted_by_its_pid(tmp
     ``wait -n`` can pass over a job that ended together with another (the test
     above failed one run in ten that way, "interrupted" after both trained):
     here a ``wait -n`` of the driver's own takes the job's end first, as that
-    one did, and the recipe still ends as the job did (0, error 1, stopped 130)."""
+    one did, and reap_trainings still takes that job's status (0, error 1, stopped 130)."""
     script = f"""cd "$REPO"; RECIPE_TAG=reaptest; source examples/lib.sh; TRAIN_SLOTS=2
     job() {{ [ "$1" = quick ] && return {code}; sleep 0.5; }}
     live=(); status=0
