@@ -9,7 +9,7 @@ import torch
 from omegaconf import open_dict
 
 import fairseq_alibi.models  # noqa: F401  (registers the models)
-from fairseq_alibi.core import kernels
+from fairseq_alibi.core import flex, kernels
 from fairseq_alibi.core.bias import AlibiBias, CausalMask, ModuleBias
 from fairseq_alibi.core.errors import ScalingError
 from fairseq_alibi.core.kerple import KerpleLog
@@ -64,6 +64,9 @@ def test_logn_is_the_explicit_logit_scaling_on_every_kernel(spelling, kernel, na
 
 
 @pytest.mark.slow  # one inductor compile: minutes on 2 loaded cores
+@pytest.mark.xfail(not flex.cpu_flex_verified(), strict=False,
+                   reason="torch 2.13's compiled CPU FlexAttention is wrong at some lengths without AVX-512 "
+                          "(refused to users there: flex._refuse_unverified_cpu)")
 def test_logn_on_the_flex_kernel():
     torch.manual_seed(1)
     bias = AlibiBias(4, "causal", Scaling.parse("logn", L))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import types
 from typing import Callable, Dict, Hashable, Optional
 
@@ -174,10 +175,40 @@ def _refuse_cpu_backward(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise KernelUnsupportedError(cannot_train_on(q.device.type))
 
 
+#: Set to 1 to run ``flex`` on a CPU without AVX-512 anyway (the test suite does, to exercise the compile
+#: machinery; the comparisons it makes there are the check).
+CPU_FLEX_ENV = "FAIRSEQ_ALIBI_CPU_FLEX"
+
+
+def cpu_flex_verified() -> bool:
+    """Whether this CPU is of the kind on which compiled CPU FlexAttention was
+    found exact (AVX-512; :func:`_refuse_unverified_cpu`)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def _refuse_unverified_cpu(q: Tensor) -> None:
+    """``flex`` on a CPU only where its compiled kernel was found exact: with
+    AVX-512.  On an AVX2-only AMD EPYC, torch 2.13's compiled CPU
+    FlexAttention (no score_mod, no mask) differed from SDPA by 0.14-1.5 at
+    24, 200 and 1,000 tokens in one run and at 200 only in another, and
+    agreed at 64, 127, 130 and 384 (docs/performance.md, "Known limits"): a
+    wrong number, not an error, at lengths that change from run to run."""
+    if q.device.type != "cpu" or os.environ.get(CPU_FLEX_ENV) == "1":
+        return
+    if not cpu_flex_verified():
+        capability = torch.backends.cpu.get_cpu_capability()
+        raise KernelUnsupportedError(
+            f"alibi_attention=flex on this CPU ({capability}): torch's compiled CPU FlexAttention gives wrong "
+            "outputs at some lengths on CPUs without AVX-512; evaluate with alibi_attention=auto or chunked "
+            f"(flex is meant for CUDA), or set {CPU_FLEX_ENV}=1 to run it anyway")
+
+
 def flex_kernel(q, k, v, bias: AlibiBias, key_padding_mask, dropout_p):
     """The ``flex`` kernel (``kernels.KERNELS``): compiled FlexAttention, ALiBi as
-    a ``score_mod``, a cached causal block mask for causal stacks."""
+    a ``score_mod``, a cached causal block mask for causal stacks.  On the
+    CPU only with AVX-512 (:func:`_refuse_unverified_cpu`)."""
     _refuse_cpu_backward(q, k, v)
+    _refuse_unverified_cpu(q)
     q_len, k_len = q.size(2), k.size(2)
     mod = score_mod(bias, q_len, k_len, q.device, key_padding_mask)
     block_mask = None
