@@ -55,6 +55,36 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
+#: The environment of a cell that measures memory: glibc hands every block of
+#: 64 KiB or more back to the system when it is freed (a fixed mmap threshold;
+#: by default the threshold rises after the first large free, and freed heap
+#: stays resident), so that resident memory follows the tensors a forward holds
+#: at once, not what earlier calls left in the heap.  Other C libraries ignore it.
+MEASURED_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+
+
+def status_mib(field: str) -> float:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def reset_peak() -> bool:
+    """Lower the kernel's high-water mark of this process's resident memory to
+    what it holds now (``5`` into ``/proc/self/clear_refs``, Linux 4.0 and
+    later), so that ``status_mib("VmHWM")`` is then the peak of what follows;
+    False where that cannot be done (the caller falls back to ``ru_maxrss``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def mem_available_gib() -> float:
     with open("/proc/meminfo") as f:
         for line in f:

@@ -29,11 +29,17 @@ pre-norm, L=64, 2048 tokens per update, dropout 0.1), only the arch differing.
   ``eval_memory.py``: it builds the model as fairseq-train would (every model
   with ``--max-target-positions`` raised to the longest length, which the
   sinusoidal model needs to read past L, as the sweep's backend overrides it),
-  runs one forward of L tokens, notes its resident memory (``ready``), runs one
-  forward at the length (caches built, as when a corpus is evaluated in windows
-  of one length), then times ``--eval-calls`` more.  Time: the median of those
-  calls; peak: the process's high-water mark (``ru_maxrss``); own: peak minus
-  ready, what the long forward added.  Cells alternate like the training runs.
+  runs one forward of L tokens, one forward at the length (caches built, as
+  when a corpus is evaluated in windows of one length), then times
+  ``--eval-calls`` more: time is the median of those calls.  Memory is a
+  second subprocess of the same cell, run with a fixed glibc mmap threshold
+  (``eval_memory.MEASURED_ALLOCATOR``: freed blocks leave the process, so
+  resident memory follows the tensors held): after the forward of L tokens it
+  notes its resident memory (``ready``), resets the kernel's high-water mark
+  (``eval_memory.reset_peak``) and runs two forwards at the length; peak: the
+  high-water mark since the reset, own: peak minus ready, what the long
+  forwards added (``--memory-only``: no timing process).  Cells alternate like
+  the training runs.
 
 Reported per method: the median over repeats and its ratio to the sinusoidal
 median (the ratio of the two printed medians), with the range of the ratios of
@@ -65,7 +71,7 @@ ROOT = os.path.dirname(HERE)
 # through PYTHONPATH, fairseq_train_wps.run_all).
 sys.path[:0] = [HERE, ROOT]
 from common import machine_description, median, model_args  # noqa: E402
-from eval_memory import mem_available_gib, rss_mib  # noqa: E402
+from eval_memory import MEASURED_ALLOCATOR, mem_available_gib, reset_peak, rss_mib, status_mib  # noqa: E402
 from fairseq_train_wps import BIN, make_corpus, read_log, run_all, summarize  # noqa: E402
 
 from fairseq_alibi.core.positions import POSITIONS  # noqa: E402
@@ -132,7 +138,8 @@ def cell_extra_args(opts, method: str) -> List[str]:
 
 
 def run_cell(opts) -> dict:
-    """Time and memory of the no-grad decoder stack of ``opts.cell_method`` over ``opts.cell_length`` tokens."""
+    """Time of the no-grad decoder stack of ``opts.cell_method`` over
+    ``opts.cell_length`` tokens, or its memory (``opts.cell_memory``, :func:`memory_of`)."""
     import torch
     from common import build_lm
 
@@ -155,13 +162,30 @@ def run_cell(opts) -> dict:
         return elapsed
 
     forward(tokens(opts.length))
-    ready = rss_mib()
     x = tokens(opts.cell_length)
+    if opts.cell_memory:
+        return memory_of(lambda: forward(x))
     first = forward(x)
     calls = [forward(x) for _ in range(opts.eval_calls)]
-    peak = rss_mib()
-    return {"seconds": median(calls), "calls": calls, "first_call": first, "peak_mib": peak,
-            "ready_mib": ready, "own_mib": peak - ready}
+    return {"seconds": median(calls), "calls": calls, "first_call": first}
+
+
+def memory_of(long_forward) -> dict:
+    """What two calls of ``long_forward`` add to the resident memory they start
+    from: ``own_mib`` = ``peak_mib`` (the high-water mark from their start,
+    ``VmHWM`` after :func:`eval_memory.reset_peak`) - ``ready_mib`` (resident
+    then).  Where the mark cannot be reset (no ``/proc``) the process's
+    ``ru_maxrss`` serves, earlier peaks included (``memory_basis`` says which)."""
+    try:
+        ready, basis = status_mib("VmRSS"), "VmHWM" if reset_peak() else "ru_maxrss"
+    except OSError:
+        basis = "ru_maxrss"
+    if basis == "ru_maxrss":
+        ready = rss_mib()
+    for _ in range(2):
+        long_forward()
+    peak = status_mib("VmHWM") if basis == "VmHWM" else rss_mib()
+    return {"peak_mib": peak, "ready_mib": ready, "own_mib": peak - ready, "memory_basis": basis}
 
 
 def cell_command(opts, method: str, length: int, dict_dir: str) -> List[str]:
@@ -177,15 +201,21 @@ def cell_command(opts, method: str, length: int, dict_dir: str) -> List[str]:
 
 
 def measure_cell(opts, method: str, length: int, dict_dir: str) -> dict:
-    """One cell in a fresh subprocess: its result, or ``{"skipped"|"failed": why}``."""
+    """One cell, its time and its memory each in a fresh subprocess: the two
+    results in one dict, or ``{"skipped"|"failed": why}``."""
     if method == BASELINE and 2 * sinusoidal_mask_gib(length) > MEMORY_SHARE * mem_available_gib():
         return {"skipped": f"needs ~{2 * sinusoidal_mask_gib(length):.0f} GiB for the T x T mask"}
-    proc = subprocess.run(cell_command(opts, method, length, dict_dir), capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("CELL ")]
-    if proc.returncode != 0 or not lines:
-        return {"failed": f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}",
-                "stderr": proc.stderr[-4000:]}
-    return json.loads(lines[-1][len("CELL "):])
+    cell = {}
+    runs = (([], None), (["--cell-memory"], {**os.environ, **MEASURED_ALLOCATOR}))
+    for extra, env in runs[1:] if opts.memory_only else runs:
+        proc = subprocess.run(cell_command(opts, method, length, dict_dir) + extra, capture_output=True, text=True,
+                              env=env)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("CELL ")]
+        if proc.returncode != 0 or not lines:
+            return {"failed": f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or ['?'])[-1]}",
+                    "stderr": proc.stderr[-4000:]}
+        cell.update(json.loads(lines[-1][len("CELL "):]))
+    return cell
 
 
 # ----------------------------------------------------------------- summaries
@@ -282,7 +312,7 @@ def eval_table(opts, length: int, by_key: Dict[str, Dict[str, dict]], why: Dict[
 
 def render(opts, command: str, loads: Sequence[float], train: Dict[str, Dict[str, dict]], evaluation) -> str:
     """The Markdown report: the header, the training table, one evaluation table per length."""
-    lines = header(opts, command, loads) + [""] + train_table(opts, train)
+    lines = header(opts, command, loads) + ([""] + train_table(opts, train) if train else [])
     for length, result in evaluation.items():
         lines += [""] + eval_table(opts, int(length), result["compared"], result["not_run"])
     return "\n".join(lines) + "\n"
@@ -319,12 +349,13 @@ def measure_evaluation(opts, dict_dir: str, start: float):
                 cell = measure_cell(opts, method, length, dict_dir)
                 cells[method].append(cell)
                 state = cell.get("skipped") or cell.get("failed") or \
-                    f"{cell['seconds']:.3f} s, peak {cell['peak_mib']:.0f} MiB (own {cell['own_mib']:.0f})"
+                    (f"{cell['seconds']:.3f} s, " if "seconds" in cell else "") + \
+                    f"peak {cell['peak_mib']:.0f} MiB (own {cell['own_mib']:.0f})"
                 progress(start, f"eval repeat {r + 1}/{opts.repeats}, {length} tokens, {method}: {state}")
         by_key = {key: compared({method: [c.get(key) for c in runs] for method, runs in cells.items()})
                   for key in ("seconds", "peak_mib", "own_mib")}
         why = {method: next(c.get("skipped") or c.get("failed") for c in runs)
-               for method, runs in cells.items() if not any("seconds" in c for c in runs)}
+               for method, runs in cells.items() if not any("own_mib" in c for c in runs)}
         results[str(length)] = {"cells": cells, "compared": by_key, "not_run": why}
     return results
 
@@ -333,7 +364,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", choices=CHOICES, default=list(DEFAULT_METHODS),
                    help="the methods to compare (sinusoidal, every ratio's baseline, is always measured)")
-    p.add_argument("--attention-dropout", type=float, nargs="+", default=[0.0, 0.1])
+    p.add_argument("--attention-dropout", type=float, nargs="*", default=[0.0, 0.1],
+                   help="the training runs' attention dropouts (none: no training)")
     p.add_argument("--repeats", type=positive, default=3, help="runs per (method, attention dropout) and cells per "
                    "(method, length)")
     p.add_argument("--updates", type=positive, default=30, help="updates per training run")
@@ -350,6 +382,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-multiples", type=positive, nargs="*", default=[8, 64],
                    help="evaluation lengths, x L (none: training only)")
     p.add_argument("--eval-calls", type=positive, default=2, help="timed forwards per evaluation cell")
+    p.add_argument("--memory-only", action="store_true", help="evaluation cells measure memory, not time")
     p.add_argument("--threads", type=positive, default=1, help="threads of every run and cell")
     p.add_argument("--keep", help="keep the corpus and training logs in this directory")
     p.add_argument("--json", help="write every measurement here")
@@ -357,10 +390,15 @@ def parse_args(argv=None):
     for hidden in ("--cell-method", "--dict-dir"):
         p.add_argument(hidden, help=argparse.SUPPRESS)
     p.add_argument("--cell-length", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--cell-memory", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
     if not all(0 <= d < 1 for d in opts.attention_dropout):
         p.error(f"--attention-dropout takes probabilities in [0, 1), got {' '.join(map(str, opts.attention_dropout))}")
+    if not opts.attention_dropout and not opts.eval_multiples:
+        p.error("nothing to measure: give --attention-dropout (training) or --eval-multiples (evaluation) a value")
+    if opts.memory_only and not opts.eval_multiples:
+        p.error("--memory-only measures evaluation cells: give --eval-multiples a value")
     if opts.skip < 0 or opts.skip >= opts.updates:
         p.error(f"--skip must be in 0 .. {opts.updates - 1} (fewer than --updates {opts.updates}), got {opts.skip}")
     opts.methods = [BASELINE] + [m for m in dict.fromkeys(opts.methods) if m != BASELINE]

@@ -13,6 +13,7 @@ import random
 import re
 import statistics
 import sys
+import time
 
 import pytest
 import torch
@@ -196,6 +197,8 @@ def test_significant_keeps_four_digits_without_an_exponent(value):
     (["--attention-dropout", "0", "1"], "--attention-dropout takes probabilities in [0, 1), got 0.0 1.0"),
     (["--methods", "learned"], "argument --methods: invalid choice: 'learned'"),
     (["--methods", "alibi", "rnope", "--layers", "1"], "--methods rnope with --layers 1: rnope needs at least 2 layers"),
+    (["--attention-dropout", "--eval-multiples"], "nothing to measure: give --attention-dropout (training) or"),
+    (["--memory-only", "--eval-multiples"], "--memory-only measures evaluation cells: give --eval-multiples a value"),
 ])
 def test_bad_arguments_are_one_error_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -207,6 +210,48 @@ def test_bad_arguments_are_one_error_line(args, message, capsys):
 
 def test_no_evaluation_length_is_training_only():
     assert positions_cost.parse_args(["--eval-multiples"]).eval_multiples == []
+
+
+def test_no_attention_dropout_is_evaluation_only():
+    opts = positions_cost.parse_args(["--attention-dropout", "--length", str(LENGTH)])
+    opts.vocab = 100
+    _, evaluation = made_up_measurements(opts.methods, (), (8,), 1, random.Random(0))
+    markdown = positions_cost.render(opts, "python benchmarks/positions_cost.py", [1.0, 2.0], {}, evaluation)
+    assert "### Training" not in markdown and "### Evaluation" in markdown
+
+
+def test_memory_only_cells_report_memory_and_no_time(monkeypatch):
+    opts = positions_cost.parse_args(["--attention-dropout", "--memory-only", "--eval-multiples", "8", "--length",
+                                      str(LENGTH), "--methods", "alibi", "fire"])
+    opts.vocab = 100
+    own = {"sinusoidal": 5.0, "alibi": 20.0, "fire": 40.0}
+    monkeypatch.setattr(positions_cost, "measure_cell", lambda opts, method, length, dict_dir: {
+        "peak_mib": 300 + own[method], "ready_mib": 300.0, "own_mib": own[method], "memory_basis": "VmHWM"})
+    evaluation = positions_cost.measure_evaluation(opts, "unused", time.time())
+    (row,) = [cells for title, cells in tables(positions_cost.render(opts, "cmd", [1.0, 1.0], {}, evaluation)).items()]
+    assert row[0] == EVAL_HEADER
+    fire = row[3]
+    assert fire[:3] == ["fire", "-", "-"]  # no time, no time ratio
+    assert fire[3] == "340.0" and fire[5] == "40.00" and fire[6].startswith("8.000 [")  # own / the baseline's 5
+    assert evaluation[str(8 * LENGTH)]["not_run"] == {}
+
+
+def _touched(mib: int) -> torch.Tensor:
+    return torch.ones(mib * 2**20 // 4)  # float32, every page written
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (the fallback is ru_maxrss)")
+def test_memory_of_counts_what_the_calls_hold_not_an_earlier_peak():
+    """A forward that holds 48 MiB at once adds about 48 MiB, in a process whose
+    high-water mark was raised by 96 MiB before (freed since): read from
+    ``ru_maxrss`` alone, as the cells did before, that earlier peak hides it."""
+    earlier = _touched(96)
+    del earlier
+    held = positions_cost.memory_of(lambda: _touched(48).sum())
+    assert held["memory_basis"] == "VmHWM"
+    assert held["own_mib"] == held["peak_mib"] - held["ready_mib"]
+    assert 44 <= held["own_mib"] <= 56, held
+    assert positions_cost.memory_of(lambda: None)["own_mib"] < 4
 
 
 def test_the_baseline_is_always_measured_first():
