@@ -52,7 +52,8 @@ ARCH = {"alibi": "transformer_lm_alibi", "sinusoidal": "transformer_lm", "fork":
 
 
 def rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    """The process's high-water mark of resident memory, MiB (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024.0)
 
 
 #: The environment of a cell that measures memory: glibc hands every block of

@@ -310,11 +310,19 @@ def eval_table(opts, length: int, by_key: Dict[str, Dict[str, dict]], why: Dict[
     return lines
 
 
+#: What a report says under a table whose memory could not be read from a reset high-water mark.
+NO_RESET_NOTE = ("Memory from `ru_maxrss` (this system cannot reset the high-water mark through "
+                 "/proc/self/clear_refs): peak is the process's whole peak, and own less the peak before the long "
+                 "forwards, which may hide what they reused.")
+
+
 def render(opts, command: str, loads: Sequence[float], train: Dict[str, Dict[str, dict]], evaluation) -> str:
     """The Markdown report: the header, the training table, one evaluation table per length."""
     lines = header(opts, command, loads) + ([""] + train_table(opts, train) if train else [])
     for length, result in evaluation.items():
         lines += [""] + eval_table(opts, int(length), result["compared"], result["not_run"])
+        if "ru_maxrss" in result.get("memory_basis", ()):
+            lines += ["", NO_RESET_NOTE]
     return "\n".join(lines) + "\n"
 
 
@@ -356,7 +364,8 @@ def measure_evaluation(opts, dict_dir: str, start: float):
                   for key in ("seconds", "peak_mib", "own_mib")}
         why = {method: next(c.get("skipped") or c.get("failed") for c in runs)
                for method, runs in cells.items() if not any("own_mib" in c for c in runs)}
-        results[str(length)] = {"cells": cells, "compared": by_key, "not_run": why}
+        bases = sorted({c["memory_basis"] for runs in cells.values() for c in runs if "memory_basis" in c})
+        results[str(length)] = {"cells": cells, "compared": by_key, "not_run": why, "memory_basis": bases}
     return results
 
 

@@ -228,12 +228,15 @@ def test_memory_only_cells_report_memory_and_no_time(monkeypatch):
     monkeypatch.setattr(positions_cost, "measure_cell", lambda opts, method, length, dict_dir: {
         "peak_mib": 300 + own[method], "ready_mib": 300.0, "own_mib": own[method], "memory_basis": "VmHWM"})
     evaluation = positions_cost.measure_evaluation(opts, "unused", time.time())
-    (row,) = [cells for title, cells in tables(positions_cost.render(opts, "cmd", [1.0, 1.0], {}, evaluation)).items()]
+    markdown = positions_cost.render(opts, "cmd", [1.0, 1.0], {}, evaluation)
+    (row,) = [cells for title, cells in tables(markdown).items()]
     assert row[0] == EVAL_HEADER
     fire = row[3]
     assert fire[:3] == ["fire", "-", "-"]  # no time, no time ratio
     assert fire[3] == "340.0" and fire[5] == "40.00" and fire[6].startswith("8.000 [")  # own / the baseline's 5
-    assert evaluation[str(8 * LENGTH)]["not_run"] == {}
+    assert evaluation[str(8 * LENGTH)]["not_run"] == {} and positions_cost.NO_RESET_NOTE not in markdown
+    evaluation[str(8 * LENGTH)]["memory_basis"] = ["ru_maxrss"]  # a system without /proc/self/clear_refs
+    assert positions_cost.NO_RESET_NOTE in positions_cost.render(opts, "cmd", [1.0, 1.0], {}, evaluation)
 
 
 def _touched(mib: int) -> torch.Tensor:
@@ -385,3 +388,9 @@ def test_the_trained_windows_benchmark_compares_both_forms_on_a_checkpoint(lm_da
     assert windows < every and every > 1 and float(rows[1][7].rstrip(" |")) < 1e-4
     assert trained_windows.main([str(lm_data_bin), "-c", f"t5={tmp_path / 'none.pt'}"]) == 1
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_memory_of_falls_back_to_ru_maxrss_and_says_so(monkeypatch):
+    monkeypatch.setattr(positions_cost, "reset_peak", lambda: False)
+    held = positions_cost.memory_of(lambda: None)
+    assert held["memory_basis"] == "ru_maxrss" and held["own_mib"] == held["peak_mib"] - held["ready_mib"] >= 0
