@@ -177,6 +177,7 @@ def memory_of(long_forward) -> dict:
     then).  Where the mark cannot be reset (no ``/proc``) the process's
     ``ru_maxrss`` serves, earlier peaks included (``memory_basis`` says which)."""
     try:
+        status_mib("VmHWM")  # where the peak is read from: a /proc without it takes the fallback
         ready, basis = status_mib("VmRSS"), "VmHWM" if reset_peak() else "ru_maxrss"
     except OSError:
         basis = "ru_maxrss"
