@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -248,8 +250,18 @@ def test_memory_only_cells_report_memory_and_no_time(monkeypatch):
     assert positions_cost.NO_RESET_NOTE in positions_cost.render(opts, "cmd", [1.0, 1.0], {}, evaluation)
 
 
-def _touched(mib: int) -> torch.Tensor:
+#: What a memory cell does, in a fresh process with the cells' allocator settings: a
+#: transient 96 MiB before (freed), then ``memory_of`` a call that holds 48 MiB, and one that holds nothing.
+MEMORY_CELL = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import positions_cost
+def touched(mib):
     return torch.ones(mib * 2**20 // 4)  # float32, every page written
+earlier = touched(96)
+del earlier
+print(json.dumps([positions_cost.memory_of(lambda: touched(48).sum()), positions_cost.memory_of(lambda: None)]))
+"""
 
 
 def _can_reset_peak() -> bool:
@@ -263,16 +275,20 @@ def _can_reset_peak() -> bool:
 @pytest.mark.skipif(not _can_reset_peak(), reason="this system cannot reset the high-water mark through "
                     "/proc/self/clear_refs (the fallback, ru_maxrss, has its own test)")
 def test_memory_of_counts_what_the_calls_hold_not_an_earlier_peak():
-    """A forward that holds 48 MiB at once adds about 48 MiB, in a process whose
+    """A call that holds 48 MiB at once adds about 48 MiB, in a process whose
     high-water mark was raised by 96 MiB before (freed since): read from
-    ``ru_maxrss`` alone, as the cells did before, that earlier peak hides it."""
-    earlier = _touched(96)
-    del earlier
-    held = positions_cost.memory_of(lambda: _touched(48).sum())
-    assert held["memory_basis"] == "VmHWM"
+    ``ru_maxrss`` alone, as the cells did before, that earlier peak hides it.
+    In a fresh process with the cells' allocator settings, as a cell runs it
+    (a warm process's heap may serve the call from pages it already holds)."""
+    # a new interpreter (not run_cli's fork of a warm one): glibc reads the setting when it starts
+    result = subprocess.run([sys.executable, "-c", MEMORY_CELL, str(REPO / "benchmarks")], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, **positions_cost.MEASURED_ALLOCATOR})
+    assert result.returncode == 0, result.stderr[-2000:]
+    held, idle = json.loads(result.stdout.strip().splitlines()[-1])
+    assert held["memory_basis"] == idle["memory_basis"] == "VmHWM"
     assert held["own_mib"] == held["peak_mib"] - held["ready_mib"]
     assert 44 <= held["own_mib"] <= 56, held
-    assert positions_cost.memory_of(lambda: None)["own_mib"] < 4
+    assert idle["own_mib"] < 4, idle
 
 
 def test_the_baseline_is_always_measured_first():
