@@ -178,11 +178,10 @@ def memory_of(long_forward) -> dict:
     ``ru_maxrss`` serves, earlier peaks included (``memory_basis`` says which)."""
     try:
         status_mib("VmHWM")  # where the peak is read from: a /proc without it takes the fallback
-        ready, basis = status_mib("VmRSS"), "VmHWM" if reset_peak() else "ru_maxrss"
+        reset = reset_peak()
     except OSError:
-        basis = "ru_maxrss"
-    if basis == "ru_maxrss":
-        ready = rss_mib()
+        reset = False
+    basis, ready = ("VmHWM", status_mib("VmRSS")) if reset else ("ru_maxrss", rss_mib())
     for _ in range(2):
         long_forward()
     peak = status_mib("VmHWM") if basis == "VmHWM" else rss_mib()

@@ -14,6 +14,10 @@ steps compared are seconds apart.  Reported per attention dropout: each
 method's median step time, and its speed relative to ALiBi (ALiBi's median
 time over its own; above 1 is faster) with the range of the ratios of the
 steps of one round.
+
+``train_throughput.py`` does the same for ALiBi against the stock model only,
+with fairseq's own ``task.train_step`` and an Adam step; the two should become
+one benchmark with ``--methods`` (not yet done).
 """
 
 from __future__ import annotations
