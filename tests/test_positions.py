@@ -74,6 +74,40 @@ def test_rotate_matches_complex_rotation(head_dim, rotary_dim):
         torch.testing.assert_close(got.double(), complex_rotation(x, pos, inv_freq, 1.25), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, rotary_dim", [(8, 8), (12, 8)])
+def test_rotate_rounds_as_the_halves_products_and_its_backward_is_autograds(dtype, head_dim, rotary_dim):
+    """``rotate``'s four-pass turn (its own backward) against the plain eager
+    formula on the two halves, through autograd: the same values and the
+    same gradients bit for bit (the HF export checks compare against eager
+    RoPE), for a projection's permuted layout and per-row positions."""
+    torch.manual_seed(3)
+    inv_freq = rotary.inv_frequencies(rotary_dim)
+    half = rotary_dim // 2
+
+    def halves(x, positions):
+        angles = positions.to(torch.float32)[..., None] * inv_freq
+        if angles.dim() == 3:
+            angles = angles[:, None]
+        cos, sin = angles.cos(), angles.sin()
+        first, second = x[..., :half].float(), x[..., half:rotary_dim].float()
+        turned = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1) * 1.25
+        return torch.cat((turned.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+    base = torch.randn(7, 2, 3, head_dim).to(dtype)  # [T, B, H, D]
+    grad = torch.randn(2, 3, 7, head_dim).to(dtype)
+    for positions in (torch.arange(7) + 5, torch.tensor([[0, 1, 2, 3, 4, 5, 6], [9, 10, 11, 12, 13, 14, 15]])):
+        results = []
+        for function in (halves, lambda x, p: rotary.rotate(x, p, inv_freq, attention_scale=1.25)):
+            x = base.clone().requires_grad_()
+            out = function(x.permute(1, 2, 0, 3), positions)
+            out.backward(grad)
+            results.append((out.detach(), x.grad))
+        (want, want_grad), (got, got_grad) = results
+        assert torch.equal(got, want)
+        assert torch.equal(got_grad, want_grad)
+
+
 def test_rotate_far_position_is_finite_and_close():
     """At position 65535 float32 angles are off by at most ~|p theta| 2^-24 (~0.004 rad)."""
     torch.manual_seed(1)
