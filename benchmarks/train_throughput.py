@@ -1,25 +1,31 @@
-"""Training throughput (words/s): transformer_lm_alibi against stock transformer_lm.
+"""Training words/s of position methods' whole models, paired update by update in one process.
 
-    python benchmarks/train_throughput.py                          # attention-bound defaults
-    python benchmarks/train_throughput.py --attention-dropout 0.1  # the same with attention dropout
-    python benchmarks/train_throughput.py --vocab 16384 --layers 4 # vocabulary-bound
+    python benchmarks/train_throughput.py                          # ALiBi against the stock model, attention-bound
+    python benchmarks/train_throughput.py --attention-dropout 0 0.1
+    python benchmarks/train_throughput.py --vocab 16384 --layers 4 --batch 4   # vocabulary-bound
+    python benchmarks/train_throughput.py --methods all --pre-norm --length 1024 --layers 2 --heads 4 \\
+        --ffn 512 --batch 4 --vocab 2004 --rounds 7 --threads 1 --attention-dropout 0 0.1
 
-Defaults: the attention-bound configuration (6 layers, d=256, 8 heads, FFN 1024,
-8 x 512 tokens per update, a 504-word vocabulary, dropout 0.1, attention dropout
-0), where the attention layers, not the vocabulary projection, take most of the
-time.
+Defaults: ALiBi against the stock sinusoidal model in the attention-bound
+configuration (6 layers, d=256, 8 heads, FFN 1024, 8 x 512 tokens per update,
+a 504-symbol vocabulary, dropout 0.1, attention dropout 0, post-norm), where
+the attention layers, not the vocabulary projection, take most of the time.
 
-Both models are built in one process the way fairseq-train builds them (same
-parser, same architecture function, same size flags, input/output dims pinned to
-the embedding dim, same pre/post-norm), and trained with fairseq's own
+Every method's model is built in one process the way fairseq-train builds it
+(the same parser and architecture function, the same size flags, input and
+output dims pinned to the embedding dim) and trained with fairseq's own
 ``task.train_step`` (criterion forward, ``optimizer.backward``) followed by a
-fairseq Adam step, on the same random batches.  The two models alternate
-update by update (A B, then B A, ...): each round times ``--steps`` updates per
-model after warm-up, so machine noise hits both alike; the reported ratio is the
-median over rounds of ALiBi words/s divided by sinusoidal words/s of the same
-round.  Words/s is given both from wall-clock time and from this process's CPU
-time (``time.process_time``), which is less disturbed by other jobs on a shared
-machine; the two should tell the same story.
+fairseq Adam step, on the same random batches.  Each round times ``--steps``
+updates of every method in turn, the order rotated by one each round (for two
+methods: A B, then B A), so that the updates compared are seconds apart;
+``positions_cost.py`` times ``alibi-train`` runs instead, minutes apart, which
+on a shared 2-core machine differ by 10-30%.
+
+Reported per attention dropout: each method's median words/s over the rounds,
+from wall-clock time and from this process's CPU time (``time.process_time``,
+less disturbed by other jobs on a shared machine), and its speed relative to
+ALiBi: the median over rounds of its words/s over ALiBi's of the same round
+(above 1 is faster than ALiBi), with the range of those ratios.
 """
 
 from __future__ import annotations
@@ -29,14 +35,21 @@ import json
 import os
 import sys
 import time
+from typing import Dict, List
 
-import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from common import build_lm, machine_description, make_dict_dir, median, model_args  # noqa: E402
+from positions_cost import (BASELINE, CHOICES, DEFAULT_METHODS, arch_of, depth_problem, method_flags,  # noqa: E402
+                            positive, rotated, significant)
+
+REFERENCE = "alibi"
 
 
 def make_batches(n, batch, length, vocab, pad_idx, eos_idx, padded: bool, seed=0):
+    """``n`` fairseq language-modelling samples of random words, ``batch`` rows of ``length``."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(n):
@@ -51,110 +64,164 @@ def make_batches(n, batch, length, vocab, pad_idx, eos_idx, padded: bool, seed=0
         src, tgt = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         if padded:
             tgt = tgt.masked_fill(src.eq(pad_idx), pad_idx)
-        ntokens = int(tgt.ne(pad_idx).sum())
         batches.append({
             "id": torch.arange(batch),
             "nsentences": batch,
-            "ntokens": ntokens,
+            "ntokens": int(tgt.ne(pad_idx).sum()),
             "net_input": {"src_tokens": src, "src_lengths": lengths},
             "target": tgt,
         })
     return batches
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vocab", type=int, default=504)
-    p.add_argument("--embed-dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--ffn", type=int, default=1024)
-    p.add_argument("--length", type=int, default=512, help="tokens per sample")
-    p.add_argument("--batch", type=int, default=8, help="sequences per update")
-    p.add_argument("--steps", type=int, default=1, help="timed updates per model per round")
-    p.add_argument("--rounds", type=int, default=24)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--padded", action="store_true", help="right-padded batches (sample-break-mode eos)")
-    p.add_argument("--pre-norm", action="store_true", help="--decoder-normalize-before for both")
-    p.add_argument("--attention-dropout", type=float, default=0.0, help="for both models")
-    p.add_argument("--alibi-attention", default="auto")
-    p.add_argument("--json", help="also write the results here")
-    opts = p.parse_args()
-
-    torch.manual_seed(0)
-    data_dir = make_dict_dir(opts.vocab)
-    common = model_args(opts.embed_dim, opts.layers, opts.heads, opts.ffn)
-    common += ["--optimizer", "adam", "--lr", "1e-4", "--attention-dropout", str(opts.attention_dropout)]
+def model_flags(opts, method: str, attention_dropout: float) -> List[str]:
+    """The flags ``method``'s model is built with: the shared sizes, its own, the optimizer."""
+    flags = model_args(opts.embed_dim, opts.layers, opts.heads, opts.ffn) + method_flags(method)
+    flags += ["--optimizer", "adam", "--lr", "1e-4", "--attention-dropout", str(attention_dropout)]
     if opts.pre_norm:
-        common.append("--decoder-normalize-before")
+        flags.append("--decoder-normalize-before")
+    if method != BASELINE:  # the stock model has no kernel option
+        flags += ["--alibi-attention", opts.alibi_attention]
+    return flags
 
-    from fairseq import optim
 
-    runs = {}
-    for name, arch, extra in (
-        ("sinusoidal", "transformer_lm", []),
-        ("alibi", "transformer_lm_alibi", ["--alibi-attention", opts.alibi_attention]),
-    ):
-        task, model, criterion, cfg = build_lm(arch, data_dir, common + extra, opts.length)
-        model.train()
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = optim.build_optimizer(cfg.optimizer, params)
-        runs[name] = dict(task=task, model=model, criterion=criterion, optimizer=optimizer,
-                          params=sum(p.numel() for p in params), wps=[], cpu_wps=[])
+class Run:
+    """One method's model, criterion and optimizer, and its updates."""
 
-    d = runs["alibi"]["task"].source_dictionary
-    batches = make_batches(opts.steps, opts.batch, opts.length, len(d), d.pad(), d.eos(), opts.padded)
+    def __init__(self, opts, method: str, data_dir: str, attention_dropout: float):
+        import torch
+        from fairseq import optim
 
-    def run_steps(run, n):
+        torch.manual_seed(0)
+        self.task, self.model, self.criterion, cfg = build_lm(
+            arch_of(method), data_dir, model_flags(opts, method, attention_dropout), opts.length)
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = optim.build_optimizer(cfg.optimizer, params)
+        self.params = sum(p.numel() for p in params)
+
+    def words_per_second(self, batches) -> tuple:
+        """(wall, CPU-time) words/s of one update per batch."""
         words = 0
         start, cpu_start = time.perf_counter(), time.process_time()
-        for i in range(n):
-            sample = batches[i % len(batches)]
-            loss, sample_size, _ = run["task"].train_step(
-                sample, run["model"], run["criterion"], run["optimizer"], update_num=i
-            )
-            run["optimizer"].multiply_grads(1.0 / max(sample_size, 1))
-            run["optimizer"].step()
-            run["optimizer"].zero_grad()
+        for update, sample in enumerate(batches):
+            _, sample_size, _ = self.task.train_step(sample, self.model, self.criterion, self.optimizer,
+                                                     update_num=update)
+            self.optimizer.multiply_grads(1.0 / max(sample_size, 1))
+            self.optimizer.step()
+            self.optimizer.zero_grad()
             words += sample["ntokens"]
         return words / (time.perf_counter() - start), words / (time.process_time() - cpu_start)
 
-    for run in runs.values():
-        run_steps(run, opts.warmup)
 
-    ratios, cpu_ratios = [], []
+def paired(values: List[float], reference: List[float]) -> dict:
+    """The median and range of round-by-round ratios ``values / reference``."""
+    ratios = [a / b for a, b in zip(values, reference)]
+    return {"ratios": ratios, "median": median(ratios), "range": [min(ratios), max(ratios)]}
+
+
+def measure(opts, attention_dropout: float) -> Dict[str, dict]:
+    """Per method: its words/s per round (wall and CPU time), medians, and speed relative to ALiBi."""
+    data_dir = make_dict_dir(opts.vocab)
+    runs = {method: Run(opts, method, data_dir, attention_dropout) for method in opts.methods}
+    dictionary = runs[REFERENCE].task.source_dictionary
+    batches = make_batches(opts.steps, opts.batch, opts.length, len(dictionary), dictionary.pad(),
+                           dictionary.eos(), opts.padded)
+    warmup = [batches[i % len(batches)] for i in range(opts.warmup)]
+    for run in runs.values():  # caches, allocator, lazy initialisation
+        run.words_per_second(warmup)
+    wall: Dict[str, List[float]] = {method: [] for method in opts.methods}
+    cpu: Dict[str, List[float]] = {method: [] for method in opts.methods}
     for r in range(opts.rounds):
-        order = ("sinusoidal", "alibi") if r % 2 == 0 else ("alibi", "sinusoidal")
-        wps, cpu = {}, {}
-        for name in order:
-            wps[name], cpu[name] = run_steps(runs[name], opts.steps)
-            runs[name]["wps"].append(wps[name])
-            runs[name]["cpu_wps"].append(cpu[name])
-        ratios.append(wps["alibi"] / wps["sinusoidal"])
-        cpu_ratios.append(cpu["alibi"] / cpu["sinusoidal"])
-        print(f"round {r}: sinusoidal {wps['sinusoidal']:.0f} w/s, alibi {wps['alibi']:.0f} w/s, "
-              f"ratio {ratios[-1]:.3f} (cpu-time ratio {cpu_ratios[-1]:.3f})", flush=True)
+        for method in rotated(opts.methods, r):
+            w, c = runs[method].words_per_second(batches)
+            wall[method].append(w)
+            cpu[method].append(c)
+        print(f"[train_throughput] attention dropout {attention_dropout}, round {r + 1}/{opts.rounds}: "
+              + ", ".join(f"{m} {wall[m][-1]:.0f}" for m in opts.methods) + " words/s", file=sys.stderr, flush=True)
+    return {method: {"params": runs[method].params, "wps": wall[method], "cpu_wps": cpu[method],
+                     "median_wps": median(wall[method]), "median_cpu_wps": median(cpu[method]),
+                     "speed": paired(wall[method], wall[REFERENCE]),
+                     "cpu_speed": paired(cpu[method], cpu[REFERENCE])}
+            for method in opts.methods}
 
-    result = {
-        "machine": machine_description(),
-        "config": vars(opts),
-        "params": {k: v["params"] for k, v in runs.items()},
-        "median_wps": {k: median(v["wps"]) for k, v in runs.items()},
-        "median_cpu_wps": {k: median(v["cpu_wps"]) for k, v in runs.items()},
-        "ratios": ratios,
-        "cpu_ratios": cpu_ratios,
-        "median_ratio": median(ratios),
-        "median_cpu_ratio": median(cpu_ratios),
-    }
-    print(json.dumps({k: result[k] for k in ("params", "median_wps", "median_cpu_wps")}, indent=1))
-    q = sorted(ratios)
-    print(f"ALiBi / sinusoidal training words/s, median over {opts.rounds} rounds: "
-          f"wall {result['median_ratio']:.3f} (quartiles {q[len(q) // 4]:.3f}..{q[3 * len(q) // 4]:.3f}), "
-          f"cpu-time {result['median_cpu_ratio']:.3f}")
+
+def render(opts, command: str, results: Dict[str, Dict[str, dict]]) -> str:
+    def speed(entry):
+        low, high = entry["range"]
+        return f"{significant(entry['median'])} [{significant(low)}, {significant(high)}]"
+
+    drops = list(results)
+    norm = "pre-norm" if opts.pre_norm else "post-norm"
+    lines = [f"Command: `{command}`", "",
+             f"Host: {machine_description()}. Model: "
+             f"{opts.layers} layers, d={opts.embed_dim}, {opts.heads} heads, FFN {opts.ffn}, {norm}, "
+             f"vocabulary {opts.vocab}; {opts.batch} x {opts.length} tokens per update"
+             f"{' (right-padded rows)' if opts.padded else ''}, {opts.steps} update(s) per method per round, "
+             f"medians of {opts.rounds} rounds. Speed / ALiBi: the median of the rounds' ratios of words/s, "
+             "[their range]; above 1 is faster than ALiBi.", "",
+             "| method | " + " | ".join(f"words/s, attention dropout {d} | speed / ALiBi | CPU-time speed / ALiBi"
+                                      for d in drops) + " |",
+             "|---|" + "---|---|---|" * len(drops)]
+    for method in opts.methods:
+        cells = [f"{results[d][method]['median_wps']:.0f} | {speed(results[d][method]['speed'])} | "
+                 f"{speed(results[d][method]['cpu_speed'])}" for d in drops]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", choices=CHOICES + ("all",), default=[BASELINE, REFERENCE],
+                   help="the methods to time; all: every method of positions_cost.py's table "
+                        "(alibi, every ratio's reference, is always timed)")
+    p.add_argument("--attention-dropout", type=float, nargs="+", default=[0.0], help="one table column each")
+    p.add_argument("--vocab", type=positive, default=504, help="dictionary size, fairseq's 4 specials included")
+    p.add_argument("--embed-dim", type=positive, default=256)
+    p.add_argument("--layers", type=positive, default=6)
+    p.add_argument("--heads", type=positive, default=8)
+    p.add_argument("--ffn", type=positive, default=1024)
+    p.add_argument("--length", type=positive, default=512, help="tokens per sample, L")
+    p.add_argument("--batch", type=positive, default=8, help="sequences per update")
+    p.add_argument("--steps", type=positive, default=1, help="timed updates per method per round")
+    p.add_argument("--rounds", type=positive, default=24)
+    p.add_argument("--warmup", type=int, default=2, help="untimed updates per method before the rounds")
+    p.add_argument("--padded", action="store_true", help="right-padded batches (sample-break-mode eos)")
+    p.add_argument("--pre-norm", action="store_true", help="--decoder-normalize-before for every model")
+    p.add_argument("--alibi-attention", default="auto", help="the kernel option of every method but the stock model")
+    p.add_argument("--threads", type=positive, help="torch threads (default: torch's own choice)")
+    p.add_argument("--json", help="also write every measurement here")
+    opts = p.parse_args(argv)
+    if not all(0 <= d < 1 for d in opts.attention_dropout):
+        p.error(f"--attention-dropout takes probabilities in [0, 1), got {' '.join(map(str, opts.attention_dropout))}")
+    if opts.vocab < 5:
+        p.error(f"--vocab must be at least 5 (fairseq's 4 specials and one word), got {opts.vocab}")
+    if opts.warmup < 0:
+        p.error(f"--warmup must be 0 or more, got {opts.warmup}")
+    methods = [m for name in opts.methods for m in (DEFAULT_METHODS if name == "all" else [name])]
+    opts.methods = [REFERENCE] + [m for m in dict.fromkeys(methods) if m != REFERENCE]
+    problem = depth_problem(opts.methods, opts.layers, opts.heads, opts.embed_dim, opts.length)
+    if problem:
+        p.error(problem)
+    return opts
+
+
+def main(argv=None) -> int:
+    opts = parse_args(argv)
+    import torch
+
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    command = "python benchmarks/train_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    results = {str(d): measure(opts, d) for d in opts.attention_dropout}
+    report = render(opts, command, results)
+    print(report, flush=True)
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({"command": command, "machine": machine_description(), "config": vars(opts),
+                       "results": results, "markdown": report}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

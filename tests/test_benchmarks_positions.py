@@ -4,7 +4,7 @@ is a fresh process), its report's structure and every ratio against the
 medians it prints, its JSON against its report; the report of several columns
 and tables from made-up measurements; the summaries against a naive
 recomputation here; its argument errors; its memory measurement.  The
-other position benchmarks (``train_step.py``, ``position_kernels.py``,
+other position benchmarks (``train_throughput.py``, ``position_kernels.py``,
 ``fox_kernel.py`` and the learned-bias ones) on tiny settings."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from conftest import REPO, run_cli
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import positions_cost  # noqa: E402
-import train_step  # noqa: E402
+import train_throughput  # noqa: E402
 
 SCRIPT = REPO / "benchmarks" / "positions_cost.py"
 LENGTH = 16
@@ -204,16 +204,18 @@ def test_significant_keeps_four_digits_without_an_exponent(value):
     (["--methods", "alibi", "rnope", "--layers", "1"], "--methods rnope with --layers 1: rnope needs at least 2 layers"),
     (["--attention-dropout", "--eval-multiples"], "nothing to measure: give --attention-dropout (training) or"),
     (["--memory-only", "--eval-multiples"], "--memory-only measures evaluation cells: give --eval-multiples a value"),
-] + [(["train_step", *args], message) for args, message in [
+] + [(["train_throughput", *args], message) for args, message in [
     (["--attention-dropout", "1"], "--attention-dropout takes probabilities in [0, 1), got 1.0"),
     (["--vocab", "4"], "--vocab must be at least 5"),
-    (["--repeats", "0"], "argument --repeats: must be a positive integer, got 0"),
+    (["--rounds", "0"], "argument --rounds: must be a positive integer, got 0"),
+    (["--warmup", "-1"], "--warmup must be 0 or more, got -1"),
+    (["--methods", "all", "--layers", "1"], "--methods rnope with --layers 1: rnope needs at least 2 layers"),
 ]])
 def test_bad_arguments_are_one_error_line(args, message, capsys):
-    """positions_cost's, and train_step's where the arguments start with its name."""
-    script = train_step if args[:1] == ["train_step"] else positions_cost
+    """positions_cost's, and train_throughput's where the arguments start with its name."""
+    script = train_throughput if args[:1] == ["train_throughput"] else positions_cost
     with pytest.raises(SystemExit) as exit_info:
-        script.parse_args(args[1:] if script is train_step else args)
+        script.parse_args(args[1:] if script is train_throughput else args)
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], errors
@@ -430,24 +432,31 @@ def test_memory_of_falls_back_to_ru_maxrss_and_says_so(monkeypatch):
     assert held["memory_basis"] == "ru_maxrss" and held["own_mib"] == held["peak_mib"] - held["ready_mib"] >= 0
 
 
-def test_the_train_step_benchmark_pairs_every_method_in_one_process(tmp_path):
-    """``benchmarks/train_step.py`` on a tiny model: every method's median is
-    of its own steps, its speed ALiBi's median over its own, its range that of
-    the rounds' ratios (the numbers are the benchmark's, not the suite's)."""
-    out = tmp_path / "step.json"
+def test_the_throughput_benchmark_pairs_every_method_update_by_update(tmp_path):
+    """``benchmarks/train_throughput.py`` on a tiny model: every method's
+    median words/s is of its own rounds, its speed the median of its words/s
+    over ALiBi's of the same round, its range that of those ratios (the
+    numbers are the benchmark's, not the suite's); ``all`` is the table's
+    every method."""
+    out = tmp_path / "throughput.json"
     args = ["--methods", "t5bias", "nope", "--attention-dropout", "0", "0.1", "--length", "16", "--layers", "1",
-            "--embed-dim", "16", "--heads", "2", "--ffn", "32", "--repeats", "3", "--json", str(out)]
-    assert train_step.main(args) == 0
+            "--embed-dim", "16", "--heads", "2", "--ffn", "32", "--vocab", "20", "--rounds", "3", "--warmup", "1",
+            "--pre-norm", "--json", str(out)]
+    assert train_throughput.main(args) == 0
     data = json.loads(out.read_text())
     assert list(data["results"]) == ["0.0", "0.1"]
     for drop, methods in data["results"].items():
         assert list(methods) == ["alibi", "t5bias", "nope"]
-        reference = methods["alibi"]["seconds"]
         for method, entry in methods.items():
-            assert len(entry["seconds"]) == 3 and entry["median"] == statistics.median(entry["seconds"]) > 0
-            assert entry["speed"] == pytest.approx(statistics.median(reference) / entry["median"], rel=1e-12)
-            ratios = [a / b for a, b in zip(reference, entry["seconds"])]
-            assert entry["range"] == pytest.approx([min(ratios), max(ratios)], rel=1e-12)
+            for kind, speed in (("wps", "speed"), ("cpu_wps", "cpu_speed")):
+                values, reference = entry[kind], methods["alibi"][kind]
+                assert len(values) == 3 and all(v > 0 for v in values)
+                assert entry[f"median_{kind}"] == statistics.median(values)
+                ratios = [a / b for a, b in zip(values, reference)]
+                assert entry[speed]["median"] == pytest.approx(statistics.median(ratios), rel=1e-12)
+                assert entry[speed]["range"] == pytest.approx([min(ratios), max(ratios)], rel=1e-12)
             row = next(line for line in data["markdown"].splitlines() if line.startswith(f"| {method} |"))
-            assert positions_cost.significant(entry["median"]) in row
-        assert methods["alibi"]["speed"] == 1.0
+            assert f"{entry['median_wps']:.0f}" in row and positions_cost.significant(entry["speed"]["median"]) in row
+        assert methods["alibi"]["speed"]["median"] == 1.0
+    everything = train_throughput.parse_args(["--methods", "nope", "all"]).methods
+    assert everything[0] == "alibi" and sorted(everything) == sorted(positions_cost.DEFAULT_METHODS)
