@@ -491,8 +491,13 @@ def test_fire_reversed_block_is_values_bit_for_bit(make, q_start, q_len, keys):
     expected = module.values(query, key).masked_fill(key > query, float("-inf")).flip(-2)
     got = module.reversed_block(q_start, q_len, keys, "cpu")
     assert torch.equal(got, expected) and got.is_contiguous()
-    with torch.no_grad():  # written into one buffer, group by group
-        assert torch.equal(module.reversed_block(q_start, q_len, keys, "cpu"), expected)
+    for group in (1, 2, 3):  # a few heads at a time, in one storage (filled with NaN: every entry written)
+        storage = torch.full(((1 + group) * q_len * keys,), float("nan"))
+        with torch.no_grad():
+            heads = [(h, block.clone()) for h, block in module.reversed_head_blocks(q_start, q_len, keys, "cpu",
+                                                                                   storage, group)]
+        assert [h.start for h, _ in heads] == list(range(0, 3, group))
+        assert torch.equal(torch.cat([block for _, block in heads]), expected)
     seen = torch.isfinite(expected)
     weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
     grads = [torch.autograd.grad((out[seen] * weights[seen]).sum(), list(module.parameters()))
@@ -501,22 +506,28 @@ def test_fire_reversed_block_is_values_bit_for_bit(make, q_start, q_len, keys):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()), msg=name)
 
 
+@pytest.mark.parametrize("group_dims", [8, 16, 64])  # a head per call, two (and one), all three
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_fire_chunked_evaluation_equals_the_reference_kernel(dtype, tol):
+def test_fire_chunked_evaluation_equals_the_reference_kernel(dtype, tol, group_dims, monkeypatch):
     """Long inference past the threshold (the chunked kernel reading
-    ``reversed_block``'s blocks, queries flipped) against the reference
-    kernel's dense bias, in float32 and bfloat16."""
+    ``reversed_head_blocks``' blocks a few heads at a time, queries flipped)
+    against the reference kernel's dense bias, in float32 and bfloat16, with
+    and without key padding (the queries that see a key compared)."""
     from fairseq_alibi.core import kernels
     from fairseq_alibi.core.bias import ModuleBias
 
+    monkeypatch.setattr(kernels, "HEAD_GROUP_DIMS", group_dims)
     bias = ModuleBias(knotted_fire(), 3, toeplitz=False)
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 3, 300, 8, generator=gen).to(dtype) for _ in range(3))
-    with torch.no_grad():
-        expected, _ = kernels.reference_kernel(q.float(), k.float(), v.float(), bias, None, 0.0)
-        got, _ = kernels.chunked_kernel(q, k, v, bias, None, 0.0, chunk_size=128)
-    assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    padded = torch.zeros(2, 300, dtype=torch.bool)
+    padded[1, :7] = True  # left padding of the second row
+    for pad, seen in ((None, slice(None)), (padded, slice(7, None))):
+        with torch.no_grad():
+            expected, _ = kernels.reference_kernel(q.float(), k.float(), v.float(), bias, pad, 0.0)
+            got, _ = kernels.chunked_kernel(q, k, v, bias, pad, 0.0, chunk_size=128)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float()[..., seen, :], expected[..., seen, :], rtol=tol, atol=tol)
 
 
 def test_fire_reversed_block_writes_the_rows_that_straddle_a_knot():

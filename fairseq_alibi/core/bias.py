@@ -24,7 +24,7 @@ grows), and what a kernel may rely on (``toeplitz``, ``has_slopes``,
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, Hashable, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -121,6 +121,9 @@ class StackBias:
     #: ``c_i - c_j`` of ``cumulative`` ``[B, H, S]`` (the blocked kernel reads ``c`` itself).
     batched = False
     cumulative: Optional[Tensor] = None
+    #: The chunked kernel's blocks without gradients come a few heads at a time
+    #: (:meth:`ModuleBias.reversed_head_blocks`: FIRE's, in a few heads' memory).
+    heads_apart = False
     #: The attribute under which a layer keeps its own object of
     #: :meth:`for_layer` as a submodule (its name in checkpoints).
     layer_attribute = "alibi"
@@ -444,6 +447,17 @@ class ModuleBias(nn.Module, StackBias):
         if self._toeplitz or reversed_block is None:
             return StackBias.key_block(self, q_start, q_len, k_len, dtype, device, keys, first)
         return reversed_block(q_start, q_len, keys, device)[..., first:].to(dtype), True
+
+    @property
+    def heads_apart(self) -> bool:
+        return not self._toeplitz and hasattr(self.method, "reversed_head_blocks")
+
+    def reversed_head_blocks(self, q_start: int, q_len: int, keys: int, device,
+                             storage: Tensor, group: int = 1) -> Iterator[Tuple[slice, Tensor]]:
+        """Where :attr:`heads_apart`, without gradients: ``(heads, their
+        [h, q_len, keys] float32 bias, last query first)`` for ``group``
+        heads at a time, each in ``storage`` (``Fire.reversed_head_blocks``)."""
+        return self.method.reversed_head_blocks(q_start, q_len, keys, device, storage, group)
 
 
 def toeplitz_block(values: Callable[[Tensor, Tensor], Tensor], q_start: int, q_len: int, keys: int,

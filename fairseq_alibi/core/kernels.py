@@ -428,6 +428,13 @@ def keys_read(bias: StackBias, q: Tensor, k: Tensor, chunk_size: Optional[int] =
     return read / causal
 
 
+#: FIRE's inference builds and attends this many of a block's head dimensions per call (at least one head),
+#: the bias of the others not held meanwhile: one head of 64 per call took the time of all 4 at once; of 8
+#: heads of 16, one per call took 1.14x the time of all at once, two 1.04x, four 0.96x but 1.25x the memory of
+#: two (docs/performance.md, "FIRE and FoX in long evaluation").
+HEAD_GROUP_DIMS = 32
+
+
 def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
     """Queries in blocks of ``chunk_size`` (default ``CHUNK_SIZE``); each block's
     bias a view of the shared ramp (causal) or built on the fly (bidirectional,
@@ -442,7 +449,8 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
     where the bias is one value past some distance (:func:`constant_tail`,
     T5's buckets) the keys past it run without a mask (:func:`far_and_near`).
     Other biases build each block over the keys its heads read
-    (``StackBias.key_block``: FIRE one value per distance and knot); FoX's
+    (``StackBias.key_block``; FIRE one value per distance and knot, a few
+    heads at a time without gradients); FoX's
     keys before each block run with one shared row of bias
     (:func:`gated_far_and_near`)."""
     chunk_size = chunk_size or CHUNK_SIZE
@@ -495,6 +503,13 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
                     attend_block(start, heads, first, block[:, heads], reverse=True)
     else:
         split = bias.batched and causal and pad is None and not torch.is_grad_enabled()  # FoX's inference
+        # FIRE: the bias of a few heads at a time (at least HEAD_GROUP_DIMS dimensions of work per call), in
+        # storage that every block reuses with their shared inputs: a fresh [H, 256, T] bias per block (32 MiB
+        # at 4 heads and 8K keys) page-faulted in each time, at or above glibc's largest mmap threshold
+        heads_apart = bias.heads_apart and not torch.is_grad_enabled()
+        group = max(1, HEAD_GROUP_DIMS // q.size(-1))
+        storage = None if not heads_apart else q.new_empty((1 + group) * min(chunk_size, q_len) * k_len,
+                                                           dtype=torch.float32)
         for start, block_firsts in zip(starts, firsts):
             rows, visible = extent(start)
             if split:
@@ -502,6 +517,13 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
                     block_out = gated_far_and_near(q[:, heads, start:start + rows], k[:, heads], v[:, heads],
                                                    bias.cumulative[:, heads], offset + start, first)
                     out[start:start + rows, :, heads] = block_out.permute(2, 0, 1, 3)
+                continue
+            if heads_apart:
+                blocks = bias.reversed_head_blocks(offset + start, rows, visible, q.device, storage, group)
+                for heads, block in blocks:
+                    for sub, first in head_groups(block_firsts[heads]):  # heads of one key window
+                        attend_block(start, slice(heads.start + sub.start, heads.start + sub.stop), first,
+                                     block[None, sub].to(q.dtype), reverse=True)
                 continue
             base = min(block_firsts)  # no head reads a key before it
             block, reverse = bias.key_block(offset + start, rows, k_len, q.dtype, q.device, visible, base)
@@ -580,10 +602,12 @@ def choose_kernel(
     bias supports it; ``blocked`` for CPU training of a causal stack (it skips
     the keys right of each query block, and with key windows the far keys of
     steep heads; a learned bias gets its gradient block by block; without a
-    bias only with dropout, SDPA's causal flash kernel being as good without); ``chunked`` for long inference (linear memory, key windows);
-    ``sdpa`` for everything else (bidirectional training, short inference,
-    KV-cache steps, CPU training of a fixed bias without dropout up to
-    ``SHORT_TRAINING`` queries).  docs/performance.md has the measurements behind each choice.
+    bias only with dropout, SDPA's causal flash kernel being as good without);
+    ``chunked`` for long inference (linear memory, key windows), and FIRE's
+    inference of more than one query at any length; ``sdpa`` for everything
+    else (bidirectional training, short inference, KV-cache steps, CPU
+    training of a fixed bias without dropout up to ``SHORT_TRAINING``
+    queries).  docs/performance.md has the measurements behind each choice.
     """
     if need_weights:
         return "reference"
@@ -603,8 +627,8 @@ def choose_kernel(
         return "blocked"  # without a bias or dropout, SDPA's causal flash kernel does the same
     if bias.zero:
         return "sdpa"
-    if not grad and q_len * k_len > CHUNK_THRESHOLD:
-        return "chunked"
+    if not grad and (q_len * k_len > CHUNK_THRESHOLD or (bias.heads_apart and q_len > 1)):
+        return "chunked"  # FIRE's blocks, a few heads at a time, take less time and memory than its dense bias
     return "sdpa"
 
 
