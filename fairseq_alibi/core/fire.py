@@ -159,8 +159,8 @@ class Fire(nn.Module):
         knot: hence groups of :data:`ROW_GROUP` rows, not the caller's block."""
         knots, slopes, intercepts = self.pieces()
         groups = self._row_groups(q_start, q_len, device)
-        return torch.cat([self._group_bias(self._group_inputs(rows, keys, psi, knots), slopes, intercepts)
-                          for rows, psi in groups], dim=1)
+        return torch.cat([self._group_bias(self._group_inputs(span, keys, psi, knots), slopes, intercepts)
+                          for span, psi in groups], dim=1)
 
     def reversed_head_blocks(self, q_start: int, q_len: int, keys: int, device,
                              storage: Tensor, group: int = 1) -> Iterator[Tuple[slice, Tensor]]:
@@ -181,8 +181,8 @@ class Fire(nn.Module):
         for (first, rows), psi in self._row_groups(q_start, q_len, device):
             row = q_start + q_len - first - rows  # the group's first row in the block (last query first)
             groups.append((row, self._group_inputs((first, rows), keys, psi, knots, x_rows[None, row: row + rows])))
-        for first in range(0, self.num_heads, group):
-            heads = slice(first, min(first + group, self.num_heads))
+        for head in range(0, self.num_heads, group):
+            heads = slice(head, min(head + group, self.num_heads))
             n = heads.stop - heads.start
             for row, g in groups:
                 self._group_bias(g, slopes[:, heads], intercepts[:, heads], planes[:n, row: row + g.rows])
@@ -195,13 +195,13 @@ class Fire(nn.Module):
         starts = [(max(q_start, stop - ROW_GROUP), stop) for stop in range(q_start + q_len, q_start, -ROW_GROUP)]
         return [((a, b - a), psi[-b:]) for a, b in starts]
 
-    def _group_inputs(self, group: Tuple[int, int], keys: int, psi: Tensor, knots: Tensor,
+    def _group_inputs(self, span: Tuple[int, int], keys: int, psi: Tensor, knots: Tensor,
                       x_out: Optional[Tensor] = None) -> "_Group":
-        """What every head of a group of rows reads: ``x [1, rows, keys]``
-        (into ``x_out`` where given), each distance's piece where the whole
-        group shares it, and the pairs that straddle a knot with their own
-        ``x`` and piece."""
-        q_start, q_len = group
+        """What every head reads of the group of rows ``span`` (first query,
+        rows): ``x [1, rows, keys]`` (into ``x_out`` where given), each
+        distance's piece where the whole group shares it, and the pairs that
+        straddle a knot with their own ``x`` and piece."""
+        q_start, q_len = span
         far = q_start + q_len - 1  # the group's largest distance
         extra = q_len + max(0, keys - far - 1)  # entries right of every query's own key
         query = torch.arange(far, q_start - 1, -1, device=psi.device, dtype=torch.float32)  # the rows, last first
