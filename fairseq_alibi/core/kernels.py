@@ -429,9 +429,10 @@ def keys_read(bias: StackBias, q: Tensor, k: Tensor, chunk_size: Optional[int] =
 
 
 #: FIRE's inference builds and attends this many of a block's head dimensions per call (at least one head),
-#: the bias of the others not held meanwhile: one head of 64 per call took the time of all 4 at once; of 8
-#: heads of 16, one per call took 1.14x the time of all at once, two 1.04-1.11x, four 0.96x but 1.25x the memory of
-#: two (docs/performance.md, "FIRE and FoX in long evaluation").
+#: the bias of the others not held meanwhile.  Whole-model forwards alternating in one process (2026-12-01, an
+#: AMD EPYC): one head of 64 per call took the time of all 4 at once; of 8 heads of 16 at 4,096 tokens, one per
+#: call took 1.14x the time of all 8, two 1.04-1.11x, four 0.96x, but four held 1.25x the memory of two, more
+#: than 1.3x ALiBi's (docs/positions.md, "Long evaluation of FIRE and FoX", has the paired benchmark runs).
 HEAD_GROUP_DIMS = 32
 
 
