@@ -25,7 +25,10 @@ Reported per attention dropout: each method's median words/s over the rounds,
 from wall-clock time and from this process's CPU time (``time.process_time``,
 less disturbed by other jobs on a shared machine), and its speed relative to
 ALiBi: the median over rounds of its words/s over ALiBi's of the same round
-(above 1 is faster than ALiBi), with the range of those ratios.
+(above 1 is faster than ALiBi), with the range of those ratios; and the
+share of the causal pairs that the blocked kernel's flash calls scored in a
+training forward of the first batch (ALiBi's key windows, with the model's
+own queries and keys).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -114,6 +117,33 @@ class Run:
         return words / (time.perf_counter() - start), words / (time.process_time() - cpu_start)
 
 
+def keys_read(run: Run, sample) -> Optional[float]:
+    """The share of the causal (query, key) pairs that the blocked kernel's
+    flash calls score in one training forward of ``run``'s model on
+    ``sample``, every layer together: below 1 where key windows skip keys
+    (ALiBi's, with the model's own queries and keys, not random ones), above
+    1 where the blocks' diagonal squares are scored whole; None where no call
+    took that path (SDPA's causal kernel, the explicit path of a learned bias
+    or of attention dropout)."""
+    from fairseq_alibi.core import causal_blocks
+
+    real, read, causal = causal_blocks._block_calls, [0], [0]
+
+    def counting(q_len, k_len, block, heads, windows=None, per_head=False):
+        calls = real(q_len, k_len, block, heads, windows, per_head)
+        read[0] += sum((stop - start) * (end - first) * (group.stop - group.start)
+                       for start, stop, group, first, end in calls)
+        causal[0] += heads * (q_len * (k_len - q_len) + q_len * (q_len + 1) // 2)
+        return calls
+
+    causal_blocks._block_calls = counting
+    try:
+        run.model(**sample["net_input"])
+    finally:
+        causal_blocks._block_calls = real
+    return read[0] / causal[0] if causal[0] else None
+
+
 def paired(values: List[float], reference: List[float]) -> dict:
     """The median and range of round-by-round ratios ``values / reference``."""
     ratios = [a / b for a, b in zip(values, reference)]
@@ -127,6 +157,7 @@ def measure(opts, attention_dropout: float) -> Dict[str, dict]:
     dictionary = runs[REFERENCE].task.source_dictionary
     batches = make_batches(opts.steps, opts.batch, opts.length, len(dictionary), dictionary.pad(),
                            dictionary.eos(), opts.padded)
+    read = {method: keys_read(run, batches[0]) for method, run in runs.items()}
     warmup = [batches[i % len(batches)] for i in range(opts.warmup)]
     for run in runs.values():  # caches, allocator, lazy initialisation
         run.words_per_second(warmup)
@@ -139,7 +170,8 @@ def measure(opts, attention_dropout: float) -> Dict[str, dict]:
             cpu[method].append(c)
         print(f"[train_throughput] attention dropout {attention_dropout}, round {r + 1}/{opts.rounds}: "
               + ", ".join(f"{m} {wall[m][-1]:.0f}" for m in opts.methods) + " words/s", file=sys.stderr, flush=True)
-    return {method: {"params": runs[method].params, "wps": wall[method], "cpu_wps": cpu[method],
+    return {method: {"params": runs[method].params, "keys_read": read[method], "wps": wall[method],
+                     "cpu_wps": cpu[method],
                      "median_wps": median(wall[method]), "median_cpu_wps": median(cpu[method]),
                      "speed": paired(wall[method], wall[REFERENCE]),
                      "cpu_speed": paired(cpu[method], cpu[REFERENCE])}
@@ -160,12 +192,17 @@ def render(opts, command: str, results: Dict[str, Dict[str, dict]]) -> str:
              f"{' (right-padded rows)' if opts.padded else ''}, {opts.steps} update(s) per method per round, "
              f"medians of {opts.rounds} rounds. Speed / ALiBi: the median of the rounds' ratios of words/s, "
              "[their range]; above 1 is faster than ALiBi.", "",
-             "| method | " + " | ".join(f"words/s, attention dropout {d} | speed / ALiBi | CPU-time speed / ALiBi"
-                                      for d in drops) + " |",
-             "|---|" + "---|---|---|" * len(drops)]
+             "Keys read: the share of the causal (query, key) pairs that the blocked kernel's flash calls "
+             "scored in a training forward of the first batch (below 1 where key windows skip keys; - where "
+             "no call took that path).", "",
+             "| method | " + " | ".join(f"words/s, attention dropout {d} | speed / ALiBi | CPU-time speed / ALiBi "
+                                      "| keys read" for d in drops) + " |",
+             "|---|" + "---|---|---|---|" * len(drops)]
     for method in opts.methods:
         cells = [f"{results[d][method]['median_wps']:.0f} | {speed(results[d][method]['speed'])} | "
-                 f"{speed(results[d][method]['cpu_speed'])}" for d in drops]
+                 f"{speed(results[d][method]['cpu_speed'])} | "
+                 + ("-" if results[d][method]["keys_read"] is None else f"{results[d][method]['keys_read']:.3f}")
+                 for d in drops]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

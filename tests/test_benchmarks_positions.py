@@ -458,5 +458,12 @@ def test_the_throughput_benchmark_pairs_every_method_update_by_update(tmp_path):
             row = next(line for line in data["markdown"].splitlines() if line.startswith(f"| {method} |"))
             assert f"{entry['median_wps']:.0f}" in row and positions_cost.significant(entry["speed"]["median"]) in row
         assert methods["alibi"]["speed"]["median"] == 1.0
+        # keys read: FoX's blocked flash calls, one block of 16 queries scoring its square whole (16 x 16 of the
+        # 16 x 17 / 2 causal pairs) without dropout; NoPE's SDPA call and ALiBi's short SDPA path none
+        assert methods["nope"]["keys_read"] is None and methods["alibi"]["keys_read"] is None
+    fox = train_throughput.measure(train_throughput.parse_args(
+        ["--methods", "fox", "--length", "16", "--layers", "1", "--embed-dim", "16", "--heads", "2", "--ffn", "32",
+         "--vocab", "20", "--rounds", "1", "--warmup", "0"]), 0.0)["fox"]
+    assert fox["keys_read"] == pytest.approx(16 * 16 / (16 * 17 / 2), rel=1e-12)
     everything = train_throughput.parse_args(["--methods", "nope", "all"]).methods
     assert everything[0] == "alibi" and sorted(everything) == sorted(positions_cost.DEFAULT_METHODS)
