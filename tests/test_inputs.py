@@ -277,7 +277,10 @@ def interrupting(name):
         calls[0] += 1
         if calls[0] == after:
             if how == "signal":
-                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: Python raises KeyboardInterrupt at the next step
+                # Ctrl-C, to this thread: its C handler runs before raise_signal returns, so Python raises
+                # KeyboardInterrupt at the next step (os.kill may wake another thread, and the main one
+                # then sees the signal late: the run could end first, exit 0)
+                signal.raise_signal(signal.SIGINT)
             else:
                 raise KeyboardInterrupt
         return stock[name](self, *args)
@@ -325,7 +328,7 @@ def test_renames_wait_for_ctrl_c(tmp_path, monkeypatch):
 
     def replace_then_ctrl_c(src, dst):
         real_replace(src, dst)
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # to this thread (os.kill may wake pytest-xdist's other thread)
 
     with pytest.raises(KeyboardInterrupt):
         with staging.staged_files(str(dest)) as stage:
