@@ -277,9 +277,7 @@ def interrupting(name):
         calls[0] += 1
         if calls[0] == after:
             if how == "signal":
-                # Ctrl-C, to this thread: its C handler runs before raise_signal returns, so Python raises
-                # KeyboardInterrupt at the next step (os.kill may wake another thread, and the main one
-                # then sees the signal late: the run could end first, exit 0)
+                # Ctrl-C (Python's handler runs before raise_signal returns)
                 signal.raise_signal(signal.SIGINT)
             else:
                 raise KeyboardInterrupt
@@ -287,6 +285,9 @@ def interrupting(name):
     return method
 
 
+# a suite started in the background of a shell (make test &) inherits SIGINT ignored; Ctrl-C at a
+# terminal reaches a tool with Python's own handler, so give the tool that one
+signal.signal(signal.SIGINT, signal.default_int_handler)
 setattr(builder, sys.argv[3], interrupting(sys.argv[3]))
 sys.argv = ["alibi-preprocess", *sys.argv[4:]]
 from fairseq_alibi.cli import preprocess
@@ -328,13 +329,19 @@ def test_renames_wait_for_ctrl_c(tmp_path, monkeypatch):
 
     def replace_then_ctrl_c(src, dst):
         real_replace(src, dst)
-        signal.raise_signal(signal.SIGINT)  # to this thread (os.kill may wake pytest-xdist's other thread)
+        signal.raise_signal(signal.SIGINT)
 
-    with pytest.raises(KeyboardInterrupt):
-        with staging.staged_files(str(dest)) as stage:
-            for name in ("a.bin", "a.idx"):
-                Path(stage, name).write_text(name)
-            monkeypatch.setattr(os, "replace", replace_then_ctrl_c)
+    # Python's own handler, as at a terminal: a suite started in the background of a shell
+    # (make test &) inherits SIGINT ignored, and held then re-raised it would still be ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with staging.staged_files(str(dest)) as stage:
+                for name in ("a.bin", "a.idx"):
+                    Path(stage, name).write_text(name)
+                monkeypatch.setattr(os, "replace", replace_then_ctrl_c)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     monkeypatch.undo()
     assert snapshot(dest) == {"a.bin": b"a.bin", "a.idx": b"a.idx"}
     assert sorted(os.listdir(tmp_path)) == ["dest"]

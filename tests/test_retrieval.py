@@ -1002,8 +1002,10 @@ def test_every_family_allows_six_restarts(tmp_path):
                     UPDATES="4", WARMUP="2", MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1",
                     RECIPE="every-family", MODELS="rotary", UPDATES_rotary="", METHODS="none", LENGTHS="1x",
                     CHECK_EVERY="2", UNTIL="100", RESTART_AT_rotary="2", RESTART_BELOW="100")
+    # a suite started in the background of a shell inherits SIGINT ignored, which a shell cannot trap: restore it
     run = subprocess.Popen([str(EXAMPLES / "retrieval" / "run.sh")], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, env=cli_env(**settings), start_new_session=True)
+                           stderr=subprocess.STDOUT, text=True, env=cli_env(**settings), start_new_session=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         restart = next((line for line in run.stdout if "restart 1 of at most" in line), "")
     finally:
