@@ -240,6 +240,20 @@ def wilson_by_hand(k: int, n: int):
 # fork's ``+m*j`` form (test-only: kept to pin its fp16 defect).
 
 
+def count_sdpa_pairs(monkeypatch) -> List[int]:
+    """A list that gets the (query, key) pairs of every later SDPA call
+    (batch x heads x queries x keys each): what a kernel scores."""
+    scored: List[int] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(query, key, value, **kwargs):
+        scored.append(query.size(0) * query.size(1) * query.size(2) * key.size(2))
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    return scored
+
+
 def causal_bias(slopes, q_len, k_len, dtype=torch.float32, device=None, q_start=None):
     """``[H, q_len, k_len]``: ``-m (i - j)`` for ``j <= i``, ``-inf`` above."""
     return alibi.alibi_bias(slopes, q_len, k_len, alibi.head_directions("causal", slopes.numel()),

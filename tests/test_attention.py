@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
-from conftest import causal_bias, fairseq_config
+from conftest import causal_bias, count_sdpa_pairs, fairseq_config
 
 from fairseq_alibi.core import alibi
 from fairseq_alibi.core.scaling import NO_SCALING, Scaling
@@ -235,6 +235,64 @@ def test_chunked_key_windows_skip_far_keys_and_change_nothing(scaling, monkeypat
     torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["symmetric", "split", "learned"])
+@pytest.mark.parametrize("scaling", [NO_SCALING, Scaling("ntk", 0, 8), Scaling("log", 1, 8, 1.0)],
+                         ids=["none", "ntk", "log"])
+def test_two_sided_ramp_views_equal_the_bidirectional_bias(mode, scaling):
+    """An encoder's chunked blocks (reversed-row views of one vector per head
+    over every key) against the whole bias, bit for bit: both sides, one-way
+    heads' hidden side, the slopes of the whole length."""
+    bias = (B.LearnedAlibiBias(3, scaling=scaling) if mode == "learned" else AlibiBias(3, mode=mode, scaling=scaling))
+    if mode == "learned":
+        with torch.no_grad():
+            bias.right.add_(torch.tensor([0.5, -1.0, 2.0]))  # the two sides differ
+    k_len = 37
+    full = bias.block(0, k_len, k_len, torch.float32, "cpu")
+    ramp = K.two_sided_ramp(bias, k_len, torch.float32, "cpu")
+    assert ramp.shape == (3, 2 * k_len - 1)
+    for start in range(0, k_len, 8):
+        rows = min(8, k_len - start)
+        assert torch.equal(reversed_rows(ramp, start, rows, k_len, k_len).flip(1), full[:, start:start + rows])
+
+
+@pytest.mark.parametrize("mode", ["symmetric", "split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_sided_windows_skip_far_keys_on_both_sides_and_change_nothing(mode, dtype, monkeypatch):
+    """An encoder's ALiBi in the chunked kernel: steep heads read a window
+    around each block (one side only for a split head), the flattest head
+    every key it sees, and the output is the reference's, and that of the
+    same kernel without windows."""
+    monkeypatch.setattr(K, "CHUNK_SIZE", 64)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (3 * torch.randn(2, 8, 1000, 16, generator=gen) for _ in range(3))  # |q||k|/sqrt(D) up to ~100
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    bias = AlibiBias(8, mode=mode)
+    span = K.two_sided_windows(bias, q, k)
+    blocks = [span(start, min(start + 64, 1000)) for start in range(0, 1000, 64)]
+    for start, spans in zip(range(0, 1000, 64), blocks):
+        stop = min(start + 64, 1000)
+        for (first, end), direction in zip(spans, bias.directions):
+            assert first % K.WINDOW_ALIGN == 0 and (end % K.WINDOW_ALIGN == 0 or end == 1000)
+            assert first == start if direction == alibi.LOOK_RIGHT else first <= start
+            assert end == stop if direction == alibi.LOOK_LEFT else end >= stop
+    looks = [h for h, d in enumerate(bias.directions) if d != alibi.LOOK_RIGHT]  # left or both ways
+    steep, flattest = looks[0], looks[-1]
+    assert any(spans[steep][0] > 0 for spans in blocks) and all(spans[flattest][0] == 0 for spans in blocks)
+    steep_right = 4 if mode == "split" else 0  # right or both ways
+    assert any(spans[steep_right][1] < 1000 for spans in blocks)
+    with torch.no_grad():
+        out, _ = K.chunked_kernel(q, k, v, bias, None, 0.0)
+        ref, _ = K.reference_kernel(q, k, v, bias, None, 0.0)
+        monkeypatch.setattr(K, "two_sided_windows", lambda *a: None)
+        whole, _ = K.chunked_kernel(q, k, v, bias, None, 0.0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(out, whole, atol=1e-6, rtol=1e-6)
+    else:  # bfloat16 rounds each output (and SDPA's sums differ with the keys it reads): one rounding apart
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(out.float(), whole.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("slopes", ["alibi", "flat"])
 def test_keys_read_counts_the_pairs_the_chunked_kernel_scores(slopes, monkeypatch):
     """``kernels.keys_read`` (the benchmarks' "keys read") against a count of
@@ -246,14 +304,7 @@ def test_keys_read_counts_the_pairs_the_chunked_kernel_scores(slopes, monkeypatc
     bias = AlibiBias(8)
     if slopes == "flat":
         bias.base_slopes.mul_(1e-3)  # no key weighs little enough to skip
-    scored = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def counting(query, key, value, **kwargs):
-        scored.append(query.size(0) * query.size(1) * query.size(2) * key.size(2))
-        return sdpa(query, key, value, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    scored = count_sdpa_pairs(monkeypatch)
     with torch.no_grad():
         K.chunked_kernel(q, k, v, bias, None, 0.0)
     causal = 8 * 700 * 701 // 2

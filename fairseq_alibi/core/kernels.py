@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .alibi import reach, scaled_slopes
+from .alibi import LOOK_LEFT, LOOK_RIGHT, reach, scaled_slopes
 from .bias import StackBias, distance_ramp, padding_mask, reversed_rows
 from .errors import ConfigError
 from .fox import gate_bias
@@ -175,6 +175,27 @@ def toeplitz_ramp(bias: StackBias, k_len: int, extra: int, dtype, device) -> Ten
     return bias.cached("ramp", key, lambda: distance_ramp(bias.block(k_len - 1, 1, k_len, dtype, device)[:, 0], extra))
 
 
+def two_sided_ramp(bias: StackBias, k_len: int, dtype, device) -> Tensor:
+    """A bidirectional Toeplitz bias (an encoder's ALiBi, ``Scaling.relative``)
+    as one vector per head, ``[H, 2 k_len - 1]``: the last query's row (keys
+    ``0 .. k_len - 1``: distances ``k_len - 1`` down to 0) then the first
+    query's right of its own key (distances -1 down to ``-(k_len - 1)``).
+    Query ``a`` over key ``j`` reads entry ``k_len - 1 - a + j``, as in a
+    causal :func:`bias.distance_ramp`, so every block of queries over every
+    key is a :func:`bias.reversed_rows` view of it: ``2 H T`` values where
+    the bias has ``H T^2``, and no block built per block of queries (at 16K
+    keys and 8 heads, building one took half the time of its attention call).
+    Cached where the slopes are fixed; learned slopes build it per call."""
+    def build() -> Tensor:
+        last = bias.block(k_len - 1, 1, k_len, dtype, device)[:, 0]
+        first = bias.block(0, 1, k_len, dtype, device)[:, 0, 1:]
+        return torch.cat([last, first], dim=-1)
+
+    if bias.learned:
+        return build()
+    return bias.cached("two_sided_ramp", (k_len, dtype, str(device), bias.scaling.factor_at(k_len)), build)
+
+
 #: Key windows start at multiples of this (fewer distinct head groups per block).
 WINDOW_ALIGN = 64
 
@@ -213,6 +234,37 @@ def key_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
         return firsts
 
     return first
+
+
+def two_sided_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callable[[int, int], List[Tuple[int, int]]]]:
+    """:func:`key_windows` for a bidirectional ALiBi of fixed slopes (an
+    encoder's, queries = keys, no padding): ``span(start, stop)`` -> the keys
+    ``(first, end)`` each head needs for the queries ``start .. stop - 1``,
+    or None where no head can skip a key.  The bound is the causal one on
+    each side the head looks (a key at distance ``d`` on either side scores at
+    most ``|q_i| K / sqrt(D) - m d'(d)``, the query's own key, bias 0, is in
+    every row); at most ``k_len`` keys are left out in all, as there.  A head
+    that looks one way (``split``) reads no key on its hidden side of the
+    block."""
+    if bias.causal or not bias.has_slopes or q.size(2) != k.size(2):
+        return None
+    scaling, k_len = bias.scaling, k.size(2)
+    slopes = scaled_slopes(scaling, bias.base_slopes, k_len, bias.exponents).tolist()
+    margins = score_margins(q, k)
+    gap = negligible_gap(k_len, q.dtype)
+
+    def span(start: int, stop: int) -> List[Tuple[int, int]]:
+        bound = (margins[:, start:stop].amax(-1) + gap).tolist()
+        spans = []
+        for m, b, direction in zip(slopes, bound, bias.directions):
+            window = reach(scaling, b, m)
+            near = math.ceil(window) if math.isfinite(window) else k_len  # keys this far away weigh nothing
+            first = start if direction == LOOK_RIGHT else max(0, start - near)
+            end = stop if direction == LOOK_LEFT else stop - 1 + near
+            spans.append((first // WINDOW_ALIGN * WINDOW_ALIGN, min(k_len, -(-end // WINDOW_ALIGN) * WINDOW_ALIGN)))
+        return spans
+
+    return span
 
 
 def distance_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[Callable[[int, int], List[int]]]:
@@ -438,8 +490,10 @@ HEAD_GROUP_DIMS = 32
 
 def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
     """Queries in blocks of ``chunk_size`` (default ``CHUNK_SIZE``); each block's
-    bias a view of the shared ramp (causal) or built on the fly (bidirectional,
-    learned, ``capnorm``), every block with the slopes of all ``k_len`` keys (as
+    bias a view of the shared ramp (a Toeplitz bias: causal, or an encoder's
+    two-sided :func:`two_sided_ramp` with its :func:`two_sided_windows`) or
+    built on the fly (``capnorm``, FIRE past its threshold), every block with
+    the slopes of all ``k_len`` keys (as
     the dense kernels, so dynamic scaling agrees across kernels).  Causal blocks
     read only the keys they can see, and each head only those within its key
     windows (ALiBi's :func:`key_windows`, a learned distance bias's
@@ -502,6 +556,14 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
                     out[start:start + rows, :, heads] = block_out.flip(2).permute(2, 0, 1, 3)
                 else:  # heads whose key windows leave the far keys out (or no far bias)
                     attend_block(start, heads, first, block[:, heads], reverse=True)
+    elif bias.toeplitz and not bias.batched:  # bidirectional (an encoder's ALiBi): views of one vector per head
+        ramp = two_sided_ramp(bias, k_len, q.dtype, q.device)
+        spans = two_sided_windows(bias, q, k) if pad is None and q_len > chunk_size else None
+        for start in starts:
+            rows = min(chunk_size, q_len - start)
+            block = reversed_rows(ramp, start, rows, k_len, k_len)[None]  # last query first
+            for heads, (first, end) in head_groups(spans(start, start + rows) if spans else [(0, k_len)] * q.size(1)):
+                attend_block(start, heads, first, block[:, heads, :, :end], reverse=True)
     else:
         split = bias.batched and causal and pad is None and not torch.is_grad_enabled()  # FoX's inference
         # FIRE: the bias of a few heads at a time (at least HEAD_GROUP_DIMS dimensions of work per call), in
