@@ -248,11 +248,32 @@ def test_two_sided_ramp_views_equal_the_bidirectional_bias(mode, scaling):
             bias.right.add_(torch.tensor([0.5, -1.0, 2.0]))  # the two sides differ
     k_len = 37
     full = bias.block(0, k_len, k_len, torch.float32, "cpu")
-    ramp = K.two_sided_ramp(bias, k_len, torch.float32, "cpu")
+    ramp = B.two_sided_ramp(bias, k_len, torch.float32, "cpu")
     assert ramp.shape == (3, 2 * k_len - 1)
     for start in range(0, k_len, 8):
         rows = min(8, k_len - start)
         assert torch.equal(reversed_rows(ramp, start, rows, k_len, k_len).flip(1), full[:, start:start + rows])
+
+
+@pytest.mark.parametrize("scaling", [NO_SCALING, Scaling("ntk", 0, 8)], ids=["none", "ntk"])
+def test_learned_slopes_dense_bias_is_the_block_with_its_gradients(scaling):
+    """Learned slopes' dense bias (copied out of the two-sided ramp) has the
+    values of ``block()`` bit for bit, and the same gradients to both sides'
+    slopes (summed in another order: close, not equal)."""
+    bias = B.LearnedAlibiBias(3, scaling=scaling)
+    with torch.no_grad():
+        bias.right.add_(torch.tensor([0.5, -1.0, 2.0]))
+    weight = torch.randn(3, 37, 37, generator=torch.Generator().manual_seed(7))
+    results = []
+    for build in (lambda: bias.dense(37, 37, torch.float32, "cpu"), lambda: bias.block(0, 37, 37, torch.float32, "cpu")):
+        bias.zero_grad()
+        dense = build()
+        (dense * weight).sum().backward()
+        results.append((dense.detach(), bias.left.grad.clone(), bias.right.grad.clone()))
+    (dense, left, right), (block, left_ref, right_ref) = results
+    assert torch.equal(dense, block) and dense.is_contiguous()
+    torch.testing.assert_close(left, left_ref)
+    torch.testing.assert_close(right, right_ref)
 
 
 @pytest.mark.parametrize("mode", ["symmetric", "split"])

@@ -375,7 +375,12 @@ class LearnedAlibiBias(nn.Module, AlibiBias):
                           scaling=self.scaling)
 
     def dense(self, q_len: int, k_len: int, dtype, device) -> Tensor:
-        return self.block(k_len - q_len, q_len, k_len, dtype, device)
+        """Built per layer and forward (the slopes carry gradients), copied
+        out of :func:`two_sided_ramp` where it is Toeplitz: one pass over
+        ``H x T x T`` where :meth:`block` takes several (the same values)."""
+        if q_len != k_len or not self.toeplitz:
+            return self.block(k_len - q_len, q_len, k_len, dtype, device)
+        return reversed_rows(two_sided_ramp(self, k_len, dtype, device), 0, k_len, k_len, k_len).flip(-2)
 
     def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         pad = padding_mask(key_padding_mask, bias.dtype)
@@ -503,6 +508,29 @@ def reversed_rows(ramp: Tensor, q_start: int, rows: int, keys: int, k_len: int) 
     keys``).  The ramp needs ``rows - 1`` entries of ``extra``."""
     first = k_len - q_start - rows
     return ramp.unfold(-1, keys, 1)[:, first: first + rows]
+
+
+def two_sided_ramp(bias: "StackBias", k_len: int, dtype, device) -> Tensor:
+    """A bidirectional Toeplitz bias (an encoder's ALiBi, ``Scaling.relative``)
+    as one vector per head, ``[H, 2 k_len - 1]``: the last query's row (keys
+    ``0 .. k_len - 1``: distances ``k_len - 1`` down to 0) then the first
+    query's right of its own key (distances -1 down to ``-(k_len - 1)``).
+    Query ``a`` over key ``j`` reads entry ``k_len - 1 - a + j``, as in a
+    causal :func:`distance_ramp`, so every block of queries over every
+    key is a :func:`reversed_rows` view of it: ``2 H T`` values where
+    the bias has ``H T^2``, and no block built per block of queries (the
+    chunked kernel), or the whole bias copied out of it (learned slopes'
+    dense bias, per layer and forward).  Cached where the slopes are fixed;
+    learned slopes build it per call."""
+    def build() -> Tensor:
+        last = bias.block(k_len - 1, 1, k_len, dtype, device)[:, 0]
+        first = bias.block(0, 1, k_len, dtype, device)[:, 0, 1:]
+        return torch.cat([last, first], dim=-1)
+
+    if bias.learned:
+        return build()
+    return bias.cached("two_sided_ramp", (k_len, dtype, str(device), bias.scaling.factor_at(k_len)), build)
+
 
 
 class CausalMask(StackBias):

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .alibi import LOOK_LEFT, LOOK_RIGHT, reach, scaled_slopes
-from .bias import StackBias, distance_ramp, padding_mask, reversed_rows
+from .bias import StackBias, distance_ramp, padding_mask, reversed_rows, two_sided_ramp
 from .errors import ConfigError
 from .fox import gate_bias
 from .causal_blocks import (SKIPPED_SHARE, blocked_causal_attention, far_and_band_attention,  # noqa: F401
@@ -173,27 +173,6 @@ def toeplitz_ramp(bias: StackBias, k_len: int, extra: int, dtype, device) -> Ten
     shared by every layer and block, linear in the length."""
     key = (k_len, extra, dtype, str(device), bias.scaling.factor_at(k_len))
     return bias.cached("ramp", key, lambda: distance_ramp(bias.block(k_len - 1, 1, k_len, dtype, device)[:, 0], extra))
-
-
-def two_sided_ramp(bias: StackBias, k_len: int, dtype, device) -> Tensor:
-    """A bidirectional Toeplitz bias (an encoder's ALiBi, ``Scaling.relative``)
-    as one vector per head, ``[H, 2 k_len - 1]``: the last query's row (keys
-    ``0 .. k_len - 1``: distances ``k_len - 1`` down to 0) then the first
-    query's right of its own key (distances -1 down to ``-(k_len - 1)``).
-    Query ``a`` over key ``j`` reads entry ``k_len - 1 - a + j``, as in a
-    causal :func:`bias.distance_ramp`, so every block of queries over every
-    key is a :func:`bias.reversed_rows` view of it: ``2 H T`` values where
-    the bias has ``H T^2``, and no block built per block of queries (at 16K
-    keys and 8 heads, building one took half the time of its attention call).
-    Cached where the slopes are fixed; learned slopes build it per call."""
-    def build() -> Tensor:
-        last = bias.block(k_len - 1, 1, k_len, dtype, device)[:, 0]
-        first = bias.block(0, 1, k_len, dtype, device)[:, 0, 1:]
-        return torch.cat([last, first], dim=-1)
-
-    if bias.learned:
-        return build()
-    return bias.cached("two_sided_ramp", (k_len, dtype, str(device), bias.scaling.factor_at(k_len)), build)
 
 
 #: Key windows start at multiples of this (fewer distinct head groups per block).
@@ -556,7 +535,8 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
                     out[start:start + rows, :, heads] = block_out.flip(2).permute(2, 0, 1, 3)
                 else:  # heads whose key windows leave the far keys out (or no far bias)
                     attend_block(start, heads, first, block[:, heads], reverse=True)
-    elif bias.toeplitz and not bias.batched:  # bidirectional (an encoder's ALiBi): views of one vector per head
+    elif bias.toeplitz and not bias.batched and q_len == k_len:
+        # bidirectional self-attention (an encoder's ALiBi): views of one vector per head
         ramp = two_sided_ramp(bias, k_len, q.dtype, q.device)
         spans = two_sided_windows(bias, q, k) if pad is None and q_len > chunk_size else None
         for start in starts:
