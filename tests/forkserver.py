@@ -26,8 +26,9 @@ The example recipes (shell scripts that start a dozen tools each) reach the
 same server through :func:`write_shims`: a folder of small executables named
 like the tools (and ``python``), each of which connects to the server's Unix
 socket, hands over its standard streams (``SCM_RIGHTS``) with its argv,
-environment and directory, forwards SIGINT/SIGTERM to the run, and exits with
-the run's status.  A recipe given that folder as its ``VENV_BIN`` runs as
+environment and directory (and which of SIGINT and SIGTERM it found ignored:
+the run starts with the dispositions a fresh interpreter would have had),
+forwards SIGINT/SIGTERM to the run, and exits with the run's status.  A recipe given that folder as its ``VENV_BIN`` runs as
 before, its tools forked instead of started.
 """
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +45,17 @@ import threading
 from typing import Dict, List, Optional
 
 ROUTED_PREFIXES = ("alibi-", "fairseq-")
+
+
+def _start_with_signals(ignored: List[int]) -> None:
+    """SIGINT and SIGTERM as a fresh interpreter exec'd by the shim's parent
+    would have them: ignored where the shim found them ignored, else SIGINT
+    raising KeyboardInterrupt and SIGTERM's default.  A fork inherits the
+    server's instead (the test worker's: ignored when the suite was started in
+    the background of a shell), and a recipe that restored Ctrl-C for its
+    tools would then see them ignore it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN if signal.SIGINT in ignored else signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if signal.SIGTERM in ignored else signal.SIG_DFL)
 
 
 def _run_child(request: dict, fds: Optional[List[int]] = None) -> int:
@@ -62,6 +75,8 @@ def _run_child(request: dict, fds: Optional[List[int]] = None) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    if "ignored" in request:  # a shim's run: the signal dispositions its tool would have started with
+        _start_with_signals(request["ignored"])
     # torch read OMP_NUM_THREADS when the server imported it: a run's own value (the recipes give
     # each training and evaluation one thread) applies as it would in a fresh interpreter. Left at
     # the server's count, a run's threads oversubscribe the cores the others use, and every
@@ -197,11 +212,12 @@ if {is_python!r} and not (args and (args[0] in ("-c", "-m") or args[0].endswith(
 pid, early = None, []  # a signal that comes before the run's pid is passed on once it is known
 def forward(sent, frame):
     early.append(sent) if pid is None else os.kill(pid, sent)
+ignored = [number for number in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(number) == signal.SIG_IGN]
 for number in (signal.SIGINT, signal.SIGTERM):
     signal.signal(number, forward)
 connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 connection.connect({socket!r})
-request = json.dumps(dict(argv=[real] + args, env=dict(os.environ), cwd=os.getcwd())) + "\\n"
+request = json.dumps(dict(argv=[real] + args, env=dict(os.environ), cwd=os.getcwd(), ignored=ignored)) + "\\n"
 socket.send_fds(connection, [request.encode()], [0, 1, 2])
 replies = connection.makefile()
 pid = json.loads(replies.readline())["pid"]

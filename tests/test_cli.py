@@ -917,6 +917,28 @@ def test_a_forked_run_prints_what_a_fresh_process_prints(argv, lm_data_bin, alib
             assert got == want, "\n".join(diff)
 
 
+@pytest.mark.parametrize("ignored", [[], [signal.SIGINT], [signal.SIGINT, signal.SIGTERM]],
+                         ids=["neither", "SIGINT", "both"])
+def test_a_shimmed_run_starts_with_the_signals_a_fresh_interpreter_would(ignored):
+    """A recipe's tool (a fork of the worker's server) handles SIGINT and
+    SIGTERM as the real interpreter started in its place does: ignored where
+    its parent left them ignored (a recipe started with &), else Ctrl-C raises
+    KeyboardInterrupt, whatever the test worker itself inherited."""
+    show = "import signal; print(signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))"
+
+    def start(python):
+        def dispositions():
+            for number in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(number, signal.SIG_IGN if number in ignored else signal.SIG_DFL)
+
+        return subprocess.run([python, "-c", show], capture_output=True, text=True, env=cli_env(),
+                              preexec_fn=dispositions, timeout=120)
+
+    shimmed, real = start(os.path.join(recipe_bin(), "python")), start(sys.executable)
+    assert shimmed.returncode == real.returncode == 0, shimmed.stderr + real.stderr
+    assert shimmed.stdout == real.stdout
+
+
 def test_a_shim_passes_signals_on_and_returns_the_status():
     """forkserver.write_shims: SIGTERM to a recipe's tool reaches the forked run
     (128 + 15, as a shell reports a process killed by it); an exit status comes back."""
