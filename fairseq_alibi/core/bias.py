@@ -532,7 +532,6 @@ def two_sided_ramp(bias: "StackBias", k_len: int, dtype, device) -> Tensor:
     return bias.cached("two_sided_ramp", (k_len, dtype, str(device), bias.scaling.factor_at(k_len)), build)
 
 
-
 class CausalMask(StackBias):
     """No bias: the causal mask alone (NoPE).  ``zero``: the kernels run
     bias-free causal attention where they can (SDPA's ``is_causal``); the dense
