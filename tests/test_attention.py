@@ -276,19 +276,28 @@ def test_learned_slopes_dense_bias_is_the_block_with_its_gradients(scaling):
     torch.testing.assert_close(right, right_ref)
 
 
-@pytest.mark.parametrize("mode", ["symmetric", "split"])
+@pytest.mark.parametrize("mode", ["symmetric", "split", "learned"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_two_sided_windows_skip_far_keys_on_both_sides_and_change_nothing(mode, dtype, monkeypatch):
     """An encoder's ALiBi in the chunked kernel: steep heads read a window
-    around each block (one side only for a split head), the flattest head
-    every key it sees, and the output is the reference's, and that of the
-    same kernel without windows."""
+    around each block (one side only for a split head; learned slopes each
+    side by its own slope, in inference only), the flattest head every key
+    it sees, and the output is the reference's, and that of the same kernel
+    without windows."""
     monkeypatch.setattr(K, "CHUNK_SIZE", 64)
     gen = torch.Generator().manual_seed(5)
     q, k, v = (3 * torch.randn(2, 8, 1000, 16, generator=gen) for _ in range(3))  # |q||k|/sqrt(D) up to ~100
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    bias = AlibiBias(8, mode=mode)
-    span = K.two_sided_windows(bias, q, k)
+    bias = B.LearnedAlibiBias(8) if mode == "learned" else AlibiBias(8, mode=mode)
+    if mode == "learned":
+        with torch.no_grad():
+            bias.right.sub_(1.0)  # flatter on the right: narrower windows on the left
+        assert K.two_sided_windows(bias, q, k) is None  # training: the slopes' gradient needs every key
+        with torch.no_grad():
+            spans = K.two_sided_windows(bias, q, k)(448, 512)
+        assert all(448 - first < end - 512 for first, end in spans[:4]), spans
+    with torch.no_grad():
+        span = K.two_sided_windows(bias, q, k)
     blocks = [span(start, min(start + 64, 1000)) for start in range(0, 1000, 64)]
     for start, spans in zip(range(0, 1000, 64), blocks):
         stop = min(start + 64, 1000)

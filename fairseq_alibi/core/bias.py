@@ -345,7 +345,7 @@ class LearnedAlibiBias(nn.Module, AlibiBias):
     """
 
     supports_flex = False  # no score_mod for trained slopes
-    has_slopes = False  # trained: no key windows
+    has_slopes = False  # trained: key windows only in inference (kernels.two_sided_windows)
     learned = True
 
     def __init__(self, num_heads: int, scaling: Scaling = NO_SCALING):

@@ -216,30 +216,34 @@ def key_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
 
 
 def two_sided_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callable[[int, int], List[Tuple[int, int]]]]:
-    """:func:`key_windows` for a bidirectional ALiBi of fixed slopes (an
-    encoder's, queries = keys, no padding): ``span(start, stop)`` -> the keys
-    ``(first, end)`` each head needs for the queries ``start .. stop - 1``,
-    or None where no head can skip a key.  The bound is the causal one on
-    each side the head looks (a key at distance ``d`` on either side scores at
-    most ``|q_i| K / sqrt(D) - m d'(d)``, the query's own key, bias 0, is in
-    every row); at most ``k_len`` keys are left out in all, as there.  A head
-    that looks one way (``split``) reads no key on its hidden side of the
-    block."""
-    if bias.causal or not bias.has_slopes or q.size(2) != k.size(2):
+    """:func:`key_windows` for a bidirectional ALiBi (an encoder's, queries =
+    keys, no padding): ``span(start, stop)`` -> the keys ``(first, end)``
+    each head needs for the queries ``start .. stop - 1``, or None where no
+    head can skip a key.  The bound is the causal one on each side the head
+    looks, with that side's slope (a key at distance ``d`` on either side
+    scores at most ``|q_i| K / sqrt(D) - m d'(d)``, the query's own key, bias
+    0, is in every row); at most ``k_len`` keys are left out in all, as
+    there.  A head that looks one way (``split``) reads no key on its hidden
+    side of the block.  Learned slopes (``learned``, one per side) are fixed
+    numbers in inference and get windows then; in training their gradient
+    needs every key."""
+    fixed = bias.has_slopes or (bias.learned and not torch.is_grad_enabled())
+    if bias.causal or not fixed or q.size(2) != k.size(2):
         return None
     scaling, k_len = bias.scaling, k.size(2)
-    slopes = scaled_slopes(scaling, bias.base_slopes, k_len, bias.exponents).tolist()
+    slopes = bias.slopes(k_len).detach().float()  # [H], or [2, H]: left, right
+    left, right = (slopes[0], slopes[1]) if slopes.dim() == 2 else (slopes, slopes)
     margins = score_margins(q, k)
     gap = negligible_gap(k_len, q.dtype)
 
     def span(start: int, stop: int) -> List[Tuple[int, int]]:
         bound = (margins[:, start:stop].amax(-1) + gap).tolist()
         spans = []
-        for m, b, direction in zip(slopes, bound, bias.directions):
-            window = reach(scaling, b, m)
-            near = math.ceil(window) if math.isfinite(window) else k_len  # keys this far away weigh nothing
-            first = start if direction == LOOK_RIGHT else max(0, start - near)
-            end = stop if direction == LOOK_LEFT else stop - 1 + near
+        for m_left, m_right, b, direction in zip(left.tolist(), right.tolist(), bound, bias.directions):
+            near = [math.ceil(w) if math.isfinite(w) else k_len  # keys this far away weigh nothing
+                    for w in (reach(scaling, b, m_left), reach(scaling, b, m_right))]
+            first = start if direction == LOOK_RIGHT else max(0, start - near[0])
+            end = stop if direction == LOOK_LEFT else stop - 1 + near[1]
             spans.append((first // WINDOW_ALIGN * WINDOW_ALIGN, min(k_len, -(-end // WINDOW_ALIGN) * WINDOW_ALIGN)))
         return spans
 
