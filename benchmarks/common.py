@@ -90,6 +90,14 @@ def device_name(device) -> str:
     return machine_description().split(";")[0]
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def median(values):
     values = sorted(values)
     n = len(values)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_description, median  # noqa: E402
+from common import machine_description, median, positive  # noqa: E402
 
 from fairseq_alibi.core import kernels  # noqa: E402
 from fairseq_alibi.core.alibi import BIDIRECTIONAL_MODES  # noqa: E402
@@ -40,11 +40,9 @@ BIAS_FREE = "no bias"
 
 
 def keys_read(bias, q: torch.Tensor, k: torch.Tensor) -> float:
-    """The share of the ``T x T`` pairs the chunked kernel scores: its
-    two-sided windows per block of queries (every key without them)."""
+    """The share of the ``T x T`` pairs the chunked kernel scores (a no-grad
+    call): its two-sided windows per block of queries (every key without them)."""
     length, heads = q.size(2), q.size(1)
-    if kernels.choose_kernel("auto", bias, False, length, length) != "chunked":
-        return 1.0  # one SDPA call over the whole square
     windows = getattr(kernels, "two_sided_windows", None)  # absent before the windows (a before/after run)
     span = windows(bias, q, k) if windows and length > kernels.CHUNK_SIZE else None
     read = 0
@@ -71,8 +69,9 @@ def run(length: int, heads: int, head_dim: int, modes: List[str], repeats: int, 
                 else:
                     kernels.attend(q, k, v, biases[case], "auto")
                 times[case].append(time.process_time() - start)
-        reads = {mode: keys_read(biases[mode], q, k) for mode in modes}
         chosen = {mode: kernels.choose_kernel("auto", biases[mode], False, length, length) for mode in modes}
+        # SDPA with the dense bias scores the whole square
+        reads = {mode: keys_read(biases[mode], q, k) if chosen[mode] == "chunked" else 1.0 for mode in modes}
     free = median(times[BIAS_FREE])
     return [dict(length=length, case=case, kernel="sdpa" if case == BIAS_FREE else chosen[case],
                  seconds=median(times[case]), ratio=median(times[case]) / free,
@@ -88,18 +87,14 @@ def table(rows: List[dict]) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384], help="tokens per call")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--lengths", type=positive, nargs="+", default=[4096, 16384], help="tokens per call")
+    p.add_argument("--heads", type=positive, default=8)
+    p.add_argument("--head-dim", type=positive, default=64)
     p.add_argument("--modes", nargs="+", default=list(BIDIRECTIONAL_MODES), choices=BIDIRECTIONAL_MODES,
-                   help="encoder bias modes (learned: trained slopes as initialized, no key windows)")
-    p.add_argument("--repeats", type=int, default=3, help="calls per case (odd: a median of real calls)")
-    p.add_argument("--threads", type=int, default=1)
+                   help="encoder bias modes (learned: trained slopes as initialized, each side its own)")
+    p.add_argument("--repeats", type=positive, default=3, help="calls per case (odd: a median of real calls)")
+    p.add_argument("--threads", type=positive, default=1)
     args = p.parse_args(argv)
-    for name in ("lengths", "heads", "head_dim", "repeats", "threads"):
-        values = getattr(args, name)
-        if any(x < 1 for x in (values if isinstance(values, list) else [values])):
-            p.error(f"--{name.replace('_', '-')} must be at least 1")
     torch.set_num_threads(args.threads)
     print(machine_description())
     rows = []

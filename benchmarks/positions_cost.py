@@ -70,7 +70,7 @@ ROOT = os.path.dirname(HERE)
 # an installed copy elsewhere would be measured instead (the training runs get it
 # through PYTHONPATH, fairseq_train_wps.run_all).
 sys.path[:0] = [HERE, ROOT]
-from common import machine_description, median, model_args  # noqa: E402
+from common import machine_description, median, model_args, positive  # noqa: E402
 from eval_memory import MEASURED_ALLOCATOR, mem_available_gib, reset_peak, rss_mib, status_mib  # noqa: E402
 from fairseq_train_wps import BIN, make_corpus, read_log, run_all, summarize  # noqa: E402
 
@@ -434,13 +434,6 @@ def depth_problem(methods, layers: int, heads: int, embed_dim: int, length: int)
         except ConfigError as err:
             return f"--methods {method} with --layers {layers}: {err}"
     return None
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def dictionary_size(data: str) -> int:

@@ -42,9 +42,9 @@ from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from common import build_lm, machine_description, make_dict_dir, median, model_args  # noqa: E402
+from common import build_lm, machine_description, make_dict_dir, median, model_args, positive  # noqa: E402
 from positions_cost import (BASELINE, CHOICES, DEFAULT_METHODS, arch_of, depth_problem, method_flags,  # noqa: E402
-                            positive, rotated, significant)
+                            rotated, significant)
 
 REFERENCE = "alibi"
 

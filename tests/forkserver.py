@@ -28,8 +28,9 @@ like the tools (and ``python``), each of which connects to the server's Unix
 socket, hands over its standard streams (``SCM_RIGHTS``) with its argv,
 environment and directory (and which of SIGINT and SIGTERM it found ignored:
 the run starts with the dispositions a fresh interpreter would have had),
-forwards SIGINT/SIGTERM to the run, and exits with the run's status.  A recipe given that folder as its ``VENV_BIN`` runs as
-before, its tools forked instead of started.
+forwards SIGINT/SIGTERM to the run, and exits with the run's status.  A
+recipe given that folder as its ``VENV_BIN`` runs as before, its tools
+forked instead of started.
 """
 
 from __future__ import annotations

@@ -56,8 +56,9 @@ def test_a_tiny_run_times_every_case_against_bias_free_attention(small_blocks, c
     assert lines[-2].startswith("| 300 | no bias | sdpa |") and lines[-1].startswith("| 300 | split | chunked |")
 
 
-@pytest.mark.parametrize("args,message", [(["--heads", "0"], "--heads must be at least 1"),
-                                          (["--lengths", "64", "0"], "--lengths must be at least 1"),
+@pytest.mark.parametrize("args,message", [(["--heads", "0"], "argument --heads: must be a positive integer, got 0"),
+                                          (["--lengths", "64", "0"],
+                                           "argument --lengths: must be a positive integer, got 0"),
                                           (["--modes", "causal"], "invalid choice: 'causal'")])
 def test_bad_arguments_are_one_error_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
