@@ -507,6 +507,11 @@ def test_auto_choice():
     assert _choice(b, big, big) == "blocked"
     assert _choice(b, 512, 512, dropout=0.1) == "blocked"  # SDPA would use its math kernel
     assert _choice(AlibiBias(4, "symmetric"), 512, 512) == "sdpa"
+    for encoder in (AlibiBias(4, "symmetric"), AlibiBias(4, "split"), B.LearnedAlibiBias(4)):
+        assert _choice(encoder, 512, 512, grad=False) == "sdpa"  # the dense bias is as fast up to 512 queries
+        assert _choice(encoder, 513, 513, grad=False) == "chunked"  # its views and two-sided windows from there
+        assert _choice(encoder, 768, 768) == "sdpa"  # training: the dense bias (learned slopes' gradient)
+        assert _choice(encoder, 1, 768, grad=False, incremental=True) == "sdpa"
     assert _choice(AlibiBias(4, "symmetric"), 512, 512, dropout=0.1) == "sdpa"  # blocked: causal only
     assert _choice(b, 512, 512, grad=False) == "sdpa"
     assert _choice(b, big, big, grad=False) == "chunked"  # long evaluation

@@ -64,6 +64,11 @@ SHORT_TRAINING = 256
 # Queries per block of the chunked kernel (its ramp: H x (T + CHUNK_SIZE)
 # values; docs/performance.md has the measurement behind the size).
 CHUNK_SIZE = 256
+# An encoder's self-attention in inference past this many queries is "long":
+# its chunked views and two-sided windows took at most the time of SDPA with
+# the dense bias from 768 tokens on (split and learned slopes less), tied at
+# 512 (docs/performance.md, "Encoders (bidirectional ALiBi) in long evaluation").
+ENCODER_CHUNKED_FROM = 2 * CHUNK_SIZE
 
 
 # ----------------------------------------------------------------- dense kernels
@@ -676,6 +681,8 @@ def choose_kernel(
         return "sdpa"
     if not grad and (q_len * k_len > CHUNK_THRESHOLD or (bias.heads_apart and q_len > 1)):
         return "chunked"  # FIRE's blocks, a few heads at a time, take less time and memory than its dense bias
+    if not grad and not bias.causal and bias.toeplitz and q_len == k_len > ENCODER_CHUNKED_FROM:
+        return "chunked"  # an encoder's views of one vector per head and two-sided windows
     return "sdpa"
 
 
