@@ -655,8 +655,9 @@ def choose_kernel(
     the keys right of each query block, and with key windows the far keys of
     steep heads; a learned bias gets its gradient block by block; without a
     bias only with dropout, SDPA's causal flash kernel being as good without);
-    ``chunked`` for long inference (linear memory, key windows), and FIRE's
-    inference of more than one query at any length; ``sdpa`` for everything
+    ``chunked`` for long inference (linear memory, key windows), FIRE's
+    inference of more than one query at any length, and an encoder's
+    self-attention past ``ENCODER_CHUNKED_FROM`` queries; ``sdpa`` for everything
     else (bidirectional training, short inference, KV-cache steps, CPU
     training of a fixed bias without dropout up to ``SHORT_TRAINING``
     queries).  docs/performance.md has the measurements behind each choice.
