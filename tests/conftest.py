@@ -34,6 +34,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -238,6 +239,14 @@ def wilson_by_hand(k: int, n: int):
 # ---------------------------------------------------------------- bias forms
 # Thin names over ``alibi.alibi_bias`` for the three fixed modes, and the
 # fork's ``+m*j`` form (test-only: kept to pin its fp16 defect).
+
+
+def ctrl_c_restored() -> None:
+    """A ``preexec_fn`` for a run that a test stops with Ctrl-C (SIGINT to its
+    process group): SIGINT's default, as at a terminal.  A suite started in
+    the background of a shell (``make test &``) inherits SIGINT ignored, and a
+    shell cannot trap a signal ignored on entry."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def count_sdpa_pairs(monkeypatch) -> List[int]:

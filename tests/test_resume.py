@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, cli_env, free_port, recipe_bin, run_cli, tool
+from conftest import REPO, cli_env, ctrl_c_restored, free_port, recipe_bin, run_cli, tool
 
 MAX_UPDATE = 32  # about 24 batches per epoch: the run crosses an epoch boundary
 SAVE_EVERY = 8
@@ -238,9 +238,7 @@ def test_a_recipe_interrupted_in_its_first_epoch_resumes_from_its_last_saved_upd
 
     out = tmp_path / "interrupted"
     last = out / "seed1" / "alibi" / "checkpoint_last.pt"
-    # a suite started in the background of a shell inherits SIGINT ignored, which a shell cannot trap: restore it
-    proc = _compare(lm_data_bin, out, start_new_session=True,
-                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = _compare(lm_data_bin, out, start_new_session=True, preexec_fn=ctrl_c_restored)
     deadline = time.time() + 300
     while not last.exists():
         assert proc.poll() is None, proc.communicate()

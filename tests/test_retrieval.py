@@ -995,17 +995,16 @@ def test_every_family_allows_six_restarts(tmp_path):
     import signal
     import subprocess
 
-    from conftest import cli_env, recipe_bin
+    from conftest import cli_env, ctrl_c_restored, recipe_bin
 
     settings = dict(VENV_BIN=recipe_bin(), OUT=str(tmp_path / "out"), DATA=str(tmp_path / "data"), SEEDS="1",
                     L="64", LAYERS="1", DIM="16", FFN="32", HEADS="2", DOCS="200", KEYS="16", DIGITS="2",
                     UPDATES="4", WARMUP="2", MAX_TOKENS="256", DEPTHS="1", SAMPLES="2", EVAL_THREADS="1",
                     RECIPE="every-family", MODELS="rotary", UPDATES_rotary="", METHODS="none", LENGTHS="1x",
                     CHECK_EVERY="2", UNTIL="100", RESTART_AT_rotary="2", RESTART_BELOW="100")
-    # a suite started in the background of a shell inherits SIGINT ignored, which a shell cannot trap: restore it
     run = subprocess.Popen([str(EXAMPLES / "retrieval" / "run.sh")], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, env=cli_env(**settings), start_new_session=True,
-                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                           preexec_fn=ctrl_c_restored)
     try:
         restart = next((line for line in run.stdout if "restart 1 of at most" in line), "")
     finally:

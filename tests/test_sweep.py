@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, TRAIN_LENGTH, cli_env, parse_eval, run_cli, tool
+from conftest import EXAMPLES, TRAIN_LENGTH, cli_env, ctrl_c_restored, parse_eval, run_cli, tool
 
 from fairseq_alibi.evaluation import backends
 from fairseq_alibi.evaluation import perplexity as sweep
@@ -368,8 +368,7 @@ def test_ctrl_c_says_rerunning_resumes(lm_data_bin, alibi_checkpoint, tmp_path):
         [tool("alibi-sweep"), lm_data_bin, "-c", alibi_checkpoint, "--lengths", "1x,2x,4x,8x,16x",
          "--methods", "none,linear:2,linear,ntk:2,ntk", "--output-dir", out, "--cpu", "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cli_env(),
-        # a suite started in the background of a shell inherits SIGINT ignored: restore Ctrl-C
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=ctrl_c_restored,
     )
     deadline = time.time() + 240
     while not (out / "results.json").exists() and proc.poll() is None and time.time() < deadline:
