@@ -265,7 +265,8 @@ def test_learned_slopes_dense_bias_is_the_block_with_its_gradients(scaling):
         bias.right.add_(torch.tensor([0.5, -1.0, 2.0]))
     weight = torch.randn(3, 37, 37, generator=torch.Generator().manual_seed(7))
     results = []
-    for build in (lambda: bias.dense(37, 37, torch.float32, "cpu"), lambda: bias.block(0, 37, 37, torch.float32, "cpu")):
+    for build in (lambda: bias.dense(37, 37, torch.float32, "cpu"),
+                  lambda: bias.block(0, 37, 37, torch.float32, "cpu")):
         bias.zero_grad()
         dense = build()
         (dense * weight).sum().backward()
@@ -512,6 +513,7 @@ def test_auto_choice():
         assert _choice(encoder, 513, 513, grad=False) == "chunked"  # its views and two-sided windows from there
         assert _choice(encoder, 768, 768) == "sdpa"  # training: the dense bias (learned slopes' gradient)
         assert _choice(encoder, 1, 768, grad=False, incremental=True) == "sdpa"
+        assert _choice(encoder, 768, 768, grad=False, device="cuda", flex=False) == "sdpa"  # measured on CPUs only
     assert _choice(AlibiBias(4, "symmetric"), 512, 512, dropout=0.1) == "sdpa"  # blocked: causal only
     assert _choice(b, 512, 512, grad=False) == "sdpa"
     assert _choice(b, big, big, grad=False) == "chunked"  # long evaluation

@@ -64,7 +64,7 @@ SHORT_TRAINING = 256
 # Queries per block of the chunked kernel (its ramp: H x (T + CHUNK_SIZE)
 # values; docs/performance.md has the measurement behind the size).
 CHUNK_SIZE = 256
-# An encoder's self-attention in inference past this many queries is "long":
+# An encoder's self-attention in CPU inference past this many queries is "long":
 # its chunked views and two-sided windows took at most the time of SDPA with
 # the dense bias from 768 tokens on (split and learned slopes less), tied at
 # 512 (docs/performance.md, "Encoders (bidirectional ALiBi) in long evaluation").
@@ -657,7 +657,7 @@ def choose_kernel(
     bias only with dropout, SDPA's causal flash kernel being as good without);
     ``chunked`` for long inference (linear memory, key windows), FIRE's
     inference of more than one query at any length, and an encoder's
-    self-attention past ``ENCODER_CHUNKED_FROM`` queries; ``sdpa`` for everything
+    self-attention on the CPU past ``ENCODER_CHUNKED_FROM`` queries; ``sdpa`` for everything
     else (bidirectional training, short inference, KV-cache steps, CPU
     training of a fixed bias without dropout up to ``SHORT_TRAINING``
     queries).  docs/performance.md has the measurements behind each choice.
@@ -682,8 +682,9 @@ def choose_kernel(
         return "sdpa"
     if not grad and (q_len * k_len > CHUNK_THRESHOLD or (bias.heads_apart and q_len > 1)):
         return "chunked"  # FIRE's blocks, a few heads at a time, take less time and memory than its dense bias
-    if not grad and not bias.causal and bias.toeplitz and q_len == k_len > ENCODER_CHUNKED_FROM:
-        return "chunked"  # an encoder's views of one vector per head and two-sided windows
+    encoder = not bias.causal and bias.toeplitz and q_len == k_len  # bidirectional self-attention
+    if not grad and device.type == "cpu" and encoder and q_len > ENCODER_CHUNKED_FROM:
+        return "chunked"  # its views of one vector per head and two-sided windows (measured on CPUs only)
     return "sdpa"
 
 
