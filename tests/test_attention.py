@@ -277,9 +277,10 @@ def test_learned_slopes_dense_bias_is_the_block_with_its_gradients(scaling):
     torch.testing.assert_close(right, right_ref)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize("mode", ["symmetric", "split", "learned"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_sided_windows_skip_far_keys_on_both_sides_and_change_nothing(mode, dtype, monkeypatch):
+def test_two_sided_windows_skip_far_keys_on_both_sides_and_change_nothing(mode, dtype, device, monkeypatch):
     """An encoder's ALiBi in the chunked kernel: steep heads read a window
     around each block (one side only for a split head; learned slopes each
     side by its own slope, in inference only), the flattest head every key
@@ -288,9 +289,10 @@ def test_two_sided_windows_skip_far_keys_on_both_sides_and_change_nothing(mode, 
     monkeypatch.setattr(K, "CHUNK_SIZE", 64)
     gen = torch.Generator().manual_seed(5)
     q, k, v = (3 * torch.randn(2, 8, 1000, 16, generator=gen) for _ in range(3))  # |q||k|/sqrt(D) up to ~100
-    q, k, v = (t.to(dtype) for t in (q, k, v))
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
     bias = B.LearnedAlibiBias(8) if mode == "learned" else AlibiBias(8, mode=mode)
     if mode == "learned":
+        bias.to(device)  # its slopes are parameters (fixed ones are built on the device the call runs on)
         with torch.no_grad():
             bias.right.sub_(1.0)  # flatter on the right: narrower windows on the left
         assert K.two_sided_windows(bias, q, k) is None  # training: the slopes' gradient needs every key
