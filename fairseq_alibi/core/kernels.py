@@ -237,14 +237,14 @@ def two_sided_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callabl
         return None
     scaling, k_len = bias.scaling, k.size(2)
     slopes = bias.slopes(k_len).detach().float()  # [H], or [2, H]: left, right
-    left, right = (slopes[0], slopes[1]) if slopes.dim() == 2 else (slopes, slopes)
+    left, right = (slopes[0].tolist(), slopes[1].tolist()) if slopes.dim() == 2 else (slopes.tolist(),) * 2
     margins = score_margins(q, k)
     gap = negligible_gap(k_len, q.dtype)
 
     def span(start: int, stop: int) -> List[Tuple[int, int]]:
         bound = (margins[:, start:stop].amax(-1) + gap).tolist()
         spans = []
-        for m_left, m_right, b, direction in zip(left.tolist(), right.tolist(), bound, bias.directions):
+        for m_left, m_right, b, direction in zip(left, right, bound, bias.directions):
             near = [math.ceil(w) if math.isfinite(w) else k_len  # keys this far away weigh nothing
                     for w in (reach(scaling, b, m_left), reach(scaling, b, m_right))]
             first = start if direction == LOOK_RIGHT else max(0, start - near[0])
