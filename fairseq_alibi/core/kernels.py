@@ -205,11 +205,10 @@ def key_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
     scaling = bias.scaling
     slopes = scaled_slopes(scaling, bias.base_slopes, k_len, bias.exponents).tolist()
     offset = k_len - q.size(2)
-    margins = score_margins(q, k)
-    gap = negligible_gap(k_len, q.dtype)
+    floor = negligible_floor(q, k)
 
     def first(start: int, stop: int) -> List[int]:
-        bound = (margins[:, start:stop].amax(-1) + gap).tolist()
+        bound = (-floor(start, stop)).tolist()
         firsts = []
         for m, b in zip(slopes, bound):
             window = reach(scaling, b, m)
@@ -238,11 +237,10 @@ def two_sided_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callabl
     scaling, k_len = bias.scaling, k.size(2)
     slopes = bias.slopes(k_len).detach().float()  # [H], or [2, H]: left, right
     left, right = (slopes[0].tolist(), slopes[1].tolist()) if slopes.dim() == 2 else (slopes.tolist(),) * 2
-    margins = score_margins(q, k)
-    gap = negligible_gap(k_len, q.dtype)
+    floor = negligible_floor(q, k)
 
     def span(start: int, stop: int) -> List[Tuple[int, int]]:
-        bound = (margins[:, start:stop].amax(-1) + gap).tolist()
+        bound = (-floor(start, stop)).tolist()
         spans = []
         for m_left, m_right, b, direction in zip(left, right, bound, bias.directions):
             near = [math.ceil(w) if math.isfinite(w) else k_len  # keys this far away weigh nothing
@@ -290,10 +288,10 @@ def distance_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optio
     if not bool((below_own[:, -1] > gap).any()):  # not even the farthest key of any head, with no margin
         return None
     offset = k_len - q.size(2)
-    margins = score_margins(q, k)
+    floor = negligible_floor(q, k)
 
     def first(start: int, stop: int) -> List[int]:
-        bound = (margins[:, start:stop].amax(-1) + gap)[:, None].contiguous()  # [H, 1]
+        bound = (-floor(start, stop))[:, None].contiguous()  # [H, 1]
         reach = torch.searchsorted(below_own, bound, right=True)[:, 0].tolist()  # least d below the bound
         # keys at distance >= reach from the block's first query (so from every query) are left out
         return [max(0, offset + start - r + 1) // WINDOW_ALIGN * WINDOW_ALIGN if r < k_len else 0 for r in reach]
