@@ -218,7 +218,7 @@ def test_chunked_key_windows_skip_far_keys_and_change_nothing(scaling, monkeypat
     gen = torch.Generator().manual_seed(3)
     q, k, v = (3 * torch.randn(2, 8, 1000, 16, generator=gen) for _ in range(3))  # |q||k|/sqrt(D) up to ~100
     bias = AlibiBias(8, scaling=scaling)
-    firsts = K.key_windows(bias, q, k, 1000)(936, 1000)
+    firsts = K.key_windows(bias, q, k)(936, 1000)
     if scaling.method == "cap":
         assert firsts == [0] * 8
     else:
@@ -360,7 +360,7 @@ def test_key_windows_bound_holds_for_adversarial_scores(dtype):
     q[..., 0], k[..., 0] = 4.0, 4.0  # every score is the largest |q||k|/sqrt(D) = 4
     k[:, :, -1, 0] = -4.0  # the last query's own key scores the lowest possible
     bias = AlibiBias(heads)
-    firsts = K.key_windows(bias, q.to(dtype), k.to(dtype), length)(length - 1, length)
+    firsts = K.key_windows(bias, q.to(dtype), k.to(dtype))(length - 1, length)
     assert firsts[0] > 0, firsts
     scores = (q[:, :, -1:] @ k.transpose(-1, -2)).double() / dim ** 0.5
     scores = scores + bias.block(length - 1, 1, length, torch.float64, "cpu")
@@ -383,7 +383,7 @@ def test_key_windows_leave_out_negligible_mass_for_every_query(own):
     k = 3 * torch.randn(1, heads, length, dim, generator=gen)
     q = k.clone() if own == "aligned" else 3 * torch.randn(1, heads, length, dim, generator=gen)
     bias = AlibiBias(heads)
-    firsts = K.key_windows(bias, q, k, length)(start, length)
+    firsts = K.key_windows(bias, q, k)(start, length)
     assert firsts[0] > 0, firsts
     scores = (q[:, :, start:] @ k.transpose(-1, -2)).double() / dim ** 0.5
     weights = torch.softmax(scores + bias.block(start, length - start, length, torch.float64, "cpu"), dim=-1)[0]
@@ -809,7 +809,7 @@ def test_distance_windows_skip_the_far_keys_of_a_learned_bias_that_looks_near(na
     q = torch.randn(1, 4, q_len, 8, generator=gen)
     k, v = (torch.randn(1, 4, 700, 8, generator=gen) for _ in range(2))
     with torch.no_grad():
-        firsts = K.distance_windows(bias, q, k, 700)(q_len - 64, q_len)
+        firsts = K.distance_windows(bias, q, k)(q_len - 64, q_len)
         assert firsts[0] > 0 and firsts[1] == firsts[2] == 0 and (firsts[3] > 0) == (name == "t5bias"), firsts
         assert K.keys_read(bias, q, k) < 0.95  # of 4 heads, 2 (T5) or 1 (Kerple) skip
         got, _ = K.chunked_kernel(q, k, v, bias, None, 0.0)
@@ -819,7 +819,7 @@ def test_distance_windows_skip_the_far_keys_of_a_learned_bias_that_looks_near(na
     assert_close(got, want.float(), torch.float32)
     torch.testing.assert_close(got, whole, atol=1e-6, rtol=1e-6)
     monkeypatch.undo()
-    assert K.distance_windows(bias, q, k, 700) is None  # grad enabled: the blocked kernel's, over every key
+    assert K.distance_windows(bias, q, k) is None  # grad enabled: the blocked kernel's, over every key
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -834,7 +834,7 @@ def test_distance_windows_leave_out_negligible_mass_for_every_query(dtype):
     k = 2 * torch.randn(1, heads, length, 8, generator=gen)
     q = k.clone()
     with torch.no_grad():
-        firsts = K.distance_windows(bias, q.to(dtype), k.to(dtype), length)(start, stop)
+        firsts = K.distance_windows(bias, q.to(dtype), k.to(dtype))(start, stop)
         scores = (q[:, :, start:stop] @ k.transpose(-1, -2)).double() / 8 ** 0.5
         scores = scores + bias.block(start, stop - start, length, torch.float64, "cpu")
     weights = torch.softmax(scores, dim=-1)[0]

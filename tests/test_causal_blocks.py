@@ -534,7 +534,7 @@ def test_blocked_key_windows_give_the_reference_forward_and_gradients(scaling, m
     heads, length = 8, 1200
     bias = AlibiBias(heads, scaling=scaling)
     q, k, v = (3 * x.detach() for x in qkv(2, heads, length, 16, torch.float32))
-    firsts = K.key_windows(bias, q, k, length)(length - 128, length)
+    firsts = K.key_windows(bias, q, k)(length - 128, length)
     assert firsts[0] > 0 and firsts[-1] == 0, firsts  # the steepest head skips, the flattest does not
     weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
 
@@ -571,7 +571,7 @@ def test_blocked_without_dropout_matches_reference_for_every_method(item, monkey
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, heads, q_len, 16, generator=gen)
     k, v = (torch.randn(2, heads, k_len, 16, generator=gen) for _ in range(2))
-    firsts = K.key_windows(bias, q, k, k_len)(q_len - 32, q_len)
+    firsts = K.key_windows(bias, q, k)(q_len - 32, q_len)
     # the steepest head skips keys where the bias grows fast enough over 300 keys
     # (not under a cap, nor with slopes divided by 300 / 64 or distances bent past 64)
     assert (firsts[0] > 0) == (item in ("none", "ntk:2", "ntk")), firsts

@@ -136,7 +136,7 @@ def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
                                         per_distance=per_distance,
                                         steep=may_underflow(q, k, float(values.max() - values.min()))), None
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
-    windows = key_windows(bias, q, k, k.size(2)) if key_padding_mask is None and dropout_p == 0 else None
+    windows = key_windows(bias, q, k) if key_padding_mask is None and dropout_p == 0 else None
     windows = windows or sliding_windows(bias, q.size(1), k.size(2) - q.size(2))
     return blocked_causal_attention(q, k, v, mask, dropout_p, windows=windows,
                                     steep=may_underflow(q, k, 0.0 if bias.zero else math.inf)), None
@@ -184,7 +184,7 @@ def toeplitz_ramp(bias: StackBias, k_len: int, extra: int, dtype, device) -> Ten
 WINDOW_ALIGN = 64
 
 
-def key_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[Callable[[int, int], List[int]]]:
+def key_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callable[[int, int], List[int]]]:
     """ALiBi's own sparsity: ``first(start, stop)`` -> the first key each head
     needs for the queries ``start .. stop - 1`` of a causal call, or None where
     no key can be skipped.
@@ -202,7 +202,7 @@ def key_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[C
     """
     if not (bias.causal and bias.has_slopes):
         return None
-    scaling = bias.scaling
+    scaling, k_len = bias.scaling, k.size(2)
     slopes = scaled_slopes(scaling, bias.base_slopes, k_len, bias.exponents).tolist()
     offset = k_len - q.size(2)
     floor = negligible_floor(q, k)
@@ -253,7 +253,7 @@ def two_sided_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callabl
     return span
 
 
-def distance_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optional[Callable[[int, int], List[int]]]:
+def distance_windows(bias: StackBias, q: Tensor, k: Tensor) -> Optional[Callable[[int, int], List[int]]]:
     """:func:`key_windows` for every other causal bias of the distance alone
     (a learned one's :meth:`StackBias.per_distance`: T5's buckets, Kerple,
     FIRE within its threshold), in inference: ``first(start, stop)`` -> the
@@ -273,6 +273,7 @@ def distance_windows(bias: StackBias, q: Tensor, k: Tensor, k_len: int) -> Optio
     kernel, whose gradient reaches every distance."""
     if not bias.causal or bias.has_slopes or torch.is_grad_enabled():
         return None
+    k_len = k.size(2)
     values = bias.per_distance(k_len, q.device)
     if values is None:
         return None
@@ -440,7 +441,7 @@ def block_windows(bias: StackBias, q: Tensor, k: Tensor, padded: bool, chunk_siz
     (none of them with padding, nor for a single block), or a sliding window
     (:func:`sliding_windows`); 0 for every head otherwise."""
     q_len, k_len = q.size(2), k.size(2)
-    windows = (key_windows(bias, q, k, k_len) or gate_windows(bias, q, k) or distance_windows(bias, q, k, k_len)) \
+    windows = (key_windows(bias, q, k) or gate_windows(bias, q, k) or distance_windows(bias, q, k)) \
         if not padded and q_len > chunk_size else None
     windows = windows or sliding_windows(bias, q.size(1), k_len - q_len if bias.causal else 0)
     return [windows(s, min(s + chunk_size, q_len)) if windows else [0] * q.size(1)
