@@ -125,9 +125,17 @@ def test_converted_format(converted_ckpt, alibi_ckpt):
     assert not [k for k in state["model"] if "embed_positions" in k]
     original = safe_load.load(alibi_ckpt)["model"]
     assert state["model"].keys() == original.keys()
-    assert all(torch.equal(state["model"][k], original[k]) for k in original)
+    # bit for bit: AdaptiveInput's marker buffer (safe_load.MARKER_BUFFERS) holds one uninitialized
+    # float, NaN now and then, which torch.equal calls unequal to itself
+    assert [k for k in original if not same_bits(state["model"][k], original[k])] == []
     assert state["last_optimizer_state"] is not None  # training state kept
 
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same dtype, shape and bytes (NaN equal to itself)."""
+    return (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(
+        a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
 
 def test_missing_training_length_needs_flag(alibi_ckpt):
     state = fork_state(safe_load.load(alibi_ckpt))
