@@ -305,6 +305,15 @@ class Payload:
         return (open, (self.path, "w"))
 
 
+def same_bits(a, b) -> bool:
+    """The same dtype, shape and bytes: NaN equals itself.  fairseq's
+    ``_float_tensor`` marker buffers (``safe_load.MARKER_BUFFERS``) hold one
+    uninitialized float, now and then NaN, which ``torch.equal`` calls unequal
+    to itself; a converted checkpoint must carry it bit for bit all the same."""
+    return (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(
+        a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
+
+
 def fork_layout(alibi_state: dict, train_length: int, stock_arch: str = "transformer_lm_wiki103") -> dict:
     """An ALiBi checkpoint of this plugin rewritten the way the 2021 fork saved its
     models (REFERENCE.md, read from the fork's trainer and checkpoint_utils):

@@ -25,7 +25,8 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import (
-    FORK_MAX_TOKENS, TRAIN_LENGTH, cli_env, error_lines, fork_layout, parse_eval, recipe_bin, run_cli, tool,
+    FORK_MAX_TOKENS, TRAIN_LENGTH, cli_env, error_lines, fork_layout, parse_eval, recipe_bin, run_cli,
+    same_bits, tool,
 )
 import fairseq_alibi.models  # noqa: F401  (registers the models with fairseq)
 from fairseq_alibi import errors, fork, safe_load
@@ -125,17 +126,9 @@ def test_converted_format(converted_ckpt, alibi_ckpt):
     assert not [k for k in state["model"] if "embed_positions" in k]
     original = safe_load.load(alibi_ckpt)["model"]
     assert state["model"].keys() == original.keys()
-    # bit for bit: AdaptiveInput's marker buffer (safe_load.MARKER_BUFFERS) holds one uninitialized
-    # float, NaN now and then, which torch.equal calls unequal to itself
     assert [k for k in original if not same_bits(state["model"][k], original[k])] == []
     assert state["last_optimizer_state"] is not None  # training state kept
 
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same dtype, shape and bytes (NaN equal to itself)."""
-    return (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(
-        a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
 
 def test_missing_training_length_needs_flag(alibi_ckpt):
     state = fork_state(safe_load.load(alibi_ckpt))
