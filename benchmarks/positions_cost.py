@@ -62,7 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -280,7 +280,15 @@ def header(opts, command: str, loads: Sequence[float]) -> List[str]:
         f"pre-norm, vocabulary {opts.vocab}, L={opts.length}; training {opts.max_tokens} tokens per update, "
         f"dropout 0.1. Each value: the median over {opts.repeats} repeat(s); / sinusoidal: the ratio of the "
         "medians, [the range of the ratios of the pairs of one repeat].",
-    ]
+    ] + left_out_lines(opts)
+
+
+def left_out_lines(opts) -> List[str]:
+    """A report's paragraph naming the default methods this depth could not build, if any."""
+    if not opts.left_out:
+        return []
+    return ["", "Left out of the default methods: " + "; ".join(
+        f"{method} ({why})" for method, why in opts.left_out.items()) + "."]
 
 
 def train_table(opts, train: Dict[str, Dict[str, dict]]) -> List[str]:
@@ -371,8 +379,9 @@ def measure_evaluation(opts, dict_dir: str, start: float):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", nargs="+", choices=CHOICES, default=list(DEFAULT_METHODS),
-                   help="the methods to compare (sinusoidal, every ratio's baseline, is always measured)")
+    p.add_argument("--methods", nargs="+", choices=CHOICES,
+                   help="the methods to compare (sinusoidal, every ratio's baseline, is always measured; default: "
+                   "every method of the registry and alibi+ssmax, less those that cannot be built at --layers)")
     p.add_argument("--attention-dropout", type=float, nargs="*", default=[0.0, 0.1],
                    help="the training runs' attention dropouts (none: no training)")
     p.add_argument("--repeats", type=positive, default=3, help="runs per (method, attention dropout) and cells per "
@@ -410,30 +419,46 @@ def parse_args(argv=None):
         p.error("--memory-only measures evaluation cells: give --eval-multiples a value")
     if opts.skip < 0 or opts.skip >= opts.updates:
         p.error(f"--skip must be in 0 .. {opts.updates - 1} (fewer than --updates {opts.updates}), got {opts.skip}")
-    opts.methods = [BASELINE] + [m for m in dict.fromkeys(opts.methods) if m != BASELINE]
-    problem = depth_problem(opts.methods, opts.layers, opts.heads, opts.embed_dim, opts.length)
-    if problem:
-        p.error(problem)
+    methods = [BASELINE] + [m for m in dict.fromkeys(opts.methods or DEFAULT_METHODS) if m != BASELINE]
+    fit_methods_to_depth(p, opts, methods, optional=set() if opts.methods else set(DEFAULT_METHODS))
     return opts
 
 
-def depth_problem(methods, layers: int, heads: int, embed_dim: int, length: int):
-    """The first method that cannot be built ``layers`` deep (a hybrid needs
-    both kinds of layer), as its one-line error, before any run starts."""
+def depth_problem(method: str, layers: int, heads: int, embed_dim: int, length: int) -> Optional[str]:
+    """Why ``method`` cannot be built ``layers`` deep (a hybrid needs both
+    kinds of layer), as a one-line error, or None."""
     from fairseq_alibi.core import positions
     from fairseq_alibi.core.errors import ConfigError
     from fairseq_alibi.core.scaling import Scaling
 
-    for method in map(position_of, methods):
-        if method not in positions.POSITIONS:
-            continue  # the stock sinusoidal model
-        params = {param.name: param.default for param in positions.POSITIONS[method].params}
-        try:
-            positions.build(method, heads, embed_dim // heads, params, Scaling("none", train_length=length)
-                            ).fit_depth(layers)
-        except ConfigError as err:
-            return f"--methods {method} with --layers {layers}: {err}"
+    position = position_of(method)
+    if position not in positions.POSITIONS:
+        return None  # the stock sinusoidal model
+    params = {param.name: param.default for param in positions.POSITIONS[position].params}
+    try:
+        positions.build(position, heads, embed_dim // heads, params, Scaling("none", train_length=length)
+                        ).fit_depth(layers)
+    except ConfigError as err:
+        return f"--methods {position} with --layers {layers}: {err}"
     return None
+
+
+def fit_methods_to_depth(p: argparse.ArgumentParser, opts, methods: Sequence[str], optional: Set[str]) -> None:
+    """Set ``opts.methods`` to ``methods`` less those that cannot be built
+    ``opts.layers`` deep, before any run starts: a method the user named is a
+    usage error; one that came from a default (``optional``) is left out, its
+    reason in ``opts.left_out`` for the report (the issue's own command has one
+    layer, which RNoPE cannot have)."""
+    opts.methods, opts.left_out = [], {}
+    for method in methods:
+        problem = depth_problem(method, opts.layers, opts.heads, opts.embed_dim, opts.length)
+        if problem and method not in optional:
+            p.error(problem)
+        if problem:
+            opts.left_out[method] = problem
+            print(f"note: {method} left out: {problem}", file=sys.stderr)
+        else:
+            opts.methods.append(method)
 
 
 def dictionary_size(data: str) -> int:

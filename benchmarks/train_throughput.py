@@ -43,8 +43,8 @@ from typing import Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from common import build_lm, machine_description, make_dict_dir, median, model_args, positive  # noqa: E402
-from positions_cost import (BASELINE, CHOICES, DEFAULT_METHODS, arch_of, depth_problem, method_flags,  # noqa: E402
-                            rotated, significant)
+from positions_cost import (BASELINE, CHOICES, DEFAULT_METHODS, arch_of, fit_methods_to_depth,  # noqa: E402
+                            left_out_lines, method_flags, rotated, significant)
 
 REFERENCE = "alibi"
 
@@ -191,7 +191,7 @@ def render(opts, command: str, results: Dict[str, Dict[str, dict]]) -> str:
              f"vocabulary {opts.vocab}; {opts.batch} x {opts.length} tokens per update"
              f"{' (right-padded rows)' if opts.padded else ''}, {opts.steps} update(s) per method per round, "
              f"medians of {opts.rounds} rounds. Speed / ALiBi: the median of the rounds' ratios of words/s, "
-             "[their range]; above 1 is faster than ALiBi.", "",
+             "[their range]; above 1 is faster than ALiBi."] + left_out_lines(opts) + ["",
              "Keys read: the share of the causal (query, key) pairs that the blocked kernel's flash calls "
              "scored in a training forward of the first batch (below 1 where key windows skip keys; - where "
              "no call took that path).", "",
@@ -236,10 +236,8 @@ def parse_args(argv=None):
     if opts.warmup < 0:
         p.error(f"--warmup must be 0 or more, got {opts.warmup}")
     methods = [m for name in opts.methods for m in (DEFAULT_METHODS if name == "all" else [name])]
-    opts.methods = [REFERENCE] + [m for m in dict.fromkeys(methods) if m != REFERENCE]
-    problem = depth_problem(opts.methods, opts.layers, opts.heads, opts.embed_dim, opts.length)
-    if problem:
-        p.error(problem)
+    fit_methods_to_depth(p, opts, [REFERENCE] + [m for m in dict.fromkeys(methods) if m != REFERENCE],
+                         optional=set(DEFAULT_METHODS) - set(opts.methods) if "all" in opts.methods else set())
     return opts
 
 

@@ -209,7 +209,7 @@ def test_significant_keeps_four_digits_without_an_exponent(value):
     (["--vocab", "4"], "--vocab must be at least 5"),
     (["--rounds", "0"], "argument --rounds: must be a positive integer, got 0"),
     (["--warmup", "-1"], "--warmup must be 0 or more, got -1"),
-    (["--methods", "all", "--layers", "1"], "--methods rnope with --layers 1: rnope needs at least 2 layers"),
+    (["--methods", "all", "rnope", "--layers", "1"], "--methods rnope with --layers 1: rnope needs at least 2 layers"),
 ]])
 def test_bad_arguments_are_one_error_line(args, message, capsys):
     """positions_cost's, and train_throughput's where the arguments start with its name."""
@@ -219,6 +219,29 @@ def test_bad_arguments_are_one_error_line(args, message, capsys):
     assert exit_info.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], errors
+
+
+@pytest.mark.parametrize("script,args", [(positions_cost, []), (train_throughput, ["--methods", "all"])])
+def test_a_default_method_too_deep_for_the_layers_is_left_out_and_reported(script, args, capsys):
+    """The issue's own command has one layer, which RNoPE (a hybrid: RoPE and
+    NoPE layers) cannot have: from the defaults it is left out, said on stderr
+    and in the report, and every other method stays; named, it is an error
+    (test_bad_arguments_are_one_error_line)."""
+    opts = script.parse_args(args + ["--layers", "1"])
+    assert "rnope" not in opts.methods and list(opts.left_out) == ["rnope"]
+    assert set(opts.methods) == {positions_cost.BASELINE, *positions_cost.DEFAULT_METHODS} - {"rnope"}
+    assert "note: rnope left out: --methods rnope with --layers 1: rnope needs at least 2 layers" in \
+        capsys.readouterr().err
+    blank, paragraph = positions_cost.left_out_lines(opts)
+    assert blank == "" and paragraph.startswith(
+        "Left out of the default methods: rnope (--methods rnope with --layers 1: rnope needs at least 2 layers")
+    if script is positions_cost:
+        opts.vocab = 100
+        _, evaluation = made_up_measurements(opts.methods, (), (8,), 1, random.Random(0))
+        markdown = positions_cost.render(opts, "cmd", [1.0, 1.0], {}, evaluation)
+        assert "Left out of the default methods: rnope (" in markdown and "| rnope |" not in markdown
+    deep = script.parse_args(args + ["--layers", "2"])
+    assert "rnope" in deep.methods and deep.left_out == {} and positions_cost.left_out_lines(deep) == []
 
 
 def test_no_evaluation_length_is_training_only():
