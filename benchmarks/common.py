@@ -98,6 +98,15 @@ def positive(text: str) -> int:
     return value
 
 
+def heads_problem(embed_dim: int, heads: int):
+    """Why ``--embed-dim`` cannot be split into ``--heads`` heads, as a one-line
+    error (fairseq's attention needs a whole head dimension), or None."""
+    if embed_dim % heads == 0:
+        return None
+    return (f"--embed-dim {embed_dim} must be a multiple of --heads {heads} (each head gets embed-dim / heads "
+            f"dimensions): give, for instance, --embed-dim {heads * max(1, round(embed_dim / heads))}")
+
+
 def median(values):
     values = sorted(values)
     n = len(values)

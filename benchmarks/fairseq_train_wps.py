@@ -84,6 +84,18 @@ def train_command(data: str, arch: str, opts, attention_dropout: float):
     return cmd
 
 
+class RunFailed(RuntimeError):
+    """A training run exited with an error: one line naming the run, its own
+    last ``error:`` line (or last line) and its log, which the caller keeps."""
+
+    def __init__(self, cmd, returncode: int, log_path: str):
+        with open(log_path, errors="replace") as log:
+            lines = [line.strip() for line in log if line.strip()]
+        said = next((line for line in reversed(lines) if "error:" in line.lower()), lines[-1] if lines else "no output")
+        super().__init__(f"{os.path.basename(cmd[0])} --arch {cmd[cmd.index('--arch') + 1] if '--arch' in cmd else '?'} "
+                         f"failed (exit {returncode}): {said} (its log: {log_path})")
+
+
 def run_all(jobs, parallel: bool):
     """Run ``(cmd, log_path)`` jobs, all at once (one thread each) or in turn."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -100,7 +112,7 @@ def run_all(jobs, parallel: bool):
         proc.wait()
         log.close()
         if proc.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed (exit {proc.returncode}), see {log.name}")
+            raise RunFailed(cmd, proc.returncode, log.name)
 
 
 def read_log(log_path: str):
@@ -166,7 +178,11 @@ def main():
             if not opts.analyze:
                 arch = {"sinusoidal": "transformer_lm", "alibi": "transformer_lm_alibi"}
                 jobs = [(train_command(data, arch[name], opts, drop), logs[name]) for name in order]
-                run_all(jobs, parallel=not opts.sequential)
+                try:
+                    run_all(jobs, parallel=not opts.sequential)
+                except RunFailed as err:  # the run's own error line; the directory stays for its log
+                    print(f"error: {err}", file=sys.stderr)
+                    return 1
             rows = {name: read_log(logs[name]) for name in order}
             # Both at once: count only the updates that ended while the other
             # run was still going (the slower run's last updates have the
@@ -196,4 +212,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -43,7 +43,8 @@ pre-norm, L=64, 2048 tokens per update, dropout 0.1), only the arch differing.
 
 Reported per method: the median over repeats and its ratio to the sinusoidal
 median (the ratio of the two printed medians), with the range of the ratios of
-the pairs taken in the same repeat, ``[min, max]``.  A wall clock on a shared
+the pairs taken in the same repeat, ``[min, max]``; where ALiBi was measured,
+the same against ALiBi's median (``/ ALiBi``: issue 43's targets).  A wall clock on a shared
 machine is noisy: run it on a quiet one and quote the table with its header
 (command line, host, torch, threads, load average).  Progress goes to stderr,
 the Markdown report to stdout (and ``--markdown``), everything to ``--json``.
@@ -70,13 +71,15 @@ ROOT = os.path.dirname(HERE)
 # an installed copy elsewhere would be measured instead (the training runs get it
 # through PYTHONPATH, fairseq_train_wps.run_all).
 sys.path[:0] = [HERE, ROOT]
-from common import machine_description, median, model_args, positive  # noqa: E402
+from common import heads_problem, machine_description, median, model_args, positive  # noqa: E402
 from eval_memory import MEASURED_ALLOCATOR, mem_available_gib, reset_peak, rss_mib, status_mib  # noqa: E402
-from fairseq_train_wps import BIN, make_corpus, read_log, run_all, summarize  # noqa: E402
+from fairseq_train_wps import BIN, RunFailed, make_corpus, read_log, run_all, summarize  # noqa: E402
 
 from fairseq_alibi.core.positions import POSITIONS  # noqa: E402
 
 BASELINE = "sinusoidal"
+#: The second reference of every table: issue 43's targets are ratios to ALiBi's cost.
+ALIBI = "alibi"
 #: A method trained with scalable softmax (``--ssmax``): ``<method>+ssmax``, any method of the registry.
 SSMAX = "+ssmax"
 #: Every method, in the order the tables list them: the baseline, then the registry's; ALiBi with SSMax by default.
@@ -219,20 +222,25 @@ def measure_cell(opts, method: str, length: int, dict_dir: str) -> dict:
 
 
 # ----------------------------------------------------------------- summaries
-def compared(per_repeat: Dict[str, List[Optional[float]]]) -> Dict[str, dict]:
-    """Each method's median over its repeats, its ratio to the baseline's median,
-    and the ratios of the pairs of one repeat (both measured), with their range.
-    ``None`` marks a repeat that gave no value."""
-    base = [v for v in per_repeat[BASELINE] if v is not None]
-    base_median = median(base) if base else None
+def compared(per_repeat: Dict[str, List[Optional[float]]], base: str = BASELINE) -> Dict[str, dict]:
+    """Each method's median over its repeats, its ratio to the ``base`` method's
+    median, and the ratios of the pairs of one repeat (both measured), with
+    their range. ``None`` marks a repeat that gave no value. Against the
+    sinusoidal baseline (the paper's), each entry also holds ``per_alibi``, the
+    same against ALiBi where it was measured (issue 43's targets)."""
+    base_values = [v for v in per_repeat[base] if v is not None]
+    base_median = median(base_values) if base_values else None
     out = {}
     for method, values in per_repeat.items():
         done = [v for v in values if v is not None]
-        pairs = [v / b for v, b in zip(values, per_repeat[BASELINE]) if v is not None and b]
+        pairs = [v / b for v, b in zip(values, per_repeat[base]) if v is not None and b]
         entry = {"values": values, "median": median(done) if done else None, "paired_ratios": pairs}
         entry["ratio"] = entry["median"] / base_median if done and base_median else None
         entry["range"] = [min(pairs), max(pairs)] if pairs else None
         out[method] = entry
+    if base == BASELINE and ALIBI in per_repeat:
+        for method, entry in compared(per_repeat, ALIBI).items():
+            out[method]["per_alibi"] = {key: entry[key] for key in ("ratio", "range", "paired_ratios")}
     return out
 
 
@@ -291,31 +299,35 @@ def left_out_lines(opts) -> List[str]:
         f"{method} ({why})" for method, why in opts.left_out.items()) + "."]
 
 
+def ratio_columns(opts) -> List[str]:
+    """The ratio columns after each value: to the sinusoidal baseline, and to ALiBi where it was measured."""
+    return ["/ sinusoidal"] + ["/ ALiBi"] * (ALIBI in opts.methods)
+
+
+def value_cells(opts, entry: dict) -> List[str]:
+    """A value and its ratios, in ``ratio_columns``' order."""
+    return [value_text(entry), ratio_text(entry)] + ([ratio_text(entry["per_alibi"])] if ALIBI in opts.methods else [])
+
+
+def table_lines(header: List[str], rows: List[List[str]]) -> List[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def train_table(opts, train: Dict[str, Dict[str, dict]]) -> List[str]:
     drops = list(train)
-    lines = [f"### Training: words/s of `alibi-train` (median update after {opts.skip} warm-up, "
-             f"{opts.updates} updates per run)", "",
-             "| method | " + " | ".join(f"wps, attention dropout {d} | / sinusoidal" for d in drops) + " |",
-             "|---|" + "---|---|" * len(drops)]
-    for method in opts.methods:
-        cells = [f"{value_text(train[d][method])} | {ratio_text(train[d][method])}" for d in drops]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return lines
+    header = ["method"] + [c for d in drops for c in [f"wps, attention dropout {d}"] + ratio_columns(opts)]
+    rows = [[method] + [c for d in drops for c in value_cells(opts, train[d][method])] for method in opts.methods]
+    return [f"### Training: words/s of `alibi-train` (median update after {opts.skip} warm-up, "
+            f"{opts.updates} updates per run)", ""] + table_lines(header, rows)
 
 
 def eval_table(opts, length: int, by_key: Dict[str, Dict[str, dict]], why: Dict[str, str]) -> List[str]:
-    lines = [f"### Evaluation: no-grad forward of the decoder stack, {length} tokens "
-             f"({length // opts.length}x L), batch 1, initial weights (seed 0)", "",
-             "| method | seconds | / sinusoidal | peak MiB | / sinusoidal | own MiB | / sinusoidal |",
-             "|---|---|---|---|---|---|---|"]
-    for method in opts.methods:
-        if method in why:
-            lines.append(f"| {method} | not run: {why[method]} |" + " - |" * 5)
-            continue
-        cells = [f"{value_text(by_key[key][method])} | {ratio_text(by_key[key][method])}"
-                 for key in ("seconds", "peak_mib", "own_mib")]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return lines
+    header = ["method"] + [c for name in ("seconds", "peak MiB", "own MiB") for c in [name] + ratio_columns(opts)]
+    rows = [[method, f"not run: {why[method]}"] + ["-"] * (len(header) - 2) if method in why else
+            [method] + [c for key in ("seconds", "peak_mib", "own_mib") for c in value_cells(opts, by_key[key][method])]
+            for method in opts.methods]
+    return [f"### Evaluation: no-grad forward of the decoder stack, {length} tokens "
+            f"({length // opts.length}x L), batch 1, initial weights (seed 0)", ""] + table_lines(header, rows)
 
 
 #: What a report says under a table whose memory could not be read from a reset high-water mark.
@@ -419,6 +431,11 @@ def parse_args(argv=None):
         p.error("--memory-only measures evaluation cells: give --eval-multiples a value")
     if opts.skip < 0 or opts.skip >= opts.updates:
         p.error(f"--skip must be in 0 .. {opts.updates - 1} (fewer than --updates {opts.updates}), got {opts.skip}")
+    if heads_problem(opts.embed_dim, opts.heads):
+        p.error(heads_problem(opts.embed_dim, opts.heads))
+    if opts.max_tokens < opts.length:
+        p.error(f"--max-tokens {opts.max_tokens} must be at least --length {opts.length}: an update holds whole "
+                "samples of L tokens")
     methods = [BASELINE] + [m for m in dict.fromkeys(opts.methods or DEFAULT_METHODS) if m != BASELINE]
     fit_methods_to_depth(p, opts, methods, optional=set() if opts.methods else set(DEFAULT_METHODS))
     return opts
@@ -483,7 +500,11 @@ def main(argv=None) -> int:
     data = opts.data or make_corpus(workdir, opts.words, tokens=2 * (opts.updates + 2) * opts.max_tokens)
     opts.vocab = dictionary_size(data)
     progress(start, f"{len(opts.methods)} methods, {opts.repeats} repeat(s); corpus {data}")
-    train = measure_training(opts, data, workdir, start)
+    try:
+        train = measure_training(opts, data, workdir, start)
+    except RunFailed as err:  # the run's own error line; the directory stays for its log
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     evaluation = measure_evaluation(opts, data, start)
     loads.append(os.getloadavg()[0])
     report = render(opts, command, loads, train, evaluation)

@@ -42,11 +42,12 @@ from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from common import build_lm, machine_description, make_dict_dir, median, model_args, positive  # noqa: E402
-from positions_cost import (BASELINE, CHOICES, DEFAULT_METHODS, arch_of, fit_methods_to_depth,  # noqa: E402
+from common import (build_lm, heads_problem, machine_description, make_dict_dir, median, model_args,  # noqa: E402
+                    positive)
+from positions_cost import (ALIBI, BASELINE, CHOICES, DEFAULT_METHODS, arch_of, fit_methods_to_depth,  # noqa: E402
                             left_out_lines, method_flags, rotated, significant)
 
-REFERENCE = "alibi"
+REFERENCE = ALIBI
 
 
 def make_batches(n, batch, length, vocab, pad_idx, eos_idx, padded: bool, seed=0):
@@ -235,6 +236,8 @@ def parse_args(argv=None):
         p.error(f"--vocab must be at least 5 (fairseq's 4 specials and one word), got {opts.vocab}")
     if opts.warmup < 0:
         p.error(f"--warmup must be 0 or more, got {opts.warmup}")
+    if heads_problem(opts.embed_dim, opts.heads):
+        p.error(heads_problem(opts.embed_dim, opts.heads))
     methods = [m for name in opts.methods for m in (DEFAULT_METHODS if name == "all" else [name])]
     fit_methods_to_depth(p, opts, [REFERENCE] + [m for m in dict.fromkeys(methods) if m != REFERENCE],
                          optional=set(DEFAULT_METHODS) - set(opts.methods) if "all" in opts.methods else set())

@@ -36,7 +36,12 @@ TINY = ["--methods", "t5bias", "alibi+ssmax", "--attention-dropout", "0.1", "--r
         "--length", str(LENGTH), "--max-tokens", "64", "--layers", "1", "--embed-dim", "16", "--heads", "2",
         "--ffn", "32", "--eval-multiples", "4", "--eval-calls", "1"]
 RATIO = re.compile(r"^(\S+) \[(\S+), (\S+)\]$")
-EVAL_HEADER = ["method", "seconds", "/ sinusoidal", "peak MiB", "/ sinusoidal", "own MiB", "/ sinusoidal"]
+#: A ratio column's header and the method whose row is its denominator.
+BASES = {"/ sinusoidal": "sinusoidal", "/ ALiBi": "alibi"}
+
+
+def ratio_columns(methods):
+    return ["/ sinusoidal"] + ["/ ALiBi"] * ("alibi" in methods)
 
 
 @pytest.fixture(scope="module")
@@ -80,16 +85,19 @@ def check_report(markdown: str, methods, dropouts, multiples, repeats: int) -> i
     train = [t for t in found if t.startswith("Training")]
     evals = [t for t in found if t.startswith("Evaluation")]
     assert len(train) == 1 and len(evals) == len(multiples)
-    assert found[train[0]][0] == ["method"] + [c for d in dropouts for c in (f"wps, attention dropout {float(d)}",
-                                                                             "/ sinusoidal")]
+    assert found[train[0]][0] == ["method"] + [c for d in dropouts for c in [f"wps, attention dropout {float(d)}"]
+                                               + ratio_columns(methods)]
     for title, multiple in zip(evals, multiples):
-        assert f"{multiple * LENGTH} tokens ({multiple}x L)" in title and found[title][0] == EVAL_HEADER
+        assert f"{multiple * LENGTH} tokens ({multiple}x L)" in title
+        assert found[title][0] == ["method"] + [c for name in ("seconds", "peak MiB", "own MiB")
+                                                for c in [name] + ratio_columns(methods)]
     checked = 0
     for title in train + evals:
         header, rows = found[title][0], found[title][1:]
         assert [row[0] for row in rows] == methods and all(len(row) == len(header) for row in rows)
-        for column in (i for i, name in enumerate(header) if name == "/ sinusoidal"):
-            base = rows[0][column - 1]
+        for column in (i for i, name in enumerate(header) if name in BASES):
+            value_column = max(i for i in range(column) if header[i] not in BASES)
+            base = rows[methods.index(BASES[header[column]])][value_column]
             for row in rows:
                 if row[1].startswith("not run: "):
                     assert set(row[2:]) == {"-"}
@@ -98,7 +106,7 @@ def check_report(markdown: str, methods, dropouts, multiples, repeats: int) -> i
                     assert float(base) == 0, (title, row)
                     continue
                 ratio, low, high = RATIO.match(row[column]).groups()
-                assert_printed_ratio(row[column - 1], base, ratio)
+                assert_printed_ratio(row[value_column], base, ratio)
                 if repeats % 2:  # an odd count: the medians' ratio lies within the pairs' range
                     assert float(low) <= float(ratio) <= float(high), (title, row)
                 if repeats == 1:  # one pair, the medians' own ratio
@@ -157,17 +165,17 @@ def test_report_of_several_columns_and_tables(repeats):
     train, evaluation = made_up_measurements(opts.methods, (0, 0.1), (8, 64), repeats, random.Random(repeats))
     markdown = positions_cost.render(opts, "python benchmarks/positions_cost.py", [1.0, 2.0], train, evaluation)
     checked = check_report(markdown, opts.methods, ["0", "0.1"], [8, 64], repeats)
-    n = len(opts.methods)  # every registered method and the sinusoidal baseline
-    assert checked == n * 2 + n * 3 + (n - 1) * 3  # training, the first length, the second without its failed row
+    n = len(opts.methods)  # every registered method and the sinusoidal baseline, each with / sinusoidal and / ALiBi
+    assert checked == 2 * (n * 2 + n * 3 + (n - 1) * 3)  # training, the first length, the second less a failed row
     assert f"| {opts.methods[-1]} | not run: exit 1: out of memory |" in markdown
 
 
-def naive_compared(per_repeat):
-    base = [v for v in per_repeat["sinusoidal"] if v is not None]
+def naive_compared(per_repeat, reference="sinusoidal"):
+    base = [v for v in per_repeat[reference] if v is not None]
     out = {}
     for method, values in per_repeat.items():
         done = [v for v in values if v is not None]
-        pairs = [v / b for v, b in zip(values, per_repeat["sinusoidal"]) if v is not None and b is not None]
+        pairs = [v / b for v, b in zip(values, per_repeat[reference]) if v is not None and b is not None]
         out[method] = (statistics.median(done), statistics.median(done) / statistics.median(base),
                        (min(pairs), max(pairs)))
     return out
@@ -185,6 +193,10 @@ def test_compared_against_a_naive_recomputation():
             assert got[method]["median"] == pytest.approx(median, rel=1e-12)
             assert got[method]["ratio"] == pytest.approx(ratio, rel=1e-12)
             assert got[method]["range"] == pytest.approx([low, high], rel=1e-12)
+        for method, (_, ratio, (low, high)) in naive_compared(per_repeat, "alibi").items():
+            assert got[method]["per_alibi"]["ratio"] == pytest.approx(ratio, rel=1e-12)
+            assert got[method]["per_alibi"]["range"] == pytest.approx([low, high], rel=1e-12)
+    assert "per_alibi" not in positions_cost.compared({"sinusoidal": [1.0], "t5bias": [2.0]})["t5bias"]
 
 
 @pytest.mark.parametrize("value", [0.000123456, 0.0123456, 1.23456, 12.3456, 999.96, 12345.6, 1234567.0])
@@ -204,7 +216,11 @@ def test_significant_keeps_four_digits_without_an_exponent(value):
     (["--methods", "alibi", "rnope", "--layers", "1"], "--methods rnope with --layers 1: rnope needs at least 2 layers"),
     (["--attention-dropout", "--eval-multiples"], "nothing to measure: give --attention-dropout (training) or"),
     (["--memory-only", "--eval-multiples"], "--memory-only measures evaluation cells: give --eval-multiples a value"),
+    (["--embed-dim", "250", "--heads", "4"], "--embed-dim 250 must be a multiple of --heads 4 (each head gets"),
+    (["--max-tokens", "10"], "--max-tokens 10 must be at least --length 64: an update holds whole samples"),
 ] + [(["train_throughput", *args], message) for args, message in [
+    (["--embed-dim", "100", "--heads", "3"], "--embed-dim 100 must be a multiple of --heads 3 (each head gets "
+                                             "embed-dim / heads dimensions): give, for instance, --embed-dim 99"),
     (["--attention-dropout", "1"], "--attention-dropout takes probabilities in [0, 1), got 1.0"),
     (["--vocab", "4"], "--vocab must be at least 5"),
     (["--rounds", "0"], "argument --rounds: must be a positive integer, got 0"),
@@ -244,6 +260,25 @@ def test_a_default_method_too_deep_for_the_layers_is_left_out_and_reported(scrip
     assert "rnope" in deep.methods and deep.left_out == {} and positions_cost.left_out_lines(deep) == []
 
 
+def test_a_failed_training_run_is_one_error_line_and_keeps_its_log(tmp_path, monkeypatch, capsys):
+    """A run that fails mid-benchmark (here a stand-in for alibi-train that
+    says why on stderr) stops the benchmark with exit 1 and one ``error:``
+    line quoting the run's own, not a traceback; its log stays."""
+    (tmp_path / "dict.txt").write_text("w0 1\nw1 1\n")
+    failing = [sys.executable, "-c", "import sys; print('loading'); print('alibi-train: error: the options do not "
+               "fit', file=sys.stderr); sys.exit(1)", "--arch", "transformer_lm"]
+    monkeypatch.setattr(positions_cost, "train_command", lambda *args: failing)
+    keep = tmp_path / "keep"
+    code = positions_cost.main(["--methods", "alibi", "--attention-dropout", "0", "--eval-multiples", "--repeats",
+                                "1", "--data", str(tmp_path), "--keep", str(keep)])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    log = keep / "sinusoidal_ad0.0_0.log"
+    assert code == 1 and errors == [
+        f"error: {os.path.basename(sys.executable)} --arch transformer_lm failed (exit 1): alibi-train: error: the "
+        f"options do not fit (its log: {log})"]
+    assert "loading" in log.read_text()
+
+
 def test_no_evaluation_length_is_training_only():
     assert positions_cost.parse_args(["--eval-multiples"]).eval_multiples == []
 
@@ -266,10 +301,12 @@ def test_memory_only_cells_report_memory_and_no_time(monkeypatch):
     evaluation = positions_cost.measure_evaluation(opts, "unused", time.time())
     markdown = positions_cost.render(opts, "cmd", [1.0, 1.0], {}, evaluation)
     (row,) = [cells for title, cells in tables(markdown).items()]
-    assert row[0] == EVAL_HEADER
+    assert row[0] == ["method", "seconds", "/ sinusoidal", "/ ALiBi", "peak MiB", "/ sinusoidal", "/ ALiBi",
+                      "own MiB", "/ sinusoidal", "/ ALiBi"]
     fire = row[3]
-    assert fire[:3] == ["fire", "-", "-"]  # no time, no time ratio
-    assert fire[3] == "340.0" and fire[5] == "40.00" and fire[6].startswith("8.000 [")  # own / the baseline's 5
+    assert fire[:4] == ["fire", "-", "-", "-"]  # no time, no time ratio
+    assert fire[4] == "340.0" and fire[7] == "40.00" and fire[8].startswith("8.000 [")  # own / the baseline's 5
+    assert fire[9].startswith("2.000 [")  # own / ALiBi's 20
     assert evaluation[str(8 * LENGTH)]["not_run"] == {} and positions_cost.NO_RESET_NOTE not in markdown
     evaluation[str(8 * LENGTH)]["memory_basis"] = ["ru_maxrss"]  # a system without /proc/self/clear_refs
     assert positions_cost.NO_RESET_NOTE in positions_cost.render(opts, "cmd", [1.0, 1.0], {}, evaluation)
