@@ -92,8 +92,9 @@ class RunFailed(RuntimeError):
         with open(log_path, errors="replace") as log:
             lines = [line.strip() for line in log if line.strip()]
         said = next((line for line in reversed(lines) if "error:" in line.lower()), lines[-1] if lines else "no output")
-        super().__init__(f"{os.path.basename(cmd[0])} --arch {cmd[cmd.index('--arch') + 1] if '--arch' in cmd else '?'} "
-                         f"failed (exit {returncode}): {said} (its log: {log_path})")
+        arch = cmd[cmd.index("--arch") + 1] if "--arch" in cmd else "?"
+        super().__init__(f"{os.path.basename(cmd[0])} --arch {arch} failed (exit {returncode}): {said} "
+                         f"(its log: {log_path})")
 
 
 def run_all(jobs, parallel: bool):

@@ -286,8 +286,9 @@ def header(opts, command: str, loads: Sequence[float]) -> List[str]:
         "",
         f"Model (every method): {opts.layers} layers, d={opts.embed_dim}, {opts.heads} heads, FFN {opts.ffn}, "
         f"pre-norm, vocabulary {opts.vocab}, L={opts.length}; training {opts.max_tokens} tokens per update, "
-        f"dropout 0.1. Each value: the median over {opts.repeats} repeat(s); / sinusoidal: the ratio of the "
-        "medians, [the range of the ratios of the pairs of one repeat].",
+        f"dropout 0.1. Each value: the median over {opts.repeats} repeat(s); / sinusoidal"
+        + (" and / ALiBi: the ratio of the medians to that method's" if ALIBI in opts.methods else
+           ": the ratio of the medians") + ", [the range of the ratios of the pairs of one repeat].",
     ] + left_out_lines(opts)
 
 
