@@ -13,6 +13,7 @@
 # * models, recipe_settings: the registries (fairseq_alibi/core/positions.py, through
 #   examples/registry.py): which models exist, which have extension methods, which methods
 #   of a list apply to the models of a run;
+# * lm_train_args: the training flags the recipes' small LMs share;
 # * training_threads: PARALLEL=1 trains with one thread per training and as many
 #   trainings at once as cores (TRAIN_SLOTS), PARALLEL=0 one at a time with every core;
 # * train_model: one alibi-train run into its own directory, resumable: a model whose
@@ -81,6 +82,22 @@ recipe_settings() {
 arch_of() { if [ "$1" = sinusoidal ]; then echo transformer_lm; else echo "transformer_lm_$1"; fi; }
 
 # ------------------------------------------------------------------ training
+# lm_train_args NAME: LM_ARGS, the alibi-train flags every recipe trains its small LMs with (model NAME's
+# arch, pre-norm, tied embeddings, Adam with inverse-sqrt warm-up, UPDATES updates), from LAYERS, DIM, FFN,
+# HEADS, L, MAX_TOKENS, LR, WARMUP and UPDATES. A recipe adds its own sample break mode, dropout, seed,
+# logging and device. decoder-input/output-dim equal decoder-embed-dim, or fairseq adds 512-wide
+# projections to the sinusoidal model.
+lm_train_args() {
+  LM_ARGS=(--task language_modeling --arch "$(arch_of "$1")" --decoder-layers "$LAYERS"
+    --decoder-embed-dim "$DIM" --decoder-input-dim "$DIM" --decoder-output-dim "$DIM"
+    --decoder-ffn-embed-dim "$FFN" --decoder-attention-heads "$HEADS"
+    --decoder-normalize-before --share-decoder-input-output-embed
+    --tokens-per-sample "$L" --max-tokens "$MAX_TOKENS"
+    --optimizer adam --adam-betas '(0.9, 0.98)' --clip-norm 1.0 --weight-decay 0.01
+    --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-7
+    --max-update "$UPDATES" --num-workers 0)
+}
+
 training_threads() {  # TRAIN_THREADS and TRAIN_SLOTS from PARALLEL (cores: nproc alone obeys OMP_NUM_THREADS)
   local cores
   cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)

@@ -49,18 +49,11 @@ python -m fairseq_alibi.corpus --destdir "$DATA"
 
 train() {  # train NAME: identical settings for both models; only the arch (position handling) differs
   local name=$1
-  # decoder-input/output-dim must equal decoder-embed-dim, or fairseq adds
-  # 512-wide projections to the sinusoidal model.
-  train_model "$OUT/$name" "$name" "$(arch_of "$name"), L=$L, $UPDATES updates" \
-    "$DATA" --task language_modeling --arch "$(arch_of "$name")" \
-    --decoder-layers "$LAYERS" --decoder-embed-dim "$DIM" --decoder-input-dim "$DIM" \
-    --decoder-output-dim "$DIM" --decoder-ffn-embed-dim "$FFN" --decoder-attention-heads "$HEADS" \
-    --decoder-normalize-before --share-decoder-input-output-embed \
-    --tokens-per-sample "$L" --sample-break-mode none --max-tokens "$MAX_TOKENS" \
-    --optimizer adam --adam-betas '(0.9, 0.98)' --clip-norm 1.0 --weight-decay 0.01 \
-    --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-7 \
-    --dropout "$DROPOUT" --max-update "$UPDATES" --seed "$SEED" \
-    --log-format simple --log-interval 25 --num-workers 0 --cpu $EXTRA_TRAIN_ARGS
+  lm_train_args "$name"
+  # shellcheck disable=SC2086  # EXTRA_TRAIN_ARGS: the words as typed
+  train_model "$OUT/$name" "$name" "$(arch_of "$name"), L=$L, $UPDATES updates" "$DATA" "${LM_ARGS[@]}" \
+    --sample-break-mode none --dropout "$DROPOUT" --seed "$SEED" --log-format simple --log-interval 25 \
+    --cpu $EXTRA_TRAIN_ARGS
 }
 # fairseq's progress lines of both runs are shown, prefixed with the model name.
 TRAIN_STEP=2/3 FOLLOW="train_inner|valid on|num. shared model params|done training|Error|error" \

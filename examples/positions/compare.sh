@@ -65,16 +65,11 @@ fi
 
 train() {  # train SEED NAME: the demo's settings for every method; only the arch differs
   local seed=$1 name=$2
+  lm_train_args "$name"
+  # shellcheck disable=SC2086  # EXTRA_TRAIN_ARGS: the words as typed
   train_model "$OUT/seed$seed/$name" "seed $seed $name" "$(arch_of "$name"), L=$L, $UPDATES updates" \
-    "$DATA" --task language_modeling \
-    --arch "$(arch_of "$name")" --decoder-layers "$LAYERS" --decoder-embed-dim "$DIM" --decoder-input-dim "$DIM" \
-    --decoder-output-dim "$DIM" --decoder-ffn-embed-dim "$FFN" --decoder-attention-heads "$HEADS" \
-    --decoder-normalize-before --share-decoder-input-output-embed \
-    --tokens-per-sample "$L" --sample-break-mode none --max-tokens "$MAX_TOKENS" \
-    --optimizer adam --adam-betas '(0.9, 0.98)' --clip-norm 1.0 --weight-decay 0.01 \
-    --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-7 \
-    --dropout "$DROPOUT" --max-update "$UPDATES" --seed "$seed" \
-    --log-format simple --log-interval 100 --num-workers 0 --cpu $EXTRA_TRAIN_ARGS
+    "$DATA" "${LM_ARGS[@]}" --sample-break-mode none --dropout "$DROPOUT" --seed "$seed" \
+    --log-format simple --log-interval 100 --cpu $EXTRA_TRAIN_ARGS
 }
 TRAIN_STEP=2/4 FOLLOW="" run_trainings train < <(for seed in $SEEDS; do for name in $POSITIONS; do echo "$seed $name"; done; done)
 

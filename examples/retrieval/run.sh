@@ -296,17 +296,12 @@ train() {  # train SEED NAME [UPDATES]: identical settings; only the arch (posit
   [ "$restarts" = 0 ] || { train_seed=$(training_seed_of "$seed" "$restarts"); attempt=", restart $restarts: training seed $train_seed"; }
   # Each document is a whole line of the corpus (--sample-break-mode complete packs
   # whole documents into blocks of L tokens), so no record is cut from its question.
+  lm_train_args "$name"
+  # shellcheck disable=SC2086  # DEVICE_FLAGS and the EXTRA_TRAIN_ARGS: the words as typed
   train_model "$OUT/seed$seed/$name" "seed $seed $name" \
     "$(arch_of "$name"), L=$L, $LAYERS layers, $UPDATES updates, warm-up $WARMUP$attempt" "$(data_of "$name")" \
-    --task language_modeling \
-    --arch "$(arch_of "$name")" --decoder-layers "$LAYERS" --decoder-embed-dim "$DIM" --decoder-input-dim "$DIM" \
-    --decoder-output-dim "$DIM" --decoder-ffn-embed-dim "$FFN" --decoder-attention-heads "$HEADS" \
-    --decoder-normalize-before --share-decoder-input-output-embed \
-    --tokens-per-sample "$L" --sample-break-mode complete --max-tokens "$MAX_TOKENS" \
-    --optimizer adam --adam-betas '(0.9, 0.98)' --clip-norm 1.0 --weight-decay 0.01 \
-    --lr "$LR" --lr-scheduler inverse_sqrt --warmup-updates "$WARMUP" --warmup-init-lr 1e-7 \
-    --dropout 0.0 --max-update "$UPDATES" --seed "$train_seed" \
-    --validate-interval-updates 500 --log-format simple --log-interval 50 --num-workers 0 \
+    "${LM_ARGS[@]}" --sample-break-mode complete --dropout 0.0 --seed "$train_seed" \
+    --validate-interval-updates 500 --log-format simple --log-interval 50 \
     $DEVICE_FLAGS $EXTRA_TRAIN_ARGS ${!own:-}
 }
 CPU_FLAG=""; [ "$SCALE" = gpu ] || CPU_FLAG=--cpu
