@@ -432,8 +432,8 @@ def parse_args(argv=None):
         p.error("--memory-only measures evaluation cells: give --eval-multiples a value")
     if opts.skip < 0 or opts.skip >= opts.updates:
         p.error(f"--skip must be in 0 .. {opts.updates - 1} (fewer than --updates {opts.updates}), got {opts.skip}")
-    if heads_problem(opts.embed_dim, opts.heads):
-        p.error(heads_problem(opts.embed_dim, opts.heads))
+    if problem := heads_problem(opts.embed_dim, opts.heads):
+        p.error(problem)
     if opts.max_tokens < opts.length:
         p.error(f"--max-tokens {opts.max_tokens} must be at least --length {opts.length}: an update holds whole "
                 "samples of L tokens")

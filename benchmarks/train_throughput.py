@@ -236,8 +236,8 @@ def parse_args(argv=None):
         p.error(f"--vocab must be at least 5 (fairseq's 4 specials and one word), got {opts.vocab}")
     if opts.warmup < 0:
         p.error(f"--warmup must be 0 or more, got {opts.warmup}")
-    if heads_problem(opts.embed_dim, opts.heads):
-        p.error(heads_problem(opts.embed_dim, opts.heads))
+    if problem := heads_problem(opts.embed_dim, opts.heads):
+        p.error(problem)
     methods = [m for name in opts.methods for m in (DEFAULT_METHODS if name == "all" else [name])]
     fit_methods_to_depth(p, opts, [REFERENCE] + [m for m in dict.fromkeys(methods) if m != REFERENCE],
                          optional=set(DEFAULT_METHODS) - set(opts.methods) if "all" in opts.methods else set())
