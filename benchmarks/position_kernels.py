@@ -5,6 +5,7 @@ changes, where ``positions_cost.py`` times whole models.
     python benchmarks/position_kernels.py                     # T = 1024, B = 4, 4 heads of 64
     python benchmarks/position_kernels.py --length 2048 --batch 2 --eval-length 16384 --repeats 7
     python benchmarks/position_kernels.py --methods alibi t5bias --dropout 0 --eval-length
+    python benchmarks/position_kernels.py --methods fire --fire-threshold 1017 512 --dropout 0 --eval-length
 
 One call is what a layer runs between its projections: the method's
 rotation of queries and keys (rotary, rnope), its bias built for the pass
@@ -42,6 +43,8 @@ from fairseq_alibi.core.scaling import Scaling  # noqa: E402
 # --t5-paths: T5 also through the generic path of a learned Toeplitz bias
 # (kernels.blocked_kernel without its far-and-band branch), timed beside it.
 T5_GENERIC = "t5bias-generic"
+# --fire-threshold T: FIRE also with its threshold at T tokens ("fire-threshold-T"), timed beside it.
+FIRE_AT = "fire-threshold-"
 
 
 class Case:
@@ -50,9 +53,12 @@ class Case:
 
     def __init__(self, method: str, heads: int, head_dim: int, length: int):
         generic = method == T5_GENERIC
-        method = "t5bias" if generic else method
+        threshold = float(method[len(FIRE_AT):]) if method.startswith(FIRE_AT) else None
+        method = "t5bias" if generic else "fire" if threshold is not None else method
         entry = P.position(method)
         params = {p.name: p.default for p in entry.params}
+        if threshold is not None:  # past it (below length - 1), a training pass runs FIRE's dense bias
+            params["fire_threshold"] = threshold
         self.stack = P.build(method, heads, head_dim, params, Scaling("none", train_length=length))
         depth = getattr(self.stack, "nope_every", 1)  # one group of a hybrid's layers, else one layer
         self.stack.fit_depth(max(2, depth))
@@ -111,12 +117,19 @@ def main(argv=None) -> int:
     p.add_argument("--t5-paths", action="store_true",
                    help=f"also time T5 through the generic per-distance path ({T5_GENERIC}), beside its far-and-band "
                         "path: which of the two is faster depends on the CPU")
+    p.add_argument("--fire-threshold", type=float, nargs="*", default=[], metavar="TOKENS",
+                   help="also time FIRE with its threshold at each of these (fire-threshold-T; by default it is the "
+                        "length): below length - 1 a training pass runs FIRE's dense bias, as training does once "
+                        "the learned threshold has moved below it")
     args = parse_kernel_args(p, argv)
+    if any(not 0 < t < float("inf") for t in args.fire_threshold):
+        p.error("--fire-threshold values must be positive numbers of tokens")
     if args.flush_denormal and not torch.set_flush_denormal(True):
         p.error("--flush-denormal: this CPU cannot flush subnormal numbers")
     if any(n < 1 for n in args.eval_length):
         p.error("--eval-length values must be at least 1")
     methods = ["alibi"] + [m for m in args.methods if m != "alibi"] + ([T5_GENERIC] if args.t5_paths else [])
+    methods += [f"{FIRE_AT}{t:g}" for t in args.fire_threshold]
     print(f"position_kernels: L={args.length}, B={args.batch}, {args.heads} heads of {args.head_dim}, "
           f"{args.threads} thread(s); {machine_description()}", file=sys.stderr)
     columns, shares, rows = [], {}, []

@@ -459,6 +459,31 @@ def test_the_position_kernels_benchmark_times_t5s_two_training_paths(monkeypatch
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 
 
+def test_the_position_kernels_benchmark_times_fire_past_its_threshold(monkeypatch, capsys):
+    """``position_kernels.py --fire-threshold T``: a row for FIRE with its
+    threshold at T beside FIRE's own (the length), whose training pass then
+    has no per-distance form (the dense bias); a threshold that is not a
+    positive number is a usage error."""
+    import position_kernels
+
+    rows = []
+    monkeypatch.setattr(position_kernels, "write_rows", lambda path, args, r: rows.extend(r))
+    assert position_kernels.main(["--length", "40", "--batch", "1", "--heads", "2", "--head-dim", "8",
+                                  "--repeats", "1", "--dropout", "0", "--eval-length", "--methods", "fire",
+                                  "--fire-threshold", "20", "39.5"]) == 0
+    assert [r["method"] for r in rows] == ["alibi", "fire", "fire-threshold-20", "fire-threshold-39.5"]
+    cases = {m: position_kernels.Case(m, 2, 8, 40) for m in ("fire", "fire-threshold-20", "fire-threshold-39.5")}
+    assert {m: float(c.stack.method.threshold) for m, c in cases.items()} == pytest.approx(
+        {"fire": 40.0, "fire-threshold-20": 20.0, "fire-threshold-39.5": 39.5})
+    assert {m: c.layers[0].per_distance(40, "cpu") is None for m, c in cases.items()} == {
+        "fire": False, "fire-threshold-20": True, "fire-threshold-39.5": False}
+    for bad in ("0", "-5", "inf", "nan"):
+        with pytest.raises(SystemExit) as exc:
+            position_kernels.main(["--methods", "fire", "--fire-threshold", bad])
+        assert exc.value.code == 2
+        assert "--fire-threshold values must be positive numbers of tokens" in capsys.readouterr().err
+
+
 def test_the_trained_windows_benchmark_compares_both_forms_on_a_checkpoint(lm_data_bin, tmp_path, monkeypatch,
                                                                             capsys):
     """``benchmarks/trained_windows.py`` on a tiny T5 model started at ALiBi's bias

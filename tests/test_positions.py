@@ -474,6 +474,18 @@ def test_fire_values_are_its_pieces_exactly_and_contiguous(make):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def assert_same_gradients_where_seen(module, got, expected, seed):
+    """``got`` and ``expected`` (a masked bias, ``-inf`` where unseen) give
+    ``module``'s parameters the same gradients under random weights of the
+    finite entries, to rounding (the same sums in another order)."""
+    seen = torch.isfinite(expected)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed))
+    grads = [torch.autograd.grad((out[seen] * weights[seen]).sum(), list(module.parameters()))
+             for out in (got, expected)]
+    for name, a, b in zip(dict(module.named_parameters()), *grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()), msg=name)
+
+
 @pytest.mark.parametrize("make", [fire_module, knotted_fire])
 @pytest.mark.parametrize("q_start, q_len, keys", [
     (0, 16, 16),  # below the threshold (8) and across it
@@ -498,12 +510,49 @@ def test_fire_reversed_block_is_values_bit_for_bit(make, q_start, q_len, keys):
                                                                                    storage, group)]
         assert [h.start for h, _ in heads] == list(range(0, 3, group))
         assert torch.equal(torch.cat([block for _, block in heads]), expected)
-    seen = torch.isfinite(expected)
-    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
-    grads = [torch.autograd.grad((out[seen] * weights[seen]).sum(), list(module.parameters()))
-             for out in (got, expected)]
-    for name, a, b in zip(dict(module.named_parameters()), *grads):  # sums in another order: rounding only
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()), msg=name)
+    assert_same_gradients_where_seen(module, got, expected, seed=1)
+
+
+@pytest.mark.parametrize("threshold", [8.0, 20.5, 40.0, 1.0])
+@pytest.mark.parametrize("q_start, q_len", [(0, 30), (12, 18), (25, 5)])
+def test_fire_dense_bias_is_values_bit_for_bit_on_both_sides_of_the_threshold(threshold, q_start, q_len):
+    """The dense bias a pass past the threshold trains with
+    (``ModuleBias.block``, built by ``reversed_block``) is :meth:`values` of
+    every pair, masked: the same floats and the same gradients, whether the
+    block's rows lie below the threshold, past it, or on both sides."""
+    from fairseq_alibi.core.bias import ModuleBias
+
+    module = knotted_fire()
+    with torch.no_grad():
+        module.raw_threshold.fill_(math.log(math.expm1(threshold / 8.0)))  # threshold_unit 8
+    assert (q_start + q_len - 1 > float(module.threshold.detach())) == (threshold < 40)  # rows past it or not
+    keys = q_start + q_len
+    query, key = grid(q_start, q_len, keys)
+    expected = module.values(query, key).masked_fill(key > query, float("-inf"))
+    got = ModuleBias(module, 3, toeplitz=False).block(q_start, q_len, keys, torch.float32, "cpu")
+    assert torch.equal(got, expected)
+    assert_same_gradients_where_seen(module, got, expected, seed=2)
+
+
+@pytest.mark.parametrize("make", [fire_module, knotted_fire])
+def test_fire_value_span_is_the_range_of_its_mlp_on_the_unit_interval(make):
+    """``value_span`` (which lets the explicit path skip its floor against
+    subnormal weights) bounds every value of the bias, at any query, and is
+    the MLP's own range over ``[0, 1]``, not a looser bound."""
+    from fairseq_alibi.core.bias import CausalMask, ModuleBias
+
+    module = make()
+    span = float(module.value_span())
+    for query, key in (grid(0, 64, 64), grid(3000, 8, 3008)):
+        values = module.values(query, key).detach().masked_fill(key > query, float("nan"))
+        assert float((values.nan_to_num(-math.inf).amax((1, 2)) - values.nan_to_num(math.inf).amin((1, 2))).max()) \
+            <= span * (1 + 1e-6)
+    x = torch.cat([torch.linspace(0, 1, 20001), module.pieces()[0].clamp(0, 1)]).detach()
+    with torch.no_grad():
+        f = plain_mlp(module, x[None])[:, 0]  # [H, points]
+    torch.testing.assert_close(span, float((f.amax(1) - f.amin(1)).max()), rtol=1e-5, atol=1e-6)
+    assert ModuleBias(module, 3, toeplitz=False).value_span() == span
+    assert CausalMask(3).value_span() == 0.0 and math.isinf(ModuleBias(KerpleLog(3), 3, toeplitz=True).value_span())
 
 
 @pytest.mark.parametrize("group_dims", [8, 16, 64])  # a head per call, two (and one), all three

@@ -24,6 +24,7 @@ grows), and what a kernel may rely on (``toeplitz``, ``has_slopes``,
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable, Dict, Hashable, Iterator, Optional, Tuple
 
 import torch
@@ -167,6 +168,13 @@ class StackBias:
         ``keys`` (default all) of a forward pass's ``k_len`` keys, ``-inf`` (or
         a finite stand-in) where a head does not look."""
         raise NotImplementedError
+
+    def value_span(self) -> float:
+        """An upper bound of the largest minus the least finite value of the
+        bias of any pass (``inf`` where none is known): the explicit path
+        skips its floor against subnormal weights where the scores with
+        it cannot span that far (``kernels.may_underflow``)."""
+        return 0.0 if self.zero else math.inf
 
     def key_block(self, q_start: int, q_len: int, k_len: int, dtype, device, keys: int,
                   first: int = 0) -> Tuple[Tensor, bool]:
@@ -432,6 +440,10 @@ class ModuleBias(nn.Module, StackBias):
 
         return self.cached("per_distance", (k_len, str(device)), build)
 
+    def value_span(self) -> float:
+        span = getattr(self.method, "value_span", None)
+        return float(span()) if span else math.inf
+
     def shared_from(self, k_len: int) -> Optional[int]:
         shared_from = getattr(self.method, "shared_from", None)
         if not (self._toeplitz and shared_from):
@@ -442,6 +454,8 @@ class ModuleBias(nn.Module, StackBias):
         keys = keys or k_len
         if self._toeplitz:
             return toeplitz_block(self.method.values, q_start, q_len, keys, device).to(dtype)
+        if hasattr(self.method, "reversed_block"):  # FIRE: values() bit for bit, with no lookup per pair
+            return self.method.reversed_block(q_start, q_len, keys, device).flip(1).to(dtype)
         query, key = (p.long() for p in positions(q_len, keys, q_start, device))
         values = self.method.values(query, key).to(torch.float32)
         return values.masked_fill(key > query, float("-inf")).to(dtype)

@@ -85,7 +85,11 @@ class Fire(nn.Module):
         at L with the initial threshold L that holds, and the blocked kernel
         then builds the bias from one value per distance (``ModuleBias.
         per_distance``): ``values(d, 0)`` is the value of every pair at
-        distance ``d``, bit for bit."""
+        distance ``d``, bit for bit.  The threshold is learned: once it is
+        below ``L - 1`` (a few dozen updates at a learning rate of 1e-4 in
+        ``benchmarks/train_throughput.py``'s setting), a training pass
+        takes the dense bias, which ``ModuleBias.block`` builds with
+        :meth:`reversed_block`."""
         return float(self.threshold.detach()) >= k_len - 1
 
     def mlp_input(self, query: Tensor, key: Tensor) -> Tensor:
@@ -114,6 +118,18 @@ class Fire(nn.Module):
         piece = torch.arange(order.numel() + 1, device=order.device)[:, None]
         on = torch.where(w > 0, piece > rank, torch.where(w < 0, piece <= rank, b > 0)).to(torch.float32)
         return knots, on @ (w[:, None] * out_w.t()), on @ (b[:, None] * out_w.t()) + out_b
+
+    def value_span(self) -> Tensor:
+        """The largest over heads of the range of the bias (no gradient): the
+        MLP's input lies in ``[0, 1]`` (:meth:`mlp_input`) and the MLP is
+        linear between its knots, so each head's extremes are among its
+        values at 0, 1 and the knots between."""
+        with torch.no_grad():
+            knots, slopes, intercepts = self.pieces()
+            x = torch.cat([knots.new_tensor([0.0, 1.0]), knots.clamp(0.0, 1.0)])
+            piece = torch.bucketize(x, knots)
+            f = slopes[piece] * x[:, None] + intercepts[piece]  # [points, H]
+            return (f.amax(0) - f.amin(0)).max()
 
     def values(self, query: Tensor, key: Tensor) -> Tensor:
         """The float32 bias ``[H, q, k]`` of queries ``query [q, 1]`` over keys

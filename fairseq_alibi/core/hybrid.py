@@ -108,7 +108,8 @@ class HybridPositions(StackBias):
         RoPE alone) or no RoPE layer (NoPE)."""
         if layers < 2:
             raise ConfigError(f"rnope needs at least 2 layers (windowed RoPE layers and a NoPE layer); this model "
-                              f"has {layers}: give --decoder-layers 2 or more, or use the rotary or nope method")
+                              f"has {layers}: give it 2 or more layers (fairseq's --decoder-layers), or use the rotary "
+                              "or nope method")
         if self.configured_nope_every == AUTO_NOPE_EVERY:
             self.nope_every = min(DEFAULT_NOPE_EVERY, layers)
         elif self.configured_nope_every > layers:

@@ -139,7 +139,7 @@ def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
     windows = key_windows(bias, q, k) if key_padding_mask is None and dropout_p == 0 else None
     windows = windows or sliding_windows(bias, q.size(1), k.size(2) - q.size(2))
     return blocked_causal_attention(q, k, v, mask, dropout_p, windows=windows,
-                                    steep=may_underflow(q, k, 0.0 if bias.zero else math.inf)), None
+                                    steep=may_underflow(q, k, bias.value_span())), None
 
 
 def may_underflow(q: Tensor, k: Tensor, bias_span: float) -> bool:
