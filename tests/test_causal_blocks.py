@@ -345,6 +345,52 @@ def test_blocked_gives_a_toeplitz_bias_its_gradient_per_distance(dtype, padded, 
             assert (g - w).norm() <= BF16_REL * w.norm() + BF16_ABS, name
 
 
+@pytest.mark.parametrize("dtype,padded,p", GRAD_CASES)
+def test_blocked_gives_a_bias_built_block_by_block_its_gradient(dtype, padded, p, monkeypatch):
+    """A learned bias built block by block from a few tensors (``built``:
+    FIRE past its threshold), here ``scale_h * table[h, i, j]`` with a
+    table over every (query position, key) and a scale per head, rows last
+    first, and an input without a gradient: the output and the gradients of
+    q, k, v, the table and the scales (summed over the blocks) against
+    autograd through the fp64 explicit attention over the dense bias, with
+    the same dropout mask; 30 queries, the last of 41 keys, blocks of 16."""
+    gen, q, k, v, hidden, pad, full_mask, weight = gradient_case(dtype, padded, p, monkeypatch, seed=13)
+    table, scale = torch.randn(4, 41, 41, generator=gen), torch.rand(4, generator=gen) + 0.5
+    fixed = torch.tensor(2.0)  # an input the bias reads without a gradient
+
+    def build(inputs, q_start, q_len, keys):
+        tab, sc, two = inputs
+        rows = torch.arange(q_start + q_len - 1, q_start - 1, -1)  # last query first
+        block = sc[:, None, None] * tab[:, rows, :keys] * (two / 2)
+        return block.masked_fill(torch.arange(keys)[None, :] > rows[:, None], float("-inf"))
+
+    def run(attention, leaf_dtype):
+        leaves = [t.detach().to(leaf_dtype).requires_grad_() for t in (q, k, v)]
+        params = [t.detach().to(torch.float64 if leaf_dtype == torch.float64 else torch.float32).requires_grad_()
+                  for t in (table, scale)]
+        out = attention(*leaves, *params)
+        (out.double() * weight.double()).sum().backward()
+        return [out.detach().double()] + [t.grad.double() for t in leaves + params]
+
+    padding = None if pad is None else torch.zeros(pad.shape).masked_fill(pad, float("-inf"))[:, None, None, :]
+    got = run(lambda q_, k_, v_, tab, sc: CB.blocked_causal_attention(
+        q_, k_, v_, None if padding is None else padding.to(dtype), p, block=16, built=(build, (tab, sc, fixed))),
+        dtype)
+    want = run(lambda q_, k_, v_, tab, sc: explicit_attention(
+        q_, k_, v_, (sc[:, None, None] * tab[:, 11:]).masked_fill(hidden, float("-inf")), pad, full_mask, p),
+        torch.float64)
+    real = torch.ones(1, dtype=torch.bool) if pad is None else ~pad[:, None, 11:, None]
+    for name, g, w in zip(("out", "q", "k", "v", "table", "scale"), got, want):
+        if name in ("out", "q"):
+            g, w = torch.where(real, g, 0.0), torch.where(real, w, 0.0)
+        if name == "table":
+            assert (g[:, :11] == 0).all() and (g[:, 11:][hidden.expand_as(g[:, 11:])] == 0).all()  # unread
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4, msg=name)
+        else:
+            assert (g - w).norm() <= BF16_REL * w.norm() + BF16_ABS, name
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("length,near,block", [(300, 37, 128), (300, 1, 64), (129, 128, 128), (200, 113, 16)])
 def test_far_and_band_matches_the_dense_bias_and_gives_each_value_its_gradient(dtype, length, near, block):

@@ -169,6 +169,11 @@ class StackBias:
         a finite stand-in) where a head does not look."""
         raise NotImplementedError
 
+    def block_builder(self) -> Optional[Tuple[Callable[..., Tensor], Tuple[Tensor, ...]]]:
+        """``(build, inputs)`` of a learned bias that the blocked kernel builds
+        block by block (:meth:`ModuleBias.block_builder`); None here."""
+        return None
+
     def value_span(self) -> float:
         """An upper bound of the largest minus the least finite value of the
         bias of any pass (``inf`` where none is known): the explicit path
@@ -439,6 +444,21 @@ class ModuleBias(nn.Module, StackBias):
                 torch.float32)
 
         return self.cached("per_distance", (k_len, str(device)), build)
+
+    def block_builder(self) -> Optional[Tuple[Callable[..., Tensor], Tuple[Tensor, ...]]]:
+        """For a bias that is not Toeplitz and builds a block of rows from a
+        few tensors (FIRE: ``Fire.block_inputs``), ``(build, inputs)``:
+        ``build(inputs, q_start, q_len, keys)`` the float32 ``[H, q_len,
+        keys]`` bias of queries ``q_start ..`` over keys ``0 .. keys - 1``,
+        last query first, masked; the blocked kernel trains from it block by
+        block.  None for every other bias."""
+        inputs = getattr(self.method, "block_inputs", None)
+        if self._toeplitz or inputs is None:
+            return None
+        inputs = self.cached("block_inputs", None, inputs)  # once per pass, shared by the layers
+        device = inputs[0].device
+        return (lambda tensors, q_start, q_len, keys: self.method.reversed_block_of(tensors, q_start, q_len, keys,
+                                                                                    device)), inputs
 
     def value_span(self) -> float:
         span = getattr(self.method, "value_span", None)

@@ -135,6 +135,10 @@ def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
         return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p,
                                         per_distance=per_distance,
                                         steep=may_underflow(q, k, float(values.max() - values.min()))), None
+    built = bias.block_builder() if bias.learned and torch.is_grad_enabled() else None
+    if built is not None:  # FIRE past its threshold: each block built from a few tensors, its gradient into them
+        return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p, built=built,
+                                        steep=may_underflow(q, k, bias.value_span())), None
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     windows = key_windows(bias, q, k) if key_padding_mask is None and dropout_p == 0 else None
     windows = windows or sliding_windows(bias, q.size(1), k.size(2) - q.size(2))
