@@ -145,6 +145,17 @@ def keys_read(run: Run, sample) -> Optional[float]:
     return read[0] / causal[0] if causal[0] else None
 
 
+def fire_threshold(run: Run) -> Optional[float]:
+    """FIRE's learned threshold in ``run``'s model (tokens), or None for
+    other methods: while it is at least ``L - 1`` FIRE trains from one value
+    per distance, below it from its bias built block by block (``fire.py``),
+    which costs more; it moves with every update."""
+    from fairseq_alibi.core.fire import Fire
+
+    found = [float(m.threshold.detach()) for m in run.model.modules() if isinstance(m, Fire)]
+    return found[0] if found else None
+
+
 def paired(values: List[float], reference: List[float]) -> dict:
     """The median and range of round-by-round ratios ``values / reference``."""
     ratios = [a / b for a, b in zip(values, reference)]
@@ -159,6 +170,7 @@ def measure(opts, attention_dropout: float) -> Dict[str, dict]:
     batches = make_batches(opts.steps, opts.batch, opts.length, len(dictionary), dictionary.pad(),
                            dictionary.eos(), opts.padded)
     read = {method: keys_read(run, batches[0]) for method, run in runs.items()}
+    thresholds = {method: [fire_threshold(run)] for method, run in runs.items()}
     warmup = [batches[i % len(batches)] for i in range(opts.warmup)]
     for run in runs.values():  # caches, allocator, lazy initialisation
         run.words_per_second(warmup)
@@ -171,7 +183,10 @@ def measure(opts, attention_dropout: float) -> Dict[str, dict]:
             cpu[method].append(c)
         print(f"[train_throughput] attention dropout {attention_dropout}, round {r + 1}/{opts.rounds}: "
               + ", ".join(f"{m} {wall[m][-1]:.0f}" for m in opts.methods) + " words/s", file=sys.stderr, flush=True)
+    for method, run in runs.items():
+        thresholds[method].append(fire_threshold(run))
     return {method: {"params": runs[method].params, "keys_read": read[method], "wps": wall[method],
+                     "fire_threshold": None if thresholds[method][0] is None else thresholds[method],
                      "cpu_wps": cpu[method],
                      "median_wps": median(wall[method]), "median_cpu_wps": median(cpu[method]),
                      "speed": paired(wall[method], wall[REFERENCE]),
@@ -205,6 +220,13 @@ def render(opts, command: str, results: Dict[str, Dict[str, dict]]) -> str:
                  + ("-" if results[d][method]["keys_read"] is None else f"{results[d][method]['keys_read']:.3f}")
                  for d in drops]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    crossing = [(d, method, results[d][method]["fire_threshold"]) for d in drops for method in opts.methods
+                if results[d][method].get("fire_threshold")]
+    if crossing:
+        lines += ["", f"FIRE's learned threshold (from one value per distance while it is at least L - 1 = "
+                      f"{opts.length - 1}, its bias built block by block below it), before the warm-up and after "
+                      "the last round: " + "; ".join(f"{method}, attention dropout {d}: {start:.2f} -> {end:.2f}"
+                                                     for d, method, (start, end) in crossing) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -550,5 +550,15 @@ def test_the_throughput_benchmark_pairs_every_method_update_by_update(tmp_path):
         ["--methods", "fox", "--length", "16", "--layers", "1", "--embed-dim", "16", "--heads", "2", "--ffn", "32",
          "--vocab", "20", "--rounds", "1", "--warmup", "0"]), 0.0)["fox"]
     assert fox["keys_read"] == pytest.approx(16 * 16 / (16 * 17 / 2), rel=1e-12)
+    # FIRE's learned threshold, which says which training path FIRE's numbers measured: at L before any update,
+    # moved after them, and in the report
+    fire_opts = train_throughput.parse_args(["--methods", "fire", "--length", "16", "--layers", "1", "--embed-dim",
+                                             "16", "--heads", "2", "--ffn", "32", "--vocab", "20", "--rounds", "1"])
+    fire = train_throughput.measure(fire_opts, 0.0)
+    start, end = fire["fire"]["fire_threshold"]
+    assert start == pytest.approx(16.0, rel=1e-5) and end != start and fire["alibi"]["fire_threshold"] is None
+    assert (f"FIRE's learned threshold (from one value per distance while it is at least L - 1 = 15, its bias "
+            f"built block by block below it), before the warm-up and after the last round: fire, attention "
+            f"dropout 0.0: {start:.2f} -> {end:.2f}.") in train_throughput.render(fire_opts, "cmd", {"0.0": fire})
     everything = train_throughput.parse_args(["--methods", "nope", "all"]).methods
     assert everything[0] == "alibi" and sorted(everything) == sorted(positions_cost.DEFAULT_METHODS)
