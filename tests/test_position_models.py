@@ -162,6 +162,42 @@ def test_training_gradients_reach_the_position_parameters(data_dir, name):
         assert not [k for k in state if ".self_attn.positions." in k]  # shared: saved once, not per layer
 
 
+def test_fire_past_its_threshold_trains_through_blocked_as_through_the_reference(data_dir):
+    """A 2-layer FIRE model whose threshold is below the input (training past
+    it: each block of the bias built from FIRE's pieces, c and threshold, its
+    gradient taken back through them, both layers sharing them): the loss and
+    every parameter's gradient through the blocked kernel equal those through
+    the reference kernel (the dense bias of every pair)."""
+    from unittest import mock
+
+    from fairseq_alibi.core import kernels
+
+    model = build(data_dir, "fire", "--attention-dropout", "0").train()
+    fire = model.decoder.positions.method
+    with torch.no_grad():
+        fire.raw_threshold.fill_(math.log(math.expm1(0.4)))  # threshold 0.4 L: most queries past it
+    ids = tokens(2 * TRAIN + 5)
+    assert not fire.distance_only(ids.size(1))
+    results = {}
+    for path in ("blocked", "reference"):
+        for layer in model.decoder.layers:
+            layer.self_attn.kernel = path
+        model.zero_grad()
+        torch.manual_seed(0)  # the same draws of the model's other dropout
+        with mock.patch.object(kernels, "blocked_causal_attention", wraps=kernels.blocked_causal_attention) as spy:
+            out, _ = model.decoder(ids)
+        assert [call.kwargs.get("built") is not None for call in spy.call_args_list] == [path == "blocked"] * (
+            2 if path == "blocked" else 0)
+        loss = out.float().logsumexp(-1).mean()
+        loss.backward()
+        results[path] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(results["blocked"][0], results["reference"][0])
+    assert results["blocked"][1].keys() == results["reference"][1].keys()
+    for name, want in results["reference"][1].items():
+        got = results["blocked"][1][name]
+        assert float((got - want).norm()) <= 1e-4 * float(want.norm()) + 1e-7, name
+
+
 @pytest.mark.slow
 def test_fire_keeps_its_trained_threshold_under_another_training_length(data_dir):
     """The threshold's unit is saved with the weights: a FIRE model rebuilt with
