@@ -346,39 +346,50 @@ def test_blocked_gives_a_toeplitz_bias_its_gradient_per_distance(dtype, padded, 
 
 
 @pytest.mark.parametrize("dtype,padded,p", GRAD_CASES)
-def test_blocked_gives_a_bias_built_block_by_block_its_gradient(dtype, padded, p, monkeypatch):
-    """A learned bias built block by block from a few tensors (``built``:
-    FIRE past its threshold), here ``scale_h * table[h, i, j]`` with a
-    table over every (query position, key) and a scale per head, rows last
-    first, and an input without a gradient: the output and the gradients of
-    q, k, v, the table and the scales (summed over the blocks) against
-    autograd through the fp64 explicit attention over the dense bias, with
-    the same dropout mask; 30 queries, the last of 41 keys, blocks of 16."""
+def test_blocked_gives_a_bias_given_block_by_block_its_gradient(dtype, padded, p, monkeypatch):
+    """A learned bias given as the bias of each query block (``blocks``: FIRE
+    past its threshold), here ``scale_h * table[h, i, j]`` with a table over
+    every (query position, key) and a scale per head, each block's rows last
+    first, built once and read by two calls (two layers): the outputs and the
+    gradients of q, k, v, the table and the scales (autograd summing both
+    calls' per-block dS) against autograd through the fp64 explicit attention
+    over the dense bias, with the same dropout mask; 30 queries, the last of
+    41 keys, blocks of 16."""
     gen, q, k, v, hidden, pad, full_mask, weight = gradient_case(dtype, padded, p, monkeypatch, seed=13)
     table, scale = torch.randn(4, 41, 41, generator=gen), torch.rand(4, generator=gen) + 0.5
-    fixed = torch.tensor(2.0)  # an input the bias reads without a gradient
 
-    def build(inputs, q_start, q_len, keys):
-        tab, sc, two = inputs
-        rows = torch.arange(q_start + q_len - 1, q_start - 1, -1)  # last query first
-        block = sc[:, None, None] * tab[:, rows, :keys] * (two / 2)
-        return block.masked_fill(torch.arange(keys)[None, :] > rows[:, None], float("-inf"))
+    def blocks_of(tab, sc):
+        out = []
+        for start in range(0, 30, 16):
+            rows = torch.arange(11 + min(start + 16, 30) - 1, 11 + start - 1, -1)  # last query first
+            keys = 11 + min(start + 16, 30)
+            block = sc[:, None, None] * tab[:, rows, :keys]
+            out.append(block.masked_fill(torch.arange(keys)[None, :] > rows[:, None], float("-inf")))
+        return out
 
     def run(attention, leaf_dtype):
         leaves = [t.detach().to(leaf_dtype).requires_grad_() for t in (q, k, v)]
         params = [t.detach().to(torch.float64 if leaf_dtype == torch.float64 else torch.float32).requires_grad_()
                   for t in (table, scale)]
-        out = attention(*leaves, *params)
-        (out.double() * weight.double()).sum().backward()
-        return [out.detach().double()] + [t.grad.double() for t in leaves + params]
+        shared = attention.prepare(*params)
+        outs = [attention(*leaves, shared, twice) for twice in (False, True)]  # two layers, the second reads q twice
+        sum((out.double() * weight.double()).sum() for out in outs).backward()
+        return [outs[0].detach().double()] + [t.grad.double() for t in leaves + params]
 
     padding = None if pad is None else torch.zeros(pad.shape).masked_fill(pad, float("-inf"))[:, None, None, :]
-    got = run(lambda q_, k_, v_, tab, sc: CB.blocked_causal_attention(
-        q_, k_, v_, None if padding is None else padding.to(dtype), p, block=16, built=(build, (tab, sc, fixed))),
-        dtype)
-    want = run(lambda q_, k_, v_, tab, sc: explicit_attention(
-        q_, k_, v_, (sc[:, None, None] * tab[:, 11:]).masked_fill(hidden, float("-inf")), pad, full_mask, p),
-        torch.float64)
+
+    def blocked(q_, k_, v_, blocks, twice):
+        q_ = q_ * 2 if twice else q_
+        return CB.blocked_causal_attention(q_, k_, v_, None if padding is None else padding.to(dtype), p, block=16,
+                                           blocks=blocks)
+
+    def explicit(q_, k_, v_, dense, twice):
+        q_ = q_ * 2 if twice else q_
+        return explicit_attention(q_, k_, v_, dense, pad, full_mask, p)
+
+    blocked.prepare = blocks_of
+    explicit.prepare = lambda tab, sc: (sc[:, None, None] * tab[:, 11:]).masked_fill(hidden, float("-inf"))
+    got, want = run(blocked, dtype), run(explicit, torch.float64)
     real = torch.ones(1, dtype=torch.bool) if pad is None else ~pad[:, None, 11:, None]
     for name, g, w in zip(("out", "q", "k", "v", "table", "scale"), got, want):
         if name in ("out", "q"):

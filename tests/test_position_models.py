@@ -164,8 +164,8 @@ def test_training_gradients_reach_the_position_parameters(data_dir, name):
 
 def test_fire_past_its_threshold_trains_through_blocked_as_through_the_reference(data_dir):
     """A 2-layer FIRE model whose threshold is below the input (training past
-    it: each block of the bias built from FIRE's pieces, c and threshold, its
-    gradient taken back through them, both layers sharing them): the loss and
+    it: each query block's bias built once per pass and read by both layers,
+    their dS per block summed by autograd and taken back through it): the loss and
     every parameter's gradient through the blocked kernel equal those through
     the reference kernel (the dense bias of every pair)."""
     from unittest import mock
@@ -186,7 +186,7 @@ def test_fire_past_its_threshold_trains_through_blocked_as_through_the_reference
         torch.manual_seed(0)  # the same draws of the model's other dropout
         with mock.patch.object(kernels, "blocked_causal_attention", wraps=kernels.blocked_causal_attention) as spy:
             out, _ = model.decoder(ids)
-        assert [call.kwargs.get("built") is not None for call in spy.call_args_list] == [path == "blocked"] * (
+        assert [call.kwargs.get("blocks") is not None for call in spy.call_args_list] == [path == "blocked"] * (
             2 if path == "blocked" else 0)
         loss = out.float().logsumexp(-1).mean()
         loss.backward()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, Dict, Hashable, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -169,9 +169,10 @@ class StackBias:
         a finite stand-in) where a head does not look."""
         raise NotImplementedError
 
-    def block_builder(self) -> Optional[Tuple[Callable[..., Tensor], Tuple[Tensor, ...]]]:
-        """``(build, inputs)`` of a learned bias that the blocked kernel builds
-        block by block (:meth:`ModuleBias.block_builder`); None here."""
+    def training_blocks(self, q_len: int, k_len: int, block: int, device) -> Optional[List[Tensor]]:
+        """The bias of each query block of a training pass, for a learned bias
+        that the blocked kernel takes block by block
+        (:meth:`ModuleBias.training_blocks`); None here."""
         return None
 
     def value_span(self) -> float:
@@ -445,20 +446,27 @@ class ModuleBias(nn.Module, StackBias):
 
         return self.cached("per_distance", (k_len, str(device)), build)
 
-    def block_builder(self) -> Optional[Tuple[Callable[..., Tensor], Tuple[Tensor, ...]]]:
-        """For a bias that is not Toeplitz and builds a block of rows from a
-        few tensors (FIRE: ``Fire.block_inputs``), ``(build, inputs)``:
-        ``build(inputs, q_start, q_len, keys)`` the float32 ``[H, q_len,
-        keys]`` bias of queries ``q_start ..`` over keys ``0 .. keys - 1``,
-        last query first, masked; the blocked kernel trains from it block by
-        block.  None for every other bias."""
-        inputs = getattr(self.method, "block_inputs", None)
-        if self._toeplitz or inputs is None:
+    def training_blocks(self, q_len: int, k_len: int, block: int, device) -> Optional[List[Tensor]]:
+        """For a learned bias that is not Toeplitz and builds blocks of rows
+        (FIRE past its threshold: ``Fire.reversed_block``): the float32 bias
+        ``[H, rows, visible]`` of each block of ``block`` queries (the last
+        ``q_len`` of ``k_len`` keys) over the keys it sees, last query first,
+        with gradients.  Built once per pass and shared by the layers: each
+        layer's blocked kernel returns its ``dS`` per block as these tensors'
+        gradient, autograd sums them over the layers and takes the sum back
+        through the build once, so nothing ``[H, T, S]`` is formed and the
+        bias costs one build and one backward per pass, not per layer.  None
+        for every other bias."""
+        reversed_block = getattr(self.method, "reversed_block", None)
+        if self._toeplitz or reversed_block is None:
             return None
-        inputs = self.cached("block_inputs", None, inputs)  # once per pass, shared by the layers
-        device = inputs[0].device
-        return (lambda tensors, q_start, q_len, keys: self.method.reversed_block_of(tensors, q_start, q_len, keys,
-                                                                                    device)), inputs
+        offset = k_len - q_len
+
+        def build() -> List[Tensor]:
+            return [reversed_block(offset + start, min(block, q_len - start), offset + min(start + block, q_len),
+                                   device) for start in range(0, q_len, block)]
+
+        return self.cached("training_blocks", (q_len, k_len, block, str(device)), build)
 
     def value_span(self) -> float:
         span = getattr(self.method, "value_span", None)

@@ -124,7 +124,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
     gradient along anti-diagonals (:func:`_antidiagonal_sums`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, dropout_p, block, cumulative, steep, per_distance, build, *inputs):
+    def forward(ctx, q, k, v, mask, dropout_p, block, cumulative, steep, per_distance, *blocks):
         bsz, heads, q_len, head_dim = q.shape
         k_len = k.size(2)
         offset = k_len - q_len  # queries are the last q_len positions
@@ -134,8 +134,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
         qs = (q * scale).contiguous()
         k = k.contiguous()
         vs = (v / keep if dropout_p > 0 else v).contiguous()
-        reverse = per_distance is not None or build is not None
-        built = None if build is None else (build, inputs)
+        reverse = per_distance is not None or bool(blocks)
         # padding: a [B, 1, 1, S] mask, or the bias merged with it ([B, H, T, S], B > 1)
         padded = mask is not None and (mask.size(-2) == 1 or mask.size(0) > 1)
         ramp = None if per_distance is None else distance_ramp(per_distance.flip(-1).to(q.dtype), block)
@@ -145,6 +144,7 @@ class _BlockedCausalAttention(torch.autograd.Function):
             visible = offset + stop
             queries = qs[:, :, start:stop].flip(2) if reverse else qs[:, :, start:stop]
             scores = torch.matmul(queries, k[:, :, :visible].transpose(-1, -2))
+            built = blocks[start // block] if blocks else None
             scores.add_(_block_bias(mask, cumulative, ramp, start, stop, offset, visible, q.dtype, k_len, built))
             p = _softmax_above_floor(scores, gap) if steep else torch.softmax(scores, dim=-1)
             if padded:  # a padded query with every key masked (a window past a short row's end): weights 0, not NaN
@@ -157,20 +157,20 @@ class _BlockedCausalAttention(torch.autograd.Function):
             kept_probs.append(kept)
         # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
         out = torch.cat([o.permute(2, 0, 1, 3) for o in outputs]).permute(1, 2, 0, 3)
-        ctx.save_for_backward(qs, k, vs, out, *inputs)
-        ctx.build = build
+        ctx.save_for_backward(qs, k, vs, out)
         ctx.probs, ctx.kept = probs, kept_probs
         ctx.block, ctx.scale, ctx.keep, ctx.dropout_p = block, scale, keep, dropout_p
         ctx.mask_shape = mask.shape if ctx.needs_input_grad[3] else None
         ctx.cumulative_shape = cumulative.shape if ctx.needs_input_grad[6] else None
         ctx.reverse = reverse
         ctx.distances = per_distance.shape if ctx.needs_input_grad[8] else None
+        ctx.blocks_wanted = [ctx.needs_input_grad[9 + i] for i in range(len(blocks))]
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        qs, k, vs, out, *inputs = ctx.saved_tensors
+        qs, k, vs, out = ctx.saved_tensors
         probs, kept_probs = ctx.probs, ctx.kept
         ctx.probs = ctx.kept = None
         q_len, k_len = qs.size(2), k.size(2)
@@ -187,9 +187,8 @@ class _BlockedCausalAttention(torch.autograd.Function):
         # a Toeplitz bias: the gradient of its ramp (bias.distance_ramp), one value per entry
         dramp = None if ctx.distances is None else qs.new_zeros(
             (ctx.distances[0], ctx.distances[1] + ctx.block), dtype=torch.float32)
-        # a bias built block by block from a few tensors (FIRE past its threshold): their gradients
-        wanted = [i for i, t in enumerate(inputs) if ctx.needs_input_grad[10 + i]]
-        dinputs = [None] * len(inputs)
+        # a bias given block by block (FIRE past its threshold): each block's dS, summed over the batch
+        dblocks = [None] * len(ctx.blocks_wanted)
         dqs = []
         for i, start in enumerate(range(0, q_len, ctx.block)):
             stop = min(start + ctx.block, q_len)
@@ -220,21 +219,14 @@ class _BlockedCausalAttention(torch.autograd.Function):
                 first = k_len - offset - stop  # the ramp entry of the block's first row (its last query), key 0
                 dramp[:, first: first + stop - start + visible - 1] += _antidiagonal_sums(
                     ds.sum(0, dtype=torch.float32))
-            if wanted:  # the block's bias built again, with gradients, and dS taken back through it
-                with torch.enable_grad():
-                    leaves = [t.detach().requires_grad_(i in wanted) for i, t in enumerate(inputs)]
-                    bias = ctx.build(leaves, offset + start, stop - start, visible)
-                    grads = torch.autograd.grad(bias, [leaves[i] for i in wanted], ds.sum(0, dtype=torch.float32),
-                                                allow_unused=True)
-                for i, g in zip(wanted, grads):
-                    if g is not None:
-                        dinputs[i] = g if dinputs[i] is None else dinputs[i] + g
+            if dblocks and ctx.blocks_wanted[i]:
+                dblocks[i] = ds.sum(0, dtype=torch.float32)
         dq = torch.cat(dqs, dim=2)
         dq.mul_(ctx.scale)
         if ctx.dropout_p > 0:
             dv.div_(ctx.keep)
         dd = None if dramp is None else dramp[:, :k_len].flip(-1)
-        return (dq, dk, dv, dmask, None, None, dc, None, dd, None, *dinputs)
+        return (dq, dk, dv, dmask, None, None, dc, None, dd, *dblocks)
 
 
 class _FarAndBand(torch.autograd.Function):
@@ -392,19 +384,18 @@ def _antidiagonal_sums(m: Tensor) -> Tensor:
 
 
 def _block_bias(mask: Optional[Tensor], cumulative: Optional[Tensor], ramp: Optional[Tensor], start: int,
-                stop: int, offset: int, visible: int, dtype, k_len: int, built=None) -> Tensor:
+                stop: int, offset: int, visible: int, dtype, k_len: int, built: Optional[Tensor] = None) -> Tensor:
     """The additive bias of queries ``start .. stop - 1`` (the last of the
     ``k_len`` keys, ``offset`` before the first query) over keys ``0 .. visible - 1``: the slice of the dense
     ``mask`` ``[B or 1, H, T, S]``; FoX's ``c_i - c_j`` of ``cumulative``
     (``-inf`` right of each query); a Toeplitz ``ramp``'s view
-    (``bias.reversed_rows``: rows in reverse order); a ``built`` block
-    (``(build, inputs)``, rows in reverse order: FIRE past its threshold); the last three plus
+    (``bias.reversed_rows``: rows in reverse order); a ``built`` block (its
+    rows in reverse order: FIRE past its threshold); the last three plus
     ``mask`` where there is one, then only the ``[B, 1, 1, S]`` padding mask."""
     if cumulative is not None:
         bias = gate_bias(cumulative, offset + start, stop - start, visible).to(dtype)
     elif built is not None:
-        build, inputs = built
-        bias = build(inputs, offset + start, stop - start, visible).to(dtype)
+        bias = built.to(dtype)
     elif ramp is not None:
         bias = reversed_rows(ramp, offset + start, stop - start, visible, k_len)
     else:
@@ -424,7 +415,7 @@ def blocked_causal_attention(
     floor: Optional[Callable[[int, int], Tensor]] = None,
     steep: bool = True,
     per_distance: Optional[Tensor] = None,
-    built: Optional[Tuple[Callable[..., Tensor], Tuple[Tensor, ...]]] = None,
+    blocks: Optional[List[Tensor]] = None,
 ) -> Tensor:
     """Causal attention, queries the last ``q_len`` of ``k_len`` keys, in query
     blocks that only read the keys they can see.  q ``[B, H, T, D]``, k/v
@@ -451,23 +442,21 @@ def blocked_causal_attention(
     its values at distances ``0 .. S - 1``, instead of a dense bias, ``mask``
     then padding or None; it takes the explicit path and gets a gradient per
     distance, never a ``[H, T, S]`` bias or gradient.  A learned bias that is
-    neither (FIRE past its threshold): ``built`` ``(build, inputs)``,
-    ``build(inputs, q_start, q_len, keys)`` its float32 ``[H, q_len, keys]``
-    block (rows last first) from the tensors ``inputs``; it takes the explicit
-    path, each block built in the forward and again in the backward, where
-    the block's ``dS`` (summed over the batch) goes back through it into
-    ``inputs``: nothing ``[H, T, S]`` either.  Returns ``[B, H, T, D]``
+    neither (FIRE past its threshold): ``blocks``, the float32 ``[H, rows,
+    visible]`` bias of each block of ``block`` queries over the keys it sees,
+    rows last first (``ModuleBias.training_blocks``); it takes the explicit
+    path and returns each block's ``dS``, summed over the batch, as that
+    block's gradient.  Returns ``[B, H, T, D]``
     (stored as ``[T, B, H, D]``)."""
     mask = None if mask is None else mask.to(q.dtype)
     if cumulative is not None and dropout_p == 0 and q.device.type == "cpu":
         calls = _block_calls(q.size(2), k.size(2), block or block_size(q.size(2)), q.size(1), windows,
                              per_head=q.size(0) > 1)
         return _FlashGates.apply(q, k, v, cumulative, mask, calls, floor)
-    if (cumulative is not None or per_distance is not None or built is not None or dropout_p > 0
+    if (cumulative is not None or per_distance is not None or blocks or dropout_p > 0
             or (mask.requires_grad and torch.is_grad_enabled())):
-        build, inputs = built or (None, ())
         return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK, cumulative, steep,
-                                             per_distance, build, *inputs)
+                                             per_distance, *(blocks or ()))
     return _flash_blocks(q, k, v, mask, block or block_size(q.size(2)), windows)
 
 

@@ -88,8 +88,9 @@ class Fire(nn.Module):
         distance ``d``, bit for bit.  The threshold is learned: once it is
         below ``L - 1`` (a few dozen updates at a learning rate of 1e-4 in
         ``benchmarks/train_throughput.py``'s setting), a training pass
-        takes the dense bias, which ``ModuleBias.block`` builds with
-        :meth:`reversed_block`."""
+        builds its bias with :meth:`reversed_block` instead: block by block
+        for the blocked kernel (``ModuleBias.training_blocks``), whole for
+        the others (``ModuleBias.block``)."""
         return float(self.threshold.detach()) >= k_len - 1
 
     def mlp_input(self, query: Tensor, key: Tensor) -> Tensor:
@@ -173,25 +174,9 @@ class Fire(nn.Module):
         knot, at most about ``g`` of them; none below the threshold, where
         ``n`` is one value) are written pair by pair, up to ``g x g`` pairs per
         knot: hence groups of :data:`ROW_GROUP` rows, not the caller's block."""
-        return self.reversed_block_of(self.block_inputs(), q_start, q_len, keys, device)
-
-    def block_inputs(self) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """What every block of the bias is a function of, with the parameters'
-        gradients: ``(knots, slopes, intercepts)`` (:meth:`pieces`; the
-        knots are detached: a pair's piece is a comparison), ``c`` and the
-        threshold.  The blocked kernel builds each training block from them
-        (:meth:`reversed_block_of`) and backpropagates the block's score
-        gradient into them, block by block: no ``[H, T, S]`` bias or
-        gradient."""
-        return (*self.pieces(), self.c, self.threshold)
-
-    def reversed_block_of(self, inputs: Tuple[Tensor, ...], q_start: int, q_len: int, keys: int,
-                          device) -> Tensor:
-        """:meth:`reversed_block` of the :meth:`block_inputs` ``inputs``."""
-        knots, slopes, intercepts, c, threshold = inputs
-        groups = self._row_groups(q_start, q_len, device, c)
-        return torch.cat([self._group_bias(self._group_inputs(span, keys, psi, knots, c, threshold), slopes,
-                                           intercepts)
+        knots, slopes, intercepts = self.pieces()
+        groups = self._row_groups(q_start, q_len, device)
+        return torch.cat([self._group_bias(self._group_inputs(span, keys, psi, knots), slopes, intercepts)
                           for span, psi in groups], dim=1)
 
     def reversed_head_blocks(self, q_start: int, q_len: int, keys: int, device,
@@ -210,11 +195,9 @@ class Fire(nn.Module):
         planes = storage[q_len * keys: (1 + group) * q_len * keys].view(group, q_len, keys)
         knots, slopes, intercepts = self.pieces()
         groups = []
-        c, threshold = self.c, self.threshold
-        for (first, rows), psi in self._row_groups(q_start, q_len, device, c):
+        for (first, rows), psi in self._row_groups(q_start, q_len, device):
             row = q_start + q_len - first - rows  # the group's first row in the block (last query first)
-            groups.append((row, self._group_inputs((first, rows), keys, psi, knots, c, threshold,
-                                                   x_rows[None, row: row + rows])))
+            groups.append((row, self._group_inputs((first, rows), keys, psi, knots, x_rows[None, row: row + rows])))
         for head in range(0, self.num_heads, group):
             heads = slice(head, min(head + group, self.num_heads))
             n = heads.stop - heads.start
@@ -222,16 +205,14 @@ class Fire(nn.Module):
                 self._group_bias(g, slopes[:, heads], intercepts[:, heads], planes[:n, row: row + g.rows])
             yield heads, planes[:n]
 
-    @staticmethod
-    def _row_groups(q_start: int, q_len: int, device, c: Tensor) -> List[Tuple[Tuple[int, int], Tensor]]:
+    def _row_groups(self, q_start: int, q_len: int, device) -> List[Tuple[Tuple[int, int], Tensor]]:
         """The block's groups of at most :data:`ROW_GROUP` rows, last queries
         first: ``((first query, rows), psi at the group's distances far .. 0)``."""
-        psi = torch.log1p(c * torch.arange(q_start + q_len - 1, -1, -1, device=device, dtype=torch.float32))
+        psi = torch.log1p(self.c * torch.arange(q_start + q_len - 1, -1, -1, device=device, dtype=torch.float32))
         starts = [(max(q_start, stop - ROW_GROUP), stop) for stop in range(q_start + q_len, q_start, -ROW_GROUP)]
         return [((a, b - a), psi[-b:]) for a, b in starts]
 
-    @staticmethod
-    def _group_inputs(span: Tuple[int, int], keys: int, psi: Tensor, knots: Tensor, c: Tensor, threshold: Tensor,
+    def _group_inputs(self, span: Tuple[int, int], keys: int, psi: Tensor, knots: Tensor,
                       x_out: Optional[Tensor] = None) -> "_Group":
         """What every head reads of the group of rows ``span`` (first query,
         rows): ``x [1, rows, keys]`` (into ``x_out`` where given), each
@@ -241,7 +222,7 @@ class Fire(nn.Module):
         far = q_start + q_len - 1  # the group's largest distance
         extra = q_len + max(0, keys - far - 1)  # entries right of every query's own key
         query = torch.arange(far, q_start - 1, -1, device=psi.device, dtype=torch.float32)  # the rows, last first
-        normalizer = torch.log1p(c * torch.maximum(query, threshold))
+        normalizer = torch.log1p(self.c * torch.maximum(query, self.threshold))
         # distances in one piece for every row: the last query has the largest normalizer (smallest x)
         low, high = (torch.bucketize((psi / n).detach(), knots) for n in (normalizer[:1], normalizer[-1:]))
         # Right of each query: x 0.  The view's rows step by one entry, as its columns do, and an operation whose

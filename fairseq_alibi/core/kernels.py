@@ -45,7 +45,7 @@ from .alibi import LOOK_LEFT, LOOK_RIGHT, reach, scaled_slopes
 from .bias import StackBias, distance_ramp, padding_mask, reversed_rows, two_sided_ramp
 from .errors import ConfigError
 from .fox import gate_bias
-from .causal_blocks import (SKIPPED_SHARE, blocked_causal_attention, far_and_band_attention,  # noqa: F401
+from .causal_blocks import (BLOCK, SKIPPED_SHARE, blocked_causal_attention, far_and_band_attention,  # noqa: F401
                             far_and_band_forward, head_groups, merged_parts, negligible_gap)
 from .flex import flex_available, flex_kernel
 from .logit_scale import scaled_queries
@@ -124,7 +124,8 @@ def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
         return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p,
                                         windows=gate_windows(bias, q, k, floor) if floor else None,
                                         cumulative=bias.cumulative, floor=floor), None
-    per_distance = bias.per_distance(k.size(2), q.device) if bias.learned and torch.is_grad_enabled() else None
+    grad = torch.is_grad_enabled()
+    per_distance = bias.per_distance(k.size(2), q.device) if bias.learned and grad else None
     if per_distance is not None:  # a learned Toeplitz bias: its values and gradient per distance, never [H, T, S]
         if (dropout_p == 0 and key_padding_mask is None and q.size(2) == k.size(2) and q.device.type == "cpu"
                 and q.size(-1) < BAND_HEAD_DIM):
@@ -135,10 +136,10 @@ def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
         return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p,
                                         per_distance=per_distance,
                                         steep=may_underflow(q, k, float(values.max() - values.min()))), None
-    built = bias.block_builder() if bias.learned and torch.is_grad_enabled() else None
-    if built is not None:  # FIRE past its threshold: each block built from a few tensors, its gradient into them
-        return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p, built=built,
-                                        steep=may_underflow(q, k, bias.value_span())), None
+    blocks = bias.training_blocks(q.size(2), k.size(2), BLOCK, q.device) if bias.learned and grad else None
+    if blocks is not None:  # FIRE past its threshold: each block's bias built once per pass, its dS returned per block
+        return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p, block=BLOCK,
+                                        blocks=blocks, steep=may_underflow(q, k, bias.value_span())), None
     mask = bias.merged_mask(_dense(q, k, bias), key_padding_mask)
     windows = key_windows(bias, q, k) if key_padding_mask is None and dropout_p == 0 else None
     windows = windows or sliding_windows(bias, q.size(1), k.size(2) - q.size(2))
