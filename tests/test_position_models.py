@@ -198,6 +198,33 @@ def test_fire_past_its_threshold_trains_through_blocked_as_through_the_reference
         assert float((got - want).norm()) <= 1e-4 * float(want.norm()) + 1e-7, name
 
 
+@pytest.mark.parametrize("name", ["t5bias", "kerple", "fire"])
+def test_learned_biases_train_under_activation_checkpointing(data_dir, name):
+    """``--checkpoint-activations`` reruns each layer's forward in its own
+    backward; a learned bias built once per pass and shared by the layers
+    would be backpropagated in the first rerun and found freed in the next
+    (it crashed: "Trying to backward through the graph a second time").
+    Each layer builds its own there: the same loss and gradients as without
+    checkpointing, FIRE past its threshold too."""
+    results = []
+    for flags in ([], ["--checkpoint-activations"]):
+        torch.manual_seed(0)  # the same weights
+        model = build(data_dir, name, "--attention-dropout", "0", "--dropout", "0", *flags).train()
+        if name == "fire":
+            with torch.no_grad():
+                model.decoder.positions.method.raw_threshold.fill_(math.log(math.expm1(0.4)))
+        assert model.decoder.positions.share_graphs == (not flags)
+        out, _ = model.decoder(tokens(2 * TRAIN + 5))
+        loss = out.float().logsumexp(-1).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (ck_loss, ck_grads) = results
+    torch.testing.assert_close(ck_loss, loss)
+    assert ck_grads.keys() == grads.keys() and any(n.startswith("decoder.positions.") for n in grads)
+    for n, want in grads.items():
+        torch.testing.assert_close(ck_grads[n], want, rtol=1e-4, atol=1e-6, msg=n)
+
+
 @pytest.mark.slow
 def test_fire_keeps_its_trained_threshold_under_another_training_length(data_dir):
     """The threshold's unit is saved with the weights: a FIRE model rebuilt with

@@ -128,6 +128,12 @@ class StackBias:
     #: The attribute under which a layer keeps its own object of
     #: :meth:`for_layer` as a submodule (its name in checkpoints).
     layer_attribute = "alibi"
+    #: Whether the layers of a pass share what it builds with gradients (a
+    #: learned bias's values, ``ModuleBias.cached``).  Not under activation
+    #: checkpointing, where each layer's forward runs again in its own
+    #: backward: a tensor built in one layer's rerun is backpropagated there,
+    #: and another layer's backward would find its graph freed.
+    share_graphs = True
 
     def __init__(self, num_heads: int):
         self.num_heads = num_heads
@@ -427,7 +433,10 @@ class ModuleBias(nn.Module, StackBias):
         self._pass += 1
 
     def cached(self, name: str, key: Hashable, build: Callable[[], Any]) -> Any:
-        """Cached within one forward pass, with the parameters as they are now."""
+        """Cached within one forward pass, with the parameters as they are now
+        (with gradients, only where the layers share graphs)."""
+        if torch.is_grad_enabled() and not self.share_graphs:
+            return build()
         versions = tuple(p._version for p in self.parameters())
         return StackBias.cached(self, name, (key, self._pass, versions, torch.is_grad_enabled()), build)
 

@@ -110,6 +110,8 @@ class PositionTransformerDecoder(TransformerDecoder):
         args.no_token_positional_embeddings = True
         positions = build_positions(args, position)
         positions.fit_depth(args.decoder_layers)
+        if getattr(args, "checkpoint_activations", False):  # each layer reruns its forward in its own backward
+            positions.share_graphs = False
         attach_shared(self, "positions", positions)  # before the layers are built (and Module.__init__)
         self.alibi_kernel = getattr(args, "alibi_attention", "auto")
         # the layers are built from a TransformerConfig, which drops the plugin's fields: read --ssmax here
