@@ -287,6 +287,26 @@ def test_learned_bias_is_built_once_per_pass(data_dir, monkeypatch):
     assert len(calls) == 2
 
 
+def test_fire_past_its_threshold_builds_its_training_blocks_once_per_pass(data_dir, monkeypatch):
+    """Training past FIRE's threshold, the blocks of its bias are built once
+    per pass for all layers (not per layer), and again in the next pass."""
+    from fairseq_alibi.core import causal_blocks
+
+    model = build(data_dir, "fire", "--attention-dropout", "0").train()
+    fire = model.decoder.positions.method
+    with torch.no_grad():
+        fire.raw_threshold.fill_(math.log(math.expm1(0.4)))
+    calls = []
+    reversed_block = type(fire).reversed_block
+    monkeypatch.setattr(type(fire), "reversed_block", lambda self, *a: calls.append(a) or reversed_block(self, *a))
+    ids = tokens(300)  # 3 blocks of causal_blocks.BLOCK queries
+    assert -(-300 // causal_blocks.BLOCK) == 3
+    for _ in range(2):
+        out, _ = model.decoder(ids)
+        out.float().sum().backward()
+    assert len(calls) == 2 * 3
+
+
 @pytest.mark.parametrize("name,spelling", [("rotary", "linear:4"), ("rotary", "ntk:4"), ("rotary", "yarn:4"),
                                            ("rotary", "ntk"), ("alibi", "ntk:4"), ("alibi", "cap")])
 def test_extension_methods_that_apply(data_dir, name, spelling):
