@@ -57,7 +57,7 @@ class Case:
         method = "t5bias" if generic else "fire" if threshold is not None else method
         entry = P.position(method)
         params = {p.name: p.default for p in entry.params}
-        if threshold is not None:  # past it (below length - 1), a training pass runs FIRE's dense bias
+        if threshold is not None:  # below length - 1, a training pass builds FIRE's bias block by block
             params["fire_threshold"] = threshold
         self.stack = P.build(method, heads, head_dim, params, Scaling("none", train_length=length))
         depth = getattr(self.stack, "nope_every", 1)  # one group of a hybrid's layers, else one layer
@@ -119,8 +119,8 @@ def main(argv=None) -> int:
                         "path: which of the two is faster depends on the CPU")
     p.add_argument("--fire-threshold", type=float, nargs="*", default=[], metavar="TOKENS",
                    help="also time FIRE with its threshold at each of these (fire-threshold-T; by default it is the "
-                        "length): below length - 1 a training pass runs FIRE's dense bias, as training does once "
-                        "the learned threshold has moved below it")
+                        "length): below length - 1 a training pass builds FIRE's bias block by block instead of "
+                        "from one value per distance, as training does once the learned threshold has moved below it")
     args = parse_kernel_args(p, argv)
     if any(not 0 < t < float("inf") for t in args.fire_threshold):
         p.error("--fire-threshold values must be positive numbers of tokens")

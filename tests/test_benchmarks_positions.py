@@ -462,7 +462,7 @@ def test_the_position_kernels_benchmark_times_t5s_two_training_paths(monkeypatch
 def test_the_position_kernels_benchmark_times_fire_past_its_threshold(monkeypatch, capsys):
     """``position_kernels.py --fire-threshold T``: a row for FIRE with its
     threshold at T beside FIRE's own (the length), whose training pass then
-    has no per-distance form (the dense bias); a threshold that is not a
+    has no per-distance form (its bias built block by block); a threshold that is not a
     positive number is a usage error."""
     import position_kernels
 
