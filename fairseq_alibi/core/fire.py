@@ -176,7 +176,7 @@ class Fire(nn.Module):
         knot: hence groups of :data:`ROW_GROUP` rows, not the caller's block."""
         knots, slopes, intercepts = self.pieces()
         groups = self._row_groups(q_start, q_len, device)
-        return torch.cat([self._group_bias(self._group_inputs(span, keys, psi, knots), slopes, intercepts)
+        return torch.cat([self._group_bias(self._group_inputs(span, keys, psi, knots, slopes, intercepts))
                           for span, psi in groups], dim=1)
 
     def reversed_head_blocks(self, q_start: int, q_len: int, keys: int, device,
@@ -197,12 +197,13 @@ class Fire(nn.Module):
         groups = []
         for (first, rows), psi in self._row_groups(q_start, q_len, device):
             row = q_start + q_len - first - rows  # the group's first row in the block (last query first)
-            groups.append((row, self._group_inputs((first, rows), keys, psi, knots, x_rows[None, row: row + rows])))
+            groups.append((row, self._group_inputs((first, rows), keys, psi, knots, slopes, intercepts,
+                                                   x_rows[None, row: row + rows])))
         for head in range(0, self.num_heads, group):
             heads = slice(head, min(head + group, self.num_heads))
             n = heads.stop - heads.start
             for row, g in groups:
-                self._group_bias(g, slopes[:, heads], intercepts[:, heads], planes[:n, row: row + g.rows])
+                self._group_bias(g, heads, planes[:n, row: row + g.rows])
             yield heads, planes[:n]
 
     def _row_groups(self, q_start: int, q_len: int, device) -> List[Tuple[Tuple[int, int], Tensor]]:
@@ -212,12 +213,13 @@ class Fire(nn.Module):
         starts = [(max(q_start, stop - ROW_GROUP), stop) for stop in range(q_start + q_len, q_start, -ROW_GROUP)]
         return [((a, b - a), psi[-b:]) for a, b in starts]
 
-    def _group_inputs(self, span: Tuple[int, int], keys: int, psi: Tensor, knots: Tensor,
-                      x_out: Optional[Tensor] = None) -> "_Group":
-        """What every head reads of the group of rows ``span`` (first query,
-        rows): ``x [1, rows, keys]`` (into ``x_out`` where given), each
-        distance's piece where the whole group shares it, and the pairs that
-        straddle a knot with their own ``x`` and piece."""
+    def _group_inputs(self, span: Tuple[int, int], keys: int, psi: Tensor, knots: Tensor, slopes: Tensor,
+                      intercepts: Tensor, x_out: Optional[Tensor] = None) -> "_Group":
+        """What the heads of the group of rows ``span`` (first query, rows)
+        read: ``x [1, rows, keys]`` (into ``x_out`` where given, shared by
+        the heads), each head's coefficients per distance where the whole
+        group shares a piece (as ramps: one gather for all heads, not one per
+        head), and the pairs that straddle a knot with every head's value."""
         q_start, q_len = span
         far = q_start + q_len - 1  # the group's largest distance
         extra = q_len + max(0, keys - far - 1)  # entries right of every query's own key
@@ -225,11 +227,14 @@ class Fire(nn.Module):
         normalizer = torch.log1p(self.c * torch.maximum(query, self.threshold))
         # distances in one piece for every row: the last query has the largest normalizer (smallest x)
         low, high = (torch.bucketize((psi / n).detach(), knots) for n in (normalizer[:1], normalizer[-1:]))
-        # Right of each query: x 0.  The view's rows step by one entry, as its columns do, and an operation whose
-        # first operand is such a view lays its output out column by column (strided writes): x is made
-        # row-major first.
-        ramp = reversed_rows(distance_ramp(psi[None], extra, 0.0), q_start, q_len, keys, far + 1).contiguous()
-        x = torch.div(ramp, normalizer[:, None], **({} if x_out is None else {"out": x_out}))
+        # Right of each query: x 0.  The ramp's view steps by one entry along rows and columns alike, and an
+        # operation whose first operand is such a view lays a fresh output out column by column (strided writes):
+        # into the caller's row-major x_out (no gradients) it is divided as it is, else made row-major first.
+        ramp = reversed_rows(distance_ramp(psi[None], extra, 0.0), q_start, q_len, keys, far + 1)
+        if x_out is None:
+            x = ramp.contiguous() / normalizer[:, None]
+        else:
+            x = torch.div(ramp, normalizer[:, None], out=x_out)
         pairs = None
         straddling = (low != high).nonzero()[:, 0]  # entries of psi (distance far - e)
         if straddling.numel():
@@ -240,25 +245,26 @@ class Fire(nn.Module):
             piece = torch.bucketize(x_pair.detach(), knots)
             # the pairs the per-distance tables got wrong: another piece than `low`, a key the row sees
             wrong = (piece != low[straddling][None, :]) & (key >= 0) & (key < keys)
-            pairs = (row[:, None].expand_as(key)[wrong], key[wrong], x_pair[wrong], piece[wrong])
-        return _Group(q_start, q_len, keys, far, extra, x, low, pairs)
+            piece = piece[wrong]
+            values = slopes.t()[:, piece] * x_pair[wrong] + intercepts.t()[:, piece]  # [H, pairs]
+            pairs = (row[:, None].expand_as(key)[wrong], key[wrong], values)
+        # Right of each query: intercept -inf, slope 0 (the causal mask, and no inf * 0)
+        return _Group(q_start, q_len, keys, far, x, distance_ramp(slopes[low].t(), extra, 0.0),
+                      distance_ramp(intercepts[low].t(), extra, float("-inf")), pairs)
 
     @staticmethod
-    def _group_bias(group: "_Group", slopes: Tensor, intercepts: Tensor, out: Optional[Tensor] = None) -> Tensor:
-        """The group's bias ``[h, rows, keys]`` for the heads of ``slopes``
-        and ``intercepts`` (``[n + 1, h]``), into ``out`` where given."""
+    def _group_bias(group: "_Group", heads: slice = slice(None), out: Optional[Tensor] = None) -> Tensor:
+        """The group's bias ``[h, rows, keys]`` for ``heads``, into ``out`` where given."""
 
-        def view(table: Tensor, right: float) -> Tensor:
-            """``[h, q, k]`` view of ``table [h, far + 1]`` (distances far .. 0), ``right`` right of each query."""
-            return reversed_rows(distance_ramp(table, group.extra, right), group.first, group.rows, group.keys,
-                                 group.far + 1)
+        def view(ramp: Tensor) -> Tensor:
+            """``[h, q, k]`` view of the heads' ramp (distances far .. 0, then right of each query)."""
+            return reversed_rows(ramp[heads], group.first, group.rows, group.keys, group.far + 1)
 
-        # Right of each query: intercept -inf, slope and x 0 (the causal mask, and no inf * 0); x comes first.
-        out = torch.mul(group.x, view(slopes[group.low].t(), 0.0), **({} if out is None else {"out": out}))
-        out += view(intercepts[group.low].t(), float("-inf"))  # not addcmul: its fused rounding is not values()'s
+        out = torch.mul(group.x, view(group.slopes), **({} if out is None else {"out": out}))
+        out += view(group.intercepts)  # not addcmul: its fused rounding is not values()'s
         if group.pairs is not None:
-            rows, cols, x, piece = group.pairs
-            _put_pairs(out, rows, cols, slopes.t()[:, piece] * x + intercepts.t()[:, piece])
+            rows, cols, values = group.pairs
+            _put_pairs(out, rows, cols, values[heads])
         return out
 
 
@@ -269,10 +275,10 @@ class _Group(NamedTuple):
     rows: int
     keys: int
     far: int  # its largest distance
-    extra: int  # ramp entries right of every query's own key
     x: Tensor  # [1, rows, keys]
-    low: Tensor  # each distance's piece (far .. 0), where the group's rows share it
-    pairs: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]]  # rows, keys, x and piece of the straddling pairs
+    slopes: Tensor  # [H, far + 1 + extra]: each head's slope per distance (far .. 0), then 0 right of each query
+    intercepts: Tensor  # the same for the intercepts, -inf right of each query
+    pairs: Optional[Tuple[Tensor, Tensor, Tensor]]  # rows, keys and every head's value [H, n] of the straddling pairs
 
 
 def _put_pairs(out: Tensor, rows: Tensor, cols: Tensor, values: Tensor) -> None:
