@@ -31,7 +31,11 @@ pre-norm, L=64, 2048 tokens per update, dropout 0.1), only the arch differing.
   sinusoidal model needs to read past L, as the sweep's backend overrides it),
   runs one forward of L tokens, one forward at the length (caches built, as
   when a corpus is evaluated in windows of one length), then times
-  ``--eval-calls`` more: time is the median of those calls.  Memory is a
+  ``--eval-calls`` more: time is the median of those calls.  One more
+  (untimed) forward counts the (query, key) pairs its attention scores, as a
+  share of the causal pairs ("keys read", :func:`keys_read`): below 1 where
+  key windows skip keys (ALiBi's in long evaluation), which no method that
+  weighs every key can match per pair.  Memory is a
   second subprocess of the same cell, run with a fixed glibc mmap threshold
   (``eval_memory.MEASURED_ALLOCATOR``: freed blocks leave the process, so
   resident memory follows the tensors held): after the forward of L tokens it
@@ -170,7 +174,40 @@ def run_cell(opts) -> dict:
         return memory_of(lambda: forward(x))
     first = forward(x)
     calls = [forward(x) for _ in range(opts.eval_calls)]
-    return {"seconds": median(calls), "calls": calls, "first_call": first}
+    return {"seconds": median(calls), "calls": calls, "first_call": first, "keys_read": keys_read(forward, x)}
+
+
+def keys_read(forward, x) -> float:
+    """The (query, key) pairs the attention of one more (untimed) ``forward``
+    of ``x`` scores, every layer together, as a share of the pairs causal
+    attention scores (each query with the keys up to its own): below 1 where
+    key windows skip keys (``kernels.keys_read`` of each ``chunked`` call,
+    with the layer's own queries and keys), 1 for a kernel that scores every
+    causal pair (SDPA, the explicit paths), a little above 1 for blocks that
+    score their diagonal squares whole.  The stock sinusoidal model calls
+    none of this project's kernels: its attention scores the full ``T x T``
+    square, ``2T / (T + 1)`` of the causal pairs."""
+    from fairseq_alibi.core import kernels
+
+    real, read, causal = dict(kernels.KERNELS), [0.0], [0]
+
+    def counting(name: str):
+        def kernel(q, k, v, bias, key_padding_mask, dropout_p, *args, **kwargs):
+            q_len, k_len = q.size(2), k.size(2)
+            pairs = q.size(0) * q.size(1) * (q_len * (k_len - q_len) + q_len * (q_len + 1) // 2)
+            share = kernels.keys_read(bias, q, k) if name == "chunked" and key_padding_mask is None else 1.0
+            read[0] += share * pairs
+            causal[0] += pairs
+            return real[name](q, k, v, bias, key_padding_mask, dropout_p, *args, **kwargs)
+        return kernel
+
+    kernels.KERNELS.update({name: counting(name) for name in real})
+    try:
+        forward(x)
+    finally:
+        kernels.KERNELS.update(real)
+    length = x.size(1)
+    return read[0] / causal[0] if causal[0] else 2 * length / (length + 1)
 
 
 def memory_of(long_forward) -> dict:
@@ -323,12 +360,23 @@ def train_table(opts, train: Dict[str, Dict[str, dict]]) -> List[str]:
 
 
 def eval_table(opts, length: int, by_key: Dict[str, Dict[str, dict]], why: Dict[str, str]) -> List[str]:
-    header = ["method"] + [c for name in ("seconds", "peak MiB", "own MiB") for c in [name] + ratio_columns(opts)]
+    header = ["method", "keys read"] + [c for name in ("seconds", "peak MiB", "own MiB")
+                                        for c in [name] + ratio_columns(opts)]
     rows = [[method, f"not run: {why[method]}"] + ["-"] * (len(header) - 2) if method in why else
-            [method] + [c for key in ("seconds", "peak_mib", "own_mib") for c in value_cells(opts, by_key[key][method])]
+            [method, value_text(by_key["keys_read"][method])]
+            + [c for key in ("seconds", "peak_mib", "own_mib") for c in value_cells(opts, by_key[key][method])]
             for method in opts.methods]
     return [f"### Evaluation: no-grad forward of the decoder stack, {length} tokens "
-            f"({length // opts.length}x L), batch 1, initial weights (seed 0)", ""] + table_lines(header, rows)
+            f"({length // opts.length}x L), batch 1, initial weights (seed 0)", ""] + table_lines(header, rows) + (
+        [] if opts.memory_only else ["", KEYS_READ_NOTE])
+
+
+#: Under every timed evaluation table: what its "keys read" column counts (a memory-only run has none).
+KEYS_READ_NOTE = ("Keys read: the (query, key) pairs the attention scores, every layer together, as a share of the "
+                  "causal pairs (each query with the keys up to its own), from one more forward of the timed cell. "
+                  "Below 1 where key windows skip the keys a head cannot weigh (ALiBi's steep heads, FoX's closed "
+                  "gates, a sliding window): a method that reads every key cannot be that much faster per pair. "
+                  "The stock sinusoidal model scores the full T x T square (2T / (T + 1)).")
 
 
 #: What a report says under a table whose memory could not be read from a reset high-water mark.
@@ -378,11 +426,11 @@ def measure_evaluation(opts, dict_dir: str, start: float):
                 cell = measure_cell(opts, method, length, dict_dir)
                 cells[method].append(cell)
                 state = cell.get("skipped") or cell.get("failed") or \
-                    (f"{cell['seconds']:.3f} s, " if "seconds" in cell else "") + \
+                    (f"{cell['seconds']:.3f} s (keys read {cell['keys_read']:.3f}), " if "seconds" in cell else "") + \
                     f"peak {cell['peak_mib']:.0f} MiB (own {cell['own_mib']:.0f})"
                 progress(start, f"eval repeat {r + 1}/{opts.repeats}, {length} tokens, {method}: {state}")
         by_key = {key: compared({method: [c.get(key) for c in runs] for method, runs in cells.items()})
-                  for key in ("seconds", "peak_mib", "own_mib")}
+                  for key in ("seconds", "keys_read", "peak_mib", "own_mib")}
         why = {method: next(c.get("skipped") or c.get("failed") for c in runs)
                for method, runs in cells.items() if not any("own_mib" in c for c in runs)}
         bases = sorted({c["memory_basis"] for runs in cells.values() for c in runs if "memory_basis" in c})

@@ -89,8 +89,8 @@ def check_report(markdown: str, methods, dropouts, multiples, repeats: int) -> i
                                                + ratio_columns(methods)]
     for title, multiple in zip(evals, multiples):
         assert f"{multiple * LENGTH} tokens ({multiple}x L)" in title
-        assert found[title][0] == ["method"] + [c for name in ("seconds", "peak MiB", "own MiB")
-                                                for c in [name] + ratio_columns(methods)]
+        assert found[title][0] == ["method", "keys read"] + [c for name in ("seconds", "peak MiB", "own MiB")
+                                                             for c in [name] + ratio_columns(methods)]
     checked = 0
     for title in train + evals:
         header, rows = found[title][0], found[title][1:]
@@ -124,6 +124,7 @@ def test_tiny_run_report(tiny_run):
     host = next(line for line in stdout.splitlines() if line.startswith("Host: "))
     assert f"torch {torch.__version__}" in host and "1 thread(s) per run" in host and "load average" in host
     assert check_report(stdout, ["sinusoidal", "t5bias", "alibi+ssmax"], ["0.1"], [4], repeats=1) >= 6
+    assert positions_cost.KEYS_READ_NOTE in stdout
     assert data["threads"] == 1 and data["torch"] == torch.__version__ and set(data["train"]) == {"0.1"}
 
 
@@ -142,6 +143,9 @@ def test_json_holds_what_the_report_prints(tiny_run):
             assert cell["seconds"] == statistics.median(cell["calls"]) > 0
             assert cell["own_mib"] == cell["peak_mib"] - cell["ready_mib"] >= 0
             assert result["compared"]["peak_mib"][method]["median"] == cell["peak_mib"]
+            # 64 tokens: SDPA's one call scores every causal pair, stock attention the whole square
+            assert cell["keys_read"] == (2 * 64 / 65 if method == "sinusoidal" else 1.0)
+            assert f"| {method} | {positions_cost.significant(cell['keys_read'])} |" in stdout
 
 
 def made_up_measurements(methods, dropouts, multiples, repeats, rng):
@@ -151,8 +155,9 @@ def made_up_measurements(methods, dropouts, multiples, repeats, rng):
         return positions_cost.compared({m: [rng.uniform(0.5, 2) * scale for _ in range(repeats)] for m in methods})
 
     train = {str(float(d)): compare(5000) for d in dropouts}
-    evaluation = {str(m * LENGTH): {"compared": {k: compare(s) for k, s in (("seconds", 0.3), ("peak_mib", 400),
-                                                                           ("own_mib", 50))}, "not_run": {}}
+    evaluation = {str(m * LENGTH): {"compared": {k: compare(s) for k, s in (("seconds", 0.3), ("keys_read", 1.0),
+                                                                           ("peak_mib", 400), ("own_mib", 50))},
+                                    "not_run": {}}
                   for m in multiples}
     evaluation[str(multiples[-1] * LENGTH)]["not_run"] = {methods[-1]: "exit 1: out of memory"}
     return train, evaluation
@@ -168,6 +173,48 @@ def test_report_of_several_columns_and_tables(repeats):
     n = len(opts.methods)  # every registered method and the sinusoidal baseline, each with / sinusoidal and / ALiBi
     assert checked == 2 * (n * 2 + n * 3 + (n - 1) * 3)  # training, the first length, the second less a failed row
     assert f"| {opts.methods[-1]} | not run: exit 1: out of memory |" in markdown
+
+
+def test_keys_read_counts_the_pairs_each_kernel_scores():
+    """The evaluation cells' "keys read": over the attention calls of one
+    forward, ``kernels.keys_read`` of each chunked call (ALiBi's windows, with
+    the call's own queries and keys) weighted by its causal pairs, 1 for
+    SDPA's calls; a forward that calls none of the kernels (the stock
+    sinusoidal model) the full square's ``2T / (T + 1)``; the kernels restored."""
+    import position_kernels
+    from fairseq_alibi.core import kernels
+
+    gen = torch.Generator().manual_seed(0)
+    calls = {}
+    for method, length in (("alibi", 2048), ("nope", 2048), ("alibi", 300)):
+        case = position_kernels.Case(method, 4, 8, 64)
+        q, k, v = (torch.randn(1, 4, length, 8, generator=gen) for _ in range(3))
+        bias, _ = case.layers[0].bind(torch.zeros(length, 1, 32), None, None)
+        calls[method, length] = (bias, q, k, v)
+
+    def forward(*which):
+        def run(x):
+            with torch.no_grad():
+                for key in which:
+                    bias, q, k, v = calls[key]
+                    kernels.attend(q, k, v, bias, "auto")
+        return run
+
+    real = dict(kernels.KERNELS)
+    alibi, q, k, _ = calls["alibi", 2048]
+    expected = kernels.keys_read(alibi, q, k)
+    assert expected < 0.9  # the steep heads' windows skip keys at 2,048 tokens (32x L)
+    x = torch.zeros(1, 2048)
+    assert positions_cost.keys_read(forward(("alibi", 2048)), x) == pytest.approx(expected, rel=1e-12)
+    assert positions_cost.keys_read(forward(("nope", 2048)), x) == 1.0
+    pairs = {n: 4 * n * (n + 1) // 2 for n in (2048, 300)}
+    with torch.no_grad():
+        assert kernels.choose_kernel("auto", calls["alibi", 300][0], False, 300, 300) == "sdpa"
+    short = 1.0  # a short call: SDPA with the dense bias scores every causal pair
+    both = positions_cost.keys_read(forward(("alibi", 2048), ("alibi", 300)), x)
+    assert both == pytest.approx((expected * pairs[2048] + short * pairs[300]) / sum(pairs.values()), rel=1e-12)
+    assert positions_cost.keys_read(forward(), x) == 2 * 2048 / 2049
+    assert kernels.KERNELS == real
 
 
 def naive_compared(per_repeat, reference="sinusoidal"):
@@ -301,13 +348,14 @@ def test_memory_only_cells_report_memory_and_no_time(monkeypatch):
     evaluation = positions_cost.measure_evaluation(opts, "unused", time.time())
     markdown = positions_cost.render(opts, "cmd", [1.0, 1.0], {}, evaluation)
     (row,) = [cells for title, cells in tables(markdown).items()]
-    assert row[0] == ["method", "seconds", "/ sinusoidal", "/ ALiBi", "peak MiB", "/ sinusoidal", "/ ALiBi",
-                      "own MiB", "/ sinusoidal", "/ ALiBi"]
-    fire = row[3]
-    assert fire[:4] == ["fire", "-", "-", "-"]  # no time, no time ratio
+    assert row[0] == ["method", "keys read", "seconds", "/ sinusoidal", "/ ALiBi", "peak MiB", "/ sinusoidal",
+                      "/ ALiBi", "own MiB", "/ sinusoidal", "/ ALiBi"]
+    fire = row[3][1:]  # after the keys read
+    assert row[3][:5] == ["fire", "-", "-", "-", "-"]  # no keys read (counted by a timed forward), no time
     assert fire[4] == "340.0" and fire[7] == "40.00" and fire[8].startswith("8.000 [")  # own / the baseline's 5
     assert fire[9].startswith("2.000 [")  # own / ALiBi's 20
     assert evaluation[str(8 * LENGTH)]["not_run"] == {} and positions_cost.NO_RESET_NOTE not in markdown
+    assert positions_cost.KEYS_READ_NOTE not in markdown
     evaluation[str(8 * LENGTH)]["memory_basis"] = ["ru_maxrss"]  # a system without /proc/self/clear_refs
     assert positions_cost.NO_RESET_NOTE in positions_cost.render(opts, "cmd", [1.0, 1.0], {}, evaluation)
 
