@@ -387,7 +387,8 @@ NO_RESET_NOTE = ("Memory from `ru_maxrss` (this system cannot reset the high-wat
 
 def render(opts, command: str, loads: Sequence[float], train: Dict[str, Dict[str, dict]], evaluation) -> str:
     """The Markdown report: the header, the training table, one evaluation table per length."""
-    lines = header(opts, command, loads) + ([""] + train_table(opts, train) if train else [])
+    lines = header(opts, command, loads) + ([""] + train_table(opts, train) + threshold_lines(opts, train)
+                                            if train else [])
     for length, result in evaluation.items():
         lines += [""] + eval_table(opts, int(length), result["compared"], result["not_run"])
         if "ru_maxrss" in result.get("memory_basis", ()):
@@ -403,6 +404,7 @@ def progress(start: float, message: str) -> None:
 def measure_training(opts, data: str, workdir: str, start: float) -> Dict[str, Dict[str, dict]]:
     """Per attention dropout, ``compared`` words/s of every method."""
     wps = {str(d): {m: [] for m in opts.methods} for d in opts.attention_dropout}
+    thresholds = {str(d): {m: [] for m in opts.methods} for d in opts.attention_dropout}
     for r in range(opts.repeats):
         for drop in opts.attention_dropout:
             for method in rotated(opts.methods, r):
@@ -410,9 +412,50 @@ def measure_training(opts, data: str, workdir: str, start: float) -> Dict[str, D
                 run_all([(train_command(data, method, opts, drop), log)], parallel=False)
                 value = summarize(read_log(log), opts.skip)[0]
                 wps[str(drop)][method].append(value)
+                thresholds[str(drop)][method].append(logged_scalar(log, "fire_threshold")[opts.skip:] or None)
                 progress(start, f"train repeat {r + 1}/{opts.repeats}, attention dropout {drop}, "
                                 f"{method}: median wps {value:.0f}")
-    return {drop: compared(values) for drop, values in wps.items()}
+    train = {drop: compared(values) for drop, values in wps.items()}
+    for drop, methods in thresholds.items():
+        for method, runs in methods.items():
+            if any(runs):  # FIRE: the threshold at each counted update of each repeat
+                train[drop][method]["fire_threshold"] = runs
+    return train
+
+
+def logged_scalar(log: str, key: str) -> List[float]:
+    """``key``'s value in each ``train_inner`` line of a fairseq JSON log that has it."""
+    values = []
+    with open(log) as f:
+        for line in f:
+            if "| train_inner |" in line:
+                stats = json.loads(line.split("| train_inner |", 1)[1])
+                if key in stats:
+                    values.append(float(stats[key]))
+    return values
+
+
+def threshold_lines(opts, train: Dict[str, Dict[str, dict]]) -> List[str]:
+    """What the training table's FIRE rows measured: its learned threshold
+    over the counted updates (fairseq-train's log; the value each update
+    started from), and how many were past ``L - 1``, where a training pass
+    builds its bias block by block instead of from one value per distance."""
+    lines = []
+    for drop, methods in train.items():
+        for method, entry in methods.items():
+            runs = entry.get("fire_threshold")
+            if not runs:
+                continue
+            done = [run for run in runs if run]
+            past = sum(value < opts.length - 1 for run in done for value in run)
+            spans = ", ".join(f"{run[0]:.2f} -> {run[-1]:.2f}" for run in done)
+            lines.append(f"- {method}, attention dropout {drop}: {spans}; {past} of "
+                         f"{sum(len(run) for run in done)} counted updates below L - 1.")
+    if not lines:
+        return []
+    return ["", f"FIRE's learned threshold over the counted updates of each repeat (tokens, from the training log): "
+                f"its training builds the bias from one value per distance while the threshold is at least L - 1 = "
+                f"{opts.length - 1}, block by block (slower) past it."] + ["", *lines]
 
 
 def measure_evaluation(opts, dict_dir: str, start: float):

@@ -32,7 +32,7 @@ SCRIPT = REPO / "benchmarks" / "positions_cost.py"
 LENGTH = 16
 # One attention dropout and one length, the fewest runs (every run is a fresh process);
 # the report's several columns and tables are checked on measurements made up here.
-TINY = ["--methods", "t5bias", "alibi+ssmax", "--attention-dropout", "0.1", "--repeats", "1", "--updates", "3", "--skip", "1",
+TINY = ["--methods", "t5bias", "fire", "alibi+ssmax", "--attention-dropout", "0.1", "--repeats", "1", "--updates", "3", "--skip", "1",
         "--length", str(LENGTH), "--max-tokens", "64", "--layers", "1", "--embed-dim", "16", "--heads", "2",
         "--ffn", "32", "--eval-multiples", "4", "--eval-calls", "1"]
 RATIO = re.compile(r"^(\S+) \[(\S+), (\S+)\]$")
@@ -123,8 +123,15 @@ def test_tiny_run_report(tiny_run):
     assert data["code"] in stdout.splitlines()[2]
     host = next(line for line in stdout.splitlines() if line.startswith("Host: "))
     assert f"torch {torch.__version__}" in host and "1 thread(s) per run" in host and "load average" in host
-    assert check_report(stdout, ["sinusoidal", "t5bias", "alibi+ssmax"], ["0.1"], [4], repeats=1) >= 6
+    assert check_report(stdout, ["sinusoidal", "t5bias", "fire", "alibi+ssmax"], ["0.1"], [4], repeats=1) >= 6
     assert positions_cost.KEYS_READ_NOTE in stdout
+    # FIRE's threshold from its run's log, each counted update's (3 updates, 1 skipped: 2), and only FIRE's
+    ((first, last),) = re.findall(r"^- fire, attention dropout 0\.1: (\S+) -> (\S+); \d of 2 counted updates below",
+                                  stdout, re.M)
+    (run,) = data["train"]["0.1"]["fire"]["fire_threshold"]
+    assert len(run) == 2 and (first, last) == (f"{run[0]:.2f}", f"{run[-1]:.2f}")
+    assert abs(run[0] - LENGTH) < 0.5  # starts at the training length (a few warm-up steps of lr ~1e-5 move it)
+    assert all("fire_threshold" not in entry for m, entry in data["train"]["0.1"].items() if m != "fire")
     assert data["threads"] == 1 and data["torch"] == torch.__version__ and set(data["train"]) == {"0.1"}
 
 
@@ -143,8 +150,9 @@ def test_json_holds_what_the_report_prints(tiny_run):
             assert cell["seconds"] == statistics.median(cell["calls"]) > 0
             assert cell["own_mib"] == cell["peak_mib"] - cell["ready_mib"] >= 0
             assert result["compared"]["peak_mib"][method]["median"] == cell["peak_mib"]
-            # 64 tokens: SDPA's one call scores every causal pair, stock attention the whole square
-            assert cell["keys_read"] == (2 * 64 / 65 if method == "sinusoidal" else 1.0)
+            # 64 tokens: SDPA's one call scores every causal pair; stock attention the whole square, and so does
+            # FIRE's chunked kernel (its inference at any length), one block of 64 queries
+            assert cell["keys_read"] == (2 * 64 / 65 if method in ("sinusoidal", "fire") else 1.0)
             assert f"| {method} | {positions_cost.significant(cell['keys_read'])} |" in stdout
 
 
@@ -215,6 +223,24 @@ def test_keys_read_counts_the_pairs_each_kernel_scores():
     assert both == pytest.approx((expected * pairs[2048] + short * pairs[300]) / sum(pairs.values()), rel=1e-12)
     assert positions_cost.keys_read(forward(), x) == 2 * 2048 / 2049
     assert kernels.KERNELS == real
+
+
+def test_fire_threshold_lines_count_the_updates_below_l_minus_1(tmp_path):
+    """The training table's note on FIRE's threshold: each repeat's first and
+    last counted value from the JSON log (``logged_scalar``, lines without
+    the key skipped), and the counted updates whose value was below L - 1,
+    where FIRE's training takes its block-by-block path."""
+    log = tmp_path / "fire.log"
+    lines = [{"wps": "100"}] + [{"wps": "100", "fire_threshold": str(v)} for v in (16.0, 15.2, 14.99, 14.5)]
+    log.write_text("".join(f"2026-12-02 | INFO | train_inner | {json.dumps(stats)}\n" for stats in lines)
+                   + "2026-12-02 | INFO | train | {\"fire_threshold\": \"3.0\"}\n")  # the epoch's line: not an update
+    assert positions_cost.logged_scalar(str(log), "fire_threshold") == [16.0, 15.2, 14.99, 14.5]
+    opts = positions_cost.parse_args(["--length", "16"])
+    train = {"0.0": {"fire": {"fire_threshold": [[15.2, 14.99, 14.5], None]}, "alibi": {}}}
+    lines = positions_cost.threshold_lines(opts, train)
+    assert "L - 1 = 15" in lines[1]
+    assert lines[-1] == "- fire, attention dropout 0.0: 15.20 -> 14.50; 2 of 3 counted updates below L - 1."
+    assert positions_cost.threshold_lines(opts, {"0.0": {"alibi": {}}}) == []
 
 
 def naive_compared(per_repeat, reference="sinusoidal"):

@@ -225,6 +225,27 @@ def test_learned_biases_train_under_activation_checkpointing(data_dir, name):
         torch.testing.assert_close(ck_grads[n], want, rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_fire_logs_its_learned_threshold_in_training_only(data_dir):
+    """fairseq-train's log shows FIRE's threshold and ``c`` each update (the
+    threshold decides which path a training pass takes); a forward in
+    evaluation logs nothing, nor does a method without such scalars."""
+    from fairseq.logging import metrics
+
+    for name in ("fire", "t5bias", "alibi"):
+        model = build(data_dir, name)
+        with metrics.aggregate(new_root=True) as logged:
+            model.train().decoder(tokens(TRAIN))
+            model.eval().decoder(tokens(TRAIN))
+        values = logged.get_smoothed_values()
+        if name != "fire":
+            assert "fire_threshold" not in values and "fire_c" not in values
+            continue
+        fire = model.decoder.positions.method
+        assert values["fire_threshold"] == round(float(fire.threshold.detach()), 4)
+        assert values["fire_c"] == round(float(fire.c.detach()), 4)
+        assert logged["fire_threshold"].count == 1  # the training forward's only
+
+
 @pytest.mark.slow
 def test_fire_keeps_its_trained_threshold_under_another_training_length(data_dir):
     """The threshold's unit is saved with the weights: a FIRE model rebuilt with

@@ -181,6 +181,12 @@ class StackBias:
         (:meth:`ModuleBias.training_blocks`); None here."""
         return None
 
+    def logged_scalars(self) -> Dict[str, Tensor]:
+        """Learned scalars a training log shows each update (fairseq's
+        metrics, ``models.transformer_lm``): none here; FIRE's threshold,
+        which decides the path its training takes (``Fire.distance_only``)."""
+        return {}
+
     def value_span(self) -> float:
         """An upper bound of the largest minus the least finite value of the
         bias of any pass (``inf`` where none is known): the explicit path
@@ -476,6 +482,10 @@ class ModuleBias(nn.Module, StackBias):
                                    device) for start in range(0, q_len, block)]
 
         return self.cached("training_blocks", (q_len, k_len, block, str(device)), build)
+
+    def logged_scalars(self) -> Dict[str, Tensor]:
+        scalars = getattr(self.method, "logged_scalars", None)
+        return scalars() if scalars else {}
 
     def value_span(self) -> float:
         span = getattr(self.method, "value_span", None)

@@ -17,7 +17,7 @@ than ALiBi.
 
 from __future__ import annotations
 
-from typing import Iterator, List, NamedTuple, Optional, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -77,6 +77,13 @@ class Fire(nn.Module):
     def threshold(self) -> Tensor:
         """float32 scalar > 0: queries before it share the normalizer ``psi(threshold)``."""
         return self.threshold_unit * positive(self.raw_threshold)
+
+    def logged_scalars(self) -> Dict[str, Tensor]:
+        """The threshold (tokens) and psi's ``c``, for the training log: a
+        training run's words/s come from the per-distance path while the
+        threshold is at least ``L - 1`` (:meth:`distance_only`), and from the
+        blocks past it."""
+        return {"fire_threshold": self.threshold.detach(), "fire_c": self.c.detach()}
 
     def distance_only(self, k_len: int) -> bool:
         """Whether the bias of a pass over ``k_len`` keys is a function of the

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fairseq.distributed import fsdp_wrap
+from fairseq.logging import metrics
 from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_architecture
 from fairseq.models import transformer_lm as stock
 from fairseq.models.transformer import TransformerConfig, TransformerDecoder
@@ -131,6 +132,9 @@ class PositionTransformerDecoder(TransformerDecoder):
 
     def extract_features_scriptable(self, prev_output_tokens, *args, **kwargs):
         self.positions.start_pass()  # a learned bias is built once per pass, for every layer
+        if self.training:  # in fairseq-train's log of each update (FIRE's learned threshold: which path it trains)
+            for name, value in self.positions.logged_scalars().items():
+                metrics.log_scalar(name, value, round=4)
         return super().extract_features_scriptable(prev_output_tokens, *args, **kwargs)
 
     def max_positions(self):
