@@ -438,7 +438,7 @@ def logged_scalar(log: str, key: str) -> List[float]:
 def threshold_lines(opts, train: Dict[str, Dict[str, dict]]) -> List[str]:
     """What the training table's FIRE rows measured: its learned threshold
     over the counted updates (fairseq-train's log; the value each update
-    started from), and how many were past ``L - 1``, where a training pass
+    started from), and how many were below ``L - 1``, where a training pass
     builds its bias block by block instead of from one value per distance."""
     lines = []
     for drop, methods in train.items():
