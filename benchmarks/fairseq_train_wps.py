@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import device_name, machine_description, median  # noqa: E402
@@ -116,15 +117,15 @@ def run_all(jobs, parallel: bool):
             raise RunFailed(cmd, proc.returncode, log.name)
 
 
+def train_inner_stats(log_path: str) -> List[dict]:
+    """The stats of each ``train_inner`` line (one per logged update) of a fairseq JSON log."""
+    with open(log_path) as log:
+        return [json.loads(line.split("| train_inner |", 1)[1]) for line in log if "| train_inner |" in line]
+
+
 def read_log(log_path: str):
     """[(wps, wall seconds since start)] of the log's train_inner lines."""
-    rows = []
-    with open(log_path) as log:
-        for line in log:
-            if "| train_inner |" in line:
-                stats = json.loads(line.split("| train_inner |", 1)[1])
-                rows.append((float(stats["wps"]), float(stats["wall"])))
-    return rows
+    return [(float(stats["wps"]), float(stats["wall"])) for stats in train_inner_stats(log_path)]
 
 
 def summarize(rows, skip: int, until: float = float("inf")):

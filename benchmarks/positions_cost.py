@@ -77,7 +77,8 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]
 from common import heads_problem, machine_description, median, model_args, positive  # noqa: E402
 from eval_memory import MEASURED_ALLOCATOR, mem_available_gib, reset_peak, rss_mib, status_mib  # noqa: E402
-from fairseq_train_wps import BIN, RunFailed, make_corpus, read_log, run_all, summarize  # noqa: E402
+from fairseq_train_wps import (BIN, RunFailed, make_corpus, read_log, run_all, summarize,  # noqa: E402
+                              train_inner_stats)
 
 from fairseq_alibi.core.positions import POSITIONS  # noqa: E402
 
@@ -425,14 +426,7 @@ def measure_training(opts, data: str, workdir: str, start: float) -> Dict[str, D
 
 def logged_scalar(log: str, key: str) -> List[float]:
     """``key``'s value in each ``train_inner`` line of a fairseq JSON log that has it."""
-    values = []
-    with open(log) as f:
-        for line in f:
-            if "| train_inner |" in line:
-                stats = json.loads(line.split("| train_inner |", 1)[1])
-                if key in stats:
-                    values.append(float(stats[key]))
-    return values
+    return [float(stats[key]) for stats in train_inner_stats(log) if key in stats]
 
 
 def threshold_lines(opts, train: Dict[str, Dict[str, dict]]) -> List[str]:
