@@ -1382,3 +1382,83 @@ def test_stage_checks_record_and_report_the_updates_each_model_took(tmp_path):
                           (["report", str(tmp_path / "none"), "--until", "90"], "holds no staged training")):
         bad = run_cli([sys.executable, script, *args], expect_ok=False)
         assert bad.returncode == 1 and len(error_lines(bad)) == 1 and message in error_lines(bad)[0], bad.output
+
+
+# ------------------------------------------------------- subword tokenizers
+def byte_level_encoder():
+    """An HF encoder over a byte-level BPE trained here (the kind BLOOM, MPT and
+    Falcon use: a word's leading space is part of its token)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from fairseq_alibi.evaluation.hf_backend import HFEncoder
+
+    text = " ".join(P.Passkey.template.values()).replace("|", " ").replace("{number}", "1 2 3 4 5 6 7 8 9 0")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([text] * 20, vocab_size=300, min_frequency=1, show_progress=False)
+    return HFEncoder(PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer))
+
+
+def test_a_subword_answer_is_spelled_as_the_prompt_continues_into_it():
+    """Byte-level BPE spells '1' after 'is ' as 'Ġ1', alone as '1': the answer's
+    ids are those the whole text has after the prompt's, the first of them the
+    space-carrying one a model would write (scored against the bare '1', no
+    greedy answer could be right)."""
+    encoder = byte_level_encoder()
+    prompt, answer = "What is the pass key ? The pass key is", "4 2 7"
+    ids, answer_ids = retrieval.prompt_and_answer(encoder, prompt, answer)
+    tokens = encoder.tokenizer.convert_ids_to_tokens
+    assert ids + answer_ids == encoder.encode(f"{prompt} {answer}") and ids == encoder.encode(prompt)
+    assert tokens(answer_ids)[0] == "Ġ4" and tokens(encoder.encode(answer))[0] == "4"
+
+
+def test_built_in_prompts_fit_their_length_in_a_subword_tokenizer_s_tokens():
+    """A tokenizer that spells words in several tokens gets prompts of at most
+    the cell's length in its own tokens (built to that many words they ran far
+    past it), close to it, the answer the continuation's ids; a word-level
+    dictionary's prompts are the words themselves, as before."""
+    encoder = byte_level_encoder()
+    task = P.make_task("passkey", encoder.vocabulary())
+    built = retrieval.builtin_samples(task, encoder, [200, 500], depths=2, samples=3, seed=0)
+    for (length, _), samples in built.items():
+        for s in samples:
+            assert length - 40 <= s.length <= length, (length, s.length)
+            assert encoder.tokenizer.convert_ids_to_tokens(s.answer)[0].startswith("Ġ")
+    unfitted = task.build(500, 0, 2, random.Random("0:passkey:500:0/2:0"))
+    assert len(encoder.encode(" ".join(unfitted.prompt))) > 500  # what a word budget alone gave
+    spelled = {w for ws in task.words.values() for w in ws} | {w for s in task.filler for w in s} | set(P.DIGITS)
+    words = P.Vocabulary(sorted(spelled))
+    word_task = P.make_task("passkey", words)
+    fitted, ids, answer = retrieval.fitted_prompt(word_task, WordEncoder(words), 120, 0, 2, "k")
+    assert fitted == word_task.build(120, 0, 2, random.Random("k")) and len(ids) == len(fitted.prompt)
+
+
+class WordEncoder:
+    """One id per word of a closed vocabulary (a word-level dictionary)."""
+
+    subword = False
+
+    def __init__(self, vocab):
+        self.ids = {w: i for i, w in enumerate(vocab.ordered)}
+
+    def encode(self, text, where=""):
+        return [self.ids[w] for w in text.split()]
+
+
+def test_a_fairseq_checkpoint_s_bpe_spells_built_in_prompts():
+    """A checkpoint with a BPE reads a built-in task's words through it (they
+    were looked up in its dictionary of BPE ids as words: every one <unk>)."""
+    from fairseq.data import Dictionary
+
+    class IdsBPE:  # GPT-2's BPE writes ids as words
+        table = {"The": "464", "pass": "1208", "key": "1994", "is": "318", "4": "19", "2": "17"}
+
+        def encode(self, text):
+            return " ".join(self.table[w] for w in text.split())
+
+    dictionary = Dictionary()
+    for symbol in IdsBPE.table.values():
+        dictionary.add_symbol(symbol)
+    encoder = backends.Encoder(dictionary, bpe=IdsBPE())
+    ids = encoder.words("The pass key is 4 2".split())
+    assert dictionary.unk() not in ids and [dictionary[i] for i in ids] == "464 1208 1994 318 19 17".split()

@@ -28,7 +28,7 @@ from fairseq_alibi.errors import UserError
 from fairseq_alibi.models.config import check_override_keys
 from fairseq_alibi.models.transformer_lm import build_positions
 
-from conftest import error_lines, fairseq_config, run_cli, tool
+from conftest import error_lines, fairseq_config, run_cli, tool, train_args
 
 #: No extension, a known training length (rnope_window=0 means half of it, as every model has).
 TRAINED = Scaling("none", 1.0, 16)
@@ -373,3 +373,33 @@ def test_alibi_train_help_gives_each_option_s_range_and_default(method, lm_data_
     shown = " ".join(result.stdout.split())
     for param in P.position(method).params:
         assert f"{param.flag} {param.name.upper()} {param.help}" in shown.replace("%%", "%"), param.help
+
+
+@pytest.mark.fast_cases(1)
+@pytest.mark.parametrize("entry", ["alibi-eval-lm", "fairseq-eval-lm --user-dir"])
+def test_eval_lm_with_add_bos_token_scores_every_token_of_the_split(entry, lm_data_bin, alibi_user_dir, tmp_path):
+    """--add-bos-token: fairseq prepends <s> to each block and does not score it,
+    so the split's tokens are all scored, each once: the coverage check counts
+    them so (it refused every such run when it took one off per block)."""
+    save_dir = tmp_path / "bos"
+    run_cli([tool("alibi-train"), *train_args(lm_data_bin, save_dir, max_update=2), "--add-bos-token"])
+    command = [tool("alibi-eval-lm")] if entry == "alibi-eval-lm" else [tool("fairseq-eval-lm"), "--user-dir",
+                                                                          alibi_user_dir]
+    result = run_cli([*command, lm_data_bin, "--path", save_dir / "checkpoint_last.pt", "--add-bos-token",
+                      "--gen-subset", "valid", "--tokens-per-sample", "32", "--max-tokens", "4096", "--cpu"])
+    assert result.returncode == 0 and re.search(r"Perplexity: [\d.]+", result.output), result.output[-2000:]
+
+
+def test_the_split_s_count_is_its_tokens_with_or_without_add_bos_token(lm_data_bin):
+    """What fairseq's eval-lm scores of a split (each block's targets, less the
+    prepended <s> with --add-bos-token) is the count the coverage check expects."""
+    from fairseq_alibi.evaluation.coverage import split_tokens
+
+    for bos in ([], ["--add-bos-token"]):
+        cfg = fairseq_config([str(lm_data_bin), "--task", "language_modeling", "--tokens-per-sample", "32",
+                              "--arch", "transformer_lm", *bos])
+        task = tasks.setup_task(cfg.task)
+        task.load_dataset("valid")
+        dataset = task.dataset("valid")
+        scored = sum(len(dataset[i]["target"]) - len(bos) for i in range(len(dataset)))
+        assert split_tokens(dataset) == scored == split_tokens_by_hand(lm_data_bin)

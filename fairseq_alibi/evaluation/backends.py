@@ -31,6 +31,7 @@ from ..errors import EvaluationError
 from .data_dir import check_data
 from .prompts import Vocabulary
 from .axes import check_checkpoint_paths, parse_named
+from .coverage import split_tokens
 from .protocols import Described, ModelInfo, ScoredWindow, answer_result
 from .store import file_identity
 
@@ -100,7 +101,10 @@ class Encoder:
         return Vocabulary([d[i] for i in range(d.nspecial, len(d))])
 
     def words(self, words: Sequence[str]) -> List[int]:
-        """Ids of words already spelled in the dictionary (a built-in task's)."""
+        """Ids of words already spelled in the dictionary (a built-in task's),
+        through the BPE / tokenizer where the checkpoint has one."""
+        if self.subword:
+            return self.encode(" ".join(words))
         return [self.dictionary.index(w) for w in words]
 
     def encode(self, text: str, where: str = "") -> List[int]:
@@ -283,8 +287,8 @@ class FairseqModel:
         task.load_dataset(self.backend.subset)
         dataset = task.dataset(self.backend.subset)
         skip_bos = getattr(cfg.task, "add_bos_token", False)
-        expected = int(dataset.sizes.sum()) - (len(dataset) if skip_bos else 0)
-        return expected, scored_windows(self.model, self.use_cuda, cfg, task, dataset, length - stride, skip_bos)
+        windows = scored_windows(self.model, self.use_cuda, cfg, task, dataset, length - stride, skip_bos)
+        return split_tokens(dataset), windows
 
     def _eval_lm_args(self, length, stride, max_tokens, batch_size) -> tuple:
         overrides = self.method.config_values() if self.info.position else self.overrides

@@ -35,13 +35,13 @@ from typing import Any, List, Optional
 _LOADERS = threading.local()
 
 
-def split_tokens(dataset, skip_bos: bool = False) -> int:
+def split_tokens(dataset) -> int:
     """The tokens of an eval-lm split as fairseq's dataset holds them: the sum
-    of its blocks' sizes (each token is one target), less one per block when
-    ``skip_bos`` (``--add-bos-token``: the prepended ``bos`` is not scored)."""
+    of its blocks' sizes, each token one target.  ``--add-bos-token`` adds a
+    ``bos`` to each block outside its size, and fairseq's ``eval_lm`` leaves
+    that one unscored, so the count is the same with it."""
     sizes = getattr(dataset, "sizes", None)
-    total = int(sizes.sum()) if sizes is not None else sum(int(dataset.size(i)) for i in range(len(dataset)))
-    return total - (len(dataset) if skip_bos else 0)
+    return int(sizes.sum()) if sizes is not None else sum(int(dataset.size(i)) for i in range(len(dataset)))
 
 
 def blocks_over(dataset, limit: Optional[int]) -> int:
@@ -173,7 +173,7 @@ def check_eval_lm(models, tally: Tally) -> None:
     if not found:
         return  # eval_lm called without fairseq's loader: nothing to count against
     dataset, limit, context = found[-1]
-    expected = split_tokens(dataset, tally.skip_bos)
+    expected = split_tokens(dataset)
     limit = _max_positions(models[0]) if limit is None and models else limit
     limit = min(x for x in limit if x is not None) if isinstance(limit, tuple) else limit
     sizes = getattr(dataset, "sizes", None)

@@ -125,11 +125,57 @@ def file_samples(items, encoder, path: str) -> List[Sample]:
     for item in items:
         where = f"{path}:{item.line}: "
         encoder.encode(f"{item.prompt} {item.answer}", where)  # every unknown word named at once
-        prompt, answer = encoder.encode(item.prompt, where), encoder.encode(item.answer, where)
-        if not answer:
+        if not encoder.encode(item.answer, where):
             raise EvaluationError(f"{where}the answer {item.answer!r} encodes to no token")
+        prompt, answer = prompt_and_answer(encoder, item.prompt, item.answer, where)
         out.append(Sample.make(prompt, answer, None, item.group))
     return out
+
+
+def prompt_and_answer(encoder, prompt: str, answer: str, where: str = "") -> Tuple[List[int], List[int]]:
+    """The ids of ``prompt`` and of ``answer`` as the text goes on after it.
+
+    A tokenizer whose tokens carry a word's leading space (byte-level BPE:
+    GPT-2, BLOOM, MPT, Falcon; SentencePiece) spells the answer after the
+    prompt's last word (`` 1``) otherwise than alone at the start of a text
+    (``1``), and a model asked for the answer after the prompt writes the
+    first: scored against the second, no answer could be right.  So a
+    subword encoder's answer is the tail of the whole text's ids past the
+    prompt's own, as lm-evaluation-harness splits a context from its
+    continuation; the prompt's ids must begin the whole's (a tokenizer that
+    merges across the space would change the prompt: refused)."""
+    head = encoder.encode(prompt, where)
+    if not encoder.subword:
+        return head, encoder.encode(answer, where)
+    whole = encoder.encode(f"{prompt} {answer}", where)
+    if whole[:len(head)] != head or len(whole) == len(head):
+        raise EvaluationError(f"{where}the tokenizer spells the end of the prompt otherwise when the answer "
+                              f"{answer!r} follows it, so the answer's tokens are not the prompt's continuation: "
+                              "end the prompt with a word the answer cannot join (a space or punctuation before it)")
+    return head, whole[len(head):]
+
+
+def fitted_prompt(task: P.BuiltinTask, encoder, length: int, depth_bin: int, depths: int,
+                  key: str) -> Tuple[P.Prompt, List[int], List[int]]:
+    """A built-in prompt of at most ``length`` tokens as ``encoder`` spells it,
+    with its ids and its answer's.  The task builds to a number of words; a
+    word-level dictionary spells each in one token, a subword tokenizer in
+    one or more, so there the word budget shrinks until the prompt and its
+    answer fit in ``length`` tokens: the length a cell is labelled with is
+    never less than what the model reads.  Every try draws from a generator
+    seeded by ``key`` alone (the same pass key, the same first filler)."""
+    budget = length
+    while True:
+        prompt = task.build(budget, depth_bin, depths, random.Random(key))
+        ids, answer = prompt_and_answer(encoder, " ".join(prompt.prompt), " ".join(prompt.answer))
+        spelled = len(ids) + len(answer)
+        if spelled <= length:
+            return prompt, ids, answer
+        budget = min(budget - 1, budget * length // spelled)
+        if budget < task.minimum_length():
+            raise EvaluationError(
+                f"a {task.name} prompt of {length} tokens cannot be built: this model's tokenizer spells the "
+                f"shortest one ({task.minimum_length()} words) in more; use longer --lengths")
 
 
 def builtin_samples(task: P.BuiltinTask, encoder, lengths: Sequence[int], depths: int, samples: int,
@@ -143,11 +189,10 @@ def builtin_samples(task: P.BuiltinTask, encoder, lengths: Sequence[int], depths
         for b in range(depths):
             cell = []
             for s in range(samples):
-                rng = random.Random(f"{seed}:{task.name}:{length}:{b}/{depths}:{s}")
-                prompt = task.build(length, b, depths, rng)
+                prompt, ids, ans = fitted_prompt(task, encoder, length, b, depths,
+                                                 f"{seed}:{task.name}:{length}:{b}/{depths}:{s}")
                 slots = min(slots or prompt.meta["slots"], prompt.meta["slots"])
                 offset = prompt.meta["needle_offset"]
-                ids, ans = encoder.words(prompt.prompt), encoder.words(prompt.answer)
                 if encoder.subword:
                     offset = len(encoder.words(prompt.prompt[:offset])) if offset else 0
                 cell.append(Sample.make(ids, ans, centres[b], "", distance=len(ids) - offset))
