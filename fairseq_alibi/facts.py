@@ -161,7 +161,8 @@ def bloom_shape_problems(fields: dict) -> List[str]:
 def extras_no_stock_model_holds(fields: dict) -> List[str]:
     """The parts of a decoder (described as for ``bloom_shape_problems``) that no stock
     transformers architecture exported to holds: input/output projections, adaptive
-    input or softmax, NormFormer scales, tokenizer pieces the dictionary lacks."""
+    input or softmax, NormFormer scales, SSMax's learned logit scales, tokenizer pieces
+    the dictionary lacks."""
     found = []
     if fields["project_in"] or fields["project_out"] or fields["embed_quant_noise"]:
         found.append("input/output projections")
@@ -171,6 +172,8 @@ def extras_no_stock_model_holds(fields: dict) -> List[str]:
         found.append("adaptive softmax")
     if any(fields[k] for k in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")):
         found.append("NormFormer scales")
+    if fields["ssmax"]:
+        found.append("SSMax (learned logit scales per head)")
     if fields["unk_aliases"]:
         found.append(f"{fields['unk_aliases']} tokenizer pieces the dictionary lacks (read as <unk>)")
     return found

@@ -591,7 +591,8 @@ def test_tokenizer_ids_are_fairseq_dictionary_ids_eos_first(data_dir, tmp_path):
     out = exported(model, cfg, tmp_path, "--dict", given / "dict.txt")
     tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=False)
     # fairseq splits on Python's whitespace (U+001F included) and reads a symbol as a whole word only
-    line = "w3 hello  w39\tnever-seen w0 </s> madeupword0001 <unk> w1</s>w2 w5\x1fw6 x<unk>y <s>"
+    line = ("w3 hello  w39\tnever-seen w0 </s> madeupword0001 <unk> w1</s>w2 w5\x1fw6 x<unk>y <s> w1 </s>. w2 "
+            "(</s>) <unk>, <pad>")
     expected = [dictionary.eos()] + dictionary.encode_line(line, add_if_not_exist=False, append_eos=False).tolist()
     assert tokenizer(line).input_ids == expected
     assert tokenizer(line, add_special_tokens=False).input_ids == expected[1:]
@@ -709,6 +710,9 @@ def test_bloom_format_loads_as_stock_bloom_and_matches_at_4x_and_10x(data_dir, t
     (["--decoder-normalize-before", "--layernorm-embedding", "--activation-fn", "gelu_accurate",
       "--no-scale-embedding", "--decoder-ffn-embed-dim", str(3 * DIM)], "FFN 3x d (BLOOM: 4x d)"),
     (BLOOM_ARGS + ["--decoder-output-dim", str(DIM)], None),
+    (["--decoder-normalize-before", "--layernorm-embedding", "--activation-fn", "gelu_accurate",
+      "--no-scale-embedding", "--decoder-ffn-embed-dim", str(4 * DIM), "--ssmax"],
+     "SSMax (learned logit scales per head)"),
 ])
 @pytest.mark.fast_cases(1)
 def test_bloom_format_refuses_what_bloom_cannot_hold_in_one_line(extra, feature, data_dir, tmp_path):
@@ -729,6 +733,8 @@ def test_bloom_preset_arch_and_its_refusal(data_dir):
         True, True, True, "gelu_accurate")
     with pytest.raises(ConfigError, match=r"activation relu \(BLOOM: gelu_accurate\).*use --arch transformer_lm_alibi"):
         build(data_dir, BLOOM_ARGS + ["--activation-fn", "relu"])
+    with pytest.raises(ConfigError, match=r"SSMax \(learned logit scales per head\)"):
+        build(data_dir, BLOOM_ARGS + ["--ssmax"])
 
 
 # ------------------------------------------------------------------ refusals and writing
@@ -1195,3 +1201,26 @@ def test_the_check_reads_its_own_staged_code_when_another_remote_code_cache_is_o
         monkeypatch.delitem(sys.modules, name)
     model, cfg = build(data_dir, [])
     exported(model, cfg, tmp_path)
+
+
+def test_a_stock_format_refuses_a_weight_it_has_no_place_for():
+    """A weight the BLOOM mapping never reads (a part of the model BLOOM has no
+    place for, as SSMax's scales were) is refused in one line, not dropped."""
+    from fairseq_alibi.export.bloom import bloom_weights
+    from fairseq_alibi.export.custom import ReadWeights
+
+    heads, layers, dim = 2, 1, 4
+    names = ["model.embed_tokens.weight", "lm_head.weight", "model.layernorm_embedding.weight",
+             "model.layernorm_embedding.bias", "model.layer_norm.weight", "model.layer_norm.bias"]
+    names += [f"model.layers.0.{m}.{kind}" for m in ("self_attn_layer_norm", "final_layer_norm", "self_attn.out_proj",
+                                                      "fc1", "fc2", "self_attn.q_proj", "self_attn.k_proj",
+                                                      "self_attn.v_proj") for kind in ("weight", "bias")]
+    weights = ReadWeights({name: torch.zeros(dim, dim) for name in names})
+    bloom_weights(weights, heads, layers)
+    weights.check_all_read("BLOOM")  # every weight has its place
+    weights = ReadWeights({**weights, "model.layers.0.self_attn.ssmax.scale": torch.zeros(heads)})
+    bloom_weights(weights, heads, layers)
+    with pytest.raises(ExportError, match=r"^the BLOOM format has no place for 1 weight\(s\) of this model "
+                                          r"\(model\.layers\.0\.self_attn\.ssmax\.scale\); export it in the default "
+                                          r"format \(--format custom\)$"):
+        weights.check_all_read("BLOOM")

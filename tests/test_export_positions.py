@@ -402,6 +402,20 @@ def test_gpt_neox_refuses_what_it_cannot_hold_in_one_line(data_dir, exports, tmp
     assert not any((tmp_path / n).exists() for n in "abcd")
 
 
+def test_a_rotary_model_with_ssmax_is_exported_in_the_default_format_and_gpt_neox_refuses_it(data_dir, tmp_path):
+    """GPT-NeoX has no SSMax: ``auto`` writes the default format and says why,
+    ``--format gpt-neox`` refuses in one line (it wrote GPT-NeoX without the
+    learned scales, then failed its own check as 'a bug')."""
+    model, cfg = build(data_dir / "bin", ROTARY + ["--ssmax"])
+    checkpoint = save(model, cfg, tmp_path / "m.pt")
+    line = one_error_line(export(checkpoint, tmp_path / "a", "--format", "gpt-neox")[1])
+    assert line == ("error: the GPT-NeoX format cannot hold this model: SSMax (learned logit scales per head); "
+                    "export it in the default format (--format custom), which holds every model of this plugin")
+    status, output = export(checkpoint, tmp_path / "b")
+    assert status == 0 and "GPT-NeoX cannot hold this rotary model: SSMax" in output, output
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["ssmax"] is True
+
+
 # ------------------------------------------------------------------ the evaluation tools on the exports
 @pytest.mark.slow
 def test_alibi_sweep_hf_scores_every_export_as_its_checkpoint(data_dir, exports, tmp_path):

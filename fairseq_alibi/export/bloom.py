@@ -19,6 +19,7 @@ import torch
 
 from ..errors import ExportError
 from ..facts import bloom_shape_problems
+from .custom import ReadWeights
 
 def check_bloom(fields: dict, scaling) -> None:
     """One line naming every feature BLOOM cannot hold, pointing to the default format."""
@@ -67,5 +68,7 @@ def build_bloom(fields: dict, weights: Dict[str, torch.Tensor], scaling):
         seq_length=fields["alibi_train_length"], architectures=["BloomForCausalLM"],
     )
     model = BloomForCausalLM(config).eval()
+    weights = ReadWeights(weights)
     model.load_state_dict(bloom_weights(weights, fields["attention_heads"], fields["layers"]), strict=True)
+    weights.check_all_read("BLOOM")
     return model

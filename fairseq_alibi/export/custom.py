@@ -40,6 +40,26 @@ def hf_weights(model) -> Dict[str, object]:
     return {hf_name(name): tensor for name, tensor in model.state_dict().items() if not name.endswith(NOT_WEIGHTS)}
 
 
+class ReadWeights(dict):
+    """:func:`hf_weights` that notes each name read: a stock format's mapping
+    that leaves one unread has no place for part of the model
+    (:meth:`check_all_read`), which its load would not notice."""
+
+    def __init__(self, weights):
+        super().__init__(weights)
+        self.read = set()
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def check_all_read(self, fmt: str) -> None:
+        left = sorted(set(self) - self.read)
+        if left:
+            raise ExportError(f"the {fmt} format has no place for {len(left)} weight(s) of this model "
+                              f"({', '.join(left[:4])}); export it in the default format (--format custom)")
+
+
 def refuse_unmappable(cfg) -> None:
     """One line for the fairseq options no Hugging Face layer here reproduces."""
     if getattr(cfg, "rotary_alibi_heads", 0):

@@ -32,6 +32,7 @@ from ..core.positions import POSITIONS
 from ..core.scaling import Scaling
 from ..errors import ExportError
 from ..facts import extras_no_stock_model_holds
+from .custom import ReadWeights
 
 #: transformers' ``hidden_act`` of each fairseq activation it computes alike.
 NEOX_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_new", "gelu_fast": "gelu_new",
@@ -150,7 +151,9 @@ def build_neox(fields: dict, weights: Dict[str, torch.Tensor], cfg, scaling: Sca
         pad_token_id=fields["pad_token_id"], architectures=["GPTNeoXForCausalLM"],
     )
     model = GPTNeoXForCausalLM(config).eval()
+    weights = ReadWeights(weights)
     mapped = neox_weights(weights, fields)
+    weights.check_all_read("GPT-NeoX")
     if tied:
         mapped.pop("lm_head.weight")
     missing, unexpected = model.load_state_dict(mapped, strict=False)

@@ -65,13 +65,17 @@ def _finish(tokenizer, dictionary, start: int):
     first = dictionary[start]
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{first} $A", pair=f"{first} $A $B:1", special_tokens=[(first, start)])
-    # fairseq reads "</s>" as a symbol only as a word of its own: "a</s>b" is one (unknown) word.
+    # fairseq reads "</s>" as a symbol only as a word of its own: "a</s>b" and "</s>." are one (unknown) word
+    # each, and GPT-2's BPE never reads it as a symbol.  An added token matches by its neighbours' letters only
+    # (single_word), so text is not split at the specials at all (split_special_tokens): they reach the
+    # pre-tokenizer and the vocabulary as fairseq's words do.
     special = {word: AddedToken(word, special=True, single_word=True, normalized=False) for word in
                (dictionary.bos_word, dictionary.pad_word, dictionary.eos_word, dictionary.unk_word)}
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=special[first], eos_token=special[dictionary.eos_word],
         pad_token=special[dictionary.pad_word], unk_token=special[dictionary.unk_word], padding_side="left",
         additional_special_tokens=[special[w] for w in (dictionary.bos_word,) if w != first],
+        split_special_tokens=True,
     )
     for word, index in ((first, start), (dictionary.eos_word, dictionary.eos()),
                         (dictionary.pad_word, dictionary.pad()), (dictionary.unk_word, dictionary.unk()),

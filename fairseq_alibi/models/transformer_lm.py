@@ -248,6 +248,7 @@ def transformer_lm_bloom_alibi(args):
         project_in=args.decoder_input_dim != dim, project_out=args.decoder_output_dim != dim,
         adaptive_input=safe_getattr(args, "adaptive_input", False),
         adaptive_softmax=safe_getattr(args, "adaptive_softmax_cutoff", None) is not None,
+        ssmax=safe_getattr(args, "ssmax", False),
         **{name: safe_getattr(args, name, False) for name in ("scale_attn", "scale_fc", "scale_heads", "scale_resids")},
     ))
     if broken:
