@@ -765,7 +765,8 @@ def test_bad_inputs_are_one_error_line_each(data_dir, tmp_path):
                                    "transformer_lm, transformer_lm_alibi, transformer_lm_rotary"),
         ((no_dict, tmp_path / "o"), "no dictionary for .*--dict PATH"),
         ((good, tmp_path / "o", "--dict", wrong_dict), "has 6 symbols but the checkpoint's embedding has 44 rows"),
-        ((good, tmp_path / "o", "--dict", tmp_path / "none.txt"), "dictionary not found"),
+        ((good, tmp_path / "o", "--dict", tmp_path / "none.txt"), r"--dict: dictionary \(the dict.txt .*\) not found"),
+        ((good, tmp_path / "o", "--dict", tmp_path), r"--dict: .* is a directory, not a dictionary"),
         ((good, tmp_path / "o", "--alibi-scaling", "rope:2"), "method='rope' is not valid; allowed values: none, linear"),
         ((good, tmp_path / "o", "--alibi-scaling", "ntk:0.5"), "ntk takes a static factor >= 1"),
         ((good, tmp_path / "full"), "is not empty; .*--force"),
@@ -1224,3 +1225,29 @@ def test_a_stock_format_refuses_a_weight_it_has_no_place_for():
                                           r"\(model\.layers\.0\.self_attn\.ssmax\.scale\); export it in the default "
                                           r"format \(--format custom\)$"):
         weights.check_all_read("BLOOM")
+
+
+def test_the_check_scores_past_where_an_extension_starts_to_act(data_dir, tmp_path):
+    """cap:2 on a model trained at 16 tokens acts past 32: on the 24 tokens the check
+    scored before, a model written without it matched the extended checkpoint
+    exactly; on check_length's, the difference shows (and the export's own line
+    says how many tokens it scored)."""
+    from fairseq.data import Dictionary
+
+    from fairseq_alibi.export import check
+    from fairseq_alibi.models.attention import rescale
+
+    cap = Scaling.parse("cap:2", L)
+    assert check.extension_start(cap) == 32 and check.check_length(cap) == 56
+    assert check.check_length(Scaling.parse("ntk:2", L)) == check.TOKENS  # a static factor acts everywhere
+    assert check.check_length(Scaling.parse("ntk:dynamic", 4096)) == check.MAX_CHECK_LENGTH
+    model, cfg = build(data_dir, [])
+    plain = check.load_written(str(exported(model, cfg, tmp_path)), "custom")
+    rescale(model, cap)
+    for length, differs in ((check.TOKENS, False), (check.check_length(cap), True)):
+        measured = check.measure(plain, model, check.check_tokens(Dictionary.load(str(data_dir / "dict.txt")), length))
+        assert (measured.same_precision > check.TOLERANCE) == differs, (length, measured)
+    output = export(save(model, cfg, tmp_path / "capped.pt"), tmp_path / "capped", "--alibi-scaling", "cap:2")[1]
+    assert "on 56 random tokens: max |log-prob difference| 0" in output, output
+    line = check.Check("float32", 0.0, 0.0, 2048, unreached=4096).describe("float32")
+    assert line.endswith("; the context extension acts past 4096 tokens, beyond the check's 2048: not exercised by it")

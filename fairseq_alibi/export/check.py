@@ -27,7 +27,7 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
@@ -37,8 +37,36 @@ from ..errors import ExportError
 
 #: A conversion error: same-precision difference above this, in log-probabilities.
 TOLERANCE = 1e-4
-#: Random tokens the check scores.
+#: Random tokens the check scores (past where an extension acts, when it acts late: :func:`check_length`).
 TOKENS = 24
+#: The longest input the check scores to reach an extension: two full forwards of the model, and a
+#: ``[length, vocabulary]`` table of log-probabilities for each.
+MAX_CHECK_LENGTH = 2048
+
+
+def extension_start(scaling: Scaling) -> Optional[int]:
+    """The input length past which ``scaling`` changes anything (a dynamic factor
+    past the training length; a distance method past its ``C``; a logit method
+    past its base length), or None for none or a static factor, which acts at
+    every position."""
+    if scaling.method == "none":
+        return None
+    if scaling.dynamic:
+        return scaling.complete().train_length
+    if scaling.distance_limit is not None:
+        return scaling.distance_limit
+    if scaling.logit_base is not None:
+        return int(scaling.logit_base)
+    return None
+
+
+def check_length(scaling: Scaling) -> int:
+    """Tokens the check scores: :data:`TOKENS`, or that many past where the
+    extension starts to act (at most :data:`MAX_CHECK_LENGTH`): on 24 tokens a
+    model trained on 512 computes the same with a dynamic or distance extension
+    as without, so a wrongly written one would pass."""
+    start = extension_start(scaling)
+    return TOKENS if start is None else max(TOKENS, min(MAX_CHECK_LENGTH, start + TOKENS))
 
 
 @dataclass(frozen=True)
@@ -48,23 +76,30 @@ class Check:
     dtype: str  # what the written weights hold, as loaded back ("bfloat16")
     rounding: float  # files as loaded vs the checkpoint in float32
     same_precision: float  # the files' weights vs fairseq's rounded alike, both in float32
+    tokens: int = TOKENS  # the random tokens scored
+    unreached: Optional[int] = None  # where an extension starts to act, if past the tokens scored
 
     def describe(self, checkpoint_dtype: str) -> str:
         """One line: what was compared and the numbers, each with its meaning."""
         head = (f"check: the written files loaded back, against the checkpoint ({checkpoint_dtype} weights, "
-                f"computed in float32), on {TOKENS} random tokens: max |log-prob difference| ")
+                f"computed in float32), on {self.tokens} random tokens: max |log-prob difference| ")
         if self.dtype == "float32":
-            return head + f"{self.rounding:.2g}"
-        return head + (f"{self.rounding:.2g} ({self.dtype} rounding); same-precision difference "
-                       f"{self.same_precision:.2g} (against the fairseq model given the same {self.dtype} "
-                       "weights, both computed in float32)")
+            line = head + f"{self.rounding:.2g}"
+        else:
+            line = head + (f"{self.rounding:.2g} ({self.dtype} rounding); same-precision difference "
+                           f"{self.same_precision:.2g} (against the fairseq model given the same {self.dtype} "
+                           "weights, both computed in float32)")
+        if self.unreached is not None:
+            line += (f"; the context extension acts past {self.unreached} tokens, beyond the check's "
+                     f"{self.tokens}: not exercised by it")
+        return line
 
 
-def check_tokens(dictionary) -> torch.Tensor:
-    """``[1, TOKENS]`` random ids of ``dictionary``'s words (seed 0), ``</s>`` first."""
+def check_tokens(dictionary, length: int = TOKENS) -> torch.Tensor:
+    """``[1, length]`` random ids of ``dictionary``'s words (seed 0), ``</s>`` first."""
     vocab, first = len(dictionary), dictionary.nspecial
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(first, max(vocab, first + 1), (1, TOKENS), generator=generator)
+    tokens = torch.randint(first, max(vocab, first + 1), (1, length), generator=generator)
     tokens[0, 0] = dictionary.eos()
     return tokens
 
@@ -186,17 +221,17 @@ def measure(loaded, source_model, tokens: torch.Tensor, fmt: str = "custom", fie
     """Both numbers for a loaded model and the (rescaled, float32) fairseq model.
     Casts ``loaded`` to float32 and gives ``source_model`` the written weights,
     both in place: neither is used after."""
-    dtype = loaded.dtype
+    dtype, length = loaded.dtype, tokens.size(1)
     reference = fairseq_log_probs(source_model, tokens)
     if not torch.isfinite(reference).all():
-        raise ExportError(f"the checkpoint's own log-probabilities are not finite numbers on {TOKENS} random tokens "
+        raise ExportError(f"the checkpoint's own log-probabilities are not finite numbers on {length} random tokens "
                           "(computed in float32): nothing written; its weights overflow float32")
     rounding = max_difference(hf_log_probs(loaded, tokens), reference)
     if dtype == torch.float32:
-        return Check("float32", rounding, rounding)
+        return Check("float32", rounding, rounding, length)
     give_written_weights(source_model, loaded, fmt, fields)
     same = max_difference(hf_log_probs(loaded.float(), tokens), fairseq_log_probs(source_model, tokens))
-    return Check(str(dtype).replace("torch.", ""), rounding, same)
+    return Check(str(dtype).replace("torch.", ""), rounding, same, length)
 
 
 def refuse_failed(check: Check) -> None:
@@ -204,8 +239,8 @@ def refuse_failed(check: Check) -> None:
     model whose log-probabilities are not finite numbers (float16 overflows
     where the checkpoint in float32 did not)."""
     if check.dtype != "float32" and not abs(check.rounding) < float("inf"):
-        raise ExportError(f"the written {check.dtype} model's log-probabilities are not finite numbers on {TOKENS} "
-                          f"random tokens (its activations overflow {check.dtype}): nothing written; export with "
+        raise ExportError(f"the written {check.dtype} model's log-probabilities are not finite numbers on "
+                          f"{check.tokens} random tokens (its activations overflow {check.dtype}): nothing written; export with "
                           f"--dtype {'bfloat16 or float32' if check.dtype == 'float16' else 'float32'}")
     if not check.same_precision <= TOLERANCE:
         raise ExportError(f"the written model, loaded back, differs from the checkpoint by {check.same_precision:.3g} "
@@ -249,6 +284,10 @@ def check_written(directory: str, fmt: str, source, scaling: Scaling) -> Written
         from .custom import describe
 
         fields = describe(source)
-    check = measure(loaded, source.model, check_tokens(source.dictionary), fmt, fields)
+    length = check_length(scaling)
+    check = measure(loaded, source.model, check_tokens(source.dictionary, length), fmt, fields)
+    start = extension_start(scaling)
+    if start is not None and start >= length:
+        check = replace(check, unreached=start)
     refuse_failed(check)
     return Written(check=check, **facts)

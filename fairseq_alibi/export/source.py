@@ -55,9 +55,7 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
     if not os.path.isfile(path):
         raise ExportError(checkpoint_files(path) if os.path.isdir(path) else f"checkpoint file not found: {path}")
     state = safe_load.load(path)
-    if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or (
-            state.get("cfg") is None and state.get("args") is None):
-        raise ExportError(f"{path} is not a fairseq checkpoint: it has no config ('cfg' or 'args') and 'model' weights")
+    safe_load.check_checkpoint(path, state)
     refuse_fork(path, state)
     if state.get("cfg") is not None:
         state["cfg"] = OmegaConf.create(state["cfg"], flags={"allow_objects": True})
@@ -102,7 +100,9 @@ def dictionary_path(path: str, task_cfg: Dict[str, Any], given: Optional[str]) -
     """``--dict`` or the training data directory's ``dict.txt``; one line if missing."""
     if given:
         if not os.path.isfile(given):
-            raise ExportError(f"dictionary not found: {given} (--dict takes the dict.txt the model was trained with)")
+            from ..inputs import check_text
+
+            check_text(given, "dictionary (the dict.txt the model was trained with)", flag="--dict")
         return given
     data = task_cfg.get("data")
     first = str(data).split(os.pathsep)[0] if data else None
