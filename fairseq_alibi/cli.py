@@ -181,24 +181,68 @@ def check_model_overrides(argv: List[str]) -> None:
 
 
 def check_numeric_flags(argv: List[str]) -> None:
-    """Every integer flag of ``options.INTEGER_OPTIONS`` given (``--tokens-per-sample``
-    for ``tokens_per_sample``) is in its range: fairseq checks none of them (0
+    """Every integer flag of ``options.INTEGER_OPTIONS`` and real flag of
+    ``options.REAL_OPTIONS`` given (``--tokens-per-sample`` for
+    ``tokens_per_sample``) is in its range: fairseq checks none of them (0
     tokens per sample is a ZeroDivisionError, 2**31 an OverflowError, seed -1 a
-    numpy ValueError)."""
-    from .options import INTEGER_OPTIONS, integer_problem
+    numpy ValueError, dropout NaN no dropout at all)."""
+    from .options import INTEGER_OPTIONS, REAL_OPTIONS, integer_problem, real_problem
 
-    for key in INTEGER_OPTIONS:
-        flag = "--" + key.replace("_", "-")
-        text = _flag(argv, flag)
-        if text is None:
+    for table, parse, problem_of in ((INTEGER_OPTIONS, int, integer_problem), (REAL_OPTIONS, float, real_problem)):
+        for key in table:
+            flag = "--" + key.replace("_", "-")
+            text = _flag(argv, flag)
+            if text is None:
+                continue
+            try:
+                value = parse(text)
+            except ValueError:
+                continue  # argparse reports a value that is not a number
+            problem = problem_of(key, value)
+            if problem:
+                raise UserError(f"{flag} {text} is not valid: it {problem}")
+
+
+def check_checkpoint_flags(argv: List[str]) -> None:
+    """``--restore-file`` (other than fairseq's default, ``checkpoint_last.pt`` in
+    ``--save-dir``) and ``--finetune-from-model`` name checkpoint files that
+    exist.  Stock fairseq trained from scratch, exit status 0, when a named
+    ``--restore-file`` was missing or a directory (it reads the path as given,
+    not under ``--save-dir``), and raised a ValueError traceback for a missing
+    ``--finetune-from-model``."""
+    from .errors import checkpoint_files
+
+    for flag in ("--restore-file", "--finetune-from-model"):
+        path = _flag(argv, flag)
+        if path is None or (flag == "--restore-file" and path == "checkpoint_last.pt"):
             continue
-        try:
-            value = int(text)
-        except ValueError:
-            continue  # argparse reports a value that is not a number
-        problem = integer_problem(key, value)
-        if problem:
-            raise UserError(f"{flag} {text} is not valid: it {problem}")
+        if os.path.isdir(path):
+            raise UserError(f"{flag}: {checkpoint_files(path)}")
+        if not os.path.isfile(path):
+            hint = (" (read as given, from the current directory: not under --save-dir)"
+                    if flag == "--restore-file" and os.sep not in path else "")
+            raise UserError(f"{flag}: checkpoint file not found: {path}{hint}; give the path of a checkpoint "
+                            "file" + (", or leave the flag out to resume from --save-dir's checkpoint_last.pt"
+                                      if flag == "--restore-file" else ""))
+
+
+def check_model_path(argv: List[str]) -> None:
+    """The evaluation and generation scripts need ``--path CHECKPOINT``: fairseq
+    met its absence as an AttributeError on None."""
+    if _flag(argv, "--path") is None and not {"-h", "--help"} & set(argv):
+        raise UserError("--path CHECKPOINT is required: the checkpoint file to load (e.g. "
+                        "--path checkpoints/checkpoint_best.pt, which fairseq-train writes)")
+
+
+def check_sampling(argv: List[str]) -> None:
+    """``--sampling`` draws one sequence per beam and fairseq asserts ``--nbest``
+    equal to ``--beam`` (5 and 1 by default): say which to give."""
+    if "--sampling" not in argv:
+        return
+    beam, nbest = _flag(argv, "--beam") or "5", _flag(argv, "--nbest") or "1"
+    if beam != nbest:
+        raise UserError(f"--sampling draws one sequence per beam, so --nbest ({nbest}) must equal --beam ({beam}); "
+                        "give --beam 1 for one sampled sequence per input (or --nbest equal to --beam)")
 
 
 def check_position_flags(argv: List[str]) -> None:
@@ -258,7 +302,7 @@ def training_help(argv: List[str]) -> None:
 def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=None, defaults=None) -> None:
     interrupted = f"{sys.argv[0].rsplit('/', 1)[-1]} interrupted"
     with report_errors(interrupted=interrupted):  # numbers and overrides first: before fairseq loads
-        for check in (check_numeric_flags, check_model_overrides):
+        for check in (check_numeric_flags, check_model_overrides, check_sampling):
             check(sys.argv[1:])
     import fairseq_alibi.models  # noqa: F401  (patches fairseq, registers the models)
 
@@ -306,7 +350,7 @@ def checked_training_data(module) -> None:
 
 def train():
     _run("fairseq_cli.train", training_help, check_arch, check_training_blocks, check_training_method,
-         check_training_kernel, guard=checked_training_data,
+         check_training_kernel, check_checkpoint_flags, guard=checked_training_data,
          defaults=training_defaults)
 
 
@@ -316,12 +360,12 @@ def eval_lm():
 
         guarded_eval_lm(module)
 
-    _run("fairseq_cli.eval_lm", check_context_window, with_overrides_help=True, guard=guard,
+    _run("fairseq_cli.eval_lm", check_model_path, check_context_window, with_overrides_help=True, guard=guard,
          defaults=eval_lm_batches)
 
 
 def generate():
-    _run("fairseq_cli.generate", with_overrides_help=True)
+    _run("fairseq_cli.generate", check_model_path, with_overrides_help=True)
 
 
 def check_input_file(argv: List[str]) -> None:
@@ -335,7 +379,7 @@ def check_input_file(argv: List[str]) -> None:
 
 
 def interactive():
-    _run("fairseq_cli.interactive", check_input_file, with_overrides_help=True)
+    _run("fairseq_cli.interactive", check_model_path, check_input_file, with_overrides_help=True)
 
 
 HYDRA_HELP = """usage: alibi-hydra-train --config-dir DIR --config-name NAME [KEY=VALUE ...]

@@ -231,6 +231,34 @@ def no_space(exc: BaseException) -> Optional[str]:
     return None
 
 
+#: Hydra's and omegaconf's errors for an override or config value the config does not take.
+HYDRA_CONFIG_ERRORS = ("ConfigCompositionException", "OverrideParseException", "ConfigKeyError",
+                       "ConfigAttributeError", "ValidationError", "MissingMandatoryValue")
+
+
+def _hydra_config_error(exc: BaseException) -> Optional[str]:
+    """One line for a Hydra override the config does not take (a misspelt key, a
+    value of the wrong type): Hydra's message and omegaconf's cause (the key),
+    and the keys nearest a misspelt one; None for another error."""
+    chain = [e for e in (exc, exc.__cause__) if e is not None]
+    if not any(type(e).__module__.split(".")[0] in ("hydra", "omegaconf")
+               and type(e).__name__ in HYDRA_CONFIG_ERRORS for e in chain):
+        return None
+    parts = []
+    for e in chain:
+        text = str(e).split("\n    full_key:")[0]  # omegaconf's own detail lines repeat the key
+        parts.append(one_line(text).rstrip("."))
+    found = next(((e.key, e.parent_node) for e in chain
+                  if getattr(e, "key", None) is not None and getattr(e, "parent_node", None) is not None), None)
+    hint = ""
+    if found and "not in" in parts[-1]:
+        key, node = found
+        hint = closest(str(key), [str(k) for k in node.keys()])
+    elif found:
+        hint = f" (key {found[0]})"
+    return "Hydra config: " + "; ".join(parts) + hint
+
+
 def describe(exc: BaseException) -> Optional[str]:
     """A one-line message for an error a user can fix, or None (a bug: show it all).
     ``user_error``: every :class:`UserError`, also of the copy of ``core/errors.py``
@@ -240,6 +268,9 @@ def describe(exc: BaseException) -> Optional[str]:
     full = no_space(exc)
     if full:
         return full
+    hydra = _hydra_config_error(exc)
+    if hydra:
+        return hydra
     if isinstance(exc, IsADirectoryError) and exc.filename:
         name = os.fsdecode(exc.filename)
         if os.path.splitext(name)[1] not in ("", ".pt"):  # dict.txt, a .bin: not a checkpoint

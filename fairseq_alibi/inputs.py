@@ -43,6 +43,11 @@ def _iconv(path: str, encoding: str) -> str:
     return f"iconv -f {encoding} -t utf-8 {shlex.quote(path)} > {shlex.quote(_converted_name(path))}"
 
 
+def _a(what: str) -> str:
+    """``what`` with its indefinite article (an input file, a text file)."""
+    return ("an " if what[:1].lower() in "aeiou" else "a ") + what
+
+
 def _kind_problem(path: str, what: str) -> str:
     """Why ``path`` is not a readable regular file, or ``""``."""
     try:
@@ -56,9 +61,9 @@ def _kind_problem(path: str, what: str) -> str:
     except OSError as exc:
         return f"cannot read {path}: {exc.strerror or exc}"
     if stat.S_ISDIR(mode):
-        return f"{path} is a directory, not a {what}: give the file itself"
+        return f"{path} is a directory, not {_a(what)}: give the file itself"
     if not stat.S_ISREG(mode):
-        return f"{path} is not a regular file (a device, a pipe, ...): give a {what}"
+        return f"{path} is not a regular file (a device, a pipe, ...): give {_a(what)}"
     if not os.access(path, os.R_OK):
         return f"cannot read {path}: permission denied (check its permissions)"
     return ""

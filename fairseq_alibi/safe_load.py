@@ -154,6 +154,17 @@ def check_finite(path: str, state: Any) -> None:
             )
 
 
+def check_checkpoint(path: str, state: Any) -> None:
+    """``state`` is what fairseq saves: a dict of ``model`` weights and a config
+    (``cfg``, or ``args`` before fairseq 0.10).  Another PyTorch file (a bare
+    state dict, a tensor, a list) met fairseq's loader as a KeyError or a
+    TypeError traceback."""
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or (
+            state.get("cfg") is None and state.get("args") is None):
+        raise CheckpointError(f"{path} is not a fairseq checkpoint: it has no config ('cfg' or 'args') and 'model' "
+                              "weights (a file fairseq-train saved is; a bare state dict is not)")
+
+
 def _unsafe_globals(path: str) -> List[str]:
     """The globals the file needs that are not allowed (read without running it)."""
     try:

@@ -124,6 +124,7 @@ def build_fixtures(work):
     open(path("foreign_results/results.json"), "w").write('{"accuracy": 0.5}\n')
     open(path("no_answer.jsonl"), "w").write('{"prompt": "one the cat sees"}\n')
     open(path("unknown_words.jsonl"), "w").write('{"prompt": "one the zebra sees", "answer": "a tree"}\n')
+    torch.save({"weight": torch.zeros(2)}, path("state_dict.pt"))  # a PyTorch file, not a fairseq checkpoint
 
 
 CONVERT = "alibi-convert-checkpoint"
@@ -171,12 +172,25 @@ CASES = [
         ("data directory without dict.txt", ["alibi-eval-lm", "no_dict", "--cpu", "--gen-subset", "train",
                                              "--path", "alibi/checkpoint_last.pt"]),
         ("checkpoint of another model family (`roberta_base`)", EVAL + ["--path", "roberta.pt"]),
+        ("a PyTorch file that is not a fairseq checkpoint (a bare state dict)", EVAL + ["--path", "state_dict.pt"]),
+        ("no `--path`", EVAL),
         ("config and weights disagree (3 layers in the config, 2 in the weights)", EVAL + ["--path", "three_layers.pt"]),
+        ("a typo in an ALiBi `--model-overrides` key",
+         EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'alibi_interpolaton': 'linear'}"]),
+        ("ALiBi overrides for a model without ALiBi (the stock sinusoidal model)",
+         EVAL + ["--path", "stock/checkpoint_last.pt", "--tokens-per-sample", "32",
+                 "--model-overrides", "{'alibi_interpolation': 'ntk'}"]),
+        ("an override key the checkpoint's config does not have (fairseq would drop it and print the model as trained)",
+         EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'dropuot': 0.5}"]),
     ]),
     ("alibi-train", [
         ("`--restore-file` an unconverted fork checkpoint",
          train("restore_fork", "--restore-file", "fork/alibi_wt103_L32.pt")),
         ("resuming from a truncated `checkpoint_last.pt`", train("resume")),
+        ("`--restore-file` that does not exist (stock fairseq trains from scratch)",
+         train("restore_missing", "--restore-file", "checkpoint_best.pt")),
+        ("`--restore-file` a directory", train("restore_dir", "--restore-file", "alibi")),
+        ("a NaN dropout (stock fairseq trains with none)", train("nan_dropout", "--dropout", "nan")),
         ("a typo in `--arch`", train("typo", "--arch", "transformer_lm_alibbi")),
         ("a bad ALiBi value", train("bad_value", "--alibi-interpolation", "bogus")),
         ("a bad ALiBi value in a masked-LM encoder (`roberta_alibi`)", MLM + ["--alibi-interpolation", "bogus"]),
@@ -210,6 +224,14 @@ CASES = [
           "common.cpu=true", "checkpoint.save_dir=hydra_ckpt"]),
         ("`alibi-hydra-train` with a `--config-name` that is not in `--config-dir`",
          ["alibi-hydra-train", "--config-dir", "configs", "--config-name", "tiny"]),
+        ("a misspelt key added to an `alibi-hydra-train` config",
+         ["alibi-hydra-train", "--config-dir", "configs", "--config-name", "wikitext103_alibi_L512", "task.data=data",
+          "+model.alibi_scale_fator=2"]),
+        ("a value of the wrong type in an `alibi-hydra-train` override",
+         ["alibi-hydra-train", "--config-dir", "configs", "--config-name", "wikitext103_alibi_L512", "task.data=data",
+          "model.decoder_layers=x"]),
+        ("`alibi-generate --sampling` with fairseq's default beam of 5",
+         ["alibi-generate", "data", "--path", "alibi/checkpoint_last.pt", "--cpu", "--sampling"]),
     ]),
     ("alibi-eval-lm, more", [
         ("`--context-window` not below `--tokens-per-sample`",
@@ -323,13 +345,6 @@ CASES = [
                                           "--alibi-scaling", "rope:2"]),
     ]),
     ("warnings (the command runs; the warning is on its output)", [
-        ("a typo in an ALiBi `--model-overrides` key",
-         EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'alibi_interpolaton': 'linear'}"]),
-        ("ALiBi overrides for a model without ALiBi (the stock sinusoidal model)",
-         EVAL + ["--path", "stock/checkpoint_last.pt", "--tokens-per-sample", "32",
-                 "--model-overrides", "{'alibi_interpolation': 'ntk'}"]),
-        ("an override key the checkpoint's config does not have (fairseq would drop it)",
-         EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'dropuot': 0.5}"]),
         ("a scale factor without an interpolation method",
          EVAL + ["--path", "alibi/checkpoint_last.pt", "--model-overrides", "{'alibi_scale_factor': 8}"]),
         ("the 2021 fork's `--arch transformer_lm_wiki103` (here the stock sinusoidal model)",

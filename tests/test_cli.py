@@ -32,6 +32,7 @@ from conftest import (
     BIN, HEADS, SPLIT_LINES, TRAIN_LENGTH, EvalResult, cli_env, error_lines, parse_eval, recipe_bin, run_cli, tool,
     train_args,
 )
+from fairseq_alibi.core.errors import ConfigError
 from fairseq_alibi.core.scaling import METHODS
 from fairseq_alibi.core.positions import POSITIONS
 
@@ -802,26 +803,39 @@ def test_dictionary_of_another_size_names_both_sizes(lm_corpus, alibi_checkpoint
 
 
 @pytest.mark.parametrize("overrides,phrase", [
-    ("{'alibi_interpolaton': 'linear'}", "ignored model override 'alibi_interpolaton'"),
-    ("{'alibi_scale_factor': 8}", "has no effect with alibi_interpolation='none'"),
+    ("{'alibi_interpolaton': 'linear'}", "error: model override 'alibi_interpolaton' would change nothing: no such "
+                                         "field of this plugin; did you mean alibi_interpolation"),
+    ("{'position_scalin': 'ntk:2'}", "error: model override 'position_scalin' would change nothing: no "
+                                     "such field of this plugin; did you mean position_scaling"),
     # fairseq drops a key its config lacks, silently: a typo, or an encoder-only ALiBi field on a decoder
-    ("{'dropuot': 0.5}", "ignored model override 'dropuot': the checkpoint's config (transformer_lm_alibi) has no "
-                         "such option, so it would change nothing; did you mean dropout"),
-    ("{'alibi_bidirectional': 'split'}", "ignored model override 'alibi_bidirectional'"),
+    ("{'dropuot': 0.5}", "error: model override 'dropuot' would change nothing: the checkpoint's config "
+                         "(transformer_lm_alibi) has no such option; did you mean dropout"),
+    ("{'alibi_bidirectional': 'split'}", "error: model override 'alibi_bidirectional' would change nothing: the checkpoint's "
+                                         "config (transformer_lm_alibi) has no such option (an option of the ALiBi "
+                                         "encoders"),
 ])
 @pytest.mark.fast_cases(1)
-def test_silent_no_ops_are_warned(overrides, phrase, lm_data_bin, alibi_checkpoint):
+def test_overrides_that_would_change_nothing_are_refused(overrides, phrase, lm_data_bin, alibi_checkpoint):
+    """A misspelt or misplaced key would leave the model as trained and print its
+    perplexity as if under the user's settings: one error line, no number."""
     result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", alibi_checkpoint, "--cpu",
-                      "--gen-subset", "valid", "--model-overrides", overrides])
+                      "--gen-subset", "valid", "--model-overrides", overrides], expect_ok=False)
+    lines = error_lines(result)
+    assert result.returncode == 1 and "Perplexity" not in result.output, result.output[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(phrase), lines
+
+
+def test_a_factor_the_method_ignores_is_warned(lm_data_bin, alibi_checkpoint):
+    result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", alibi_checkpoint, "--cpu",
+                      "--gen-subset", "valid", "--model-overrides", "{'alibi_scale_factor': 8}"])
     warnings = [line for line in result.output.splitlines() if "| WARNING | fairseq_alibi |" in line]
-    assert len(warnings) == 1 and phrase in warnings[0], result.output[-2000:]
+    assert len(warnings) == 1 and "has no effect with alibi_interpolation='none'" in warnings[0], result.output[-2000:]
 
 
-def test_hub_keyword_typo_is_warned(hub_factory, caplog):
-    with caplog.at_level("WARNING", logger="fairseq_alibi"):
+def test_hub_keyword_typo_is_refused(hub_factory):
+    with pytest.raises(ConfigError, match=r"model override 'alibi_interpolaton' would change nothing: no such "
+                                          r"field of this plugin; did you mean alibi_interpolation"):
         hub_factory(alibi_interpolaton="linear")
-    assert any("alibi_interpolaton" in r.getMessage() and "alibi_interpolation" in r.getMessage()
-               for r in caplog.records), caplog.text
 
 
 @pytest.mark.slow
@@ -950,3 +964,22 @@ def test_a_shim_passes_signals_on_and_returns_the_status():
     sleeper.send_signal(signal.SIGTERM)
     shimmed = recipe_bin() != str(BIN)  # FAIRSEQ_ALIBI_TEST_FORKS=0: the real interpreter, killed by the signal
     assert sleeper.wait(timeout=30) == (128 + signal.SIGTERM if shimmed else -signal.SIGTERM)
+
+
+@pytest.mark.fast_cases(1)
+@pytest.mark.parametrize("override,expected", [
+    ("model.alibi_scale_fator=2", "Could not override 'model.alibi_scale_fator'"),
+    ("+model.alibi_scale_fator=2", "Key 'alibi_scale_fator' not in"),
+    ("model.decoder_layers=x", "could not be converted to Integer (key decoder_layers)"),
+])
+def test_a_hydra_override_the_config_does_not_take_is_one_line(override, expected, lm_data_bin, alibi_user_dir,
+                                                               tmp_path):
+    """Hydra's and omegaconf's errors were a traceback of 70 lines and more."""
+    config_dir = write_hydra_config(tmp_path, lm_data_bin, alibi_user_dir)
+    result = run_cli([tool("alibi-hydra-train"), "--config-dir", config_dir, "--config-name", "tiny_lm",
+                      f"hydra.run.dir={tmp_path / 'hydra'}", override], expect_ok=False)
+    lines = error_lines(result)
+    assert result.returncode == 1 and "Traceback" not in result.output, result.output[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: Hydra config: ") and expected in lines[0], lines
+    if override.startswith("+"):  # checked against the model's dataclass: its keys are the choices
+        assert lines[0].endswith("did you mean alibi_scale_factor?"), lines

@@ -188,7 +188,8 @@ def test_what_transformers_has_no_rope_type_for_is_none_and_the_gpt_neox_export_
     fields = {"normalize_before": True, "layernorm_embedding": False, "final_layer_norm": True,
               "activation_function": "relu", "hidden_size": 32, "attention_heads": 4, "project_in": False,
               "project_out": False, "embed_quant_noise": False, "adaptive_input": None, "adaptive_softmax": None,
-              "scale_attn": False, "scale_fc": False, "scale_heads": False, "scale_resids": False, "unk_aliases": 0}
+              "scale_attn": False, "scale_fc": False, "scale_heads": False, "scale_resids": False, "unk_aliases": 0,
+              "ssmax": False}
     assert neox_shape_problems(fields, "rotary", 4, Scaling.parse("yarn:2", TRAIN_LENGTH)) == []
     problems = neox_shape_problems(fields, "rotary", 4, Scaling.parse("logn", TRAIN_LENGTH))
     assert any("logn scaling (transformers has no rope_type for it)" in p for p in problems), problems

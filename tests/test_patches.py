@@ -31,6 +31,7 @@ TESTS = Path(__file__).resolve().parent
 ELSEWHERE = {
     "safe_checkpoint_loading": "test_safe_load.py::test_fairseq_loader_and_hub_refuse_payload",
     "fork_checkpoints_refused": "test_checkpoints.py::test_stock_cli_with_user_dir_refuses_fork_checkpoint",
+    "non_checkpoints_refused": "test_user_errors.py::test_a_torch_file_that_is_not_a_fairseq_checkpoint_is_named",
     "full_disk_checkpoints": "test_user_errors.py::test_python_api_refuses_alike",
     "checked_overrides": "test_user_errors.py::test_bad_model_overrides_name_the_key",
     "checked_data_files": "test_user_errors.py::test_unreadable_data_files_are_named",

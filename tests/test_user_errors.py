@@ -15,7 +15,7 @@ import zipfile
 import pytest
 import torch
 
-from conftest import error_lines, run_cli, tool
+from conftest import error_lines, run_cli, tool, train_args
 
 from fairseq_alibi import errors, safe_load
 from fairseq_alibi.core.scaling import METHODS
@@ -44,6 +44,13 @@ NUMERIC_CASES = [
     ("alibi-eval-lm", "--tokens-per-sample", "2147483648", "at most 2147483647"),
     ("alibi-eval-lm", "--max-tokens", "99999999999999999999", "a positive integer"),
     ("alibi-train", "--seed", "-1", "an integer >= 0 (at most 4294967295)"),
+    # real options: NaN or a negative dropout trained with none (fairseq tests p > 0), 2 crashed after a
+    # crash checkpoint, a NaN weight decay saved NaN weights; a temperature of 0 was fairseq's assertion
+    ("alibi-train", "--dropout", "nan", "a number in [0, 1)"),
+    ("alibi-train", "--dropout", "-1", "a number in [0, 1)"),
+    ("alibi-train", "--attention-dropout", "2", "a number in [0, 1)"),
+    ("alibi-train", "--weight-decay", "nan", "a finite number >= 0"),
+    ("alibi-generate", "--temperature", "0", "a finite number > 0"),
 ]
 
 
@@ -67,6 +74,8 @@ OVERRIDE_CASES = [
     ("{'tokens_per_sample': -5}", "model override 'tokens_per_sample': -5 is not valid; tokens_per_sample takes a "
                                   "positive integer"),
     ("{'max_tokens': 'x'}", "max_tokens takes a positive integer"),
+    ("{'dropout': float('nan')}", "not a Python dict literal"),  # a call is not a literal
+    ("{'dropout': 1.5}", "model override 'dropout': 1.5 is not valid; dropout takes a number in [0, 1)"),
 ]
 
 
@@ -92,11 +101,68 @@ def test_python_api_checks_override_values_too(overrides, expected, alibi_checkp
 
 
 @pytest.mark.slow
-def test_alibi_overrides_on_a_model_without_alibi_warn(sinusoidal_checkpoint, lm_data_bin):
+def test_alibi_overrides_on_a_model_without_alibi_are_refused(sinusoidal_checkpoint, lm_data_bin):
+    """They would leave the model as trained and print its perplexity as if extended."""
     result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", sinusoidal_checkpoint, "--cpu",
                       "--gen-subset", "valid", "--tokens-per-sample", "32",
-                      "--model-overrides", "{'alibi_interpolation': 'ntk'}"])
-    assert "alibi_interpolation have no effect" in result.output and "has no ALiBi" in result.output
+                      "--model-overrides", "{'alibi_interpolation': 'ntk'}"], expect_ok=False)
+    assert_one_error(result, "model overrides alibi_interpolation would have no effect", "has no ALiBi")
+    assert "Perplexity" not in result.output
+
+
+# ------------------------------------------------------ checkpoints named by a flag
+def other_torch_files(directory):
+    """PyTorch files that are not fairseq checkpoints: a bare state dict, a list, a tensor."""
+    made = {}
+    for name, obj in (("state_dict", {"weight": torch.zeros(2)}), ("list", [1, 2, 3]), ("tensor", torch.zeros(3))):
+        made[name] = str(directory / f"{name}.pt")
+        torch.save(obj, made[name])
+    return made
+
+
+@pytest.mark.fast_cases(1)
+@pytest.mark.parametrize("kind", ["state_dict", "list", "tensor"])
+@pytest.mark.parametrize("how", ["alibi-eval-lm", "alibi-sweep", "--restore-file", "--finetune-from-model"])
+def test_a_torch_file_that_is_not_a_fairseq_checkpoint_is_named(how, kind, lm_data_bin, tmp_path):
+    """Each was a KeyError or TypeError traceback from inside fairseq's loader."""
+    path = other_torch_files(tmp_path)[kind]
+    if how == "alibi-eval-lm":
+        command = [tool(how), lm_data_bin, "--path", path, "--cpu", "--gen-subset", "valid"]
+    elif how == "alibi-sweep":
+        command = [tool(how), lm_data_bin, "-c", f"m={path}", "--lengths", "32", "--methods", "none", "--cpu",
+                   "--no-progress", "-o", tmp_path / "sweep"]
+    else:
+        command = [tool("alibi-train"), *train_args(lm_data_bin, tmp_path / "save", max_update=1), how, path]
+    result = run_cli(command, expect_ok=False, cwd=tmp_path)
+    assert_one_error(result, f"{path} is not a fairseq checkpoint")
+
+
+@pytest.mark.fast_cases(1)
+@pytest.mark.parametrize("flag,given,expected", [
+    ("--restore-file", "missing.pt", "--restore-file: checkpoint file not found: missing.pt (read as given, from the "
+                                     "current directory: not under --save-dir)"),
+    ("--restore-file", "ckpt", "--restore-file: ckpt is a directory; give a checkpoint file in it, e.g. "
+                               "ckpt/checkpoint_last.pt"),
+    ("--finetune-from-model", "missing.pt", "--finetune-from-model: checkpoint file not found: missing.pt"),
+])
+def test_a_checkpoint_flag_that_names_no_file_is_refused(flag, given, expected, lm_data_bin, tmp_path):
+    """A --restore-file that was missing or a directory trained from scratch with exit
+    status 0; a missing --finetune-from-model was a ValueError traceback."""
+    (tmp_path / "ckpt").mkdir()
+    torch.save({}, tmp_path / "ckpt" / "checkpoint_last.pt")
+    result = run_cli([tool("alibi-train"), *train_args(lm_data_bin, tmp_path / "save", max_update=1), flag, given],
+                     expect_ok=False, cwd=tmp_path)
+    assert_one_error(result, expected)
+    assert not (tmp_path / "save").exists()
+
+
+@pytest.mark.parametrize("script,extra,expected", [
+    ("alibi-eval-lm", ["--gen-subset", "valid"], "--path CHECKPOINT is required"),
+    ("alibi-generate", ["--sampling"], "--sampling draws one sequence per beam, so --nbest (1) must equal --beam (5)"),
+])
+def test_a_missing_path_and_sampling_with_beams_are_one_line(script, extra, expected, lm_data_bin, tmp_path):
+    result = run_cli([tool(script), lm_data_bin, "--cpu", *extra], expect_ok=False, cwd=tmp_path)
+    assert_one_error(result, expected)
 
 
 # ------------------------------------------------- no number from nothing

@@ -4,12 +4,12 @@
 adds the encoders' own.  ``Scaling.from_config`` reads the scaling fields
 (its errors name the config keys), :func:`build_bias` makes a stack's bias
 from them, and :func:`check_override_keys` checks model overrides (hub keywords):
-``alibi*`` values by declared type, fairseq's integer options by range
-(:data:`INTEGER_OPTIONS`, the table the console scripts check their flags
+``alibi*`` values by declared type, fairseq's integer and real options by range
+(:data:`INTEGER_OPTIONS`, :data:`REAL_OPTIONS`, the tables the console scripts check their flags
 with), position-method parameters by their declaration (``core.params``: a
 parameter of another method, or one fixed by training, is refused), options
-that set the weights' shapes are refused, and a key that would change nothing
-is warned about.
+that set the weights' shapes are refused, and so is a key that would change
+nothing (fairseq would drop it, and print the model's result as trained).
 No ``from __future__ import annotations`` here: fairseq reads the field types
 to build its argparse options.
 """
@@ -31,7 +31,7 @@ from ..core.scaling import (
 )
 from ..core.bias import AlibiBias
 from ..errors import HUB_KEYS, ConfigError, closest, warn_once
-from ..options import INTEGER_OPTIONS, integer_problem  # noqa: F401  (the table override values are checked against)
+from ..options import INTEGER_OPTIONS, REAL_OPTIONS, integer_problem, real_problem  # the tables overrides are checked against
 from ..core.kernels import KERNEL_NAMES
 
 
@@ -139,6 +139,8 @@ def _override_value_problem(key: str, value) -> Optional[str]:
     """What is wrong with one override's value (None: nothing known to be)."""
     if key in INTEGER_OPTIONS:
         return integer_problem(key, value)
+    if key in REAL_OPTIONS:
+        return real_problem(key, value)
     if key not in _FIELD_TYPES:
         return None
     if key == SPELLING_KEY and isinstance(value, str) and value.strip():
@@ -169,9 +171,10 @@ def _config_keys(node) -> Iterator[str]:
             yield from _config_keys(node.get(key) if isinstance(node, dict) else node._get_node(key))
 
 
-def _warn_ineffective(overrides: dict, cfg) -> None:
-    """Warn about keys that would change nothing: ALiBi keys for a model without
-    ALiBi, and keys the checkpoint's config has nowhere (fairseq drops them)."""
+def _refuse_ineffective(overrides: dict, cfg) -> None:
+    """Refuse keys that would change nothing: ALiBi keys for a model without
+    ALiBi, and keys the checkpoint's config has nowhere (fairseq drops them, and
+    would print the model's result as trained under the user's settings)."""
     model = getattr(cfg, "model", None)
     if model is None:
         return
@@ -180,21 +183,21 @@ def _warn_ineffective(overrides: dict, cfg) -> None:
     if "alibi_interpolation" not in model:
         given = sorted(k for k in overrides if isinstance(k, str) and k in ALIBI_FIELDS)
         if given:
-            warn_once(f"model overrides {', '.join(given)} have no effect: the checkpoint's model "
-                      f"({name}) has no ALiBi; it is evaluated as trained")
+            raise ConfigError(f"model overrides {', '.join(given)} would have no effect: the checkpoint's model "
+                              f"({name}) has no ALiBi; leave them out to evaluate it as trained")
         known.update(ALIBI_FIELDS)
     if "*" in known:  # a Namespace section takes any key
         return
     for key in overrides:
         if key in known or key in HUB_KEYS or (isinstance(key, str) and key.startswith(FIELD_PREFIXES)
                                                and key not in ALIBI_FIELDS):
-            continue  # an alibi* typo was warned about with the ALiBi fields
+            continue  # an alibi* typo was refused with the ALiBi fields
         if key in ALIBI_FIELDS:
             hint = " (an option of the ALiBi encoders, roberta_alibi and transformer_alibi)"
         else:
             hint = closest(key, [k for k in known if isinstance(k, str)]) if isinstance(key, str) else ""
-        warn_once(f"ignored model override {key!r}: the checkpoint's config ({name}) has no such option, "
-                  f"so it would change nothing{hint}")
+        raise ConfigError(f"model override {key!r} would change nothing: the checkpoint's config ({name}) has no "
+                          f"such option{hint}")
 
 
 #: The ALiBi fields every ALiBi model has (a checkpoint older than one of them lacks it).
@@ -282,14 +285,15 @@ def override_problem(key, value, cfg=None):
 
 def check_override_keys(overrides, cfg=None) -> None:
     """Check model overrides before they reach a model: an ``alibi*`` key no
-    model has is warned about (a typo would change nothing, silently); a value
+    model has is a ``ConfigError`` (a typo would change nothing, silently); a value
     of the wrong type (``alibi*``) or out of range (:data:`INTEGER_OPTIONS`) is
     a ``ConfigError`` naming the key (ALiBi ranges are checked where the model
     is built), and so is a key that cannot apply to the checkpoint
     (:func:`override_problem`: another method's parameter, one fixed by
     training, a shape); with ``cfg``, the checkpoint's whole config, a key it
     has nowhere (fairseq would drop it) and ALiBi keys given to a model without
-    ALiBi are warned about as having no effect."""
+    ALiBi are refused too: either would print the model's result as trained, as if
+    under the settings the user gave."""
     if overrides is None:
         return
     if not isinstance(overrides, dict):
@@ -298,11 +302,8 @@ def check_override_keys(overrides, cfg=None) -> None:
     for key, value in overrides.items():
         if isinstance(key, str) and key.startswith(FIELD_PREFIXES) and key not in ALIBI_FIELDS and not any(
                 param.name == key for _, param in P.params_of()):
-            warn_once(
-                f"ignored model override {key!r}: no such field of this plugin{closest(key, ALIBI_FIELDS)} "
-                f"(valid: {', '.join(ALIBI_FIELDS)})"
-            )
-            continue
+            raise ConfigError(f"model override {key!r} would change nothing: no such field of this plugin"
+                              f"{closest(key, ALIBI_FIELDS)} (valid: {', '.join(ALIBI_FIELDS)})")
         problem = _override_value_problem(key, value) if isinstance(key, str) else None
         if problem:
             where = " (alibi-eval-lm --help lists the keys)" if key in ALIBI_FIELDS else ""
@@ -311,4 +312,4 @@ def check_override_keys(overrides, cfg=None) -> None:
         if problem:
             raise ConfigError(problem)
     if cfg is not None:
-        _warn_ineffective(overrides, cfg)
+        _refuse_ineffective(overrides, cfg)

@@ -35,7 +35,8 @@ changes:
     ``safe_checkpoint_loading`` (crash): every checkpoint read through
     ``safe_load.load`` (torch's default refuses fairseq's files; never code
     from a file); ``fork_checkpoints_refused`` (wrong result): the 2021 fork's
-    unconverted files would run as sinusoidal models;
+    unconverted files would run as sinusoidal models; ``non_checkpoints_refused``
+    (crash): another PyTorch file is named, not a KeyError deep in fairseq;
     ``atomic_checkpoint_copies`` (crash): no truncated ``checkpoint_last.pt``;
     ``full_disk_checkpoints`` (crash): a full disk is one error, at once;
     ``checked_overrides`` (wrong result): model overrides fairseq would drop
@@ -130,6 +131,7 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(distributed.safe_broadcast, CRASH),
     Patch(checkpoints.safe_checkpoint_loading, CRASH),
     Patch(checkpoints.fork_checkpoints_refused, WRONG_RESULT),
+    Patch(checkpoints.non_checkpoints_refused, CRASH),
     Patch(checkpoints.atomic_checkpoint_copies, CRASH),
     Patch(checkpoints.full_disk_checkpoints, CRASH),
     Patch(checkpoints.checked_overrides, WRONG_RESULT, takes=("override_checks",)),

@@ -94,6 +94,20 @@ def fork_checkpoints_refused() -> None:
         checkpoint_utils.torch.inspectors.append(refuse_fork)
 
 
+def non_checkpoints_refused() -> None:
+    """A PyTorch file that is not a fairseq checkpoint (a bare state dict, a
+    tensor) is refused with one error naming it (``safe_load.check_checkpoint``).
+
+    Kind: crash.  Stock: ``KeyError: 'best_loss'`` or a ``TypeError`` from deep in
+    fairseq's loader (``alibi-sweep -c``, ``--restore-file``,
+    ``--finetune-from-model``)."""
+    from fairseq import checkpoint_utils
+
+    safe_checkpoint_loading()  # the loader whose inspectors these are
+    if safe_load.check_checkpoint not in checkpoint_utils.torch.inspectors:
+        checkpoint_utils.torch.inspectors.append(safe_load.check_checkpoint)
+
+
 def atomic_checkpoint_copies() -> None:
     """The copies of a saved checkpoint (``checkpoint_last.pt``,
     ``checkpoint_best.pt``) are written to a temporary file and renamed.
