@@ -341,8 +341,8 @@ CASES = [
         ("an output directory that is not empty", ["alibi-export-hf", "alibi/checkpoint_last.pt", "data"]),
         ("`--force` onto the directory that holds the checkpoint", ["alibi-export-hf", "alibi/checkpoint_last.pt",
                                                                     "alibi", "--force"]),
-        ("an unknown `--alibi-scaling`", ["alibi-export-hf", "alibi/checkpoint_last.pt", "hf_out",
-                                          "--alibi-scaling", "rope:2"]),
+        ("an unknown `--position-scaling`", ["alibi-export-hf", "alibi/checkpoint_last.pt", "hf_out",
+                                          "--position-scaling", "rope:2"]),
     ]),
     ("warnings (the command runs; the warning is on its output)", [
         ("a scale factor without an interpolation method",

@@ -798,7 +798,7 @@ def test_dynamic_scaling_without_a_training_length_is_refused(data_dir):
     from fairseq_alibi.export import Source, resolve_scaling
 
     unknown = Source("m.pt", None, None, None, None, NO_SCALING)
-    with pytest.raises(ExportError, match="--alibi-scaling linear needs the training length, which m.pt does not"):
+    with pytest.raises(ExportError, match="--position-scaling linear needs the training length, which m.pt does not"):
         resolve_scaling("linear", unknown)
     assert resolve_scaling("linear:2", unknown) == Scaling("linear", 2.0)
 
@@ -1251,3 +1251,10 @@ def test_the_check_scores_past_where_an_extension_starts_to_act(data_dir, tmp_pa
     assert "on 56 random tokens: max |log-prob difference| 0" in output, output
     line = check.Check("float32", 0.0, 0.0, 2048, unreached=4096).describe("float32")
     assert line.endswith("; the context extension acts past 4096 tokens, beyond the check's 2048: not exercised by it")
+
+
+def test_the_scaling_flag_is_named_for_every_position_method_and_keeps_its_older_name():
+    from fairseq_alibi.export import parser
+
+    for flag in ("--position-scaling", "--alibi-scaling"):
+        assert parser().parse_args(["m.pt", "out", flag, "yarn:2"]).position_scaling == "yarn:2"

@@ -397,7 +397,7 @@ def test_gpt_neox_refuses_what_it_cannot_hold_in_one_line(data_dir, exports, tmp
     line = one_error_line(export(t5, tmp_path / "c", "--format", "gpt-neox")[1])
     assert "position method t5bias (GPT-NeoX: rotary)" in line
     line = one_error_line(export(t5, tmp_path / "d", "--alibi-scaling", "ntk:2")[1])
-    assert line == ("error: --alibi-scaling ntk:2 does not apply to t5bias models; the methods that do: "
+    assert line == ("error: --position-scaling ntk:2 does not apply to t5bias models; the methods that do: "
                     + ", ".join(POSITIONS["t5bias"].extensions))
     assert not any((tmp_path / n).exists() for n in "abcd")
 

@@ -6,7 +6,7 @@
   ``transformer_lm``); its code travels with the model, so
   ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads
   it without this package; context extension in ``config.json``
-  (``alibi_scaling``, or ``rope_parameters`` for rotary; ``--alibi-scaling``);
+  (``alibi_scaling``, or ``rope_parameters`` for rotary; ``--position-scaling``);
 * ``--format bloom``: stock ``BloomForCausalLM`` for BLOOM-shaped models
   (``export/bloom.py``), no custom code;
 * ``--format gpt-neox``: stock ``GPTNeoXForCausalLM`` for pre-norm rotary
@@ -41,16 +41,16 @@ from .writer import check_output_dir, staged_directory, traveling_files
 FORMATS = ("auto", "custom", "bloom", "gpt-neox")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 def resolve_scaling(text: Optional[str], source: Source) -> Scaling:
-    """``--alibi-scaling METHOD[:F]``, else what the checkpoint's config asks for."""
+    """``--position-scaling METHOD[:F]``, else what the checkpoint's config asks for."""
     if text is None:
         return source.scaling
     scaling = Scaling.parse(text, source.train_length)
     if scaling.needs_train_length and source.train_length is None:
-        raise ExportError(f"--alibi-scaling {text} needs the training length, which {source.path} does not "
+        raise ExportError(f"--position-scaling {text} needs the training length, which {source.path} does not "
                           "record (no alibi_train_length or tokens_per_sample)")
     allowed = POSITIONS[source.position].extensions if source.position in POSITIONS else ("none",)
     if scaling.method not in allowed:
-        raise ExportError(f"--alibi-scaling {text} does not apply to {source.position} models; the methods that "
+        raise ExportError(f"--position-scaling {text} does not apply to {source.position} models; the methods that "
                           f"do: {', '.join(allowed)}")
     return scaling.complete()
 
@@ -94,7 +94,7 @@ def build_model(source: Source, fmt: str, scaling: Scaling):
     return build_custom(source, scaling)
 
 
-def export(checkpoint: str, output_dir: str, fmt: str = "auto", alibi_scaling: Optional[str] = None,
+def export(checkpoint: str, output_dir: str, fmt: str = "auto", position_scaling: Optional[str] = None,
            force: bool = False, dict_path: Optional[str] = None, bpe_files: Optional[Dict[str, str]] = None,
            dtype: str = "float32") -> dict:
     """Export ``checkpoint`` to ``output_dir``; a summary of what was written."""
@@ -107,7 +107,7 @@ def export(checkpoint: str, output_dir: str, fmt: str = "auto", alibi_scaling: O
     inputs = [checkpoint, dict_path, *(bpe_files or {}).values()]
     check_output_dir(output_dir, force, inputs)
     source = load_source(checkpoint, dict_path)
-    scaling = resolve_scaling(alibi_scaling, source)
+    scaling = resolve_scaling(position_scaling, source)
     tokenizer = build_tokenizer(source, bpe_files or {})
     source.unk_aliases = max(0, len(tokenizer) - len(source.dictionary))
     fmt, note = choose_format(fmt, source, scaling)
@@ -138,9 +138,11 @@ def parser() -> argparse.ArgumentParser:
                    help="auto (default): gpt-neox for a rotary model it holds, else custom; custom: exact for "
                    "every model, loads with trust_remote_code=True; bloom: stock BloomForCausalLM for "
                    "BLOOM-shaped ALiBi models; gpt-neox: stock GPTNeoXForCausalLM for pre-norm rotary models")
-    p.add_argument("--alibi-scaling", metavar="METHOD[:F]",
-                   help="context extension stored in config.json: none, linear[:F], ntk[:F] (no F: dynamic), "
-                   "cap[:F], ...; rotary: none, linear, ntk, yarn (default: the checkpoint's own)")
+    p.add_argument("--position-scaling", "--alibi-scaling", dest="position_scaling", metavar="METHOD[:F]",
+                   help="context extension stored in config.json, for the model's position method (the "
+                   "position_scaling of its config): none, linear[:F], ntk[:F] (no F: dynamic), cap[:F], ...; "
+                   "rotary: none, linear, ntk, yarn (default: the checkpoint's own; --alibi-scaling: the older "
+                   "name)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUTPUT_DIR")
     p.add_argument("--dict", dest="dict_path", metavar="DICT",
                    help="the model's dict.txt (default: the one in its training data directory)")
@@ -163,7 +165,7 @@ def summary(done: dict) -> str:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     with report_errors(interrupted="alibi-export-hf interrupted (nothing written)"):
-        done = export(args.checkpoint, args.output_dir, args.format, args.alibi_scaling, args.force,
+        done = export(args.checkpoint, args.output_dir, args.format, args.position_scaling, args.force,
                       args.dict_path, {"gpt2_encoder_json": args.gpt2_encoder_json,
                                        "gpt2_vocab_bpe": args.gpt2_vocab_bpe}, args.dtype)
         sys.stdout.write(summary(done))
