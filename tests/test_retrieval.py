@@ -1462,3 +1462,19 @@ def test_a_fairseq_checkpoint_s_bpe_spells_built_in_prompts():
     encoder = backends.Encoder(dictionary, bpe=IdsBPE())
     ids = encoder.words("The pass key is 4 2".split())
     assert dictionary.unk() not in ids and [dictionary[i] for i in ids] == "464 1208 1994 318 19 17".split()
+
+
+def test_each_depth_panel_holds_one_method_also_when_only_alpha_differs(tmp_path, monkeypatch):
+    """log:1 and log:1:0.25 share method and factor: each panel is its own label's
+    cells (they were pooled, the later overwriting the earlier in both panels)."""
+    from matplotlib.axes import Axes
+
+    from fairseq_alibi.evaluation import report
+
+    grids = []
+    stock = Axes.imshow
+    monkeypatch.setattr(Axes, "imshow", lambda self, grid, **kw: grids.append(grid) or stock(self, grid, **kw))
+    cells = [dict(checkpoint="m", task="passkey", method="log", factor=1.0, label=label, length=64, depth=0.5,
+                  accuracy=accuracy, correct=round(10 * accuracy), n=10) for label, accuracy in (("log x1 a1", 0.2), ("log x1 a0.25", 0.9))]
+    report.plot_retrieval_depth(str(tmp_path / "depth.png"), cells, lambda c: 0)
+    assert sorted(g[0][0] for g in grids) == [20.0, 90.0]

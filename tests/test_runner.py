@@ -155,6 +155,21 @@ def test_resume_reuses_cells_of_unchanged_models_only(tmp_path):
     assert {c["checkpoint"] for c in stored["cells"]} == {"a", "b"}  # b's cells are kept for a later run
 
 
+def test_stale_cells_outside_the_grid_are_kept_for_the_run_they_belong_to(tmp_path):
+    """A run under another identity (here a's value; in alibi-sweep, another --subset,
+    whose files are part of it) recomputes the cells of its grid and keeps the others
+    as they were: a later run under the first identity reuses them (they were dropped
+    from results.json, never recomputed)."""
+    toy_run(tmp_path, ["a=1"], cells=(1, 2, 3))
+    log, _ = toy_run(tmp_path, ["a=2"], cells=(1,))
+    assert sorted(runs(log)) == sorted(("a", m, 1) for m in ("none", "ntk:2", "cap"))
+    stored = json.loads((tmp_path / "results.json").read_text())["cells"]
+    assert sorted((c["n"], c["identity"].split("|")[0]) for c in stored if c["method"] == "none") == [
+        (1, "2"), (2, "1"), (3, "1")]
+    log, _ = toy_run(tmp_path, ["a=1"], cells=(2, 3))
+    assert runs(log) == []
+
+
 def test_what_a_report_derives_is_written_to_results_json_and_resumes(tmp_path):
     _, results = toy_run(tmp_path, ["a=1"])
     stored = json.loads((tmp_path / "results.json").read_text())

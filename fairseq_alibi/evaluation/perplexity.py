@@ -18,7 +18,8 @@ The grid is checkpoints x methods x evaluation modes x lengths:
   scored once with the context available inside its window) and ``sliding``
   (windows of ``length`` tokens advanced by ``--stride``; the last ``stride``
   tokens of each window are scored, so each has at least ``length - stride``
-  tokens of context).  Sliding with stride S at length L is exactly
+  tokens of context, except in the first window, whose tokens are all scored
+  with what precedes them in it).  Sliding with stride S at length L is exactly
   ``fairseq-eval-lm --tokens-per-sample L --context-window (L - S)``;
 * **lengths**: absolute (``64,128``) or relative to each checkpoint's training
   length (``1x,2x,16x``), at most the evaluated text's token count (a longer

@@ -559,8 +559,8 @@ def plot_retrieval_depth(path: str, cells: List[dict], rank: Rank) -> None:
     for r, (ckpt, task) in enumerate(rows):
         for m, (name, factor, label) in enumerate(methods):
             ax = axes[r][m]
-            these = [c for c in cells if c["checkpoint"] == ckpt and c["task"] == task
-                     and (c["method"], c["factor"]) == (name, factor)]
+            these = [c for c in cells if c["checkpoint"] == ckpt and c["task"] == task  # label: alpha too
+                     and (c["method"], c["factor"], c["label"]) == (name, factor, label)]
             if not these:
                 ax.axis("off")
                 continue

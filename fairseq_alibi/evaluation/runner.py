@@ -120,8 +120,8 @@ def run(args, methods: List[Scaling], measure: Measure, backend: Backend) -> Lis
                       for d in described}
         store.reuse(lambda cell: identities.get(cell.get("checkpoint")))
         if store.stale:
-            logger.info("%d stored cells were computed from other models, data or settings: recomputing them",
-                        store.stale)
+            logger.info("%d stored cells were computed from other models, data or settings: those of this grid are "
+                        "recomputed, the others kept as they are", store.stale)
         total = sum(len(p.methods) * len(p.cells) for p in plans)
         todo = [[(m, c) for m in p.methods for c in p.cells if measure.needs_run(store.get(key_of(p, m, c)))]
                 for p in plans]

@@ -91,13 +91,17 @@ class ResultStore:
     """``results.json`` of an output directory: every finished cell, rewritten
     atomically after each one.  A stored cell is reused only when its
     ``identity`` equals the current one; cells of models this run does not
-    evaluate are kept as they are; the others are recomputed (:attr:`stale`)."""
+    evaluate are kept as they are; the others (:attr:`stale`) are recomputed
+    where this run's grid has them, and kept as they are where it has not (the
+    valid split's cells of a run over the test split: a later run over valid
+    checks them again)."""
 
     def __init__(self, outdir: str, key: Callable[[dict], tuple], order: Callable[[dict], tuple]):
         self.path = os.path.join(outdir, "results.json")
         self.key, self.order = key, order
         self.cells: Dict[tuple, dict] = {}
         self.stale = 0
+        self.set_aside: Dict[tuple, dict] = {}  # stale cells, written back unless recomputed
         self.stored: List[dict] = []
         if os.path.isfile(self.path):
             try:
@@ -121,6 +125,7 @@ class ResultStore:
                 self.cells[self.key(cell)] = cell
             else:
                 self.stale += 1
+                self.set_aside[self.key(cell)] = cell
 
     def get(self, key: tuple) -> Optional[dict]:
         return self.cells.get(key)
@@ -133,7 +138,7 @@ class ResultStore:
         """``results.json``: ``meta``, every stored cell (``cells``: some of them again, with
         what the reports derive from them, such as their intervals, in place of the stored
         ones; the cells of earlier runs stay) and any further ``sections``."""
-        merged = dict(self.cells)
+        merged = {**self.set_aside, **self.cells}
         merged.update((self.key(cell), cell) for cell in cells or ())
         cells = sorted(merged.values(), key=self.order)
         atomic_write(self.path, json.dumps({"meta": meta, "cells": cells, **sections}, indent=1) + "\n")
