@@ -51,6 +51,7 @@ NUMERIC_CASES = [
     ("alibi-train", "--attention-dropout", "2", "a number in [0, 1)"),
     ("alibi-train", "--weight-decay", "nan", "a finite number >= 0"),
     ("alibi-generate", "--temperature", "0", "a finite number > 0"),
+    ("alibi-train", "--decoder-input-dim", "0", "a positive integer"),  # was a ZeroDivisionError
 ]
 
 

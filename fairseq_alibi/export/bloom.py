@@ -20,6 +20,7 @@ import torch
 from ..errors import ExportError
 from ..facts import bloom_shape_problems
 from .custom import ReadWeights
+from .neox import fuse_per_head
 
 def check_bloom(fields: dict, scaling) -> None:
     """One line naming every feature BLOOM cannot hold, pointing to the default format."""
@@ -46,8 +47,7 @@ def bloom_weights(weights: Dict[str, torch.Tensor], heads: int, layers: int) -> 
                       src + "fc1": dst + "mlp.dense_h_to_4h", src + "fc2": dst + "mlp.dense_4h_to_h"})
         for kind in ("weight", "bias"):
             q, k, v = (weights[f"{src}self_attn.{p}_proj.{kind}"] for p in "qkv")
-            per_head = [t.reshape(heads, -1, *t.shape[1:]) for t in (q, k, v)]
-            out[f"{dst}self_attention.query_key_value.{kind}"] = torch.stack(per_head, 1).reshape(-1, *q.shape[1:])
+            out[f"{dst}self_attention.query_key_value.{kind}"] = fuse_per_head(q, k, v, heads)
     for old, new in norms.items():
         for kind in ("weight", "bias"):
             out[f"{new}.{kind}"] = weights[f"{old}.{kind}"]
