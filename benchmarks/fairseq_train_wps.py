@@ -157,6 +157,9 @@ def main():
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--analyze", help="only recompute the ratios from the logs kept in this directory")
     opts = p.parse_args()
+    if not 1 <= opts.skip < opts.updates:
+        p.error(f"--skip must be in 1 .. {opts.updates - 1} (fewer than --updates {opts.updates}; fairseq logs the "
+                f"first update's words/s as 0), got {opts.skip}")
     opts.batch = opts.batch or max(1, 4096 // opts.length)
     if opts.device == "cuda":
         opts.sequential = True  # one GPU: one run at a time

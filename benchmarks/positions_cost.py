@@ -126,6 +126,7 @@ def train_command(data: str, method: str, opts, attention_dropout: float) -> Lis
         os.path.join(BIN, "alibi-train"), data, "--task", "language_modeling", "--arch", arch_of(method),
         *size_args(opts), *method_flags(method), "--attention-dropout", str(attention_dropout),
         "--tokens-per-sample", str(opts.length), "--sample-break-mode", "none", "--max-tokens", str(opts.max_tokens),
+        "--required-batch-size-multiple", "1",  # fairseq's 8 cut 20 samples to 16: an update of max_tokens // L
         "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0", "--weight-decay", "0.01",
         "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "100", "--warmup-init-lr", "1e-7",
         "--max-update", str(opts.updates), "--seed", "1", "--log-format", "json", "--log-interval", "1",
@@ -236,7 +237,7 @@ def cell_command(opts, method: str, length: int, dict_dir: str) -> List[str]:
            "--cell-length", str(length),
            "--dict-dir", dict_dir, "--vocab", str(opts.vocab), "--threads", str(opts.threads),
            "--eval-calls", str(opts.eval_calls), "--eval-multiples", *map(str, opts.eval_multiples)]
-    for flag in ("length", "layers", "embed_dim", "heads", "ffn"):
+    for flag in ("length", "max_tokens", "layers", "embed_dim", "heads", "ffn"):  # what parse_args checks them by
         cmd += ["--" + flag.replace("_", "-"), str(getattr(opts, flag))]
     return cmd
 
@@ -323,11 +324,19 @@ def header(opts, command: str, loads: Sequence[float]) -> List[str]:
         f"{loads[0]:.2f} at the start, {loads[1]:.2f} at the end.",
         "",
         f"Model (every method): {opts.layers} layers, d={opts.embed_dim}, {opts.heads} heads, FFN {opts.ffn}, "
-        f"pre-norm, vocabulary {opts.vocab}, L={opts.length}; training {opts.max_tokens} tokens per update, "
-        f"dropout 0.1. Each value: the median over {opts.repeats} repeat(s); / sinusoidal"
+        f"pre-norm, vocabulary {opts.vocab}, L={opts.length}; "
+        + (f"training {tokens_per_update(opts)} tokens per update ({opts.max_tokens // opts.length} samples), "
+           if opts.attention_dropout else "")
+        + f"dropout 0.1. Each value: the median over {opts.repeats} repeat(s) (fewer where a row says so); "
+        "/ sinusoidal"
         + (" and / ALiBi: the ratio of the medians to that method's" if ALIBI in opts.methods else
            ": the ratio of the medians") + ", [the range of the ratios of the pairs of one repeat].",
     ] + left_out_lines(opts)
+
+
+def tokens_per_update(opts) -> int:
+    """An update's tokens: the whole samples of L that ``--max-tokens`` holds (``train_command``'s batches)."""
+    return opts.max_tokens // opts.length * opts.length
 
 
 def left_out_lines(opts) -> List[str]:
@@ -360,11 +369,15 @@ def train_table(opts, train: Dict[str, Dict[str, dict]]) -> List[str]:
             f"{opts.updates} updates per run)", ""] + table_lines(header, rows)
 
 
-def eval_table(opts, length: int, by_key: Dict[str, Dict[str, dict]], why: Dict[str, str]) -> List[str]:
+def eval_table(opts, length: int, by_key: Dict[str, Dict[str, dict]], why: Dict[str, str],
+               partial: Optional[Dict[str, str]] = None) -> List[str]:
+    """``partial``: a method measured in some repeats only, and why not the others (its
+    median is over the repeats it has; said in its row)."""
+    partial = partial or {}
     header = ["method", "keys read"] + [c for name in ("seconds", "peak MiB", "own MiB")
                                         for c in [name] + ratio_columns(opts)]
     rows = [[method, f"not run: {why[method]}"] + ["-"] * (len(header) - 2) if method in why else
-            [method, value_text(by_key["keys_read"][method])]
+            [method + (f" ({partial[method]})" if method in partial else ""), value_text(by_key["keys_read"][method])]
             + [c for key in ("seconds", "peak_mib", "own_mib") for c in value_cells(opts, by_key[key][method])]
             for method in opts.methods]
     return [f"### Evaluation: no-grad forward of the decoder stack, {length} tokens "
@@ -391,7 +404,7 @@ def render(opts, command: str, loads: Sequence[float], train: Dict[str, Dict[str
     lines = header(opts, command, loads) + ([""] + train_table(opts, train) + threshold_lines(opts, train)
                                             if train else [])
     for length, result in evaluation.items():
-        lines += [""] + eval_table(opts, int(length), result["compared"], result["not_run"])
+        lines += [""] + eval_table(opts, int(length), result["compared"], result["not_run"], result.get("partial"))
         if "ru_maxrss" in result.get("memory_basis", ()):
             lines += ["", NO_RESET_NOTE]
     return "\n".join(lines) + "\n"
@@ -470,8 +483,12 @@ def measure_evaluation(opts, dict_dir: str, start: float):
                   for key in ("seconds", "keys_read", "peak_mib", "own_mib")}
         why = {method: next(c.get("skipped") or c.get("failed") for c in runs)
                for method, runs in cells.items() if not any("own_mib" in c for c in runs)}
+        partial = {method: f"{sum('own_mib' in c for c in runs)} of {len(runs)} repeats; "
+                           + next(c.get("skipped") or c.get("failed") for c in runs if "own_mib" not in c)
+                   for method, runs in cells.items() if method not in why and not all("own_mib" in c for c in runs)}
         bases = sorted({c["memory_basis"] for runs in cells.values() for c in runs if "memory_basis" in c})
-        results[str(length)] = {"cells": cells, "compared": by_key, "not_run": why, "memory_basis": bases}
+        results[str(length)] = {"cells": cells, "compared": by_key, "not_run": why, "partial": partial,
+                                "memory_basis": bases}
     return results
 
 
@@ -515,8 +532,9 @@ def parse_args(argv=None):
         p.error("nothing to measure: give --attention-dropout (training) or --eval-multiples (evaluation) a value")
     if opts.memory_only and not opts.eval_multiples:
         p.error("--memory-only measures evaluation cells: give --eval-multiples a value")
-    if opts.skip < 0 or opts.skip >= opts.updates:
-        p.error(f"--skip must be in 0 .. {opts.updates - 1} (fewer than --updates {opts.updates}), got {opts.skip}")
+    if opts.skip < 1 or opts.skip >= opts.updates:
+        p.error(f"--skip must be in 1 .. {opts.updates - 1} (fewer than --updates {opts.updates}; fairseq logs the "
+                f"first update's words/s as 0), got {opts.skip}")
     if problem := heads_problem(opts.embed_dim, opts.heads):
         p.error(problem)
     if opts.max_tokens < opts.length:

@@ -282,7 +282,9 @@ def test_significant_keeps_four_digits_without_an_exponent(value):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--updates", "3", "--skip", "3"], "--skip must be in 0 .. 2 (fewer than --updates 3), got 3"),
+    (["--updates", "3", "--skip", "3"], "--skip must be in 1 .. 2 (fewer than --updates 3; fairseq logs the first "
+                                        "update's words/s as 0), got 3"),
+    (["--skip", "0"], "--skip must be in 1 .. 29"),  # the first update's 0 words/s halved a 2-update median
     (["--repeats", "0"], "argument --repeats: must be a positive integer, got 0"),
     (["--attention-dropout", "0", "1"], "--attention-dropout takes probabilities in [0, 1), got 0.0 1.0"),
     (["--methods", "learned"], "argument --methods: invalid choice: 'learned'"),
@@ -410,6 +412,44 @@ def _can_reset_peak() -> bool:
 
 @pytest.mark.skipif(not _can_reset_peak(), reason="this system cannot reset the high-water mark through "
                     "/proc/self/clear_refs (the fallback, ru_maxrss, has its own test)")
+def test_a_method_measured_in_some_repeats_only_says_so_in_its_row(monkeypatch):
+    """Its median is over the repeats it has: the row names how many and why not the
+    others (it looked like every other row, its median over fewer repeats)."""
+    opts = positions_cost.parse_args(["--attention-dropout", "--eval-multiples", "8", "--length", str(LENGTH),
+                                      "--methods", "alibi", "t5bias", "--repeats", "3"])
+    opts.vocab = 100
+    calls = []
+
+    def cell(opts, method, length, dict_dir):
+        calls.append(method)
+        if method == "t5bias" and calls.count("t5bias") == 2:
+            return {"failed": "exit 1: out of memory"}
+        return {"seconds": 1.0, "keys_read": 1.0, "peak_mib": 300.0, "ready_mib": 250.0, "own_mib": 50.0,
+                "memory_basis": "VmHWM"}
+
+    monkeypatch.setattr(positions_cost, "measure_cell", cell)
+    evaluation = positions_cost.measure_evaluation(opts, "unused", time.time())
+    assert evaluation[str(8 * LENGTH)]["partial"] == {"t5bias": "2 of 3 repeats; exit 1: out of memory"}
+    markdown = positions_cost.render(opts, "cmd", [1.0, 1.0], {}, evaluation)
+    (rows,) = tables(markdown).values()
+    assert [r[0] for r in rows[1:]] == ["sinusoidal", "alibi", "t5bias (2 of 3 repeats; exit 1: out of memory)"]
+
+
+def test_a_cell_is_given_the_run_s_sizes_and_a_training_update_whole_samples():
+    """A cell re-parses the run's options: given --max-tokens too, a length above the
+    default 2048 is accepted (every cell failed there); training updates hold
+    max_tokens // L whole samples (fairseq's batch multiple of 8 cut 20 to 16)."""
+    opts = positions_cost.parse_args(["--length", "4096", "--max-tokens", "4096", "--attention-dropout", "0",
+                                      "--eval-multiples", "1", "--methods", "alibi"])
+    opts.vocab = 100
+    cell = positions_cost.cell_command(opts, "alibi", 4096, "unused")
+    assert positions_cost.parse_args(cell[2:]).max_tokens == 4096
+    train = positions_cost.train_command("data", "alibi", opts, 0.0)
+    assert train[train.index("--required-batch-size-multiple") + 1] == "1"
+    opts.length, opts.max_tokens = 100, 2048
+    assert "training 2000 tokens per update (20 samples)" in "\n".join(positions_cost.header(opts, "cmd", [0, 0]))
+
+
 def test_memory_of_counts_what_the_calls_hold_not_an_earlier_peak():
     """A call that holds 48 MiB at once adds about 48 MiB, in a process whose
     high-water mark was raised by 96 MiB before (freed since): read from
