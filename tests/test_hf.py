@@ -360,6 +360,31 @@ def test_unsupported_models_are_refused():
     with pytest.raises(ValueError, match="config.alibi=False.*rotary"):
         hf.apply_alibi_scaling(rotary_falcon, "linear", 2.0)
     assert not any(m._forward_pre_hooks for m in rotary_falcon.modules())
+    # transformers' MPT adds ALiBi whatever attn_config.alibi says: scaled, it was a model never trained so
+    mpt_without = make_model("mpt")
+    mpt_without.config.attn_config.alibi = False
+    with pytest.raises(ValueError, match="attn_config.alibi=False: this MPT was trained without ALiBi"):
+        hf.apply_alibi_scaling(mpt_without, "ntk", 2.0)
+    with pytest.raises(ValueError, match="attn_config.alibi=False: this MPT was trained without ALiBi"):
+        hf.config_family(mpt_without.config)
+    assert hf.config_family(make_model("mpt").config) == "mpt"
+
+
+def test_a_sweep_refuses_logn_for_bloom_mpt_falcon_before_any_cell(saved_mpt, monkeypatch, capsys):
+    """logn scales logits these models compute themselves, so their hooks do not
+    take it: the plan says so up front (it ran the none cells, then stopped)."""
+    from fairseq_alibi.evaluation import perplexity
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = [str(saved_mpt / "text.txt"), "--hf", f"mpt={saved_mpt / 'mpt'}", "--lengths", "1x", "--methods",
+            "none,logn", "--output-dir", str(saved_mpt / "logn"), "--cpu", "--no-progress"]
+    with pytest.raises(SystemExit) as exit_info:
+        perplexity.main(argv)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert exit_info.value.code == 1 and errors == [
+        "error: logn does not apply to any model of this run; the methods that do: mpt (alibi): none, linear, ntk, "
+        "cap, log, power, capnorm"]
+    assert not (saved_mpt / "logn" / "results.json").exists()
 
 
 @pytest.mark.parametrize(

@@ -147,7 +147,8 @@ class HFBackend:
         position = hf.position_method(config)
         info = ModelInfo(name, spec, f"hf:{family}", arch, None if position == "sinusoidal" else position, train_length,
                          f"{model_identity(spec)}|L={self.train_length}",
-                         " (the model's config does not record its training length: pass --train-length L)")
+                         " (the model's config does not record its training length: pass --train-length L)",
+                         hf.extensions_of(family, position))
         return Described(info, HFEncoder(tokenizer, by_lines=family == hf.EXPORTED))
 
     def text_tokens(self, described: Described) -> int:

@@ -29,6 +29,8 @@ class ModelInfo:
     identity: str  # the model file(s) and whatever else changes its numbers
     #: What to do when a method needs the training length and ``train_length`` is None.
     missing_length_hint: str = ""
+    #: The extension methods its backend applies, where not all of its position method's (a BLOOM's: no logn).
+    extensions: Optional[Tuple[str, ...]] = None
 
 
 @dataclass

@@ -15,5 +15,5 @@ from .families import (  # noqa: F401
 )
 from .loading import load_hf_config, load_hf_model, loaded_notes, quiet_transformers  # noqa: F401
 from .scaling import (  # noqa: F401
-    BIAS_FORMS, alibi_scaling, alibi_scaling_settings, apply_alibi_scaling, remove_alibi_scaling,
+    BIAS_FORMS, alibi_scaling, alibi_scaling_settings, apply_alibi_scaling, extensions_of, remove_alibi_scaling,
 )

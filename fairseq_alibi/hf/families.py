@@ -60,6 +60,9 @@ def resolve(model) -> Tuple[str, torch.nn.Module]:
             "scales; "
             f"supported: {SUPPORTED_MODELS}"
         )
+    if family == "mpt" and not mpt_has_alibi(base.config):
+        raise UnsupportedModelError(f"{type(model).__name__} has attn_config.alibi=False: {MPT_WITHOUT_ALIBI}; "
+                                    f"supported: {SUPPORTED_MODELS}")
     if family == "falcon":
         if not base.config.alibi:
             raise UnsupportedModelError(
@@ -76,15 +79,29 @@ def resolve(model) -> Tuple[str, torch.nn.Module]:
     return family, base
 
 
+#: Why an MPT config without ALiBi is refused.
+MPT_WITHOUT_ALIBI = ("this MPT was trained without ALiBi (learned or rotary positions), which transformers' MPT "
+                     "ignores: it adds ALiBi regardless, so no number of it would be the trained model's")
+
+
+def mpt_has_alibi(config) -> bool:
+    """Whether an MPT config trains with ALiBi (``attn_config.alibi``, True by default)."""
+    attn = getattr(config, "attn_config", None)
+    alibi = attn.get("alibi", True) if isinstance(attn, dict) else getattr(attn, "alibi", True)
+    return alibi is not False
+
+
 def config_family(config) -> str:
     """The family :func:`resolve` would find, read from a model's config alone
     (before its weights are loaded), else ``UnsupportedModelError``."""
     model_type = getattr(config, "model_type", None)
     if model_type == MODEL_TYPE:
         return EXPORTED
-    if model_type in ("bloom", "mpt", NEOX) or (model_type == "falcon" and getattr(config, "alibi", False)):
+    if model_type in ("bloom", NEOX) or (model_type == "falcon" and getattr(config, "alibi", False)) or (
+            model_type == "mpt" and mpt_has_alibi(config)):
         return model_type
     why = ("config.alibi=False: this Falcon uses rotary position embeddings, not ALiBi" if model_type == "falcon"
+           else f"attn_config.alibi=False: {MPT_WITHOUT_ALIBI}" if model_type == "mpt"
            else f"model_type {model_type!r} is not a model whose positions this package scales")
     raise UnsupportedModelError(f"{why}; supported: {SUPPORTED_MODELS}")
 

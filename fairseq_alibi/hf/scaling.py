@@ -291,6 +291,16 @@ def _mpt_slopes(current: Dict[str, Any], scaling: Scaling) -> torch.Tensor:
 NEOX_METHODS = ("none", "linear (static)", "ntk (static or dynamic)", "yarn (static)")
 
 
+def extensions_of(family: str, position: str) -> Tuple[str, ...]:
+    """The extension methods a model of ``family`` takes: an export's and
+    GPT-NeoX's those of their position method (``core.positions``); BLOOM's,
+    MPT's and Falcon's those the hooks here compute (``alibi.EXTENSIONS``:
+    no ``logn``, which scales the logits these models compute themselves)."""
+    if family not in (EXPORTED, NEOX):
+        return alibi.EXTENSIONS
+    return POSITIONS[position].extensions if position in POSITIONS else ("none",)
+
+
 def _checked_scaling(model, family: str, method, factor, train_length, alpha, bias_form: str) -> Scaling:
     """The complete scaling spec of the arguments (``ConfigError`` naming the
     bad one).  The training length defaults to what the config records; an
@@ -308,10 +318,7 @@ def _checked_scaling(model, family: str, method, factor, train_length, alpha, bi
     if family == EXPORTED or scaling.train_length is None:
         scaling = scaling.for_model(recorded)
     position = position_method(model.config)
-    allowed = POSITIONS[position].extensions if position in POSITIONS else ("none",)
-    if family not in (EXPORTED, NEOX):
-        allowed = alibi.EXTENSIONS  # the hooks' methods
-    scaling = check_applies(scaling, position, allowed).complete()
+    scaling = check_applies(scaling, position, extensions_of(family, position)).complete()
     if family in (EXPORTED, NEOX) and bias_form != "relative":
         raise ConfigError(f"bias_form={bias_form!r} applies to BLOOM and Falcon; a {family} model computes its "
                           "own positions (bias_form='relative')")
