@@ -93,6 +93,31 @@ def test_logn_counts_a_rows_own_keys_under_padding_and_in_a_cache():
         torch.testing.assert_close(step[0, :, 0], batch[0, :, -1], rtol=1e-5, atol=1e-5)
 
 
+def test_an_encoder_s_queries_count_every_key_they_see_both_ways():
+    """A head that looks both ways sees its row's every real key, one that looks
+    left the keys up to it, right from it (a causal count gave an encoder's first
+    query 1 and its last T); and a symmetric encoder scores a mirrored input as
+    the mirror of its output, with logn as without."""
+    from fairseq_alibi.core.logit_scale import keys_seen
+
+    pad = torch.zeros(2, 10, dtype=torch.bool)
+    pad[1, 7:] = True  # row 1: 7 real keys
+    n = keys_seen(10, 10, pad, directions=(-1, 0, 1))[..., 0]  # [B, H, T]
+    assert n[0].tolist() == [list(range(1, 11)), [10] * 10, list(range(10, 0, -1))]
+    assert n[1, 1, :7].tolist() == [7] * 7 and n[1, 2, :7].tolist() == list(range(7, 0, -1))
+    torch.manual_seed(3)
+    bias = AlibiBias(4, "symmetric", Scaling.parse("logn", L))
+    q, k, v = (torch.randn(1, 4, 5 * L, 8) * 2 for _ in range(3))
+    with torch.no_grad():
+        out, _ = kernels.attend(q, k, v, bias, "sdpa")
+        mirrored, _ = kernels.attend(q.flip(2), k.flip(2), v.flip(2), bias, "sdpa")
+        torch.testing.assert_close(mirrored.flip(2), out, rtol=1e-5, atol=1e-5)
+        factor = math.log(5 * L) / math.log(L)  # every query sees all 5 L keys
+        dense = torch.softmax((q * factor) @ k.transpose(-1, -2) / math.sqrt(8) + bias.dense(5 * L, 5 * L, q.dtype,
+                                                                                             q.device), -1) @ v
+        torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.fast_cases(2)
 @pytest.mark.parametrize("name", list(POSITIONS))
 def test_logn_applies_to_every_position_method_and_its_cache_equals_the_full_forward(data_dir, name):

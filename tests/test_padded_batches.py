@@ -39,13 +39,16 @@ def scaling(spelling: str) -> Scaling:
 
 
 # ------------------------------------------------------------------ the core kernels (fairseq's layers run these)
-@pytest.mark.parametrize("spelling", METHODS)
+@pytest.mark.parametrize("spelling", METHODS + ["logn:0.5"])
 @pytest.mark.parametrize("kernel", ["reference", "sdpa", "chunked"])
-def test_core_kernels_score_each_row_as_alone(spelling, kernel):
+@pytest.mark.parametrize("mode", ["causal", "symmetric", "split"])
+def test_core_kernels_score_each_row_as_alone(spelling, kernel, mode):
+    """Left and right padding, in a decoder and in an encoder's both-ways modes
+    (an encoder's capnorm counted the right padding as keys past C)."""
     torch.manual_seed(0)
     heads, dim = 4, 8
     q, k, v = (torch.randn(len(ROWS), heads, LENGTH, dim) * 2 for _ in range(3))
-    bias = AlibiBias(heads, "causal", scaling(spelling))
+    bias = AlibiBias(heads, mode, scaling(spelling))
     with torch.no_grad():
         batch, _ = kernels.attend(q, k, v, bias, kernel, padding(), 0.0)
         for row, (lead, real) in enumerate(ROWS):
@@ -63,7 +66,10 @@ def test_core_groups_only_what_needs_it():
     factors = {bias.scaling.factor for _, _, bias in groups}
     assert factors == {max(1.0, real / TRAIN) for _, real in ROWS}
     cuts = kernels.row_groups(AlibiBias(4, "causal", scaling("capnorm")), pad, LENGTH, LENGTH)
-    assert sorted(cut for _, cut, _ in cuts) == sorted({lead for lead, _ in ROWS})
+    assert sorted(cut for _, (cut, _), _ in cuts) == sorted({lead for lead, _ in ROWS})
+    assert {end for _, (_, end), _ in cuts} == {LENGTH}  # a decoder's trailing padding is masked, not cut
+    both_ways = kernels.row_groups(AlibiBias(4, "symmetric", scaling("capnorm")), pad, LENGTH, LENGTH)
+    assert sorted(span for _, span, _ in both_ways) == sorted((lead, lead + real) for lead, real in ROWS)
 
 
 def test_a_dynamic_row_has_the_factor_of_its_own_keys_with_a_kv_cache():

@@ -701,7 +701,8 @@ def attend(q, k, v, bias: StackBias, name: str, key_padding_mask=None, dropout_p
     length is warned about once (:func:`scaling.warn_if_cache_drifts`).
     Queries are first scaled by the logit scalings (``logit_scale.py``: the
     ``logn`` method of ``bias.scaling``, SSMax's learned ``ssmax`` scales ``[H]``)."""
-    q = scaled_queries(q, k.size(2), bias.scaling, key_padding_mask, ssmax, bias.window)
+    directions = None if bias.causal else getattr(bias, "directions", None) or (0,) * q.size(1)  # 0: both ways
+    q = scaled_queries(q, k.size(2), bias.scaling, key_padding_mask, ssmax, bias.window, directions)
     if incremental and bias.scaling.dynamic and k.size(2) > q.size(2):
         padded = 0 if key_padding_mask is None else key_padding_mask.to(torch.bool).sum(-1)
         warn_if_cache_drifts(bias.scaling, k.size(2) - q.size(2), k.size(2) - padded)
@@ -710,23 +711,25 @@ def attend(q, k, v, bias: StackBias, name: str, key_padding_mask=None, dropout_p
         chosen = choose_kernel(name, bias, need_weights, q.size(2), k.size(2), dropout_p, incremental, q.device)
         return KERNELS[chosen](q, k, v, bias, key_padding_mask, dropout_p)
     out, weights = q.new_zeros(q.shape[:3] + (v.size(-1),)), None
-    for rows, cut, row_bias in groups:
+    for rows, (cut, end), row_bias in groups:
         first_query = max(0, cut - (k.size(2) - q.size(2)))  # a full forward's leading padded queries go too
-        q_rows, k_rows, v_rows = q[rows, :, first_query:], k[rows, :, cut:], v[rows, :, cut:]
-        pad = key_padding_mask[rows, cut:]
+        last_query = q.size(2) - (k.size(2) - end)  # and an encoder's trailing ones
+        q_rows, k_rows, v_rows = q[rows, :, first_query:last_query], k[rows, :, cut:end], v[rows, :, cut:end]
+        pad = key_padding_mask[rows, cut:end]
         chosen = choose_kernel(name, row_bias, need_weights, q_rows.size(2), k_rows.size(2), dropout_p, incremental,
                                q.device)
         o, w = KERNELS[chosen](q_rows, k_rows, v_rows, row_bias, pad if bool(pad.any()) else None, dropout_p)
-        out[rows, :, first_query:] = o
+        out[rows, :, first_query:last_query] = o
         if w is not None:
             weights = weights if weights is not None else w.new_zeros(q.shape[:3] + (k.size(2),))
-            weights[rows, :, first_query:, cut:] = w
+            weights[rows, :, first_query:last_query, cut:end] = w
     return out, weights
 
 
 def row_groups(bias: StackBias, key_padding_mask: Optional[Tensor], q_len: int, k_len: int):
-    """``[(rows, cut, bias)]``: the batch's rows grouped so that each scores as it
-    would alone, or None where the batch needs no grouping.
+    """``[(rows, (cut, end), bias)]``: the batch's rows grouped so that each scores
+    as it would alone (its keys ``cut .. end - 1``), or None where the batch needs
+    no grouping.
 
     A Toeplitz bias (``i - j`` only: ALiBi, T5's, Kerple's) is not moved by
     padding, which is masked, so a batch needs no grouping, except where the
@@ -734,7 +737,9 @@ def row_groups(bias: StackBias, key_padding_mask: Optional[Tensor], q_len: int, 
     with ``n`` **the row's own keys** (cached and new, padding not counted),
     and a bias that is not Toeplitz (``capnorm`` counts the keys past ``C``,
     FIRE normalizes by the query's position), for which a row's leading
-    padding is ``cut`` away: positions count from its first real token.  The one definition of every path: fairseq's layers, the exported
+    padding is ``cut`` away: positions count from its first real token; in a
+    bidirectional stack (an encoder's ``capnorm`` counts the keys right of
+    each query too) its trailing padding ends at ``end``.  The one definition of every path: fairseq's layers, the exported
     model (left- and right-padded), and the Hugging Face hooks
     (``hf.scaling``) all follow it.
     """
@@ -751,11 +756,15 @@ def row_groups(bias: StackBias, key_padding_mask: Optional[Tensor], q_len: int, 
     real = (~pad).sum(-1)
     leading = torch.where(real > 0, (~pad).int().argmax(-1), 0)
     cuts = leading.clamp(max=k_len - q_len if q_len < k_len else k_len).tolist()
+    ends = [k_len] * len(cuts)
     if bias.toeplitz:
         cuts = [0] * len(cuts)
-    keys = [(cut, scaling.factor_at(int(n))) for cut, n in zip(cuts, real.tolist())]
+    elif not bias.causal and q_len == k_len:  # self-attention both ways: the keys after the last real one go
+        last = k_len - (~pad).int().flip(-1).argmax(-1)
+        ends = torch.where(real > 0, last, k_len).tolist()
+    keys = [((cut, end), scaling.factor_at(int(n))) for cut, end, n in zip(cuts, ends, real.tolist())]
     groups = []
-    for cut, factor in sorted(set(keys)):
-        rows = torch.tensor([i for i, key in enumerate(keys) if key == (cut, factor)], device=pad.device)
-        groups.append((rows, cut, bias.at_factor(factor)))
+    for span, factor in sorted(set(keys)):
+        rows = torch.tensor([i for i, key in enumerate(keys) if key == (span, factor)], device=pad.device)
+        groups.append((rows, span, bias.at_factor(factor)))
     return groups
