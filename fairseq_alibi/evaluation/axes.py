@@ -35,7 +35,7 @@ def parse_methods(spec: str) -> List[Scaling]:
 def applicable(info: ModelInfo) -> Tuple[str, ...]:
     """The extension methods that apply to a model (``core.positions``, or fewer where its backend
     says so: ``ModelInfo.extensions``; ``none`` only without a position method)."""
-    if info.extensions is not None:
+    if getattr(info, "extensions", None) is not None:  # (a caller may describe a model by its position alone)
         return info.extensions
     return POSITIONS[info.position].extensions if info.position in POSITIONS else ("none",)
 
