@@ -104,11 +104,25 @@ def _decode_message(path: str, where: str, exc: UnicodeDecodeError, final: bool)
     return f"{path} is not UTF-8 text: {fault}; convert it to UTF-8, e.g. from Latin-1: {_iconv(path, 'latin1')}"
 
 
+def _lone_carriage_return(chunk: bytes, cr_before: bool) -> Optional[int]:
+    """The offset in ``chunk`` of a ``\\r`` not followed by ``\\n`` (-1: the last
+    chunk's final one, ``cr_before``), or None.  Python's text mode, which
+    fairseq reads with, takes a lone ``\\r`` as a line break (universal newlines)."""
+    if cr_before and not chunk.startswith(b"\n"):
+        return -1
+    at = chunk.find(b"\r")
+    while at >= 0:
+        if at + 1 < len(chunk) and chunk[at + 1:at + 2] != b"\n":
+            return at
+        at = chunk.find(b"\r", at + 1)
+    return None
+
+
 def _content_problem(path: str, handle) -> Tuple[str, bool]:
     """(what is wrong in the bytes of ``handle``, the first fault first; whether
     any of it is text, not whitespace)."""
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
-    offset, lines, text_seen = 0, 1, False
+    offset, lines, text_seen, cr_before = 0, 1, False, False
     while True:
         chunk = handle.read(CHUNK)
         pending = len(decoder.getstate()[0])  # bytes of a character the last chunk cut (no newline among them)
@@ -123,6 +137,19 @@ def _content_problem(path: str, handle) -> Tuple[str, bool]:
             text = ""
         if nul >= 0:
             return _nul_message(path, _where(offset + nul, lines + chunk.count(b"\n", 0, nul))), text_seen
+        lone = _lone_carriage_return(chunk, cr_before)
+        if lone is not None:
+            where = _where(offset + lone, lines + chunk.count(b"\n", 0, max(lone, 0)))
+            return (f"{path} holds a carriage return not followed by a line feed at {where}: fairseq reads it as a "
+                    "line break, so its lines would not be the file's; end lines with \\n (or \\r\\n), e.g. "
+                    f"tr '\\r' '\\n' < {shlex.quote(path)} > {shlex.quote(_converted_name(path))}"), text_seen
+        mark = chunk.find(codecs.BOM_UTF8, 1 if offset == 0 else 0)
+        if mark >= 0:
+            where = _where(offset + mark, lines + chunk.count(b"\n", 0, mark))
+            return (f"{path} holds a UTF-8 byte-order mark inside the text at {where} (files joined with cat?): "
+                    "fairseq reads it as part of a word; remove it, e.g. sed -i 's/\\xEF\\xBB\\xBF//g' "
+                    f"{shlex.quote(path)}"), text_seen
+        cr_before = chunk.endswith(b"\r")
         text_seen = text_seen or bool(text.replace("\ufeff", "").strip())
         if not chunk:
             return "", text_seen

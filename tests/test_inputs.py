@@ -53,6 +53,14 @@ TEXT_CASES = [
     # (name, how to make it, bom_ok, expected ("" = accepted))
     ("good", lambda p: p.write_text(GOOD_TEXT), False, ""),
     ("crlf", lambda p: p.write_bytes(b"one the cat\r\ntwo\r\n"), False, ""),
+    ("crlf across a read", lambda p: p.write_bytes(b"a" * (inputs.CHUNK - 1) + b"\r\ntwo\r\n"), False, ""),
+    # fairseq reads a lone \r as a line break: 3 sentences binarized from a file of 2 lines
+    ("lone carriage return", lambda p: p.write_bytes(b"alpha beta\rgamma delta\nepsilon\n"), False,
+     "carriage return not followed by a line feed at byte offset 10 (line 1)"),
+    ("lone carriage return ending a read", lambda p: p.write_bytes(b"a" * (inputs.CHUNK - 1) + b"\rtwo\n"), False,
+     f"carriage return not followed by a line feed at byte offset {inputs.CHUNK - 1} (line 1)"),
+    ("utf8 bom inside", lambda p: p.write_bytes(b"one\n\xef\xbb\xbftwo\n"), True,
+     "byte-order mark inside the text at byte offset 4 (line 2)"),
     ("utf8 multibyte", lambda p: p.write_text("caf\u00e9 \u20ac \U0001d11e\n"), False, ""),
     ("utf8 bom skipped", lambda p: p.write_bytes(b"\xef\xbb\xbfone the cat\n"), True, ""),
     ("utf8 bom kept", lambda p: p.write_bytes(b"\xef\xbb\xbfone the cat\n"), False, "starts with a UTF-8 byte-order"),
