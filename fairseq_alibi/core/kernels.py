@@ -739,8 +739,9 @@ def row_groups(bias: StackBias, key_padding_mask: Optional[Tensor], q_len: int, 
     FIRE normalizes by the query's position), for which a row's leading
     padding is ``cut`` away: positions count from its first real token; in a
     bidirectional stack (an encoder's ``capnorm`` counts the keys right of
-    each query too) its trailing padding ends at ``end``.  The one definition of every path: fairseq's layers, the exported
-    model (left- and right-padded), and the Hugging Face hooks
+    each query too) its trailing padding ends at ``end``.  The one definition
+    of every path: fairseq's layers, the exported model (left- and
+    right-padded), and the Hugging Face hooks
     (``hf.scaling``) all follow it.
     """
     scaling = bias.scaling

@@ -235,6 +235,13 @@ def position(name: str) -> Position:
     return POSITIONS[name]
 
 
+def extensions(name: Optional[str]) -> Tuple[str, ...]:
+    """The extension methods of position method ``name``; ``none`` alone for a
+    model whose positions nothing here changes (the stock sinusoidal model:
+    ``None`` or a name outside the registry)."""
+    return POSITIONS[name].extensions if name in POSITIONS else ("none",)
+
+
 def check_extension(name: str, scaling: Scaling) -> Scaling:
     """``scaling`` if its method applies to position method ``name``, else a
     ``ScalingError`` naming the methods that do."""

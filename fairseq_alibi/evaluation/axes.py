@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
-from ..core.positions import POSITIONS
+from ..core.positions import extensions
 from ..core.scaling import Scaling
 from ..errors import EvaluationError, not_a_file
 from ..options import INT32_MAX
@@ -37,7 +37,7 @@ def applicable(info: ModelInfo) -> Tuple[str, ...]:
     says so: ``ModelInfo.extensions``; ``none`` only without a position method)."""
     if getattr(info, "extensions", None) is not None:  # (a caller may describe a model by its position alone)
         return info.extensions
-    return POSITIONS[info.position].extensions if info.position in POSITIONS else ("none",)
+    return extensions(info.position)
 
 
 def check_methods_apply(infos: Sequence[ModelInfo], methods: Sequence[Scaling]) -> None:

@@ -30,7 +30,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..core.positions import POSITIONS
+from ..core.positions import extensions
 from ..core.scaling import Scaling
 from ..errors import ExportError, report_errors
 from ..hf import quiet_transformers
@@ -48,7 +48,7 @@ def resolve_scaling(text: Optional[str], source: Source) -> Scaling:
     if scaling.needs_train_length and source.train_length is None:
         raise ExportError(f"--position-scaling {text} needs the training length, which {source.path} does not "
                           "record (no alibi_train_length or tokens_per_sample)")
-    allowed = POSITIONS[source.position].extensions if source.position in POSITIONS else ("none",)
+    allowed = extensions(source.position)
     if scaling.method not in allowed:
         raise ExportError(f"--position-scaling {text} does not apply to {source.position} models; the methods that "
                           f"do: {', '.join(allowed)}")

@@ -50,7 +50,7 @@ import torch
 from ..core import alibi
 from ..core.configuration_alibi import neox_computes, neox_rope_parameters
 from ..core.errors import ConfigError, InputError
-from ..core.positions import POSITIONS
+from ..core.positions import extensions
 from ..core.scaling import DISTANCE_METHODS, Scaling, check_applies, warn_if_cache_drifts
 from ..errors import UnsupportedModelError
 from .families import EXPORTED, NEOX, base_slopes, hf_train_length, position_method, resolve
@@ -298,7 +298,7 @@ def extensions_of(family: str, position: str) -> Tuple[str, ...]:
     no ``logn``, which scales the logits these models compute themselves)."""
     if family not in (EXPORTED, NEOX):
         return alibi.EXTENSIONS
-    return POSITIONS[position].extensions if position in POSITIONS else ("none",)
+    return extensions(position)
 
 
 def _checked_scaling(model, family: str, method, factor, train_length, alpha, bias_form: str) -> Scaling:
