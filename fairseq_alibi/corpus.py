@@ -21,9 +21,16 @@ Pipeline (``python -m fairseq_alibi.corpus``, or
    of their name (so the split does not depend on the order the filesystem
    lists them in), the first ones go to valid until it holds
    ``valid_fraction`` of all tokens, the next ones to test, the rest to train;
-4. close the vocabulary like WikiText: words seen fewer than ``min_count``
+4. drop every paragraph of valid and test that train holds verbatim (the help
+   topics repeat each other: ``try`` and ``compound`` share whole sections, and
+   stdlib modules share licence and boilerplate comments; left in, a tenth of
+   the valid split's tokens were text the model had trained on, which lowers its
+   perplexity by memory, not by modelling); ``--held-out-overlap keep`` builds
+   the corpus as it was before 2026-12-02.  Train, and so the dictionary and any
+   model trained on it, is the same either way;
+5. close the vocabulary like WikiText: words seen fewer than ``min_count``
    times in train become ``<unk>`` in every split;
-5. write ``wiki.{train,valid,test}.tokens`` and binarize them with
+6. write ``wiki.{train,valid,test}.tokens`` and binarize them with
    ``alibi-preprocess --only-source`` (each split whole or not at all).
 
 The result depends only on the Python version's stdlib (a different CPython
@@ -57,6 +64,7 @@ logger = logging.getLogger("fairseq_alibi.corpus")
 
 SPLITS = ("train", "valid", "test")
 SOURCES = ("topics", "docstrings", "comments")
+HELD_OUT_OVERLAP = ("drop", "keep")
 # Directories of the stdlib that are not documentation of the library itself,
 # or that distributions commonly split off.
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
@@ -251,6 +259,26 @@ def split_documents(
     return splits
 
 
+def drop_train_overlap(splits: Dict[str, List[Tuple[str, List[str]]]]) -> Dict[str, Dict[str, int]]:
+    """Remove, in place, the paragraphs of valid and test that occur verbatim in train.
+
+    A document's ``= title =`` heading stays (it keeps the WikiText layout, and
+    titles are the documents' own).  Returns, per held-out split, the lines and
+    tokens dropped (tokens counted as ``count_tokens`` counts them)."""
+    in_train = {line for _, lines in splits["train"] for line in lines}
+    dropped = {}
+    for split in ("valid", "test"):
+        lines_dropped = tokens_dropped = 0
+        for i, (name, lines) in enumerate(splits[split]):
+            kept = [line for k, line in enumerate(lines) if k == 0 or line not in in_train]
+            removed = [line for k, line in enumerate(lines) if k > 0 and line in in_train]
+            lines_dropped += len(removed)
+            tokens_dropped += count_tokens(removed)
+            splits[split][i] = (name, kept)
+        dropped[split] = {"lines": lines_dropped, "tokens": tokens_dropped}
+    return dropped
+
+
 def close_vocabulary(splits: Dict[str, List[Tuple[str, List[str]]]], min_count: int) -> int:
     """Replace words seen fewer than ``min_count`` times in train by ``<unk>``, in place.
 
@@ -279,6 +307,7 @@ class CorpusConfig:
     min_count: int = 3
     valid_fraction: float = 0.05
     test_fraction: float = 0.05
+    held_out_overlap: str = "drop"
     workers: int = 2
 
     def settings(self) -> dict:
@@ -289,6 +318,8 @@ class CorpusConfig:
         d["python"] = sys.version.split()[0]
         for key in ("destdir", "rawdir", "workers"):
             d.pop(key)
+        if self.held_out_overlap == "keep":
+            d.pop("held_out_overlap")  # a manifest written before the option was this corpus
         return d
 
 
@@ -332,6 +363,8 @@ def binarize(rawdir: str, destdir: str, workers: int = 1) -> None:
 
 def prepare(cfg: CorpusConfig, force: bool = False) -> dict:
     """Build (or find already built) the corpus; returns the manifest."""
+    if cfg.held_out_overlap not in HELD_OUT_OVERLAP:
+        raise CorpusError(f"held_out_overlap is {cfg.held_out_overlap!r}; choose from {', '.join(HELD_OUT_OVERLAP)}")
     manifest_path = os.path.join(cfg.destdir, MANIFEST)
     if not force and is_prepared(cfg):
         logger.info("corpus already prepared in %s (delete it or pass --force to rebuild)", cfg.destdir)
@@ -343,6 +376,10 @@ def prepare(cfg: CorpusConfig, force: bool = False) -> dict:
     tokenizer = WikiTextTokenizer(lowercase=cfg.lowercase)
     tokenized = [(d.name, tokenize_document(d, tokenizer)) for d in docs]
     splits = split_documents(tokenized, cfg.valid_fraction, cfg.test_fraction)
+    dropped = drop_train_overlap(splits) if cfg.held_out_overlap == "drop" else None
+    if dropped:
+        logger.info("held-out paragraphs also in train, dropped: %s", ", ".join(
+            f"{s} {d['lines']} lines, {d['tokens']} tokens" for s, d in dropped.items()))
     vocab_size = close_vocabulary(splits, cfg.min_count)
 
     os.makedirs(rawdir, exist_ok=True)  # only now: every input was read
@@ -373,6 +410,7 @@ def prepare(cfg: CorpusConfig, force: bool = False) -> dict:
         "settings": cfg.settings(),
         "splits": stats,
         "vocabulary": vocab_size,
+        "dropped_train_overlap": dropped,
         "documents": {s: [name for name, _ in splits[s]] for s in SPLITS},
     }
     with open(manifest_path + ".tmp", "w", encoding="utf-8") as f:
@@ -397,6 +435,9 @@ def get_parser() -> argparse.ArgumentParser:
                    help="train count below which a word becomes <unk> (default: %(default)s)")
     p.add_argument("--valid-fraction", type=float, default=CorpusConfig.valid_fraction)
     p.add_argument("--test-fraction", type=float, default=CorpusConfig.test_fraction)
+    p.add_argument("--held-out-overlap", choices=HELD_OUT_OVERLAP, default=CorpusConfig.held_out_overlap,
+                   help="a valid or test paragraph that train holds verbatim: drop it (default), or keep "
+                   "it (the corpus as built before 2026-12-02, for the numbers measured on it)")
     p.add_argument("--workers", type=int, default=CorpusConfig.workers, help="fairseq-preprocess workers")
     p.add_argument("--force", action="store_true", help="rebuild even if an identical corpus exists")
     return p
@@ -410,7 +451,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         destdir=args.destdir, rawdir=args.rawdir,
         sources=tuple(s.strip() for s in args.sources.split(",") if s.strip()),
         stdlib_dir=args.stdlib_dir, lowercase=args.lowercase, min_count=args.min_count,
-        valid_fraction=args.valid_fraction, test_fraction=args.test_fraction, workers=args.workers,
+        valid_fraction=args.valid_fraction, test_fraction=args.test_fraction,
+        held_out_overlap=args.held_out_overlap, workers=args.workers,
     )
     with report_errors():
         manifest = prepare(cfg, force=args.force)

@@ -40,6 +40,8 @@ def fake_stdlib(directory: Path, modules: int = 40) -> Path:
             def f{i}():
                 """{sentence}"""
                 return {i}  # trailing comment {i}
+
+            # Licensed to PSF under a Contributor Agreement.
             ''')
         sub = directory / ("pkg" if i % 2 else "") / f"mod{i}.py"
         sub.parent.mkdir(parents=True, exist_ok=True)
@@ -66,6 +68,32 @@ def test_help_topics_are_available():
     assert sum(len(p.split()) for d in docs for p in d.paragraphs) > 40_000
 
 
+def test_held_out_paragraphs_that_train_holds_are_dropped():
+    shared = "Licensed to PSF under a Contributor Agreement ."
+    splits = {
+        "train": [("module:a", ["= a =", "alpha beta", shared])],
+        "valid": [("module:b", ["= b =", shared, "gamma delta", "alpha beta gamma"]),
+                  ("module:c", ["= a =", "alpha beta"])],  # a heading train also has stays
+        "test": [("module:d", ["= d =", "epsilon"])],
+    }
+    train_before = [list(lines) for _, lines in splits["train"]]
+    dropped = corpus.drop_train_overlap(splits)
+    assert splits["valid"] == [("module:b", ["= b =", "gamma delta", "alpha beta gamma"]),
+                               ("module:c", ["= a ="])]
+    assert splits["test"] == [("module:d", ["= d =", "epsilon"])]
+    assert [lines for _, lines in splits["train"]] == train_before
+    assert dropped == {"valid": {"lines": 2, "tokens": corpus.count_tokens([shared, "alpha beta"])},
+                       "test": {"lines": 0, "tokens": 0}}
+
+
+def test_held_out_overlap_is_a_setting_and_keep_reads_older_manifests():
+    drop, keep = corpus.CorpusConfig(), corpus.CorpusConfig(held_out_overlap="keep")
+    assert drop.settings()["held_out_overlap"] == "drop"
+    assert "held_out_overlap" not in keep.settings()  # what manifests before the option hold
+    with pytest.raises(corpus.CorpusError, match="held_out_overlap is 'maybe'; choose from drop, keep"):
+        corpus.prepare(corpus.CorpusConfig(destdir="/nonexistent", held_out_overlap="maybe"))
+
+
 @pytest.mark.slow
 def test_build_split_by_document_and_idempotent(tmp_path):
     stdlib = fake_stdlib(tmp_path / "lib")
@@ -80,8 +108,16 @@ def test_build_split_by_document_and_idempotent(tmp_path):
     raw = {s: (dest / "raw" / f"wiki.{s}.tokens").read_text().splitlines() for s in corpus.SPLITS}
     for split in corpus.SPLITS:
         assert manifest["splits"][split]["tokens"] == corpus.count_tokens(raw[split])
-    total = sum(manifest["splits"][s]["tokens"] for s in corpus.SPLITS)
-    assert manifest["splits"]["valid"]["tokens"] >= 0.1 * total
+    # Every module ends with the same licence line: train holds it, so valid and test lose it.
+    dropped = manifest["dropped_train_overlap"]
+    licence = "Licensed to PSF under a Contributor Agreement ."
+    assert licence in raw["train"] and licence not in raw["valid"] + raw["test"]
+    in_train = set(raw["train"])
+    for split in ("valid", "test"):
+        assert dropped[split]["lines"] >= len(manifest["documents"][split])
+        assert not [line for line in raw[split] if line in in_train and not line.startswith("= ")]
+    total = sum(manifest["splits"][s]["tokens"] + dropped.get(s, {"tokens": 0})["tokens"] for s in corpus.SPLITS)
+    assert manifest["splits"]["valid"]["tokens"] + dropped["valid"]["tokens"] >= 0.1 * total
     # Whole documents: each module in exactly one split (one heading line each); tests excluded.
     names = sum((manifest["documents"][s] for s in corpus.SPLITS), [])
     assert len(names) == len(set(names)) == 40
@@ -107,6 +143,14 @@ def test_build_split_by_document_and_idempotent(tmp_path):
     cfg3 = corpus.CorpusConfig(**{**cfg.__dict__, "lowercase": True})
     corpus.prepare(cfg3)
     assert json.loads((dest / corpus.MANIFEST).read_text())["settings"]["lowercase"] is True
+    # The corpus as built before the overlap was dropped: the same train, the licence line held out.
+    keep = corpus.prepare(corpus.CorpusConfig(**{**cfg.__dict__, "destdir": str(tmp_path / "keep"),
+                                                 "held_out_overlap": "keep"}))
+    assert keep["dropped_train_overlap"] is None
+    assert (tmp_path / "keep" / "raw" / "wiki.train.tokens").read_text() == "\n".join(raw["train"]) + "\n"
+    assert (tmp_path / "keep" / "dict.txt").read_text() == (tmp_path / "bin2" / "dict.txt").read_text()
+    for split in ("valid", "test"):
+        assert keep["splits"][split]["tokens"] == manifest["splits"][split]["tokens"] + dropped[split]["tokens"]
 
 
 def run_script(args, env=None, timeout=120):

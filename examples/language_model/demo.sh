@@ -21,6 +21,9 @@ RECIPE_TAG=demo
 source examples/lib.sh
 
 DATA=${DATA:-data-bin/embedded}
+# The embedded corpus's valid/test paragraphs that train holds: drop (default) or keep (the corpus
+# before 2026-12-02).
+HELD_OUT_OVERLAP=${HELD_OUT_OVERLAP:-drop}
 OUT=${OUT:-outputs/demo}
 L=${L:-64}                  # training length (tokens per sample)
 LAYERS=${LAYERS:-2}
@@ -45,7 +48,7 @@ training_threads
 fresh_report "$OUT/sweep/results.md" "$OUT/sweep/perplexity.png" "$OUT/sweep/per_position.png"
 
 stamp "1/3 corpus -> $DATA"
-python -m fairseq_alibi.corpus --destdir "$DATA"
+python -m fairseq_alibi.corpus --destdir "$DATA" --held-out-overlap "$HELD_OUT_OVERLAP"
 
 train() {  # train NAME: identical settings for both models; only the arch (position handling) differs
   local name=$1
