@@ -112,12 +112,45 @@ last_saved() {  # DIR: the update count of the last checkpoint its train.log say
   echo "${updates:-0}"
 }
 
+# training_record DATA ALIBI_TRAIN_ARGS...: what defines the model a training writes, a line each: the
+# checksums of DATA's dict.txt and train.idx (the corpus may be rebuilt in place), then each option
+# with its values, but DATA (data.path has it) and the options that only log or that a staged
+# training raises (--max-update, --log-interval, --log-format).
+training_record() {
+  local data=$1 file arg line="" skip=""
+  shift
+  for file in dict.txt train.idx; do
+    [ ! -f "$data/$file" ] || echo "$file $(sha1sum < "$data/$file" | cut -c1-40)"
+  done
+  for arg in "$@" --; do
+    case $arg in
+      --*) [ -z "$line" ] || [ -n "$skip" ] || printf '%s\n' "$line"
+           line=$arg; skip=""
+           case $arg in --max-update|--log-interval|--log-format|--max-update=*|--log-interval=*|--log-format=*) skip=1 ;; esac ;;
+      *) line="$line $arg" ;;
+    esac
+  done
+}
+
+# first_difference FILE TEXT: where TEXT first differs from FILE's lines, for an error message
+first_difference() {
+  local -a was now
+  local i
+  mapfile -t was < "$1"
+  mapfile -t now <<< "$2"
+  for ((i = 0; i < ${#was[@]} || i < ${#now[@]}; i++)); do
+    [ "${was[i]-}" = "${now[i]-}" ] && continue
+    echo "it was trained with '${was[i]-(nothing more)}' where this run has '${now[i]-(nothing more)}'"
+    return
+  done
+}
+
 # train_model DIR LABEL DETAIL DATA ALIBI_TRAIN_ARGS...: train into DIR (train.log, checkpoints) on DATA,
-# unless DIR/trained.ok records UPDATES (refused: a DIR whose model was trained past UPDATES, or on
-# another DATA, recorded in DIR/data.path). Reads UPDATES, SAVE_EVERY, TRAIN_THREADS, TRAIN_STEP (the
-# recipe's step, e.g. 2/4) and FOLLOW (a pattern of log lines to show, prefixed with LABEL; empty:
-# none). Returns 0 (trained), 1 (failed: one error: line on stderr) or 130 (stopped: resumable).
-# Runs as a job of run_trainings (it sets the traps of its own shell).
+# unless DIR/trained.ok records UPDATES (refused: a DIR whose model was trained past UPDATES, on
+# another DATA, recorded in DIR/data.path, or with other settings, DIR/train.record). Reads UPDATES,
+# SAVE_EVERY, TRAIN_THREADS, TRAIN_STEP (the recipe's step, e.g. 2/4) and FOLLOW (a pattern of log
+# lines to show, prefixed with LABEL; empty: none). Returns 0 (trained), 1 (failed: one error: line
+# on stderr) or 130 (stopped: resumable). Runs as a job of run_trainings (it sets the traps of its own shell).
 train_model() {
   local dir=$1 label=$2 detail=$3 status=0 trainer="" sent="" resume="" data
   shift 3
@@ -127,6 +160,16 @@ train_model() {
   if [ -n "$data" ] && [ -f "$dir/data.path" ] && [ "$(cat "$dir/data.path")" != "$data" ]; then
     echo "error: $label: $dir holds a model trained on $(cat "$dir/data.path"), not on $data; give another" \
       "OUT, or remove $dir to train it again" >&2
+    return 1
+  fi
+  # Nor on other settings: DIR/train.record holds what defines the model (the corpus's dict.txt and
+  # train.idx checksums, the trainer's arguments but those that only log or, raised by a staged
+  # training, say where to stop); a DIR from before the record: taken as is.
+  local record
+  record=$([ $# = 0 ] || training_record "$@")
+  if [ -n "$record" ] && [ -f "$dir/train.record" ] && [ "$(cat "$dir/train.record")" != "$record" ]; then
+    echo "error: $label: $dir holds a model trained with other settings ($(first_difference "$dir/train.record" \
+      "$record")); give another OUT, or remove $dir to train it again" >&2
     return 1
   fi
   # (an empty trained.ok is the mark of an earlier demo.sh, which recorded no count: kept as trained)
@@ -144,6 +187,7 @@ train_model() {
   fi
   mkdir -p "$dir"
   [ -z "$data" ] || echo "$data" > "$dir/data.path"
+  [ -z "$record" ] || printf '%s\n' "$record" > "$dir/train.record"
   touch "$dir/train.log"
   [ -f "$dir/checkpoint_last.pt" ] && resume=", resuming from update $(last_saved "$dir")"
   stamp "$TRAIN_STEP training $label ($detail$resume; log in $dir/train.log)"

@@ -218,3 +218,42 @@ def test_a_training_whose_end_wait_n_passed_over_is_still_counted_by_its_pid(tmp
                          env=dict(os.environ, REPO=str(REPO)), stdin=subprocess.DEVNULL)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.split() == ["status", str(code)]
+
+
+def test_a_model_goes_on_only_with_the_settings_it_was_trained_with(tmp_path):
+    """train_model records what defines a model (DIR/train.record: the corpus's
+    dict.txt checksum and the trainer's options, less --max-update, which a
+    staged training raises, and the logging options); a finished or resumable
+    run folder recorded with other settings is refused with one error line
+    naming the first difference, and no trainer starts."""
+    env = fake_recipe_env(tmp_path, FINISH="1")
+    driver = DRIVER.replace('"fake"; }', '"fake" "$DATA" --seed "$SEED" --max-update "$UPDATES" --log-interval "$LOG"; }')
+    driver = driver.replace("UPDATES=10 ", "UPDATES=${UPDATES:-10} ")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "dict.txt").write_text("the 5\n")
+
+    def run(**settings):
+        return subprocess.run(["bash", "-c", driver], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL, env=dict(env, DATA=str(corpus), **settings))
+
+    first = run(SEED="1", LOG="5")
+    assert first.returncode == 0, first.stdout + first.stderr
+    record = (tmp_path / "out" / "a" / "train.record").read_text().splitlines()
+    assert record[1:] == ["--seed 1"] and record[0].startswith("dict.txt ")
+    # More updates (a staged training's next stage) and another log interval: the same model goes on.
+    more = run(SEED="1", LOG="7", UPDATES="20")
+    assert more.returncode == 0 and "resuming" in more.stdout, more.stdout + more.stderr
+    assert (tmp_path / "out" / "a" / "trained.ok").read_text() == "20\n"
+    logs = {name: (tmp_path / "out" / name / "train.log").read_text() for name in ("a", "b")}
+    seed = run(SEED="2", LOG="5", UPDATES="20")
+    assert seed.returncode == 1, seed.stdout + seed.stderr
+    expected = {f"error: run {name}: {tmp_path}/out/{name} holds a model trained with other settings (it was "
+                f"trained with '--seed 1' where this run has '--seed 2'); give another OUT, or remove "
+                f"{tmp_path}/out/{name} to train it again" for name in ("a", "b")}
+    assert seed.stderr.splitlines() and set(seed.stderr.splitlines()) <= expected, seed.stderr
+    # The corpus rebuilt in place with another vocabulary: refused too, by its dict.txt.
+    (corpus / "dict.txt").write_text("the 5\ncat 3\n")
+    rebuilt = run(SEED="1", LOG="5", UPDATES="20")
+    assert rebuilt.returncode == 1 and "it was trained with 'dict.txt " in rebuilt.stderr, rebuilt.stderr
+    assert logs == {name: (tmp_path / "out" / name / "train.log").read_text() for name in ("a", "b")}
