@@ -773,7 +773,20 @@ def test_recipe_filler_corpus_passkey_and_one_models_own_arguments(tmp_path):
                                  env=cli_env(**dict(settings, FILLER_WORDS=words, FILLER_SHARE=share,
                                                     OUT=str(tmp_path / "wrong"))))
         assert refused.returncode == 1 and refused.stderr.splitlines() == [f"error: FILLER_WORDS={words} {message}"]
+    digits = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                            env=cli_env(**dict(settings, DIGITS="two", OUT=str(tmp_path / "wrong"))))
+    assert digits.returncode == 1 and digits.stderr.splitlines() == ["error: DIGITS=two is not a positive whole number"]
     assert not (tmp_path / "wrong").exists()  # refused before anything ran
+    # The corpus DATA holds was built with 16 keys: a run with 17 is refused before it trains (DATA
+    # named, so the keys do not change its directory's name).
+    keys = subprocess.run([script], capture_output=True, text=True, timeout=600,
+                          env=cli_env(**dict(settings, KEYS="17", OUT=str(tmp_path / "keys"))))
+    assert keys.returncode == 1, keys.stdout[-2000:] + keys.stderr
+    assert keys.stderr.splitlines() == [
+        f"error: {data} holds a corpus built with max-length 63 keys 16 digits 2 train-docs 200 seed 1 filler-share "
+        f"0.5 filler-words keys layout adjacent, not with max-length 63 keys 17 digits 2 train-docs 200 seed 1 "
+        f"filler-share 0.5 filler-words keys layout adjacent; give another DATA, or remove {data} to build it again"]
+    assert not list((tmp_path / "keys").glob("seed1/*/train.log"))
 
 
 @pytest.mark.slow

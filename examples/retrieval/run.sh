@@ -123,11 +123,11 @@ SCALE=${SCALE:-cpu}
 if [ "$SCALE" = gpu ]; then
   # Larger: L=512, 4 layers, d=256, more data and updates; one model at a time on the GPU.
   L=${L:-512}; LAYERS=${LAYERS:-4}; DIM=${DIM:-256}; FFN=${FFN:-1024}; UPDATES=${UPDATES:-20000}
-  DOCS=${DOCS:-400000}; KEYS=${KEYS:-1024}; MAX_TOKENS=${MAX_TOKENS:-16384}; DEVICE_FLAGS=${DEVICE_FLAGS:-}
+  DEFAULT_DOCS=400000; DEFAULT_KEYS=1024; DOCS=${DOCS:-$DEFAULT_DOCS}; KEYS=${KEYS:-$DEFAULT_KEYS}; MAX_TOKENS=${MAX_TOKENS:-16384}; DEVICE_FLAGS=${DEVICE_FLAGS:-}
   PARALLEL=${PARALLEL:-0}; SAMPLES=${SAMPLES:-50}
 else
   L=${L:-128}; LAYERS=${LAYERS:-2}; DIM=${DIM:-128}; FFN=${FFN:-512}; UPDATES=${UPDATES:-1500}
-  DOCS=${DOCS:-40000}; KEYS=${KEYS:-256}; MAX_TOKENS=${MAX_TOKENS:-4096}; DEVICE_FLAGS=${DEVICE_FLAGS:---cpu}
+  DEFAULT_DOCS=40000; DEFAULT_KEYS=256; DOCS=${DOCS:-$DEFAULT_DOCS}; KEYS=${KEYS:-$DEFAULT_KEYS}; MAX_TOKENS=${MAX_TOKENS:-4096}; DEVICE_FLAGS=${DEVICE_FLAGS:---cpu}
   PARALLEL=${PARALLEL:-1}; SAMPLES=${SAMPLES:-20}
 fi
 HEADS=${HEADS:-8}
@@ -150,8 +150,13 @@ PASSKEY=${PASSKEY:-0}            # 1: the passkey at 1x too (one record in dicti
 # adjacent (line KEY N .: the number right after its key); the evaluation's prompts take the same.
 LAYOUT=${LAYOUT:-record}
 OUT=${OUT:-outputs/retrieval}
-# A corpus of another seed or filler share gets its own directory (an existing one is never taken for it).
+# A corpus of another seed, number of keys, digits, documents, filler share or layout gets its own
+# directory (an existing one is never taken for it; build_corpus also checks the settings a
+# directory was built with, DATA given or not).
 CORPUS_TAG=""; [ "$CORPUS_SEED" = 1 ] || CORPUS_TAG="-c$CORPUS_SEED"
+[ "$KEYS" = "$DEFAULT_KEYS" ] || CORPUS_TAG="$CORPUS_TAG-k$KEYS"
+[ "$DIGITS" = 3 ] || CORPUS_TAG="$CORPUS_TAG-d$DIGITS"
+[ "$DOCS" = "$DEFAULT_DOCS" ] || CORPUS_TAG="$CORPUS_TAG-n$DOCS"
 SHARE_PATTERN='^(0(\.[0-9]+)?|1(\.0+)?)$'
 if ! [[ $FILLER_SHARE =~ $SHARE_PATTERN ]]; then
   echo "error: FILLER_SHARE=$FILLER_SHARE is not a share of the documents: give a number from 0 to 1, e.g. 0.25" >&2; exit 1
@@ -201,7 +206,7 @@ recipe_settings MODELS METHODS "$DEFAULT_METHODS"
 # The per-model settings name a model of the registry (a misspelt one would be ignored) and the
 # update and layer counts are whole numbers (an empty per-model one: the recipe's own).
 KNOWN_MODELS=$(models)
-for var in UPDATES LAYERS CHECK_EVERY RESTART_AT \
+for var in UPDATES LAYERS CHECK_EVERY RESTART_AT KEYS DIGITS DOCS \
            $(compgen -v | grep -E '^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS|RESTART_AT|FILLER_SHARE)_' || true); do
   if [[ $var =~ ^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS|RESTART_AT|FILLER_SHARE)_(.+)$ ]] && [[ " $KNOWN_MODELS " != *" ${BASH_REMATCH[2]} "* ]]; then
     echo "error: $var names '${BASH_REMATCH[2]}', which is not a model; allowed suffixes: $KNOWN_MODELS" >&2; exit 1
@@ -251,7 +256,15 @@ fresh_report "$OUT/$SUMMARY.md" "$OUT/$SUMMARY.png"
 [ -z "$UNTIL" ] || fresh_report "$OUT/stages.md" "$OUT/stages.png"
 
 build_corpus() {  # DIR SHARE [DICT]: the corpus with SHARE of its documents in filler, binarized into DIR
-  local dir=$1 share=$2 dict=${3:-} unk
+  local dir=$1 share=$2 dict=${3:-} unk settings
+  # What the corpus is built from, in DIR/corpus.settings: a DIR built with other settings is refused
+  # (one from before the record: taken as is).
+  settings="max-length $((L - 1)) keys $KEYS digits $DIGITS train-docs $DOCS seed $CORPUS_SEED filler-share"
+  settings+=" $share filler-words $FILLER_WORDS layout $LAYOUT${dict:+ dictionary of $DATA}"
+  if [ -f "$dir/train.bin" ] && [ -f "$dir/corpus.settings" ] && [ "$(cat "$dir/corpus.settings")" != "$settings" ]; then
+    echo "error: $dir holds a corpus built with $(cat "$dir/corpus.settings"), not with $settings;" \
+      "give another DATA, or remove $dir to build it again" >&2; exit 1
+  fi
   if [ -f "$dir/train.bin" ]; then stamp "1/3 corpus: $dir already binarized"; return 0; fi
   stamp "1/3 synthetic lines corpus (L=$L, $KEYS keys, $DIGITS digits, $DOCS documents, filler in a share" \
     "of $share${dict:+, the dictionary of $DATA}) -> $dir"
@@ -269,6 +282,7 @@ build_corpus() {  # DIR SHARE [DICT]: the corpus with SHARE of its documents in 
     echo "error: the corpus in $dir has words the dictionary of $DATA lacks ($unk of its tokens <unk>;" \
       "log: $dir/preprocess.log): give its model the run's FILLER_SHARE or FILLER_WORDS=keys" >&2; exit 1
   fi
+  echo "$settings" > "$dir/corpus.settings"
 }
 build_corpus "$DATA" "$FILLER_SHARE"
 built=" $DATA "  # each corpus once, however many models share its filler share
