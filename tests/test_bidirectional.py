@@ -370,6 +370,20 @@ def test_arch_twins():
     assert sizes["transformer_wmt_en_de_big_alibi"] == (6, 1024, 16)
 
 
+def test_learned_positions_asked_of_an_alibi_twin_are_refused(dict_dir):
+    """transformer_alibi forces its position embeddings off: a --*-learned-pos the
+    user gave is refused, not dropped (a model without the positions asked for)."""
+    for flag in ("--encoder-learned-pos", "--decoder-learned-pos"):
+        with pytest.raises(ConfigError, match=f"^{flag}: an ALiBi model has no position embeddings"):
+            build_transformer(dict_dir, "symmetric", flag)
+    args = argparse.Namespace(encoder_learned_pos=True)
+    with pytest.raises(ConfigError, match="--encoder-learned-pos"):
+        ARCH_CONFIG_REGISTRY["transformer_wmt_en_de_alibi"](args)
+    args = argparse.Namespace()  # the stock RoBERTa arch sets it on its own: forced off, no error
+    ARCH_CONFIG_REGISTRY["roberta_alibi"](args)
+    assert args.encoder_learned_pos is False
+
+
 def test_bad_mode_names_the_field(dict_dir):
     with pytest.raises(ConfigError, match="alibi_bidirectional"):
         build_bias(argparse.Namespace(alibi_bidirectional="diagonal"), 4, encoder=True)
@@ -525,3 +539,24 @@ def test_beam_search_matches_full_forward(copy_model):
         assert abs(full - score) < 1e-4, (idx, full, score)
         compared += 1
     assert compared == 24
+
+
+@pytest.mark.slow
+def test_model_overrides_reach_an_encoder_decoder_checkpoint(copy_model):
+    """transformer_alibi is an argparse model: its checkpoint holds the model
+    config as a Namespace, which a loaded config wraps in an object node; an
+    override of its ALiBi settings is applied (it was refused as "no such
+    option": every key was, 'dropout' included), and the generation runs."""
+    checkpoint = str(copy_model / "ckpt" / "checkpoint_last.pt")
+    source = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 2]])
+    outputs = {}
+    for overrides in ({}, {"position_scaling": "ntk:2"}):
+        models, _, _ = checkpoint_utils.load_model_ensemble_and_task(
+            [checkpoint], arg_overrides={"data": str(copy_model / "bin"), **overrides})
+        with torch.no_grad():
+            outputs[str(overrides)] = models[0].eval().encoder(source, torch.tensor([9]))["encoder_out"][0]
+    assert (outputs["{}"] - outputs[str({"position_scaling": "ntk:2"})]).abs().max() > 1e-3
+    result = run_cli([tool("alibi-generate"), copy_model / "bin", "--path", checkpoint, "--beam", "2",
+                      "--gen-subset", "test", "--max-len-b", "30", "--cpu",
+                      "--model-overrides", "{'position_scaling': 'ntk:2', 'dropout': 0.0}"])
+    assert sum(line.startswith("H-") for line in result.stdout.splitlines()) == 24

@@ -26,6 +26,7 @@ from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
 
 from ..core.bias import AlibiBias
 from .. import facts
+from ..errors import ConfigError
 from .config import AlibiEncoderConfig, build_bias
 from .attention import attach_shared
 from .transformer_lm import self_attention, wrap_layer
@@ -67,9 +68,16 @@ class AlibiTransformerEncoder(TransformerEncoder):
 def encoder_twin(stock_arch_fn, *learned_pos_flags: str):
     """The ``_alibi`` twin of a stock arch with an encoder: the stock settings,
     positions off (``learned_pos_flags`` forced False), and the ALiBi encoder
-    fields' defaults wherever the stock arch left them unset."""
+    fields' defaults wherever the stock arch left them unset.  A learned-position
+    flag the user set (``--encoder-learned-pos`` of transformer_alibi) is refused:
+    forced off, it would train a model without the positions asked for."""
 
     def alibi_arch(args):
+        asked = [flag for flag in learned_pos_flags if getattr(args, flag, None) is True]
+        if asked:
+            raise ConfigError(f"{', '.join('--' + flag.replace('_', '-') for flag in asked)}: an ALiBi model has no "
+                              "position embeddings (ALiBi biases its attention instead); leave the flag out, or "
+                              "train the stock arch for learned positions")
         stock_arch_fn(args)
         args.no_token_positional_embeddings = True
         for flag in learned_pos_flags:

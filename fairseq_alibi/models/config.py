@@ -158,11 +158,16 @@ def _override_value_problem(key: str, value) -> Optional[str]:
 
 def _config_keys(node) -> Iterator[str]:
     """Every key of a (nested) config, sections included; ``"*"`` for a
-    Namespace section (fairseq sets any key on it)."""
+    Namespace section (fairseq sets any key on it: the model section of an
+    argparse model, e.g. transformer_alibi, which a loaded config holds as an
+    object node around the Namespace)."""
     from argparse import Namespace
 
     from omegaconf import DictConfig
+    from omegaconf.nodes import AnyNode
 
+    if isinstance(node, AnyNode):
+        node = node._value()
     if isinstance(node, Namespace):
         yield "*"
     elif isinstance(node, (DictConfig, dict)):
