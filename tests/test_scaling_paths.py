@@ -54,6 +54,15 @@ IDS = [case[0] for case in CASES]
     ({"position_scaling": "ntk:0.5"}, "position_scaling='ntk:0.5' is not valid; ntk takes a static factor >= 1"),
     ({"position_scaling": "rope:2"}, "position_scaling='rope:2' is not valid; allowed values: none, linear"),
     ({"position_scaling": 2}, "position_scaling=2 is not valid; give one method spelling"),
+    # The older factor and alpha beside the spelling, the older method unset: agreeing or refused
+    # (a factor that disagreed was dropped without a word; an alpha gave a false "not a tail").
+    ({"position_scaling": "linear:2", "alibi_scale_factor": 4.0},
+     "alibi_scale_factor=4.0 is not valid; position_scaling='linear:2' sets the method \\(factor 2\\); "
+     "give the factor in position_scaling alone"),
+    ({"position_scaling": "log:1", "alibi_tail_alpha": 0.5},
+     "alibi_tail_alpha=0.5 is not valid; position_scaling='log:1' sets the method \\(alpha 1\\)"),
+    ({"position_scaling": "ntk:2", "alibi_tail_alpha": 0.5},
+     "alibi_tail_alpha=0.5 is not valid; position_scaling='ntk:2' sets the method \\(ntk takes no alpha\\)"),
 ])
 def test_position_scaling_and_its_older_names_are_one_setting(config, message):
     """``position_scaling`` is the one spelling; the ``alibi_*`` fields are its aliases: both
@@ -62,6 +71,11 @@ def test_position_scaling_and_its_older_names_are_one_setting(config, message):
         Scaling.from_config(dict(config, alibi_train_length=L))
     assert Scaling.from_config({"position_scaling": "", "alibi_interpolation": "cap",
                                 "alibi_train_length": L}) == Scaling("cap", 1.0, L)
+    for agreeing in ({"alibi_scale_factor": 0.5}, {"alibi_scale_factor": 0.0}, {"alibi_tail_alpha": None}):
+        assert Scaling.from_config({"position_scaling": "cap:0.5", "alibi_interpolation": "none",
+                                    "alibi_train_length": L, **agreeing}) == Scaling("cap", 0.5, L)
+    assert Scaling.from_config({"position_scaling": "log:1:0.25", "alibi_tail_alpha": 0.25,
+                                "alibi_train_length": L}) == Scaling("log", 1.0, L, 0.25)
 
 
 def naive_causal(scaling: Scaling, slopes, length: int) -> torch.Tensor:

@@ -253,6 +253,9 @@ class Scaling:
         (``alibi_scale_factor=...``, ``position_scaling=...``)."""
         get = cfg.get if isinstance(cfg, dict) else (lambda key, default=None: getattr(cfg, key, default))
         train_length = get(CONFIG_KEYS["train_length"], None)
+        spelled = get(SPELLING_KEY, None)
+        if isinstance(spelled, str) and spelled.strip() and get(CONFIG_KEYS["method"], "none") in (None, "none"):
+            return cls._spelled_with_older_values(spelled, train_length, get)
         try:
             aliases = cls(get(CONFIG_KEYS["method"], "none"), get(CONFIG_KEYS["factor"], 0.0), train_length,
                           get(CONFIG_KEYS["alpha"], None))
@@ -271,6 +274,25 @@ class Scaling:
             raise ScalingError(SPELLING_KEY, spelled, f"the older names of the same setting say {aliases.spelling} "
                                f"({CONFIG_KEYS['method']}={aliases.method!r}, {CONFIG_KEYS['factor']}="
                                f"{aliases.factor:g}); give one of the two")
+        return scaling
+
+    @classmethod
+    def _spelled_with_older_values(cls, spelled: str, train_length, get) -> "Scaling":
+        """``position_scaling`` where the older method name is unset: the older
+        factor and alpha, read by nothing now, must be unset or agree with it
+        (``--position-scaling linear:2 --alibi-scale-factor 4`` would otherwise
+        evaluate at 2 without a word)."""
+        try:
+            scaling = cls.parse(spelled, train_length)
+        except ScalingError as exc:
+            raise ScalingError(SPELLING_KEY, spelled, exc.reason) from None
+        factor, alpha = get(CONFIG_KEYS["factor"], 0.0), get(CONFIG_KEYS["alpha"], None)
+        for key, value, meant in (("factor", factor, scaling.factor), ("alpha", alpha, scaling.alpha)):
+            unset = value is None or (key == "factor" and not isinstance(value, bool) and real(value) == 0)
+            if not unset and (meant is None or real(value) != meant):
+                has = f"{scaling.method} takes no {key}" if meant is None else f"{key} {meant:g}"
+                raise ScalingError(CONFIG_KEYS[key], value, f"{SPELLING_KEY}={spelled!r} sets the method ({has}); "
+                                   f"give the {key} in {SPELLING_KEY} alone ({METHOD_SYNTAX})")
         return scaling
 
     def config_values(self) -> Dict[str, Any]:
