@@ -142,7 +142,8 @@ def _content_problem(path: str, handle) -> Tuple[str, bool]:
             where = _where(offset + lone, lines + chunk.count(b"\n", 0, max(lone, 0)))
             return (f"{path} holds a carriage return not followed by a line feed at {where}: fairseq reads it as a "
                     "line break, so its lines would not be the file's; end lines with \\n (or \\r\\n), e.g. "
-                    f"tr '\\r' '\\n' < {shlex.quote(path)} > {shlex.quote(_converted_name(path))}"), text_seen
+                    f"sed 's/\\r$//' {shlex.quote(path)} | tr '\\r' '\\n' > {shlex.quote(_converted_name(path))} "
+                    "(line ends \\r\\n become \\n, the lone \\r line breaks)"), text_seen
         mark = chunk.find(codecs.BOM_UTF8, 1 if offset == 0 else 0)
         if mark >= 0:
             where = _where(offset + mark, lines + chunk.count(b"\n", 0, mark))

@@ -85,13 +85,45 @@ def check_destdir(args) -> None:
         raise UserError(f"--destdir {destdir}: {first} is a file, not a directory; choose another --destdir")
     if not os.access(first, os.W_OK | os.X_OK):  # where the stage and then the files go
         raise UserError(f"--destdir {destdir}: {first} is not writable; choose another --destdir")
-    for written, given in _dictionaries_written(args):
-        if given is None and os.path.exists(written):
+    for (written, given), flag in zip(_dictionaries_written(args), ("--srcdict", "--tgtdict")):
+        if not os.path.exists(written):
+            continue
+        if given is None:
             raise UserError(
                 f"--destdir {destdir} already holds {written}, which a new dictionary would replace (its splits "
-                f"were binarized with it): to binarize more splits with it give --srcdict {written}; to start "
+                f"were binarized with it): to binarize more splits with it give {flag} {written}; to start "
                 "over remove it, or choose another --destdir"
             )
+        if _binarized_splits(destdir) and _symbols(given) != _symbols(written):
+            raise UserError(
+                f"{flag} {given} is not the dictionary of the splits in --destdir {destdir} ({written}: the ids "
+                f"differ); replaced, it would misread them: give {flag} {written}, or choose another --destdir"
+            )
+
+
+def _binarized_splits(destdir: str) -> List[str]:
+    """The ``.bin`` files ``destdir`` holds (the splits its dictionaries were used for)."""
+    return sorted(name for name in os.listdir(destdir) if name.endswith(".bin")) if os.path.isdir(destdir) else []
+
+
+def _symbols(path: str) -> List[str]:
+    """A dictionary file's symbols in order (a symbol's id is its place; counts and flags aside)."""
+    with open(path, encoding="utf-8") as handle:
+        return [line.split(" ", 1)[0] for line in handle.read().splitlines() if line.strip()]
+
+
+def check_dictionary_sources(args) -> None:
+    """Each dictionary fairseq builds needs ``--trainpref``, unless one is given
+    (fairseq asserts it, a traceback)."""
+    if args.trainpref:
+        return
+    needed = [("--srcdict", args.srcdict or (args.joined_dictionary and args.tgtdict))]
+    if not args.only_source and not args.joined_dictionary:
+        needed.append(("--tgtdict", args.tgtdict))
+    missing = [flag for flag, given in needed if not given]
+    if missing:
+        raise UserError(f"no --trainpref to build the dictionary from: give --trainpref, or {' and '.join(missing)} "
+                        "with the dictionary to binarize with")
 
 
 class _NamedAsGiven(logging.Filter):
@@ -138,6 +170,7 @@ def staged(stock_main):
     def main(args):
         for flag, path, what in text_inputs(args):
             check_text(path, what, flag=flag)
+        check_dictionary_sources(args)
         check_destdir(args)
         destdir = args.destdir
         with staged_files(destdir, merge=_append_log) as stage:

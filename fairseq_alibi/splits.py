@@ -24,8 +24,9 @@ def half_split_message(prefix: str, detail: str) -> str:
 def _index_length(idx: str) -> Optional[Tuple[int, int]]:
     """(sentences, bytes its ``.bin`` must have) of a fairseq mmap index, or None
     when ``idx`` is not one (another format: fairseq's readers judge it).
-    Raises ``ValueError`` for an mmap index cut short (fairseq's reader is
-    imported when there is an index to read)."""
+    Raises ``ValueError`` for an mmap index cut short or damaged: an unknown
+    version or element type, which fairseq's reader meets as an assertion or a
+    KeyError (the reader is imported when there is an index to read)."""
     from fairseq.data.indexed_dataset import MMapIndexedDataset
 
     magic = MMapIndexedDataset.Index._HDR_MAGIC
@@ -39,6 +40,13 @@ def _index_length(idx: str) -> Optional[Tuple[int, int]]:
         index = MMapIndexedDataset.Index(idx)
     except (struct.error, ValueError) as exc:
         raise ValueError(" ".join(str(exc).split())) from None
+    except (AssertionError, KeyError) as exc:  # its header's version, its element type code
+        with open(idx, "rb") as handle:
+            handle.seek(len(magic))
+            header = handle.read(9)
+        version, code = (struct.unpack("<QB", header) if len(header) == 9 else (None, None))
+        raise ValueError(f"a header fairseq cannot read (version {version}, element type code {code}; "
+                         f"{type(exc).__name__})") from None
     try:
         return len(index), int(index.sizes.astype("int64").sum()) * index.dtype().itemsize
     finally:
@@ -59,7 +67,7 @@ def split_problem(prefix: str) -> str:
     try:
         described = _index_length(idx_path)
     except ValueError as exc:
-        return half_split_message(prefix, f"{split}.idx is cut short: {exc}")
+        return half_split_message(prefix, f"{split}.idx is cut short or damaged: {exc}")
     if described is None:
         return ""
     sentences, expected = described

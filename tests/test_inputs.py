@@ -97,6 +97,24 @@ def test_text_problem_by_class(name, make, bom_ok, expected, tmp_path):
         inputs.check_text(str(path), flag="--x")
 
 
+def test_the_suggested_carriage_return_fix_keeps_the_lines(tmp_path):
+    """The command a lone carriage return's message suggests, run as given on a
+    file of \\r\\n line ends with one stray \\r, gives the lines Python reads in
+    it (4), not one empty line after each \\r\\n (tr alone: 7)."""
+    import shlex
+    import subprocess
+
+    path = tmp_path / "mixed.txt"
+    path.write_bytes(b"a b\r\nc\rd\r\ne f\r\n")
+    problem = inputs.text_problem(str(path))
+    command = problem[problem.index("e.g. ") + len("e.g. "):problem.rindex(" (line ends")]
+    subprocess.run(["bash", "-c", command], check=True, cwd=tmp_path)
+    fixed = Path(shlex.split(command)[-1])
+    fixed = fixed if fixed.is_absolute() else tmp_path / fixed
+    assert fixed.read_bytes() == b"a b\nc\nd\ne f\n"
+    assert inputs.text_problem(str(fixed)) == ""
+
+
 #: Pieces of random byte strings: ASCII, newlines, characters of 2, 3 and 4 bytes, and faults.
 PIECES = [b"a", b" ", b"\n", "\u00e9".encode(), "\u20ac".encode(), "\U0001d11e".encode(),
           b"\xe9", b"\xff", b"\x00", b"\xe2\x82", b"\xc3"]
@@ -327,6 +345,36 @@ def test_interrupted_preprocess_leaves_no_half_split(how, after, method, earlier
     assert result.returncode == 130 and "alibi-preprocess interrupted" in result.output, result.output[-3000:]
     assert snapshot(out) == before
     assert sorted(os.listdir(tmp_path)) == (["data"] if earlier else [])
+
+
+def test_preprocess_keeps_a_folders_dictionary_and_needs_one(small_data, tmp_path):
+    """A --srcdict other than the dictionary of the splits --destdir holds is refused
+    (it replaced dict.txt, and the old splits then read as other words: an
+    IndexError in training); the same one by another path binarizes; with no
+    --trainpref and no dictionary, one error line (fairseq's assertion)."""
+    out = tmp_path / "data"
+    run_cli([tool("alibi-preprocess"), "--only-source", "--trainpref", small_data / "train.txt",
+             "--destdir", out, "--workers", "1"], cwd=tmp_path)
+    before = snapshot(out)
+    other = tmp_path / "other.txt"
+    other.write_text("".join(f"w{i} 1\n" for i in range(5)), encoding="utf-8")
+    result = run_cli([tool("alibi-preprocess"), "--only-source", "--srcdict", other, "--validpref",
+                      small_data / "train.txt", "--destdir", out, "--workers", "1"], expect_ok=False, cwd=tmp_path)
+    assert result.returncode == 1 and error_lines(result) == [
+        f"error: --srcdict {other} is not the dictionary of the splits in --destdir {out} ({out}/dict.txt: the ids "
+        f"differ); replaced, it would misread them: give --srcdict {out}/dict.txt, or choose another --destdir"]
+    assert snapshot(out) == before
+    copy = tmp_path / "copy.txt"
+    copy.write_bytes((out / "dict.txt").read_bytes())
+    run_cli([tool("alibi-preprocess"), "--only-source", "--srcdict", copy, "--validpref", small_data / "train.txt",
+             "--destdir", out, "--workers", "1"], cwd=tmp_path)
+    assert (out / "valid.bin").exists() and (out / "dict.txt").read_bytes() == before["dict.txt"]
+    alone = run_cli([tool("alibi-preprocess"), "--only-source", "--validpref", small_data / "train.txt",
+                     "--destdir", tmp_path / "new", "--workers", "1"], expect_ok=False, cwd=tmp_path)
+    assert alone.returncode == 1 and error_lines(alone) == [
+        "error: no --trainpref to build the dictionary from: give --trainpref, or --srcdict with the dictionary "
+        "to binarize with"], alone.output[-2000:]
+    assert not (tmp_path / "new").exists()
 
 
 def test_renames_wait_for_ctrl_c(tmp_path, monkeypatch):

@@ -278,12 +278,22 @@ def empty_idx(source, directory):
     return target
 
 
+def damaged_idx(source, directory):
+    """valid.idx with an element type code fairseq has no type for (a KeyError traceback)."""
+    target = data_copy(source, directory)
+    with open(target / "valid.idx", "r+b") as f:
+        f.seek(9 + 8)  # past the magic and the version
+        f.write(bytes([99]))
+    return target
+
+
 DATA_CASES = [
     (as_file, "is a file, not a"),  # eval-lm: a NotADirectoryError traceback
     (bad_dictionary, "data/dict.txt is not a fairseq dictionary"),  # a ValueError traceback
     (empty_split, "data/valid (.bin/.idx) holds no sentence"),  # "cannot mmap an empty file", twice
     (truncated_bin, "data holds a half split 'valid' (valid.bin has 100 bytes"),  # a DataLoader worker crash mid-run
-    (empty_idx, "data holds a half split 'valid' (valid.idx is cut short: 0 bytes)"),  # an AssertionError traceback
+    (empty_idx, "data holds a half split 'valid' (valid.idx is cut short or damaged: 0 bytes)"),  # an AssertionError traceback
+    (damaged_idx, "valid.idx is cut short or damaged: a header fairseq cannot read (version 1, element type code 99"),
 ]
 
 
