@@ -732,7 +732,19 @@ HYDRA_OVERRIDE_CHECK = """
 import sys
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+import dataclasses, glob, os
+import fairseq_alibi.models  # noqa: F401
+from fairseq.models import MODEL_DATACLASS_REGISTRY
+fields = [f.name for f in dataclasses.fields(MODEL_DATACLASS_REGISTRY["transformer_lm_alibi"])
+          if f.name.startswith(("alibi_", "position_"))]
+names = sorted(os.path.basename(p)[:-5] for p in glob.glob(sys.argv[1] + "/wikitext103_alibi_L*.yaml"))
+assert len(names) == 8, names
 with initialize_config_dir(config_dir=sys.argv[1], version_base="1.1"):  # as fairseq-hydra-train
+    for name in names:  # every field of the plugin, so that each is overridden without +
+        cfg = compose(name, overrides=["model.position_scaling=ntk:2", "model.alibi_tail_alpha=0.5"])
+        missing = [f for f in fields if f not in cfg.model]
+        assert not missing, (name, missing)
+        assert cfg.model.position_scaling == "ntk:2" and cfg.model.alibi_train_length == cfg.task.tokens_per_sample
     cfg = compose("wikitext103_alibi_L512", overrides=["model.alibi_scale_factor=2"])
     assert cfg.model.alibi_scale_factor == 2
     try:
@@ -747,8 +759,9 @@ print("ok")
 
 @pytest.mark.slow
 def test_shipped_hydra_configs_take_overrides_without_plus():
-    """docs/usage.md: ``model.alibi_scale_factor=2`` works on the shipped
-    configs, ``+model.alibi_scale_factor=2`` is refused (the key is there).
+    """docs/usage.md: the shipped configs hold every ALiBi field of the model, so
+    ``model.position_scaling=ntk:2`` and ``model.alibi_scale_factor=2`` work on each,
+    ``+model.alibi_scale_factor=2`` is refused (the key is there).
     In a subprocess: Hydra's global version state would leak into fairseq's."""
     config_dir = Path(__file__).resolve().parents[1] / "examples" / "language_model" / "config"
     assert run_cli([sys.executable, "-c", HYDRA_OVERRIDE_CHECK, config_dir]).stdout.strip() == "ok"

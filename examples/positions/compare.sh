@@ -50,6 +50,7 @@ SEEDS=${SEEDS:-1 2 3}
 LENGTHS=${LENGTHS:-1x,2x,4x,8x,16x}
 EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}
 PARALLEL=${PARALLEL:-1}
+EVAL_THREADS=${EVAL_THREADS:-$(nproc)}   # threads of the sweeps (one process at a time)
 training_threads
 
 # Checked before anything runs: the methods (default: every model), the extension methods (the
@@ -86,12 +87,12 @@ for seed in $SEEDS; do
   done
 done
 stamp "3/4 sweep: every model at $LENGTHS -> $OUT/sweep"
-OMP_NUM_THREADS=${EVAL_THREADS:-$(nproc)} alibi-sweep "$DATA" "${checkpoints[@]}" --lengths "$LENGTHS" \
+OMP_NUM_THREADS=$EVAL_THREADS alibi-sweep "$DATA" "${checkpoints[@]}" --lengths "$LENGTHS" \
   --methods none --modes nonoverlapping --output-dir "$OUT/sweep" --cpu --no-progress
 report_extensions=()
 if [ ${#extended[@]} -gt 0 ]; then
   stamp "3/4 sweep: extension methods {$EXTENSIONS} on {$EXTENDED} -> $OUT/extensions"
-  OMP_NUM_THREADS=${EVAL_THREADS:-$(nproc)} alibi-sweep "$DATA" "${extended[@]}" --lengths "$LENGTHS" \
+  OMP_NUM_THREADS=$EVAL_THREADS alibi-sweep "$DATA" "${extended[@]}" --lengths "$LENGTHS" \
     --methods "$EXTENSIONS" --modes nonoverlapping --output-dir "$OUT/extensions" --cpu --no-progress
   report_extensions=(--extensions "$OUT/extensions/results.json")
 fi

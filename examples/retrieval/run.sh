@@ -178,6 +178,7 @@ esac
 DATA=${DATA:-data-bin/retrieval-L$L$CORPUS_TAG}
 case "$PASSKEY" in 0|1) ;; *) echo "error: PASSKEY=$PASSKEY is not allowed: 1 (evaluate the passkey at 1x too) or 0" >&2; exit 1 ;; esac
 DEPTHS=${DEPTHS:-5}
+EVAL_THREADS=${EVAL_THREADS:-$(nproc)}   # threads of the evaluations (one process at a time)
 EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}  # for every model; EXTRA_TRAIN_ARGS_<model> (e.g. _fox) for one
 BASELINE_SEEDS=${BASELINE_SEEDS:-first}  # sinusoidal for the first seed only, or: all
 SAVE_EVERY=${SAVE_EVERY:-250}
@@ -206,7 +207,7 @@ recipe_settings MODELS METHODS "$DEFAULT_METHODS"
 # The per-model settings name a model of the registry (a misspelt one would be ignored) and the
 # update and layer counts are whole numbers (an empty per-model one: the recipe's own).
 KNOWN_MODELS=$(models)
-for var in UPDATES LAYERS CHECK_EVERY RESTART_AT KEYS DIGITS DOCS \
+for var in UPDATES LAYERS CHECK_EVERY RESTART_AT KEYS DIGITS DOCS EVAL_THREADS \
            $(compgen -v | grep -E '^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS|RESTART_AT|FILLER_SHARE)_' || true); do
   if [[ $var =~ ^(UPDATES|LAYERS|EXTRA_TRAIN_ARGS|RESTART_AT|FILLER_SHARE)_(.+)$ ]] && [[ " $KNOWN_MODELS " != *" ${BASH_REMATCH[2]} "* ]]; then
     echo "error: $var names '${BASH_REMATCH[2]}', which is not a model; allowed suffixes: $KNOWN_MODELS" >&2; exit 1
@@ -421,11 +422,11 @@ for seed in $SEEDS; do
   done < <(jobs_of | awk -v seed="$seed" '$1 == seed')
   [ ${#checkpoints[@]} -gt 0 ] || continue
   stamp "3/3 retrieval, seed $seed: lines at $LENGTHS x {$METHODS} on {${names[*]}}, $DEPTHS depths x $SAMPLES samples -> $OUT/seed$seed/$EVAL"
-  evaluate lines "${EVAL_THREADS:-$(nproc)}" "$seed" "$OUT/seed$seed/$EVAL" "$LENGTHS" "$METHODS" "${checkpoints[@]}"
+  evaluate lines "$EVAL_THREADS" "$seed" "$OUT/seed$seed/$EVAL" "$LENGTHS" "$METHODS" "${checkpoints[@]}"
   summaries+=("seed$seed=$OUT/seed$seed/$EVAL/results.json")
   if [ "$PASSKEY" = 1 ]; then  # the lines task's own words as the passkey's texts: one record in filler
     stamp "3/3 passkey, seed $seed: one record in dictionary filler at 1x on {${names[*]}} -> $OUT/seed$seed/passkey"
-    evaluate passkey "${EVAL_THREADS:-$(nproc)}" "$seed" "$OUT/seed$seed/passkey" 1x none "${checkpoints[@]}"
+    evaluate passkey "$EVAL_THREADS" "$seed" "$OUT/seed$seed/passkey" 1x none "${checkpoints[@]}"
   fi
 done
 [ -z "$UNTIL" ] || write_report "$OUT/stages.md" python examples/retrieval/stages.py report "$OUT" --until "$UNTIL" \

@@ -59,8 +59,8 @@ def add_grid_arguments(parser, output_dir: str) -> None:
     parser.add_argument("--checkpoint", "-c", action="append", default=[], metavar="[NAME=]PATH",
                         help="a checkpoint to evaluate (repeatable)")
     parser.add_argument("--hf", action="append", default=[], metavar="[NAME=]MODEL",
-                        help="a Hugging Face model, instead of or beside --checkpoint: BLOOM, MPT, Falcon (alibi) "
-                        "or a model exported by alibi-export-hf; a directory written by save_pretrained or a hub "
+                        help="a Hugging Face model, instead of or beside --checkpoint: BLOOM, MPT, Falcon (alibi), "
+                        "GPT-NeoX (rotary) or a model exported by alibi-export-hf; a directory written by save_pretrained or a hub "
                         "name (repeatable)")
     parser.add_argument("--train-length", type=int, default=None,
                         help="with --hf: the model's training length, for Nx lengths, dynamic methods and cap "
