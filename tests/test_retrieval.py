@@ -197,6 +197,42 @@ def test_scores_equal_an_independent_full_forward(jsonl_run, jsonl_prompts, alib
 
 
 @pytest.mark.slow
+def test_an_adaptive_softmax_model_is_scored_by_its_own_softmax(lm_data_bin, jsonl_prompts, tmp_path):
+    """The paper's architecture (adaptive softmax, as its published checkpoints): the
+    output layer hands back the features and the adaptive softmax gives the log-probs.
+    A log_softmax of the features was one over the hidden dimensions: 0% with exit 0
+    where every answer id was below d, a traceback where one was not."""
+    from conftest import EMBED_DIM
+
+    save = tmp_path / "adaptive"
+    run_cli([tool("alibi-train"), *train_args(lm_data_bin, save, max_update=40), "--criterion", "adaptive_loss",
+             "--ddp-backend", "legacy_ddp", "--adaptive-softmax-cutoff", "10,20"])
+    checkpoint = save / "checkpoint_last.pt"
+    out = tmp_path / "ret"
+    assert retrieval.main([str(lm_data_bin), "-c", f"a={checkpoint}", "--task", str(jsonl_prompts[0]),
+                           "--methods", "none", "--output-dir", str(out), "--cpu", "--no-progress"]) == 0
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    model = load(checkpoint, {})
+    d = model.decoder.dictionary
+    assert model.decoder.adaptive_softmax is not None
+    encoded = [([d.index(w) for w in x["prompt"].split()], [d.index(w) for w in x["answer"].split()], x["group"])
+               for x in jsonl_prompts[1]]
+    assert max(i for _, a, _ in encoded for i in a) < EMBED_DIM  # every answer id below d: the old path's exit 0
+    checked = 0
+    for cell in cells:
+        mine = [e for e in encoded if e[2] == cell["group"] and len(e[0]) + len(e[1]) == cell["length"]]
+        for (prompt, answer, _), logprob, correct in zip(mine, cell["sample_logprob"], cell["sample_correct"]):
+            tokens = torch.tensor([[d.eos()] + prompt + answer[:-1]])
+            with torch.no_grad():
+                rows = model.get_normalized_probs(model(tokens), log_probs=True)[0, len(prompt):].float()
+            target = torch.tensor(answer)
+            assert logprob == pytest.approx(float(rows.gather(-1, target[:, None]).mean()), abs=1e-4)
+            assert correct == bool((rows.argmax(-1) == target).all())
+            checked += 1
+    assert checked == len(encoded)
+
+
+@pytest.mark.slow
 def test_jsonl_outputs_and_groups(jsonl_run, jsonl_prompts):
     out, cells = jsonl_run
     _, items = jsonl_prompts

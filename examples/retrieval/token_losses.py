@@ -114,9 +114,9 @@ def losses_by_kind(model, dictionary, documents: List[List[str]],
         if dictionary.unk() in ids:
             raise ValueError(f"a word of the document is not in the model's dictionary: {words}")
         tokens = torch.tensor([[dictionary.eos()] + ids])
-        with torch.no_grad():
-            logits, _ = model(tokens[:, :-1])
-        nll = -torch.log_softmax(logits[0].float(), -1).gather(1, tokens[0, 1:, None])[:, 0]
+        with torch.no_grad():  # the model's own normalization (an adaptive softmax's too)
+            logprobs = model.get_normalized_probs(model(tokens[:, :-1]), log_probs=True)
+        nll = -logprobs[0].float().gather(1, tokens[0, 1:, None])[:, 0]
         for kind, loss in zip(token_kinds(words, header), nll.tolist()):
             out[kind].append(loss)
     return out

@@ -270,8 +270,12 @@ class FairseqModel:
         # The prepended token shifts the input by one: position len(prompt) + k predicts answer token k.
         positions = torch.arange(n_prompt, n_prompt + n_answer, device=src.device)
         with torch.no_grad():
-            features, _ = self.model.decoder.extract_features(src, None)
-            logprobs = torch.log_softmax(self.model.decoder.output_layer(features[:, positions, :]).float(), dim=-1)
+            features, extra = self.model.decoder.extract_features(src, None)
+            # the model's own normalization: an adaptive softmax's output layer hands the features
+            # back, and its log-probs come from the adaptive softmax (a log_softmax of them was one
+            # over the hidden dimensions)
+            output = self.model.decoder.output_layer(features[:, positions, :])
+            logprobs = self.model.get_normalized_probs((output, extra), log_probs=True).float()
         return [answer_result(logprobs[b], answer) for b, (_, answer) in enumerate(batch)]
 
     def windows(self, length: int, stride: int, max_tokens: Optional[int] = None, batch_size: Optional[int] = None):
