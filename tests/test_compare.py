@@ -205,6 +205,30 @@ def test_the_report_shows_the_cells_of_its_run_only(tmp_path, capsys):
     assert "| alibi cap x1 | 13.50 [13.00, 14.00] | 14.50 [14.00, 15.00] | 2 |" in table
 
 
+def test_the_report_reads_one_split_and_marks_cells_with_fewer_seeds(tmp_path, capsys):
+    """A results.json keeps other splits' cells (alibi-sweep --subset test): the report
+    reads --subset's alone (a test cell replaced a valid one); a mean over fewer seeds
+    than the run has says so (it read as a better method); two cells for one seed
+    are refused."""
+    report = example("examples/positions/report.py")
+    cells = [dict(checkpoint=f"{name}_s{seed}", label="none", mode="nonoverlapping", length=length, subset="valid",
+                  length_ratio=length / 16, train_length=16, ppl=(20.0 if name == "alibi" else 19.0) + seed)
+             for name in ("alibi", "rotary") for seed in (1, 2, 3) for length in (16, 32)
+             if not (name == "rotary" and seed == 3 and length == 32)]
+    cells.append(dict(cells[0], subset="test", ppl=99.0))
+    (tmp_path / "sweep.json").write_text(json.dumps({"cells": cells}))
+    assert report.main([str(tmp_path / "sweep.json"), "--output", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "| alibi | 22.00 [21.00, 23.00] | 22.00 [21.00, 23.00] | 3 |" in table
+    assert "| rotary | 21.00 [20.00, 22.00] | 20.50 [20.00, 21.00] (2 of 3 seeds) | 3 |" in table
+    assert "| rotary | -4.6% [-4.8, -4.3] | -4.7% [-4.8, -4.5] (2 of 3 seeds) | 3 |" in table
+    assert report.main([str(tmp_path / "sweep.json"), "--output", str(tmp_path), "--subset", "test"]) == 0
+    assert "| alibi | 99.00 |" in capsys.readouterr().out
+    (tmp_path / "twice.json").write_text(json.dumps({"cells": cells + [dict(cells[1], ppl=50.0)]}))
+    with pytest.raises(SystemExit, match="holds two valid cells of alibi_s1 under none at 32 tokens"):
+        report.main([str(tmp_path / "twice.json"), "--output", str(tmp_path)])
+
+
 # ------------------------------------------------------------------ every list from the registry
 def example(path: str):
     """An example script, imported as a module (its functions, without running it)."""

@@ -203,6 +203,35 @@ def test_retrieval_tables_show_wilson_and_prompt_t_intervals_or_why_not():
     assert f"| -1.50 [{mean - half:.2f}, {mean + half:.2f}] | -0.75 (1 prompt: no interval) |" in table
 
 
+def test_percentages_near_0_or_100_are_not_shown_as_0_or_100():
+    """Whole percent, but a value strictly between 0 and 100 never reads as either
+    (199 of 200 was "100 [97, 100]", a perfect score it is not); the mean log-prob
+    without per-prompt values says why it has no interval."""
+    assert [report.percent_text(v) for v in (0.0, 100.0, 80.0, 99.5, 0.3, 99.96, 1e-9, 42.4)] == [
+        "0", "100", "80", "99.5", "0.3", "99.96", "0.000000", "42"]
+    low, high = intervals.wilson(199, 200)
+    assert report._accuracy(199, 200) == f"99.5 [{100 * low:.0f}, {report.percent_text(100 * high)}]"
+    assert float(report.percent_text(100 * high)) < 100
+    assert report._accuracy(0, 10).startswith("0 [0, ") and report._accuracy(10, 10).endswith(", 100]")
+    assert report._logprob(3, 4, -1.25, None) == "-1.25 (no interval: no per-prompt log-probs recorded)"
+
+
+def test_non_finite_values_have_no_interval_and_say_why():
+    for num, den, bad in (([1.0, float("nan")], [2, 2], "nan"), ([1.0, float("-inf")], [2, 2], "-inf"),
+                          ([1.0, 2.0, 3.0], [2, float("inf"), 2], "inf")):
+        estimate = intervals.ratio_interval(num, den, "window")
+        assert estimate.low is None and estimate.high is None, estimate
+        assert estimate.reason == f"a window of value {bad}: no interval"
+    assert intervals.mean_interval([-1.0, float("-inf")]).value == float("-inf")
+
+
+def test_a_precise_large_change_keeps_fixed_decimals():
+    """A change of +12.3456% known to 1e-5 points reads as a number, not +1.2e+01%."""
+    assert report.percent_change(1.123456, 1.12345, 1.12346, None) == "+12.34560% [+12.34500, +12.34600]"
+    assert report.percent_change(1 + 1e-9, 1 - 1e-9, 1 + 3e-9, None) == "+1.0e-07% [-1.0e-07, +3.0e-07]"
+    assert report.percent_change(1.0281, 1.021, 1.0352, None) == "+2.81% [+2.10, +3.52]"
+
+
 # ------------------------------------------------------------------ paired comparisons
 def permuted(c: dict, seed: int) -> dict:
     """The same cell with its windows listed in another order (another backend's or batching's)."""

@@ -1401,6 +1401,16 @@ def test_stage_checks_record_and_report_the_updates_each_model_took(tmp_path):
     assert (tmp_path / "stages.png").stat().st_size > 0
     lower = run_cli([sys.executable, script, "report", str(out), "--until", "85"]).stdout
     assert "| alibi | **1,500** (85 / 95) |" in lower
+    # 1,799 of 2,000 is 89.95%: kept as computed, it does not reach 90 (rounded to 90.0 it did)
+    close = results(tmp_path / "d" / "lines.json", "alibi", [(1.0, "none", 1799, 2000)])
+    row = run_cli([sys.executable, script, "record", str(alibi), "4500", close, passkey]).stdout
+    assert row.split("\t")[:2] == ["4500", repr(100.0 * 1799 / 2000)]
+    near = run_cli([sys.executable, script, "report", str(out), "--until", "90"]).stdout
+    assert "| alibi | **3,000** (95 / 95) |" in near and "4,500: 89.95 / 95" in near
+    run_cli([sys.executable, script, "record", str(alibi), "3000", close, passkey])  # 3,000 now at 89.95 too
+    assert "| alibi | not by 4,500 (89.95 / 95) |" in run_cli(
+        [sys.executable, script, "report", str(out), "--until", "90"]).stdout
+    (alibi / "checks.tsv").write_text("1500\t85.0\t95.0\n3000\t95.0\t95.0\n")
 
     # a model started again (RESTART_AT): its discarded attempts beside the one that stands
     for number, rows in ((1, "1500\t1.0\t20.0\n3000\t4.0\t30.0\n"), (2, "1500\t0.0\t10.0\n3000\t2.0\t25.0\n")):

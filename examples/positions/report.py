@@ -75,8 +75,10 @@ def _is_length(item: str, cell: dict) -> bool:
     return int(item) == int(cell["length"])
 
 
-def load(path: str, selection: Selection = Selection()) -> Tuple[Series, int]:
-    """Perplexities by (position method, extension label) and length, one per seed; and L."""
+def load(path: str, selection: Selection = Selection(), subset: str = "valid") -> Tuple[Series, int]:
+    """Perplexities by (position method, extension label) and length, one per seed; and L.
+    Only ``subset``'s cells (a results.json keeps other splits' too); two cells for one
+    (method, label, length, seed) are refused (neither may stand for the other)."""
     try:
         with open(path, encoding="utf-8") as f:
             cells = json.load(f)["cells"]
@@ -88,12 +90,16 @@ def load(path: str, selection: Selection = Selection()) -> Tuple[Series, int]:
         match = NAME.match(str(cell.get("checkpoint", "")))
         if not match or cell.get("mode") != "nonoverlapping" or cell.get("ppl") is None:
             continue
-        if not selection.keeps(match["method"], int(match["seed"]), cell):
+        if cell.get("subset", "valid") != subset or not selection.keeps(match["method"], int(match["seed"]), cell):
             continue
-        series[(match["method"], cell["label"])][int(cell["length"])][int(match["seed"])] = float(cell["ppl"])
+        by_seed = series[(match["method"], cell["label"])][int(cell["length"])]
+        if int(match["seed"]) in by_seed:
+            raise SystemExit(f"error: {path} holds two {subset} cells of {cell['checkpoint']} under {cell['label']} at "
+                             f"{cell['length']} tokens; keep one (alibi-sweep writes one per cell)")
+        by_seed[int(match["seed"])] = float(cell["ppl"])
         train_lengths.add(cell.get("train_length"))
     if not series:
-        raise SystemExit(f"error: {path} holds no nonoverlapping cells of checkpoints named METHOD_sSEED"
+        raise SystemExit(f"error: {path} holds no nonoverlapping {subset} cells of checkpoints named METHOD_sSEED"
                          + (" of this run's methods, seeds and lengths" if selection != Selection() else ""))
     lengths = {length for length in train_lengths if length}
     return series, (min(lengths) if lengths else 0)
@@ -110,13 +116,23 @@ def summary(values: List[float]) -> Tuple[float, float, float]:
     return sum(values) / len(values), min(values), max(values)
 
 
-def cell_text(values: List[float]) -> str:
+def seeds_of(series: Series) -> int:
+    """How many seeds the run has: every seed any cell of ``series`` holds."""
+    return len({seed for by_length in series.values() for by_seed in by_length.values() for seed in by_seed})
+
+
+def fewer(count: int, expected: int) -> str:
+    """`` (2 of 3 seeds)`` where a cell pools fewer seeds than the run has, else ``""``."""
+    return f" ({count} of {expected} seeds)" if count < expected else ""
+
+
+def cell_text(values: List[float], expected: int = 0) -> str:
     if not values:
         return "-"
     mean, low, high = summary(values)
     if len(values) == 1:
-        return f"{mean:.2f}"
-    return f"{mean:.2f} [{low:.2f}, {high:.2f}]"
+        return f"{mean:.2f}" + fewer(1, expected)
+    return f"{mean:.2f} [{low:.2f}, {high:.2f}]" + fewer(len(values), expected)
 
 
 def heading(series: Series, keys: List[Tuple[str, str]], train_length: int, title: str):
@@ -128,12 +144,14 @@ def heading(series: Series, keys: List[Tuple[str, str]], train_length: int, titl
 
 
 def table(series: Series, keys: List[Tuple[str, str]], train_length: int, title: str) -> str:
+    """Mean [min, max] over seeds; a cell with fewer seeds than the run has says so."""
     lengths, rows = heading(series, keys, train_length, title)
+    expected = seeds_of(series)
     for key in keys:
         label = key[0] if key[1] == "none" else f"{key[0]} {key[1]}"
         seeds = max(len(v) for v in series[key].values())
-        rows.append(f"| {label} | " + " | ".join(cell_text(list(series[key].get(n, {}).values())) for n in lengths)
-                    + f" | {seeds} |")
+        rows.append(f"| {label} | " + " | ".join(cell_text(list(series[key].get(n, {}).values()), expected)
+                                                  for n in lengths) + f" | {seeds} |")
     return "\n".join(rows)
 
 
@@ -142,6 +160,7 @@ def paired_table(series: Series, keys: List[Tuple[str, str]], baseline: Tuple[st
     """Each key against ``baseline`` seed by seed (the same windows, the same seed's training data order):
     ``100 * (ppl / baseline ppl - 1)``, mean over seeds [min, max]; seeds that only one side has are left out."""
     lengths, rows = heading(series, keys, train_length, title)
+    expected = seeds_of(series)
     for key in keys:
         if key == baseline:
             continue
@@ -155,13 +174,15 @@ def paired_table(series: Series, keys: List[Tuple[str, str]], baseline: Tuple[st
                 cells.append("-")
                 continue
             mean, low, high = summary(changes)
-            cells.append(f"{mean:+.1f}%" if len(changes) == 1 else f"{mean:+.1f}% [{low:+.1f}, {high:+.1f}]")
+            cells.append((f"{mean:+.1f}%" if len(changes) == 1 else f"{mean:+.1f}% [{low:+.1f}, {high:+.1f}]")
+                         + fewer(len(changes), expected))
         label = key[0] if key[1] == "none" else f"{key[0]} {key[1]}"
         rows.append(f"| {label} | " + " | ".join(cells) + f" | {len(paired_seeds)} |")
     return "\n".join(rows)
 
 
-def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Series, train_length: int) -> None:
+def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Series, train_length: int,
+         subset: str = "valid") -> None:
     """One panel per (title, keys): perplexity against length, a line per key, the seeds' range as a band."""
     import matplotlib
 
@@ -169,7 +190,9 @@ def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Ser
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6), squeeze=False)
+    expected = seeds_of(series)
     for ax, (title, keys) in zip(axes[0], panels):
+        short = False
         for index, key in enumerate(keys):
             lengths = sorted(series[key])
             means, lows, highs = zip(*(summary(list(series[key][n].values())) for n in lengths))
@@ -178,6 +201,12 @@ def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Ser
             label = key[0] if key[1] == "none" else f"{key[0]} {key[1]}"
             ax.plot(lengths, means, marker="o", ms=3, color=colour, label=label)
             ax.fill_between(lengths, lows, highs, color=colour, alpha=0.18, linewidth=0)
+            thin = [(n, m) for n, m in zip(lengths, means) if len(series[key][n]) < expected]
+            if thin:  # a mean over fewer seeds than the others: not comparable as it stands
+                short = True
+                ax.plot(*zip(*thin), ls="none", marker="x", ms=8, color=colour)
+        if short:
+            ax.plot([], [], ls="none", marker="x", color="grey", label=f"fewer than the run's {expected} seeds")
         if train_length:
             ax.axvline(train_length, color="black", lw=0.8, ls=":")
         ax.set_xscale("log", base=2)
@@ -186,7 +215,7 @@ def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Ser
         if finite:
             ax.set_ylim(min(finite) * 0.95, min(max(finite), 8 * min(finite)) * 1.05)
         ax.set_xlabel("evaluation length (tokens; dotted: training length L)")
-        ax.set_ylabel("valid perplexity (mean over seeds; band: their range)")
+        ax.set_ylabel(f"{subset} perplexity (mean over seeds; band: their range)")
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, ncol=2)
@@ -211,6 +240,7 @@ def main(argv=None) -> int:
                         "the results hold, of: " + " ".join(registry_order()) + ")")
     parser.add_argument("--seeds", help="only these seeds (space-separated; default: every one)")
     parser.add_argument("--lengths", help="only these lengths (comma-separated, 4x or tokens; default: every one)")
+    parser.add_argument("--subset", default="valid", help="the split whose cells to report (default: %(default)s)")
     parser.add_argument("--extension-methods", help="only these extension methods in the --extensions results "
                         "(a --methods list; default: every one)")
     args = parser.parse_args(argv)
@@ -219,7 +249,7 @@ def main(argv=None) -> int:
                               words(args.lengths, ","), words(args.extension_methods, ","))
     except ValueError as exc:
         raise SystemExit(f"error: --seeds {args.seeds!r}: {exc}; give seeds as whole numbers") from None
-    series, train_length = load(args.results, replace(selection, methods=()))  # every model as trained
+    series, train_length = load(args.results, replace(selection, methods=()), args.subset)  # every model as trained
     keys = [(m, "none") for m in ordered(m for m, label in series if label == "none")]
     os.makedirs(args.output, exist_ok=True)
     print(table(series, keys, train_length, "Perplexity against evaluation length (mean over seeds [min, max])"))
@@ -227,9 +257,9 @@ def main(argv=None) -> int:
         print("\n" + paired_table(series, keys, ("alibi", "none"), train_length,
                                   "Against ALiBi of the same seed (perplexity change, mean over seeds [min, max])"))
     plot(os.path.join(args.output, "positions.png"),
-         [(f"trained at L = {train_length}, evaluated longer", keys)], series, train_length)
+         [(f"trained at L = {train_length}, evaluated longer", keys)], series, train_length, args.subset)
     if args.extensions and os.path.exists(args.extensions):
-        extended, _ = load(args.extensions, selection)
+        extended, _ = load(args.extensions, selection, args.subset)
         panels = []
         for family in ordered(m for m, _ in extended):
             family_keys = sorted((k for k in extended if k[0] == family), key=lambda k: (k[1] != "none", k[1]))
@@ -240,7 +270,7 @@ def main(argv=None) -> int:
                                               f"{family}: each method against the plain model of the same seed"))
                 panels.append((f"{family}: extension methods at evaluation", family_keys))
         if panels:
-            plot(os.path.join(args.output, "extensions.png"), panels, extended, train_length)
+            plot(os.path.join(args.output, "extensions.png"), panels, extended, train_length, args.subset)
     return 0
 
 

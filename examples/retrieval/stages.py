@@ -34,6 +34,8 @@ from typing import Dict, List, Optional, Tuple
 
 from summary import read_results  # (this directory: the script's own)
 
+from fairseq_alibi.evaluation.report import percent_text
+
 #: A check: (updates, lines %, passkey % or None).
 Check = Tuple[int, float, Optional[float]]
 
@@ -103,8 +105,10 @@ def record(directory: str, stage: int, lines_results: str, passkey_results: Opti
 
 
 def format_row(check: Check) -> str:
+    """A row of checks.tsv: the accuracies as computed (the stopping rule compares them
+    with UNTIL; rounded, 89.95% would pass a rule of 90%)."""
     updates, lines, passkey = check
-    return f"{updates}\t{lines:.1f}\t{'-' if passkey is None else f'{passkey:.1f}'}"
+    return f"{updates}\t{lines!r}\t{'-' if passkey is None else repr(passkey)}"
 
 
 def training_seed(run_dir: str) -> Optional[int]:
@@ -123,9 +127,10 @@ def passes(check: Check, until: float) -> bool:
     return check[1] >= until and (check[2] is None or check[2] >= until)
 
 
-def shown(check: Check) -> str:
-    """A check's accuracies as the docs give them: ``lines / passkey`` (or ``lines``), whole percent."""
-    return f"{check[1]:.0f}" + ("" if check[2] is None else f" / {check[2]:.0f}")
+def shown(check: Check, until: Optional[float] = None) -> str:
+    """A check's accuracies as the docs give them: ``lines / passkey`` (or ``lines``), whole percent
+    (more decimals where whole percent would reach 0, 100 or ``until`` and the value does not)."""
+    return percent_text(check[1], until) + ("" if check[2] is None else f" / {percent_text(check[2], until)}")
 
 
 def took(run: Run, until: float) -> str:
@@ -133,15 +138,15 @@ def took(run: Run, until: float) -> str:
     restarts, each discarded attempt's last check and the updates of every attempt together."""
     first = next((c for c in run.checks if passes(c, until)), None)
     if first:
-        text, updates = f"**{first[0]:,}** ({shown(first)})", first[0]
+        text, updates = f"**{first[0]:,}** ({shown(first, until)})", first[0]
     elif run.checks:
-        text, updates = f"not by {run.checks[-1][0]:,} ({shown(run.checks[-1])})", run.checks[-1][0]
+        text, updates = f"not by {run.checks[-1][0]:,} ({shown(run.checks[-1], until)})", run.checks[-1][0]
     else:
         text, updates = "training (no check yet)", 0
     if not run.discarded:
         return text
     restarts = len(run.discarded)
-    given_up = "; ".join(f"{shown(a[-1])} at {a[-1][0]:,}" for a in run.discarded)
+    given_up = "; ".join(f"{shown(a[-1], until)} at {a[-1][0]:,}" for a in run.discarded)
     in_all = updates + sum(a[-1][0] for a in run.discarded)
     return f"{text} after {restarts} restart{'s' * (restarts > 1)} ({given_up}); {in_all:,} updates in all"
 
@@ -201,7 +206,7 @@ def report(found: Dict[str, Dict[str, Run]], until: float) -> str:
                     (["discarded"] if number < len(attempts) else [])
                 label = seed if len(attempts) == 1 else \
                     f"{seed}, attempt {number}" + (f" ({', '.join(notes)})" if notes else "")
-                out.append(f"| {model} | {label} | " + ", ".join(f"{c[0]:,}: {shown(c)}" for c in checks) + " |")
+                out.append(f"| {model} | {label} | " + ", ".join(f"{c[0]:,}: {shown(c, until)}" for c in checks) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -43,6 +43,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from fairseq_alibi.evaluation.report import percent_text as pc  # whole percent, never 0 or 100 for a value between
+
 CONVENTION = ("mean over runs [lowest run, highest run] (pooled: the 95 % Wilson interval of all the runs' prompts "
               "together)")
 
@@ -71,8 +73,8 @@ class Retrieval:
 
     def text(self) -> str:
         low, high = self.pooled_wilson()
-        return (f"{100 * self.mean:.0f} [{100 * min(self.accuracies):.0f}, {100 * max(self.accuracies):.0f}] "
-                f"(pooled {100 * low:.0f}-{100 * high:.0f})")
+        return (f"{pc(100 * self.mean)} [{pc(100 * min(self.accuracies))}, {pc(100 * max(self.accuracies))}] "
+                f"(pooled {pc(100 * low)}-{pc(100 * high)})")
 
 
 @dataclass
@@ -223,7 +225,7 @@ def logprob_by_length(model: Model, rows, lengths) -> List[str]:
             match = both(of_method(key), of_length(length))
             kept = [[c for c in cells if match(c)] for cells in model.runs.values()]
             values = [100 * pooled(cs)[2] for cs in kept if cs]
-            line.append(f"{statistics.fmean(values):.0f} [{min(values):.0f}, {max(values):.0f}]" if values else "")
+            line.append(f"{pc(statistics.fmean(values))} [{pc(min(values))}, {pc(max(values))}]" if values else "")
         body.append([label] + line)
     return markdown(["method"] + [str(n) for n in lengths], body)
 
@@ -240,7 +242,7 @@ def per_run(model: Model, rows, lengths) -> List[str]:
                 match = both(of_method(key), of_length(length))
                 k, n, _ = pooled([c for c in cells if match(c)])
                 low, high = wilson(k, n) if n else (None, None)
-                line.append(f"{100.0 * k / n:.0f} [{100 * low:.0f}, {100 * high:.0f}] ({n})" if n else "")
+                line.append(f"{pc(100.0 * k / n)} [{pc(100 * low)}, {pc(100 * high)}] ({n})" if n else "")
             body.append([label, name] + line)
     return markdown(["method", "run"] + [str(n) for n in lengths], body)
 

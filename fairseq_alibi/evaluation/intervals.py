@@ -145,6 +145,9 @@ def ratio_interval(num: Sequence[float], den: Sequence[float], unit: str = "unit
     if not total > 0:
         raise ValueError(f"denominators sum to {total}: not a ratio")
     ratio = math.fsum(num) / total
+    bad = next((v for v in (*num, *den) if not math.isfinite(v)), None)
+    if bad is not None:  # its spread is not a number: an interval of NaNs, printed as one
+        return Estimate(ratio, None, None, n, f"a {unit} of value {bad}: no interval")
     if n == 1:
         return Estimate(ratio, None, None, 1, f"{units(1, unit)}: no interval")
     if len({x / d for x, d in zip(num, den)}) == 1:

@@ -92,12 +92,29 @@ def with_ppl_intervals(cells: Iterable[dict]) -> List[dict]:
     return out
 
 
+def percent_text(value: float, threshold: Optional[float] = None) -> str:
+    """A percentage in whole percent, with the decimals it needs where whole percent
+    would show 0 or 100 for a value strictly between (199 of 200 is ``99.5``, not
+    ``100``: a perfect score it is not), or, given a ``threshold``, a value on the
+    other side of it (89.95 against 90 is ``89.95``, not ``90``)."""
+    for digits in range(0, 7):
+        text = f"{value:.{digits}f}"
+        shown = float(text)
+        if (0 < value < 100 and shown in (0.0, 100.0)) or (
+                threshold is not None and (shown >= threshold) != (value >= threshold)):
+            continue
+        return text
+    return text
+
+
 def bounds(interval: Interval, value: float, scale: float = 1.0) -> str:
-    """`` [44.9, 45.6]`` (one decimal from 10 on, two below; ``scale`` x the bounds), or
-    ``""`` without an interval."""
+    """`` [44.9, 45.6]`` (one decimal from 10 on, two below; percent, ``scale`` 100, in
+    :func:`percent_text`; ``scale`` x the bounds), or ``""`` without an interval."""
     if interval is None:
         return ""
-    digits = 0 if scale == 100 else 1 if abs(value) >= 10 else 2
+    if scale == 100:
+        return f" [{percent_text(100 * interval[0])}, {percent_text(100 * interval[1])}]"
+    digits = 1 if abs(value) >= 10 else 2
     return f" [{scale * interval[0]:.{digits}f}, {scale * interval[1]:.{digits}f}]"
 
 
@@ -122,14 +139,18 @@ def estimate_bounds(estimate: Optional[intervals.Estimate], scale: float = 1.0) 
 
 def percent_change(ratio: float, low: Optional[float], high: Optional[float], reason: Optional[str]) -> str:
     """``+2.81% [+2.10, +3.52]``: a ratio of perplexities as a change, with as many
-    decimals as the interval's width needs, in powers of ten below 0.001 points
-    (``-1.2e-07% [-3.4e-07, +1.0e-07]``); ``(why)`` without an interval."""
+    decimals as the interval's width needs (at most 6), in powers of ten where the
+    change itself and the width are below 0.001 points (``-1.2e-07% [-3.4e-07,
+    +1.0e-07]``); ``(why)`` without an interval."""
     change = _change(ratio)
     if low is None:
         return f"{change:+.2f}% ({reason})"
     width = _change(high) - _change(low)
     digits = max(2, 1 - math.floor(math.log10(width))) if width > 0 else 2
-    spec = f"+.{digits}f" if digits <= 4 else "+.1e"
+    if digits <= 4 or abs(change) >= 1e-3:  # a change of its own size keeps fixed decimals, at most 6
+        spec = f"+.{min(digits, 6)}f"
+    else:
+        spec = "+.1e"
     return f"{change:{spec}}% [{_change(low):{spec}}, {_change(high):{spec}}]"
 
 
@@ -467,11 +488,13 @@ def _pool(cells: Iterable[dict]) -> tuple:
 
 def _accuracy(k: int, n: int, *_) -> str:
     """``80 [49, 94]`` (8 of 10): accuracy % and its Wilson interval."""
-    return f"{100.0 * k / n:.0f}{bounds(intervals.wilson(k, n), 100.0 * k / n, scale=100)}"
+    return f"{percent_text(100.0 * k / n)}{bounds(intervals.wilson(k, n), 100.0 * k / n, scale=100)}"
 
 
 def _logprob(k: int, n: int, logprob: float, samples) -> str:
-    return f"{logprob:.2f}{estimate_bounds(intervals.mean_interval(samples) if samples else None)}"
+    if not samples:
+        return f"{logprob:.2f} (no interval: no per-prompt log-probs recorded)"
+    return f"{logprob:.2f}{estimate_bounds(intervals.mean_interval(samples))}"
 
 
 def retrieval_tables(cells: List[dict], rank: Rank) -> str:
