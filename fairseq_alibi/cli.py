@@ -63,6 +63,16 @@ def check_training_kernel(argv: List[str]) -> None:
         raise UserError(cannot_train_on("cpu"))
 
 
+def check_training_criterion(argv: List[str]) -> None:
+    """``--criterion adaptive_loss`` (an adaptive softmax's, the paper's WikiText-103
+    models) runs only under fairseq's own ``--ddp-backend legacy_ddp``, also on one
+    CPU: fairseq raised that after loading the data, with a traceback."""
+    if _flag(argv, "--criterion") == "adaptive_loss" and _flag(argv, "--ddp-backend") not in ("legacy_ddp", "no_c10d"):
+        raise UserError(f"--criterion adaptive_loss needs --ddp-backend legacy_ddp (fairseq's adaptive loss does not "
+                        f"run under PyTorch's DistributedDataParallel, --ddp-backend "
+                        f"{_flag(argv, '--ddp-backend') or 'pytorch_ddp, the default'}); add --ddp-backend legacy_ddp")
+
+
 def check_arch(argv: List[str]) -> None:
     """An unknown ``--arch`` names its closest matches (argparse would list all
     ~200); a stock ``transformer_lm*`` name warns that it is not ALiBi here."""
@@ -350,7 +360,7 @@ def checked_training_data(module) -> None:
 
 def train():
     _run("fairseq_cli.train", training_help, check_arch, check_training_blocks, check_training_method,
-         check_training_kernel, check_checkpoint_flags, guard=checked_training_data,
+         check_training_kernel, check_checkpoint_flags, check_training_criterion, guard=checked_training_data,
          defaults=training_defaults)
 
 

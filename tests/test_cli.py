@@ -777,6 +777,8 @@ BAD_INPUTS = [
     ("missing split", "alibi-eval-lm", ["--gen-subset", "vaild"], "split 'vaild' not found"),
     ("checkpoint directory", "alibi-eval-lm", ["--path", "DIR"], "is a directory; give a checkpoint file in it"),
     ("unwritable save dir", "alibi-train", ["--save-dir", "/sys/alibi-readonly"], "cannot access /sys/alibi-readonly"),
+    ("adaptive loss", "alibi-train", ["--criterion", "adaptive_loss", "--adaptive-softmax-cutoff", "10,20"],
+     "--criterion adaptive_loss needs --ddp-backend legacy_ddp"),  # a traceback after the data was loaded
 ]
 
 
