@@ -261,7 +261,8 @@ build_corpus() {  # DIR SHARE [DICT]: the corpus with SHARE of its documents in 
   # What the corpus is built from, in DIR/corpus.settings: a DIR built with other settings is refused
   # (one from before the record: taken as is).
   settings="max-length $((L - 1)) keys $KEYS digits $DIGITS train-docs $DOCS seed $CORPUS_SEED filler-share"
-  settings+=" $share filler-words $FILLER_WORDS layout $LAYOUT${dict:+ dictionary of $DATA}"
+  settings+=" $(awk -v a="$share" 'BEGIN {printf "%g", a}') filler-words $FILLER_WORDS layout $LAYOUT"
+  settings+="${dict:+ dictionary of $DATA}"  # (the share as a number: 0.10 is 0.1, as data_of names it)
   if [ -f "$dir/train.bin" ] && [ -f "$dir/corpus.settings" ] && [ "$(cat "$dir/corpus.settings")" != "$settings" ]; then
     echo "error: $dir holds a corpus built with $(cat "$dir/corpus.settings"), not with $settings;" \
       "give another DATA, or remove $dir to build it again" >&2; exit 1
