@@ -416,6 +416,50 @@ def test_a_rotary_model_with_ssmax_is_exported_in_the_default_format_and_gpt_neo
     assert json.loads((tmp_path / "b" / "config.json").read_text())["ssmax"] is True
 
 
+def test_the_check_scores_past_where_a_models_own_position_settings_act(data_dir, tmp_path):
+    """RNoPE's window, T5's max distance and FIRE's threshold change what a model
+    computes past them: the export's check scores 24 tokens past the farthest (an
+    RNoPE window of 40 was never exercised on 24 tokens); methods that act alike at
+    every distance keep 24."""
+    from fairseq_alibi.export import check
+
+    reaches = {}
+    for name, flags in (("rnope", ["--arch", "transformer_lm_rnope", *COMPARE, "--rnope-window", "40"]),
+                        ("t5bias", CUSTOM["t5bias"]), ("fire", CUSTOM["fire"]), ("kerple", CUSTOM["kerple"]),
+                        ("fox", CUSTOM["fox"])):
+        reaches[name] = check.position_reach(build(data_dir / "bin", flags)[0])
+    assert reaches == {"rnope": 40, "t5bias": 24, "fire": reaches["fire"], "kerple": None, "fox": None}
+    assert isinstance(reaches["fire"], int) and reaches["fire"] >= 1  # the learned threshold, rounded up
+    assert check.check_length(NO_SCALING, 40) == 64 and check.check_length(NO_SCALING, None) == check.TOKENS
+    assert check.check_length(Scaling.parse("cap:4", L), 40) == 88  # the farther of the two
+    model, cfg = build(data_dir / "bin", ["--arch", "transformer_lm_rnope", *COMPARE, "--rnope-window", "40"])
+    status, output = export(save(model, cfg, tmp_path / "rnope.pt"), tmp_path / "rnope")
+    assert status == 0 and "on 64 random tokens" in output, output
+
+
+def test_a_rotary_model_under_static_yarn_exports_in_the_default_format(data_dir, tmp_path):
+    """``--format custom --position-scaling yarn:2`` on a rotary model: transformers'
+    own rope validation, run by save_pretrained, read a field this config lacks
+    (an AttributeError traceback); the config's own check runs instead, the export
+    equals the fairseq model under yarn:2, and a loaded export set to yarn saves."""
+    from fairseq_alibi.core.modeling_alibi import AlibiForCausalLM
+
+    model, cfg = build(data_dir / "bin", ROTARY)
+    checkpoint = save(model, cfg, tmp_path / "m.pt")
+    status, output = export(checkpoint, tmp_path / "yarn", "--format", "custom", "--position-scaling", "yarn:2")
+    assert status == 0, output
+    ids = tokens(3 * L)
+    loaded = AlibiForCausalLM.from_pretrained(tmp_path / "yarn").eval()
+    assert loaded.config.rope_parameters["rope_type"] == "yarn"
+    with torch.no_grad():
+        got = loaded(input_ids=ids).logits.float().log_softmax(-1)[0]
+    assert max_diff(got, fairseq_log_probs(model, ids, Scaling("yarn", 2.0, L))[0]) < 1e-5
+    plain = AlibiForCausalLM.from_pretrained(tmp_path / "yarn").eval()
+    plain.set_alibi_scaling({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L})
+    plain.save_pretrained(tmp_path / "again")
+    assert AlibiForCausalLM.from_pretrained(tmp_path / "again").config.rope_parameters["factor"] == 4.0
+
+
 # ------------------------------------------------------------------ the evaluation tools on the exports
 @pytest.mark.slow
 def test_alibi_sweep_hf_scores_every_export_as_its_checkpoint(data_dir, exports, tmp_path):

@@ -213,6 +213,24 @@ class AlibiLMConfig(PreTrainedConfig):
         standardization would fill a non-rotary model's in and warn)."""
         return kwargs
 
+    def validate_rope(self) -> None:
+        """The config's own check of ``rope_parameters`` (:meth:`scaling`), where
+        ``save_pretrained`` runs transformers' validation: that one reads fields this
+        config lacks (YaRN's ``max_position_embeddings``: an AttributeError, and no
+        export of a rotary model under ``yarn:F`` in this format) and warns about
+        the types it does not know (``logn``)."""
+        self.scaling()
+
+    def validate(self) -> None:
+        """transformers' checks of a config, with :meth:`validate_rope` this
+        config's own: the list is ``PreTrainedConfig``'s, collected when that class
+        was defined, so an override of one of its methods alone is never called."""
+        for validator in getattr(type(self), "__class_validators__", ()):
+            if validator.__name__ == "validate_rope":
+                self.validate_rope()
+            else:
+                validator(self)
+
     def scaling(self) -> Scaling:
         """The ``scaling.Scaling`` of ``alibi_scaling`` (ALiBi) or
         ``rope_parameters`` (rotary); ``ScalingError`` if invalid."""

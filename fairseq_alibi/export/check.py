@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -60,13 +61,35 @@ def extension_start(scaling: Scaling) -> Optional[int]:
     return None
 
 
-def check_length(scaling: Scaling) -> int:
+def position_reach(model) -> Optional[int]:
+    """The distance past which a model's own position settings act otherwise,
+    or None where they act alike at every distance: RNoPE's window (farther
+    keys hidden from its RoPE layers), T5's max distance (every farther key in
+    one bucket), FIRE's learned threshold (queries past it normalize by their
+    own position)."""
+    from ..core.fire import Fire
+    from ..core.hybrid import HybridPositions
+    from ..core.t5bias import T5Bias
+    from ..models.attention import biases
+
+    reach = [int(stack.window) for stack in biases(model) if isinstance(stack, HybridPositions)]
+    for module in model.modules():  # the learned biases' parameters: modules of the model
+        if isinstance(module, T5Bias):
+            reach.append(int(module.max_distance))
+        elif isinstance(module, Fire):
+            reach.append(math.ceil(float(module.threshold)))
+    return max(reach) if reach else None
+
+
+def check_length(scaling: Scaling, reach: Optional[int] = None) -> int:
     """Tokens the check scores: :data:`TOKENS`, or that many past where the
-    extension starts to act (at most :data:`MAX_CHECK_LENGTH`): on 24 tokens a
+    extension starts to act or the model's own settings change (``reach``,
+    :func:`position_reach`), at most :data:`MAX_CHECK_LENGTH`: on 24 tokens a
     model trained on 512 computes the same with a dynamic or distance extension
-    as without, so a wrongly written one would pass."""
-    start = extension_start(scaling)
-    return TOKENS if start is None else max(TOKENS, min(MAX_CHECK_LENGTH, start + TOKENS))
+    as without, and an RNoPE window of 256 hides no key, so a wrongly written
+    one would pass."""
+    starts = [s for s in (extension_start(scaling), reach) if s is not None]
+    return TOKENS if not starts else max(TOKENS, min(MAX_CHECK_LENGTH, max(starts) + TOKENS))
 
 
 @dataclass(frozen=True)
@@ -284,7 +307,7 @@ def check_written(directory: str, fmt: str, source, scaling: Scaling) -> Written
         from .custom import describe
 
         fields = describe(source)
-    length = check_length(scaling)
+    length = check_length(scaling, position_reach(source.model))
     check = measure(loaded, source.model, check_tokens(source.dictionary, length), fmt, fields)
     start = extension_start(scaling)
     if start is not None and start >= length:
