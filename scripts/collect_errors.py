@@ -100,7 +100,7 @@ def build_fixtures(work):
     open(path("resume/checkpoint_last.pt"), "wb").write(data[:20000])
     subprocess.run([tool("alibi-sweep"), "data", "-c", "alibi=alibi/checkpoint_last.pt", "--lengths", "1x",
                     "--methods", "none", "--output-dir", "sweep_out", "--cpu", "--no-progress"], **run)
-    for name in ("bad_dict", "empty_split", "truncated_bin", "half_split"):
+    for name in ("bad_dict", "empty_split", "truncated_bin", "half_split", "damaged_idx"):
         os.makedirs(path(name))
         for file in os.listdir(path("data")):
             shutil.copyfile(path(f"data/{file}"), path(f"{name}/{file}"))
@@ -110,6 +110,9 @@ def build_fixtures(work):
     MMapIndexedDatasetBuilder(path("empty_split/valid.bin")).finalize(path("empty_split/valid.idx"))
     os.truncate(path("truncated_bin/valid.bin"), 100)
     os.remove(path("half_split/valid.idx"))  # what an interrupted stock fairseq-preprocess left
+    with open(path("damaged_idx/valid.idx"), "r+b") as index:  # an element type code fairseq has no type for
+        index.seek(9 + 8)
+        index.write(bytes([99]))
     os.makedirs(path("latin"))
     open(path("latin/valid.txt"), "wb").write("one the caf\u00e9 sees a tree .\n".encode("latin-1"))
     open(path("latin/utf16.txt"), "wb").write("one the cat sees a tree .\n".encode("utf-16"))
@@ -193,6 +196,11 @@ CASES = [
         ("a NaN dropout (stock fairseq trains with none)", train("nan_dropout", "--dropout", "nan")),
         ("a typo in `--arch`", train("typo", "--arch", "transformer_lm_alibbi")),
         ("a bad ALiBi value", train("bad_value", "--alibi-interpolation", "bogus")),
+        ("`--position-scaling` beside an older factor that says otherwise (stock: evaluated at 2, without a word)",
+         train("scaling_conflict", "--position-scaling", "linear:2", "--alibi-scale-factor", "4")),
+        ("`--criterion adaptive_loss` without `--ddp-backend legacy_ddp` (fairseq's traceback after loading the data)",
+         train("adaptive_loss", "--arch", "transformer_lm_wiki103_alibi", "--criterion", "adaptive_loss",
+               "--adaptive-input-cutoff", "10,20", "--adaptive-softmax-cutoff", "10,20")),
         ("a bad ALiBi value in a masked-LM encoder (`roberta_alibi`)", MLM + ["--alibi-interpolation", "bogus"]),
         ("a bad bidirectional mode", MLM + ["--alibi-bidirectional", "diagonal"]),
         ("`--valid-subset` that does not exist", train("no_split", "--valid-subset", "vaild")),
@@ -324,6 +332,13 @@ CASES = [
                                        "--destdir", "latin_bin"]),
         ("a new dictionary into a folder that holds one", ["alibi-preprocess", "--only-source", "--trainpref",
                                                            "train.txt", "--destdir", "data"]),
+        ("a `--srcdict` other than the dictionary of the splits in `--destdir` (it replaced it: the old splits "
+         "then read as other words)", ["alibi-preprocess", "--only-source", "--srcdict", "small_dict_data/dict.txt",
+                                       "--validpref", "valid.txt", "--destdir", "data"]),
+        ("neither `--trainpref` nor a dictionary", ["alibi-preprocess", "--only-source", "--validpref", "valid.txt",
+                                                    "--destdir", "new_bin"]),
+        ("a `valid.idx` whose header fairseq cannot read (an element type code it has no type for)",
+         ["alibi-eval-lm", "damaged_idx", "--cpu", "--gen-subset", "valid", "--path", "alibi/checkpoint_last.pt"]),
         ("a folder with valid.bin but no valid.idx (an interrupted preprocess)",
          ["alibi-eval-lm", "half_split", "--cpu", "--gen-subset", "valid", "--path", "alibi/checkpoint_last.pt"]),
         ("the same folder to train on", ["half_split" if a == "data" else a for a in train("half_train")]),
