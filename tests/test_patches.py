@@ -370,3 +370,60 @@ def test_quiet_partial_dataset_cleanup_closes_only_what_was_opened(tmp_path):
         del dataset
         gc.collect()
     assert mmap.closed
+
+
+def test_literal_options_only_reads_literals_and_runs_no_code():
+    """fairseq's eval of an option's text reads literals (and +, -, * of them, as
+    fconv's defaults are written) and refuses anything else, names and calls first."""
+    from fairseq.models import fconv, transformer_lm
+    from fairseq.optim import adam
+
+    from fairseq_alibi.errors import ConfigError
+    from fairseq_alibi.patches.no_eval import literal_expression
+
+    assert transformer_lm.eval is adam.eval is fconv.eval is literal_expression
+    assert literal_expression("(0.9, 0.98)") == (0.9, 0.98)
+    assert literal_expression("[(512, 3)] * 2 + [(256, 3)]") == [(512, 3), (512, 3), (256, 3)]
+    assert literal_expression("1e-8") == 1e-8 and literal_expression(b"(1, 2)") == (1, 2)
+    with pytest.raises(TypeError):  # as eval, which fairseq's eval_bool reads as "use the default"
+        literal_expression(True)
+    from fairseq import utils
+    assert utils.eval_bool(True, default=False) is False and utils.eval_bool("True") is True  # stock semantics
+    assert utils.eval_str_list("20000,60000", type=int) == [20000, 60000]
+    import argparse
+    import builtins
+
+    from fairseq.models import fconv_lm
+    for arch in (fconv_lm.base_lm_architecture, fconv_lm.fconv_lm_dauphin_wikitext103):
+        args = argparse.Namespace()
+        arch(args)  # fairseq's own defaults, expressions such as "[(850, 6)] * 3 + ...": read as eval reads them
+        assert literal_expression(args.decoder_layers) == builtins.eval(args.decoder_layers), arch.__name__
+    for text in ("__import__('os').system('true')", "open('x')", "[1] * 10 ** 9", "[1] * 100000",
+                 "().__class__", "lambda: 0"):
+        with pytest.raises(ConfigError, match="is not a Python literal"):
+            literal_expression(text)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_whose_config_holds_code_runs_none_of_it(sinusoidal_checkpoint, lm_data_bin, tmp_path):
+    """A stock transformer_lm's config with character embeddings and code in
+    character_filters (plain strings: the safe unpickler lets them through; stock
+    fairseq eval()s them while building the model) is one error line, and the
+    code never runs; the same text in a YAML config and in --adam-betas."""
+    from conftest import error_lines, run_cli, tool
+
+    marker = tmp_path / "MARK"
+    code = f"__import__('os').system('touch {marker}') or [(1, 4)]"
+    state = torch.load(sinusoidal_checkpoint, weights_only=False)
+    state["cfg"]["model"]["character_embeddings"] = True
+    state["cfg"]["model"]["character_filters"] = code
+    torch.save(state, tmp_path / "hostile.pt")
+    result = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", tmp_path / "hostile.pt", "--cpu"],
+                     expect_ok=False)
+    assert result.returncode == 1 and not marker.exists(), result.output[-2000:]
+    assert len(error_lines(result)) == 1 and "is not a Python literal" in error_lines(result)[0], result.output
+    from conftest import train_args
+    betas = run_cli([tool("alibi-train"), *train_args(lm_data_bin, tmp_path / "ckpt", max_update=1),
+                     "--adam-betas", f"__import__('os').system('touch {marker}') or (0.9, 0.98)"], expect_ok=False)
+    assert betas.returncode == 1 and not marker.exists(), betas.output[-2000:]
+    assert "is not a Python literal" in error_lines(betas)[0]

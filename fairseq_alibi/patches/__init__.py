@@ -3,7 +3,7 @@
 :func:`apply` walks :data:`PATCHES` in order; ``fairseq_alibi.models`` (what
 registers the models: the ``alibi-*`` console scripts and stock CLIs run with
 ``--user-dir`` import it) calls it once, never ``fairseq_alibi`` or
-``fairseq_alibi.hf``.  It is idempotent.  Each patch is of one of four kinds
+``fairseq_alibi.hf``.  It is idempotent.  Each patch is of one of five kinds
 (:data:`KINDS`), and its docstring says which and what stock behaviour it
 changes:
 
@@ -12,12 +12,18 @@ changes:
   one error line;
 * **wrong result**: stock fairseq goes on silently and its result is wrong;
 * **start-up**: stock fairseq gives the same result, later;
-* **quieting**: stock fairseq prints output a user cannot act on.
+* **quieting**: stock fairseq prints output a user cannot act on;
+* **safety**: stock fairseq runs code that a file or an option's text holds.
 
 ``startup.py``
     ``deferred_metric_imports`` (start-up): fairseq imports scikit-learn and
     SciPy for tasks this plugin never runs; they load on first use.  First:
     it works only before anything imports fairseq.
+``no_eval.py``
+    ``literal_options_only`` (safety): the options fairseq reads with
+    ``eval`` (``character_filters``, the optimizers' betas, fconv's layer
+    lists) read literals only, so a checkpoint's config or a YAML file never
+    runs code.
 ``numpy_compat.py``
     ``restore_numpy_compat_long`` (crash): NumPy 2 removed ``np.compat.long``,
     which fairseq's ``TokenBlockDataset`` still reads.
@@ -80,7 +86,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Tuple
 
 from . import (
-    batching, build_errors, checkpoints, data_files, distributed, eval_lm, hub, numpy_compat, quiet, startup,
+    batching, build_errors, checkpoints, data_files, distributed, eval_lm, hub, no_eval, numpy_compat, quiet, startup,
 )
 from .checkpoints import OverrideCheck
 from .eval_lm import guarded_eval_lm  # noqa: F401  (alibi-eval-lm's CLI imports it from here)
@@ -90,6 +96,7 @@ CRASH = "crash"
 WRONG_RESULT = "wrong result"
 STARTUP = "start-up"
 QUIETING = "quieting"
+SAFETY = "safety"
 
 #: Each kind of patch, and what stock fairseq does without one of that kind.
 KINDS = {
@@ -98,6 +105,7 @@ KINDS = {
     WRONG_RESULT: "stock fairseq goes on silently and its result is wrong",
     STARTUP: "stock fairseq gives the same result, later",
     QUIETING: "stock fairseq prints output a user cannot act on",
+    SAFETY: "stock fairseq runs code that a file or an option's text holds",
 }
 
 
@@ -123,6 +131,7 @@ class Patch:
 #: What :func:`apply` runs, in this order.
 PATCHES: Tuple[Patch, ...] = (
     Patch(startup.deferred_metric_imports, STARTUP),  # first: before anything imports fairseq
+    Patch(no_eval.literal_options_only, SAFETY),
     Patch(numpy_compat.restore_numpy_compat_long, CRASH),
     Patch(quiet.quiet_harmless_warnings, QUIETING),
     Patch(distributed.torchrun_on_cpu, WRONG_RESULT),
