@@ -12,6 +12,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -443,3 +444,39 @@ def test_per_position_note_stays_inside_the_figure(tmp_path, monkeypatch):
     title, figure = seen["title"], seen["figure"]
     assert figure.x0 <= title.x0 and title.x1 <= figure.x1 and title.y1 <= figure.y1
     plt.close("all")
+
+
+def test_an_output_directory_never_writes_through_its_symbolic_links(tmp_path):
+    """A link planted in an output directory (.lock, a figure, a table, their
+    temporary files) is never followed: the lock refuses a linked .lock, and every
+    file is a new one renamed over its name (it replaced the link, not its target)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fairseq_alibi.errors import EvaluationError
+    from fairseq_alibi.evaluation import report, store
+
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("PRECIOUS")
+    (out / ".lock").symlink_to(victim)
+    with pytest.raises(EvaluationError, match=r"\.lock is a symbolic link; remove it"):
+        with store.OutputLock(str(out), "test"):
+            pass
+    (out / ".lock").unlink()
+    for name in ("results.md", "perplexity.png"):
+        (out / name).symlink_to(victim)
+    for pid in range(os.getpid() - 2, os.getpid() + 3):  # the old temporary names: a pid away
+        (out / f"results.md.tmp{pid}").symlink_to(victim)
+    with store.OutputLock(str(out), "test"):
+        store.atomic_write(str(out / "results.md"), "table\n")
+        fig = plt.figure()
+        report.save_figure(fig, str(out / "perplexity.png"))
+        plt.close(fig)
+    assert victim.read_text() == "PRECIOUS"
+    assert not (out / "results.md").is_symlink() and (out / "results.md").read_text() == "table\n"
+    assert not (out / "perplexity.png").is_symlink() and (out / "perplexity.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("results.md.tmp")) == [
+        ".lock", "perplexity.png", "results.md"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 import textwrap
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -105,6 +106,14 @@ def percent_text(value: float, threshold: Optional[float] = None) -> str:
             continue
         return text
     return text
+
+
+def save_figure(fig, path: str) -> None:
+    """A figure written as the tools write every output file (``store.atomic_file``:
+    a new file renamed over ``path``, no symbolic link there followed)."""
+    from .store import atomic_file
+
+    atomic_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format=os.path.splitext(path)[1][1:] or "png"))
 
 
 def bounds(interval: Interval, value: float, scale: float = 1.0) -> str:
@@ -331,7 +340,7 @@ def plot_perplexity(path: str, cells: List[dict], rank: Rank, pairs: Sequence[di
             _paired_panel(axes[1][col], [p for p in shown if here(p)], rank, line_style, subset)
         axes[-1][col].set_xlabel("evaluation window length (tokens)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -468,7 +477,7 @@ def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
     lines = textwrap.wrap(note, width=int(fig.get_figwidth() * 14))  # about 14 characters an inch at 8 points
     fig.suptitle("\n".join(lines), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.035 * len(lines)))  # room for the note: it is never cut
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -562,7 +571,7 @@ def plot_retrieval_accuracy(path: str, cells: List[dict], rank: Rank) -> None:
         ax.grid(True, which="both", alpha=0.3)
         bar = Line2D([], [], color="grey", marker="|", ms=10, lw=0)
         _legend(ax, [(bar, f"bars: {ACCURACY_INTERVAL}")], loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -614,5 +623,5 @@ def plot_retrieval_depth(path: str, cells: List[dict], rank: Rank) -> None:
         sizes = sorted({c["n"] for c in cells})
         fig.suptitle(f"each square: accuracy of {'/'.join(map(str, sizes))} prompts; {ACCURACY_INTERVAL}s up to "
                      f"{100 * widest:.0f} points wide", fontsize=8)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import tempfile
 from typing import Callable, Dict, List, Optional
 
 from ..errors import EvaluationError, no_space
@@ -27,9 +28,8 @@ def prepare_output_dir(outdir: str) -> None:
         raise EvaluationError(f"--output-dir {outdir} is a file, not a directory; choose another --output-dir")
     try:
         os.makedirs(outdir, exist_ok=True)
-        probe = os.path.join(outdir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
+        handle, probe = tempfile.mkstemp(prefix=".write-test-", dir=outdir)  # a new file: no link followed
+        os.close(handle)
         os.remove(probe)
     except OSError as exc:
         raise EvaluationError(
@@ -49,7 +49,14 @@ class OutputLock:
     def __enter__(self):
         import fcntl
 
-        self.handle = open(self.path, "a+", encoding="utf-8")
+        try:  # never through a symbolic link: truncated, it would empty the file it points to
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise EvaluationError(f"{self.path} is a symbolic link; remove it (the tools write their lock there) "
+                                  "or choose another --output-dir") from None
+        self.handle = os.fdopen(descriptor, "r+", encoding="utf-8")
         try:
             fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -75,15 +82,29 @@ class OutputLock:
 
 def atomic_write(path: str, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
+    def write(tmp: str) -> None:
         with open(tmp, "w", encoding="utf-8", newline="") as f:
             f.write(text)
+
+    atomic_file(path, write)
+
+
+def atomic_file(path: str, write: Callable[[str], None]) -> None:
+    """``write(tmp)`` a new file beside ``path`` (created afresh: a symbolic link
+    planted there is never followed), then rename it over ``path`` (which
+    replaces a link at ``path`` itself, not the file it points to): whole or
+    not at all."""
+    directory, name = os.path.split(path)
+    tmp = None
+    try:
+        handle, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory or ".")
+        os.close(handle)
+        write(tmp)
         os.replace(tmp, path)
     except OSError as exc:
         raise EvaluationError(f"cannot write {path}: {no_space(exc) or exc.strerror or exc}") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
 
 
