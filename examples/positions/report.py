@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Tuple
 
 from fairseq_alibi.core.positions import POSITIONS
 from fairseq_alibi.evaluation.styles import position_colour
+from fairseq_alibi.evaluation.report import save_figure  # writes no file through a link
 
 NAME = re.compile(r"^(?P<method>.+)_s(?P<seed>\d+)$")
 
@@ -220,7 +221,7 @@ def plot(path: str, panels: List[Tuple[str, List[Tuple[str, str]]]], series: Ser
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from summary import Retrieval  # the one convention for retrieval over seeds (this folder)
+from fairseq_alibi.evaluation.report import save_figure  # writes no file through a link
 
 TASKS = ("lines", "passkey")
 FAMILIES = ("ntk", "cap", "log", "power", "capnorm")
@@ -173,7 +174,7 @@ def plot(path: str, order: List[str], tasks: Dict[str, Dict[str, Retrieval]], co
     fig.suptitle(f"{title}\nhorizontal bar: 95% paired t-interval over windows; vertical: thin = seed min-max, "
                  "thick = pooled 95% Wilson", fontsize=9)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

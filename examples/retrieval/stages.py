@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 from summary import read_results  # (this directory: the script's own)
 
-from fairseq_alibi.evaluation.report import percent_text
+from fairseq_alibi.evaluation.report import percent_text, save_figure
 
 #: A check: (updates, lines %, passkey % or None).
 Check = Tuple[int, float, Optional[float]]
@@ -237,7 +237,7 @@ def plot(found: Dict[str, Dict[str, Run]], until: float, path: str) -> None:
         ax.set(title=f"{task} at 1x L", xlabel="updates", ylabel="accuracy %", ylim=(-3, 103))
     axes[0][-1].legend(fontsize=7, ncol=2, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

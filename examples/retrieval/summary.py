@@ -43,7 +43,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from fairseq_alibi.evaluation.report import percent_text as pc  # whole percent, never 0 or 100 for a value between
+from fairseq_alibi.evaluation.report import percent_text as pc, save_figure  # pc: whole percent, never 0 or 100
 
 CONVENTION = ("mean over runs [lowest run, highest run] (pooled: the 95 % Wilson interval of all the runs' prompts "
               "together)")
@@ -319,7 +319,7 @@ def plot(path: str, models: Sequence[Model], layout) -> None:
     axes[0].set_title(f"line: mean over up to {runs} runs; shaded: lowest to highest run")
     axes[1].set_title("the same by needle distance")
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -108,12 +108,12 @@ def percent_text(value: float, threshold: Optional[float] = None) -> str:
     return text
 
 
-def save_figure(fig, path: str) -> None:
+def save_figure(fig, path: str, dpi: int = 110) -> None:
     """A figure written as the tools write every output file (``store.atomic_file``:
     a new file renamed over ``path``, no symbolic link there followed)."""
     from .store import atomic_file
 
-    atomic_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format=os.path.splitext(path)[1][1:] or "png"))
+    atomic_file(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=os.path.splitext(path)[1][1:] or "png"))
 
 
 def bounds(interval: Interval, value: float, scale: float = 1.0) -> str:
