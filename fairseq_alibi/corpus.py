@@ -24,8 +24,9 @@ Pipeline (``python -m fairseq_alibi.corpus``, or
 4. drop every paragraph of valid and test that train holds verbatim (the help
    topics repeat each other: ``try`` and ``compound`` share whole sections, and
    stdlib modules share licence and boilerplate comments; left in, a tenth of
-   the valid split's tokens were text the model had trained on, which lowers its
-   perplexity by memory, not by modelling); ``--held-out-overlap keep`` builds
+   the valid split's tokens were text the model had trained on, which a held-out
+   split must not hold, whichever way it moves the perplexity: on the demo's
+   models it raised it, docs/extrapolation.md); ``--held-out-overlap keep`` builds
    the corpus as it was before 2026-12-02.  Train, and so the dictionary and any
    model trained on it, is the same either way;
 5. close the vocabulary like WikiText: words seen fewer than ``min_count``
@@ -270,8 +271,9 @@ def drop_train_overlap(splits: Dict[str, List[Tuple[str, List[str]]]]) -> Dict[s
     for split in ("valid", "test"):
         lines_dropped = tokens_dropped = 0
         for i, (name, lines) in enumerate(splits[split]):
-            kept = [line for k, line in enumerate(lines) if k == 0 or line not in in_train]
-            removed = [line for k, line in enumerate(lines) if k > 0 and line in in_train]
+            kept, removed = [], []
+            for k, line in enumerate(lines):
+                (removed if k > 0 and line in in_train else kept).append(line)
             lines_dropped += len(removed)
             tokens_dropped += count_tokens(removed)
             splits[split][i] = (name, kept)
