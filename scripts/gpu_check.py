@@ -16,7 +16,7 @@ subprocess with its own share of the time:
   ALiBi against sinusoidal (``benchmarks/eval_memory.py --device cuda``).
 
 It then writes the numbers, with the device named, between the ``gpu-check``
-markers of docs/performance.md (``--no-write``: print them only).  A step that
+markers of docs/results/gpu-check.md, its own results file (``--no-write``: print them only).  A step that
 fails or runs out of time is written as such; the others still run.  Without
 CUDA it stops at once, in one line.
 """
@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-DOCS = os.path.join(ROOT, "docs", "performance.md")
+DOCS = os.path.join(ROOT, "docs", "results", "gpu-check.md")
 BEGIN, END = "<!-- gpu-check: begin -->", "<!-- gpu-check: end -->"
 
 #: name -> (weight: the step's share of the budget, command after the interpreter; {json} is the output file).

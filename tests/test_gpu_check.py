@@ -1,6 +1,6 @@
 """``make gpu-check`` (``scripts/gpu_check.py``) without a GPU: its arguments,
 its refusal without CUDA, the commands of its steps, and the Markdown it
-writes into docs/performance.md, from fake numbers."""
+writes into docs/results/gpu-check.md, from fake numbers."""
 
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ def run_script(*args):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check would run")
 def test_refuses_without_cuda_in_one_line():
-    before = (REPO / "docs" / "performance.md").read_text()
+    before = (REPO / "docs" / "results" / "gpu-check.md").read_text()
     result = run_script()
     assert result.returncode == 1
     assert result.stdout == ""
     assert result.stderr.splitlines() == [
         f"error: gpu-check needs a CUDA GPU, and torch {torch.__version__} sees none here "
         "(torch.cuda.is_available() is False); run it on a machine with one"]
-    assert (REPO / "docs" / "performance.md").read_text() == before
+    assert (REPO / "docs" / "results" / "gpu-check.md").read_text() == before
 
 
 @pytest.mark.parametrize("args,message", [
@@ -169,7 +169,7 @@ def test_markdown_from_fake_numbers(tmp_path):
 
 
 def test_section_replaced_between_the_markers_of_the_docs():
-    docs = (REPO / "docs" / "performance.md").read_text()
+    docs = (REPO / "docs" / "results" / "gpu-check.md").read_text()
     assert docs.count(gpu_check.BEGIN) == 1 and docs.count(gpu_check.END) == 1
     assert "Measured" in docs.split(gpu_check.BEGIN)[1].split(gpu_check.END)[0]
     replaced = gpu_check.replace_section(docs, EXPECTED)
