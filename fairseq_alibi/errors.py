@@ -203,8 +203,10 @@ def _describe_model_mismatch(exc: BaseException, frame) -> str:
     if detail.startswith("Error(s) in loading state_dict"):
         missing = len(re.findall(r'"[^"]+"', detail.split("Unexpected key(s)")[0].split("size mismatch")[0]))
         mismatched = len(re.findall(r"size mismatch for ", detail))
+        extra = detail.split("Unexpected key(s)")[1].split("size mismatch")[0] if "Unexpected key(s)" in detail else ""
+        unexpected = len(re.findall(r'"[^"]+"', extra))
         detail = (f"its weights do not fit the model built from its config ({missing} missing names, "
-                  f"{mismatched} of another shape)")
+                  f"{unexpected} names the model has no place for, {mismatched} of another shape)")
     elif len(detail) > 300:
         detail = detail[:300] + "..."
 

@@ -203,3 +203,88 @@ def test_every_path_builds_the_same_bias(item, config, hf_dict, keywords):
     # the chunked kernel computes softmax(bias): its log equals the bias up to a per-row constant
     torch.testing.assert_close(row_normalized(chunked_blocks(fairseq_stack).double()), row_normalized(expected),
                                rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------ one refusal of a bad factor, every tool
+#: Factor spellings no tool takes (issue 77): empty (a script's ``yarn:$F`` with F unset), not a finite
+#: number, negative, zero where the grammar spells dynamic as a word, too large for a length in tokens,
+#: and a factor whose product with the training length L is past int32's tokens.
+BAD_FACTORS = {"empty": "", "nan": "nan", "inf": "inf", "negative": "-1", "zero": "0", "1e308": "1e308",
+               "times L overflows": str(2**31 // L + 1)}
+#: Every method with a factor, and a position method it applies to.
+FACTOR_METHODS = {"linear": "alibi", "ntk": "alibi", "yarn": "rotary", "cap": "alibi", "log": "alibi",
+                  "power": "alibi", "capnorm": "alibi", "logn": "nope"}
+
+
+def _number(text: str):
+    return None if text == "" else float(text)
+
+
+def _factor_entry_points():
+    """(tool, method, bad factor text) -> a call that must refuse it: the textual spellings
+    (--methods, --position-scaling of the export and of training, --model-overrides) and the
+    numeric ones (config fields, alibi_scaling and rope_parameters: HF configs, load keywords,
+    set_alibi_scaling; keywords: apply_alibi_scaling), where the number means what it says."""
+    from types import SimpleNamespace
+
+    from fairseq_alibi.core.configuration_alibi import AlibiLMConfig, scaling_of_rope
+    from fairseq_alibi.evaluation.axes import methods_for, parse_methods
+    from fairseq_alibi.export import resolve_scaling
+    from fairseq_alibi.models.config import check_override_keys
+
+    def sweep(method, text):
+        info = SimpleNamespace(name="model", extensions=("none", method), train_length=L, missing_length_hint="")
+        return methods_for(info, parse_methods(f"none,{method}:{text}"))
+
+    def export(method, text):
+        source = SimpleNamespace(train_length=L, position=FACTOR_METHODS[method], path="model.pt", scaling=None)
+        return resolve_scaling(f"{method}:{text}", source)
+
+    def overrides(method, text):
+        check_override_keys({"position_scaling": f"{method}:{text}"})
+        return Scaling.from_config({"position_scaling": f"{method}:{text}", "alibi_train_length": L})
+
+    def config_fields(method, text):
+        return Scaling.from_config({"alibi_interpolation": method, "alibi_scale_factor": _number(text),
+                                    "alibi_train_length": L})
+
+    def hf_config(method, text):
+        if FACTOR_METHODS[method] == "rotary" or method in ("linear", "ntk"):  # a rotary export's rope_parameters
+            rope = {"rope_type": method, "factor": _number(text), "original_max_position_embeddings": L}
+            scaling_of_rope(rope, L)
+            return AlibiLMConfig(position_method="rotary", rope_parameters=rope, alibi_train_length=L)
+        return AlibiLMConfig(position_method=FACTOR_METHODS[method], alibi_train_length=L,
+                             alibi_scaling={"type": method, "factor": _number(text)})
+
+    def keywords(method, text):
+        return Scaling(method, _number(text), L)
+
+    textual = {"alibi-sweep --methods": sweep, "alibi-export-hf --position-scaling": export,
+               "--model-overrides / alibi-train --position-scaling": overrides}
+    numeric = {"config fields": config_fields, "alibi_scaling / rope_parameters": hf_config,
+               "keywords (apply_alibi_scaling, Scaling)": keywords}
+    for method in FACTOR_METHODS:
+        for name, text in BAD_FACTORS.items():
+            for tool, call in textual.items():
+                yield tool, method, name, text, call
+            if name != "zero":  # a number 0 is dynamic (scale methods) or one training length (the others)
+                for tool, call in numeric.items():
+                    yield tool, method, name, text, call
+
+
+@pytest.mark.parametrize("tool,method,name,text,call", list(_factor_entry_points()),
+                         ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.fast_cases(12)
+def test_every_tool_refuses_every_bad_factor_in_one_line(tool, method, name, text, call):
+    """No tool scores a bad factor as another method: each refuses it as a user error of one line
+    that names what was given (``yarn:`` ran dynamic YaRN, ``logn:`` logn x1, ``logn:1e308`` the
+    unscaled model; the export raised an OverflowError)."""
+    from fairseq_alibi.core.errors import UserError
+
+    with pytest.raises(UserError) as refused:
+        call(method, text)
+    message = str(refused.value)
+    assert "\n" not in message and "is not valid" in message, message
+    shown = {"": "''", "1e308": "1e+308"}.get(text, text)
+    given = (shown, f"{method}:{text}", f"factor': {_number(text)!r}", f"factor={_number(text)!r}") + (("int32",) if name == "times L overflows" else ())
+    assert any(spelled in message for spelled in given), message

@@ -216,6 +216,10 @@ def other_valid_value(param):
     raise AssertionError(param)
 
 
+#: Factor spellings every tool refuses (core.scaling): empty, not finite, negative, past int32 tokens.
+BAD_FACTORS = ("", "nan", "inf", "-1", "1e308")
+
+
 def override_cases():
     """Every key kind on every method: its own params (each role: another valid
     value, an invalid one, the trained one), another method's params, a
@@ -235,13 +239,24 @@ def override_cases():
         yield method, "decoder_layers", 3, "it sets the model's shape"
         yield method, "decoder_layers", 2, None
         yield method, "alibi_attention", "sdpa", None
+        # the logit keys: SSMax adds weights (either way refused; ssmax+ is a checkpoint trained with
+        # --ssmax), logn is a spelling of position_scaling on every method, its factor checked as any
+        yield method, "ssmax", True, "SSMax's scales are weights learned in training, and this checkpoint has none"
+        yield method, "ssmax", False, None
+        yield method + "+ssmax", "ssmax", False, "it holds SSMax's learned scales"
+        yield method + "+ssmax", "ssmax", True, None
+        yield method, "position_scaling", "logn", None
+        for spelling in BAD_FACTORS:
+            yield method, "position_scaling", f"logn:{spelling}", "is not valid"
 
 
 @pytest.mark.parametrize("method,key,value,refused", list(override_cases()),
                          ids=lambda v: str(v)[:40] if not isinstance(v, str) or len(v) < 40 else v[:40])
 @pytest.mark.fast_cases(8)
 def test_overrides_of_every_key_kind_on_every_method(dict_dir, method, key, value, refused):
-    cfg = checkpoint_cfg(dict_dir, method)
+    cfg = checkpoint_cfg(dict_dir, method.split("+")[0])
+    if method.endswith("+ssmax"):
+        cfg.model.ssmax = True
     if refused is None:
         check_override_keys({key: value}, cfg)
         return

@@ -42,7 +42,7 @@ from .hybrid import AUTO_NOPE_EVERY, DEFAULT_NOPE_EVERY, RNOPE_EXTENSIONS, Hybri
 from .kerple import KerpleLog
 from .params import LEARNED, SHAPE, Param, Range
 from .rotary import BASE_RANGE, DEFAULT_BASE, ROPE_METHODS, RotaryPositions
-from .scaling import LOGIT_METHODS, Scaling, check_applies
+from .scaling import LOGIT_METHODS, MAX_TOKENS as SCALING_MAX_TOKENS, Scaling, check_applies
 from .t5bias import T5Bias
 
 
@@ -131,8 +131,9 @@ def _rnope(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scali
                            scaling)
 
 
-#: The largest training length, threshold or distance a parameter takes, in tokens (fairseq's int32 lengths).
-MAX_TOKENS = 2**31 - 1
+#: The largest training length, threshold or distance a parameter takes, in tokens (fairseq's int32 lengths):
+#: the scaling spec's own bound (a factor times the training length is at most it).
+MAX_TOKENS = SCALING_MAX_TOKENS
 
 #: The extension methods of a position method without its own: as trained,
 #: or a logit method (``logn``), which applies to every position method.

@@ -88,6 +88,10 @@ SPELLING_KEY = "position_scaling"
 #: The keys an ``alibi_scaling`` dictionary (Hugging Face configs) may hold.
 HF_KEYS = ("type", "factor", "train_seq_len", "alpha")
 _DYNAMIC = ("dynamic", "dyn")
+#: The longest length a factor may stand for, in tokens: fairseq's int32 lengths (``positions.MAX_TOKENS``).
+#: A factor counts training lengths (each at least one token), so no factor is above it either, and
+#: ``factor x train_length`` (a scale method's extended context, ``C``, a logit method's ``B``) is not.
+MAX_TOKENS = 2**31 - 1
 
 
 # ------------------------------------------------------------------ one check per field
@@ -123,6 +127,9 @@ def checked_factor(method: str, factor) -> float:
     value = real(factor)
     if value is None or not math.isfinite(value) or value < 0 or (method in SCALE_METHODS and 0 < value < 1):
         raise ScalingError("factor", factor, factor_rule(method))
+    if method != "none" and value > MAX_TOKENS:
+        raise ScalingError("factor", factor, f"{factor_rule(method)}, and F x the training length a number of "
+                           f"tokens, at most {MAX_TOKENS} (int32)")
     if method == "none" or (method in LENGTH_METHODS and value == 0):
         return 1.0
     return value
@@ -144,8 +151,8 @@ def checked_alpha(method: str, alpha) -> Optional[float]:
 
 def checked_train_length(length) -> Optional[int]:
     """A training length: None (unknown) or a positive integer."""
-    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
-        raise ScalingError("train_length", length, "it must be a positive integer (the training tokens_per_sample)")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= MAX_TOKENS):
+        raise ScalingError("train_length", length, f"it must be an integer in [1, {MAX_TOKENS}] (the training tokens_per_sample)")
     return length
 
 
@@ -181,6 +188,10 @@ class Scaling:
         object.__setattr__(self, "factor", checked_factor(method, self.factor))
         object.__setattr__(self, "alpha", checked_alpha(method, self.alpha))
         length = checked_train_length(self.train_length)
+        if length is not None and self.factor * length > MAX_TOKENS and method != "none":
+            raise ScalingError("factor", self.factor, f"{method} at {self.factor:g} x {length} training tokens stands "
+                               f"for {self.factor * length:g} tokens, past the longest length, {MAX_TOKENS} "
+                               f"(int32): give a factor of at most {MAX_TOKENS // length}")
         if length is not None and method in DISTANCE_METHODS and self.factor * length < 1:
             raise ScalingError("factor", self.factor, f"{method} at {self.factor:g} x {length} training tokens "
                                f"starts at {self.factor * length:g} tokens; C must be at least one token")
@@ -196,7 +207,7 @@ class Scaling:
         name, _, arg = str(text).strip().partition(":")
         name, arg = name.strip().lower(), arg.strip().lower()
         checked_method(name)
-        if name == "none" and arg:
+        if name == "none" and (arg or ":" in str(text)):
             raise ScalingError("method", text, "'none' takes no factor")
         alpha = None
         if name in TAIL_METHODS and ":" in arg:
@@ -205,6 +216,10 @@ class Scaling:
         elif ":" in arg:
             raise ScalingError("method", text, f"{name} takes one parameter; allowed: {METHOD_SYNTAX}")
         arg = arg.strip()
+        if not arg and ":" in str(text):  # ``yarn:`` (a script's ``yarn:$F`` with F unset): no method's spelling
+            raise ScalingError("factor", arg, "a factor must follow the colon: " + factor_rule(name) + (
+                f": write {name}:F, or for dynamic scaling {name}:dynamic or {name} alone" if name in SCALE_METHODS
+                else f": write {name}:F, or {name} alone for F = 1"))
         if arg in _DYNAMIC and name not in SCALE_METHODS:
             raise ScalingError("factor", arg, f"{name} has no dynamic form; {name}:F starts at F training lengths")
         factor = 0.0 if arg in _DYNAMIC + ("",) else _number(arg, "factor", name in SCALE_METHODS)

@@ -147,7 +147,7 @@ def _override_value_problem(key: str, value) -> Optional[str]:
         try:
             Scaling.parse(value)
         except ScalingError as exc:
-            return exc.reason
+            return f"takes one method spelling ({METHOD_SYNTAX}); {exc.reason}"
         return None
     types, name = _FIELD_TYPES[key]
     choices = _FIELD_CHOICES.get(key)
@@ -229,6 +229,21 @@ SHAPE_OPTIONS = ("decoder_embed_dim", "decoder_ffn_embed_dim", "decoder_layers",
                  "encoder_embed_dim", "encoder_ffn_embed_dim", "encoder_layers", "encoder_attention_heads")
 
 
+def _ssmax_problem(value, trained: bool) -> str:
+    if trained:
+        return (f"model override ssmax={value!r} cannot apply to this checkpoint (trained with --ssmax): it holds "
+                "SSMax's learned scales (a shape setting: weights of its own), which the override would drop; "
+                "leave it out (a model without SSMax is another training run, without --ssmax)")
+    return (f"model override ssmax={value!r} cannot apply to this checkpoint (trained without --ssmax): SSMax's "
+            "scales are weights learned in training, and this checkpoint has none; leave it out, or train a model "
+            "with --ssmax (for a fixed logit scale at evaluation: position_scaling 'logn')")
+
+
+#: Boolean model options that add weights of their own (a trained model keeps its value), and what an
+#: override of the other value would mean: SSMax's learned scales (``--ssmax``).
+WEIGHT_FLAGS = {"ssmax": _ssmax_problem}
+
+
 def _get(section, key, default=None):
     """``section[key]`` of a DictConfig, dict or Namespace section."""
     if isinstance(section, dict) or hasattr(section, "keys"):
@@ -280,6 +295,8 @@ def override_problem(key, value, cfg=None):
         return param.override_problem(value, param.default if trained is None else trained)
     if model is None:
         return None
+    if key in WEIGHT_FLAGS and _has(model, key) and bool(value) != bool(_get(model, key)):
+        return WEIGHT_FLAGS[key](value, bool(_get(model, key)))
     if key in SHAPE_OPTIONS and _get(model, key) is not None:
         return role_problem(key, SHAPE, value, _get(model, key), "--" + key.replace("_", "-"))
     learned_table = _get(model, "decoder_learned_pos") and not _get(model, "no_token_positional_embeddings")
