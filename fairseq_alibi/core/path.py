@@ -1,0 +1,287 @@
+"""PaTH attention (Yang, Shen, Wen, Tan, Mishra, Ren, Panda and Kim, "PaTH
+Attention: Position Encoding via Accumulating Householder Transformations",
+arXiv 2505.16381): a data-dependent multiplicative position encoding.
+
+Each token ``t`` gives, per head, a unit vector ``w_t`` and ``beta_t = 2
+sigmoid(.)`` in ``(0, 2)``, and with them ``H_t = I - beta_t w_t w_t^T``
+(a Householder reflection at ``beta = 2``; its eigenvalue ``1 - beta`` may be
+negative).  Query ``i`` scores key ``j <= i``
+
+    s_ij = q_i^T H_i H_{i-1} ... H_{j+1} k_j / sqrt(d)
+
+(``s_ii = q_i . k_i / sqrt(d)``), then softmax, optionally with FoX's forget
+gate bias ``c_i - c_j`` added (PaTH-FoX; the gate is ``fox.py``'s).
+
+Choices, each checked against the authors' layer (flash-linear-attention's
+``PaTHAttention``) and kernel tests, read through the project's search tool:
+
+* ``w``: a low-rank projection ``x -> 32 -> H * D`` without biases (theirs,
+  for multi-head attention), then, optionally and by default, a causal
+  depthwise convolution of width 3 without bias followed by SiLU (their
+  ``ShortConvolution(kv_dim, 3)``, whose activation defaults to SiLU), then
+  L2-normalized per head as ``w / sqrt(|w|^2 + 1e-6)`` (their ``l2_norm``).
+* ``beta = 2 sigmoid(x W_b + b)``, one per head (their ``bt_proj``, with a bias).
+* Initialization: normal weights with standard deviation 0.02, zero biases
+  (their models' ``initializer_range``; the convolution too), so ``beta``
+  starts near 1 for every token.
+* The forget gate (``path_forget_gate``): FoX's ``logsigmoid(x W_g + b)`` per
+  head, this package's ``LayerForgetGate`` itself; its bias ``c_i - c_j`` is
+  added **unscaled** to ``s_ij`` (FoX's softmax).  The authors' kernel adds
+  the gate before multiplying by ``1 / sqrt(d)`` (its scores are ``(q . k +
+  c_i - c_j) / sqrt(d)``): the same family of models, a different
+  parameterization of the gate; ours makes PaTH-FoX with every ``beta = 0``
+  exactly this package's FoX.
+* No QK norm (theirs is optional and off by default); no attention dropout
+  (refused where the model is built).
+* Padding (ours; their layer packs rows): a padded token's ``beta`` is 0
+  (``H = I``), its projection is 0 before the convolution, and it is masked
+  as a key, so a left- or right-padded row scores as its unpadded self.
+
+The kernel (:func:`path_attention`): tokens in blocks of ``c``.  Within a
+block, products of consecutive ``H`` have the compact (UT) form: with ``W``
+the block's ``w`` rows, ``L = strictly_lower(W W^T) diag(beta)`` and ``U =
+strictly_upper(W W^T) diag(beta)``, a key carried through the later ``H`` of
+its block is ``k_j - sum_t beta_t a_tj w_t`` with ``a = (I + L)^{-1}
+strictly_lower(W K^T)``, a query carried back to its block's start is ``q_i -
+sum_t beta_t c_ti w_t`` with ``c = (I + U)^{-1} lower(W Q^T)``, and the whole
+block is ``M = I - (beta W)^T (I + U)^{-1} W`` (one triangular solve per
+block, no ``d x d`` matrix formed).  The queries then sweep the earlier blocks
+from the diagonal backwards, all query blocks at once (one step per block
+distance), each step scoring a block of keys and carrying the queries through
+that block's ``M``, with an online softmax: time ``O(T^2 d)``, memory ``O(T
+d)`` per head (``[B, H, T, c]`` scores per step), ``T / c`` steps.  Autograd
+runs through it (in training every step's terms are kept, ``O(T^2)`` in all,
+as dense attention's).  The naive reference (:func:`path_reference`) forms
+every product ``H_i ... H_{j+1}`` as a matrix, in float64: the tests' oracle.
+
+KV cache: the cached keys are kept transformed, ``H_t ... H_{j+1} k_j``; each
+new token ``t`` updates every cached key ``k <- k - beta_t (k . w_t) w_t``
+(a block of new tokens: ``K <- K M``) before its own key is appended, and the
+convolution's last two inputs are carried, so incremental decoding is the
+full forward.
+
+Pure torch, no fairseq: this file travels with exported models.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+#: Tokens per block of the kernel.
+BLOCK = 64
+#: The rank of the projection that gives ``w`` (the authors').
+W_RANK = 32
+#: The width of the short convolution on ``w`` (the authors').
+CONV_WIDTH = 3
+#: ``w / sqrt(|w|^2 + eps)`` (the authors' l2_norm).
+NORM_EPS = 1e-6
+#: The initial standard deviation of every PaTH projection (the authors' initializer_range).
+INIT_STD = 0.02
+
+
+def path_reference(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gate: Optional[Tensor] = None,
+                   key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The naive PaTH attention in float64: ``(output [B, H, T, D], weights
+    [B, H, T, S])`` with every ``H_i ... H_{j+1}`` formed as a matrix.  ``q``
+    the last ``T`` of the ``S`` tokens whose ``k``, ``v``, ``w`` ``[B, H, S, D]``
+    and ``beta`` ``[B, H, S]`` are given (keys untransformed); ``gate``: FoX's
+    cumulative log gates ``c`` ``[B, H, S]`` or None; padded tokens get ``beta
+    = 0`` and are masked as keys."""
+    q, k, v, w, beta = (t.to(torch.float64) for t in (q, k, v, w, beta))
+    B, H, T, D = q.shape
+    S = k.size(2)
+    pad = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
+    if pad is not None:
+        beta = beta.masked_fill(pad[:, None], 0.0)
+    eye = torch.eye(D, dtype=torch.float64, device=q.device)
+    householder = eye - beta[..., None, None] * w[..., :, None] * w[..., None, :]  # [B, H, S, D, D]
+    scores = q.new_full((B, H, T, S), float("-inf"))
+    for row in range(T):
+        i = S - T + row
+        product = eye.expand(B, H, D, D)  # H_i ... H_{j+1}, for j = i first
+        for j in range(i, -1, -1):
+            scores[:, :, row, j] = (q[:, :, row, None, :] @ product @ k[:, :, j, :, None])[..., 0, 0]
+            product = product @ householder[:, :, j]
+    scores = scores / math.sqrt(D)
+    if gate is not None:
+        c = gate.to(torch.float64)
+        scores = scores + c[:, :, S - T:, None] - c[:, :, None, :]
+    if pad is not None:
+        scores = scores.masked_fill(pad[:, None, None], float("-inf"))
+    empty = scores.amax(-1, keepdim=True) == float("-inf")
+    weights = torch.softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    return weights @ v, weights
+
+
+def _solve(matrix: Tensor, rhs: Tensor, upper: bool) -> Tensor:
+    """``(I + matrix)^{-1} rhs``, ``matrix`` strictly triangular (unit diagonal implied)."""
+    return torch.linalg.solve_triangular(matrix, rhs, upper=upper, unitriangular=True)
+
+
+def _blocked(x: Tensor, blocks: int, size: int) -> Tensor:
+    """``[B, H, T, ...]`` -> ``[B, H, blocks, size, ...]``, zero-padded at the end."""
+    extra = blocks * size - x.size(2)
+    if extra:
+        x = torch.cat([x, x.new_zeros(x.shape[:2] + (extra,) + x.shape[3:])], dim=2)
+    return x.view(x.shape[:2] + (blocks, size) + x.shape[3:])
+
+
+def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gate: Optional[Tensor] = None,
+                   key_padding_mask: Optional[Tensor] = None, past_keys: Optional[Tensor] = None,
+                   past_values: Optional[Tensor] = None, block: int = BLOCK, return_keys: bool = False
+                   ) -> Tuple[Tensor, Optional[Tensor]]:
+    """The blockwise kernel: ``(output [B, H, T, D] in q's dtype, keys)``.
+
+    ``q``, ``k``, ``v``, ``w`` ``[B, H, T, D]`` and ``beta`` ``[B, H, T]`` of
+    the ``T`` new tokens; ``past_keys`` / ``past_values`` ``[B, H, S0, D]``:
+    the cache, keys already carried through every earlier token's ``H``;
+    ``key_padding_mask`` ``[B, S0 + T]`` (True at padding); ``gate``: FoX's
+    cumulative log gates ``[B, H, S0 + T]`` or None.  ``keys`` (where
+    ``return_keys``): every key carried through the new tokens' ``H`` too,
+    ``[B, H, S0 + T, D]``, the next call's ``past_keys``.  Computed in float32
+    (float64 for float64 inputs)."""
+    if block < 1:
+        raise ValueError(f"block must be at least 1, not {block}")
+    exact = torch.promote_types(q.dtype, torch.float32)
+    out_dtype = q.dtype
+    q, k, v, w, beta = (t.to(exact) for t in (q, k, v, w, beta))
+    B, H, T, D = q.shape
+    S0 = 0 if past_keys is None else past_keys.size(2)
+    pad = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
+    if pad is not None:
+        beta = beta.masked_fill(pad[:, None, S0:], 0.0)
+    size = min(block, T)
+    blocks = -(-T // size)
+    scale = D ** -0.5
+    qb, kb, vb, wb = (_blocked(t, blocks, size) for t in (q, k, v, w))
+    bb = _blocked(beta, blocks, size)  # [B, H, n, c]; 0 past the end: H = I there
+    eye = torch.ones(size, size, dtype=torch.bool, device=q.device)
+    strictly_lower, lower = eye.tril(-1), eye.tril()
+    ww = wb @ wb.transpose(-1, -2)  # [B, H, n, c, c]
+    low = (ww * bb[..., None, :]).masked_fill(~strictly_lower, 0.0)  # beta_s w_t . w_s, s < t
+    up = (ww * bb[..., None, :]).masked_fill(~strictly_lower.T, 0.0)  # beta_s w_t . w_s, s > t
+    wbeta = wb * bb[..., None]  # [B, H, n, c, D]
+    # keys carried through the later H of their own block: k_j - sum_t beta_t a_tj w_t
+    a = _solve(low, (wb @ kb.transpose(-1, -2)).masked_fill(~strictly_lower, 0.0), upper=False)
+    k_end = kb - a.transpose(-1, -2) @ wbeta
+    qw = (qb @ wb.transpose(-1, -2)).masked_fill(~lower, 0.0)  # [i, t]: q_i . w_t for t <= i
+    local = qb @ kb.transpose(-1, -2) - qw @ (a * bb[..., None])
+    # queries carried back to their block's start, and the block's product M = I - (beta W)^T X
+    carried = qb - _solve(up, qw.transpose(-1, -2), upper=True).transpose(-1, -2) @ wbeta
+    x = _solve(up, wb, upper=True)  # [B, H, n, c, D]
+
+    key_pad = _blocked(pad[:, None, S0:], blocks, size)[:, :, :, None, :] if pad is not None else None
+    if gate is not None:
+        gate = gate.to(torch.float32 if exact == torch.float32 else exact)
+        c_new = _blocked(gate[..., S0:], blocks, size)  # [B, H, n, c]
+
+    def masked(scores: Tensor, query_blocks: slice, key_blocks: slice) -> Tensor:
+        scores = scores * scale
+        if gate is not None:
+            scores = scores + c_new[:, :, query_blocks, :, None] - c_new[:, :, key_blocks, None, :]
+        if key_pad is not None:
+            scores = scores.masked_fill(key_pad[:, :, key_blocks], float("-inf"))
+        return scores
+
+    # the diagonal blocks, then the online softmax's state
+    scores = masked(local, slice(None), slice(None)).masked_fill(~lower, float("-inf"))
+    top = _finite_max(scores.amax(-1))
+    weights = torch.exp(scores - top[..., None])
+    total, acc = weights.sum(-1), weights @ vb
+    for distance in range(1, blocks):
+        later, earlier = slice(distance, None), slice(0, blocks - distance)
+        scores = masked(carried[:, :, later] @ k_end[:, :, earlier].transpose(-1, -2), later, earlier)
+        top, total, acc = _merged(top, total, acc, scores, vb[:, :, earlier], distance)
+        moved = carried[:, :, later]
+        moved = moved - (moved @ x[:, :, earlier].transpose(-1, -2)) @ wbeta[:, :, earlier]
+        carried = torch.cat([carried[:, :, :distance], moved], dim=2)
+    if S0:
+        scores = (carried.flatten(2, 3) @ past_keys.to(exact).transpose(-1, -2)).view(B, H, blocks, size, S0) * scale
+        if gate is not None:
+            scores = scores + c_new[..., None] - gate[:, :, None, None, :S0]
+        if pad is not None:
+            scores = scores.masked_fill(pad[:, None, None, None, :S0], float("-inf"))
+        top, total, acc = _merged(top, total, acc, scores, past_values.to(exact)[:, :, None], 0)
+    out = (acc / torch.where(total > 0, total, 1.0)[..., None]).flatten(2, 3)[:, :, :T]
+
+    keys = None
+    if return_keys:  # every key carried through the new tokens' H: the next call's cache
+        keys = past_keys.to(exact) if S0 else q.new_zeros((B, H, 0, D))
+        for n in range(blocks):
+            keys = keys - (keys @ wbeta[:, :, n].transpose(-1, -2)) @ x[:, :, n]
+            keys = torch.cat([keys, k_end[:, :, n]], dim=2)
+        keys = keys[:, :, :S0 + T]
+    return out.to(out_dtype), keys
+
+
+def _finite_max(top: Tensor) -> Tensor:
+    """Row maxima with ``-inf`` (a row with no key yet) as 0, detached: the
+    online softmax's shift, which cancels in its value and its gradient."""
+    top = top.detach()
+    return torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+
+
+def _merged(top: Tensor, total: Tensor, acc: Tensor, scores: Tensor, values: Tensor, first: int):
+    """The online softmax's ``(shift, sum, weighted values)`` with ``scores``
+    ``[B, H, n - first, c, keys]`` of the query blocks ``first ..`` added."""
+    old = top[:, :, first:]
+    new = torch.maximum(old, _finite_max(scores.amax(-1)))
+    weights = torch.exp(scores - new[..., None])
+    decay = torch.exp(old - new)
+    total_part = total[:, :, first:] * decay + weights.sum(-1)
+    acc_part = acc[:, :, first:] * decay[..., None] + weights @ values
+    if first:
+        return (torch.cat([top[:, :, :first], new], 2), torch.cat([total[:, :, :first], total_part], 2),
+                torch.cat([acc[:, :, :first], acc_part], 2))
+    return new, total_part, acc_part
+
+
+class PathProjections(nn.Module):
+    """One layer's PaTH terms from its input: ``w`` (``w_proj``, a rank-32
+    projection, then ``w_conv``, the short causal convolution, where
+    ``short_conv``) and ``beta`` (``beta_proj``)."""
+
+    def __init__(self, embed_dim: int, num_heads: int, head_dim: int, short_conv: bool = True, rank: int = W_RANK):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        width = num_heads * head_dim
+        self.w_proj = nn.Sequential(nn.Linear(embed_dim, rank, bias=False), nn.Linear(rank, width, bias=False))
+        self.w_conv = nn.Conv1d(width, width, CONV_WIDTH, groups=width, bias=False) if short_conv else None
+        self.beta_proj = nn.Linear(embed_dim, num_heads)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Conv1d)):
+                nn.init.normal_(module.weight, std=INIT_STD)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, x: Tensor, key_padding_mask: Optional[Tensor] = None, conv_state: Optional[Tensor] = None
+                ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+        """``(w [B, H, T, D] unit vectors, beta [B, H, T], 0 at
+        padding, the convolution's state)`` of ``x`` ``[T, B, C]``;
+        ``conv_state`` ``[B, H * D, 2]``: the last two projections before these
+        tokens (a KV cache's; zeros at a row's start), None without the
+        convolution.  Computed in float32 (float64 for a float64 ``x``)."""
+        T, B, _ = x.shape
+        exact = torch.promote_types(x.dtype, torch.float32)
+        pad = None if key_padding_mask is None else key_padding_mask.to(torch.bool).T[:, :, None]  # [T, B, 1]
+        u = self.w_proj(x).to(exact)
+        if pad is not None:
+            u = u.masked_fill(pad, 0.0)
+        state = None
+        if self.w_conv is not None:
+            u = u.permute(1, 2, 0)  # [B, HD, T]
+            prefix = conv_state if conv_state is not None else u.new_zeros(B, u.size(1), CONV_WIDTH - 1)
+            joined = torch.cat([prefix.to(u.dtype), u], dim=-1)
+            state = joined[..., -(CONV_WIDTH - 1):]
+            u = F.silu(F.conv1d(joined, self.w_conv.weight.to(u.dtype), groups=u.size(1))).permute(2, 0, 1)
+        w = u.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        w = w * torch.rsqrt((w * w).sum(-1, keepdim=True) + NORM_EPS)
+        beta = 2 * torch.sigmoid(self.beta_proj(x).to(exact)).permute(1, 2, 0)
+        if pad is not None:
+            beta = beta.masked_fill(pad.permute(1, 2, 0), 0.0)
+        return w, beta, state

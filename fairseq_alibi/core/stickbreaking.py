@@ -1,0 +1,243 @@
+"""Stick-breaking attention (Tan, Shen, Yang, Panda and Courville, "Scaling
+Stick-Breaking Attention: An Efficient Implementation and In-depth Study",
+ICLR 2025, arXiv 2410.17980): no softmax and no position encoding.
+
+Per head, with ``z_ij = q_i . k_j / sqrt(d)`` and ``beta_ij = sigmoid(z_ij)``,
+query ``i`` gives key ``j`` the weight
+
+    A_ij = beta_ij * prod_{j < k < i} (1 - beta_ik),   j < i,
+
+the nearest key taking its share of the stick first, each farther key a share
+of what is left; in log space ``log A_ij = logsigmoid(z_ij) + sum_{j<k<i}
+logsigmoid(-z_ik)``, a suffix sum along the keys.  The weights sum to at most
+1: ``sum_j A_ij = 1 - prod_{k<i} (1 - beta_ik)``, so the remainder is
+``r_i = prod_{k<i} (1 - beta_ik) = exp(sum_{k<i} logsigmoid(-z_ik))``, which
+this module computes as that product (never as ``1 - sum``, which loses every
+digit where the stick is used up).  The layer's output per head is
+
+    o_i = sum_j A_ij v_j + r_i * b_h,
+
+``b_h`` a learned vector per head, then a group norm with one group per head.
+
+Choices, each checked against the authors' code (IBM's ``stickbreaking-
+attention`` kernels and dolomite-engine's ``SBAttention`` layer, read through
+the project's search tool) and written down here:
+
+* **The diagonal**: ``j < i`` strictly, the query's own key excluded.  The
+  authors' kernel ``sb_attn(..., attend_current=False)`` is the default their
+  model calls, and their decoding path scores ``k[..., :-1, :]``, the keys
+  before the new token.  So the first token of a row has no key at all: its
+  output is ``b_h`` (remainder 1) and its value vector is never read by
+  itself.  ``attend_current`` is not offered.
+* **The remainder vector** ``b_h``: ``head_bias``, zeros ``[H, D]`` at
+  initialization (theirs: ``torch.zeros(num_heads, head_dim)``), added as
+  ``rem[..., None] * head_bias`` before the norm.
+* **The norm**: ``GroupNorm(num_heads, num_heads * head_dim)`` on each
+  token's concatenated heads (theirs), so each head's ``D`` values are
+  normalized by their own mean and variance, ``eps = 1e-5`` (torch's
+  default, theirs), with a learned scale and shift per channel (ones and
+  zeros); then the output projection.
+* **Scale**: ``1 / sqrt(d)`` (their ``softmax_scale`` from the attention
+  multiplier, ``1 / sqrt(head_dim)`` by default); no temperature is learned.
+* **No attention dropout** (their softmax dropout is 0): a model with
+  attention dropout is refused where it is built.
+* **Padding** (ours; their padding-free path packs rows instead): a padded key
+  is transparent, ``A = 0`` and ``1 - beta = 1``, so a left- or right-padded
+  row weighs its real keys as its unpadded self does.
+
+The kernel (:func:`stickbreaking_attention`) is blockwise and exact: queries
+in blocks, and for each block the keys from the diagonal backwards in blocks,
+the log-remainder of each query carried from block to block (the flash-style
+order of the authors' Triton kernel), so memory grows linearly with the
+length (``[B, H, block, block]`` at a time) in inference and in training: its
+backward (a custom ``autograd.Function``) recomputes each block from ``q``,
+``k``, ``v`` and the saved outputs, with the gradient of a weight's farther
+keys taken as the row's total less its nearer keys (the ``dO . O`` identity
+of flash attention).  Once a whole query block's remainder is below
+``exp(-120)`` (zero in float32) no farther key can change a number, and the
+keys before are skipped: a long row whose heads have spent their stick costs
+the keys they read, not the row.  The naive reference
+(:func:`stickbreaking_reference`) computes the product itself, in float64,
+with ``[B, H, T, S]`` memory: the tests' oracle.
+
+KV cache: the keys and values as they are (nothing is transformed), queries
+the last ``T`` of ``S`` keys, so incremental decoding is the full forward.
+
+Pure torch, no fairseq: this file travels with exported models.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+#: Queries and keys per block of the kernel.
+BLOCK = 128
+#: A log-remainder below this is 0 once exponentiated in float32 (and bfloat16): farther keys weigh nothing.
+SPENT = -120.0
+#: The group norm's epsilon (torch's default, the authors' GroupNorm).
+NORM_EPS = 1e-5
+
+
+def _allowed(q_len: int, k_len: int, start: int, rows: int, first: int, stop: int, pad: Optional[Tensor],
+             device) -> Tensor:
+    """bool ``[B or 1, 1, rows, stop - first]``: key ``j`` (of ``first .. stop -
+    1``) strictly before query ``i`` (of ``start .. start + rows - 1``; queries
+    the last ``q_len`` of ``k_len`` keys) and not padding (``pad`` ``[B, S]``)."""
+    offset = k_len - q_len
+    query = torch.arange(offset + start, offset + start + rows, device=device)[:, None]
+    key = torch.arange(first, stop, device=device)[None, :]
+    allowed = (key < query)[None, None]
+    if pad is not None:
+        allowed = allowed & ~pad[:, None, None, first:stop]
+    return allowed
+
+
+def stickbreaking_reference(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None
+                            ) -> Tuple[Tensor, Tensor, Tensor]:
+    """The naive stick-breaking attention, literally the product, in float64:
+    ``(sum_j A_ij v_j, remainder 1 - sum_j A_ij, weights A)``, shapes
+    ``[B, H, T, D]``, ``[B, H, T]``, ``[B, H, T, S]`` (queries the last ``T`` of
+    ``S`` keys; ``key_padding_mask`` ``[B, S]``, True at padding)."""
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    pad = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
+    allowed = _allowed(q.size(2), k.size(2), 0, q.size(2), 0, k.size(2), pad, q.device)
+    beta = torch.sigmoid(q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))).masked_fill(~allowed, 0.0)
+    left = 1.0 - beta  # 1 at keys the query does not see
+    # prod_{k > j} (1 - beta_k): the cumulative product from the last key, shifted one key left
+    after = torch.cumprod(left.flip(-1), dim=-1).flip(-1)
+    after = torch.cat([after[..., 1:], torch.ones_like(after[..., :1])], dim=-1)
+    weights = beta * after
+    return weights @ v, 1.0 - weights.sum(-1), weights
+
+
+def _blocks(k_len: int, q_len: int, start: int, rows: int, block: int):
+    """The key blocks ``(first, stop)`` of the queries ``start .. start + rows - 1``,
+    from the diagonal backwards: keys ``< offset + start + rows - 1`` only."""
+    stop = k_len - q_len + start + rows - 1  # the last query's keys end before itself
+    while stop > 0:
+        first = max(0, stop - block)
+        yield first, stop
+        stop = first
+
+
+def _block_terms(qs: Tensor, k: Tensor, allowed: Tensor, carry: Tensor):
+    """One key block's ``(sigmoid, log(1 - beta), log A)`` for scaled queries
+    ``qs`` and keys ``k``, the log-remainder ``carry`` of the nearer keys."""
+    z = qs @ k.transpose(-1, -2)
+    softplus = F.softplus(z)  # log(1 - beta) = -softplus(z), log(beta) = z - softplus(z): one call for both
+    log_left = softplus.neg().masked_fill(~allowed, 0.0)
+    suffix = log_left.flip(-1).cumsum(-1).flip(-1)  # sum over the keys from j on, this block
+    farther = F.pad(suffix[..., 1:], (0, 1))  # sum over k > j in this block
+    log_a = (z - softplus).masked_fill(~allowed, float("-inf")) + farther + carry[..., None]
+    return z, suffix, log_a
+
+
+class _StickBreaking(torch.autograd.Function):
+    """The blockwise kernel with its recomputing backward (linear memory)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pad, block):
+        exact = torch.promote_types(q.dtype, torch.float32)
+        scale = q.size(-1) ** -0.5
+        qf, kf, vf = q.to(exact), k.to(exact), v.to(exact)
+        B, H, T, D = q.shape
+        S = k.size(2)
+        out = q.new_zeros((B, H, T, v.size(-1)), dtype=exact)
+        log_rem = q.new_zeros((B, H, T), dtype=exact)
+        for start in range(0, T, block):
+            rows = min(block, T - start)
+            qs = qf[:, :, start:start + rows] * scale
+            carry = log_rem[:, :, start:start + rows]
+            acc = out[:, :, start:start + rows]
+            for first, stop in _blocks(S, T, start, rows, block):
+                allowed = _allowed(T, S, start, rows, first, stop, pad, q.device)
+                _, suffix, log_a = _block_terms(qs, kf[:, :, first:stop], allowed, carry)
+                acc += torch.exp(log_a) @ vf[:, :, first:stop]
+                carry += suffix[..., 0]
+                if float(carry.max()) < SPENT:
+                    break
+        ctx.save_for_backward(q, k, v, pad, out, log_rem)
+        ctx.block = block
+        rem = torch.exp(log_rem)
+        return out.to(q.dtype), rem
+
+    @staticmethod
+    def backward(ctx, d_out, d_rem):
+        q, k, v, pad, out, log_rem = ctx.saved_tensors
+        block = ctx.block
+        exact = out.dtype
+        scale = q.size(-1) ** -0.5
+        qf, kf, vf = q.to(exact), k.to(exact), v.to(exact)
+        B, H, T, D = q.shape
+        S = k.size(2)
+        d_out = d_out.to(exact) if d_out is not None else torch.zeros_like(out)
+        rem = torch.exp(log_rem)
+        d_rem = d_rem.to(exact) if d_rem is not None else torch.zeros_like(rem)
+        # the total of g_m A_m over a row's keys (g_m = dO . v_m), the remainder's term
+        # -d_rem * rem * sigmoid(z_k) folded in: each z_k's farther keys are the total less its nearer ones
+        total = (d_out * out).sum(-1) + d_rem * rem
+        dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+        for start in range(0, T, block):
+            rows = min(block, T - start)
+            qs = qf[:, :, start:start + rows] * scale
+            carry = q.new_zeros((B, H, rows), dtype=exact)
+            nearer = q.new_zeros((B, H, rows), dtype=exact)  # sum of g A over the keys visited
+            d_block = d_out[:, :, start:start + rows]
+            for first, stop in _blocks(S, T, start, rows, block):
+                allowed = _allowed(T, S, start, rows, first, stop, pad, q.device)
+                z, suffix, log_a = _block_terms(qs, kf[:, :, first:stop], allowed, carry)
+                a = torch.exp(log_a)
+                ga = (d_block @ vf[:, :, first:stop].transpose(-1, -2)) * a
+                ga_suffix = ga.flip(-1).cumsum(-1).flip(-1) + nearer[..., None]  # keys from j on
+                sig = torch.sigmoid(z).masked_fill(~allowed, 0.0)
+                dz = ga * (1.0 - sig) - sig * (total[:, :, start:start + rows, None] - ga_suffix)
+                dq[:, :, start:start + rows] += dz @ kf[:, :, first:stop] * scale
+                dk[:, :, first:stop] += dz.transpose(-1, -2) @ qs
+                dv[:, :, first:stop] += a.transpose(-1, -2) @ d_block
+                carry += suffix[..., 0]
+                nearer = ga_suffix[..., 0]
+                if float(carry.max()) < SPENT:
+                    break
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
+                            block: int = BLOCK) -> Tuple[Tensor, Tensor]:
+    """The blockwise kernel: ``(sum_j A_ij v_j`` ``[B, H, T, D]`` in ``q``'s
+    dtype, remainder ``prod_k (1 - beta_ik)`` ``[B, H, T]`` in float32, or
+    float64 for float64 inputs), queries the last ``T`` of the ``S`` keys,
+    ``key_padding_mask`` ``[B, S]`` True at padding.  Computed in float32 (or
+    float64), ``block`` queries and keys at a time; differentiable in ``q``,
+    ``k`` and ``v`` with memory linear in the length."""
+    if block < 1:
+        raise ValueError(f"block must be at least 1, not {block}")
+    pad = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
+    if pad is not None and not bool(pad.any()):
+        pad = None
+    return _StickBreaking.apply(q, k, v, pad, block)
+
+
+class StickBreakingOutput(nn.Module):
+    """One layer's terms after the attention: the remainder's vector per head
+    (``head_bias`` ``[H, D]``, zeros at first) and the group norm with one
+    group per head (``norm``), as the authors' ``SBAttention`` has them."""
+
+    def __init__(self, num_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.head_bias = nn.Parameter(torch.zeros(num_heads, head_dim))
+        self.norm = nn.GroupNorm(num_heads, num_heads * head_dim, eps=NORM_EPS)
+
+    def forward(self, out: Tensor, remainder: Tensor) -> Tensor:
+        """``GroupNorm(out + remainder * head_bias)`` of ``out`` ``[B, H, T, D]``
+        and ``remainder`` ``[B, H, T]``, computed in float32, in ``out``'s dtype."""
+        B, H, T, D = out.shape
+        x = out.to(torch.float32) + remainder.to(torch.float32)[..., None] * self.head_bias.to(torch.float32)[:, None]
+        x = x.permute(0, 2, 1, 3).reshape(B * T, H * D)
+        x = F.group_norm(x, H, self.norm.weight.to(torch.float32), self.norm.bias.to(torch.float32), self.norm.eps)
+        return x.view(B, T, H, D).permute(0, 2, 1, 3).to(out.dtype)

@@ -1,0 +1,187 @@
+"""PaTH attention (``core/path.py``): the blockwise kernel against the naive
+float64 product of Householder-like matrices (values and gradients), the KV
+cache's transformed keys, padding, every ``beta = 0`` as NoPE, PaTH-FoX with
+the PaTH part off as FoX, low precision, and the layer's projections."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq_alibi.core.fox import ForgetGates, cumulative_gates, gate_bias
+from fairseq_alibi.core.kernels import reference_attention
+from fairseq_alibi.core.path import PathProjections, path_attention, path_reference
+from fairseq_alibi.core.scaling import Scaling
+
+HEADS, DIM = 2, 6
+
+
+def inputs(S: int, batch: int = 2, dtype=torch.float64, seed: int = 0):
+    """``q, k, v, w, beta, c`` of ``S`` tokens (``c``: FoX's cumulative log gates)."""
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(batch, HEADS, S, DIM, dtype=torch.float64) for _ in range(3))
+    w = F.normalize(torch.randn(batch, HEADS, S, DIM, dtype=torch.float64), dim=-1)
+    beta = 2 * torch.rand(batch, HEADS, S, dtype=torch.float64)
+    c = F.logsigmoid(torch.randn(batch, HEADS, S, dtype=torch.float64) + 2).cumsum(-1)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v, w, beta, c)]
+
+
+def cached_call(q, k, v, w, beta, gate, pad, T: int, block: int):
+    """The kernel for the last ``T`` tokens after a cache of the others, built by the kernel itself."""
+    S0 = k.size(2) - T
+    past = None
+    if S0:
+        _, past = path_attention(q[:, :, :S0], k[:, :, :S0], v[:, :, :S0], w[:, :, :S0], beta[:, :, :S0],
+                                 None if gate is None else gate[..., :S0], None if pad is None else pad[:, :S0],
+                                 block=block, return_keys=True)
+    out, _ = path_attention(q[:, :, S0:], k[:, :, S0:], v[:, :, S0:], w[:, :, S0:], beta[:, :, S0:], gate, pad,
+                            past, v[:, :, :S0] if S0 else None, block=block)
+    return out
+
+
+@pytest.mark.parametrize("S,T,block", [(11, 11, 3), (12, 12, 4), (13, 13, 4), (11, 11, 64), (14, 5, 4),
+                                       (9, 1, 2)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_kernel_and_its_gradients_are_the_naive_product(S, T, block, gated):
+    q, k, v, w, beta, c = inputs(S)
+    pad = torch.zeros(2, S, dtype=torch.bool)
+    pad[1, :3] = True
+    gate = c if gated else None
+    expected, _ = path_reference(q[:, :, S - T:], k, v, w, beta, gate, pad)
+    out = cached_call(q, k, v, w, beta, gate, pad, T, block)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.manual_seed(3)
+    d_out = torch.randn_like(expected)
+    tensors = (q, k, v, w, beta) + ((c,) if gated else ())
+    want = torch.autograd.grad((expected * d_out).sum(), tensors, allow_unused=True)
+    got = torch.autograd.grad((out * d_out).sum(), tensors, allow_unused=True)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
+
+
+def test_the_cached_keys_are_the_rank_one_updates():
+    """Each new token t carries every cached key through H_t: k <- k - beta_t (k . w_t) w_t."""
+    q, k, v, w, beta, _ = inputs(10)
+    with torch.no_grad():
+        _, keys = path_attention(q, k, v, w, beta, block=4, return_keys=True)
+        cache = k[:, :, :1]
+        for t in range(1, 10):
+            cache = cache - beta[:, :, t, None, None] * (cache @ w[:, :, t, :, None]) * w[:, :, t, None, :]
+            cache = torch.cat([cache, k[:, :, t:t + 1]], dim=2)
+    torch.testing.assert_close(keys, cache, rtol=1e-12, atol=1e-12)
+
+
+def test_token_by_token_decoding_equals_the_full_forward():
+    q, k, v, w, beta, c = inputs(15)
+    with torch.no_grad():
+        full, _ = path_attention(q, k, v, w, beta, c, block=4)
+        past = None
+        for t in range(15):
+            out, past = path_attention(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], w[:, :, t:t + 1],
+                                       beta[:, :, t:t + 1], c[..., :t + 1], None, past,
+                                       v[:, :, :t] if t else None, return_keys=True)
+            torch.testing.assert_close(out, full[:, :, t:t + 1], rtol=1e-12, atol=1e-12)
+
+
+def test_every_beta_zero_is_nope():
+    q, k, v, w, beta, _ = inputs(21)
+    with torch.no_grad():
+        out, _ = path_attention(q, k, v, w, torch.zeros_like(beta), block=8)
+    causal = torch.full((21, 21), float("-inf"), dtype=torch.float64).triu(1)
+    expected, _ = reference_attention(q.detach(), k.detach(), v.detach(), causal[None])
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_path_fox_with_the_path_part_off_is_fox():
+    """The gates of fox.py's own layer, with every beta = 0: FoX's softmax exactly."""
+    torch.manual_seed(0)
+    layer = ForgetGates(HEADS, 16, Scaling()).for_layer().double()
+    with torch.no_grad():
+        layer.proj.weight.normal_(std=0.4)
+        layer.proj.bias.normal_()
+    x = torch.randn(21, 2, 16, dtype=torch.float64)
+    fox_bias, c = layer.bind(x, None, None)
+    q, k, v, w, beta, _ = inputs(21)
+    with torch.no_grad():
+        out, _ = path_attention(q, k, v, w, torch.zeros_like(beta), c, block=8)
+        expected, _ = reference_attention(q, k, v, gate_bias(c.double(), 0, 21, 21))  # FoX float32 gates
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def projections() -> PathProjections:
+    """float64 projections with weights large enough that w and beta vary from token to token."""
+    torch.manual_seed(0)
+    terms = PathProjections(16, HEADS, DIM).double()
+    with torch.no_grad():
+        for p in terms.parameters():
+            p.normal_(std=0.5)
+    return terms
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_row_equals_its_unpadded_self(side):
+    """Through the layer's projections (the convolution too): padding changes no real token's output."""
+    terms = projections()
+    x = torch.randn(13, 1, 16, dtype=torch.float64)
+    q, k, v = (torch.randn(1, HEADS, 13, DIM, dtype=torch.float64) for _ in range(3))
+    extra = 5
+    w, beta, _ = terms(x)
+    with torch.no_grad():
+        alone, _ = path_attention(q, k, v, w, beta, block=4)
+
+    def grow(t: torch.Tensor, dim: int) -> torch.Tensor:  # extra tokens of large garbage on the padded side
+        garbage = 5 + torch.randn(t.shape[:dim] + (extra,) + t.shape[dim + 1:], dtype=t.dtype)
+        return torch.cat([garbage, t] if side == "left" else [t, garbage], dim)
+
+    pad = torch.zeros(1, 13 + extra, dtype=torch.bool)
+    pad[0, (slice(0, extra) if side == "left" else slice(13, None))] = True
+    real = slice(extra, None) if side == "left" else slice(0, 13)
+    xp = grow(x, 0)
+    wp, bp, _ = terms(xp, pad)
+    with torch.no_grad():
+        out, _ = path_attention(grow(q, 2), grow(k, 2), grow(v, 2), wp, bp, key_padding_mask=pad, block=4)
+    torch.testing.assert_close(out[:, :, real], alone, rtol=0, atol=1e-12)
+
+
+def test_the_projections_carry_the_convolution_across_calls():
+    terms = projections()
+    x = torch.randn(9, 2, 16, dtype=torch.float64)
+    w, beta, _ = terms(x)
+    assert w.shape == (2, HEADS, 9, DIM) and beta.shape == (2, HEADS, 9)
+    torch.testing.assert_close(w.norm(dim=-1), torch.ones(2, HEADS, 9, dtype=torch.float64), rtol=0, atol=1e-3)
+    assert bool(((beta > 0) & (beta < 2)).all())
+    state, parts = None, []
+    for t in range(9):
+        wt, bt, state = terms(x[t:t + 1], None, state)
+        parts.append(wt)
+        torch.testing.assert_close(bt, beta[:, :, t:t + 1])
+    torch.testing.assert_close(torch.cat(parts, 2), w, rtol=1e-12, atol=1e-12)
+    plain = PathProjections(16, HEADS, DIM, short_conv=False)
+    assert plain.w_conv is None and plain(x.float())[2] is None
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
+def test_low_precision_stays_near_the_float64_product(dtype, tol):
+    q, k, v, w, beta, c = inputs(70, dtype=dtype)
+    expected, _ = path_reference(q, k, v, w, beta, c)
+    out, _ = path_attention(q, k, v, w, beta, c, block=16)
+    assert out.dtype == dtype
+    assert float((out.double() - expected).abs().max()) < tol * float(expected.abs().max())
+    d_out = torch.randn(expected.shape, dtype=torch.float64)
+    want = torch.autograd.grad((expected * d_out).sum(), (q, k, w, beta))
+    got = torch.autograd.grad((out.double() * d_out).sum(), (q, k, w, beta))
+    for g, e in zip(got, want):
+        assert float((g.double() - e).abs().max()) < 4 * tol * float(e.abs().max())
+
+
+def test_long_inputs_run_block_by_block():
+    """4,096 tokens without gradients: each step holds [B, H, T, block] scores, never [B, H, T, T]."""
+    torch.manual_seed(0)
+    T = 4096
+    q, k, v = (torch.randn(1, 1, T, 16) for _ in range(3))
+    w, beta = F.normalize(torch.randn(1, 1, T, 16), dim=-1), torch.rand(1, 1, T)
+    with torch.no_grad():
+        out, _ = path_attention(q, k, v, w, beta, block=64)
+    assert out.shape == (1, 1, T, 16) and bool(torch.isfinite(out).all())
+    assert math.isfinite(float(out.sum()))

@@ -1,0 +1,151 @@
+"""Stick-breaking attention (``core/stickbreaking.py``): the blockwise kernel
+and its backward against the naive float64 product, the stick's weights and
+remainder, the KV cache, padding, the skip of spent sticks, low precision,
+and the layer's terms after the attention."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq_alibi.core import stickbreaking
+from fairseq_alibi.core.stickbreaking import (StickBreakingOutput, stickbreaking_attention, stickbreaking_reference)
+
+HEADS, DIM = 3, 8
+
+
+def inputs(T: int, S: int = None, batch: int = 2, dtype=torch.float64, seed: int = 0, spread: float = 1.0):
+    torch.manual_seed(seed)
+    S = S or T
+    q = (spread * torch.randn(batch, HEADS, T, DIM, dtype=torch.float64)).to(dtype).requires_grad_()
+    k = torch.randn(batch, HEADS, S, DIM, dtype=torch.float64).to(dtype).requires_grad_()
+    v = torch.randn(batch, HEADS, S, DIM, dtype=torch.float64).to(dtype).requires_grad_()
+    return q, k, v
+
+
+def grads(out, rem, tensors, seed: int = 1):
+    torch.manual_seed(seed)
+    d_out, d_rem = torch.randn(out.shape, dtype=torch.float64), torch.randn(rem.shape, dtype=torch.float64)
+    loss = (out.double() * d_out).sum() + (rem.double() * d_rem).sum()
+    return torch.autograd.grad(loss, tensors)
+
+
+# lengths that straddle the blocks: one key block short of, at and past a multiple, cached queries
+@pytest.mark.parametrize("T,S,block", [(37, 37, 5), (37, 37, 16), (32, 32, 16), (33, 33, 16), (9, 41, 4),
+                                       (1, 20, 7), (20, 20, 128)])
+def test_the_kernel_and_its_gradients_are_the_naive_product(T, S, block):
+    q, k, v = inputs(T, S)
+    pad = torch.zeros(2, S, dtype=torch.bool)
+    pad[1, :3] = True
+    expected, rem, _ = stickbreaking_reference(q, k, v, pad)
+    out, remainder = stickbreaking_attention(q, k, v, pad, block=block)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(remainder, rem, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads(out, remainder, (q, k, v)), grads(expected, rem, (q, k, v))):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_the_weights_of_a_query_sum_to_at_most_one_and_the_rest_is_the_remainder():
+    q, k, v = inputs(30, spread=3.0)
+    _, rem, weights = stickbreaking_reference(q, k, v)
+    weights = weights.detach()
+    sums = weights.sum(-1)
+    assert bool((sums <= 1 + 1e-12).all()) and bool((weights >= 0).all())
+    assert float(sums[..., 1:].min()) < 0.5 < float(sums.max())  # spent sticks and nearly whole ones both occur
+    _, remainder = stickbreaking_attention(q, k, v, block=8)
+    torch.testing.assert_close(remainder, 1 - sums, rtol=1e-10, atol=1e-12)
+    # the query's own key is not among its keys: the first query has none, its remainder is 1
+    assert bool((weights.detach().diagonal(dim1=-2, dim2=-1) == 0).all())
+    assert bool((remainder[..., 0] == 1).all())
+
+
+def test_the_nearest_key_takes_its_share_first():
+    """Equal scores everywhere: the key at distance d gets beta (1 - beta)^(d - 1)."""
+    q = torch.zeros(1, 1, 6, 4, dtype=torch.float64)
+    k, v = torch.zeros(1, 1, 6, 4, dtype=torch.float64), torch.randn(1, 1, 6, 4, dtype=torch.float64)
+    _, _, weights = stickbreaking_reference(q, k, v)
+    assert weights[0, 0, 5].tolist() == [0.5 ** 5, 0.5 ** 4, 0.5 ** 3, 0.5 ** 2, 0.5, 0.0]
+
+
+def test_incremental_queries_equal_the_full_forward():
+    q, k, v = inputs(29)
+    full, rem = stickbreaking_attention(q, k, v, block=8)
+    for t in range(29):  # one token at a time, the cache holding every earlier key and value
+        out, r = stickbreaking_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], block=8)
+        torch.testing.assert_close(out, full[:, :, t:t + 1], rtol=0, atol=1e-13)
+        torch.testing.assert_close(r, rem[:, :, t:t + 1], rtol=0, atol=1e-13)
+    out, r = stickbreaking_attention(q[:, :, 20:], k, v, block=8)  # a chunk after a cached prefix
+    torch.testing.assert_close(out, full[:, :, 20:], rtol=0, atol=1e-13)
+
+
+def padded(t: torch.Tensor, extra: int, side: str) -> torch.Tensor:
+    """``t`` ``[B, H, T, D]`` with ``extra`` tokens of large garbage on ``side``."""
+    garbage = 5.0 + torch.randn(t.shape[:2] + (extra,) + t.shape[3:], dtype=t.dtype)
+    return torch.cat([garbage, t] if side == "left" else [t, garbage], dim=2)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_row_equals_its_unpadded_self(side):
+    q, k, v = inputs(19, batch=1)
+    alone, rem = stickbreaking_attention(q, k, v, block=8)
+    extra = 6
+    pad = torch.zeros(1, 19 + extra, dtype=torch.bool)
+    real = slice(extra, None) if side == "left" else slice(0, 19)
+    pad[0, (slice(0, extra) if side == "left" else slice(19, None))] = True
+    out, prem = stickbreaking_attention(*(padded(t, extra, side) for t in (q, k, v)), pad, block=8)
+    torch.testing.assert_close(out[:, :, real], alone, rtol=0, atol=1e-13)
+    torch.testing.assert_close(prem[:, :, real], rem, rtol=0, atol=1e-13)
+
+
+def test_spent_sticks_skip_the_farther_keys_without_changing_a_number(monkeypatch):
+    """Queries aligned with every key spend the stick within a few keys: the
+    kernel stops there, and values and gradients stay the reference's."""
+    q, k, v = inputs(200, batch=1)
+    with torch.no_grad():
+        k.fill_(1.0)
+        q.fill_(40.0)  # z = 113: log(1 - beta) = -113 per key
+    expected, rem, _ = stickbreaking_reference(q, k, v)
+    calls = []
+    original = stickbreaking._block_terms
+    monkeypatch.setattr(stickbreaking, "_block_terms", lambda *a: calls.append(1) or original(*a))
+    out, remainder = stickbreaking_attention(q, k, v, block=16)
+    forward_calls = len(calls)
+    assert forward_calls <= 2 * 13  # the diagonal block and one more per query block, not 13 * 14 / 2
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads(out, remainder, (q, k, v)), grads(expected, rem, (q, k, v))):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert len(calls) == 2 * forward_calls  # the backward skips the same keys
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_low_precision_stays_near_the_float64_product(dtype, tol):
+    q, k, v = inputs(70, dtype=dtype)
+    expected, rem, _ = stickbreaking_reference(q, k, v)
+    out, remainder = stickbreaking_attention(q, k, v, block=32)
+    assert out.dtype == dtype and remainder.dtype == torch.float32
+    scale = float(expected.abs().max())
+    assert float((out.double() - expected).abs().max()) < tol * scale
+    assert float((remainder.double() - rem).abs().max()) < tol
+    for got, want in zip(grads(out, remainder, (q, k, v)), grads(expected, rem, (q, k, v))):
+        assert float((got.double() - want).abs().max()) < 4 * tol * float(want.abs().max())
+
+
+def test_the_remainder_vector_and_the_group_norm():
+    """The layer's output: GroupNorm(sum A v + remainder * b_h), one group per head."""
+    q, k, v = inputs(12)
+    terms = StickBreakingOutput(HEADS, DIM).double()
+    with torch.no_grad():
+        terms.head_bias.normal_()
+        terms.norm.weight.normal_()
+        terms.norm.bias.normal_()
+    out, rem = stickbreaking_attention(q, k, v)
+    got = terms(out, rem)
+    x = out + rem[..., None] * terms.head_bias[:, None]  # [B, H, T, D]
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    want = (x - mean) / torch.sqrt(var + terms.norm.eps) * terms.norm.weight.view(HEADS, 1, DIM) \
+        + terms.norm.bias.view(HEADS, 1, DIM)
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=1e-5)
+    # the remainder reaches the output: the first token (no key, remainder 1) is the norm of b_h alone
+    first = (terms.head_bias - terms.head_bias.mean(-1, keepdim=True))
+    assert float(first.abs().max()) > 0
+    (head_bias_grad,) = torch.autograd.grad(got.sum() + (got ** 2).sum(), terms.head_bias)
+    assert float(head_bias_grad.abs().max()) > 0
