@@ -354,12 +354,12 @@ def test_every_line_band_and_mark_is_named(figures, tmp_path):
     ppl, pos = figures
     texts = [t.get_text() for t in ppl.axes[0].get_legend().get_texts()]
     assert "m: none" in texts and "training length: 32 tokens" in texts
-    assert "shaded: 95 % interval: Student t over windows" in texts
-    assert len(ppl.axes[0].collections) == 2  # one band per line
-    band = ppl.axes[0].collections[0].get_paths()[0].vertices[:, 1]
+    assert "bars: 95 % interval: Student t over windows" in texts
+    assert len(ppl.axes[0].collections) == 2  # one set of bars per line
+    bars = [seg for seg in ppl.axes[0].collections[0].get_segments()]
     ours = [c for c in cells if c["mode"] == "nonoverlapping" and c["method"] == "none"]
-    assert min(band) == pytest.approx(min(c["ppl_low"] for c in ours)) and max(band) == pytest.approx(
-        max(c["ppl_high"] for c in ours))
+    assert [v for seg in sorted((seg[0][1], seg[1][1]) for seg in bars) for v in seg] == pytest.approx(
+        [v for c in sorted(ours, key=lambda c: c["ppl_low"]) for v in (c["ppl_low"], c["ppl_high"])])
     texts = [t.get_text() for t in pos.axes[0].get_legend().get_texts()]
     assert "m: none (window 128, 3 windows)" in texts and "training length: 32 tokens" in texts
     assert "L=" not in " ".join(texts)
@@ -367,9 +367,9 @@ def test_every_line_band_and_mark_is_named(figures, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_perplexity_plot_draws_the_paired_changes_in_a_lower_panel(figures, tmp_path):
-    """Two methods whose own bands overlap at every length while their paired change
-    is far from 0: the lower panel says so (bars of the paired interval, filled marks)."""
+def test_the_perplexity_plot_leads_with_the_paired_changes(figures, tmp_path):
+    """Two methods whose own intervals overlap at every length while their paired change
+    is far from 0: the top panel says so (bars of the paired interval, filled marks)."""
     cells = []
     for length in (32, 64):
         base = cell(length=length, seed=length)
@@ -383,9 +383,9 @@ def test_the_perplexity_plot_draws_the_paired_changes_in_a_lower_panel(figures, 
     report.plot_perplexity(str(tmp_path / "alone.png"), cells[:1], rank, paired.comparisons(cells[:1], rank))
     fig, alone = figures
     assert (tmp_path / "ppl.png").stat().st_size > 0 and len(alone.axes) == 1  # nothing to pair: no lower panel
-    top, bottom = fig.axes
+    bottom, top = fig.axes  # bottom: the paired changes, which lead the figure (its top row)
     own = {c["method"]: (c["ppl_low"], c["ppl_high"]) for c in cells if c["length"] == 64}
-    assert own["cap"][0] < own["none"][1]  # the bands overlap ...
+    assert own["cap"][0] < own["none"][1]  # the intervals overlap ...
     assert "change against" in bottom.get_ylabel()
     texts = [t.get_text() for t in bottom.get_legend().get_texts()]
     assert "m: cap x1 vs none" in texts and "no difference" in texts
@@ -397,12 +397,13 @@ def test_the_perplexity_plot_draws_the_paired_changes_in_a_lower_panel(figures, 
         assert 0 < low and any(seg[0][1] == pytest.approx(low) and seg[1][1] == pytest.approx(high)
                                for seg in segments)
     filled = [line for line in bottom.get_lines() if line.get_label() == "_real"]
-    assert [list(line.get_xdata()) for line in filled] == [[32, 64]]
+    assert [list(line.get_xdata()) for line in filled] == [[32, 64]]  # one line: not set apart
     assert filled[0].get_markerfacecolor() == filled[0].get_color()
     assert not any("without" in text for text in texts)
     one = report.with_ppl_intervals([cell(count=1), cell(method="cap", factor=1.0, label="cap x1", seed=3, count=1)])
     report.plot_perplexity(str(tmp_path / "one.png"), one, rank, paired.comparisons(one, rank))
-    for ax, what in zip(figures[-1].axes, ("band", "bar")):  # one window: drawn without one, and said so
+    for ax in figures[-1].axes:  # one window: drawn without one, and said so
+        what = "bar"
         assert f"a point without a {what}: no interval (results.md says why)" in [
             t.get_text() for t in ax.get_legend().get_texts()]
 

@@ -58,7 +58,7 @@ training_threads
 recipe_settings POSITIONS EXTENSIONS "$DEFAULT_EXTENSIONS"
 [ -n "${SEEDS// /}" ] || { echo "error: SEEDS must name at least one seed" >&2; exit 1; }
 mkdir -p "$OUT"
-fresh_report "$OUT/positions.md" "$OUT/positions.png" "$OUT/extensions.png"
+fresh_report "$OUT/positions.md" "$OUT/positions.png" "$OUT/positions.csv" "$OUT/extensions.png"
 
 # Data of the user's own (binarized, no corpus.json) is used as it is; the embedded corpus is
 # built, or rebuilt where its settings differ (a no-op when they match).
@@ -96,7 +96,7 @@ if [ ${#extended[@]} -gt 0 ]; then
     --methods "$EXTENSIONS" --modes nonoverlapping --output-dir "$OUT/extensions" --cpu --no-progress
   report_extensions=(--extensions "$OUT/extensions/results.json")
 fi
-stamp "4/4 report -> $OUT/positions.md, $OUT/positions.png"
+stamp "4/4 report -> $OUT/positions.md, $OUT/positions.png, $OUT/positions.csv"
 write_report "$OUT/positions.md" python examples/positions/report.py "$OUT/sweep/results.json" \
   "${report_extensions[@]}" --positions "$POSITIONS" --seeds "$SEEDS" --lengths "$LENGTHS" \
   --extension-methods "$EXTENSIONS" --output "$OUT"

@@ -25,7 +25,7 @@ import sys
 from typing import Dict
 
 from key_heads import named_checkpoints  # (this directory: the script's own)
-from fairseq_alibi.evaluation.report import save_figure  # writes no file through a link
+from fairseq_alibi.evaluation.report import legend_outside, save_figure  # writes no file through a link
 
 #: One validation line of fairseq-train's simple log format: the loss (base 2; "inf" or "nan" where a run
 #: diverged, kept as such) and the update it was taken at.
@@ -84,7 +84,7 @@ def plot(curves: Dict[str, Dict[int, float]], path: str, title: str) -> None:
     ax.set_ylabel("held-out loss (base 2)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend_outside(ax, fontsize=8)  # outside the data
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
     plt.close(fig)

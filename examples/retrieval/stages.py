@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Tuple
 
 from summary import read_results  # (this directory: the script's own)
 
-from fairseq_alibi.evaluation.report import percent_text, save_figure
+from fairseq_alibi.evaluation.report import legend_outside, percent_text, save_figure
 
 #: A check: (updates, lines %, passkey % or None).
 Check = Tuple[int, float, Optional[float]]
@@ -235,7 +235,7 @@ def plot(found: Dict[str, Dict[str, Run]], until: float, path: str) -> None:
             ax.plot([], [], color="grey", linestyle="--", alpha=0.6, label="discarded attempts (restarts)")
         ax.axhline(until, color="grey", linestyle=":", linewidth=1)
         ax.set(title=f"{task} at 1x L", xlabel="updates", ylabel="accuracy %", ylim=(-3, 103))
-    axes[0][-1].legend(fontsize=7, ncol=2, loc="lower right")
+    legend_outside(axes[0][-1], ncol=2)  # outside the data (lower right covered the points of late checks)
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)

@@ -43,7 +43,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from fairseq_alibi.evaluation.report import percent_text as pc, save_figure  # pc: whole percent, never 0 or 100
+from fairseq_alibi.evaluation.report import log_axis, save_figure
+from fairseq_alibi.evaluation.report import percent_text as pc  # pc: whole percent, never 0 or 100
 
 CONVENTION = ("mean over runs [lowest run, highest run] (pooled: the 95 % Wilson interval of all the runs' prompts "
               "together)")
@@ -91,9 +92,9 @@ class Model:
         from types import SimpleNamespace
 
         from fairseq_alibi.evaluation.axes import applicable
-        from fairseq_alibi.facts import LANGUAGE_MODELS, position_of
+        from fairseq_alibi.facts import language_models, position_of
 
-        if self.model not in LANGUAGE_MODELS:
+        if self.model not in language_models():
             return None
         return method in applicable(SimpleNamespace(position=position_of(self.model)))
 
@@ -310,7 +311,7 @@ def plot(path: str, models: Sequence[Model], layout) -> None:
                 ax.fill_between(xs, [100 * min(r.accuracies) for _, r in points],
                                 [100 * max(r.accuracies) for _, r in points], color=line.get_color(), alpha=0.12, lw=0)
         ax.axvline(train_length, color="grey", lw=0.8, ls=":", label=f"training length: {train_length} tokens")
-        ax.set_xscale("log", base=2)
+        log_axis(ax, "x", 2)
         ax.set_ylim(-3, 103)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("exact-match accuracy (%)")

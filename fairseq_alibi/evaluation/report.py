@@ -8,13 +8,13 @@ order of ``--methods`` (``rank``: a record -> its method's place).
 Every number a reader compares carries its 95 % interval (``intervals.py``):
 perplexity a Student-t interval over the cell's windows, accuracy Wilson's, a
 mean log-probability a t-interval over prompts; in tables as ``PPL [LOW,
-HIGH]``, in plots as bands or error bars.  A number that cannot have one says
+HIGH]``, in plots as bars.  A number that cannot have one says
 why instead (``11.51 (1 window: no interval)``; in the CSV an empty interval
 and the reason in ``ppl_no_interval``).  Cells that scored the same windows
 are also compared pairwise (``paired.py``): each method against its
 checkpoint's baseline, each checkpoint against the first on the same windows,
-as a perplexity change with its paired interval, in tables and in the lower
-panels of ``perplexity.png``.  Each method has one colour and marker in every
+as a perplexity change with its paired interval, in tables and in the top
+panels of ``perplexity.png``, which lead with them.  Each method has one colour and marker in every
 plot (``styles.py``), each checkpoint a line style; panels compared side by
 side share their axes; every line, band and mark is named in the figure.
 """
@@ -164,22 +164,61 @@ def percent_change(ratio: float, low: Optional[float], high: Optional[float], re
 
 
 def _legend(ax, notes: Sequence[Tuple[object, str]] = (), **kwargs) -> None:
-    """The axes' legend, with ``(handle, text)`` notes after its lines (bands, bars)."""
+    """The axes' legend, with ``(handle, text)`` notes after its lines (bands, bars),
+    outside the axes (:func:`legend_outside`)."""
     handles, labels = ax.get_legend_handles_labels()
     for handle, text in notes:
         handles.append(handle)
         labels.append(text)
-    ax.legend(handles, labels, fontsize=7, **kwargs)
+    legend_outside(ax, handles, labels, **kwargs)
 
 
-def _band_note(drawn: bool, paired_below: bool = False, missing: bool = False):
-    from matplotlib.patches import Patch
+def legend_outside(ax, handles=None, labels=None, **kwargs):
+    """A legend to the right of the axes, outside them, so that it covers no data
+    point of any panel (a legend inside, at matplotlib's ``best``, covered points of
+    the lower panels); the figure's layout (``constrained``, ``tight_layout``) makes
+    room for it.  ``handles``/``labels`` default to the axes' own."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    options = dict(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+    options.update(kwargs)
+    return ax.legend(handles, labels, **options)
+
+
+def plain_number(value: float) -> str:
+    """A tick label as a plain number: ``64``, ``1024``, ``0.5``, ``30`` (never
+    ``2^6`` or ``3 x 10^1``)."""
+    if value >= 1 and abs(value - round(value)) < 1e-9 * value:
+        return str(int(round(value)))
+    return f"{value:g}"
+
+
+def log_axis(ax, which: str = "x", base: float = 10) -> None:
+    """A logarithmic axis (``which``: ``x`` or ``y``) whose tick labels are plain
+    numbers (:func:`plain_number`: 64, 128, 1024; 30, 40, 60), major and minor ticks
+    alike, where matplotlib writes powers (``2^6``, ``6 x 10^1``): every figure's log
+    axis is set here."""
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):
+        def _num_to_string(self, x, vmin, vmax):
+            return plain_number(x)
+
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log", base=base)
+    axis.set_major_formatter(Plain(base=base))
+    # the minor ticks labelled, every one where the axis spans a decade or less
+    axis.set_minor_formatter(Plain(base=base, labelOnlyBase=False, minor_thresholds=(2, 1)))
+
+
+def _bar_note(drawn: bool, paired_above: bool = False, missing: bool = False):
+    from matplotlib.lines import Line2D
 
     notes = []
     if drawn:
-        each = " (each cell on its own; paired changes below)" if paired_below else ""
-        notes.append((Patch(facecolor="grey", alpha=0.25, lw=0), f"shaded: {PPL_INTERVAL}{each}"))
-    return notes + _missing_note(missing, "band")
+        each = " (each cell on its own; paired changes above)" if paired_above else ""
+        notes.append((Line2D([], [], color="grey", marker="|", ms=10, lw=0), f"bars: {PPL_INTERVAL}{each}"))
+    return notes + _missing_note(missing, "bar")
 
 
 def _missing_note(missing: bool, what: str):
@@ -310,11 +349,14 @@ def _lines_in_order(keys: Iterable[tuple], rank: Rank) -> List[tuple]:
 
 
 def plot_perplexity(path: str, cells: List[dict], rank: Rank, pairs: Sequence[dict] = ()) -> None:
-    """Perplexity vs window length, a panel per mode (and subset) on one shared y axis,
-    a line per checkpoint and method with its interval band; below each, where cells
-    scored the same windows, the paired changes against the baseline with their bands
+    """Perplexity vs window length, a column per mode (and subset).  Where cells scored
+    the same windows, the figure leads with the paired changes against the baseline
     (each method against its checkpoint's baseline method; each checkpoint against the
-    first at that baseline method): a difference two overlapping bands hide shows there."""
+    first at that baseline method), with their paired intervals: a difference the cells'
+    own intervals hide shows there.  Below them (or alone) the perplexities, a line per
+    checkpoint and method on one shared y axis, each cell's own interval a bar, the
+    lines' bars set a little apart so that none hides another.  Legends sit outside
+    the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -324,8 +366,8 @@ def plot_perplexity(path: str, cells: List[dict], rank: Rank, pairs: Sequence[di
     baseline = paired.baseline_methods(cells, rank)
     shown = [p for p in pairs if p["kind"] == "method" or p["spelling"] == baseline.get(p["baseline_checkpoint"])]
     rows = 2 if shown else 1
-    fig, axes = plt.subplots(rows, len(panels), figsize=(6.4 * len(panels), 4.8 + 3.6 * (rows - 1)), squeeze=False,
-                             sharey="row", sharex="col", gridspec_kw={"height_ratios": [4, 3][:rows]})
+    fig, axes = plt.subplots(rows, len(panels), figsize=(6.4 * len(panels) + 3.6, 4.6 + 4.0 * (rows - 1)),
+                             squeeze=False, sharey="row", sharex="col", layout="constrained")
     line_style = styles.line_styles(c["checkpoint"] for c in cells)
     values = [v for c in cells for v in (c["ppl"], c.get("ppl_low"), c.get("ppl_high")) if v is not None]
     log_y = bool(values) and max(values) / max(min(values), 1e-9) > 4
@@ -333,40 +375,52 @@ def plot_perplexity(path: str, cells: List[dict], rank: Rank, pairs: Sequence[di
         def here(c, mode=mode, stride=stride, subset=subset):
             return c["mode"] == mode and c["subset"] == subset and (mode != "sliding" or c["stride"] == stride)
 
-        ax = axes[0][col]
-        _perplexity_panel(ax, [c for c in cells if here(c)], rank, line_style, log_y, subset, rows == 2)
-        ax.set_title(mode + (f", stride {stride}" if mode == "sliding" else ""))
+        title = mode + (f", stride {stride}" if mode == "sliding" else "")
         if rows == 2:
-            _paired_panel(axes[1][col], [p for p in shown if here(p)], rank, line_style, subset)
+            _paired_panel(axes[0][col], [p for p in shown if here(p)], rank, line_style, subset)
+            axes[0][col].set_title(f"{title}: paired changes")
+            axes[1][col].set_title(f"{title}: perplexity of each cell")
+        else:
+            axes[0][col].set_title(title)
+        _perplexity_panel(axes[-1][col], [c for c in cells if here(c)], rank, line_style, log_y, subset, rows == 2)
         axes[-1][col].set_xlabel("evaluation window length (tokens)")
-    fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
 
 
+def _dodge(index: int, count: int, step: float = 0.035) -> float:
+    """The factor that moves line ``index`` of ``count`` sideways on a log2 axis
+    (``step`` octaves apart, centred on the true length), so that lines of equal
+    values keep their interval bars apart."""
+    return 2.0 ** (step * (index - (count - 1) / 2))
+
+
 def _perplexity_panel(ax, group: List[dict], rank: Rank, line_style: Dict[str, str], log_y: bool, subset: str,
-                      paired_below: bool) -> None:
-    """One mode's perplexity lines, each with its band of per-cell intervals."""
+                      paired_above: bool) -> None:
+    """One mode's perplexity lines, each cell's own interval a bar (the lines set a little apart)."""
     lines: Dict[tuple, List[dict]] = {}
     for c in group:
         lines.setdefault(_line_key(c), []).append(c)
-    banded = False
-    for key in _lines_in_order(lines, rank):
+    barred = False
+    order = _lines_in_order(lines, rank)
+    for index, key in enumerate(order):
         pts = sorted(lines[key], key=lambda c: c["length"])
+        shift = _dodge(index, len(order))
         style = styles.plot_kwargs(pts[0], line_style[key[0]])
-        ax.plot([c["length"] for c in pts], [c["ppl"] for c in pts], label=f"{key[0]}: {key[3]}", **style)
+        ax.plot([c["length"] * shift for c in pts], [c["ppl"] for c in pts], label=f"{key[0]}: {key[3]}", **style)
         known = [c for c in pts if c.get("ppl_low") is not None]
         if known:
-            ax.fill_between([c["length"] for c in known], [c["ppl_low"] for c in known],
-                            [c["ppl_high"] for c in known], color=style["color"], alpha=0.15, lw=0)
-            banded = True
+            ax.errorbar([c["length"] * shift for c in known], [c["ppl"] for c in known], capsize=2, elinewidth=0.8,
+                        ls="none", color=style["color"], alpha=0.7,
+                        yerr=[[c["ppl"] - c["ppl_low"] for c in known], [c["ppl_high"] - c["ppl"] for c in known]])
+            barred = True
     _train_lengths(ax, group)
-    ax.set_xscale("log", base=2)
+    log_axis(ax, "x", 2)
     if log_y:
-        ax.set_yscale("log")
+        log_axis(ax, "y", 10)
     ax.set_ylabel(f"{subset} perplexity")
     ax.grid(True, which="both", alpha=0.3)
-    _legend(ax, _band_note(banded, paired_below, any(c.get("ppl_low") is None for c in group)))
+    _legend(ax, _bar_note(barred, paired_above, any(c.get("ppl_low") is None for c in group)))
 
 
 def _paired_line_key(p: dict) -> tuple:
@@ -388,21 +442,23 @@ def _paired_panel(ax, group: List[dict], rank: Rank, line_style: Dict[str, str],
     lines: Dict[tuple, List[dict]] = {}
     for p in group:
         lines.setdefault(_paired_line_key(p), []).append(p)
-    for key in sorted(lines, key=lambda k: (k[0], k[1], rank({"method": k[2], "factor": k[3]}))):
+    order = sorted(lines, key=lambda k: (k[0], k[1], rank({"method": k[2], "factor": k[3]})))
+    for index, key in enumerate(order):
         pts = sorted(lines[key], key=lambda p: p["length"])
+        shift = _dodge(index, len(order))
         style = styles.plot_kwargs(pts[0], line_style[key[1]])
         name = (f"{key[1]}: {key[4]} vs {key[6]}" if key[1] == key[5] else f"{key[1]} vs {key[5]}: {key[4]}")
-        ax.plot([p["length"] for p in pts], [_change(p["ppl_ratio"]) for p in pts], label=name, **style)
+        ax.plot([p["length"] * shift for p in pts], [_change(p["ppl_ratio"]) for p in pts], label=name, **style)
         known = [p for p in pts if p["ppl_ratio_low"] is not None]
         if known:
-            ax.errorbar([p["length"] for p in known], [_change(p["ppl_ratio"]) for p in known], capsize=3,
+            ax.errorbar([p["length"] * shift for p in known], [_change(p["ppl_ratio"]) for p in known], capsize=3,
                         elinewidth=0.9, ls="none", color=style["color"],
                         yerr=[[_change(p["ppl_ratio"]) - _change(p["ppl_ratio_low"]) for p in known],
                               [_change(p["ppl_ratio_high"]) - _change(p["ppl_ratio"]) for p in known]])
         real = [p for p in known if p["ppl_ratio_low"] > 1.0 or p["ppl_ratio_high"] < 1.0]
-        ax.plot([p["length"] for p in real], [_change(p["ppl_ratio"]) for p in real], ls="none",
+        ax.plot([p["length"] * shift for p in real], [_change(p["ppl_ratio"]) for p in real], ls="none",
                 marker=style["marker"], ms=style["ms"], color=style["color"], mfc=style["color"], label="_real")
-    ax.set_xscale("log", base=2)
+    log_axis(ax, "x", 2)
     ax.set_ylabel(f"{subset} perplexity change against\nthe baseline, same windows (%)")
     ax.grid(True, which="both", alpha=0.3)
     _legend(ax, [(Line2D([], [], color="grey", marker="|", ms=10, lw=0), f"bars: {PAIRED_INTERVAL}"),
@@ -447,7 +503,8 @@ def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
     if not cells:
         return
     panels = sorted({(c["mode"], c["stride"] if c["mode"] == "sliding" else 0) for c in cells})
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 5.0), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels) + 3.6, 5.0), squeeze=False, sharey=True,
+                             layout="constrained")
     line_style = styles.line_styles(c["checkpoint"] for c in cells)
     for ax, (mode, stride) in zip(axes[0], panels):
         longest: Dict[tuple, dict] = {}
@@ -465,7 +522,7 @@ def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
                     label=f"{key[0]}: {key[3]} (window {c['length']}, {max(counts)} windows)",
                     **styles.plot_kwargs(c, line_style[key[0]]))
         _train_lengths(ax, longest.values())
-        ax.set_xscale("log", base=2)
+        log_axis(ax, "x", 2)
         ax.set_xlabel("token position within the window (log2 bins of positions)")
         ax.set_ylabel("mean loss (bits per token)")
         ax.set_title(mode + (f", stride {stride}" if mode == "sliding" else ""))
@@ -475,8 +532,7 @@ def plot_per_position(path: str, cells: List[dict], rank: Rank) -> None:
             f"gives the windows); positions that fewer than {THIN_SHARE:.0%} of those windows scored (a sliding "
             "window's first) are left out")
     lines = textwrap.wrap(note, width=int(fig.get_figwidth() * 14))  # about 14 characters an inch at 8 points
-    fig.suptitle("\n".join(lines), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.035 * len(lines)))  # room for the note: it is never cut
+    fig.suptitle("\n".join(lines), fontsize=8)  # the constrained layout makes room for it: it is never cut
     save_figure(fig, path)
     plt.close(fig)
 
@@ -563,14 +619,14 @@ def plot_retrieval_accuracy(path: str, cells: List[dict], rank: Rank) -> None:
             ax.errorbar(lengths, acc, yerr=[low, high], capsize=2, elinewidth=0.7, label=f"{key[0]}: {key[3]}",
                         **styles.plot_kwargs(row[0], line_style[key[0]]))
         _train_lengths(ax, group)
-        ax.set_xscale("log", base=2)
+        log_axis(ax, "x", 2)
         ax.set_ylim(-3, 103)
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel("exact-match accuracy (%)")
         ax.set_title(task)
         ax.grid(True, which="both", alpha=0.3)
         bar = Line2D([], [], color="grey", marker="|", ms=10, lw=0)
-        _legend(ax, [(bar, f"bars: {ACCURACY_INTERVAL}")], loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        _legend(ax, [(bar, f"bars: {ACCURACY_INTERVAL}")])
     save_figure(fig, path)
     plt.close(fig)
 
