@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from fairseq_alibi.core.fox import ForgetGates, cumulative_gates, gate_bias
 from fairseq_alibi.core.kernels import reference_attention
-from fairseq_alibi.core.path import PathProjections, path_attention, path_reference
+from fairseq_alibi.core.errors import ConfigError, ScalingError
+from fairseq_alibi.core.path import PathPositions, PathProjections, path_attention, path_reference
 from fairseq_alibi.core.scaling import Scaling
 
 HEADS, DIM = 2, 6
@@ -185,3 +186,34 @@ def test_long_inputs_run_block_by_block():
         out, _ = path_attention(q, k, v, w, beta, block=64)
     assert out.shape == (1, 1, T, 16) and bool(torch.isfinite(out).all())
     assert math.isfinite(float(out.sum()))
+
+
+@pytest.mark.parametrize("forget_gate", [False, True])
+def test_the_layer_attends_with_its_own_kernel_and_cache(forget_gate):
+    """A layer's object (projections, FoX's gate for PaTH-FoX): its cache, extended call by call, gives the
+    full forward; attention dropout and the extension methods without a logit scaling are refused."""
+    torch.manual_seed(0)
+    layer = PathPositions(HEADS, DIM, 16, forget_gate=forget_gate).for_layer().double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(std=0.5)
+    assert layer.own_kernel and (layer.gate is not None) == forget_gate
+    q, k, v = (torch.randn(2, HEADS, 11, DIM, dtype=torch.float64) for _ in range(3))
+    x = torch.randn(11, 2, 16, dtype=torch.float64)
+    pad = torch.zeros(2, 11, dtype=torch.bool)
+    pad[1, :2] = True
+    with torch.no_grad():
+        full = layer.attend(q, k, v, x, pad)
+        state = {}
+        for start, stop in [(0, 4), (4, 5), (5, 6), (6, 11)]:
+            part = layer.attend(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], x[start:stop],
+                                pad[:, :stop], state)
+            # FoX's gates are float32 by design (fox.log_gates): a running sum continued across calls rounds
+            # as float32 does, the rest is float64 here
+            torch.testing.assert_close(part, full[:, :, start:stop], rtol=0, atol=1e-5 if forget_gate else 1e-12)
+    assert set(state) == {"prev_key", "prev_value", "prev_path_conv"} | ({"prev_positions"} if forget_gate else set())
+    with pytest.raises(ConfigError, match="attention_dropout=0.1 is not valid with PaTH"):
+        layer.attend(q, k, v, x, None, dropout_p=0.1)
+    with pytest.raises(ScalingError, match="linear does not apply to path"):
+        PathPositions(HEADS, DIM, 16, scaling=Scaling("linear", 2.0))
+    assert PathPositions(HEADS, DIM, 16, scaling=Scaling("logn", train_length=64)).scaling.method == "logn"

@@ -8,7 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from fairseq_alibi.core import stickbreaking
-from fairseq_alibi.core.stickbreaking import (StickBreakingOutput, stickbreaking_attention, stickbreaking_reference)
+from fairseq_alibi.core.errors import ConfigError, ScalingError
+from fairseq_alibi.core.scaling import Scaling
+from fairseq_alibi.core.stickbreaking import (StickBreakingOutput, StickBreakingPositions, stickbreaking_attention,
+                                              stickbreaking_reference)
 
 HEADS, DIM = 3, 8
 
@@ -149,3 +152,29 @@ def test_the_remainder_vector_and_the_group_norm():
     assert float(first.abs().max()) > 0
     (head_bias_grad,) = torch.autograd.grad(got.sum() + (got ** 2).sum(), terms.head_bias)
     assert float(head_bias_grad.abs().max()) > 0
+
+
+def test_the_layer_attends_with_its_own_kernel_and_cache():
+    """A layer's object: the cache (fairseq's prev_key / prev_value) extended call by call gives the full
+    forward; attention dropout and every extension method but none are refused in one line."""
+    torch.manual_seed(0)
+    layer = StickBreakingPositions(HEADS, DIM).for_layer().double()
+    assert layer.own_kernel and layer.for_layer() is layer
+    with torch.no_grad():
+        layer.terms.head_bias.normal_()
+    q, k, v = inputs(11, batch=2)
+    x = torch.randn(11, 2, 16, dtype=torch.float64)
+    pad = torch.zeros(2, 11, dtype=torch.bool)
+    pad[1, :2] = True
+    with torch.no_grad():
+        full = layer.attend(q, k, v, x, pad)
+        state = {}
+        for start, stop in [(0, 4), (4, 5), (5, 11)]:
+            part = layer.attend(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], x[start:stop],
+                                pad[:, :stop], state)
+            torch.testing.assert_close(part, full[:, :, start:stop], rtol=0, atol=1e-12)
+    assert state["prev_key"].shape == (2, HEADS, 11, DIM)
+    with pytest.raises(ConfigError, match="attention_dropout=0.1 is not valid with stick-breaking"):
+        layer.attend(q, k, v, x, None, dropout_p=0.1)
+    with pytest.raises(ScalingError, match="logn does not apply to stickbreaking"):
+        StickBreakingPositions(HEADS, DIM, Scaling("logn", train_length=64))

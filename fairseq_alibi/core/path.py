@@ -66,11 +66,16 @@ Pure torch, no fairseq: this file travels with exported models.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .bias import StackBias
+from .fox import ForgetGates, LayerForgetGate
+from .scaling import LOGIT_METHODS, NO_SCALING, Scaling, check_applies
+from .stickbreaking import refuse_dropout
 
 #: Tokens per block of the kernel.
 BLOCK = 64
@@ -285,3 +290,85 @@ class PathProjections(nn.Module):
         if pad is not None:
             beta = beta.masked_fill(pad.permute(1, 2, 0), 0.0)
         return w, beta, state
+
+
+#: The extension methods that apply: the logit methods (PaTH's is a softmax); it has no slopes or
+#: frequencies for the others to scale.
+PATH_EXTENSIONS = ("none",) + LOGIT_METHODS
+
+
+class PathPositions(StackBias):
+    """The stack's PaTH object: no parameters of its own; each layer gets its
+    own projections and, with ``forget_gate``, FoX's gate (:meth:`for_layer`).
+    ``own_kernel``: a layer calls :meth:`LayerPath.attend` in place of the
+    shared kernels (the keys each query sees depend on the query)."""
+
+    own_kernel = True
+    learned = True
+    layer_attribute = "path"
+
+    def __init__(self, num_heads: int, head_dim: int, embed_dim: int, short_conv: bool = True,
+                 forget_gate: bool = False, scaling: Scaling = NO_SCALING):
+        StackBias.__init__(self, num_heads)
+        self.head_dim, self.embed_dim = head_dim, embed_dim
+        self.short_conv, self.forget_gate = short_conv, forget_gate
+        self.scaling = check_applies(scaling, "path", PATH_EXTENSIONS).complete()
+
+    @property
+    def toeplitz(self) -> bool:
+        return False
+
+    def rescale(self, scaling: Scaling) -> None:
+        self.scaling = check_applies(scaling, "path", PATH_EXTENSIONS).complete()
+
+    def for_layer(self) -> "LayerPath":
+        return LayerPath(self.num_heads, self.head_dim, self.embed_dim, self.short_conv, self.forget_gate,
+                         self.scaling)
+
+
+class LayerPath(nn.Module, PathPositions):
+    """One layer's PaTH attention: ``proj`` (``w`` and ``beta``) and, for
+    PaTH-FoX, ``gate`` (``fox.LayerForgetGate``, FoX's own code)."""
+
+    def __init__(self, num_heads: int, head_dim: int, embed_dim: int, short_conv: bool = True,
+                 forget_gate: bool = False, scaling: Scaling = NO_SCALING):
+        nn.Module.__init__(self)
+        PathPositions.__init__(self, num_heads, head_dim, embed_dim, short_conv, forget_gate, scaling)
+        self.proj = PathProjections(embed_dim, num_heads, head_dim, short_conv)
+        self.gate = ForgetGates(num_heads, embed_dim, self.scaling).for_layer() if forget_gate else None
+
+    def for_layer(self) -> "LayerPath":
+        return self
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, key_padding_mask: Optional[Tensor],
+               state: Optional[Dict[str, Tensor]] = None, dropout_p: float = 0.0) -> Tensor:
+        """The layer's attention output ``[B, H, T, D]`` (before the output
+        projection) of the ``T`` new tokens' ``q`` (already scaled by a logit
+        method, if any), ``k``, ``v`` ``[B, H, T, D]`` and their input ``x``
+        ``[T, B, C]``.  ``state``: the layer's KV cache as a dict, batch first,
+        updated in place, or None: ``prev_key`` (the keys carried through
+        every later token's ``H``), ``prev_value``, ``prev_path_conv`` (the
+        convolution's last inputs) and, with the gate, ``prev_positions``
+        (FoX's cumulative log gates, fairseq's name); ``key_padding_mask``
+        ``[B, S0 + T]`` covers the cached keys and the new ones."""
+        refuse_dropout("PaTH", dropout_p)
+        caching = state is not None  # a full forward without a cache carries no key through the later H
+        state = {} if state is None else state
+        past_keys, past_values = state.get("prev_key"), state.get("prev_value")
+        S0 = 0 if past_keys is None else past_keys.size(2)
+        new_pad = None if key_padding_mask is None else key_padding_mask[:, S0:]
+        w, beta, conv = self.proj(x, new_pad, state.get("prev_path_conv"))
+        gate = None
+        if self.gate is not None:
+            _, gate = self.gate.bind(x, new_pad, state.get("prev_positions"))
+        out, keys = path_attention(q, k, v, w, beta, gate, key_padding_mask, past_keys, past_values,
+                                   return_keys=caching)
+        if not caching:
+            return out
+        state["prev_key"] = keys.to(k.dtype)
+        state["prev_value"] = v if past_values is None else torch.cat([past_values, v], dim=2)
+        if conv is not None:
+            state["prev_path_conv"] = conv
+        if gate is not None:
+            state["prev_positions"] = gate
+        return out

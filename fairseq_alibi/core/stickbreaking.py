@@ -69,11 +69,15 @@ Pure torch, no fairseq: this file travels with exported models.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .bias import StackBias
+from .errors import ConfigError
+from .scaling import NO_SCALING, Scaling, check_applies
 
 #: Queries and keys per block of the kernel.
 BLOCK = 128
@@ -241,3 +245,70 @@ class StickBreakingOutput(nn.Module):
         x = x.permute(0, 2, 1, 3).reshape(B * T, H * D)
         x = F.group_norm(x, H, self.norm.weight.to(torch.float32), self.norm.bias.to(torch.float32), self.norm.eps)
         return x.view(B, T, H, D).permute(0, 2, 1, 3).to(out.dtype)
+
+
+#: The extension methods that apply: none (no softmax for logn or SSMax to sharpen, no position to scale).
+STICKBREAKING_EXTENSIONS = ("none",)
+
+
+def refuse_dropout(method: str, dropout: float) -> None:
+    """One ``ConfigError`` line for attention dropout, which a method's own kernel does not take."""
+    if dropout > 0:
+        raise ConfigError(f"attention_dropout={dropout:g} is not valid with {method} attention, whose own kernel "
+                          "has no attention dropout (nor do the authors' models): set --attention-dropout 0")
+
+
+class StickBreakingPositions(StackBias):
+    """The stack's stick-breaking object: no parameters of its own; each layer
+    gets its own terms (:meth:`for_layer`).  ``own_kernel``: a layer calls
+    :meth:`LayerStickBreaking.attend` in place of the shared kernels, which
+    add a bias to a softmax this method does not have."""
+
+    own_kernel = True
+    learned = True
+    layer_attribute = "stickbreaking"
+
+    def __init__(self, num_heads: int, head_dim: int, scaling: Scaling = NO_SCALING):
+        StackBias.__init__(self, num_heads)
+        self.head_dim = head_dim
+        self.scaling = check_applies(scaling, "stickbreaking", STICKBREAKING_EXTENSIONS).complete()
+
+    @property
+    def toeplitz(self) -> bool:
+        return False
+
+    def rescale(self, scaling: Scaling) -> None:
+        self.scaling = check_applies(scaling, "stickbreaking", STICKBREAKING_EXTENSIONS).complete()
+
+    def for_layer(self) -> "LayerStickBreaking":
+        return LayerStickBreaking(self.num_heads, self.head_dim, self.scaling)
+
+
+class LayerStickBreaking(nn.Module, StickBreakingPositions):
+    """One layer's stick-breaking attention: the kernel and its terms after it
+    (``terms``: ``self_attn.stickbreaking.terms.head_bias`` and ``.norm``)."""
+
+    def __init__(self, num_heads: int, head_dim: int, scaling: Scaling = NO_SCALING):
+        nn.Module.__init__(self)
+        StickBreakingPositions.__init__(self, num_heads, head_dim, scaling)
+        self.terms = StickBreakingOutput(num_heads, head_dim)
+
+    def for_layer(self) -> "LayerStickBreaking":
+        return self
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, key_padding_mask: Optional[Tensor],
+               state: Optional[Dict[str, Tensor]] = None, dropout_p: float = 0.0) -> Tensor:
+        """The layer's attention output ``[B, H, T, D]`` (before the output
+        projection) of the ``T`` new tokens' ``q``, ``k``, ``v`` ``[B, H, T, D]``;
+        ``x`` (their input ``[T, B, C]``) is not read.  ``state``: the layer's KV
+        cache as a dict (fairseq's names ``prev_key``, ``prev_value``, batch
+        first), extended in place, or None; ``key_padding_mask`` ``[B, S0 + T]``
+        covers the cached keys and the new ones."""
+        refuse_dropout("stick-breaking", dropout_p)
+        if state is not None:
+            if "prev_key" in state:
+                k = torch.cat([state["prev_key"], k], dim=2)
+                v = torch.cat([state["prev_value"], v], dim=2)
+            state["prev_key"], state["prev_value"] = k, v
+        out, remainder = stickbreaking_attention(q, k, v, key_padding_mask)
+        return self.terms(out, remainder)
