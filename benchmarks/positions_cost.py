@@ -557,8 +557,7 @@ def depth_problem(method: str, layers: int, heads: int, embed_dim: int, length: 
         return None  # the stock sinusoidal model
     params = {param.name: param.default for param in positions.POSITIONS[position].params}
     try:
-        positions.build(position, heads, embed_dim // heads, params, Scaling("none", train_length=length)
-                        ).fit_depth(layers)
+        positions.build(position, heads, embed_dim // heads, params, Scaling("none", train_length=length), layers)
     except ConfigError as err:
         return f"--methods {position} with --layers {layers}: {err}"
     return None

@@ -167,7 +167,7 @@ def check_eval_lm(models, tally: Tally) -> None:
     """After fairseq's ``eval_lm``: a ``UserError`` (one line) unless the scorer
     returned a score for every token of the split the loader was built over
     (the newest recorded loader); +-inf scores counted in a warning."""
-    from ..errors import UserError, warn_once
+    from .errors import UserError, warn_once
 
     found = loaders()
     if not found:

@@ -23,8 +23,9 @@ def position_model(position: str) -> str:
     return f"{STOCK_LM}_{position}"
 
 
-#: Every causal LM the tools evaluate: the stock one and one per position method.
-LANGUAGE_MODELS = (STOCK_LM,) + tuple(position_model(name) for name in POSITIONS)
+def language_models() -> Tuple[str, ...]:
+    """Every causal LM the tools evaluate: the stock one and one per position method registered."""
+    return (STOCK_LM,) + tuple(position_model(name) for name in POSITIONS)
 
 
 def position_of(model: Optional[str]) -> Optional[str]:

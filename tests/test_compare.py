@@ -243,7 +243,7 @@ def example(path: str):
 @pytest.fixture
 def dummy_position(monkeypatch):
     """A position method registered for one test: a copy of NoPE's entry named ``dummy``."""
-    entry = dataclasses.replace(REGISTRY["nope"], name="dummy", summary="a test's copy of NoPE")
+    entry = dataclasses.replace(REGISTRY["nope"], name="dummy", summary="a test's copy of NoPE", colour=None)
     monkeypatch.setitem(REGISTRY, "dummy", entry)
     return entry
 
@@ -255,7 +255,7 @@ def test_a_registered_method_is_in_the_recipe_defaults_report_and_help(dummy_pos
     import matplotlib.axes
 
     from fairseq_alibi.evaluation import perplexity, retrieval
-    from fairseq_alibi.evaluation.styles import POSITION_COLOURS, position_colour
+    from fairseq_alibi.evaluation.styles import position_colour
 
     registry = example("examples/registry.py")
     assert registry.models() == ["sinusoidal", *REGISTRY] and registry.models()[-1] == "dummy"
@@ -287,7 +287,7 @@ def test_a_registered_method_is_in_the_recipe_defaults_report_and_help(dummy_pos
     assert rows[3] == "| dummy | 31.50 [31.00, 32.00] | 33.00 [32.00, 34.00] | 2 |"
     colours = {name: position_colour(name) for name in ("sinusoidal", *REGISTRY)}
     assert lines == [("sinusoidal", colours["sinusoidal"]), ("alibi", colours["alibi"]), ("dummy", colours["dummy"])]
-    assert len(set(colours.values())) == len(colours) and "dummy" not in POSITION_COLOURS
+    assert len(set(colours.values())) == len(colours) and REGISTRY["dummy"].colour is None
     assert position_colour("dummy") == colours["dummy"]  # the same in every run
 
     for parser in (perplexity.get_parser(), retrieval.get_parser()):

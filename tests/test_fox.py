@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fairseq_alibi.models  # noqa: F401  (registers the models)
-from fairseq_alibi.core import kernels
+from fairseq_alibi.core import fox, kernels
 from fairseq_alibi.core.fox import ForgetGates, GateBias, LayerForgetGate, log_gates
 from fairseq_alibi.core.errors import ConfigError
 from fairseq_alibi.core.scaling import Scaling
@@ -66,7 +66,7 @@ def test_every_kernel_equals_the_reference(kernel):
             bias, _ = layer.bind(x, mask, None)
             expected, _ = kernels.attend(q, k, v, bias, "reference", mask)
             if kernel == "chunked":  # small query blocks: the per-block c_i - c_j, never the whole square
-                out, _ = kernels.chunked_kernel(q, k, v, bias, mask, 0.0, chunk_size=16)
+                out, _ = kernels.kernel_for("chunked", bias)(q, k, v, bias, mask, 0.0, chunk_size=16)
             else:
                 out, _ = kernels.attend(q, k, v, bias, kernel, mask)
             real = slice(None) if mask is None else slice(9, None)
@@ -99,7 +99,7 @@ def test_blocked_trains_the_gates_as_the_reference():
         out, _ = kernels.attend(*leaves[1:], bias, kernel, pad)
         (out * weight).sum().backward()
         grads.append([t.grad for t in leaves] + [p.grad.clone() for p in layer.parameters()])
-    # float32 both.  The flash path's dc is a difference of two sums (causal_blocks._FlashGates) whose total
+    # float32 both.  The flash path's dc is a difference of two sums (fox.FlashGates) whose total
     # over a row's keys is 0, so the gate's bias gradient (a sum of dc over the later tokens) loses digits:
     # 5e-5 of its norm from a float64 run here, against the reference kernel's 1e-5.
     for got, want in zip(*grads):
@@ -119,14 +119,15 @@ def test_key_windows_leave_out_only_keys_that_weigh_nothing():
     jitter = torch.rand(2, HEADS, T, generator=gen) * 0.5 + 0.75  # gates vary per token
     c0 = (torch.log(gates) * jitter).cumsum(-1)
     q0, k0, v0 = (torch.randn(2, HEADS, T, D, generator=gen) for _ in range(3))
-    first = kernels.gate_windows(GateBias(c0), q0, k0)(512, 640)
+    first = fox.gate_windows(GateBias(c0), q0, k0)(512, 640)
     assert first[0] > 0 and first[1] > 0 and first[2] == first[3] == 0, first
     weight = torch.randn(2, HEADS, T, D, generator=gen)
     results = {}
     for kernel in ("blocked", "reference", "chunked"):
         leaves = [t.clone().requires_grad_() for t in (q0, k0, v0, c0)]
         with torch.set_grad_enabled(kernel != "chunked"):
-            out, _ = kernels.KERNELS[kernel](*leaves[:3], GateBias(leaves[3]), None, 0.0)
+            bias = GateBias(leaves[3])
+            out, _ = kernels.kernel_for(kernel, bias)(*leaves[:3], bias, None, 0.0)
         if kernel == "chunked":
             results[kernel] = [out]
             continue
@@ -140,7 +141,8 @@ def test_key_windows_leave_out_only_keys_that_weigh_nothing():
     steep = [t[:, :2].clone() for t in (q0, k0, v0, c0, weight)]
     for kernel in ("chunked", "reference"):
         leaves = [t.clone().requires_grad_() for t in steep[:4]]
-        out, _ = kernels.KERNELS[kernel](*leaves[:3], GateBias(leaves[3]), None, 0.0, **(
+        bias = GateBias(leaves[3])
+        out, _ = kernels.kernel_for(kernel, bias)(*leaves[:3], bias, None, 0.0, **(
             {"chunk_size": 128} if kernel == "chunked" else {}))
         (out * steep[4]).sum().backward()
         results[kernel] = [out.detach()] + [t.grad for t in leaves]
@@ -161,7 +163,7 @@ def test_chunked_inference_splits_each_block_and_matches_the_reference(dtype, to
     with torch.no_grad():
         bias, _ = layer.bind(x, None, None)
         expected, _ = kernels.reference_kernel(q.float(), k.float(), v.float(), bias, None, 0.0)
-        got, _ = kernels.chunked_kernel(q, k, v, bias, None, 0.0, chunk_size=64)
+        got, _ = kernels.kernel_for("chunked", bias)(q, k, v, bias, None, 0.0, chunk_size=64)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
 

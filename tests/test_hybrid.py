@@ -115,8 +115,12 @@ def test_a_stack_that_is_not_a_hybrid_is_refused(data_dir, flags, message):
 
 
 def test_every_layer_nope_is_refused_as_the_nope_method():
-    with pytest.raises(Exception, match="every layer NoPE is the nope method"):
-        HybridPositions(4, 8, 16, nope_every=1)
+    """Checked once, by the registry (the param's range), before anything is built."""
+    from fairseq_alibi.core import positions
+
+    params = {p.name: p.default for p in positions.position("rnope").params}
+    with pytest.raises(Exception, match=r"rnope_nope_every=1 is not valid; it must be 0 \(4, or the number"):
+        positions.check_params("rnope", dict(params, rnope_nope_every=1, rnope_window=8), layers=4)
 
 
 def test_a_nope_layer_attends_to_every_key_without_rotation(data_dir):

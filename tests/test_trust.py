@@ -20,7 +20,8 @@ from fairseq import tasks
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies patches.py)
 from fairseq_alibi import cli, facts
 from fairseq_alibi.core import positions as P
-from fairseq_alibi.core.configuration_alibi import POSITION_METHODS as EXPORTED_METHODS, AlibiLMConfig
+from fairseq_alibi.core.configuration_alibi import AlibiLMConfig
+from fairseq_alibi.core.positions import exported_methods
 from fairseq_alibi.core.errors import ConfigError
 from fairseq_alibi.core.params import LEARNED, SETTING, SHAPE
 from fairseq_alibi.core.scaling import Scaling
@@ -142,7 +143,7 @@ def test_every_option_at_its_limits_through_every_entry_point(method, param, val
         cli.check_position_flags([param.flag, text])
 
     # the exported model's Hugging Face config (methods the exported model computes)
-    if method not in EXPORTED_METHODS or head_bound:  # an exported config holds no heads to check against
+    if method not in exported_methods() or head_bound:  # an exported config holds no heads to check against
         return
     if refused or cross:
         with pytest.raises(ConfigError, match=re.escape(param.name)):
@@ -408,7 +409,7 @@ def test_eval_lm_with_add_bos_token_scores_every_token_of_the_split(entry, lm_da
 def test_the_split_s_count_is_its_tokens_with_or_without_add_bos_token(lm_data_bin):
     """What fairseq's eval-lm scores of a split (each block's targets, less the
     prepended <s> with --add-bos-token) is the count the coverage check expects."""
-    from fairseq_alibi.evaluation.coverage import split_tokens
+    from fairseq_alibi.coverage import split_tokens
 
     for bos in ([], ["--add-bos-token"]):
         cfg = fairseq_config([str(lm_data_bin), "--task", "language_modeling", "--tokens-per-sample", "32",

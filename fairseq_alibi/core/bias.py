@@ -84,6 +84,18 @@ def _aligned(bias: Tensor) -> Tensor:
     return storage[..., : bias.size(-1)]
 
 
+def cumulative_bias(c: Tensor, q_start: int, q_len: int, keys: int, first_key: int = 0) -> Tensor:
+    """float32 ``[B, H, q_len, keys - first_key]``: the per-row cumulative
+    term ``c_i - c_j`` (``c`` ``[B, H, S]``, one running sum per row and head:
+    FoX's log forget gates) for queries ``q_start ..`` over keys ``first_key
+    .. keys - 1``, ``-inf`` right of each query."""
+    query = c[..., q_start: q_start + q_len, None]
+    key = c[..., None, first_key:keys]
+    positions = torch.arange(q_start, q_start + q_len, device=c.device)[:, None]
+    future = torch.arange(first_key, keys, device=c.device)[None, :] > positions
+    return (query - key).masked_fill(future, float("-inf"))
+
+
 class Same:
     """A cache-key part equal only to the very same object (tensors compare by identity)."""
 
@@ -128,6 +140,11 @@ class StackBias:
     #: The attribute under which a layer keeps its own object of
     #: :meth:`for_layer` as a submodule (its name in checkpoints).
     layer_attribute = "alibi"
+    #: Kernels of the method's own, by registry name (``kernels.kernel_for``):
+    #: run in place of the shared kernel of that name (FoX's blocked and
+    #: chunked paths, ``fox.py``; a method that is not softmax over biased
+    #: scores brings all of its own).
+    own_kernels: Dict[str, Callable[..., Tuple[Tensor, Optional[Tensor]]]] = {}
     #: Whether the layers of a pass share what it builds with gradients (a
     #: learned bias's values, ``ModuleBias.cached``).  Not under activation
     #: checkpointing, where each layer's forward runs again in its own
@@ -240,6 +257,17 @@ class StackBias:
     def at_factor(self, factor: float) -> "StackBias":
         """This bias with a dynamic factor fixed at ``factor`` (one row's); ``self`` without one."""
         return self
+
+    def windows(self, q: Tensor, k: Tensor,
+                floor: Optional[Callable[[int, int], Tensor]] = None) -> Optional[Callable[[int, int], List[int]]]:
+        """Key windows of a bias that knows its own (FoX's, from its gates:
+        ``fox.gate_windows``): ``first(start, stop)`` -> the first key each
+        head needs for queries ``start .. stop - 1`` of a causal call without
+        padding, the keys before it weighing nothing (below ``floor``,
+        ``kernels.negligible_floor``); None here (ALiBi's and the learned
+        distance biases' windows come from their slopes and values,
+        ``kernels.key_windows`` and ``kernels.distance_windows``)."""
+        return None
 
     def rotate(self, q: Tensor, k: Tensor, q_start: int, k_len: int,
                key_padding_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:

@@ -30,14 +30,15 @@ square (and draws 10/16 of the dropout mask).
   only in a band (it is one value per head from its last bucket on) and, in
   a full forward without dropout or padding, runs on flash calls
   (:class:`_FarAndBand`);
-* FoX's bias ``c_i - c_j`` (one cumulative sum per row and head, ``fox.py``)
-  is given as ``c`` itself (``cumulative``), not as a mask: each block builds
-  its own ``[B, H, block, visible]`` bias and the backward reduces its ``dS``
-  to ``dc`` (``+`` the row sums at the block's queries, ``-`` the column sums
-  at its keys), so no ``[B, H, T, S]`` bias or gradient exists (a dense mask
-  made FoX train at about half ALiBi's speed, docs/positions.md); without
-  dropout it runs the flash kernel instead (:class:`_FlashGates`), which
-  gets ``dc`` without ``dS``.
+* a per-row cumulative term ``c_i - c_j`` (one running sum per row and
+  head: FoX's gates, ``fox.py``) is given as ``c`` itself (``cumulative``),
+  not as a mask: each block builds its own ``[B, H, block, visible]`` bias
+  and the backward reduces its ``dS`` to ``dc`` (``+`` the row sums at the
+  block's queries, ``-`` the column sums at its keys), so no ``[B, H, T,
+  S]`` bias or gradient exists (a dense mask made FoX train at about half
+  ALiBi's speed, docs/positions.md); without dropout FoX's own blocked
+  kernel runs the flash kernel instead (``fox.FlashGates``), which gets
+  ``dc`` without ``dS``.
 """
 
 from __future__ import annotations
@@ -50,8 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .bias import distance_ramp, reversed_rows
-from .fox import gate_bias
+from .bias import cumulative_bias, distance_ramp, reversed_rows
 
 # Queries per block (see docs/performance.md): BLOCK with dropout, and the
 # least without it, where longer inputs take larger blocks (block_size).
@@ -393,7 +393,7 @@ def _block_bias(mask: Optional[Tensor], cumulative: Optional[Tensor], ramp: Opti
     rows in reverse order: FIRE past its threshold); the last three plus
     ``mask`` where there is one, then only the ``[B, 1, 1, S]`` padding mask."""
     if cumulative is not None:
-        bias = gate_bias(cumulative, offset + start, stop - start, visible).to(dtype)
+        bias = cumulative_bias(cumulative, offset + start, stop - start, visible).to(dtype)
     elif built is not None:
         bias = built.to(dtype)
     elif ramp is not None:
@@ -412,7 +412,6 @@ def blocked_causal_attention(
     block: Optional[int] = None,
     windows: Optional[Callable[[int, int], List[int]]] = None,
     cumulative: Optional[Tensor] = None,
-    floor: Optional[Callable[[int, int], Tensor]] = None,
     steep: bool = True,
     per_distance: Optional[Tensor] = None,
     blocks: Optional[List[Tensor]] = None,
@@ -426,15 +425,14 @@ def blocked_causal_attention(
     (``kernels.key_windows``) gives each head's first key per block: the keys
     before it together weigh less than 2^-16 of a rounding unit of the
     softmax.  A ``mask`` that requires a gradient (a learned bias) gets one,
-    with or without dropout (the module docstring).  FoX: ``cumulative`` ``c``
-    ``[B, H, S]`` (float32) instead, the bias ``c_i - c_j`` built block by block
-    and ``c`` given its gradient, ``mask`` then only the ``[B, 1, 1, S]``
-    padding mask or None; without dropout, ``floor`` (``kernels.negligible_floor``)
-    gives each head the bias below which a key weighs nothing in a block, and
-    such keys get ``-inf`` (exact to the dtype, as the windows; FoX's steep
-    gates would otherwise fill the block with subnormal ``exp`` values, which
-    the CPU computes many times slower).  The explicit path (dropout, a
-    learned bias) does the same per row (:func:`_softmax_above_floor`) unless
+    with or without dropout (the module docstring).  A per-row cumulative
+    term: ``cumulative`` ``c`` ``[B, H, S]`` (float32) instead, the bias ``c_i
+    - c_j`` built block by block and ``c`` given its gradient, ``mask`` then
+    only the ``[B, 1, 1, S]`` padding mask or None; it takes the explicit path
+    (FoX's flash path without dropout is its own kernel's, ``fox.py``).  The
+    explicit path raises the scores far below each row's largest to a floor
+    (:func:`_softmax_above_floor`: steep biases would otherwise fill a block
+    with subnormal ``exp`` values, which the CPU computes many times slower) unless
     the caller knows that no row's scores span far enough for a subnormal
     weight (``steep=False``: ``kernels.may_underflow``; there the floor's
     passes would cost time for nothing).  A learned Toeplitz bias
@@ -449,10 +447,6 @@ def blocked_causal_attention(
     block's gradient.  Returns ``[B, H, T, D]``
     (stored as ``[T, B, H, D]``)."""
     mask = None if mask is None else mask.to(q.dtype)
-    if cumulative is not None and dropout_p == 0 and q.device.type == "cpu":
-        calls = _block_calls(q.size(2), k.size(2), block or block_size(q.size(2)), q.size(1), windows,
-                             per_head=q.size(0) > 1)
-        return _FlashGates.apply(q, k, v, cumulative, mask, calls, floor)
     if (cumulative is not None or per_distance is not None or blocks or dropout_p > 0
             or (mask.requires_grad and torch.is_grad_enabled())):
         return _BlockedCausalAttention.apply(q, k, v, mask, float(dropout_p), block or BLOCK, cumulative, steep,
@@ -525,72 +519,6 @@ class _FlashBlocks(torch.autograd.Function):
             dk[:, heads, first:end] += gk
             dv[:, heads, first:end] += gv
         return dq, dk, dv, None, None
-
-
-class _FlashGates(torch.autograd.Function):
-    """FoX without dropout: the CPU flash kernel once per call of
-    :func:`_block_calls`, each with its own ``c_i - c_j`` (plus padding) as
-    the mask, built in the forward and again in the backward, never whole.
-
-    ``c``'s gradient without ``dS``: ``c_i`` adds to every score of row ``i``,
-    which the softmax ignores, so only the keys' term is left, ``dc_j = -sum_i
-    dS_ij``, and with ``dS_ij = P_ij (dP_ij - delta_i)``, ``dP_ij = dO_i . v_j``,
-    that is ``-(v_j . dv_j - sum_i P_ij delta_i)``.  The flash backward returns
-    the last sum as the gradient of one more value column (of zeros) when
-    ``dO`` carries ``delta`` in that column: q, k, v get a zero column in the
-    backward (the kernel wants one head size; the scale stays ``D^-1/2``), which
-    changes none of its other gradients."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cumulative, pad, calls, floor):
-        scale = q.size(-1) ** -0.5
-        # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
-        out = q.new_empty(q.size(2), q.size(0), q.size(1), v.size(-1)).permute(1, 2, 0, 3)
-        lse = []
-        for start, stop, heads, first, end, mask in _gate_calls(q, k, cumulative, pad, calls, floor):
-            block_out, block_lse = _flash_forward(q[:, heads, start:stop], k[:, heads, first:end],
-                                                  v[:, heads, first:end], attn_mask=mask, scale=scale)
-            out[:, heads, start:stop] = block_out
-            lse.append(block_lse)
-        ctx.save_for_backward(q, k, v, cumulative, pad, out, *lse)
-        ctx.calls, ctx.floor = calls, floor
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, cumulative, pad, out, *lse = ctx.saved_tensors
-        scale, head_dim = q.size(-1) ** -0.5, v.size(-1)
-        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)
-        grad_out = torch.cat([grad_out, delta.to(grad_out.dtype)], dim=-1)
-        q, k, v, out = (F.pad(t, (0, 1)) for t in (q, k, v, out))
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for (start, stop, heads, first, end, mask), block_lse in zip(
-                _gate_calls(q, k, cumulative, pad, ctx.calls, ctx.floor), lse):
-            gq, gk, gv = _flash_backward(
-                grad_out[:, heads, start:stop], q[:, heads, start:stop], k[:, heads, first:end],
-                v[:, heads, first:end], out[:, heads, start:stop], block_lse, 0.0, False, attn_mask=mask,
-                scale=scale)
-            dq[:, heads, start:stop] = gq
-            dk[:, heads, first:end] += gk
-            dv[:, heads, first:end] += gv
-        dc = None
-        if ctx.needs_input_grad[3]:
-            dc = dv[..., head_dim].float() - (v[..., :head_dim].float() * dv[..., :head_dim].float()).sum(-1)
-        return dq[..., :-1], dk[..., :-1], dv[..., :-1], dc, None, None, None
-
-
-def _gate_calls(q, k, cumulative, pad, calls, floor=None):
-    """The calls of :class:`_FlashGates`, each with its mask: FoX's ``c_i -
-    c_j`` over the call's keys (``-inf`` right of each query and below the
-    block's ``floor``) plus padding."""
-    offset = k.size(2) - q.size(2)
-    for start, stop, heads, first, end in calls:
-        bias = gate_bias(cumulative[:, heads], offset + start, stop - start, end, first)
-        if floor is not None:
-            bias = bias.masked_fill_(bias < floor(start, stop)[heads, None, None], float("-inf"))
-        mask = bias.to(q.dtype)
-        yield start, stop, heads, first, end, mask if pad is None else mask + pad[..., first:end]
 
 
 def _flash_blocks(q, k, v, mask, block: int, windows=None) -> Tensor:

@@ -14,10 +14,11 @@ translation (their docstrings list the forms): ``None`` or ``{"type": "none"}``
 "factor": F}`` (past ``F x alibi_train_length``), with ``"alpha": A`` for the
 tails ``log`` and ``power``.
 
-The other position methods (``position_method``: ``rotary``, ``t5bias``,
-``kerple``, ``fire``, ``nope``; ``positions.POSITIONS``) have no
-``alibi_scaling``.  A rotary model's base, rotated share and context extension
-are ``rope_parameters``, spelled as transformers spells them where
+The other position methods (``position_method``: every entry of
+``positions.POSITIONS``, and ``sinusoidal``) hold their params in
+``position_params`` and a logit method (``logn``) in ``alibi_scaling``.  A
+method whose entry's ``scaling_key`` is ``rope_parameters`` (RoPE) spells its
+base, rotated share and context extension as transformers spells them where
 transformers defines the same method (:func:`rope_parameters_of`,
 :func:`scaling_of_rope`, the one translation both ways).
 """
@@ -31,17 +32,13 @@ import torch
 from transformers import PreTrainedConfig
 
 from .errors import ConfigError, ScalingError
-from .positions import POSITIONS, check_params, position
+from .positions import ROPE_PARAMETERS, attention_entry, check_params, exported_methods
 from .scaling import NO_SCALING, Scaling
 
 #: ``model_type`` of every exported model (``config.json``).
 MODEL_TYPE = "fairseq_alibi_lm"
 #: An invalid ``alibi_scaling`` (one line naming it, what was given and what is allowed).
 AlibiScalingError = ScalingError
-#: The position methods an exported model computes: those of ``positions.POSITIONS``, and
-#: ``sinusoidal``, fairseq's stock ``transformer_lm`` (sinusoidal embeddings added to the tokens').
-POSITION_METHODS = ("alibi", "rotary", "t5bias", "nope", "kerple", "fire", "fox", "rnope", "sinusoidal")
-
 #: ``rope_type`` of each RoPE extension of ``rotary.py`` (static factor, dynamic).  Static
 #: ``linear`` and ``yarn`` are transformers' types of the same definition, dynamic ``ntk`` is
 #: transformers' ``dynamic`` at factor 1; the others have no transformers type and are named here.
@@ -234,21 +231,34 @@ class AlibiLMConfig(PreTrainedConfig):
     def scaling(self) -> Scaling:
         """The ``scaling.Scaling`` of ``alibi_scaling`` (ALiBi) or
         ``rope_parameters`` (rotary); ``ScalingError`` if invalid."""
-        if self.position_method not in POSITION_METHODS:
+        if self.position_method not in exported_methods():
             raise ConfigError(f"position_method={self.position_method!r} is not valid; allowed values: "
-                              f"{', '.join(POSITION_METHODS)}")
-        if self.position_method == "rotary":
+                              f"{', '.join(exported_methods())}")
+        if self.rope_spelled():
             if self.alibi_scaling is not None:
-                raise ScalingError("alibi_scaling", self.alibi_scaling, "a rotary model has no alibi_scaling; its "
-                                   "context extension is rope_parameters")
+                raise ScalingError("alibi_scaling", self.alibi_scaling, f"a {self.position_method} model has no "
+                                   "alibi_scaling; its context extension is rope_parameters")
             return scaling_of_rope(self.rope_parameters, self.alibi_train_length)
         scaling = Scaling.from_hf(self.alibi_scaling, self.alibi_train_length)
-        if self.position_method != "alibi":  # the logit methods (logn) apply to every position method
-            allowed = POSITIONS["nope" if self.position_method == "sinusoidal" else self.position_method].extensions
-            if scaling.method not in allowed:
-                raise ScalingError("alibi_scaling", self.alibi_scaling, f"a {self.position_method} model's context "
-                                   f"extension is one of {', '.join(allowed)}")
+        allowed = attention_entry(self.position_method).extensions  # the logit methods (logn): every method's
+        if scaling.method not in allowed:
+            raise ScalingError("alibi_scaling", self.alibi_scaling, f"a {self.position_method} model's context "
+                               f"extension is one of {', '.join(allowed)}")
         return scaling
+
+    def rope_spelled(self) -> bool:
+        """The position method's params and context extension are transformers' ``rope_parameters``
+        (its entry's ``scaling_key``), not ``position_params`` and ``alibi_scaling``."""
+        return attention_entry(self.position_method).scaling_key == ROPE_PARAMETERS
+
+    def set_scaling(self, scaling: Scaling) -> None:
+        """Write ``scaling`` (complete) into the key the position method spells it in."""
+        if self.rope_spelled():
+            rope = self.rope_parameters or {}
+            self.rope_parameters = rope_parameters_of(scaling, rope.get("rope_theta", 10000.0),
+                                                      rope.get("partial_rotary_factor", 1.0))
+        else:
+            self.alibi_scaling = scaling.to_hf()
 
     def position_settings(self) -> Dict[str, Any]:
         """The position method's parameters (``positions.Param`` names): a
@@ -256,12 +266,11 @@ class AlibiLMConfig(PreTrainedConfig):
         parameter the config does not hold takes its declared default (as on
         the fairseq side), so a hand-written config builds."""
         params = dict(self.position_params or {})
-        if self.position_method == "rotary":
+        if self.rope_spelled():
             rope = self.rope_parameters or {}
             params["rotary_base"] = rope.get("rope_theta", 10000.0)
             params["rotary_fraction"] = rope.get("partial_rotary_factor", 1.0)
-        declared = POSITIONS[self.position_method].params if self.position_method in POSITIONS else ()
-        return {**{p.name: p.default for p in declared}, **params}
+        return {**{p.name: p.default for p in attention_entry(self.position_method).params}, **params}
 
 def check_position_params(config) -> None:
     """The parameters of the config's position method (``position_method``;
@@ -269,8 +278,9 @@ def check_position_params(config) -> None:
     checked against their declaration (``params.Param``) when the config is
     read, as the fairseq side checks them before building: ``ConfigError``
     naming the key and its range.  ALiBi has none."""
-    name = getattr(config, "position_method", None) or "alibi"
-    if name not in POSITION_METHODS or name in ("alibi", "sinusoidal"):
-        return  # an unknown name is refused by ``scaling()``; these have no parameters
+    name = getattr(config, "position_method", None)
+    if name not in exported_methods():
+        return  # an unknown name is refused by ``scaling()``
     given = config.position_settings()  # the declared defaults filled in
-    check_params(name, {p.name: given[p.name] for p in position(name).params})
+    entry = attention_entry(name)
+    check_params(entry.name, {p.name: given[p.name] for p in entry.params}, getattr(config, "layers", None))

@@ -36,15 +36,19 @@ slow start on retrieval comes from gates that begin, and stay, near 0.5
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from .alibi import get_slopes
-from .bias import StackBias, padding_mask
+from .bias import StackBias, cumulative_bias, padding_mask
+from .causal_blocks import (_block_calls, _flash_backward, _flash_forward, block_size, blocked_causal_attention,
+                            head_groups, merged_parts)
 from .errors import ConfigError
+from .kernels import CHUNK_SIZE, WINDOW_ALIGN, _contiguous, block_windows, chunked_kernel, negligible_floor
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling, check_applies
 
 #: The extension methods that apply to FoX (it has no slopes or frequencies to scale).
@@ -80,14 +84,8 @@ def cumulative_gates(logf: Tensor, carried: Optional[Tensor] = None) -> Tensor:
     return torch.cat([carried, carried[..., -1:] + running], dim=-1)
 
 
-def gate_bias(c: Tensor, q_start: int, q_len: int, keys: int, first_key: int = 0) -> Tensor:
-    """float32 ``[B, H, q_len, keys - first_key]``: ``c_i - c_j`` for queries
-    ``q_start ..`` over keys ``first_key .. keys - 1``, ``-inf`` right of each query."""
-    query = c[..., q_start: q_start + q_len, None]
-    key = c[..., None, first_key:keys]
-    positions = torch.arange(q_start, q_start + q_len, device=c.device)[:, None]
-    future = torch.arange(first_key, keys, device=c.device)[None, :] > positions
-    return (query - key).masked_fill(future, float("-inf"))
+#: FoX's bias ``c_i - c_j`` of its gates' running sums: the per-row cumulative term (``bias.cumulative_bias``).
+gate_bias = cumulative_bias
 
 
 class GateBias(StackBias):
@@ -118,6 +116,13 @@ class GateBias(StackBias):
     def merged_mask(self, bias: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
         pad = padding_mask(key_padding_mask, bias.dtype)
         return bias if pad is None else bias + pad
+
+    @property
+    def own_kernels(self):  # type: ignore[override]
+        return OWN_KERNELS
+
+    def windows(self, q: Tensor, k: Tensor, floor=None):
+        return gate_windows(self, q, k, floor)
 
 
 def _check_fox_scaling(scaling: Scaling) -> Scaling:
@@ -211,3 +216,164 @@ class LayerForgetGate(nn.Module, _UnboundGates):
         weight = self.proj.weight.detach() if held else self.proj.weight
         c = cumulative_gates(log_gates(x, weight, self.proj.bias, key_padding_mask), carried)
         return GateBias(c, self.scaling), c
+
+
+# ----------------------------------------------------------------- FoX's own kernels
+def blocked_gates(q, k, v, bias: GateBias, key_padding_mask, dropout_p):
+    """FoX's ``blocked`` kernel (CPU training): ``c_i - c_j`` built per query
+    block from ``c``, its gradient reduced to ``c``'s.  Without dropout on the
+    CPU the flash kernel per block (:class:`FlashGates`), with key windows
+    (:func:`gate_windows`) and the floor below which a key weighs nothing
+    where there is no padding; else the explicit path of
+    ``causal_blocks.blocked_causal_attention`` (its ``cumulative`` term)."""
+    k, v = _contiguous(k, v)
+    floor = negligible_floor(q, k) if key_padding_mask is None and dropout_p == 0 else None
+    pad = padding_mask(key_padding_mask, q.dtype)
+    windows = gate_windows(bias, q, k, floor) if floor else None
+    if dropout_p == 0 and q.device.type == "cpu":
+        calls = _block_calls(q.size(2), k.size(2), block_size(q.size(2)), q.size(1), windows,
+                             per_head=q.size(0) > 1)
+        return FlashGates.apply(q, k, v, bias.cumulative, None if pad is None else pad.to(q.dtype), calls, floor), None
+    return blocked_causal_attention(q, k, v, pad, dropout_p, windows=windows, cumulative=bias.cumulative), None
+
+
+def chunked_gates(q, k, v, bias: GateBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
+    """FoX's ``chunked`` kernel: in inference without padding, each block of
+    ``chunk_size`` queries over its key windows (:func:`gate_windows`) with
+    the keys before the block under one shared row of bias
+    (:func:`gated_far_and_near`); otherwise the shared chunked kernel (each
+    block's ``c_i - c_j`` over the keys its heads read)."""
+    if key_padding_mask is not None or torch.is_grad_enabled() or not bias.causal:
+        return chunked_kernel(q, k, v, bias, key_padding_mask, dropout_p, chunk_size)
+    chunk_size = chunk_size or CHUNK_SIZE
+    k, v = _contiguous(k, v)
+    q_len, offset = q.size(2), k.size(2) - q.size(2)
+    firsts = block_windows(bias, q, k, False, chunk_size)
+    # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
+    out = q.new_empty(q_len, q.size(0), q.size(1), v.size(-1))
+    for start, block_firsts in zip(range(0, q_len, chunk_size), firsts):
+        rows = min(chunk_size, q_len - start)
+        for heads, first in head_groups(block_firsts):
+            block_out = gated_far_and_near(q[:, heads, start:start + rows], k[:, heads], v[:, heads],
+                                           bias.cumulative[:, heads], offset + start, first)
+            out[start:start + rows, :, heads] = block_out.permute(2, 0, 1, 3)
+    return out.permute(1, 2, 0, 3), None
+
+
+#: The kernels FoX runs in place of the shared ones of these names (``kernels.kernel_for``).
+OWN_KERNELS = {"blocked": blocked_gates, "chunked": chunked_gates}
+
+
+def gate_windows(bias: StackBias, q: Tensor, k: Tensor,
+                 floor: Optional[Callable[[int, int], Tensor]] = None) -> Optional[Callable[[int, int], List[int]]]:
+    """FoX's key windows (a ``batched`` bias ``c_i - c_j``): ``c`` falls along
+    the keys (each ``ln f <= 0``), so for queries ``s ..`` of a block the bias
+    of key ``j`` is at most ``c_s - c_j`` and the keys with ``c_j > c_s +
+    margin + gap`` (``kernels.score_margins``, ``causal_blocks.negligible_gap``) are a prefix
+    that weighs less than ``SKIPPED_SHARE`` of a rounding unit in every row:
+    left out, as ``kernels.key_windows`` leaves ALiBi's far keys out.  Each head
+    starts at its first needed key over the batch's rows.  Data-dependent: a
+    head whose gates stay near 1 keeps every key."""
+    if not (bias.batched and bias.causal):
+        return None
+    rising = -bias.cumulative.detach()  # [B, H, S], non-decreasing along the keys
+    offset = k.size(2) - q.size(2)
+    floor = floor or negligible_floor(q, k)  # the caller's, where it masks by the same floor
+
+    def first(start: int, stop: int) -> List[int]:
+        limit = rising[:, :, offset + start] + floor(start, stop)  # [B, H]
+        needed = torch.searchsorted(rising, limit[..., None].contiguous())[..., 0]  # keys with c_s - c_j < floor
+        return [f // WINDOW_ALIGN * WINDOW_ALIGN for f in needed.amin(0).tolist()]
+
+    return first
+
+
+
+def gated_far_and_near(q: Tensor, k: Tensor, v: Tensor, c: Tensor, q_start: int, first: int) -> Tensor:
+    """FoX's attention (a ``batched`` bias ``c_i - c_j``, ``c`` ``[B, H, S]``)
+    of the queries ``q`` (one block, positions ``q_start ..``) over keys
+    ``first ..`` up to the last query.  ``c_i - c_j = (c_i - c_s) + (c_s -
+    c_j)`` with ``s = q_start``: over the keys before the block the second
+    term is one row every query shares (a ``[B, H, 1, keys]`` mask, no
+    ``[q, k]`` bias built) and the first a constant of each query's row,
+    added to that part's log-sum-exp; the block's own keys take the plain
+    ``c_i - c_j`` with its causal mask.  Two flash calls merged by their
+    log-sum-exps, as ``kernels.far_and_near`` (the same rounding).  Inference
+    only."""
+    rows = q.size(2)
+    visible = q_start + rows
+    near = gate_bias(c, q_start, rows, visible, first_key=q_start).to(q.dtype)
+    o_near, lse_near = _flash_forward(q, k[:, :, q_start:visible], v[:, :, q_start:visible], attn_mask=near)
+    if first >= q_start:
+        return o_near
+    shared = (c[..., q_start:q_start + 1] - c[..., first:q_start])[..., None, :].to(q.dtype)  # c_s - c_j <= 0
+    o_far, lse_far = _flash_forward(q, k[:, :, first:q_start], v[:, :, first:q_start], attn_mask=shared)
+    lse_far = lse_far + (c[..., q_start:visible] - c[..., q_start:q_start + 1])  # c_i - c_s, per row
+    return merged_parts(o_far, lse_far, o_near, lse_near)[0].to(q.dtype)
+
+
+
+class FlashGates(torch.autograd.Function):
+    """FoX without dropout: the CPU flash kernel once per call of
+    :func:`_block_calls`, each with its own ``c_i - c_j`` (plus padding) as
+    the mask, built in the forward and again in the backward, never whole.
+
+    ``c``'s gradient without ``dS``: ``c_i`` adds to every score of row ``i``,
+    which the softmax ignores, so only the keys' term is left, ``dc_j = -sum_i
+    dS_ij``, and with ``dS_ij = P_ij (dP_ij - delta_i)``, ``dP_ij = dO_i . v_j``,
+    that is ``-(v_j . dv_j - sum_i P_ij delta_i)``.  The flash backward returns
+    the last sum as the gradient of one more value column (of zeros) when
+    ``dO`` carries ``delta`` in that column: q, k, v get a zero column in the
+    backward (the kernel wants one head size; the scale stays ``D^-1/2``), which
+    changes none of its other gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cumulative, pad, calls, floor):
+        scale = q.size(-1) ** -0.5
+        # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
+        out = q.new_empty(q.size(2), q.size(0), q.size(1), v.size(-1)).permute(1, 2, 0, 3)
+        lse = []
+        for start, stop, heads, first, end, mask in gate_calls(q, k, cumulative, pad, calls, floor):
+            block_out, block_lse = _flash_forward(q[:, heads, start:stop], k[:, heads, first:end],
+                                                  v[:, heads, first:end], attn_mask=mask, scale=scale)
+            out[:, heads, start:stop] = block_out
+            lse.append(block_lse)
+        ctx.save_for_backward(q, k, v, cumulative, pad, out, *lse)
+        ctx.calls, ctx.floor = calls, floor
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, cumulative, pad, out, *lse = ctx.saved_tensors
+        scale, head_dim = q.size(-1) ** -0.5, v.size(-1)
+        delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)
+        grad_out = torch.cat([grad_out, delta.to(grad_out.dtype)], dim=-1)
+        q, k, v, out = (F.pad(t, (0, 1)) for t in (q, k, v, out))
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for (start, stop, heads, first, end, mask), block_lse in zip(
+                gate_calls(q, k, cumulative, pad, ctx.calls, ctx.floor), lse):
+            gq, gk, gv = _flash_backward(
+                grad_out[:, heads, start:stop], q[:, heads, start:stop], k[:, heads, first:end],
+                v[:, heads, first:end], out[:, heads, start:stop], block_lse, 0.0, False, attn_mask=mask,
+                scale=scale)
+            dq[:, heads, start:stop] = gq
+            dk[:, heads, first:end] += gk
+            dv[:, heads, first:end] += gv
+        dc = None
+        if ctx.needs_input_grad[3]:
+            dc = dv[..., head_dim].float() - (v[..., :head_dim].float() * dv[..., :head_dim].float()).sum(-1)
+        return dq[..., :-1], dk[..., :-1], dv[..., :-1], dc, None, None, None
+
+
+def gate_calls(q, k, cumulative, pad, calls, floor=None):
+    """The calls of :class:`FlashGates`, each with its mask: FoX's ``c_i -
+    c_j`` over the call's keys (``-inf`` right of each query and below the
+    block's ``floor``) plus padding."""
+    offset = k.size(2) - q.size(2)
+    for start, stop, heads, first, end in calls:
+        bias = gate_bias(cumulative[:, heads], offset + start, stop - start, end, first)
+        if floor is not None:
+            bias = bias.masked_fill_(bias < floor(start, stop)[heads, None, None], float("-inf"))
+        mask = bias.to(q.dtype)
+        yield start, stop, heads, first, end, mask if pad is None else mask + pad[..., first:end]

@@ -11,8 +11,9 @@ by the NoPE layers.
 
 Defaults (``positions.py``): a NoPE layer every 4th layer (three windowed
 RoPE layers to one NoPE layer, the paper's interleaving), every 2nd or 3rd in
-a stack of 2 or 3 layers (:meth:`HybridPositions.fit_depth`: a stack without
-a NoPE layer, or without a RoPE layer, is not the method and is refused), and a window of half
+a stack of 2 or 3 layers (:meth:`HybridPositions.fit_depth`; a stack without
+a NoPE layer, or without a RoPE layer, is not the method and is refused by its
+registry entry, ``positions._rnope_depth``), and a window of half
 the training length (our choice: the paper's window relative to its training
 length was not in the material we could read; ``rnope_window`` sets it).
 A window narrower than the records of docs/retrieval.md's ``lines`` task
@@ -84,11 +85,7 @@ class HybridPositions(StackBias):
     def __init__(self, num_heads: int, head_dim: int, window: int, nope_every: int = AUTO_NOPE_EVERY,
                  base: float = DEFAULT_BASE, scaling: Scaling = NO_SCALING):
         StackBias.__init__(self, num_heads)
-        if isinstance(nope_every, bool) or not isinstance(nope_every, int) or nope_every < 0 or nope_every == 1:
-            raise ConfigError(f"rnope_nope_every={nope_every!r} is not valid; it must be an integer >= 2 (every how "
-                              f"many layers one is a NoPE layer with full attention) or 0 ({DEFAULT_NOPE_EVERY}, or "
-                              "the number of layers where fewer); every layer NoPE is the nope method")
-        #: As configured (0: resolved by :meth:`fit_depth`).
+        #: As configured, checked by the registry with the stack's depth (0: resolved by :meth:`fit_depth`).
         self.configured_nope_every = nope_every
         self.nope_every = nope_every or DEFAULT_NOPE_EVERY
         self.rope = WindowedRotary(num_heads, head_dim, window, base)
@@ -103,21 +100,10 @@ class HybridPositions(StackBias):
         return self.rope.window
 
     def fit_depth(self, layers: int) -> None:
-        """Resolve ``nope_every`` 0 for a stack of ``layers`` layers, and
-        refuse a stack that is not a hybrid: one with no NoPE layer (windowed
-        RoPE alone) or no RoPE layer (NoPE)."""
-        if layers < 2:
-            raise ConfigError(f"rnope needs at least 2 layers (windowed RoPE layers and a NoPE layer); this model "
-                              f"has {layers}: give it 2 or more layers (fairseq's --decoder-layers), or use the rotary "
-                              "or nope method")
+        """Resolve ``nope_every`` 0 for a stack of ``layers`` layers (``positions.build``
+        calls it, after the registry checked the depth: ``_rnope_depth``)."""
         if self.configured_nope_every == AUTO_NOPE_EVERY:
             self.nope_every = min(DEFAULT_NOPE_EVERY, layers)
-        elif self.configured_nope_every > layers:
-            raise ConfigError(
-                f"rnope_nope_every={self.configured_nope_every} with {layers} layers leaves no NoPE layer (they are "
-                f"layers {self.configured_nope_every}, {2 * self.configured_nope_every}, ...): the model would be "
-                f"windowed RoPE alone; give --rnope-nope-every between 2 and {layers}, or 0 (the default: "
-                f"{DEFAULT_NOPE_EVERY}, or the number of layers where fewer)")
 
     def is_nope(self, index: int) -> bool:
         """Layer ``index`` (from 0) is a NoPE layer: the last of each group of ``nope_every``."""

@@ -23,9 +23,12 @@ and keeps it in the bias object's cache:
   evaluation); no dropout;
 * ``blocked``: causal attention in query blocks that only compute the keys they
   can see (``causal_blocks.py``), for CPU training (a learned bias's gradient
-  block by block, never ``[B, H, T, T]``; FoX's ``c_i - c_j`` built per block
-  from ``c``, with key windows where its gates make far keys negligible,
-  :func:`gate_windows`).
+  block by block, never ``[B, H, T, T]``; a per-row cumulative term ``c_i -
+  c_j`` built per block from ``c``).
+
+A position object may bring a kernel of its own for a name
+(``StackBias.own_kernels``: FoX's blocked and chunked paths, ``fox.py``):
+:func:`kernel_for` runs it in place of the shared one.
 
 :func:`check_kernel` resolves a configured name once, when a layer is built,
 and refuses what can never run; :func:`choose_kernel` picks per call only what
@@ -44,7 +47,6 @@ from torch import Tensor
 from .alibi import LOOK_LEFT, LOOK_RIGHT, reach, scaled_slopes
 from .bias import StackBias, distance_ramp, padding_mask, reversed_rows, two_sided_ramp
 from .errors import ConfigError
-from .fox import gate_bias
 from .causal_blocks import (BLOCK, SKIPPED_SHARE, blocked_causal_attention, far_and_band_attention,  # noqa: F401
                             far_and_band_forward, head_groups, merged_parts, negligible_gap)
 from .flex import flex_available, flex_kernel
@@ -119,11 +121,6 @@ BAND_HEAD_DIM = 64
 
 def blocked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p):
     k, v = _contiguous(k, v)
-    if bias.batched:  # FoX: c_i - c_j built per query block from c, its gradient reduced to c's
-        floor = negligible_floor(q, k) if key_padding_mask is None and dropout_p == 0 else None
-        return blocked_causal_attention(q, k, v, padding_mask(key_padding_mask, q.dtype), dropout_p,
-                                        windows=gate_windows(bias, q, k, floor) if floor else None,
-                                        cumulative=bias.cumulative, floor=floor), None
     grad = torch.is_grad_enabled()
     per_distance = bias.per_distance(k.size(2), q.device) if bias.learned and grad else None
     if per_distance is not None:  # a learned Toeplitz bias: its values and gradient per distance, never [H, T, S]
@@ -330,30 +327,6 @@ def negligible_floor(q: Tensor, k: Tensor) -> Callable[[int, int], Tensor]:
     return lambda start, stop: -(margins[:, start:stop].amax(-1) + gap)
 
 
-def gate_windows(bias: StackBias, q: Tensor, k: Tensor,
-                 floor: Optional[Callable[[int, int], Tensor]] = None) -> Optional[Callable[[int, int], List[int]]]:
-    """FoX's key windows (a ``batched`` bias ``c_i - c_j``): ``c`` falls along
-    the keys (each ``ln f <= 0``), so for queries ``s ..`` of a block the bias
-    of key ``j`` is at most ``c_s - c_j`` and the keys with ``c_j > c_s +
-    margin + gap`` (:func:`score_margins`, :func:`negligible_gap`) are a prefix
-    that weighs less than ``SKIPPED_SHARE`` of a rounding unit in every row:
-    left out, as :func:`key_windows` leaves ALiBi's far keys out.  Each head
-    starts at its first needed key over the batch's rows.  Data-dependent: a
-    head whose gates stay near 1 keeps every key."""
-    if not (bias.batched and bias.causal):
-        return None
-    rising = -bias.cumulative.detach()  # [B, H, S], non-decreasing along the keys
-    offset = k.size(2) - q.size(2)
-    floor = floor or negligible_floor(q, k)  # the caller's, where it masks by the same floor
-
-    def first(start: int, stop: int) -> List[int]:
-        limit = rising[:, :, offset + start] + floor(start, stop)  # [B, H]
-        needed = torch.searchsorted(rising, limit[..., None].contiguous())[..., 0]  # keys with c_s - c_j < floor
-        return [f // WINDOW_ALIGN * WINDOW_ALIGN for f in needed.amin(0).tolist()]
-
-    return first
-
-
 def sliding_windows(bias: StackBias, heads: int, offset: int) -> Optional[Callable[[int, int], List[int]]]:
     """A sliding window's key windows (``bias.window`` keys per query, the
     hybrid's RoPE layers): ``first(start, stop)`` -> the first key every head
@@ -402,29 +375,6 @@ def far_and_near(q: Tensor, k: Tensor, v: Tensor, near: int, far: Tensor, mask: 
     return merged_parts(o_far, lse_far + far, o_near, lse_near)[0].to(q.dtype)
 
 
-def gated_far_and_near(q: Tensor, k: Tensor, v: Tensor, c: Tensor, q_start: int, first: int) -> Tensor:
-    """FoX's attention (a ``batched`` bias ``c_i - c_j``, ``c`` ``[B, H, S]``)
-    of the queries ``q`` (one block, positions ``q_start ..``) over keys
-    ``first ..`` up to the last query.  ``c_i - c_j = (c_i - c_s) + (c_s -
-    c_j)`` with ``s = q_start``: over the keys before the block the second
-    term is one row every query shares (a ``[B, H, 1, keys]`` mask, no
-    ``[q, k]`` bias built) and the first a constant of each query's row,
-    added to that part's log-sum-exp; the block's own keys take the plain
-    ``c_i - c_j`` with its causal mask.  Two flash calls merged by their
-    log-sum-exps, as :func:`far_and_near` (the same rounding).  Inference
-    only."""
-    rows = q.size(2)
-    visible = q_start + rows
-    near = gate_bias(c, q_start, rows, visible, first_key=q_start).to(q.dtype)
-    o_near, lse_near = _flash_forward(q, k[:, :, q_start:visible], v[:, :, q_start:visible], attn_mask=near)
-    if first >= q_start:
-        return o_near
-    shared = (c[..., q_start:q_start + 1] - c[..., first:q_start])[..., None, :].to(q.dtype)  # c_s - c_j <= 0
-    o_far, lse_far = _flash_forward(q, k[:, :, first:q_start], v[:, :, first:q_start], attn_mask=shared)
-    lse_far = lse_far + (c[..., q_start:visible] - c[..., q_start:q_start + 1])  # c_i - c_s, per row
-    return merged_parts(o_far, lse_far, o_near, lse_near)[0].to(q.dtype)
-
-
 def far_causal_and_band(q: Tensor, k: Tensor, v: Tensor, ramp: Tensor, far_from: int, far: Tensor,
                         chunk_size: int, out: Tensor) -> None:
     """A full forward (queries = keys, no cache) of a causal Toeplitz bias
@@ -441,12 +391,12 @@ def far_causal_and_band(q: Tensor, k: Tensor, v: Tensor, ramp: Tensor, far_from:
 
 def block_windows(bias: StackBias, q: Tensor, k: Tensor, padded: bool, chunk_size: int) -> List[List[int]]:
     """Per block of ``chunk_size`` queries, the first key each head of the
-    ``chunked`` kernel reads: ALiBi's :func:`key_windows`, FoX's
-    :func:`gate_windows`, a learned distance bias's :func:`distance_windows`
+    ``chunked`` kernel reads: ALiBi's :func:`key_windows`, a bias's own
+    (``StackBias.windows``: FoX's), a learned distance bias's :func:`distance_windows`
     (none of them with padding, nor for a single block), or a sliding window
     (:func:`sliding_windows`); 0 for every head otherwise."""
     q_len, k_len = q.size(2), k.size(2)
-    windows = (key_windows(bias, q, k) or gate_windows(bias, q, k) or distance_windows(bias, q, k)) \
+    windows = (key_windows(bias, q, k) or bias.windows(q, k) or distance_windows(bias, q, k)) \
         if not padded and q_len > chunk_size else None
     windows = windows or sliding_windows(bias, q.size(1), k_len - q_len if bias.causal else 0)
     return [windows(s, min(s + chunk_size, q_len)) if windows else [0] * q.size(1)
@@ -497,9 +447,8 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
     T5's buckets) the keys past it run without a mask (:func:`far_and_near`).
     Other biases build each block over the keys its heads read
     (``StackBias.key_block``; FIRE one value per distance and knot, a few
-    heads at a time without gradients); FoX's
-    keys before each block run with one shared row of bias
-    (:func:`gated_far_and_near`)."""
+    heads at a time without gradients; a per-row bias, FoX's, over its
+    rows: ``[B, H, ...]``)."""
     chunk_size = chunk_size or CHUNK_SIZE
     k, v = _contiguous(k, v)
     q_len, k_len = q.size(2), k.size(2)
@@ -558,7 +507,6 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
             for heads, (first, end) in head_groups(spans(start, start + rows) if spans else [(0, k_len)] * q.size(1)):
                 attend_block(start, heads, first, block[:, heads, :, :end], reverse=True)
     else:
-        split = bias.batched and causal and pad is None and not torch.is_grad_enabled()  # FoX's inference
         # FIRE: the bias of a few heads at a time (at least HEAD_GROUP_DIMS dimensions of work per call), in
         # storage that every block reuses with their shared inputs: a fresh [H, 256, T] bias per block (32 MiB
         # at 4 heads and 8K keys) page-faulted in each time, at or above glibc's largest mmap threshold
@@ -568,12 +516,6 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
                                                            dtype=torch.float32)
         for start, block_firsts in zip(starts, firsts):
             rows, visible = extent(start)
-            if split:
-                for heads, first in head_groups(block_firsts):
-                    block_out = gated_far_and_near(q[:, heads, start:start + rows], k[:, heads], v[:, heads],
-                                                   bias.cumulative[:, heads], offset + start, first)
-                    out[start:start + rows, :, heads] = block_out.permute(2, 0, 1, 3)
-                continue
             if heads_apart:
                 blocks = bias.reversed_head_blocks(offset + start, rows, visible, q.device, storage, group)
                 for heads, block in blocks:
@@ -583,9 +525,9 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
                 continue
             base = min(block_firsts)  # no head reads a key before it
             block, reverse = bias.key_block(offset + start, rows, k_len, q.dtype, q.device, visible, base)
-            for heads, first in head_groups(block_firsts):  # a batched bias (FoX) has its rows' own blocks
-                attend_block(start, heads, first, block[:, heads] if bias.batched else block[None, heads], reverse,
-                             base)
+            for heads, first in head_groups(block_firsts):  # a per-row bias ([B, H, ...]: FoX's) has its rows' own
+                attend_block(start, heads, first, block[:, heads] if block.dim() == 4 else block[None, heads],
+                             reverse, base)
             del block
     return out.permute(1, 2, 0, 3), None
 
@@ -602,6 +544,13 @@ KERNELS: Dict[str, Kernel] = {
 KERNEL_NAMES = ("auto",) + tuple(KERNELS)
 #: Kernels without attention dropout.
 NO_DROPOUT = ("flex", "chunked")
+
+
+def kernel_for(name: str, bias: StackBias) -> Kernel:
+    """The kernel registered as ``name`` that runs ``bias``: the position
+    object's own where it brings one (``StackBias.own_kernels``), else the
+    shared one of :data:`KERNELS`."""
+    return bias.own_kernels.get(name) or KERNELS[name]
 
 
 def check_kernel(name: str, bias: StackBias, dropout: float = 0.0) -> str:
@@ -709,7 +658,7 @@ def attend(q, k, v, bias: StackBias, name: str, key_padding_mask=None, dropout_p
     groups = row_groups(bias, key_padding_mask, q.size(2), k.size(2))
     if groups is None:
         chosen = choose_kernel(name, bias, need_weights, q.size(2), k.size(2), dropout_p, incremental, q.device)
-        return KERNELS[chosen](q, k, v, bias, key_padding_mask, dropout_p)
+        return kernel_for(chosen, bias)(q, k, v, bias, key_padding_mask, dropout_p)
     out, weights = q.new_zeros(q.shape[:3] + (v.size(-1),)), None
     for rows, (cut, end), row_bias in groups:
         first_query = max(0, cut - (k.size(2) - q.size(2)))  # a full forward's leading padded queries go too
@@ -718,7 +667,8 @@ def attend(q, k, v, bias: StackBias, name: str, key_padding_mask=None, dropout_p
         pad = key_padding_mask[rows, cut:end]
         chosen = choose_kernel(name, row_bias, need_weights, q_rows.size(2), k_rows.size(2), dropout_p, incremental,
                                q.device)
-        o, w = KERNELS[chosen](q_rows, k_rows, v_rows, row_bias, pad if bool(pad.any()) else None, dropout_p)
+        o, w = kernel_for(chosen, row_bias)(q_rows, k_rows, v_rows, row_bias, pad if bool(pad.any()) else None,
+                                            dropout_p)
         out[rows, :, first_query:last_query] = o
         if w is not None:
             weights = weights if weights is not None else w.new_zeros(q.shape[:3] + (k.size(2),))

@@ -53,7 +53,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .scaling import Scaling
 from .bias import StackBias
-from .configuration_alibi import AlibiLMConfig, rope_parameters_of, scaling_of_rope
+from .configuration_alibi import AlibiLMConfig, scaling_of_rope
+from .positions import SINUSOIDAL, attention_entry
 from .positions import build as build_positions
 from .errors import InputError
 from .kernels import attach_positions, attend
@@ -378,19 +379,18 @@ class AlibiLMModel(AlibiPreTrainedModel):
         # builds models on the meta device, and the slopes and frequencies are data, not weights
         # (a learned bias's parameters are loaded into it as any weight).
         scaling = (scaling_of_rope(config.rope_parameters, config.alibi_train_length)
-                   if config.position_method == "rotary" else
+                   if config.rope_spelled() else
                    Scaling.from_hf(config.alibi_scaling, config.alibi_train_length))
         with torch.device("cpu"):
-            method = "nope" if config.position_method == "sinusoidal" else config.position_method
-            positions = build_positions(method, config.attention_heads,
-                                        dim // config.attention_heads, config.position_settings(), scaling)
-        if config.position_method == "sinusoidal":  # stock transformer_lm: positions added to the embedding
+            method = attention_entry(config.position_method).name  # the stock model's: NoPE's attention
+            positions = build_positions(method, config.attention_heads, dim // config.attention_heads,
+                                        config.position_settings(), scaling, config.layers)
+        if config.position_method == SINUSOIDAL:  # stock transformer_lm: positions added to the embedding
             self.sinusoidal_padding_idx = config.pad_token_id
         if isinstance(positions, nn.Module):
             self.positions = positions  # learned: weights model.positions.* (fairseq's decoder.positions.*)
         else:
             self.__dict__["positions"] = positions  # slopes or frequencies: no weights, not a submodule
-        positions.fit_depth(config.layers)  # a hybrid's interleaving (refused where it is not one)
         self.layers = nn.ModuleList(AlibiDecoderLayer(config, i, positions) for i in range(config.layers))
         self.layer_norm = nn.LayerNorm(dim, eps=eps) if config.final_layer_norm else None
         self.project_out_dim = nn.Linear(dim, config.output_embed_dim, bias=False) if config.project_out else None
@@ -423,21 +423,16 @@ class AlibiLMModel(AlibiPreTrainedModel):
         None, or the config's dict (``alibi_scaling`` for ALiBi,
         ``rope_parameters`` for rotary); the config follows.  A method the
         position method has not is refused in one line (``ScalingError``)."""
-        config, rotary = self.config, self.config.position_method == "rotary"
+        config = self.config
         if isinstance(value, Scaling):
             scaling = value.for_model(config.alibi_train_length)
-        elif rotary:
+        elif config.rope_spelled():
             scaling = scaling_of_rope(value, config.alibi_train_length)
         else:
             scaling = Scaling.from_hf(value, config.alibi_train_length)
         for positions in self.position_objects():
             positions.rescale(scaling)
-        if rotary:
-            rope = config.rope_parameters or {}
-            config.rope_parameters = rope_parameters_of(scaling, rope.get("rope_theta", 10000.0),
-                                                        rope.get("partial_rotary_factor", 1.0))
-        else:
-            config.alibi_scaling = scaling.to_hf()
+        config.set_scaling(scaling)
 
     def embed(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, past: int = 0) -> Tensor:
         """fairseq's order: scale, quant-noise projection, input projection,
@@ -448,7 +443,7 @@ class AlibiLMModel(AlibiPreTrainedModel):
         for module in (self.quant_noise, self.project_in_dim):
             if module is not None:
                 x = module(x)
-        if self.config.position_method == "sinusoidal":
+        if self.config.position_method == SINUSOIDAL:
             pad = self.config.pad_token_id
             positions = token_positions(attention_mask, *input_ids.shape[:1], past, input_ids.size(1), pad, x.device)
             table = sinusoidal_table(int(positions.max()) + 1, x.size(-1), pad, x.device)
@@ -464,9 +459,10 @@ class AlibiLMModel(AlibiPreTrainedModel):
         if input_ids is None or inputs_embeds is not None:
             raise InputError("this model takes input_ids (inputs_embeds is not supported)")
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        if self.config.position_method == "fox" and (use_cache or past_key_values is not None):
-            raise InputError("an exported FoX model has no KV cache yet (its gates' running sums are not "
-                             "cached): call it with use_cache=False (generate(..., use_cache=False))")
+        method = self.config.position_method
+        if not attention_entry(method).kv_cache and (use_cache or past_key_values is not None):
+            raise InputError(f"an exported {method} model has no KV cache yet (its state is not keys and values "
+                             "alone): call it with use_cache=False (generate(..., use_cache=False))")
         if use_cache and past_key_values is None:
             past_key_values = DynamicCache()
         # an int: a StaticCache's length is a tensor that its update (layer 0's) increments in place

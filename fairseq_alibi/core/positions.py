@@ -31,7 +31,7 @@ declaration, and the tests try every param of every entry at its limits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .alibi import EXTENSIONS
 from .bias import AlibiBias, CausalMask, ModuleBias, StackBias
@@ -45,6 +45,14 @@ from .rotary import BASE_RANGE, DEFAULT_BASE, ROPE_METHODS, RotaryPositions
 from .scaling import LOGIT_METHODS, MAX_TOKENS as SCALING_MAX_TOKENS, Scaling, check_applies
 from .t5bias import T5Bias
 
+
+#: The export formats (``Position.exports``): this package's own model, stock BLOOM, stock GPT-NeoX.
+CUSTOM, BLOOM, NEOX = "custom", "bloom", "gpt-neox"
+#: The exported config's keys of a context extension (``Position.scaling_key``).
+ALIBI_SCALING, ROPE_PARAMETERS = "alibi_scaling", "rope_parameters"
+#: fairseq's stock ``transformer_lm`` (sinusoidal embeddings added to the tokens'): no entry here;
+#: its attention is NoPE's (:data:`STOCK_ATTENTION`), what the export and the recipes compute for it.
+SINUSOIDAL, STOCK_ATTENTION = "sinusoidal", "nope"
 
 #: ``build(num_heads, head_dim, params, scaling)`` -> the stack's position object.
 Builder = Callable[[int, int, Dict[str, Any], Scaling], StackBias]
@@ -68,6 +76,20 @@ class Position:
     params: Tuple[Param, ...] = ()
     #: A constraint between the params (each already in its range): the problem, or None.
     check: Optional[Callable[[Dict[str, Any]], Optional[str]]] = None
+    #: A constraint between the params and the stack's depth (its number of layers): the problem, or None.
+    depth_check: Optional[Callable[[Dict[str, Any], int], Optional[str]]] = None
+    #: Whether the exported model keeps a KV cache (False: a method whose state a cache of keys
+    #: and values does not hold, as FoX's running gate sums; generation then recomputes every step).
+    kv_cache: bool = True
+    #: The ``alibi-export-hf`` formats that hold the method, ``--format auto``'s choice first
+    #: where it holds the model (``custom``: this package's own model, every method;
+    #: ``bloom``: stock BLOOM; ``gpt-neox``: stock GPT-NeoX).
+    exports: Tuple[str, ...] = (CUSTOM,)
+    #: The exported config's key of the context extension: ``alibi_scaling``, or transformers'
+    #: ``rope_parameters``, which holds the RoPE params too (``rotary_base``, ``rotary_fraction``).
+    scaling_key: str = ALIBI_SCALING
+    #: The line colour of the method in every plot (None: one chosen by ``evaluation.styles``).
+    colour: Optional[str] = None
 
 
 def _alibi(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
@@ -131,6 +153,19 @@ def _rnope(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scali
                            scaling)
 
 
+def _rnope_depth(params: Dict[str, Any], layers: int) -> Optional[str]:
+    """A stack that is not a hybrid: no NoPE layer (windowed RoPE alone) or no RoPE layer (NoPE)."""
+    every = params["rnope_nope_every"]
+    if layers < 2:
+        return (f"rnope needs at least 2 layers (windowed RoPE layers and a NoPE layer); this model has {layers}: "
+                "give it 2 or more layers (fairseq's --decoder-layers), or use the rotary or nope method")
+    if every > layers:
+        return (f"rnope_nope_every={every} with {layers} layers leaves no NoPE layer (they are layers {every}, "
+                f"{2 * every}, ...): the model would be windowed RoPE alone; give --rnope-nope-every between 2 and "
+                f"{layers}, or 0 (the default: {DEFAULT_NOPE_EVERY}, or the number of layers where fewer)")
+    return None
+
+
 #: The largest training length, threshold or distance a parameter takes, in tokens (fairseq's int32 lengths):
 #: the scaling spec's own bound (a factor times the training length is at most it).
 MAX_TOKENS = SCALING_MAX_TOKENS
@@ -142,7 +177,7 @@ PLAIN = ("none",) + LOGIT_METHODS
 #: Every position method, in the order tables list them.
 POSITIONS: Dict[str, Position] = {p.name: p for p in (
     Position("alibi", "bias", EXTENSIONS + LOGIT_METHODS, "-m_h (i - j): a fixed slope per head (Press et al. 2022)",
-             _alibi),
+             _alibi, exports=(CUSTOM, BLOOM), colour="#d62728"),
     Position("rotary", "rotation", ROPE_METHODS + LOGIT_METHODS,
              "queries and keys rotated by position (RoPE, Su et al. 2021)", _rotary,
              (Param("rotary_base", DEFAULT_BASE, "RoPE's base, frequencies base^(-2i/d)", BASE_RANGE),
@@ -153,7 +188,8 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
               Param("rotary_alibi_heads", 0, "how many heads, steepest first, also get ALiBi's bias (a diagnostic: "
                     "RoPE with built-in recency heads)", Range(int, 0, 4096), SHAPE,
                     note="n: the first n heads get the n steepest of ALiBi's slopes for the model's heads (at most "
-                         "the number of heads); a model with it cannot be exported"))),
+                         "the number of heads); a model with it cannot be exported")),
+             exports=(NEOX, CUSTOM), scaling_key=ROPE_PARAMETERS, colour="#1f77b4"),
     Position("t5bias", "bias", PLAIN, "a learned scalar per (log-bucketed distance, head), one table for every "
              "layer (T5, Raffel et al. 2020)", _t5bias,
              (Param("t5_buckets", 32, "the number of T5 bias buckets, half exact distances and half logarithmic",
@@ -164,16 +200,17 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
                     "d its nearest distance (T5's table with ALiBi's recency from step 0; it learns the retrieval "
                     "task that T5 from zeros does not, docs/retrieval.md)",
                     Range(float, 0.0, 64.0, open_low=True, special=((0, "zeros, no position preference"),)),
-                    LEARNED)), _t5_distance),
+                    LEARNED)), _t5_distance, colour="#2ca02c"),
     Position("nope", "none", PLAIN, "no position information: the causal mask alone (Haviv et al. 2022)",
-             _nope),
+             _nope, colour="#9467bd"),
     Position("kerple", "bias", PLAIN, "-r1 log(1 + r2 (i - j)), r1 and r2 learned per head (Kerple's log "
-             "variant, Chi et al. 2022)", _kerple),
+             "variant, Chi et al. 2022)", _kerple, colour="#ff7f0e"),
     Position("fire", "bias", PLAIN, "a learned MLP of log-distance normalized by the query position (FIRE, "
              "Li et al. 2023)", _fire,
              (Param("fire_hidden", 32, "the width of FIRE's MLP, in hidden units", Range(int, 1, 4096), SHAPE),
               Param("fire_threshold", 0.0, "FIRE's initial threshold L, in tokens, learned in training",
-                    Range(float, 1.0, MAX_TOKENS, special=((0, "the training length"),)), LEARNED))),
+                    Range(float, 1.0, MAX_TOKENS, special=((0, "the training length"),)), LEARNED)),
+             colour="#8c564b"),
     Position("fox", "gate", FOX_EXTENSIONS, "c_i - c_j, c the running sum of log forget gates sigmoid(w . x_t + "
              "b) per head and layer (the Forgetting Transformer, Lin et al. 2025)", _fox,
              (Param("fox_init_slopes", 0.0, "start each head's forget gate at exp(-k m_h), ALiBi's slope m_h "
@@ -190,7 +227,7 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
                     Range(int, 0, MAX_TOKENS), LEARNED,
                     note="with fox_gate_init_std 0: data-independent gates (ALiBi with learned slopes) until "
                          "then, FoX after; counted by fairseq's trainer only (an exported model holds nothing)")),
-             _fox_gate_init),
+             _fox_gate_init, kv_cache=False, colour="#e377c2"),
     Position("rnope", "hybrid", RNOPE_EXTENSIONS, "RoPE layers with a sliding window, every few layers a NoPE "
              "layer with full attention (RNoPE-SWA, Yang et al. 2025)", _rnope,
              (Param("rotary_base", DEFAULT_BASE, "RoPE's base in the RoPE layers", BASE_RANGE),
@@ -199,7 +236,7 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
               Param("rnope_nope_every", AUTO_NOPE_EVERY, "every how many layers one is a NoPE layer with full "
                     "attention (the last of each group)",
                     Range(int, 2, 4096, special=((AUTO_NOPE_EVERY, f"{DEFAULT_NOPE_EVERY}, or the number of layers "
-                                                  "where fewer"),))))),
+                                                  "where fewer"),)))), depth_check=_rnope_depth, colour="#bcbd22"),
 )}
 
 
@@ -210,7 +247,7 @@ def params_of(names=None):
             for param in entry.params]
 
 
-def params_problem(name: str, params: Dict[str, Any]) -> Optional[str]:
+def params_problem(name: str, params: Dict[str, Any], layers: Optional[int] = None) -> Optional[str]:
     """The first problem of ``params`` (a value for each param of method
     ``name``), as one sentence naming the param, or None."""
     entry = position(name)
@@ -218,12 +255,15 @@ def params_problem(name: str, params: Dict[str, Any]) -> Optional[str]:
         problem = param.problem(params[param.name])
         if problem:
             return f"{param.name}={params[param.name]!r} is not valid; it {problem}"
-    return entry.check(params) if entry.check else None
+    problem = entry.check(params) if entry.check else None
+    if problem is None and layers is not None and entry.depth_check:
+        problem = entry.depth_check(params, layers)
+    return problem
 
 
-def check_params(name: str, params: Dict[str, Any]) -> Dict[str, Any]:
+def check_params(name: str, params: Dict[str, Any], layers: Optional[int] = None) -> Dict[str, Any]:
     """``params`` if :func:`params_problem` finds none, else its ``ConfigError``."""
-    problem = params_problem(name, params)
+    problem = params_problem(name, params, layers)
     if problem:
         raise ConfigError(problem)
     return params
@@ -234,6 +274,47 @@ def position(name: str) -> Position:
     if name not in POSITIONS:
         raise ConfigError(f"position method {name!r} is not valid; allowed values: {', '.join(POSITIONS)}")
     return POSITIONS[name]
+
+
+def attention_entry(name: str) -> Position:
+    """The entry whose attention a model of ``name`` computes: its own, or NoPE's for
+    fairseq's stock sinusoidal model (its positions are added to the embedding)."""
+    return position(STOCK_ATTENTION if name == SINUSOIDAL else name)
+
+
+def exported_methods() -> Tuple[str, ...]:
+    """The ``position_method`` values an exported model takes: every entry, and ``sinusoidal``."""
+    return (*POSITIONS, SINUSOIDAL)
+
+
+def holding(fmt: str) -> Tuple[str, ...]:
+    """The methods whose entries export to format ``fmt`` (``Position.exports``)."""
+    return tuple(name for name, entry in POSITIONS.items() if fmt in entry.exports)
+
+
+#: What :func:`on_register` was given: each is called with every entry, present and later.
+_LISTENERS: List[Callable[[Position], None]] = []
+
+
+def register(entry: Position) -> Position:
+    """Add ``entry`` to :data:`POSITIONS` at run time (a method whose module lives outside
+    this folder: a plugin's, a test's), and hand it to every :func:`on_register` listener
+    (the fairseq side registers its ``transformer_lm_<name>`` model so).  A name already
+    registered, or ``sinusoidal``, is refused (``ConfigError``)."""
+    if entry.name in POSITIONS or entry.name == SINUSOIDAL:
+        raise ConfigError(f"position method {entry.name!r} is registered already; give the new method another name")
+    POSITIONS[entry.name] = entry
+    for listener in _LISTENERS:
+        listener(entry)
+    return entry
+
+
+def on_register(listener: Callable[[Position], None]) -> None:
+    """Call ``listener(entry)`` for every entry of :data:`POSITIONS` now, in order, and for
+    each one :func:`register` adds later."""
+    _LISTENERS.append(listener)
+    for entry in list(POSITIONS.values()):
+        listener(entry)
 
 
 def extensions(name: Optional[str]) -> Tuple[str, ...]:
@@ -249,11 +330,14 @@ def check_extension(name: str, scaling: Scaling) -> Scaling:
     return check_applies(scaling, name, position(name).extensions)
 
 
-def build(name: str, num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
+def build(name: str, num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling,
+          layers: Optional[int] = None) -> StackBias:
     """The position object of one layer stack of position method ``name``."""
     entry = position(name)
     scaling = check_extension(name, scaling)
-    built = entry.build(num_heads, head_dim, check_params(name, params), scaling)
+    built = entry.build(num_heads, head_dim, check_params(name, params, layers), scaling)
+    if layers is not None:
+        built.fit_depth(layers)  # settled for the stack's depth (a hybrid's interleaving), checked above
     if built.scaling != scaling:  # a builder that does not take the spec (a logit method applies to every method)
         built.rescale(scaling)
     return built

@@ -31,7 +31,7 @@ from ..errors import EvaluationError
 from .data_dir import check_data
 from .prompts import Vocabulary
 from .axes import check_checkpoint_paths, parse_named
-from .coverage import split_tokens
+from ..coverage import split_tokens
 from .protocols import Described, ModelInfo, ScoredWindow, answer_result
 from .store import file_identity
 
@@ -188,10 +188,10 @@ class FairseqBackend:
         arch = facts.checkpoint_arch(model_cfg) or "?"
         family = facts.model_family(arch) or arch
         task = task_cfg.get("_name") or task_cfg.get("task")
-        if family not in facts.LANGUAGE_MODELS or task not in (None, "language_modeling"):
+        if family not in facts.language_models() or task not in (None, "language_modeling"):
             raise EvaluationError(
                 f"{name}: {path} is a {family} checkpoint (arch {arch}, task {task or '?'}); this tool "
-                f"evaluates causal language models ({', '.join(facts.LANGUAGE_MODELS)}, task language_modeling)"
+                f"evaluates causal language models ({', '.join(facts.language_models())}, task language_modeling)"
             )
         info = ModelInfo(name, path, family, arch, facts.position_of(family),
                          facts.checkpoint_train_length(model_cfg, task_cfg),

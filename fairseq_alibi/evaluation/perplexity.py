@@ -62,7 +62,7 @@ from ..errors import EvaluationError
 from . import paired, report, runner
 from .axes import check_max_tokens, method_rank, parse_lengths, resolve_lengths
 from .backends import backend_for
-from .coverage import coverage_problem
+from ..coverage import coverage_problem
 from .runner import tool_parser
 
 logger = logging.getLogger("fairseq_alibi.sweep")

@@ -9,8 +9,8 @@ hollow, so lines that lie on one another still show each method's shape.
 
 Checkpoints are told apart by line style (:func:`line_styles`).  Position
 methods (``examples/positions/report.py``) have a colour each
-(:func:`position_colour`): the fixed ones of :data:`POSITION_COLOURS`, and for a
-method registered later (``core/positions.py``) one of its own by its place there.
+(:func:`position_colour`): its registry entry's ``colour`` (``core/positions.py``),
+and for a method registered without one, one of its own by its place there.
 """
 
 from __future__ import annotations
@@ -87,26 +87,29 @@ def cell_spelling(cell: dict) -> str:
         return str(cell.get("label") or cell.get("method"))
 
 
-#: Line colours of the position methods (the paper's four first, then the field's).
-POSITION_COLOURS = {"sinusoidal": "#7f7f7f", "alibi": "#d62728", "rotary": "#1f77b4", "t5bias": "#2ca02c",
-                    "nope": "#9467bd", "kerple": "#ff7f0e", "fire": "#8c564b"}
-#: Colours for position methods registered without one above (tab10's rest, then tab20's light shades).
-MORE_POSITION_COLOURS = ("#e377c2", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5",
-                         "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
+#: The line colour of fairseq's stock sinusoidal model (no registry entry; each method's is its entry's ``colour``).
+SINUSOIDAL_COLOUR = "#7f7f7f"
+#: Colours for position methods registered without one (tab10's rest, then tab20's light shades).
+MORE_POSITION_COLOURS = ("#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2",
+                         "#dbdb8d", "#9edae5")
 
 
 def position_colour(name: str) -> str:
-    """The line colour of position method ``name``, the same in every run: its own in
-    :data:`POSITION_COLOURS`; for another method of the registry (``core/positions.py``) the next
-    of :data:`MORE_POSITION_COLOURS` in registry order (distinct while they last); for any other
-    name one chosen from the name."""
-    from ..core.positions import POSITIONS
+    """The line colour of position method ``name``, the same in every run: its registry
+    entry's ``colour`` (``core/positions.py``); for an entry without one, the next of
+    :data:`MORE_POSITION_COLOURS` no entry holds, in registry order (distinct while they
+    last); for any other name one chosen from the name."""
+    from ..core.positions import POSITIONS, SINUSOIDAL
 
-    if name in POSITION_COLOURS:
-        return POSITION_COLOURS[name]
-    unlisted = [p for p in POSITIONS if p not in POSITION_COLOURS]
+    if name == SINUSOIDAL:
+        return SINUSOIDAL_COLOUR
+    if name in POSITIONS and POSITIONS[name].colour:
+        return POSITIONS[name].colour
+    held = {entry.colour for entry in POSITIONS.values()} | {SINUSOIDAL_COLOUR}
+    free = [colour for colour in MORE_POSITION_COLOURS if colour not in held] or list(MORE_POSITION_COLOURS)
+    unlisted = [p for p, entry in POSITIONS.items() if not entry.colour]
     if name in unlisted:
-        return MORE_POSITION_COLOURS[unlisted.index(name) % len(MORE_POSITION_COLOURS)]
+        return free[unlisted.index(name) % len(free)]
     return _pick(name, MORE_POSITION_COLOURS, "position")
 
 

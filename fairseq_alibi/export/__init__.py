@@ -26,11 +26,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..core.positions import extensions
+from ..core.positions import BLOOM, CUSTOM, NEOX, attention_entry, extensions, holding
 from ..core.scaling import Scaling
 from ..errors import ExportError, report_errors
 from ..hf import quiet_transformers
@@ -38,7 +38,9 @@ from .check import check_written
 from .source import Source, load_source
 from .writer import check_output_dir, staged_directory, traveling_files
 
-FORMATS = ("auto", "custom", "bloom", "gpt-neox")
+FORMATS = ("auto", CUSTOM, BLOOM, NEOX)
+#: How a stock format is named in a line.
+LABELS = {BLOOM: "BLOOM", NEOX: "GPT-NeoX"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 def resolve_scaling(text: Optional[str], source: Source) -> Scaling:
     """``--position-scaling METHOD[:F]``, else what the checkpoint's config asks for."""
@@ -57,40 +59,54 @@ def resolve_scaling(text: Optional[str], source: Source) -> Scaling:
 
 def choose_format(fmt: str, source: Source, scaling: Scaling) -> Tuple[str, Optional[str]]:
     """(the format to write, a note saying why ``auto`` chose the default format
-    for a rotary model, or None): ``auto`` writes GPT-NeoX where it holds the model."""
+    over the stock one the method prefers, or None): ``auto`` writes the first of
+    the position method's ``exports`` (its registry entry) that holds the model."""
     if fmt != "auto":
         return fmt, None
-    if source.position != "rotary":
-        return "custom", None
+    preferred = attention_entry(source.position).exports[0]
+    if preferred == CUSTOM:
+        return CUSTOM, None
+    found = stock_problems(preferred, source, scaling)
+    if not found:
+        return preferred, None
+    return CUSTOM, (f"format custom (trust_remote_code=True): {LABELS[preferred]} cannot hold this "
+                    f"{source.position} model: {'; '.join(found)}")
+
+
+def stock_problems(fmt: str, source: Source, scaling: Scaling) -> List[str]:
+    """What the stock format ``fmt`` cannot hold of ``source``'s model."""
     from .custom import describe
+
+    if fmt == BLOOM:
+        from .bloom import bloom_problems
+
+        return bloom_problems(describe(source), scaling)
     from .neox import neox_shape_problems, rotary_settings
 
     fields = describe(source)
-    _, rotary_dim = rotary_settings(source.cfg.model, fields["hidden_size"] // fields["attention_heads"])
-    found = neox_shape_problems(fields, source.position, rotary_dim, scaling)
-    if not found:
-        return "gpt-neox", None
-    return "custom", (f"format custom (trust_remote_code=True): GPT-NeoX cannot hold this rotary model: "
-                      f"{'; '.join(found)}")
+    _, rotary_dim = rotary_settings(source.cfg.model, fields["hidden_size"] // fields["attention_heads"],
+                                    source.position)
+    return neox_shape_problems(fields, source.position, rotary_dim, scaling)
 
 
 def build_model(source: Source, fmt: str, scaling: Scaling):
     """The transformers model of ``source`` in format ``fmt``."""
     from .custom import build_custom, describe, hf_weights
 
-    if fmt == "bloom":
+    holds = fmt in attention_entry(source.position).exports
+    if fmt == BLOOM:
         from .bloom import build_bloom
 
-        if source.position != "alibi":
-            raise ExportError(f"the BLOOM format holds ALiBi models; this is a {source.position} model: export it "
-                              "in the default format (--format custom)")
+        if not holds:
+            raise ExportError(f"the BLOOM format holds {', '.join(holding(BLOOM))} models; this is a "
+                              f"{source.position} model: export it in the default format (--format custom)")
         return build_bloom(describe(source), hf_weights(source.model), scaling)
-    if fmt == "gpt-neox":
+    if fmt == NEOX:
         from .neox import build_neox, check_neox
 
-        if source.position != "rotary":
+        if not holds:
             check_neox({}, source.position, None, scaling)
-        return build_neox(describe(source), hf_weights(source.model), source.cfg.model, scaling)
+        return build_neox(describe(source), hf_weights(source.model), source.cfg.model, scaling, source.position)
     return build_custom(source, scaling)
 
 
@@ -116,7 +132,7 @@ def export(checkpoint: str, output_dir: str, fmt: str = "auto", position_scaling
     with staged_directory(output_dir, force, inputs) as stage:
         with quiet_transformers():
             model.to(DTYPES[dtype]).save_pretrained(stage)
-            if fmt == "custom":
+            if fmt == CUSTOM:
                 for path in traveling_files():
                     shutil.copy(path, stage)
             save_tokenizer(tokenizer, stage)

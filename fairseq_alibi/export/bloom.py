@@ -22,12 +22,18 @@ from ..facts import bloom_shape_problems
 from .custom import ReadWeights
 from .neox import fuse_per_head
 
-def check_bloom(fields: dict, scaling) -> None:
-    """One line naming every feature BLOOM cannot hold, pointing to the default format."""
+def bloom_problems(fields: dict, scaling) -> List[str]:
+    """What BLOOM cannot hold of a decoder (``custom.describe``'s fields) under ``scaling``."""
     found = bloom_shape_problems(fields)
     if scaling.method != "none":
         found.append(f"context extension {scaling.spelling} (BLOOM's config has none: apply "
                      "fairseq_alibi.hf.apply_alibi_scaling after loading)")
+    return found
+
+
+def check_bloom(fields: dict, scaling) -> None:
+    """One line naming every feature BLOOM cannot hold, pointing to the default format."""
+    found = bloom_problems(fields, scaling)
     if found:
         raise ExportError(f"the BLOOM format cannot hold this model: {'; '.join(found)}; export it in the default "
                           "format (--format custom), which holds every transformer_lm_alibi variant")

@@ -33,6 +33,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..core.positions import SINUSOIDAL
 from ..core.scaling import Scaling
 from ..errors import ExportError
 
@@ -206,7 +207,7 @@ def written_scaling(config, fmt: str, source, scaling: Scaling) -> Scaling:
         from .neox import neox_rope_parameters, rotary_settings
 
         head_dim = config.hidden_size // config.num_attention_heads
-        base, rotary_dim = rotary_settings(source.cfg.model, head_dim)
+        base, rotary_dim = rotary_settings(source.cfg.model, head_dim, source.position)
         expected = neox_rope_parameters(scaling, base, rotary_dim, head_dim)
         if dict(config.rope_parameters) != expected:
             raise ExportError(f"the written config.json holds rope_parameters {dict(config.rope_parameters)}, not "
@@ -297,7 +298,7 @@ def check_written(directory: str, fmt: str, source, scaling: Scaling) -> Written
     if stored.to_hf() != scaling.to_hf():
         raise ExportError(f"the written config.json holds the context extension {stored.spelling}, not "
                           f"{scaling.spelling}: nothing written; a bug, please report it")
-    if source.position != "sinusoidal":  # fairseq's stock LM has no position attention (and no extension)
+    if source.position != SINUSOIDAL:  # fairseq's stock LM has no position attention (and no extension)
         rescale(source.model, scaling)
     length = hf_train_length(loaded.config) if fmt != "gpt-neox" else source.train_length
     facts = dict(cls=type(loaded).__name__, vocabulary=int(loaded.config.vocab_size), train_length=length,

@@ -12,7 +12,7 @@ from collections import defaultdict
 from typing import Callable, Dict, FrozenSet, Set
 
 from ..core.configuration_alibi import AlibiLMConfig, rope_parameters_of
-from ..core.positions import POSITIONS
+from ..core.positions import POSITIONS, ROPE_PARAMETERS, attention_entry
 from ..errors import ExportError
 from ..core.modeling_alibi import ACTIVATIONS, AlibiForCausalLM
 
@@ -84,14 +84,13 @@ def position_fields(source) -> dict:
     cfg, position, scaling = source.cfg.model, source.position, source.scaling
     if position not in POSITIONS:  # fairseq's stock transformer_lm
         return dict(position_method=position)
-    params = {p.name: getattr(cfg, p.name, p.default) for p in POSITIONS[position].params}
-    if position == "rotary":
+    entry = POSITIONS[position]
+    params = {p.name: getattr(cfg, p.name, p.default) for p in entry.params}
+    if entry.scaling_key == ROPE_PARAMETERS:
         return dict(position_method=position,
                     rope_parameters=rope_parameters_of(scaling, params["rotary_base"], params["rotary_fraction"]))
-    # ALiBi's own methods, or a logit method (logn) on any other position method
-    extended = position == "alibi" or scaling.method != "none"
-    return dict(position_method=position, position_params=params or None,
-                alibi_scaling=scaling.to_hf() if extended else None)
+    # ALiBi's own methods, or a logit method (logn) on any other position method; None: as trained
+    return dict(position_method=position, position_params=params or None, alibi_scaling=scaling.to_hf())
 
 
 def adaptive_specs(decoder, cfg):
@@ -133,7 +132,7 @@ def describe(source) -> dict:
         activation_dropout=float(layer.activation_dropout_module.p),
         adaptive_input=adaptive_input, adaptive_softmax=adaptive_softmax, tie_word_embeddings=tied,
         alibi_train_length=source.train_length, alibi_attention=str(getattr(cfg, "alibi_attention", "auto")),
-        ssmax=bool(getattr(cfg, "ssmax", False)), use_cache=source.position != "fox",
+        ssmax=bool(getattr(cfg, "ssmax", False)), use_cache=attention_entry(source.position).kv_cache,
         pad_token_id=dictionary.pad(), bos_token_id=source.start, eos_token_id=dictionary.eos(),
         unk_token_id=dictionary.unk(), unk_aliases=source.unk_aliases,
     )

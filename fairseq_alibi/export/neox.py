@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..core.configuration_alibi import neox_computes, neox_rope_parameters, partial_rotary_factor
-from ..core.positions import POSITIONS
+from ..core.positions import NEOX, attention_entry, holding
 from ..core.scaling import Scaling
 from ..errors import ExportError
 from ..facts import extras_no_stock_model_holds
@@ -39,16 +39,17 @@ NEOX_ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_accurate": "gelu_new",
                     "tanh": "tanh", "linear": "linear", "relu_squared": "relu2"}
 
 
-def rotary_settings(cfg, head_dim: int) -> tuple:
-    """(base, rotated dimensions per head) of a rotary model's config, as ``rotary.RotaryPositions`` takes them."""
-    params = {p.name: getattr(cfg, p.name, p.default) for p in POSITIONS["rotary"].params}
+def rotary_settings(cfg, head_dim: int, position: str) -> tuple:
+    """(base, rotated dimensions per head) of the config of a model of ``position``, a method
+    GPT-NeoX holds (RoPE's params: ``rotary_base``, ``rotary_fraction``), as ``rotary.RotaryPositions`` takes them."""
+    params = {p.name: getattr(cfg, p.name, p.default) for p in attention_entry(position).params}
     return float(params["rotary_base"]), int(head_dim * params["rotary_fraction"]) // 2 * 2
 
 
 def neox_shape_problems(fields: dict, position: str, rotary_dim: Optional[int], scaling: Scaling) -> List[str]:
     """What GPT-NeoX cannot hold of a decoder (``custom.describe``'s fields)."""
-    if position != "rotary":
-        return [f"position method {position} (GPT-NeoX: rotary)"]
+    if NEOX not in attention_entry(position).exports:
+        return [f"position method {position} (GPT-NeoX: {', '.join(holding(NEOX))})"]
     found = []
     if not fields["normalize_before"]:
         found.append("post-norm layers")
@@ -132,13 +133,13 @@ def fairseq_weights_of_neox(state: Dict[str, torch.Tensor], fields: dict) -> Dic
     return out
 
 
-def build_neox(fields: dict, weights: Dict[str, torch.Tensor], cfg, scaling: Scaling):
-    """The stock ``GPTNeoXForCausalLM`` holding the fairseq rotary model (refusals first)."""
+def build_neox(fields: dict, weights: Dict[str, torch.Tensor], cfg, scaling: Scaling, position: str):
+    """The stock ``GPTNeoXForCausalLM`` holding the fairseq model of ``position`` (refusals first)."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     head_dim = fields["hidden_size"] // fields["attention_heads"]
-    base, rotary_dim = rotary_settings(cfg, head_dim)
-    check_neox(fields, "rotary", rotary_dim, scaling)
+    base, rotary_dim = rotary_settings(cfg, head_dim, position)
+    check_neox(fields, position, rotary_dim, scaling)
     tied = fields["tie_word_embeddings"] and fields["embed_scale"] == 1.0
     config = GPTNeoXConfig(
         vocab_size=fields["vocab_size"], hidden_size=fields["hidden_size"], num_hidden_layers=fields["layers"],

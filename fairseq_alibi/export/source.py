@@ -7,13 +7,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from ..core.configuration_alibi import POSITION_METHODS as EXPORTED_METHODS
+from ..core.positions import SINUSOIDAL, exported_methods
 from ..core.scaling import Scaling
 from ..errors import ExportError, checkpoint_files, one_line
 from .. import facts
 
-#: The position method of fairseq's stock ``transformer_lm`` (sinusoidal embeddings).
-SINUSOIDAL = "sinusoidal"
 #: fairseq-preprocess pads dictionaries to a multiple of this (``--padding-factor``).
 PADDING_FACTOR = 8
 
@@ -77,11 +75,11 @@ def check_language_model(path: str, state: Dict[str, Any]) -> str:
     arch = facts.checkpoint_arch(model_cfg)
     family = facts.model_family(arch)
     task = task_cfg.get("_name")
-    if family in facts.LANGUAGE_MODELS and task in (None, "language_modeling"):
+    if family in facts.language_models() and task in (None, "language_modeling"):
         position = facts.position_of(family) or SINUSOIDAL
-        if position not in EXPORTED_METHODS:
+        if position not in exported_methods():
             raise ExportError(f"{path} is a {position} language model ({family}); alibi-export-hf does not export "
-                              f"{position} models yet (the exported model computes {', '.join(EXPORTED_METHODS)}): "
+                              f"{position} models yet (the exported model computes {', '.join(exported_methods())}): "
                               "evaluate it in fairseq (alibi-eval-lm, alibi-sweep)")
         return position
     raise not_exportable(path, arch, family, task)
@@ -93,7 +91,7 @@ def not_exportable(path: str, arch: Optional[str], family: Optional[str], task: 
     fairseq's stock ``transformer_lm``)."""
     what = f"a checkpoint of arch {arch!r}" + (f" (model {family})" if family else "") + f", task {task!r}"
     return ExportError(f"{path} is {what}; alibi-export-hf exports the causal language models "
-                       f"{', '.join(facts.LANGUAGE_MODELS)} (task language_modeling)")
+                       f"{', '.join(facts.language_models())} (task language_modeling)")
 
 
 def dictionary_path(path: str, task_cfg: Dict[str, Any], given: Optional[str]) -> str:

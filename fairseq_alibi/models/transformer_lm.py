@@ -31,7 +31,7 @@ from typing import Optional
 
 from fairseq.distributed import fsdp_wrap
 from fairseq.logging import metrics
-from fairseq.models import ARCH_CONFIG_REGISTRY, register_model, register_model_architecture
+from fairseq.models import ARCH_CONFIG_REGISTRY, MODEL_REGISTRY, register_model, register_model_architecture
 from fairseq.models import transformer_lm as stock
 from fairseq.models.transformer import TransformerConfig, TransformerDecoder
 from fairseq.modules import TransformerDecoderLayer
@@ -110,7 +110,6 @@ class PositionTransformerDecoder(TransformerDecoder):
                  position: str = "alibi"):
         args.no_token_positional_embeddings = True
         positions = build_positions(args, position)
-        positions.fit_depth(args.decoder_layers)
         if getattr(args, "checkpoint_activations", False):  # each layer reruns its forward in its own backward
             positions.share_graphs = False
         attach_shared(self, "positions", positions)  # before the layers are built (and Module.__init__)
@@ -149,11 +148,12 @@ class PositionTransformerDecoder(TransformerDecoder):
 def build_positions(args, position: str) -> StackBias:
     """The position object of a decoder stack from its config: the scaling spec
     (``alibi_*`` fields, checked against the methods that apply) and the
-    position method's own parameters."""
+    position method's own parameters, checked with the stack's depth."""
     entry = P.position(position)
     heads = args.decoder_attention_heads
     params = {p.name: getattr(args, p.name, p.default) for p in entry.params}
-    return P.build(position, heads, args.decoder_embed_dim // heads, params, scaling_from_config(args))
+    return P.build(position, heads, args.decoder_embed_dim // heads, params, scaling_from_config(args),
+                   args.decoder_layers)
 
 
 @register_model(facts.ALIBI_LM, dataclass=PositionLanguageModelConfig)
@@ -261,8 +261,11 @@ def transformer_lm_bloom_alibi(args):
 def _position_model(entry: P.Position):
     """Register ``transformer_lm_<name>``: the shared config
     (``PositionLanguageModelConfig``) plus the entry's parameters, its decoder built with that position method, and one
-    architecture of the same name (the stock ``transformer_lm`` sizes)."""
+    architecture of the same name (the stock ``transformer_lm`` sizes).  ALiBi's, registered above with its twins of
+    every stock architecture, is left as it is."""
     name = facts.position_model(entry.name)
+    if name in MODEL_REGISTRY:
+        return
     fields = [(p.name, type(p.default), option(p.default, p.help)) for p in entry.params]
     config = dataclasses.make_dataclass(f"{entry.name.capitalize()}LanguageModelConfig", fields,
                                         bases=(PositionLanguageModelConfig,))
@@ -272,6 +275,4 @@ def _position_model(entry: P.Position):
     ARCH_CONFIG_REGISTRY[name] = _twin(ARCH_CONFIG_REGISTRY[facts.STOCK_LM])  # register_model made the arch name
 
 
-for _entry in P.POSITIONS.values():
-    if _entry.name != "alibi":
-        _position_model(_entry)
+P.on_register(_position_model)  # every entry's model: now, and for a method registered later (positions.register)

@@ -15,11 +15,11 @@ def guarded_eval_lm(module) -> None:
     perplexity 1.00 when it scored no token, prints NaN as a result, and
     prints a perplexity over part of the split when its loader skipped blocks
     longer than the model's positions; here each stops with one error line
-    (the coverage check is ``evaluation.coverage``)."""
+    (the coverage check is ``coverage.py``)."""
     import math
 
     from ..errors import UserError
-    from ..evaluation import coverage
+    from .. import coverage
 
     stock = module.eval_lm
     if getattr(stock, "_alibi_guarded", False):
