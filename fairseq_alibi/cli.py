@@ -309,8 +309,24 @@ def training_help(argv: List[str]) -> None:
     raise SystemExit(0)
 
 
-def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=None, defaults=None) -> None:
-    interrupted = f"{sys.argv[0].rsplit('/', 1)[-1]} interrupted"
+class _Interrupted:
+    """The line a Ctrl-C prints: ``<script> interrupted``, then ``note()`` if it says something
+    (``alibi-train``: where a rerun resumes)."""
+
+    def __init__(self, note=None):
+        self.text, self.note = f"{sys.argv[0].rsplit('/', 1)[-1]} interrupted", note
+
+    def __str__(self):
+        said = self.note() if self.note is not None else None
+        return f"{self.text}: {said}" if said else self.text
+
+    def __format__(self, spec):  # report_errors writes it in an f-string
+        return format(str(self), spec)
+
+
+def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=None, defaults=None,
+         interruption_note=None) -> None:
+    interrupted = _Interrupted(interruption_note)
     with report_errors(interrupted=interrupted):  # numbers and overrides first: before fairseq loads
         for check in (check_numeric_flags, check_model_overrides, check_sampling):
             check(sys.argv[1:])
@@ -359,9 +375,20 @@ def checked_training_data(module) -> None:
 
 
 def train():
+    def guard(module):
+        from .patches import guarded_train
+
+        guarded_train(module)  # the resumed run's checkpoint read, after the data directories were checked
+        checked_training_data(module)
+
+    def note():
+        from .patches import interruption_note
+
+        return interruption_note()
+
     _run("fairseq_cli.train", training_help, check_arch, check_training_blocks, check_training_method,
-         check_training_kernel, check_checkpoint_flags, check_training_criterion, guard=checked_training_data,
-         defaults=training_defaults)
+         check_training_kernel, check_checkpoint_flags, check_training_criterion, guard=guard,
+         defaults=training_defaults, interruption_note=note)
 
 
 def eval_lm():

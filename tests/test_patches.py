@@ -44,6 +44,10 @@ ELSEWHERE = {
     "safe_broadcast": "test_resume.py::test_torchrun_gloo_sigkill_then_resume",
     "guarded_eval_lm": "test_user_errors.py::test_zero_evaluated_tokens_is_an_error",
     "guarded_stock_eval_lm": "test_trust.py::test_eval_lm_refuses_a_split_the_model_s_limit_cuts_then_its_remedy_scores_all",
+    "batches_as_first_built":
+        "test_resume.py::test_a_run_resumed_in_its_first_second_or_third_epoch_ends_as_the_uninterrupted_one",
+    "guarded_train": "test_resume.py::test_a_finished_run_rerun_trains_and_writes_nothing_and_says_so",
+    "guarded_stock_train": "test_resume.py::test_stock_fairseq_train_with_the_plugin_keeps_a_finished_run",
 }
 
 
@@ -118,10 +122,11 @@ def test_apply_is_idempotent_and_keeps_the_checks_it_was_given():
     from fairseq import checkpoint_utils, models
     from fairseq.data import data_utils, iterators
     from fairseq.distributed import utils as dist_utils
+    from fairseq.trainer import Trainer
 
     def installed():
-        return [checkpoint_utils.torch, checkpoint_utils.PathManager, checkpoint_utils.overwrite_args_by_name,
-                checkpoint_utils.torch_persistent_save, models.build_model, data_utils.batch_by_size,
+        return [Trainer.get_train_iterator, checkpoint_utils.torch, checkpoint_utils.PathManager,
+                checkpoint_utils.overwrite_args_by_name, checkpoint_utils.torch_persistent_save, models.build_model, data_utils.batch_by_size,
                 iterators.BackgroundConsumer, dist_utils.infer_init_method, dist_utils.distributed_main,
                 dist_utils.torch, list(checkpoint_utils.torch.inspectors),
                 list(checkpoint_utils.overwrite_args_by_name.override_checks)]

@@ -1,6 +1,8 @@
-"""Crash safety: training killed with SIGKILL and resumed from checkpoint_last.pt
-ends exactly where an uninterrupted run ends; so does a recipe (compare.sh)
-interrupted by Ctrl-C in its first epoch and run again.
+"""Crash safety: training killed with SIGKILL, or resumed from a checkpoint of
+any epoch, ends exactly where an uninterrupted run ends, for every family of
+position method; so does a recipe (compare.sh) interrupted by Ctrl-C in its
+second epoch and run again.  A finished run's rerun changes nothing; a run
+resumed with another model is refused; Ctrl-C says where a rerun resumes.
 
 What makes fairseq's resume exact on CPU (measured: final weights bit-identical,
 final validation loss equal):
@@ -8,6 +10,11 @@ final validation loss equal):
 * ``--save-interval-updates``: checkpoints mid-epoch record the data iterator
   position (``iterations_in_epoch``), so the resumed run skips exactly the
   batches already trained on; the epoch's shuffle is seeded by seed + epoch;
+* the batches themselves are those of the uninterrupted run: fairseq groups the
+  samples into batches once per process, ordered under seed + the epoch the
+  process starts in, and keeps them for every later epoch, so a run resumed in
+  epoch 2 or later built other batches than the run that went on (the patch
+  ``patches.resume.batches_as_first_built`` builds them as at epoch 1);
 * fairseq reseeds torch with ``seed + num_updates`` before every update, so
   dropout (including attention dropout inside SDPA) repeats after a restart;
 * Adam moments, the learning-rate schedule and the update count are all in
@@ -19,6 +26,7 @@ final validation loss equal):
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -26,7 +34,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, cli_env, ctrl_c_restored, free_port, recipe_bin, run_cli, tool
+from conftest import REPO, cli_env, ctrl_c_restored, error_lines, free_port, recipe_bin, run_cli, tool
 
 MAX_UPDATE = 32  # about 24 batches per epoch: the run crosses an epoch boundary
 SAVE_EVERY = 8
@@ -187,6 +195,207 @@ def test_torchrun_gloo_sigkill_then_resume(lm_data_bin, alibi_user_dir, tmp_path
         _state(os.path.join(crashed_dir, "checkpoint_last.pt")),
         _state(os.path.join(reference_dir, "checkpoint_last.pt")),
     )
+
+
+# ------------------------------------------------------------------ resume in any epoch, every family
+#: One model of each family of position method (core/positions.py's kinds, and the logit method
+#: SSMax): its --arch and the flags it adds; the first is the fast tier's.
+FAMILIES = {
+    "alibi": ("transformer_lm_alibi",),  # a static bias
+    "t5bias": ("transformer_lm_t5bias",),  # learned biases
+    "kerple": ("transformer_lm_kerple",),
+    "fire": ("transformer_lm_fire",),
+    "fox": ("transformer_lm_fox",),  # data-dependent
+    "rotary": ("transformer_lm_rotary",),  # rotation
+    "nope": ("transformer_lm_nope",),  # none
+    "rnope": ("transformer_lm_rnope", "--rnope-window", "8"),  # hybrid
+    "ssmax": ("transformer_lm_alibi", "--ssmax"),  # a logit method
+}
+EPOCH_UPDATES = 9  # batches of 32 blocks of 32 tokens in lm_data_bin's training split
+FAMILY_UPDATES = 3 * EPOCH_UPDATES + 3  # into the fourth epoch
+
+
+def _family_args(data_bin, save_dir, family, max_update=FAMILY_UPDATES):
+    """A tiny model of ``family``, dropout on, a checkpoint every 4 updates (all kept) and at each
+    epoch's end: its intermediate checkpoint_E_U.pt are the states a killed run resumes from."""
+    arch, *extra = FAMILIES[family]
+    return [
+        tool("alibi-train"), str(data_bin), "--arch", arch, *extra, "--decoder-layers", "2",
+        "--decoder-embed-dim", "16", "--decoder-input-dim", "16", "--decoder-output-dim", "16",
+        "--decoder-ffn-embed-dim", "32", "--decoder-attention-heads", "2", "--dropout", "0.1",
+        "--attention-dropout", "0.1", "--tokens-per-sample", "32", "--sample-break-mode", "none",
+        "--batch-size", "32", "--optimizer", "adam", "--lr", "1e-3", "--lr-scheduler", "inverse_sqrt",
+        "--warmup-updates", "5", "--max-update", str(max_update), "--save-interval-updates", "4", "--seed", "3",
+        "--cpu", "--num-workers", "0", "--no-progress-bar", "--log-interval", "100", "--save-dir", str(save_dir),
+    ]
+
+
+def _epoch_of(path):
+    return _state(path)["extra_state"]["train_iterator"]["epoch"]
+
+
+@pytest.mark.fast_cases(1)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_run_resumed_in_its_first_second_or_third_epoch_ends_as_the_uninterrupted_one(
+        lm_data_bin, tmp_path, family):
+    """The state a run killed in epoch 1, 2 or 3 resumes from (a mid-epoch checkpoint copied as
+    checkpoint_last.pt: the file fairseq writes and copies is the same), and the one at the end of
+    epoch 1, resumed: bit-identical final weights and the same validation loss.  Stock fairseq
+    was exact from epoch 1 alone: a resumed process grouped the samples into other batches."""
+    reference = tmp_path / "reference"
+    run_cli(_family_args(lm_data_bin, reference, family))
+    saved = {}
+    for path in sorted(reference.glob("checkpoint_*_*.pt"), key=lambda p: _updates(_state(p))):
+        saved.setdefault(_epoch_of(path), path)  # each epoch's first mid-epoch checkpoint
+    starts = [saved[epoch] for epoch in (1, 2, 3)] + [reference / "checkpoint1.pt"]
+    assert [_epoch_of(p) for p in starts] == [1, 2, 3, 2], starts  # checkpoint1.pt: epoch 2 starts
+    final = _state(reference / "checkpoint_last.pt")
+    for start in starts:
+        resumed = tmp_path / f"from_{start.stem}"
+        resumed.mkdir()
+        shutil.copyfile(start, resumed / "checkpoint_last.pt")
+        result = run_cli(_family_args(lm_data_bin, resumed, family))
+        assert f"Loaded checkpoint {resumed / 'checkpoint_last.pt'}" in result.output
+        _assert_same_final(_state(resumed / "checkpoint_last.pt"), final, FAMILY_UPDATES)
+
+
+def _bytes(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize("limit", ["--max-update", "--max-epoch"])
+def test_a_finished_run_rerun_trains_and_writes_nothing_and_says_so(lm_data_bin, tmp_path, limit):
+    """Stock fairseq loaded the model at --max-update, trained one more update and overwrote
+    checkpoint_last.pt and checkpoint_best.pt (each rerun one more); at --max-epoch it said nothing."""
+    save = tmp_path / "run"
+    args = _family_args(lm_data_bin, save, "alibi", max_update=6)
+    if limit == "--max-epoch":
+        args[args.index("--max-update"):args.index("--max-update") + 2] = ["--max-epoch", "1"]
+    run_cli(args)
+    before = _bytes(save)
+    updates = _updates(_state(save / "checkpoint_last.pt"))
+    again = run_cli(args)
+    assert _bytes(save) == before
+    said = [line for line in again.output.splitlines() if "already finished" in line]
+    where = "(--max-update 6)" if limit == "--max-update" else "the end of epoch 1 (--max-epoch 1)"
+    assert said == [f"the run in {save} is already finished at update {updates}{' ' if limit == '--max-update' else ', '}"
+                    f"{where}: nothing trained, nothing written; to train it further give a higher {limit}"], said
+    assert "Loaded checkpoint" not in again.output and "num_updates" not in again.output
+
+
+def test_stock_fairseq_train_with_the_plugin_keeps_a_finished_run(lm_data_bin, alibi_user_dir, tmp_path):
+    """fairseq-train --user-dir gets alibi-train's guard (patches.resume.guarded_stock_train)."""
+    save = tmp_path / "run"
+    args = _family_args(lm_data_bin, save, "alibi", max_update=4)
+    args[0] = tool("fairseq-train")
+    args += ["--task", "language_modeling", "--user-dir", alibi_user_dir]
+    run_cli(args, fresh=True)
+    before = _bytes(save)
+    again = run_cli(args, fresh=True)
+    assert _bytes(save) == before and f"the run in {save} is already finished at update 4" in again.output
+
+
+def _composed(arch, *flags):
+    from fairseq.dataclass.initialize import add_defaults
+
+    from conftest import fairseq_config
+
+    cfg = fairseq_config(["DATA", "--task", "language_modeling", "--arch", arch, "--tokens-per-sample", "32",
+                          "--max-tokens", "64", *flags])
+    add_defaults(cfg)
+    return cfg
+
+
+def _other_value(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1 if value != 0 else 1
+    if isinstance(value, str):
+        return value + "x"
+    return 1 if value is None else None
+
+
+def test_every_model_field_but_the_changeable_ones_is_refused_on_resume():
+    """Every field of every registered method's model config (the architecture, fairseq's shapes,
+    each method's parameters, SETTING, SHAPE or LEARNED, --ssmax, the training length) changed
+    alone is named as the first difference; the fields a resumed run may change are not; a
+    field the checkpoint predates counts as its default."""
+    from omegaconf import OmegaConf, open_dict
+
+    import fairseq_alibi.models  # noqa: F401  (registers the models)
+    from fairseq_alibi.core.positions import POSITIONS
+    from fairseq_alibi.patches.resume import CHANGEABLE_ON_RESUME, model_difference
+
+    for name, entry in POSITIONS.items():
+        cfg = _composed(f"transformer_lm_{name}")
+        trained = OmegaConf.create({"model": OmegaConf.to_container(cfg.model, resolve=True)})
+        assert model_difference(trained, cfg) is None, name
+        fields = [key for key in cfg.model if key != "_name"]
+        assert {p.name for p in entry.params} <= set(fields) and "ssmax" in fields, name
+        for key in fields:
+            changed = OmegaConf.create({"model": OmegaConf.to_container(cfg.model, resolve=True)})
+            changed.model[key] = _other_value(changed.model[key])
+            difference = model_difference(changed, cfg)
+            if key in CHANGEABLE_ON_RESUME:
+                assert difference is None, (name, key)
+            else:
+                assert difference is not None and f"--{key.replace('_', '-')}" in difference, (name, key, difference)
+        other = OmegaConf.create({"model": {**OmegaConf.to_container(cfg.model, resolve=True), "_name": "x"}})
+        assert model_difference(other, cfg).startswith(f"--arch transformer_lm_{name} (the checkpoint: --arch x)")
+    cfg = _composed("transformer_lm_alibi", "--ssmax")
+    older = OmegaConf.to_container(cfg.model, resolve=True)
+    del older["ssmax"]  # a checkpoint from before the field: trained without SSMax
+    assert model_difference(OmegaConf.create({"model": older}), cfg) == "--ssmax (the checkpoint: no --ssmax)"
+    with open_dict(cfg):
+        cfg.model.ssmax = False
+    assert model_difference(OmegaConf.create({"model": older}), cfg) is None
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_another_model_is_refused_in_one_line(lm_data_bin, tmp_path):
+    """Another --fox-init-slopes (stock: recorded in the checkpoint and the export although the gates
+    started at 0), --fox-data-dependent, --ssmax or --arch (stock: a 30-line traceback): one error
+    line naming the difference, exit 1, the checkpoint untouched; another --dropout resumes."""
+    save = tmp_path / "run"
+    run_cli(_family_args(lm_data_bin, save, "fox", max_update=6))
+    before = _bytes(save)
+    for flags, said in ((["--fox-init-slopes", "1"], "--fox-init-slopes 1.0 (the checkpoint: --fox-init-slopes 0.0)"),
+                        (["--fox-data-dependent", "0"], "--fox-data-dependent 0 (the checkpoint: --fox-data-dependent 1)"),
+                        (["--ssmax"], "--ssmax (the checkpoint: no --ssmax)")):
+        result = run_cli(_family_args(lm_data_bin, save, "fox", max_update=8) + flags, expect_ok=False)
+        assert result.returncode == 1 and error_lines(result) == [
+            f"error: --save-dir {save} holds a run of another model: this command gives {said}; a resumed run keeps "
+            "the model it started with (architecture, shapes, initial values, position settings); give a new "
+            "--save-dir to train this model, or the checkpoint's options to resume it"], result.output[-3000:]
+        assert "Traceback" not in result.output and _bytes(save) == before
+    args = _family_args(lm_data_bin, save, "alibi", max_update=8)
+    result = run_cli(args, expect_ok=False)
+    assert result.returncode == 1 and "this command gives --arch transformer_lm_alibi (the checkpoint: --arch " \
+        "transformer_lm_fox)" in error_lines(result)[0]
+    run_cli(_family_args(lm_data_bin, save, "fox", max_update=8) + ["--dropout", "0.3"])
+    assert _updates(_state(save / "checkpoint_last.pt")) == 8
+
+
+@pytest.mark.slow
+def test_ctrl_c_names_the_update_a_rerun_resumes_from(lm_data_bin, tmp_path):
+    """Stock: "alibi-train interrupted", with no word of the update the rerun starts from."""
+    save = tmp_path / "run"
+    proc = subprocess.Popen(_family_args(lm_data_bin, save, "alibi", max_update=100000), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=cli_env(), start_new_session=True,
+                            preexec_fn=ctrl_c_restored)
+    last = save / "checkpoint_last.pt"
+    deadline = time.time() + 240
+    while not last.exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.splitlines()[-1] == (
+        f"alibi-train interrupted: a rerun of the same command resumes from update {_updates(_state(last))} "
+        f"({last}); updates after it are trained again")
 
 
 def test_a_finished_distributed_run_destroys_its_process_group(tmp_path, monkeypatch):

@@ -65,16 +65,24 @@ changes:
     ``remainder_batches_kept`` (wrong result): ``fairseq-generate``,
     ``fairseq-validate`` and validation during training skip the last, short
     batch (fairseq issue 5036).
+``resume.py``
+    ``batches_as_first_built`` (wrong result): a run resumed in epoch 2 or
+    later trains on the uninterrupted run's batches (fairseq keeps the
+    batches of the epoch a process started in); ``guarded_stock_train``
+    (wrong result): a stock ``fairseq-train --user-dir`` gets the guard below.
 
 ``eval_lm.py``
     ``guarded_stock_eval_lm`` (wrong result): a stock ``fairseq-eval-lm
     --user-dir`` gets the guard below.
 
-One change is scoped, not applied by :func:`apply` (:data:`SCOPED`):
+Two changes are scoped, not applied by :func:`apply` (:data:`SCOPED`):
 ``eval_lm.py``'s ``guarded_eval_lm`` (wrong result), which ``alibi-eval-lm``
 applies to ``fairseq_cli.eval_lm``: no perplexity printed from nothing scored,
 from part of the split (blocks fairseq skipped), or from a loss that is not a
-number.
+number; and ``resume.py``'s ``guarded_train`` (wrong result), which
+``alibi-train`` applies to ``fairseq_cli.train``: a resumed run with another
+model config is refused in one line, a finished run's rerun trains and writes
+nothing and says so.
 
 Nothing here imports ``fairseq_alibi.models``: what ``checked_overrides``
 runs is passed in, ``apply(override_checks=...)``.
@@ -86,10 +94,12 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Tuple
 
 from . import (
-    batching, build_errors, checkpoints, data_files, distributed, eval_lm, hub, no_eval, numpy_compat, quiet, startup,
+    batching, build_errors, checkpoints, data_files, distributed, eval_lm, hub, no_eval, numpy_compat, quiet, resume,
+    startup,
 )
 from .checkpoints import OverrideCheck
 from .eval_lm import guarded_eval_lm  # noqa: F401  (alibi-eval-lm's CLI imports it from here)
+from .resume import guarded_train, interruption_note  # noqa: F401  (alibi-train's CLI imports them from here)
 from .startup import deferred_metric_imports  # noqa: F401  (what imports fairseq first, the plugin's way)
 
 CRASH = "crash"
@@ -151,12 +161,15 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(build_errors.build_assertions, CRASH),
     Patch(batching.loader_threads_stop_at_exit, CRASH),
     Patch(batching.remainder_batches_kept, WRONG_RESULT),
+    Patch(resume.batches_as_first_built, WRONG_RESULT),  # after batching's wrapper of the same method
     Patch(eval_lm.guarded_stock_eval_lm, WRONG_RESULT),
+    Patch(resume.guarded_stock_train, WRONG_RESULT),
 )
 
 #: Changes one command applies to one fairseq module itself (``patch.apply(module)``).
 SCOPED: Tuple[Patch, ...] = (
     Patch(eval_lm.guarded_eval_lm, WRONG_RESULT),
+    Patch(resume.guarded_train, WRONG_RESULT),
 )
 
 
