@@ -145,7 +145,7 @@ EVAL_LM_MAX_TOKENS = 36000
 def eval_lm_batches(argv: List[str]) -> List[str]:
     """``argv`` with the batch limit made explicit where the user gave no ``--max-tokens``:
     fairseq-eval-lm then limits batches to 36000 tokens, so a block longer than that
-    was refused, with ``--batch-size N`` alone too (docs/usage.md: use it alone).
+    was refused, with ``--batch-size N`` alone too (docs/evaluating.md: use it alone).
     The limit becomes ``max(36000, N x --tokens-per-sample)`` (N = 1 without
     ``--batch-size``): the stock limit wherever it held a block, never one that refuses it."""
     if _flag(argv, "--max-tokens") is not None:
@@ -284,7 +284,8 @@ def overrides_help() -> str:
     from .models.transformer_lm import AlibiLanguageModelConfig
 
     lines = ["", "Position methods at evaluation: --model-overrides \"{'position_scaling': 'ntk:2'}\" (or, the older "
-             "names, \"{'alibi_interpolation': 'ntk', 'alibi_scale_factor': 2}\") takes these keys (docs/usage.md):"]
+             "names, \"{'alibi_interpolation': 'ntk', 'alibi_scale_factor': 2}\") takes these keys "
+             "(docs/evaluating.md):"]
     for name, text in field_help(AlibiLanguageModelConfig).items():
         lines.append(textwrap.fill(f"{name}: {text}", width=100, initial_indent="  ", subsequent_indent="      "))
     return "\n".join(lines) + "\n"
@@ -432,7 +433,7 @@ checkpoint.save_dir.
 
 --help-all prints Hydra's own help, listing every config group (slow: about
 10 s, Hydra copies fairseq's whole config store once per group).
-Details: docs/usage.md, "With Hydra".
+Details: docs/training.md, "With Hydra".
 """
 
 

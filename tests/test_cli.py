@@ -463,7 +463,7 @@ def test_kv_cache_exact_without_dynamic_scaling(hub_factory, lm_corpus, override
 @pytest.mark.slow
 @pytest.mark.parametrize("method", [linear, ntk])
 def test_kv_cache_with_dynamic_scaling_differs_past_train_length(hub_factory, lm_corpus, method):
-    """Documented behaviour (docs/usage.md): exact up to alibi_train_length; past
+    """Documented behaviour (docs/evaluating.md): exact up to alibi_train_length; past
     it every step rescales the slopes but deeper layers' cached keys/values were
     computed under older slopes, so generation differs from a full forward."""
     lm = hub_factory(**method(0))
@@ -759,7 +759,7 @@ print("ok")
 
 @pytest.mark.slow
 def test_shipped_hydra_configs_take_overrides_without_plus():
-    """docs/usage.md: the shipped configs hold every ALiBi field of the model, so
+    """docs/training.md: the shipped configs hold every ALiBi field of the model, so
     ``model.position_scaling=ntk:2`` and ``model.alibi_scale_factor=2`` work on each,
     ``+model.alibi_scale_factor=2`` is refused (the key is there).
     In a subprocess: Hydra's global version state would leak into fairseq's."""

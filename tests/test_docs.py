@@ -177,7 +177,7 @@ def test_python_code_is_in_python_blocks():
 
 
 def test_importing_the_package_alone_imports_nothing_heavy_and_registers_nothing(alibi_checkpoint, lm_data_bin):
-    """docs/usage.md, "Python": ``import fairseq_alibi`` alone imports neither
+    """docs/training.md, "Python": ``import fairseq_alibi`` alone imports neither
     fairseq nor torch, so fairseq's loaders do not know the models (its error
     is the ``KeyError`` the docs quote); ``import fairseq_alibi.models`` is
     what the blocks above import."""
@@ -188,7 +188,7 @@ def test_importing_the_package_alone_imports_nothing_heavy_and_registers_nothing
             f"checkpoint_utils.load_model_ensemble_and_task([{str(alibi_checkpoint)!r}])")
     result = run_cli([sys.executable, "-c", load], expect_ok=False)
     assert result.returncode != 0 and "KeyError: \"'_name'\"" in result.output
-    assert "`KeyError: \"'_name'\"`" in doc("docs/usage.md")
+    assert "`KeyError: \"'_name'\"`" in doc("docs/training.md")
 
 
 # ------------------------------------------------------------------ config tables
@@ -239,7 +239,7 @@ def test_readme_config_table_is_the_code_s():
 
 
 def test_usage_config_table_is_the_code_s():
-    rows = {ticked(row[0])[0]: row for row in table(doc("docs/usage.md"), "field (`--flag`)")}
+    rows = {ticked(row[0])[0]: row for row in table(doc("docs/training.md"), "field (`--flag`)")}
     fields = lm_fields()
     assert sorted(rows) == sorted(fields)
     for name, (field_cell, values, meaning) in rows.items():
@@ -250,7 +250,7 @@ def test_usage_config_table_is_the_code_s():
         else:
             row = f"{values} {meaning}"
             assert all(text in row or text in row.replace("--", "").replace("-", "_") for text in shown), name
-        check_field_row(f"docs/usage.md's configuration table, {name}", name, values)
+        check_field_row(f"docs/training.md's configuration table, {name}", name, values)
 
 
 def test_sample_error_is_what_the_code_prints():
@@ -259,7 +259,7 @@ def test_sample_error_is_what_the_code_prints():
     from fairseq_alibi.errors import ConfigError
     from fairseq_alibi.models.config import build_bias
 
-    shown = re.search(r"```\n(error: alibi_interpolation='cubic'[^\n]*)\n```", doc("docs/usage.md")).group(1)
+    shown = re.search(r"```\n(error: alibi_interpolation='cubic'[^\n]*)\n```", doc("docs/training.md")).group(1)
     with pytest.raises(ConfigError) as error:
         build_bias(argparse.Namespace(alibi_interpolation="cubic"), 4)
     assert shown == f"error: {error.value}"
@@ -267,9 +267,9 @@ def test_sample_error_is_what_the_code_prints():
 
 # ------------------------------------------------------------------ methods, kernels, forms
 def test_methods_table_covers_every_method_in_every_spelling():
-    rows = table(doc("docs/usage.md"), "method")
+    rows = table(doc("docs/evaluating.md"), "method")
     listed = [ticked(row[0])[0] for row in rows]
-    assert listed == list(METHODS), missing_methods("docs/usage.md's methods table", listed)
+    assert listed == list(METHODS), missing_methods("docs/evaluating.md's methods table", listed)
     for row in rows:
         method = ticked(row[0])[0]
         items = [t for t in ticked(row[2]) if ":" in t or t == method]
@@ -321,10 +321,10 @@ def test_performance_kernel_table_is_the_registry():
     assert sorted(names) == sorted(KERNEL_NAMES)
 
 
-def test_factor_one_claim_of_usage_md():
-    """docs/usage.md: ``linear``/``ntk`` at factor 1 are the plain model; the
+def test_factor_one_claim_of_evaluating_md():
+    """docs/evaluating.md: ``linear``/``ntk`` at factor 1 are the plain model; the
     distance methods at factor 1 change nothing up to L and the bias past it."""
-    assert "`linear` or `ntk` with factor 1, reproduce the plain model" in " ".join(doc("docs/usage.md").split())
+    assert "`linear` or `ntk` with factor 1, reproduce the plain model" in " ".join(doc("docs/evaluating.md").split())
     T = 3 * TRAIN_LENGTH
 
     def dense(scaling):
@@ -597,18 +597,7 @@ def test_heading_anchors_follow_githubs_rule():
 GUIDE = [path for path in DOC_FILES if path.name not in ("errors.md", "architecture.md")]
 #: The longest a guide page may be, in lines.
 GUIDE_LINES = 400
-#: Pages still over the length, to be split (a strict xfail: it fails once the page is short enough).
-OVER_LENGTH = {"usage.md": "training and evaluation still share one page",
-               "export.md": "the formats' details are not yet split out"}
-
-
-def _guide_params():
-    for path in GUIDE:
-        marks = (pytest.mark.xfail(strict=True, reason=OVER_LENGTH[path.name]),) if path.name in OVER_LENGTH else ()
-        yield pytest.param(path, marks=marks, id=path.name)
-
-
-@pytest.mark.parametrize("path", list(_guide_params()))
+@pytest.mark.parametrize("path", GUIDE, ids=lambda p: p.name)
 def test_guide_page_is_within_its_length(path):
     lines = path.read_text(encoding="utf-8").count("\n")
     assert lines <= GUIDE_LINES, f"{path.name}: {lines} lines (at most {GUIDE_LINES}: move measurements to docs/results/)"
@@ -667,16 +656,16 @@ def test_readme_method_table_names_every_method_of_the_registry():
         assert re.search(r"\]\(docs/(results/)?[\w.-]+\.md", row[3]), f"{row[0]}: its evidence cites no file"
 
 
-def test_usage_lists_the_per_pass_parameters_of_the_registry():
-    """docs/usage.md's list of position parameters computed at every pass is the
+def test_evaluating_lists_the_per_pass_parameters_of_the_registry():
+    """docs/evaluating.md's list of position parameters computed at every pass is the
     registry's ``setting`` parameters, each once."""
     from fairseq_alibi.core.params import SETTING
     from fairseq_alibi.core.positions import params_of
 
-    text = " ".join(doc("docs/usage.md").split())
+    text = " ".join(doc("docs/evaluating.md").split())
     listed = ticked(re.search(r"computed at every pass \(([^)]*)\)", text).group(1))
     settings = list(dict.fromkeys(p.name for _, p in params_of() if p.role == SETTING))
-    assert listed == settings, missing_methods("docs/usage.md, per-pass parameters", listed, settings)
+    assert listed == settings, missing_methods("docs/evaluating.md, per-pass parameters", listed, settings)
 
 
 def _tools() -> set:

@@ -980,7 +980,7 @@ def test_alibi_sweep_scores_a_checkpoint_and_its_export_alike_on_one_text(data_d
     common = ["--lengths", "16,48", "--methods", "none,ntk,cap:0.5", "--modes", "nonoverlapping,sliding",
               "--stride", "8", "--cpu", "--no-progress"]
     # --batch-size 4: fairseq pads the short windows of a batch; a padded row's dynamic
-    # factor is its own (docs/usage.md, "Padded batches"), as the export's, scored alone
+    # factor is its own (docs/evaluating.md, "Padded batches"), as the export's, scored alone
     assert perplexity.main([str(raw / "bin"), "-c", f"fairseq={checkpoint}", "--hf", f"export={out}", *common,
                             "--batch-size", "4", "-o", str(tmp_path / "both")]) == 0
     printed = capsys.readouterr()

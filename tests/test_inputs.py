@@ -480,9 +480,9 @@ def test_half_split_is_reported_by_every_reader(script, argv, make, detail, lm_d
     assert not (tmp_path / "out").exists()
 
 
-def test_usage_doc_quotes_the_half_split_error(tmp_path, monkeypatch):
-    """docs/usage.md's sample line is what the readers print for the issue's folder."""
-    usage = " ".join((Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text().split())
+def test_training_doc_quotes_the_half_split_error(tmp_path, monkeypatch):
+    """docs/training.md's sample line is what the readers print for the issue's folder."""
+    usage = " ".join((Path(__file__).resolve().parent.parent / "docs" / "training.md").read_text().split())
     shown = re.search(r"`(error: [^`]*holds a half split[^`]*)`", usage).group(1)
     monkeypatch.chdir(tmp_path)
     Path("data-bin/latin").mkdir(parents=True)

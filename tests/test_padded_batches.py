@@ -1,5 +1,5 @@
 """One meaning of a padded batch on every path: a row scored in a batch equals
-the row scored alone (docs/usage.md, "Padded batches").
+the row scored alone (docs/evaluating.md, "Padded batches").
 
 Dynamic scaling takes each row's factor from its own keys (``max(1, n / L)``,
 padding not counted) and ``capnorm`` counts keys from a row's first real token,

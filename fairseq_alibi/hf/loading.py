@@ -158,7 +158,7 @@ def _load(name_or_dir: str, progress: bool, read):
         raise HFLoadError(
             f"{held}, not a Hugging Face model: export one (alibi-export-hf {checkpoints[0]} OUTPUT_DIR) and "
             "load that directory, or load it with fairseq after `import fairseq_alibi.models`, which registers "
-            "the models (docs/usage.md, Python)"
+            "the models (docs/training.md, Python)"
         )
     if what:
         raise HFLoadError(

@@ -127,7 +127,7 @@ def _start_forward(state: ScalingState, module, args, kwargs) -> None:
             "pass the tokenizer's attention_mask (a static cache takes it 2-D too)"
         )
     kv_len = past + q_len
-    # dynamic scaling: each row's factor from its own keys (docs/usage.md, "Padded batches")
+    # dynamic scaling: each row's factor from its own keys (docs/evaluating.md, "Padded batches")
     lengths = mask.sum(-1) if mask is not None and state.scaling.dynamic else kv_len
     state.last_factor = state.scaling.factor_at(lengths)
     warn_if_cache_drifts(state.scaling, past, lengths)

@@ -45,7 +45,7 @@ class AlibiConfig(FairseqDataclass):
     position_scaling: str = option(
         "", f"context extension at evaluation, for every position method, in one spelling ({METHOD_SYNTAX}; "
         "e.g. ntk:2, yarn:4, linear, cap:0.5, logn): the methods of the model's position method "
-        "(docs/usage.md); empty: alibi_interpolation, alibi_scale_factor and alibi_tail_alpha, its older names, "
+        "(docs/evaluating.md); empty: alibi_interpolation, alibi_scale_factor and alibi_tail_alpha, its older names, "
         "kept for every existing checkpoint and command")
     alibi_interpolation: str = option(
         "none", f"context extension at evaluation: {' | '.join(METHODS)} ("
