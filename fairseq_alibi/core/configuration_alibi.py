@@ -33,6 +33,7 @@ from transformers import PreTrainedConfig
 
 from .errors import ConfigError, ScalingError
 from .positions import ROPE_PARAMETERS, attention_entry, check_params, exported_methods
+from .positions import params_of
 from .scaling import NO_SCALING, Scaling
 
 #: ``model_type`` of every exported model (``config.json``).
@@ -139,6 +140,76 @@ def scaling_of_rope(value: Any, train_length: Optional[int]) -> Scaling:
         raise invalid(f"{exc.field}={exc.value!r}: {exc.reason}") from None
 
 
+#: Keys transformers itself writes into a config.json that ``PreTrainedConfig`` does not declare
+#: (the remote-code map, a quantized model's settings): read by transformers, not by this model.
+TRANSFORMERS_KEYS = ("auto_map", "quantization_config")
+#: The fields a ``from_pretrained`` keyword may set to other than the exported value: the context
+#: extension (:func:`load_keywords`), the kernel, the cache, dropout, generation's token ids.  Every
+#: other field of this config is fixed by the weights (shapes, norms, the position method and its params).
+LOAD_SETTINGS = ("alibi_scaling", "rope_parameters", "alibi_attention", "use_cache", "dropout", "attention_dropout",
+                 "activation_dropout", "bos_token_id", "eos_token_id")
+#: ``rope_parameters``' entries fixed by the weights (the RoPE base and rotated share).
+ROPE_FIXED = ("rope_theta", "partial_rotary_factor")
+
+
+def transformers_key(key: str) -> bool:
+    """``key`` is transformers' own: declared by ``PreTrainedConfig`` (a field, a class attribute,
+    a property such as ``torch_dtype``), private, or in :data:`TRANSFORMERS_KEYS`."""
+    return hasattr(PreTrainedConfig, key) or key.startswith("_") or key in TRANSFORMERS_KEYS
+
+
+def not_read(keys, config) -> str:
+    """One line refusing ``keys``, which no part of an exported model reads."""
+    what = "context extension: " + ("rope_parameters" if config.rope_parameters is not None else "alibi_scaling")
+    return (f"{', '.join(map(str, keys))}: not a setting of this exported model ({what}; the rest of its config.json "
+            "is fixed by its weights); leave "
+            f"{'it' if len(keys) == 1 else 'them'} out")
+
+
+def refuse_model_arguments(config, args, kwargs) -> None:
+    """The model's own constructor takes a config alone: ``from_pretrained`` hands it the
+    keywords that neither it nor the config took (``rope_theta=...``), refused here in one
+    line (a TypeError before); a config field given beside an explicit ``config=`` too."""
+    if args:
+        raise ConfigError(f"this exported model takes its config alone, not {len(args)} more positional argument(s)")
+    if kwargs:
+        fields = getattr(type(config), "__dataclass_fields__", {})
+        passed = [key for key in kwargs if key in fields]
+        hint = f"; with config= given, set {', '.join(passed)} on that config" if passed else ""
+        raise ConfigError(not_read(sorted(kwargs), config) + hint)
+
+
+def load_keywords(cls, saved: Dict[str, Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``from_pretrained``'s keywords checked against the exported config ``saved``:
+    a field fixed by the weights may only repeat its exported value; ``rope_scaling``
+    (transformers' older name) is ``rope_parameters``, whose RoPE base and rotated share
+    are the exported ones (``{"rope_type": "yarn", "factor": 2.0}`` extends the model
+    as trained); the scaling itself is checked with the config."""
+    kwargs = dict(kwargs)
+    if "rope_scaling" in kwargs:
+        if "rope_parameters" in kwargs:
+            raise ConfigError("rope_scaling is transformers' older name of rope_parameters: give one of the two")
+        kwargs["rope_parameters"] = kwargs.pop("rope_scaling")
+    fields = getattr(cls, "__dataclass_fields__", {})
+    for key, value in kwargs.items():
+        key = cls.attribute_map.get(key, key)
+        if key not in fields or transformers_key(key) or key in LOAD_SETTINGS:
+            continue
+        exported = saved.get(key, fields[key].default)
+        if value != exported:
+            raise ConfigError(f"{key}={value!r} cannot be given when loading this model: it was exported with "
+                              f"{key}={exported!r}, which its weights were trained with; leave it out")
+    rope, exported = kwargs.get("rope_parameters"), saved.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(exported, dict):
+        for key in ROPE_FIXED:
+            if key in rope and key in exported and rope[key] != exported[key]:
+                raise ConfigError(f"rope_parameters {key}={rope[key]!r} cannot be given when loading this model: it "
+                                  f"was exported with {key}={exported[key]!r}, which its weights were trained with; "
+                                  "leave it out (the context extension alone: rope_type, factor)")
+        kwargs["rope_parameters"] = {**{k: exported[k] for k in ROPE_FIXED if k in exported}, **rope}
+    return kwargs
+
+
 class AlibiLMConfig(PreTrainedConfig):
     """A fairseq ``transformer_lm_alibi`` decoder, field by field.
 
@@ -202,8 +273,26 @@ class AlibiLMConfig(PreTrainedConfig):
         self.input_embed_dim = self.input_embed_dim or self.hidden_size
         self.output_embed_dim = self.output_embed_dim or self.hidden_size
         super().__post_init__(**kwargs)
+        unread = sorted(key for key in kwargs if key in vars(self) and not transformers_key(key))
+        if unread:  # transformers keeps an unknown key as an attribute that nothing here reads
+            raise ConfigError(not_read(unread, self))
         self.scaling()  # refuse an invalid alibi_scaling when the config is read
         check_position_params(self)  # and a position parameter out of its range
+        check_position_param_keys(self)  # or one it does not read
+
+    @classmethod
+    def from_dict(cls, config_dict: Dict[str, Any], **kwargs):
+        """transformers' ``from_dict`` (``from_pretrained``'s keywords set after the
+        config is read, unchecked), with :func:`load_keywords` first and the config's
+        checks again after: a keyword either takes effect as the same setting does in
+        fairseq, or is refused in one line."""
+        kwargs = load_keywords(cls, config_dict, kwargs)
+        made = super().from_dict(config_dict, **kwargs)
+        config = made[0] if isinstance(made, tuple) else made
+        config.scaling()
+        check_position_params(config)
+        check_position_param_keys(config)
+        return made
 
     def convert_rope_params_to_dict(self, **kwargs):
         """``rope_parameters`` is read by :func:`scaling_of_rope` alone (transformers'
@@ -239,6 +328,13 @@ class AlibiLMConfig(PreTrainedConfig):
                 raise ScalingError("alibi_scaling", self.alibi_scaling, f"a {self.position_method} model has no "
                                    "alibi_scaling; its context extension is rope_parameters")
             return scaling_of_rope(self.rope_parameters, self.alibi_train_length)
+        if self.rope_parameters is not None:  # the RoPE of rnope's layers, for one, is extended by alibi_scaling
+            try:
+                spelled = f": alibi_scaling={scaling_of_rope(self.rope_parameters, self.alibi_train_length).to_hf()}"
+            except ScalingError:
+                spelled = ""
+            raise ScalingError("rope_parameters", self.rope_parameters, f"this {self.position_method} model reads no "
+                               f"rope_parameters; its context extension is alibi_scaling{spelled}")
         scaling = Scaling.from_hf(self.alibi_scaling, self.alibi_train_length)
         allowed = attention_entry(self.position_method).extensions  # the logit methods (logn): every method's
         if scaling.method not in allowed:
@@ -271,6 +367,23 @@ class AlibiLMConfig(PreTrainedConfig):
             params["rotary_base"] = rope.get("rope_theta", 10000.0)
             params["rotary_fraction"] = rope.get("partial_rotary_factor", 1.0)
         return {**{p.name: p.default for p in attention_entry(self.position_method).params}, **params}
+
+def check_position_param_keys(config) -> None:
+    """Every key of ``position_params`` is a parameter the position method reads, with
+    the value it reads (a rotary model's base and share come from ``rope_parameters``):
+    ``ConfigError`` naming the others, never a key ignored."""
+    name = getattr(config, "position_method", None)
+    given = config.position_settings()  # the declared defaults filled in
+    declared = {param.name for _, param in params_of([name])}
+    unread = sorted(str(key) for key, value in (config.position_params or {}).items()
+                    if key not in declared or given[key] != value)
+    if unread:
+        them = "it" if len(unread) == 1 else "them"
+        raise ConfigError(f"position_params {', '.join(unread)}: this {name} model does not read {them} (its "
+                          f"parameters: {', '.join(sorted(declared)) or 'none'}"
+                          f"{', read from rope_parameters' if config.rope_parameters is not None else ''}); leave "
+                          f"{them} out")
+
 
 def check_position_params(config) -> None:
     """The parameters of the config's position method (``position_method``;

@@ -48,7 +48,7 @@ from .bias import StackBias, cumulative_bias, padding_mask
 from .causal_blocks import (_block_calls, _flash_backward, _flash_forward, block_size, blocked_causal_attention,
                             head_groups, merged_parts)
 from .errors import ConfigError
-from .kernels import CHUNK_SIZE, WINDOW_ALIGN, _contiguous, block_windows, chunked_kernel, negligible_floor
+from .kernels import WINDOW_ALIGN, ChunkedCall, _contiguous, chunked_kernel, negligible_floor
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling, check_applies
 
 #: The extension methods that apply to FoX (it has no slopes or frequencies to scale).
@@ -245,19 +245,14 @@ def chunked_gates(q, k, v, bias: GateBias, key_padding_mask, dropout_p, chunk_si
     block's ``c_i - c_j`` over the keys its heads read)."""
     if key_padding_mask is not None or torch.is_grad_enabled() or not bias.causal:
         return chunked_kernel(q, k, v, bias, key_padding_mask, dropout_p, chunk_size)
-    chunk_size = chunk_size or CHUNK_SIZE
-    k, v = _contiguous(k, v)
-    q_len, offset = q.size(2), k.size(2) - q.size(2)
-    firsts = block_windows(bias, q, k, False, chunk_size)
-    # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
-    out = q.new_empty(q_len, q.size(0), q.size(1), v.size(-1))
-    for start, block_firsts in zip(range(0, q_len, chunk_size), firsts):
-        rows = min(chunk_size, q_len - start)
+    call = ChunkedCall(q, k, v, bias, None, chunk_size)
+    for start, block_firsts in zip(call.starts, call.firsts):
+        rows, _ = call.extent(start)
         for heads, first in head_groups(block_firsts):
-            block_out = gated_far_and_near(q[:, heads, start:start + rows], k[:, heads], v[:, heads],
-                                           bias.cumulative[:, heads], offset + start, first)
-            out[start:start + rows, :, heads] = block_out.permute(2, 0, 1, 3)
-    return out.permute(1, 2, 0, 3), None
+            block_out = gated_far_and_near(q[:, heads, start:start + rows], call.k[:, heads], call.v[:, heads],
+                                           bias.cumulative[:, heads], call.offset + start, first)
+            call.out[start:start + rows, :, heads] = block_out.permute(2, 0, 1, 3)
+    return call.result()
 
 
 #: The kernels FoX runs in place of the shared ones of these names (``kernels.kernel_for``).

@@ -430,6 +430,45 @@ def keys_read(bias: StackBias, q: Tensor, k: Tensor, chunk_size: Optional[int] =
 HEAD_GROUP_DIMS = 32
 
 
+class ChunkedCall:
+    """One call of the ``chunked`` kernel: its queries, contiguous keys and
+    values, padding mask, the first key each head reads per block of
+    ``chunk_size`` queries (:func:`block_windows`) and the output's ``[T, B,
+    H, D]`` storage (what the module's ``out_proj`` reads)."""
+
+    def __init__(self, q, k, v, bias: StackBias, key_padding_mask, chunk_size: Optional[int] = None):
+        self.chunk_size = chunk_size or CHUNK_SIZE
+        self.q, (self.k, self.v) = q, _contiguous(k, v)
+        self.q_len, self.k_len = q.size(2), k.size(2)
+        self.causal = bias.causal
+        self.offset = self.k_len - self.q_len if self.causal else 0
+        self.pad = padding_mask(key_padding_mask, q.dtype)
+        self.starts = range(0, self.q_len, self.chunk_size)
+        self.firsts = block_windows(bias, q, self.k, self.pad is not None, self.chunk_size)
+        self.out = q.new_empty(self.q_len, q.size(0), q.size(1), v.size(-1))
+
+    def attend(self, start: int, heads: slice, first: int, mask: Tensor, reverse: bool = False,
+               base: int = 0) -> None:
+        """Queries ``start ..`` of ``heads`` against keys ``first ..``; ``mask``
+        is their bias over the keys from ``base`` to the last they see (its
+        shape gives both extents), its rows in reverse order where ``reverse``."""
+        stop, visible = start + mask.size(-2), base + mask.size(-1)
+        mask = mask if self.pad is None else mask + self.pad[..., base:visible]
+        queries = self.q[:, heads, start:stop]
+        block_out = F.scaled_dot_product_attention(
+            queries.flip(2) if reverse else queries, self.k[:, heads, first:visible],
+            self.v[:, heads, first:visible], attn_mask=mask[..., first - base:])
+        self.out[start:stop, :, heads] = (block_out.flip(2) if reverse else block_out).permute(2, 0, 1, 3)
+
+    def extent(self, start: int) -> Tuple[int, int]:
+        """(queries, keys they see) of the block from ``start``."""
+        rows = min(self.chunk_size, self.q_len - start)
+        return rows, self.offset + start + rows if self.causal else self.k_len
+
+    def result(self) -> Tuple[Tensor, None]:
+        return self.out.permute(1, 2, 0, 3), None
+
+
 def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_size: Optional[int] = None):
     """Queries in blocks of ``chunk_size`` (default ``CHUNK_SIZE``); each block's
     bias a view of the shared ramp (a Toeplitz bias: causal, or an encoder's
@@ -449,87 +488,80 @@ def chunked_kernel(q, k, v, bias: StackBias, key_padding_mask, dropout_p, chunk_
     (``StackBias.key_block``; FIRE one value per distance and knot, a few
     heads at a time without gradients; a per-row bias, FoX's, over its
     rows: ``[B, H, ...]``)."""
-    chunk_size = chunk_size or CHUNK_SIZE
-    k, v = _contiguous(k, v)
-    q_len, k_len = q.size(2), k.size(2)
-    causal = bias.causal
-    offset = k_len - q_len if causal else 0
-    pad = padding_mask(key_padding_mask, q.dtype)
-    starts = range(0, q_len, chunk_size)
-    firsts = block_windows(bias, q, k, pad is not None, chunk_size)
-    # [T, B, H, D] storage (what the module's out_proj reads), seen as [B, H, T, D]
-    out = q.new_empty(q_len, q.size(0), q.size(1), v.size(-1))
-
-    def attend_block(start: int, heads: slice, first: int, mask: Tensor, reverse: bool = False,
-                     base: int = 0) -> None:
-        """Queries ``start ..`` of ``heads`` against keys ``first ..``; ``mask``
-        is their bias over the keys from ``base`` to the last they see (its
-        shape gives both extents), its rows in reverse order where ``reverse``."""
-        stop, visible = start + mask.size(-2), base + mask.size(-1)
-        mask = mask if pad is None else mask + pad[..., base:visible]
-        queries = q[:, heads, start:stop]
-        block_out = F.scaled_dot_product_attention(
-            queries.flip(2) if reverse else queries, k[:, heads, first:visible], v[:, heads, first:visible],
-            attn_mask=mask[..., first - base:])
-        out[start:stop, :, heads] = (block_out.flip(2) if reverse else block_out).permute(2, 0, 1, 3)
-
-    def extent(start: int) -> Tuple[int, int]:
-        """(queries, keys they see) of the block from ``start``."""
-        rows = min(chunk_size, q_len - start)
-        return rows, offset + start + rows if causal else k_len
-
-    if causal and bias.toeplitz:
-        ramp = toeplitz_ramp(bias, k_len, chunk_size, q.dtype, q.device)
-        # keys at least D from every query of a block share one bias: no mask for them (T5's buckets, a cap)
-        skips = any(any(f) for f in firsts)
-        tail = constant_tail(ramp, k_len) if pad is None and not torch.is_grad_enabled() else None
-        if tail and offset == 0 and not skips:
-            far_causal_and_band(q, k, v, ramp, tail[0], tail[1], chunk_size, out)
-            return out.permute(1, 2, 0, 3), None
-        for start, block_firsts in zip(starts, firsts):
-            rows, visible = extent(start)
-            block = reversed_rows(ramp, offset + start, rows, visible, k_len)[None]  # last query first
-            near = offset + start - tail[0] + 1 if tail else 0  # keys before it: the far bias
-            for heads, first in head_groups(block_firsts):
-                if near > 0 and first == 0:  # heads that read every key: the far ones without a mask
-                    block_out = far_and_near(q[:, heads, start:start + rows].flip(2), k[:, heads], v[:, heads], near,
-                                             tail[1][heads, None], block[:, heads, :, near:])
-                    out[start:start + rows, :, heads] = block_out.flip(2).permute(2, 0, 1, 3)
-                else:  # heads whose key windows leave the far keys out (or no far bias)
-                    attend_block(start, heads, first, block[:, heads], reverse=True)
-    elif bias.toeplitz and not bias.batched and q_len == k_len:
-        # bidirectional self-attention (an encoder's ALiBi): views of one vector per head
-        ramp = two_sided_ramp(bias, k_len, q.dtype, q.device)
-        spans = two_sided_windows(bias, q, k) if pad is None and q_len > chunk_size else None
-        for start in starts:
-            rows = min(chunk_size, q_len - start)
-            block = reversed_rows(ramp, start, rows, k_len, k_len)[None]  # last query first
-            for heads, (first, end) in head_groups(spans(start, start + rows) if spans else [(0, k_len)] * q.size(1)):
-                attend_block(start, heads, first, block[:, heads, :, :end], reverse=True)
+    call = ChunkedCall(q, k, v, bias, key_padding_mask, chunk_size)
+    if call.causal and bias.toeplitz:
+        _ramp_blocks(call, bias)
+    elif bias.toeplitz and not bias.batched and call.q_len == call.k_len:
+        _two_sided_blocks(call, bias)
     else:
-        # FIRE: the bias of a few heads at a time (at least HEAD_GROUP_DIMS dimensions of work per call), in
-        # storage that every block reuses with their shared inputs: a fresh [H, 256, T] bias per block (32 MiB
-        # at 4 heads and 8K keys) page-faulted in each time, at or above glibc's largest mmap threshold
-        heads_apart = bias.heads_apart and not torch.is_grad_enabled()
-        group = max(1, HEAD_GROUP_DIMS // q.size(-1))
-        storage = None if not heads_apart else q.new_empty((1 + group) * min(chunk_size, q_len) * k_len,
-                                                           dtype=torch.float32)
-        for start, block_firsts in zip(starts, firsts):
-            rows, visible = extent(start)
-            if heads_apart:
-                blocks = bias.reversed_head_blocks(offset + start, rows, visible, q.device, storage, group)
-                for heads, block in blocks:
-                    for sub, first in head_groups(block_firsts[heads]):  # heads of one key window
-                        attend_block(start, slice(heads.start + sub.start, heads.start + sub.stop), first,
-                                     block[None, sub].to(q.dtype), reverse=True)
-                continue
-            base = min(block_firsts)  # no head reads a key before it
-            block, reverse = bias.key_block(offset + start, rows, k_len, q.dtype, q.device, visible, base)
-            for heads, first in head_groups(block_firsts):  # a per-row bias ([B, H, ...]: FoX's) has its rows' own
-                attend_block(start, heads, first, block[:, heads] if block.dim() == 4 else block[None, heads],
-                             reverse, base)
-            del block
-    return out.permute(1, 2, 0, 3), None
+        _built_blocks(call, bias)
+    return call.result()
+
+
+def _ramp_blocks(call: ChunkedCall, bias: StackBias) -> None:
+    """A causal Toeplitz bias: each block a view of the :func:`toeplitz_ramp`;
+    the keys past a :func:`constant_tail` without a mask."""
+    q, k, v, k_len, offset = call.q, call.k, call.v, call.k_len, call.offset
+    ramp = toeplitz_ramp(bias, k_len, call.chunk_size, q.dtype, q.device)
+    # keys at least D from every query of a block share one bias: no mask for them (T5's buckets, a cap)
+    skips = any(any(f) for f in call.firsts)
+    tail = constant_tail(ramp, k_len) if call.pad is None and not torch.is_grad_enabled() else None
+    if tail and offset == 0 and not skips:
+        far_causal_and_band(q, k, v, ramp, tail[0], tail[1], call.chunk_size, call.out)
+        return
+    for start, block_firsts in zip(call.starts, call.firsts):
+        rows, visible = call.extent(start)
+        block = reversed_rows(ramp, offset + start, rows, visible, k_len)[None]  # last query first
+        near = offset + start - tail[0] + 1 if tail else 0  # keys before it: the far bias
+        for heads, first in head_groups(block_firsts):
+            if near > 0 and first == 0:  # heads that read every key: the far ones without a mask
+                block_out = far_and_near(q[:, heads, start:start + rows].flip(2), k[:, heads], v[:, heads], near,
+                                         tail[1][heads, None], block[:, heads, :, near:])
+                call.out[start:start + rows, :, heads] = block_out.flip(2).permute(2, 0, 1, 3)
+            else:  # heads whose key windows leave the far keys out (or no far bias)
+                call.attend(start, heads, first, block[:, heads], reverse=True)
+
+
+def _two_sided_blocks(call: ChunkedCall, bias: StackBias) -> None:
+    """Bidirectional self-attention (an encoder's ALiBi): views of one vector
+    per head (:func:`two_sided_ramp`), with its :func:`two_sided_windows`."""
+    q, k_len = call.q, call.k_len
+    ramp = two_sided_ramp(bias, k_len, q.dtype, q.device)
+    spans = two_sided_windows(bias, q, call.k) if call.pad is None and call.q_len > call.chunk_size else None
+    for start in call.starts:
+        rows = min(call.chunk_size, call.q_len - start)
+        block = reversed_rows(ramp, start, rows, k_len, k_len)[None]  # last query first
+        for heads, (first, end) in head_groups(spans(start, start + rows) if spans else [(0, k_len)] * q.size(1)):
+            call.attend(start, heads, first, block[:, heads, :, :end], reverse=True)
+
+
+def _built_blocks(call: ChunkedCall, bias: StackBias) -> None:
+    """Every other bias: each block built over the keys its heads read
+    (``StackBias.key_block``), or a few heads at a time where the bias says
+    so (``heads_apart``: FIRE's inference)."""
+    q, offset = call.q, call.offset
+    # FIRE: the bias of a few heads at a time (at least HEAD_GROUP_DIMS dimensions of work per call), in
+    # storage that every block reuses with their shared inputs: a fresh [H, 256, T] bias per block (32 MiB
+    # at 4 heads and 8K keys) page-faulted in each time, at or above glibc's largest mmap threshold
+    heads_apart = bias.heads_apart and not torch.is_grad_enabled()
+    group = max(1, HEAD_GROUP_DIMS // q.size(-1))
+    storage = None if not heads_apart else q.new_empty((1 + group) * min(call.chunk_size, call.q_len) * call.k_len,
+                                                       dtype=torch.float32)
+    for start, block_firsts in zip(call.starts, call.firsts):
+        rows, visible = call.extent(start)
+        if heads_apart:
+            blocks = bias.reversed_head_blocks(offset + start, rows, visible, q.device, storage, group)
+            for heads, block in blocks:
+                for sub, first in head_groups(block_firsts[heads]):  # heads of one key window
+                    call.attend(start, slice(heads.start + sub.start, heads.start + sub.stop), first,
+                                block[None, sub].to(q.dtype), reverse=True)
+            continue
+        base = min(block_firsts)  # no head reads a key before it
+        block, reverse = bias.key_block(offset + start, rows, call.k_len, q.dtype, q.device, visible, base)
+        for heads, first in head_groups(block_firsts):  # a per-row bias ([B, H, ...]: FoX's) has its rows' own
+            call.attend(start, heads, first, block[:, heads] if block.dim() == 4 else block[None, heads], reverse,
+                        base)
+        del block
 
 
 # ----------------------------------------------------------------- registry and choice

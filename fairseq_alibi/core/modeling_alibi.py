@@ -53,6 +53,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .scaling import Scaling
 from .bias import StackBias
+from .configuration_alibi import refuse_model_arguments
 from .configuration_alibi import AlibiLMConfig, scaling_of_rope
 from .positions import SINUSOIDAL, attention_entry
 from .positions import build as build_positions
@@ -364,7 +365,8 @@ class AlibiLMModel(AlibiPreTrainedModel):
     """The decoder: embeddings, layers, final norm and output projection to
     ``output_embed_dim`` (``last_hidden_state`` is what the output layer reads)."""
 
-    def __init__(self, config: AlibiLMConfig):
+    def __init__(self, config: AlibiLMConfig, *args, **kwargs):
+        refuse_model_arguments(config, args, kwargs)
         super().__init__(config)
         dim, eps = config.hidden_size, config.layer_norm_eps
         if config.adaptive_input:
@@ -497,7 +499,8 @@ class AlibiLMModel(AlibiPreTrainedModel):
 class AlibiForCausalLM(AlibiPreTrainedModel, GenerationMixin):
     """The decoder and fairseq's output layer (``lm_head``: a linear projection or the adaptive softmax)."""
 
-    def __init__(self, config: AlibiLMConfig):
+    def __init__(self, config: AlibiLMConfig, *args, **kwargs):
+        refuse_model_arguments(config, args, kwargs)
         super().__init__(config)
         self.model = AlibiLMModel(config)
         if config.adaptive_softmax:
