@@ -35,10 +35,11 @@ demo: install
 retrieval-demo: install
 	VENV_BIN=$(BIN) examples/retrieval/run.sh
 
-# The paper's comparison and the field's: sinusoidal, ALiBi, rotary, T5 bias,
-# NoPE, Kerple and FIRE trained identically at 64 tokens (seeds 1 2 3), swept
-# from 1x to 16x, extension methods on ALiBi and RoPE; outputs in
-# outputs/compare/ (docs/positions.md). Settings: environment variables of
+# The paper's comparison and the field's: the sinusoidal model and every position
+# method of the registry (ALiBi, rotary, T5 bias, NoPE, Kerple, FIRE, FoX, RNoPE)
+# trained identically at 64 tokens (seeds 1 2 3), swept from 1x to 16x, extension
+# methods on ALiBi and RoPE; outputs in outputs/compare/ (docs/positions.md; the
+# measured runs: docs/results/positions-*.md). Settings: environment variables of
 # examples/positions/compare.sh.
 compare: install
 	VENV_BIN=$(BIN) examples/positions/compare.sh
@@ -57,7 +58,7 @@ test-all: install
 # benchmark against bias-free flash attention, compile costs, paired
 # fairseq-train runs (ALiBi vs sinusoidal, fp16, 512 and 2048 tokens) and a
 # 16K-32K evaluation; writes the numbers, the device named, into
-# docs/performance.md.  Options: scripts/gpu_check.py --help.
+# docs/results/gpu-check.md.  Options: scripts/gpu_check.py --help.
 gpu-check: install
 	$(BIN)/python scripts/gpu_check.py
 

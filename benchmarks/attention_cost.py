@@ -1,6 +1,6 @@
 """What one ALiBi attention call costs against bias-free causal attention.
 
-    python benchmarks/attention_cost.py                    # the table of docs/performance.md
+    python benchmarks/attention_cost.py                    # the table of docs/results/performance-alibi-cost.md
     python benchmarks/attention_cost.py --repeats 3 --lengths 2048
     python benchmarks/attention_cost.py --package /tmp/before     # the fairseq_alibi of another checkout
 
@@ -18,7 +18,7 @@ The calls of one configuration are interleaved, ``--repeats`` times after a
 warm-up; each repeat gives a ratio of wall times from the same moment, and the
 table reports the median ratio and its range, with the median milliseconds.
 q and k are random normal: the key windows depend on ``|q| |k|``, which a
-trained model sets (docs/performance.md says what changes).
+trained model sets (docs/results/performance-alibi-cost.md says what changes).
 """
 
 from __future__ import annotations

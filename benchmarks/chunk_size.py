@@ -8,8 +8,8 @@ time per size and the size of the shared bias ramp ([H, T + chunk] fp32, one
 vector per head, built once per forward; every block's bias is a view of it:
 ``bias.reversed_rows``); the chunk size adds little else to the peak memory
 (the SDPA scores of a block are tiled inside the kernel).  Before 2026-11-28
-the ramp was [H, chunk, T + chunk], which the tables of docs/performance.md
-from before that date list.
+the ramp was [H, chunk, T + chunk], which the tables of
+docs/results/performance-long-eval-cpu.md from before that date list.
 """
 
 from __future__ import annotations

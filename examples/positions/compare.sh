@@ -17,7 +17,8 @@
 #      length, one line per method, a band over seeds) and the tables, of this
 #      run's seeds and methods only.
 #
-# The speed/memory table is benchmarks/positions_cost.py (docs/positions.md).
+# The speed/memory tables are benchmarks/positions_cost.py (docs/results/positions-cost-*.md;
+# docs/positions.md, "Speed and memory").
 # Resumable (examples/lib.sh): a finished model (its trained.ok) is not retrained,
 # an interrupted one (Ctrl-C) resumes from its last saved update (every SAVE_EVERY
 # updates) when the same command is run again, swept cells are kept. The previous
@@ -30,7 +31,7 @@ source examples/lib.sh
 
 DATA=${DATA:-data-bin/embedded}
 # The embedded corpus's valid/test paragraphs that train holds: drop (default) or keep (the corpus
-# before 2026-12-02, which the dated numbers of docs/positions.md were measured on).
+# before 2026-12-02, which docs/results/positions-seven-methods.md and positions-field-methods.md were measured on).
 HELD_OUT_OVERLAP=${HELD_OUT_OVERLAP:-drop}
 OUT=${OUT:-outputs/compare}
 L=${L:-64}

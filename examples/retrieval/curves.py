@@ -3,7 +3,7 @@ read from the recipe's ``train.log`` (fairseq's ``valid on 'valid' subset |
 loss X ... | num_updates N`` lines), as a table and a plot.
 
 A model that has not learned to retrieve sits on a loss plateau and leaves it
-when its heads form (docs/retrieval.md): the curve says when, or that it has
+when its heads form (docs/results/retrieval-demo.md, "The recipe"): the curve says when, or that it has
 not by the last update.  A run resumed from a copy (the staged trainings)
 carries the earlier stages' lines in its log; where one update was validated
 twice (a resumed run validates again at its checkpoint) the last value counts.

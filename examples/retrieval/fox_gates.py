@@ -4,7 +4,7 @@ the head's gate weights (how far tokens can move it), read from checkpoints.
 
     python examples/retrieval/fox_gates.py outputs/retr41/seed41/fox/checkpoint_2_1250.pt [...]
 
-(docs/retrieval.md, "FoX and RNoPE": gates near 0.5 keep every head local.)
+(docs/results/retrieval-fox-rnope-first-seed.md: gates near 0.5 keep every head local.)
 """
 
 import argparse

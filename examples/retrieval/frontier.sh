@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The retrieval-perplexity frontier of the context-extension methods
-# (docs/retrieval.md, "Which method, when"): every method of a grid on
+# (docs/results/retrieval-frontier.md; the advice: docs/retrieval.md, "Which method, when"): every method of a grid on
 #   * retrieval: `lines` and `passkey` from 1x to 8x L, every seed of the
 #     retrieval recipe (examples/retrieval/run.sh) on two corpora: TUNE seeds
 #     (parameters are chosen on them) and REPORT seeds (the numbers shown);

@@ -22,15 +22,14 @@
 # evaluation's name; any of them can still be set:
 #   methods   (default) ALiBi under none, linear and NTK (static and dynamic)
 #             and the distance cap at 1x-8x L, the sinusoidal twin as baseline
-#             (docs/retrieval.md, "The experiment");
+#             (docs/results/retrieval-demo.md);
 #   families  ALiBi and RoPE side by side, each under its own extension methods
 #             (ALiBi: cap, capnorm, power, ntk, linear; RoPE: linear, ntk, yarn)
-#             at 1x and 8x L (docs/retrieval.md, "Which method, when"):
+#             at 1x and 8x L (docs/results/retrieval-alibi-rope.md):
 #             RECIPE=families examples/retrieval/run.sh
 #   every-family  every position method of the registry, each with the
 #             settings under which it learned both `lines` and the passkey
-#             within L here (docs/retrieval.md, "A recipe under which every
-#             family retrieves"): records `line KEY N .` (LAYOUT=adjacent),
+#             within L here (docs/results/retrieval-every-family-recipe.md): records `line KEY N .` (LAYOUT=adjacent),
 #             filler in a quarter of the training documents, PASSKEY=1, and per
 #             family EXTRA_TRAIN_ARGS_<model>, UPDATES_<model>, LAYERS_<model>
 #             and RoPE's filler in a tenth (FILLER_SHARE_rotary, below); then
@@ -56,7 +55,7 @@
 # initial weights and batch order; the corpus and every prompt stay the seed's), at most RESTARTS times
 # (default 3); each discarded attempt is kept whole in $OUT/seedS/restarts/<model>.N and shown in stages.md.
 # every-family sets RESTART_AT_rotary=3000 and RESTARTS=6: RoPE's own-key head forms by 3,000-4,500
-# updates on about one run in four, late or never on the others (docs/retrieval.md, "RoPE's lottery").
+# updates on about one run in four, late or never on the others (docs/results/retrieval-rope-lottery.md).
 #
 # Resumable (examples/lib.sh): a finished model (its trained.ok) is not
 # retrained, an interrupted one (Ctrl-C; or one trained for fewer than UPDATES)
@@ -72,7 +71,7 @@
 # RECIPE=families and every-family), and across seeds $OUT/summary.{md,png} (methods) or
 # $OUT/summary-families.{md,png}, removed when a run starts, written at its end.
 # Every setting can be overridden from the environment.  On a GPU, e.g.:
-#   SCALE=gpu examples/retrieval/run.sh          (see docs/retrieval.md)
+#   SCALE=gpu examples/retrieval/run.sh          (see docs/results/retrieval-demo.md, "Limits")
 cd "$(dirname "$0")/../.."
 RECIPE_TAG=retrieval
 source examples/lib.sh
@@ -86,7 +85,8 @@ case "$RECIPE" in
     MODELS=${MODELS:-alibi rotary}; DEFAULT_METHODS=$DEFAULT_EXTENSIONS
     LENGTHS=${LENGTHS:-1x,8x}; EVAL=families; SUMMARY=summary-families ;;
   every-family)
-    # What each family needed to learn both tasks within L on three seeds (docs/retrieval.md):
+    # What each family needed to learn both tasks within L on three seeds
+    # (docs/results/retrieval-every-family-recipe.md):
     # ALiBi the recipe's 1,500 updates; FIRE, Kerple and FoX 3,000, T5 and RNoPE 4,500; T5's table started at
     # ALiBi's bias, FoX at ALiBi's slopes with its gate weights held at zero for the first 1,000
     # updates, RNoPE with a window narrower than a record. NoPE: a third layer (its first cannot prefer
@@ -109,7 +109,7 @@ case "$RECIPE" in
     UPDATES_rotary=${UPDATES_rotary-12000}; UPDATES_nope=${UPDATES_nope-24000}; LAYERS_nope=${LAYERS_nope-3}
     # RoPE forms its own-key head by 4,500 updates on about one run in four; a run below 10% `lines` at
     # 3,000 forms it late (3 of 7 by 12,000) or not at all, and on average a new draw finds it sooner
-    # (docs/retrieval.md, "RoPE's lottery", "Restart or train on"), so it starts again under another seed,
+    # (docs/results/retrieval-rope-lottery.md, retrieval-restart-or-train-on.md), so it starts again under another seed,
     # up to six times, the last draw then training on to its budget (where it trains in stages past
     # 3,000; RESTART_AT_rotary= (empty) trains every draw to its budget).
     if [ -n "$UNTIL" ] && [ "${UPDATES_rotary:-$UPDATES}" -gt 3000 ] 2>/dev/null; then
@@ -134,7 +134,7 @@ HEADS=${HEADS:-8}
 DIGITS=${DIGITS:-3}
 LR=${LR:-0.003}
 # 500 warm-up updates, not 100: with 100 some seeds never leave the loss
-# plateau on which the retrieval head has not formed (docs/retrieval.md).
+# plateau on which the retrieval head has not formed (docs/results/retrieval-demo.md, "The recipe").
 WARMUP=${WARMUP:-500}
 SEEDS=${SEEDS:-${SEED:-1 2 3}}   # model seeds (initialization, batch order, evaluation prompts)
 CORPUS_SEED=${CORPUS_SEED:-1}    # one corpus for every model seed

@@ -4,7 +4,7 @@ With ``UNTIL=P`` ``run.sh`` trains each model in stages of ``CHECK_EVERY``
 updates up to its budget and, after each stage, evaluates it at 1x L
 (`lines`, and the passkey with ``PASSKEY=1``); the model stops at the first
 stage where every task reaches P%.  Which stage that is depends on the seed
-more than on the family (docs/retrieval.md), so a fixed count per family is a
+more than on the family (docs/results/retrieval-every-family-recipe.md), so a fixed count per family is a
 lottery and a budget with checks is not.  This script keeps the checks:
 
 * ``record DIR STAGE LINES.json [PASSKEY.json]``: each task's accuracy at 1x

@@ -26,7 +26,7 @@ One convention for every accuracy across runs (:data:`CONVENTION`):
 prompts of the cell (depths pooled), the mean of those per-run accuracies and
 the lowest and highest of them, then the 95 % Wilson interval of all the runs'
 prompts pooled (the binomial uncertainty of the prompts; the spread between
-seeds is the brackets).  ``frontier.py`` and docs/retrieval.md use it too.
+seeds is the brackets).  ``frontier.py`` and the tables of docs/results/retrieval-*.md use it too.
 
     python examples/retrieval/summary.py seed1=out/seed1/families/results.json \\
         seed2=out/seed2/families/results.json seed3=out/seed3/families/results.json \\

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Why some seeds never learned retrieval with 100 warm-up updates, and whether
 # the 500-update recipe holds for seeds beyond the three of run.sh
-# (docs/retrieval.md, "The recipe").  Four schedules for one model seed, a 2x2
+# (docs/results/retrieval-demo.md, "The recipe").  Four schedules for one model seed, a 2x2
 # design that separates the two things a longer warm-up changes:
 #
 #   warm-up | peak lr  | lr after update 500
