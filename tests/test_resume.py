@@ -26,6 +26,7 @@ final validation loss equal):
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -398,6 +399,32 @@ def test_ctrl_c_names_the_update_a_rerun_resumes_from(lm_data_bin, tmp_path):
         f"({last}); updates after it are trained again")
 
 
+def test_the_interruption_note_says_what_a_rerun_of_the_same_command_loads(tmp_path, monkeypatch):
+    """Each way fairseq picks the file a rerun starts from: the save directory's checkpoint_last.pt
+    (the update it holds), nothing saved yet, --restore-file (loaded at every start), no last
+    checkpoint written."""
+    from omegaconf import OmegaConf
+
+    from fairseq_alibi.patches import resume
+
+    last = tmp_path / "checkpoint_last.pt"
+
+    def note(**checkpoint):
+        fields = dict(save_dir=str(tmp_path), checkpoint_suffix="", restore_file="checkpoint_last.pt",
+                      no_save=False, no_last_checkpoints=False)
+        monkeypatch.setitem(resume._RUNNING, "cfg", OmegaConf.create({"checkpoint": {**fields, **checkpoint}}))
+        return resume.interruption_note()
+
+    assert note() == "no checkpoint saved yet: a rerun of the same command starts from the beginning"
+    torch.save({"model": {}, "optimizer_history": [{"num_updates": 114}]}, last)
+    assert note() == (f"a rerun of the same command resumes from update 114 ({last}); updates after it are "
+                      "trained again")
+    assert note(restore_file="/m/base.pt") == ("a rerun of the same command starts again from --restore-file "
+                                               f"/m/base.pt; to resume from update 114 give --restore-file {last}")
+    assert note(no_last_checkpoints=True) == ("no checkpoint_last.pt is saved with --no-last-checkpoints: a rerun "
+                                              "of the same command starts from the beginning")
+
+
 def test_a_finished_distributed_run_destroys_its_process_group(tmp_path, monkeypatch):
     """After fairseq's distributed_main (training, then a barrier of all ranks)
     the process group is gone: fairseq never destroys it, and one left to
@@ -420,10 +447,11 @@ def test_a_finished_distributed_run_destroys_its_process_group(tmp_path, monkeyp
     assert during == [True] and not dist.is_initialized()
 
 
-# The recipe's run is stopped by a Ctrl-C sent once its first checkpoint exists: with MAX_UPDATE's 32 a
-# tiny model's remaining updates took less time than a loaded machine took to deliver it (the run ended
-# first and the test failed), so the recipe trains longer: the stop lands well before its end.
-RECIPE_UPDATES = 4 * MAX_UPDATE
+# The recipe's run is stopped by a Ctrl-C sent once it has saved a checkpoint in its second epoch (about
+# 38 updates each): with MAX_UPDATE's 32 a tiny model's remaining updates took less time than a loaded
+# machine took to deliver it (the run ended first and the test failed), so the recipe trains longer
+# (about five epochs): the stop lands well before its end.
+RECIPE_UPDATES = 6 * MAX_UPDATE
 RECIPE_SETTINGS = dict(SEEDS="1", POSITIONS="alibi", L="16", LAYERS="1", DIM="16", FFN="32", HEADS="2",
                        UPDATES=str(RECIPE_UPDATES), SAVE_EVERY=str(SAVE_EVERY), MAX_TOKENS="256", WARMUP="4",
                        LENGTHS="1x", EXTENSIONS="none")
@@ -436,11 +464,12 @@ def _compare(data_bin, out, **popen):
 
 
 @pytest.mark.slow
-def test_a_recipe_interrupted_in_its_first_epoch_resumes_from_its_last_saved_update(lm_data_bin, tmp_path):
-    """compare.sh saves every SAVE_EVERY updates from the first epoch on; Ctrl-C (SIGINT to
-    the recipe's process group, as a terminal sends it) after the first save stops the
+def test_a_recipe_interrupted_in_its_second_epoch_resumes_from_its_last_saved_update(lm_data_bin, tmp_path):
+    """compare.sh saves every SAVE_EVERY updates, mid-epoch too; Ctrl-C (SIGINT to the recipe's
+    process group, as a terminal sends it) after a save in the second epoch stops the
     training there, says so and how to resume, exit 130; the same command then resumes from
-    that update and ends with the weights of an uninterrupted run."""
+    that update and ends with the weights of an uninterrupted run (stock fairseq built the
+    resumed epoch's batches anew, so only a first-epoch stop resumed exactly)."""
     reference = _compare(lm_data_bin, tmp_path / "reference")
     stdout, stderr = reference.communicate(timeout=600)
     assert reference.returncode == 0, stdout[-2000:] + stderr[-2000:]
@@ -448,16 +477,17 @@ def test_a_recipe_interrupted_in_its_first_epoch_resumes_from_its_last_saved_upd
     out = tmp_path / "interrupted"
     last = out / "seed1" / "alibi" / "checkpoint_last.pt"
     proc = _compare(lm_data_bin, out, start_new_session=True, preexec_fn=ctrl_c_restored)
+    log = last.parent / "train.log"
     deadline = time.time() + 300
-    while not last.exists():
+    while not (log.exists() and "(epoch 2 @" in log.read_text()):  # a save of the second epoch
         assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline, "no checkpoint_last.pt within 300 s"
+        assert time.time() < deadline, "no checkpoint of the second epoch within 300 s"
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=300)
     saved = _updates(_state(last))
     assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
-    assert SAVE_EVERY <= saved < RECIPE_UPDATES and saved % SAVE_EVERY == 0, saved
+    assert SAVE_EVERY <= saved < RECIPE_UPDATES, saved
     assert f"seed 1 alibi: stopped (exit 130); it resumes from update {saved} ({last})" in stdout
     assert stderr.splitlines()[-1] == (
         "compare interrupted (SIGINT): rerun the same command to resume (trained models are kept, each other "
@@ -469,7 +499,8 @@ def test_a_recipe_interrupted_in_its_first_epoch_resumes_from_its_last_saved_upd
     stdout, stderr = again.communicate(timeout=600)
     assert again.returncode == 0, stdout[-2000:] + stderr[-2000:]
     assert f"resuming from update {saved};" in stdout
-    assert f"Loaded checkpoint {last} (epoch 1 @ {saved} updates)" in (last.parent / "train.log").read_text()
+    loaded = re.search(rf"Loaded checkpoint {re.escape(str(last))} \(epoch (\d+) @ {saved} updates\)", log.read_text())
+    assert loaded and int(loaded.group(1)) >= 2, log.read_text()[-3000:]
     _assert_same_final(_state(last), _state(tmp_path / "reference" / "seed1" / "alibi" / "checkpoint_last.pt"),
                        RECIPE_UPDATES)
     assert (out / "positions.md").read_text() == (tmp_path / "reference" / "positions.md").read_text()

@@ -227,17 +227,18 @@ def interruption_note() -> "str | None":
     if cfg is None:
         return None
     ckpt = cfg.checkpoint
-    if ckpt.no_save:
-        return "nothing is saved with --no-save: a rerun starts from the beginning"
+    if ckpt.no_save or ckpt.no_last_checkpoints:
+        flag = "--no-save" if ckpt.no_save else "--no-last-checkpoints"
+        return f"no checkpoint_last.pt is saved with {flag}: a rerun of the same command starts from the beginning"
     last = os.path.join(ckpt.save_dir, f"checkpoint_last{ckpt.checkpoint_suffix or ''}.pt")
-    if os.path.isfile(last) and not ckpt.no_last_checkpoints:
-        updates = saved_update(last)
-        at = f"update {updates}" if updates is not None else "its last saved update"
+    updates = saved_update(last) if os.path.isfile(last) else None
+    at = f"update {updates}" if updates is not None else "its last saved update"
+    if ckpt.restore_file != "checkpoint_last.pt":  # fairseq loads --restore-file at every start
+        again = f"a rerun of the same command starts again from --restore-file {ckpt.restore_file}"
+        return f"{again}; to resume from {at} give --restore-file {last}" if os.path.isfile(last) else again
+    if os.path.isfile(last):
         return f"a rerun of the same command resumes from {at} ({last}); updates after it are trained again"
-    start = _RUNNING.get("source")
-    if start:
-        return f"no checkpoint saved yet: a rerun starts again from {start}"
-    return "no checkpoint saved yet: a rerun starts from the beginning"
+    return "no checkpoint saved yet: a rerun of the same command starts from the beginning"
 
 
 def guarded_train(module) -> None:
