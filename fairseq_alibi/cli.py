@@ -375,21 +375,27 @@ def checked_training_data(module) -> None:
     module.main = main
 
 
+def _resume_guard(module) -> None:
+    """The checkpoint a training run resumes from read first (``patches.resume.guarded_train``)."""
+    from .patches import guarded_train
+
+    guarded_train(module)
+
+
+def _interruption_note():
+    from .patches import interruption_note
+
+    return interruption_note()
+
+
 def train():
     def guard(module):
-        from .patches import guarded_train
-
-        guarded_train(module)  # the resumed run's checkpoint read, after the data directories were checked
+        _resume_guard(module)  # the resumed run's checkpoint read, after the data directories were checked
         checked_training_data(module)
-
-    def note():
-        from .patches import interruption_note
-
-        return interruption_note()
 
     _run("fairseq_cli.train", training_help, check_arch, check_training_blocks, check_training_method,
          check_training_kernel, check_checkpoint_flags, check_training_criterion, guard=guard,
-         defaults=training_defaults, interruption_note=note)
+         defaults=training_defaults, interruption_note=_interruption_note)
 
 
 def eval_lm():
@@ -476,7 +482,7 @@ def hydra_train():
         run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
         sys.stderr.write("alibi-hydra-train: Hydra writes .hydra/ (the composed config) and hydra_train.log "
                          f"into {run_dir or 'its run directory (the working directory with fairseq configs)'}\n")
-    _run("fairseq_cli.hydra_train", check_hydra_config)
+    _run("fairseq_cli.hydra_train", check_hydra_config, guard=_resume_guard, interruption_note=_interruption_note)
 
 
 def preprocess():

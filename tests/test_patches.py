@@ -38,6 +38,8 @@ ELSEWHERE = {
     "checked_hub_paths": "test_user_errors.py::test_hub_paths_are_named",
     "quiet_hub_config": "test_user_errors.py::test_the_hub_keeps_its_whole_config_for_debug",
     "build_assertions": "test_user_errors.py::test_options_fairseq_cannot_build_from_are_one_line",
+    "one_line_argument_errors":
+        "test_arguments.py::test_every_method_param_on_an_arch_without_it_names_the_archs_that_take_it",
     "remainder_batches_kept": "test_cli.py::test_only_the_trainers_batches_drop_a_short_last_batch",
     "process_group_destroyed_after_training":
         "test_resume.py::test_a_finished_distributed_run_destroys_its_process_group",
@@ -48,6 +50,7 @@ ELSEWHERE = {
         "test_resume.py::test_a_run_resumed_in_its_first_second_or_third_epoch_ends_as_the_uninterrupted_one",
     "guarded_train": "test_resume.py::test_a_finished_run_rerun_trains_and_writes_nothing_and_says_so",
     "guarded_stock_train": "test_resume.py::test_stock_fairseq_train_with_the_plugin_keeps_a_finished_run",
+    "resume_checked_at_load": "test_resume.py::test_hydra_training_keeps_a_finished_run_and_refuses_another_model",
 }
 
 

@@ -296,6 +296,24 @@ def test_stock_fairseq_train_with_the_plugin_keeps_a_finished_run(lm_data_bin, a
     assert _bytes(save) == before and f"the run in {save} is already finished at update 4" in again.output
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["alibi-hydra-train", "fairseq-hydra-train"])
+def test_hydra_training_keeps_a_finished_run_and_refuses_another_model(lm_data_bin, alibi_user_dir, tmp_path, script):
+    """fairseq's Hydra entry point imports the training main under another name (pre_main): guarded too."""
+    from test_cli import write_hydra_config
+
+    config_dir = write_hydra_config(tmp_path, lm_data_bin, alibi_user_dir)
+    args = [tool(script), "--config-dir", config_dir, "--config-name", "tiny_lm", f"hydra.run.dir={tmp_path / 'h'}"]
+    run_cli(args)
+    save = tmp_path / "ckpt"
+    before = _bytes(save)
+    again = run_cli(args)
+    assert _bytes(save) == before and f"the run in {save} is already finished at update 6" in again.output
+    other = run_cli(args + ["model.decoder_layers=3", "optimization.max_update=8"], expect_ok=False)
+    assert other.returncode == 1 and "this command gives --decoder-layers 3 (the checkpoint: --decoder-layers 2)" \
+        in other.output and _bytes(save) == before, other.output[-3000:]
+
+
 def _composed(arch, *flags):
     from fairseq.dataclass.initialize import add_defaults
 

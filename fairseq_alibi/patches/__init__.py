@@ -69,7 +69,9 @@ changes:
     ``batches_as_first_built`` (wrong result): a run resumed in epoch 2 or
     later trains on the uninterrupted run's batches (fairseq keeps the
     batches of the epoch a process started in); ``guarded_stock_train``
-    (wrong result): a stock ``fairseq-train --user-dir`` gets the guard below.
+    (wrong result): a stock ``fairseq-train --user-dir`` gets the guard below;
+    ``resume_checked_at_load`` (wrong result): where no guarded ``main`` ran
+    (stock ``fairseq-hydra-train``), fairseq's ``load_checkpoint`` runs its checks.
 
 ``eval_lm.py``
     ``guarded_stock_eval_lm`` (wrong result): a stock ``fairseq-eval-lm
@@ -164,6 +166,7 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(resume.batches_as_first_built, WRONG_RESULT),  # after batching's wrapper of the same method
     Patch(eval_lm.guarded_stock_eval_lm, WRONG_RESULT),
     Patch(resume.guarded_stock_train, WRONG_RESULT),
+    Patch(resume.resume_checked_at_load, WRONG_RESULT),
 )
 
 #: Changes one command applies to one fairseq module itself (``patch.apply(module)``).

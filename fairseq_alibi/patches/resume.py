@@ -200,7 +200,8 @@ def _finished(cfg, state):
     return None
 
 
-#: The run the guarded ``main`` is training: its config (for :func:`interruption_note`).
+#: The run being trained: its config (checked, and for :func:`interruption_note`) and the checkpoint it
+#: resumed from.
 _RUNNING: dict = {}
 
 
@@ -241,10 +242,48 @@ def interruption_note() -> "str | None":
     return "no checkpoint saved yet: a rerun of the same command starts from the beginning"
 
 
+def _check_resume(cfg) -> bool:
+    """The checks of :func:`guarded_train` on the run of ``cfg``, once per config object (the
+    guarded ``main`` hands its own to the trainer): True if the run is finished (said, on the
+    first rank), a ``UserError`` if it resumes another model."""
+    import copy
+
+    from fairseq import checkpoint_utils
+    from fairseq.dataclass.initialize import add_defaults
+    from fairseq.distributed import utils as distributed_utils
+
+    from ..errors import UserError
+
+    if _RUNNING.get("cfg") is cfg:
+        return False
+    source = _source(cfg)
+    _RUNNING.update(cfg=cfg, source=source)
+    if source is None:
+        return False
+    state = checkpoint_utils.load_checkpoint_to_cpu(source)
+    full = copy.deepcopy(cfg)
+    add_defaults(full)
+    last = cfg.checkpoint.restore_file == "checkpoint_last.pt"
+    where = f"--save-dir {cfg.checkpoint.save_dir}" if last else f"--restore-file {source}"
+    difference = model_difference(state.get("cfg"), full)
+    if difference:
+        raise UserError(f"{where} holds a run of another model: this command gives {difference}; a resumed "
+                        "run keeps the model it started with (architecture, shapes, initial values, position "
+                        "settings); give a new --save-dir to train this model, or the checkpoint's options "
+                        "to resume it")
+    finished = _finished(cfg, state)
+    if finished and distributed_utils.is_master(cfg.distributed_training):
+        run = f"the run in {cfg.checkpoint.save_dir}" if last else f"the run of {source}"
+        print(f"{run} is already finished {finished[0]}: nothing trained, nothing written; to train it "
+              f"further give {finished[1]}", flush=True)
+    return bool(finished)
+
+
 def guarded_train(module) -> None:
     """Applied to ``fairseq_cli.train`` (passed as ``module``) by ``alibi-train``,
-    and by :func:`guarded_stock_train` when a stock ``fairseq-train --user-dir``
-    loaded the plugin.  Before anything is built, the checkpoint the run would
+    to ``fairseq_cli.hydra_train`` (its ``pre_main``, the training ``main`` it
+    imported) by ``alibi-hydra-train``, and by :func:`guarded_stock_train` when a
+    stock ``fairseq-train --user-dir`` loaded the plugin.  Before anything is built, the checkpoint the run would
     resume from (``checkpoint_last.pt`` of ``--save-dir``, or
     ``--restore-file``) is read: a model config other than the one it was
     trained with (:func:`model_difference`) is refused in one line naming the
@@ -260,54 +299,30 @@ def guarded_train(module) -> None:
     state-dict or optimizer load, and another initial value (``--fox-init-slopes``)
     or setting is recorded in every later checkpoint and export although the
     weights were trained from the old one."""
-    stock_main = module.main
+    name = "pre_main" if hasattr(module, "pre_main") else "main"
+    stock_main = getattr(module, name)
     if getattr(stock_main, "_alibi_resume_checked", False):
         return
 
     def main(cfg, *args, **kwargs):
         import argparse
-        import copy
 
-        from fairseq import checkpoint_utils
-        from fairseq.dataclass.initialize import add_defaults
         from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-        from fairseq.distributed import utils as distributed_utils
-
-        from ..errors import UserError
 
         if isinstance(cfg, argparse.Namespace):
             cfg = convert_namespace_to_omegaconf(cfg)
-        source = _source(cfg)
-        _RUNNING.update(cfg=cfg, source=source)
-        if source is not None:
-            state = checkpoint_utils.load_checkpoint_to_cpu(source)
-            full = copy.deepcopy(cfg)
-            add_defaults(full)
-            last = cfg.checkpoint.restore_file == "checkpoint_last.pt"
-            where = f"--save-dir {cfg.checkpoint.save_dir}" if last else f"--restore-file {source}"
-            difference = model_difference(state.get("cfg"), full)
-            if difference:
-                raise UserError(f"{where} holds a run of another model: this command gives {difference}; a resumed "
-                                "run keeps the model it started with (architecture, shapes, initial values, position "
-                                "settings); give a new --save-dir to train this model, or the checkpoint's options "
-                                "to resume it")
-            finished = _finished(cfg, state)
-            if finished:
-                if distributed_utils.is_master(cfg.distributed_training):
-                    run = f"the run in {cfg.checkpoint.save_dir}" if last else f"the run of {source}"
-                    print(f"{run} is already finished {finished[0]}: nothing trained, nothing "
-                          f"written; to train it further give {finished[1]}", flush=True)
-                return None
-            del state
+        if _check_resume(cfg):
+            return None
         return stock_main(cfg, *args, **kwargs)
 
     main._alibi_resume_checked = True
-    module.main = main
+    setattr(module, name, main)
 
 
 def guarded_stock_train() -> None:
     """A stock ``fairseq-train --user-dir`` imports the plugin while parsing its
-    options, its ``fairseq_cli.train`` module already loaded: it gets
+    options, its ``fairseq_cli.train`` module already loaded (``fairseq-hydra-train``
+    with ``common.user_dir``: ``fairseq_cli.hydra_train``): it gets
     :func:`guarded_train` too.
 
     Kind: wrong result.  Stock: a finished run's rerun trains one more update
@@ -315,6 +330,31 @@ def guarded_stock_train() -> None:
     a traceback or records values the weights never started from."""
     import sys
 
-    module = sys.modules.get("fairseq_cli.train")
-    if module is not None and hasattr(module, "main"):
-        guarded_train(module)
+    for name in ("fairseq_cli.train", "fairseq_cli.hydra_train"):
+        module = sys.modules.get(name)
+        if module is not None and (hasattr(module, "pre_main") or hasattr(module, "main")):
+            guarded_train(module)
+
+
+def resume_checked_at_load() -> None:
+    """fairseq's ``checkpoint_utils.load_checkpoint`` runs :func:`guarded_train`'s
+    checks on the trainer's config where no guarded ``main`` ran them first (a
+    stock ``fairseq-hydra-train`` imports the plugin inside its training
+    ``main``, too late to guard it; a script of one's own): a run of another
+    model is refused before its state is loaded, and a finished run stops
+    there (exit status 0), before it trains or writes.
+
+    Kind: wrong result.  Stock: as :func:`guarded_train` says."""
+    from fairseq import checkpoint_utils
+
+    stock = checkpoint_utils.load_checkpoint
+    if getattr(stock, "_alibi_resume_checked", False):
+        return
+
+    def load_checkpoint(cfg, trainer, **passthrough_args):
+        if _check_resume(trainer.cfg):
+            raise SystemExit(0)
+        return stock(cfg, trainer, **passthrough_args)
+
+    load_checkpoint._alibi_resume_checked = True
+    checkpoint_utils.load_checkpoint = load_checkpoint
