@@ -607,21 +607,6 @@ def check_kernel(name: str, bias: StackBias, dropout: float = 0.0) -> str:
     return name
 
 
-def attach_positions(layer: torch.nn.Module, positions: StackBias, kernel: str, dropout: float) -> str:
-    """Give an attention ``layer`` the position object it runs (``positions.
-    for_layer()``, as ``layer.positions``) and return its checked ``kernel``
-    (:func:`check_kernel`).  The stack's object is only read, not a submodule
-    of the layer (its parameters are saved and moved once, with the stack); a
-    layer's own object (FoX's gate, an encoder layer's learned slopes) is its
-    submodule under the object's ``layer_attribute``, the name checkpoints
-    hold.  The one definition for fairseq's layer and the exported model's."""
-    own = positions.for_layer()
-    if own is not positions:
-        setattr(layer, own.layer_attribute, own)
-    layer.__dict__["positions"] = own
-    return check_kernel(kernel, own, dropout)
-
-
 def choose_kernel(
     name: str,
     bias: StackBias,

@@ -58,7 +58,8 @@ from .configuration_alibi import AlibiLMConfig, scaling_of_rope
 from .positions import SINUSOIDAL, attention_entry
 from .positions import build as build_positions
 from .errors import InputError
-from .kernels import attach_positions, attend
+from .kernels import attend
+from .layer import bind_call, wire
 from .ssmax import ScalableSoftmax
 
 
@@ -115,19 +116,15 @@ class AttentionContext:
     def __init__(self, cache, past: int, pad: Optional[Tensor], need_weights: bool):
         self.cache, self.past, self.pad, self.need_weights = cache, past, pad, need_weights
 
-    def rotate(self, positions: StackBias, q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
-        """Queries and keys as attention sees them (rotary methods rotate the new
-        ones by their positions before the cache stores the keys; as fairseq's
-        layer, the first pass gives the padding for per-row dynamic factors)."""
-        return positions.rotate(q, k, self.past, self.past + q.size(2), self.pad if self.past == 0 else None)
-
-    def bind(self, positions: StackBias, x: Tensor) -> StackBias:
-        """This call's bias of a layer whose input is ``x`` ``[B, T, C]`` (FoX:
-        its gates; every other method: itself).  FoX has no KV cache here
-        (``AlibiLMModel.forward`` refuses one), so nothing is carried."""
+    def bind_call(self, positions: StackBias, q: Tensor, k: Tensor, x: Tensor) -> Tuple[Tensor, Tensor, StackBias]:
+        """``(q, k, bias)`` of this call of a layer whose input is ``x`` ``[B, T,
+        C]`` (``layer.bind_call``, as fairseq's layer: the new queries and keys
+        rotated before the cache stores the keys, the bias bound to the input).
+        FoX has no KV cache here (``AlibiLMModel.forward`` refuses one), so
+        nothing is carried."""
         new_pad = self.pad[:, self.past:] if self.pad is not None else None
-        bound, _ = positions.bind(x.transpose(0, 1), new_pad, None)
-        return bound
+        q, k, bound, _ = bind_call(positions, q, k, x.transpose(0, 1), self.past, new_pad)
+        return q, k, bound
 
     def attend(self, positions: StackBias, kernel: str, q: Tensor, k: Tensor, v: Tensor, dropout_p: float,
                ssmax: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
@@ -146,8 +143,7 @@ class AlibiSelfAttention(nn.Module):
         self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.v_proj, self.out_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
         # the stack's object (or a hybrid's choice for this layer), or this layer's own (FoX's gate)
-        self.kernel = attach_positions(self, stack.at_layer(layer_idx), config.alibi_attention,
-                                       config.attention_dropout)
+        self.kernel = wire(self, stack, config.alibi_attention, config.attention_dropout, index=layer_idx)
         # SSMax's learned scales (``ssmax.py``), as fairseq's layer holds them
         self.ssmax = ScalableSoftmax(self.num_heads, config.alibi_train_length) if config.ssmax else None
 
@@ -158,8 +154,7 @@ class AlibiSelfAttention(nn.Module):
             return y.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        q, k = context.rotate(self.positions, q, k)
-        positions = context.bind(self.positions, x)
+        q, k, positions = context.bind_call(self.positions, q, k, x)
         if context.cache is not None:
             k, v = context.cache.update(k, v, self.layer_idx)
             keys = context.past + length

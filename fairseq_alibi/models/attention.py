@@ -17,7 +17,7 @@ import torch
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
-from ..core import kernels
+from ..core import kernels, layer
 from ..core.bias import StackBias
 from ..core.scaling import Scaling
 from ..core.ssmax import ScalableSoftmax
@@ -34,11 +34,14 @@ class PositionMultiheadAttention(MultiheadAttention):
     """Self-attention with a position method; a drop-in for fairseq's ``MultiheadAttention``."""
 
     def __init__(self, embed_dim: int, num_heads: int, positions: StackBias, kernel: str = "auto",
-                 ssmax_length: Optional[int] = None, **kwargs):
+                 ssmax_length: Optional[int] = None, layer_index: Optional[int] = None, **kwargs):
+        """``positions``: the stack's object, and ``layer_index`` this layer's
+        place in the stack (a hybrid chooses by it), or None where
+        ``positions`` is already this layer's choice (``core.layer.wire``)."""
         super().__init__(embed_dim, num_heads, self_attention=True, **kwargs)
         if positions.num_heads != num_heads:
             raise ValueError(f"the position bias has {positions.num_heads} heads, attention has {num_heads}")
-        self.kernel = kernels.attach_positions(self, positions, kernel, self.dropout_module.p)
+        self.kernel = layer.wire(self, positions, kernel, self.dropout_module.p, index=layer_index)
         if ssmax_length is not None:  # scalable softmax: a learned s per head (core/ssmax.py); absent otherwise
             self.ssmax = ScalableSoftmax(num_heads, ssmax_length)
 
@@ -70,9 +73,8 @@ class PositionMultiheadAttention(MultiheadAttention):
         k = split_heads(self.k_proj(query))
         v = split_heads(self.v_proj(query))
         past = self._cached_length(incremental_state)
-        q, k = self.positions.rotate(q, k, past, past + tgt_len, key_padding_mask if past == 0 else None)
         carried = self._get_input_buffer(incremental_state).get("prev_positions") if past else None
-        positions, carry = self.positions.bind(query, key_padding_mask, carried)  # FoX: this call's gates
+        q, k, positions, carry = layer.bind_call(self.positions, q, k, query, past, key_padding_mask, carried)
         if incremental_state is not None:
             k, v, key_padding_mask = self._extend_cache(incremental_state, k, v, key_padding_mask, bsz, carry)
 
