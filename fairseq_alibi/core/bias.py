@@ -4,13 +4,14 @@ every kernel reads, and its implementations.
 Pure torch (no fairseq): the fairseq attention layer and an exported Hugging
 Face model both read their bias from here.
 
-:class:`StackBias` is the protocol (``kernels.py`` reads nothing else): the
-bias of a block of queries over their keys (:meth:`~StackBias.block`), the
-dense bias and the merged padding mask, cached once per forward pass and
-shared by the layers (:meth:`~StackBias.cached`: one entry per helper, the
-most recent key, so nothing is built per layer or batch row and no cache
-grows), and what a kernel may rely on (``toeplitz``, ``has_slopes``,
-``learned``, ``zero``, ``supports_flex``).  Its implementations:
+:class:`StackBias` is the protocol, a documented base class of
+capabilities (``kernels.py`` reads nothing else): the bias of a block of
+queries over their keys (:meth:`~StackBias.block`), the dense bias and the
+merged padding mask, cached once per forward pass and shared by the layers
+(:meth:`~StackBias.cached`: one entry per helper, the most recent key, so
+nothing is built per layer or batch row and no cache grows), per-distance
+values, a per-row cumulative term, key windows, a rotation, a logit scale,
+kernels of its own.  Its implementations here:
 
 * :class:`AlibiBias`: ALiBi's slopes and their scaling (``causal`` for the LM,
   ``symmetric`` or ``split`` for encoders); :class:`LearnedAlibiBias` (mode
@@ -112,13 +113,38 @@ class Same:
 
 
 class StackBias:
-    """What every kernel reads of a stack's position bias, and its caches.
+    """What every kernel reads of a stack's position object, and its caches:
+    the protocol of capabilities.  The kernels (``kernels.py``) and the layer
+    wiring (``layer.py``) ask for these, never for a method's name; a method
+    provides what it has and keeps the defaults (nothing) for the rest
+    (docs/architecture.md has the table):
 
-    Class attributes say what a kernel may rely on: ``toeplitz`` (the bias
-    depends on ``i - j`` only: the chunked kernel's ramp), ``has_slopes``
-    (ALiBi's slopes: the key windows), ``learned`` (carries gradients: nothing
-    kept across forward passes; the ``blocked`` kernel returns its gradient), ``zero`` (no bias, the
-    causal mask alone), ``supports_flex`` (a FlexAttention ``score_mod``).
+    * a bias block for a range of queries and keys: :meth:`block` (and
+      :meth:`key_block`, :meth:`dense`, :meth:`merged_mask`, built from it);
+      ``zero``: no bias, the causal mask alone (SDPA's ``is_causal``);
+    * per-distance values, a Toeplitz bias: ``toeplitz`` (a function of ``i -
+      j`` alone: the chunked kernel's views of one vector per head),
+      :meth:`per_distance` and :meth:`shared_from` for a learned one (its
+      gradient per distance);
+    * a per-row cumulative term ``c_i - c_j``: ``batched`` (one bias per batch
+      row) and ``cumulative`` ``c`` ``[B, H, S]``, bound to the layer's input
+      per call (:meth:`bind`; FoX's gates);
+    * key windows, keys a query cannot weigh (skipped exactly): ``has_slopes``
+      (ALiBi's slopes, ``kernels.key_windows``), :meth:`windows` (a bias's
+      own), ``window`` (a sliding window);
+    * a rotation of queries and keys: :meth:`rotate`;
+    * a logit scale: ``scaling`` (a logit method, ``logn``, of
+      ``logit_scale.py``; SSMax's scales are the layer's);
+    * a kernel of its own: ``own_kernels``, by registry name
+      (``kernels.kernel_for``);
+    * per layer: :meth:`at_layer` (a hybrid's choice), :meth:`for_layer` (a
+      layer's own object, a submodule under ``layer_attribute``),
+      :meth:`fit_depth`;
+    * what a kernel's choice and its fast paths read: ``learned`` (carries
+      gradients: nothing kept across passes; the ``blocked`` kernel returns
+      its gradient), ``supports_flex`` (a FlexAttention ``score_mod``),
+      ``heads_apart`` and :meth:`reversed_head_blocks`,
+      :meth:`training_blocks`, :meth:`value_span`.
     """
 
     supports_flex = False
