@@ -30,7 +30,9 @@ Log-probs are those of the next token at every real position (0 at padding).
 Everything runs single-threaded (the order of sums of a threaded reduction
 may depend on the thread count).  ``python tests/reference_outputs.py``
 writes ``tests/data/reference_outputs.pt``; ``tests/test_reference_outputs.py``
-recomputes and compares.
+recomputes and compares.  A new method: a line in :data:`VARIANTS`, then
+``python tests/reference_outputs.py --only NAME`` adds its outputs and keeps
+every other stored bit.
 """
 
 from __future__ import annotations
@@ -392,12 +394,29 @@ def compute_all(progress: Callable[[str], None] = lambda _: None) -> Dict[str, t
 
 
 def main() -> None:
+    """Write every reference output; ``--only NAME ...``: recompute those
+    variants (or encoder modes) alone, keeping every other stored value (a
+    new method's entry, without rewriting the others' bits)."""
+    import argparse
     import subprocess
     import time
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS) + list(ENCODER_MODES))
+    only = parser.parse_args().only
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=TESTS.parent, capture_output=True, text=True).stdout
     start = time.time()
-    outputs = compute_all(lambda name: print(f"{time.time() - start:7.1f}s {name}", flush=True))
+    if only:
+        stored = torch.load(DATA, weights_only=True)
+        outputs = {k: v for k, v in stored["outputs"].items() if k.split("/")[0] not in only
+                   and not (k.startswith("encoder/") and k.split("/")[1] in only)}
+        for name in only:
+            found = compute_encoder(name) if name in ENCODER_MODES else {
+                f"{name}/{k}": v for k, v in compute_variant(name).items()}
+            outputs.update(found)
+        commit = f"{stored['commit']} ({', '.join(only)} at {commit.strip()})"
+    else:
+        outputs = compute_all(lambda name: print(f"{time.time() - start:7.1f}s {name}", flush=True))
     DATA.parent.mkdir(exist_ok=True)
     torch.save({"fingerprint": fingerprint(), "commit": commit.strip(), "outputs": outputs}, DATA)
     print(f"{len(outputs)} outputs, {DATA.stat().st_size / 1e6:.2f} MB, {time.time() - start:.0f}s")
