@@ -3,8 +3,9 @@
     python benchmarks/flex_compile.py                                 # CPU (inductor's C++ backend)
     python benchmarks/flex_compile.py --device cuda --dtype bfloat16  # a GPU (Triton)
 
-One causal ALiBi stack (``AlibiBias``), the ``flex`` kernel without
-gradients, as evaluation runs it: first a sweep of ``--lengths`` (10 by
+One causal ALiBi stack (the registry's ``alibi``) and one attention layer of
+it (its projections identities) with the ``flex`` kernel, without gradients,
+as evaluation runs it: first a sweep of ``--lengths`` (10 by
 default) under no scaling, then each of ``--methods`` at two lengths (a
 method's first call, then another length).  Each call's wall time is that of
 its first run (compilation included, when it compiles) and of a second run
@@ -35,21 +36,22 @@ def measure(opts) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    from fairseq_alibi.core import flex
     from fairseq_alibi.core.scaling import Scaling
-    from fairseq_alibi.core.bias import AlibiBias
+    from gpu_attention import attention_layer, build_stack
 
     device, dtype = torch.device(opts.device), getattr(torch, opts.dtype)
-    bias = AlibiBias(opts.heads, "causal")
+    # ALiBi's stack from the registry and one layer of it, its kernel flex (projections identities):
+    # the call evaluation makes, reached through the layer the models build.
+    bias = build_stack("alibi", opts.train_length, opts.heads, opts.head_dim)
+    layer = attention_layer(bias, 0, "flex", opts.heads, opts.head_dim, device, dtype)
 
     def timed(length: int) -> float:
-        q, k, v = (torch.randn(opts.batch, opts.heads, length, opts.head_dim, device=device, dtype=dtype)
-                   for _ in range(3))
+        x = torch.randn(length, opts.batch, opts.heads * opts.head_dim, device=device, dtype=dtype)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.no_grad():
-            flex.flex_kernel(q, k, v, bias, None, 0.0)
+            layer(x, x, x, need_weights=False)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start

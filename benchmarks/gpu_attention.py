@@ -71,6 +71,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_lm, device_name, machine_description, make_dict_dir, median, positive  # noqa: E402
 from eval_memory import write_json  # noqa: E402
 
+# fairseq, once imported, logs at DEBUG: not every lock the compiler takes
+logging.getLogger("filelock").setLevel(logging.WARNING)
+
 #: The attention call part ``kernels`` times: 16 heads of 64 (d=1024).
 HEADS, HEAD_DIM = 16, 64
 #: The depth of the stack a method's layers are built from (RNoPE's interleaving needs one).
@@ -229,18 +232,24 @@ def build_stack(name: str, length: int, heads: int, head_dim: int):
     return P.build(name, heads, head_dim, params, Scaling.parse("none", length).complete(), LAYERS)
 
 
-def layer_call(method: str, index: int, kernel: str, length, batch, heads, head_dim, device, dtype):
-    """Layer ``index`` of a ``method`` stack, as the decoder builds it (``kernel``: its
-    ``alibi_attention``), its projections identities: input ``[T, B, H * D]`` is q, k and v."""
+def attention_layer(stack, index: int, kernel: str, heads: int, head_dim: int, device, dtype):
+    """Layer ``index`` of ``stack`` (a registry-built stack object), as the decoder builds it
+    (``kernel``: its ``alibi_attention``), its four projections identities: its input
+    ``[T, B, H * D]`` is q, k and v, and its time the method's part alone."""
     from fairseq_alibi.models.attention import PositionMultiheadAttention
 
-    stack = build_stack(method, length, heads, head_dim)
     if isinstance(stack, torch.nn.Module):  # a learned bias: the stack's own parameters
         stack.to(device=device, dtype=dtype)
     layer = PositionMultiheadAttention(heads * head_dim, heads, stack.at_layer(index), kernel=kernel, dropout=0.0)
     for projection in ("q_proj", "k_proj", "v_proj", "out_proj"):
         setattr(layer, projection, torch.nn.Identity())
-    layer.to(device=device, dtype=dtype)  # its own parameters (FoX's gates)
+    return layer.to(device=device, dtype=dtype)  # its own parameters (FoX's gates)
+
+
+def layer_call(method: str, index: int, kernel: str, length, batch, heads, head_dim, device, dtype):
+    """Layer ``index`` of a fresh ``method`` stack (:func:`attention_layer`) on one random input."""
+    stack = build_stack(method, length, heads, head_dim)
+    layer = attention_layer(stack, index, kernel, heads, head_dim, device, dtype)
     x = torch.randn(length, batch, heads * head_dim, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(length, batch, heads * head_dim, device=device, dtype=dtype)
     modules = [layer] + ([stack] if isinstance(stack, torch.nn.Module) else [])
@@ -591,9 +600,6 @@ def main(argv=None):
     p.add_argument("--json", help="write the kernel rows here (rewritten after each row)")
     opts = p.parse_args(argv)
     opts.diagnose_lengths = [n for n in opts.diagnose_lengths if n is not None]
-    import fairseq_alibi.models.attention  # noqa: F401  (fairseq, imported, logs at DEBUG: not the compiler's locks)
-
-    logging.getLogger("filelock").setLevel(logging.WARNING)
     device = torch.device(opts.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"error: --device {opts.device}, but torch {torch.__version__} sees no CUDA device here; run it on a "

@@ -180,3 +180,19 @@ def test_eval_cells_are_warmed_at_their_length_for_every_method(tmp_path):
     section = "\n".join(gpu_check.eval_section([data]))
     assert "the median of 2 forwards" in section
     assert all(f"| 48 | {m} | " in section for m in methods)
+
+
+@pytest.mark.slow
+def test_flex_compile_reaches_flex_through_the_layer(tmp_path):
+    """``benchmarks/flex_compile.py`` (make gpu-check's ``compile`` step) on the CPU: ALiBi's layer
+    with the flex kernel compiles once per shape class and once per distance method."""
+    out = tmp_path / "compile.json"
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "flex_compile.py"), "--lengths", "64", "160",
+                             "--methods", "cap", "--heads", "2", "--head-dim", "8", "--batch", "1", "--json", str(out)],
+                            capture_output=True, text=True, env=cli_env(FAIRSEQ_ALIBI_CPU_FLEX="1"), cwd=REPO,
+                            timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [(r["step"], r["length"]) for r in data["rows"]] == [("none", 64), ("none", 160), ("cap", 160), ("cap", 160)]
+    assert [r["new_graphs"] for r in data["rows"]][:3] == [1, 1, 1]
+    assert "| none | 64 | 1 |" in "\n".join(gpu_check.compile_section([data]))
