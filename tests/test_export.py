@@ -467,8 +467,6 @@ def test_a_written_model_that_is_not_the_checkpoint_is_refused_and_nothing_writt
     and the output directory never appears."""
     from transformers import BloomForCausalLM
 
-    import fairseq_alibi.export as export_module
-
     extra, std, options, broken, message = REFUSED[name]
     model, cfg = build(data_dir, extra, std=std)
     checkpoint = save(model, cfg, tmp_path / "m.pt")
@@ -476,7 +474,7 @@ def test_a_written_model_that_is_not_the_checkpoint_is_refused_and_nothing_writt
         cls = BloomForCausalLM if "bloom" in options else AlibiForCausalLM
         monkeypatch.setattr(cls, "save_pretrained", perturbing_save(cls))
     elif broken == "code":
-        monkeypatch.setattr(export_module, "traveling_files", tampered_code(tmp_path))
+        monkeypatch.setattr(writer, "traveling_files", tampered_code(tmp_path))
     status, output = export(checkpoint, tmp_path / "models" / "out", *options)
     assert status == 1 and re.search(message, one_error_line(output)), output
     assert "nothing written" in output and "wrote" not in output

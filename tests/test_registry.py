@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from fairseq_alibi.core import positions as P
+from fairseq_alibi.core.alibi import get_slopes
+from fairseq_alibi.core.bias import ModuleBias
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,8 +26,6 @@ class SqrtBias(torch.nn.Module):
 
     def __init__(self, num_heads: int):
         super().__init__()
-        from fairseq_alibi.core.alibi import get_slopes
-
         self.scale = torch.nn.Parameter(get_slopes(num_heads).clone())
 
     def values(self, query, key):
@@ -34,12 +34,27 @@ class SqrtBias(torch.nn.Module):
 
 
 def build_toy(num_heads, head_dim, params, scaling):
-    from fairseq_alibi.core.bias import ModuleBias
-
     return ModuleBias(SqrtBias(num_heads), num_heads, toeplitz=True)
 
 
 TOY = P.Position("toy", "bias", P.PLAIN, "-s_h sqrt(i - j): a test's method", build_toy, colour=None)
+#: The toy's module as a plugin writes it: this file's code, its imports of the core relative (it is
+#: loaded as a module of the core, ``positions.load_module``, here and in an exported model's directory).
+TOY_IMPORTS = "import torch\n\nfrom .alibi import get_slopes\nfrom .bias import ModuleBias\n"
+
+
+def toy_module(folder: Path, imports: str = TOY_IMPORTS, stem: str = "sqrt_bias") -> Path:
+    """The toy's module (its maths and its entry, registered when it is imported) in ``folder``."""
+    import inspect
+
+    path = folder / f"{stem}.py"
+    path.write_text(
+        '"""A test\'s position method (tests/test_registry.py): its maths and its entry."""\n\n' + imports
+        + "from .positions import PLAIN, Position, register\n\n\n" + inspect.getsource(SqrtBias) + "\n\n"
+        + inspect.getsource(build_toy) + "\n\n"
+        + 'register(Position("toy", "bias", PLAIN, "-s_h sqrt(i - j): a test\'s method", build_toy))\n',
+        encoding="utf-8")
+    return path
 
 
 def without(name: str) -> None:
@@ -181,17 +196,15 @@ def test_no_code_compares_a_method_name_with_a_string():
 
 # ---------------------------------------------------------------- the toy method through the stock CLIs
 def toy_user_dir(root: Path) -> Path:
-    """A ``--user-dir`` package that loads the plugin and registers the toy (this file's code)."""
-    import inspect
-
+    """A ``--user-dir`` package that loads the plugin and the toy's module (this file's code), which
+    registers the toy."""
     package = root / "toyplugin"
     package.mkdir()
+    toy_module(package)
     (package / "__init__.py").write_text(
-        "import torch\n\nimport fairseq_alibi.models  # noqa: F401  (the plugin: patches, models)\n"
-        "from fairseq_alibi.core import positions as P\n\n\n"
-        + inspect.getsource(SqrtBias) + "\n\n" + inspect.getsource(build_toy) + "\n\n"
-        + 'P.register(P.Position("toy", "bias", P.PLAIN, "-s_h sqrt(i - j): a test\'s method", build_toy))\n',
-        encoding="utf-8")
+        "import os\n\nimport fairseq_alibi.models  # noqa: F401  (the plugin: patches, models)\n"
+        "from fairseq_alibi.core.positions import load_module\n\n"
+        'load_module(os.path.join(os.path.dirname(__file__), "sqrt_bias.py"))\n', encoding="utf-8")
     return package
 
 
@@ -199,7 +212,9 @@ def toy_user_dir(root: Path) -> Path:
 def test_a_method_defined_here_alone_trains_evaluates_with_a_kv_cache_and_exports(lm_data_bin, tmp_path, toy):
     """fairseq-train and fairseq-eval-lm (stock, --user-dir a package of this file's code) train
     and evaluate transformer_lm_toy; its checkpoint decodes token by token (fairseq's incremental
-    state, the KV cache) as the full forward; alibi-export-hf writes it in the default format."""
+    state, the KV cache) as the full forward; alibi-export-hf (which imports the checkpoint's user
+    dir) writes it in the default format with the toy's module beside the core, and the exported
+    model, loaded with transformers alone, computes the checkpoint's log-probs, its KV cache too."""
     from conftest import parse_eval, run_cli, tool, train_args
 
     user_dir = toy_user_dir(tmp_path)
@@ -224,9 +239,174 @@ def test_a_method_defined_here_alone_trains_evaluates_with_a_kv_cache_and_export
             steps.append(model.decoder(tokens[:, : i + 1], incremental_state=state)[0])
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
 
-    exported = run_cli([tool("alibi-export-hf"), checkpoint, tmp_path / "hf"], expect_ok=False, fresh=True)
-    if exported.returncode != 0:  # the export half, not built yet: reported as such, passes once it is
-        pytest.xfail("alibi-export-hf does not load the checkpoint's user dir, and the default format's code "
-                     "(core/ copied) cannot compute a method whose module lives outside core/: "
-                     + exported.output.strip().splitlines()[-1][:200])
-    assert (tmp_path / "hf" / "config.json").exists()
+    exported = run_cli([tool("alibi-export-hf"), checkpoint, tmp_path / "hf"], fresh=True)
+    assert "AlibiForCausalLM (trust_remote_code=True)" in exported.output, exported.output
+    code = {p.name for p in (tmp_path / "hf").glob("*.py")}
+    assert {"sqrt_bias.py", "methods.py", "modeling_alibi.py"} <= code
+    assert "from .sqrt_bias import build_toy" in (tmp_path / "hf" / "methods.py").read_text()
+    loaded = load_without_fairseq(tmp_path / "hf", tokens[0].tolist(), tmp_path)
+    torch.testing.assert_close(torch.tensor(loaded["logp"]), full.float().log_softmax(-1)[0], rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(loaded["cached"]), torch.tensor(loaded["logp"]), rtol=0, atol=1e-5)
+    assert loaded["position"] == "SqrtBias" and loaded["imported"] == []
+
+
+#: Loads an exported model with transformers alone (after test_export's guard: importing fairseq or this
+#: package fails), as a user does: its log-probs on the given ids, the ids decoded one by one through its KV cache.
+LOAD_ALONE = """
+import torch
+from transformers import AutoModelForCausalLM
+out, ids = sys.argv[1], torch.tensor([json.loads(sys.argv[2])])
+model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+with torch.no_grad():
+    logp = model(input_ids=ids, use_cache=False).logits.log_softmax(-1)
+    past, steps = None, []
+    for i in range(ids.size(1)):
+        step = model(input_ids=ids[:, i:i + 1], past_key_values=past, use_cache=True)
+        past = step.past_key_values
+        steps.append(step.logits.log_softmax(-1))
+position = next(type(m).__name__ for m in model.modules() if type(m).__name__ == "SqrtBias")
+imported = sorted(m for m in sys.modules if m.split(".")[0] in ("fairseq", "fairseq_alibi"))
+print("RESULT", json.dumps({"logp": logp[0].tolist(), "cached": torch.cat(steps, 1)[0].tolist(),
+                            "position": position, "imported": imported}))
+"""
+
+
+def load_without_fairseq(directory: Path, ids, scratch: Path) -> dict:
+    """What :data:`LOAD_ALONE` computes on ``directory``, in a fresh process, remote code cached in ``scratch``."""
+    import json
+    import subprocess
+
+    from conftest import cli_env
+    from test_export import GUARD
+
+    env = cli_env(HF_MODULES_CACHE=str(scratch / "modules"), HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = ""  # not the worktree: fairseq_alibi must not be importable from there
+    script = GUARD.split("import torch")[0] + LOAD_ALONE
+    result = subprocess.run([sys.executable, "-c", script, str(directory), json.dumps(ids)], capture_output=True,
+                            text=True, env=env, cwd=scratch, stdin=subprocess.DEVNULL, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.split("RESULT ", 1)[1])
+
+
+# ---------------------------------------------------------------- the export of a method from outside the core
+@pytest.fixture
+def toy_loaded(tmp_path):
+    """The toy registered as its plugin registers it: its module loaded as one of the core's
+    (``positions.load_module``); its module, and the toy, gone after the test."""
+    import fairseq_alibi.models  # noqa: F401  (listens for registrations: transformer_lm_<name>)
+
+    (tmp_path / "plugin").mkdir()
+    module = P.load_module(str(toy_module(tmp_path / "plugin")))
+    try:
+        yield module
+    finally:
+        sys.modules.pop(module.__name__, None)
+        without("toy")
+
+
+def toy_checkpoint(tmp_path: Path, arch: str = "transformer_lm_toy", user_dir=None) -> Path:
+    """A tiny fairseq checkpoint of ``arch`` (random weights), its config's ``common.user_dir`` set."""
+    from test_export import build, save
+
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "dict.txt").write_text("".join(f"w{i} {100 - i}\n" for i in range(40)))
+    model, cfg = build(tmp_path / "data", ["--arch", arch])
+    cfg.common.user_dir = None if user_dir is None else str(user_dir)
+    return save(model, cfg, tmp_path / "model.pt")
+
+
+def test_a_method_loaded_into_the_core_exports_with_its_module_beside_the_core(toy_loaded, tmp_path):
+    """The default format writes the method's module beside the core and a methods.py that
+    imports it (so transformers' loader copies it and it registers the method); the export's
+    check, which loads the written directory back and compares it with fairseq, passes."""
+    from test_export import export
+
+    assert P.load_module(toy_loaded.__file__) is toy_loaded  # loaded once: no second registration
+    status, output = export(toy_checkpoint(tmp_path), tmp_path / "hf")
+    assert status == 0 and "check: the written files loaded back" in output, output
+    written = tmp_path / "hf"
+    assert (written / "sqrt_bias.py").read_text() == Path(toy_loaded.__file__).read_text()
+    assert "from .sqrt_bias import build_toy" in (written / "methods.py").read_text()
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    assert str(written / "sqrt_bias.py") in get_relative_import_files(str(written / "modeling_alibi.py"))
+
+
+def test_the_core_methods_travel_alone():
+    """No built-in method (nor the stock model) has a module outside the core: the core's
+    methods.py, which imports none, is what their exports carry."""
+    from fairseq_alibi.core import methods
+    from fairseq_alibi.export.writer import method_module
+
+    assert methods.REGISTERED == ()
+    for name in P.exported_methods():
+        assert method_module(name) is None, name
+
+
+#: What makes a method's module unable to travel -> the refusal's words.
+UNTRAVELED = {
+    "registered by a module outside the core": "is not a module of fairseq_alibi.core, so an exported model's "
+                                               "directory cannot import it: load the method's file with",
+    "importing the core by its package's name": "imports fairseq_alibi.core.alibi \\(line 5\\), which an exported "
+                                                "model does not have",
+}
+
+
+@pytest.mark.parametrize("case", list(UNTRAVELED))
+def test_a_method_whose_module_cannot_travel_is_refused_in_one_line(case, tmp_path):
+    """A method registered from a module that is not loaded as one of the core's, or one whose module
+    imports this package by name (which runs here, but not where the exported model is loaded), is
+    refused before anything is written."""
+    from test_export import export, one_error_line
+
+    import fairseq_alibi.models  # noqa: F401  (listens for registrations)
+
+    module = None
+    if case == "registered by a module outside the core":
+        P.register(TOY)
+    else:
+        (tmp_path / "plugin").mkdir()
+        absolute = TOY_IMPORTS.replace("from .", "from fairseq_alibi.core.")  # runs here, not without the package
+        module = P.load_module(str(toy_module(tmp_path / "plugin", absolute)))
+    try:
+        status, output = export(toy_checkpoint(tmp_path), tmp_path / "hf")
+    finally:
+        if module is not None:
+            sys.modules.pop(module.__name__, None)
+        without("toy")
+    assert status == 1 and re.search(UNTRAVELED[case], one_error_line(output)), output
+    assert not (tmp_path / "hf").exists()
+
+
+def test_the_export_imports_the_checkpoints_user_dir_and_refuses_one_that_is_not_here(tmp_path):
+    """The checkpoint's common.user_dir is imported as fairseq imports --user-dir (its method
+    registered); one that is not here is refused in one line; this plugin's own directory,
+    recorded on another machine, is the plugin loaded already."""
+    from test_export import export, one_error_line
+
+    from fairseq_alibi.export.source import import_user_dir
+    from omegaconf import OmegaConf
+
+    missing = tmp_path / "elsewhere" / "toyplugin"
+    status, output = export(toy_checkpoint(tmp_path, "transformer_lm_alibi", missing), tmp_path / "hf")
+    assert status == 1 and re.search(f"was trained with --user-dir {missing} .*which is not here",
+                                     one_error_line(output)), output
+    assert not (tmp_path / "hf").exists()
+    import_user_dir("m.pt", {"cfg": OmegaConf.create({"common": {"user_dir": "/another/machine/fairseq_alibi"}})})
+    package = tmp_path / "userdirtoy"
+    package.mkdir()
+    (package / "__init__.py").write_text("LOADED = True\n")
+    try:
+        import_user_dir("m.pt", {"cfg": OmegaConf.create({"common": {"user_dir": str(package)}})})
+        assert sys.modules["userdirtoy"].LOADED
+    finally:
+        sys.modules.pop("userdirtoy", None)
+
+
+def test_a_methods_module_may_not_take_a_core_modules_name(tmp_path):
+    from fairseq_alibi.core.errors import ConfigError
+
+    path = tmp_path / "bias.py"
+    path.write_text("X = 1\n")
+    with pytest.raises(ConfigError, match="a method's module cannot be named bias.py, a core module's name"):
+        P.load_module(str(path))

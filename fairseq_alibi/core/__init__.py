@@ -11,6 +11,8 @@ which follows ``from .module import name`` (so this folder stays flat).
 * ``scaling``: the context-extension spec (``Scaling``), its methods (``METHOD_TABLE``) and spellings;
 * ``positions``: the registry of position methods (``POSITIONS``): each one's kind, parameters,
   the extension methods that apply to it and its builder;
+* ``methods``: the modules of position methods registered outside this folder that an exported
+  model imports (empty here; ``alibi-export-hf`` writes it anew beside such a method's module);
 * ``alibi``: ALiBi's slopes, what each extension method does to them, the one bias formula;
 * ``rotary``: RoPE (rotation of queries and keys) with its extension methods (PI, NTK, YaRN);
 * ``t5bias``, ``kerple``, ``fire``: the learned biases (T5's buckets, Kerple's log kernel, FIRE's MLP);

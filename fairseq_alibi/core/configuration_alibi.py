@@ -35,6 +35,7 @@ from .errors import ConfigError, ScalingError
 from .positions import ROPE_PARAMETERS, attention_entry, check_params, exported_methods
 from .positions import params_of
 from .scaling import NO_SCALING, Scaling
+from .methods import REGISTERED  # noqa: F401  (registers an exported model's method from outside the core)
 
 #: ``model_type`` of every exported model (``config.json``).
 MODEL_TYPE = "fairseq_alibi_lm"

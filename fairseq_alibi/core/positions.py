@@ -317,6 +317,42 @@ def on_register(listener: Callable[[Position], None]) -> None:
         listener(entry)
 
 
+def load_module(path: str):
+    """Import the file ``path``, a method's module kept outside this folder (a plugin's, a
+    test's: its maths and its ``register(Position(...))`` call), as a module of this folder,
+    ``<this package>.<its file's stem>``: its imports of the core are relative (``from .bias
+    import ModuleBias``) and find the core here as in an exported model's directory, where the
+    export copies the module beside the core files (``export/writer.py``).  A file loaded
+    already is the module returned; a stem that is a core module's name, or one loaded from
+    another file, is refused (``ConfigError``)."""
+    import importlib.util
+    import os
+    import sys
+
+    stem, suffix = os.path.splitext(os.path.basename(path))
+    if suffix != ".py" or not stem.isidentifier():
+        raise ConfigError(f"{path} is not a method's module: give a Python file NAME.py, NAME an identifier")
+    name = f"{__package__}.{stem}"
+    loaded = sys.modules.get(name)
+    if loaded is not None and os.path.realpath(getattr(loaded, "__file__", "")) == os.path.realpath(path):
+        return loaded
+    core = os.path.exists(os.path.join(os.path.dirname(os.path.abspath(__file__)), stem + ".py"))
+    if core or loaded is not None:
+        what = "a core module's name" if core else f"that of {getattr(loaded, '__file__', name)}, loaded already"
+        raise ConfigError(f"a method's module cannot be named {stem}.py, {what}: rename {path}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"method module {path} not found")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def extensions(name: Optional[str]) -> Tuple[str, ...]:
     """The extension methods of position method ``name``; ``none`` alone for a
     model whose positions nothing here changes (the stock sinusoidal model:

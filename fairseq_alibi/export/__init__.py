@@ -24,7 +24,6 @@ error refused); only then is it renamed into place.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from typing import Dict, List, Optional, Tuple
 
@@ -36,7 +35,7 @@ from ..errors import ExportError, report_errors
 from ..hf import quiet_transformers
 from .check import check_written
 from .source import Source, load_source
-from .writer import check_output_dir, staged_directory, traveling_files
+from .writer import check_output_dir, staged_directory, write_code
 
 FORMATS = ("auto", CUSTOM, BLOOM, NEOX)
 #: How a stock format is named in a line.
@@ -133,8 +132,7 @@ def export(checkpoint: str, output_dir: str, fmt: str = "auto", position_scaling
         with quiet_transformers():
             model.to(DTYPES[dtype]).save_pretrained(stage)
             if fmt == CUSTOM:
-                for path in traveling_files():
-                    shutil.copy(path, stage)
+                write_code(stage, source.position)
             save_tokenizer(tokenizer, stage)
         del model  # what is checked, and described, is what the files hold
         written = check_written(stage, fmt, source, scaling)

@@ -68,6 +68,31 @@ def read_checkpoint(path: str) -> Dict[str, Any]:
         raise ExportError(f"{path} is not a usable fairseq checkpoint ({type(exc).__name__}: {one_line(exc)})") from None
 
 
+def import_user_dir(path: str, state: Dict[str, Any]) -> None:
+    """Import the package the checkpoint was trained with (its config's ``common.user_dir``)
+    as fairseq's CLIs import ``--user-dir`` (``utils.import_user_module``), so a position
+    method it registers (``positions.register``) is known here; this plugin's own directory,
+    wherever it was trained, is the one loaded already.  One that is not here is refused."""
+    cfg = state.get("cfg")
+    common = cfg.get("common") if cfg is not None else None
+    user_dir = common.get("user_dir") if common is not None else None
+    if not user_dir or os.path.basename(os.path.normpath(str(user_dir))) == __name__.split(".")[0]:
+        return
+    import argparse
+
+    from fairseq import utils
+
+    try:
+        utils.import_user_module(argparse.Namespace(user_dir=str(user_dir)))
+    except FileNotFoundError:
+        raise ExportError(f"{path} was trained with --user-dir {user_dir} (its config's common.user_dir), which is "
+                          "not here: its model's code is there; put that package at that path and export again"
+                          ) from None
+    except ImportError as exc:
+        raise ExportError(f"cannot import {path}'s user dir {user_dir} (its config's common.user_dir): "
+                          f"{one_line(exc)}") from None
+
+
 def check_language_model(path: str, state: Dict[str, Any]) -> str:
     """The position method of a causal LM this tool exports (``sinusoidal`` for
     fairseq's stock ``transformer_lm``); anything else refused, saying what it is."""
@@ -154,6 +179,7 @@ def load_source(path: str, dict_path: Optional[str] = None) -> Source:
     from fairseq.tasks.language_modeling import LanguageModelingTask
 
     state = read_checkpoint(path)
+    import_user_dir(path, state)
     position = check_language_model(path, state)
     model_cfg, task_cfg = facts.checkpoint_sections(state)
     dictionary = load_dictionary(dictionary_path(path, task_cfg, dict_path), vocabulary_rows(state["model"]))
