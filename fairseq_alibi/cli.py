@@ -276,11 +276,13 @@ def check_position_flags(argv: List[str]) -> None:
 
 
 def overrides_help() -> str:
-    """The ALiBi ``--model-overrides`` keys, printed after argparse's help: each
-    config field with its own ``--help`` text (``models.config.field_help``)."""
+    """The ``--model-overrides`` keys, printed after argparse's help: each ALiBi
+    config field with its own ``--help`` text (``models.config.field_help``), then
+    each position method's from the registry (``arguments.position_keys_help``)."""
     import textwrap
 
-    from .models.config import field_help
+    from .arguments import position_keys_help
+    from .models.config import WEIGHT_FLAGS, field_help
     from .models.transformer_lm import AlibiLanguageModelConfig
 
     lines = ["", "Position methods at evaluation: --model-overrides \"{'position_scaling': 'ntk:2'}\" (or, the older "
@@ -288,6 +290,8 @@ def overrides_help() -> str:
              "(docs/evaluating.md):"]
     for name, text in field_help(AlibiLanguageModelConfig).items():
         lines.append(textwrap.fill(f"{name}: {text}", width=100, initial_indent="  ", subsequent_indent="      "))
+    lines += ["Each position method's own keys (another method's are refused):",
+              position_keys_help(tuple(WEIGHT_FLAGS))]
     return "\n".join(lines) + "\n"
 
 
@@ -468,6 +472,27 @@ def check_hydra_config(argv: List[str]) -> None:
     check_text(config, "Hydra config", flag="--config-name")
 
 
+def one_line_hydra_errors() -> None:
+    """Hydra's own parser (``--config-dir``, ``--config-name``, overrides) errs in
+    one line too, as fairseq's do (``arguments.OneLineParser``); fairseq's first
+    look at the options (for ``--config-name``, its errors swallowed) reads the
+    options it knows, so that the mistake is reported once, by Hydra's parse."""
+    from hydra._internal import utils
+
+    from .arguments import one_line_errors
+
+    stock = utils.get_args_parser
+
+    def get_args_parser():
+        return one_line_errors(stock())
+
+    def get_args(args=None):
+        return stock().parse_known_args(args)[0]
+
+    importlib.import_module("hydra.main").get_args_parser = get_args_parser  # (hydra.main is also a function)
+    utils.get_args = get_args
+
+
 def hydra_train():
     argv = sys.argv[1:]
     if {"-h", "--help"} & set(argv):
@@ -482,6 +507,7 @@ def hydra_train():
         run_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")), None)
         sys.stderr.write("alibi-hydra-train: Hydra writes .hydra/ (the composed config) and hydra_train.log "
                          f"into {run_dir or 'its run directory (the working directory with fairseq configs)'}\n")
+    one_line_hydra_errors()
     _run("fairseq_cli.hydra_train", check_hydra_config, guard=_resume_guard, interruption_note=_interruption_note)
 
 

@@ -422,7 +422,9 @@ def prepare(cfg: CorpusConfig, force: bool = False) -> dict:
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from .arguments import OneLineParser
+
+    p = OneLineParser(
         prog="python -m fairseq_alibi.corpus",
         description="Build an offline WikiText-style corpus from CPython's own documentation "
         "and binarize it for fairseq.",

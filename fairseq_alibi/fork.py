@@ -239,8 +239,10 @@ def convert(in_path: str, out_path: str, train_length: Optional[int] = None, for
     return written
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+def parser() -> argparse.ArgumentParser:
+    from .arguments import OneLineParser
+
+    parser = OneLineParser(
         prog="alibi-convert-checkpoint",
         description="Convert a checkpoint of the ALiBi fork (ofirpress/attention_with_linear_biases) "
         "into a transformer_lm_alibi checkpoint for this plugin. The input is read with "
@@ -255,7 +257,11 @@ def main(argv=None) -> int:
         help="training length (tokens_per_sample) if the checkpoint does not record it",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing output file (never the input)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     with report_errors():
         written = convert(args.input, args.output, args.train_length, args.force)
         model = facts.checkpoint_sections(written)[0]

@@ -295,12 +295,17 @@ def parse_modes(args) -> List[str]:
 
 
 def get_parser() -> argparse.ArgumentParser:
+    from ..arguments import position_keys_help
+
     p = tool_parser(
         "alibi-sweep", "Perplexity of language models over evaluation lengths x context-extension methods x "
         "evaluation modes.\n\n" + report.methods_by_position(),
         "example:\n  alibi-sweep data-bin/embedded --checkpoint alibi=ck/alibi.pt --checkpoint sin=ck/sin.pt "
         "\\\n      --lengths 1x,2x,4x,8x,16x --methods none,linear:2,linear,ntk:2,ntk,cap "
-        "--modes nonoverlapping,sliding --stride 32 --output-dir outputs/sweep --cpu",
+        "--modes nonoverlapping,sliding --stride 32 --output-dir outputs/sweep --cpu\n\n"
+        "Each model runs as trained but for the method of --methods (the key\nposition_scaling of "
+        "alibi-eval-lm --model-overrides), which also sets each\nposition method's per-pass keys:\n"
+        + position_keys_help(width=79),
         "fairseq-preprocess output directory (with --hf alone also a raw text file)", "outputs/sweep",
     )
     p.add_argument("--lengths", default="1x,2x,4x,8x,16x",

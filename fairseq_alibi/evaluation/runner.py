@@ -46,8 +46,10 @@ def tool_parser(prog: str, description: str, epilog: str, data_help: str, output
     """A tool's argument parser: DATA and the options every tool shares."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..arguments import OneLineParser
+
+    parser = OneLineParser(prog=prog, description=description, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data", nargs="?" if data_optional else None, default=None, help=data_help)
     add_grid_arguments(parser, output_dir)
     return parser

@@ -141,7 +141,9 @@ def export(checkpoint: str, output_dir: str, fmt: str = "auto", position_scaling
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from ..arguments import OneLineParser
+
+    p = OneLineParser(
         prog="alibi-export-hf",
         description="Export a fairseq language model of this plugin (transformer_lm_alibi, also converted "
         "2021-fork checkpoints, and the other position methods' transformer_lm_<method>) to a Hugging Face "

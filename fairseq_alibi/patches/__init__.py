@@ -59,6 +59,10 @@ changes:
 ``build_errors.py``
     ``build_assertions`` (crash): fairseq's failed checks while building a
     model or task are one ``ModelOptionsError``.
+``parsing.py``
+    ``one_line_argument_errors`` (crash): an option fairseq's parsers cannot
+    parse or do not take is one error line naming what it takes and where it
+    belongs (``arguments.py``), not the whole usage.
 ``batching.py``
     ``loader_threads_stop_at_exit`` (crash): fairseq's loader thread killed in
     a torch operation at exit aborts a finished run;
@@ -96,8 +100,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Tuple
 
 from . import (
-    batching, build_errors, checkpoints, data_files, distributed, eval_lm, hub, no_eval, numpy_compat, quiet, resume,
-    startup,
+    batching, build_errors, checkpoints, data_files, distributed, eval_lm, hub, no_eval, numpy_compat, parsing, quiet,
+    resume, startup,
 )
 from .checkpoints import OverrideCheck
 from .eval_lm import guarded_eval_lm  # noqa: F401  (alibi-eval-lm's CLI imports it from here)
@@ -161,6 +165,7 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(hub.checked_hub_paths, CRASH),
     Patch(hub.quiet_hub_config, QUIETING),
     Patch(build_errors.build_assertions, CRASH),
+    Patch(parsing.one_line_argument_errors, CRASH),
     Patch(batching.loader_threads_stop_at_exit, CRASH),
     Patch(batching.remainder_batches_kept, WRONG_RESULT),
     Patch(resume.batches_as_first_built, WRONG_RESULT),  # after batching's wrapper of the same method
