@@ -58,7 +58,7 @@ import tokenize
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .errors import CorpusError, one_line, report_errors
+from .errors import CorpusError, one_line, plural, report_errors
 from .inputs import check_text
 
 logger = logging.getLogger("fairseq_alibi.corpus")
@@ -181,7 +181,8 @@ def stdlib_documents(
 def collect_documents(sources: Sequence[str], stdlib_dir: Optional[str] = None) -> List[Document]:
     bad = [s for s in sources if s not in SOURCES]
     if bad or not sources:
-        raise CorpusError(f"unknown corpus source(s) {bad or sources!r}; choose from {', '.join(SOURCES)}")
+        raise CorpusError(f"unknown corpus {plural(len(bad or sources), 'source')} {bad or sources!r}; choose from "
+                          f"{', '.join(SOURCES)}")
     docs = []
     if "topics" in sources:
         docs += topic_documents()

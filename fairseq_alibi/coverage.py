@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 #: The datasets (with the model's position limit) fairseq's eval-lm loader was
 #: built over in this thread, newest last (:func:`recorded_loaders`).
@@ -83,6 +83,41 @@ def coverage_problem(scored: int, expected: int, subset: str, blocks: int = 0, s
             f"a split is not printed" + (f": {remedy}" if remedy else ""))
 
 
+def longer_than_text(lengths: List[int], available: int, text: str, what: str = "evaluation length",
+                     flag: str = "--lengths") -> Optional[str]:
+    """None if no length of ``lengths`` (``what``, given with ``flag``) exceeds
+    the ``available`` tokens of the evaluated ``text``; else the one line that
+    refuses them: a window longer than the text would be the whole text, a
+    shorter window scored under that length's name.  ``alibi-sweep`` checks its
+    lengths with it, ``alibi-eval-lm`` its ``--tokens-per-sample``
+    (:func:`check_block_length`)."""
+    over = [int(n) for n in lengths if n > available]
+    if not over:
+        return None
+    several = len(over) > 1
+    return (f"{what}{'s' if several and not what.startswith('-') else ''} {', '.join(map(str, over))} "
+            f"{'exceed' if several else 'exceeds'} the {available:,} tokens of the evaluated text ({text}): a window "
+            f"cannot be longer than the text, so the result would be a shorter window's under "
+            f"{'those lengths' if several else 'that length'}; give {flag} up to {available}, or evaluate a "
+            "longer split")
+
+
+def check_block_length(dataset, task_cfg, subset: str) -> None:
+    """``fairseq-eval-lm``'s blocks of ``--tokens-per-sample`` tokens
+    (``--sample-break-mode none``) fit in split ``subset``: a ``UserError``
+    (:func:`longer_than_text`) where one block would be the whole split, shorter,
+    as ``alibi-sweep`` refuses such a length.  Other break modes make a block of
+    each line or sentence, ``--tokens-per-sample`` only their limit."""
+    from .errors import UserError
+
+    length = getattr(task_cfg, "tokens_per_sample", None)
+    if getattr(task_cfg, "sample_break_mode", "none") not in ("none", None) or not isinstance(length, int):
+        return
+    problem = longer_than_text([length], split_tokens(dataset), subset, "--tokens-per-sample", "--tokens-per-sample")
+    if problem:
+        raise UserError(problem)
+
+
 def position_limit_remedy(model, length: int) -> str:
     """What to give so that a model with a position table scores blocks of
     ``length`` tokens: a sinusoidal table is computed, so raising
@@ -110,11 +145,12 @@ def _max_positions(model) -> Optional[int]:
 
 
 @contextlib.contextmanager
-def recorded_loaders(subset: str):
+def recorded_loaders(subset: str, check: Optional[Callable[[Any], None]] = None):
     """While the block runs (fairseq-eval-lm's ``main`` over split ``subset``),
     every eval-lm loader fairseq builds (each task's ``eval_lm_dataloader``)
     records ``(dataset, max_positions, context_window)`` in :func:`loaders`, so
-    the split can be counted after scoring."""
+    the split can be counted after scoring; ``check(dataset)`` runs first
+    (before anything is scored: :func:`check_block_length`)."""
     from fairseq.tasks import TASK_REGISTRY
 
     _LOADERS.found, _LOADERS.subset = [], str(subset)
@@ -124,6 +160,8 @@ def recorded_loaders(subset: str):
     def recording(method):
         def eval_lm_dataloader(self, dataset, *args, **kwargs):
             limit = kwargs.get("max_positions", args[2] if len(args) > 2 else None)
+            if check is not None:
+                check(dataset)
             _LOADERS.found.append((dataset, limit, int(kwargs.get("context_window") or 0)))
             return method(self, dataset, *args, **kwargs)
 

@@ -25,7 +25,7 @@ import sys
 from typing import Iterable, Optional
 
 from .core.errors import (  # noqa: F401
-    ConfigError, InputError, KernelUnsupportedError, ScalingError, UserError, warn_once,
+    ConfigError, InputError, KernelUnsupportedError, ScalingError, UserError, plural, warn_once,
 )
 from .splits import split_problem
 
@@ -98,16 +98,30 @@ def closest(word: str, choices: Iterable[str], n: int = 3) -> str:
     return f"; did you mean {', '.join(near)}?" if near else ""
 
 
+#: The files fairseq-train writes that a user evaluates first: suggested first.
+FIRST_CHECKPOINTS = ("checkpoint_best.pt", "checkpoint_last.pt")
+
+
+def _checkpoint_order(name: str):
+    """``checkpoint_best.pt``, ``checkpoint_last.pt``, then the others, the
+    newest epoch and update first (``checkpoint12.pt`` before ``checkpoint9.pt``)."""
+    numbers = [int(n) for n in re.findall(r"\d+", name)]
+    first = FIRST_CHECKPOINTS.index(name) if name in FIRST_CHECKPOINTS else len(FIRST_CHECKPOINTS)
+    return first, [-n for n in numbers], name
+
+
 def checkpoint_files(directory: str) -> str:
-    """The ``.pt`` files of a directory, for a message about a directory given as a checkpoint."""
+    """The ``.pt`` files of a directory, for a message about a directory given as a
+    checkpoint: ``checkpoint_best.pt`` and ``checkpoint_last.pt`` first, then the newest."""
     try:
-        names = sorted(n for n in os.listdir(directory) if n.endswith(".pt"))
+        names = sorted((n for n in os.listdir(directory) if n.endswith(".pt")), key=_checkpoint_order)
     except OSError:
         names = []
     if not names:
         return f"{directory} is a directory, not a file (and holds no .pt checkpoint)"
     shown = ", ".join(os.path.join(directory, n) for n in names[:4])
-    return f"{directory} is a directory; give a checkpoint file in it, e.g. {shown}"
+    more = f" ({len(names) - 4} more .pt files there)" if len(names) > 4 else ""
+    return f"{directory} is a directory; give a checkpoint file in it, e.g. {shown}{more}"
 
 
 def not_a_file(path: str, what: str = "file") -> str:

@@ -50,7 +50,9 @@ from omegaconf import DictConfig, ListConfig
 from omegaconf.base import ContainerMetadata, Metadata
 from omegaconf.nodes import AnyNode
 
-from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, checkpoint_files  # noqa: F401
+from .errors import (  # noqa: F401
+    CheckpointError, CorruptCheckpointError, UnsafeCheckpointError, checkpoint_files, plural,
+)
 
 
 # Each entry is a type a fairseq checkpoint is known to reference (see the
@@ -149,7 +151,7 @@ def check_finite(path: str, state: Any) -> None:
         if not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
             raise CorruptCheckpointError(
-                f"{path}: weight {name} holds {bad} NaN/inf value(s); the checkpoint is damaged or its "
+                f"{path}: weight {name} holds {bad} NaN/inf {plural(bad, 'value')}; the checkpoint is damaged or its "
                 "training diverged; use an earlier checkpoint"
             )
 

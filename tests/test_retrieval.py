@@ -343,11 +343,11 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, kv_data_bin, kv_
     fails([*base, "--task", jsonl("nofield.jsonl", '{"prompt": "the cat"}\n')], "nofield.jsonl:1", "'answer' is missing")
     fails([*base, "--task", jsonl("bad.jsonl", '{"prompt": "the cat", "answer": "sees"}\n[1]\n')], "bad.jsonl:2")
     fails([*base, "--task", jsonl("words.jsonl", '{"prompt": "the zebra sees", "answer": "a unicorn"}\n')],
-          "words.jsonl:1", "2 word(s) not in the model's dictionary: unicorn, zebra")
+          "words.jsonl:1", "2 words not in the model's dictionary: unicorn, zebra")
     fails([*base, "--task", tmp_path / "none.jsonl"], "prompt file not found")
     fails([*base, "--task", "haystack"], "unknown task 'haystack'")
     # Built-in tasks on a dictionary without their words: the missing words are named.
-    fails([*base, "--task", "lines"], "28 word(s) are not in the model's dictionary: below, is,", "REGISTER_CONTENT",
+    fails([*base, "--task", "lines"], "28 words are not in the model's dictionary: below, is,", "REGISTER_CONTENT",
           "--template FIELD=TEXT")
     kv = [kv_data_bin, "-c", kv_checkpoint]
     fails([*kv, "--task", "passkey", "--digits", "2"], "not in the model's dictionary", "pass", "--filler dictionary")
@@ -355,10 +355,10 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, kv_data_bin, kv_
     fails([*kv, "--task", "lines", "--digits", "2", "--lengths", "1x"],
           "length 32 is shorter than the shortest lines prompt (41 tokens")
     fails([*kv, "--task", "lines", "--methods", "cubic"], "method='cubic' is not valid; allowed values")
-    fails([*kv, "--task", "lines", "--template", "answer=x"], "unknown template field(s) answer")
+    fails([*kv, "--task", "lines", "--template", "answer=x"], "unknown template field answer")
     # templates whose prompts could not be built (a KeyError, a ZeroDivisionError) or answered (no number, no key)
     lines = [*kv, "--task", "lines", "--digits", "2", "--lengths", "64", "--samples", "1", "--depths", "1"]
-    fails([*lines, "--template", "line=line {key} : REGISTER_CONTENT is {nmbr} ."], "unknown placeholder(s) {nmbr}")
+    fails([*lines, "--template", "line=line {key} : REGISTER_CONTENT is {nmbr} ."], "unknown placeholder {nmbr}")
     fails([*lines, "--template", "line=line {key} : REGISTER_CONTENT is ."], "template line of task lines: no {number}")
     fails([*lines, "--template", "line="], "no {key}, {number}")
     fails([*lines, "--template", "question=tell me the REGISTER_CONTENT ."], "template question of task lines: no {key}")

@@ -288,7 +288,7 @@ def test_a_model_without_alibi_gets_none_only_and_the_skipped_methods_are_named(
     with caplog.at_level("WARNING"):
         log, results = toy_run(tmp_path, ["a=1", "sin=1"])
     assert {(r["checkpoint"], r["method"]) for r in results if r["checkpoint"] == "sin"} == {("sin", "none")}
-    assert any("sin (toy): ntk:2, cap do(es) not apply to it (the methods that do: none); evaluated with none"
+    assert any("sin (toy): ntk:2, cap do not apply to it (the methods that do: none); evaluated with none"
                in r.message for r in caplog.records)
 
 
@@ -299,7 +299,7 @@ def test_each_model_gets_the_methods_of_its_position_method(tmp_path, caplog):
     assert {r["method"] for r in results if r["checkpoint"] == "rope"} == {"none", "ntk"}
     assert {r["method"] for r in results if r["checkpoint"] == "a"} == {"none", "ntk", "cap"}
     rotary = ", ".join(POSITIONS["rotary"].extensions)
-    assert any(f"rope (rotary): cap do(es) not apply to it (the methods that do: {rotary})"
+    assert any(f"rope (rotary): cap does not apply to it (the methods that do: {rotary})"
                in r.message for r in caplog.records)
     with pytest.raises(EvaluationError, match="yarn:2 does not apply to any model of this run; the methods that "
                                               "do: a \\(alibi\\): none, linear, ntk, cap"):

@@ -290,7 +290,7 @@ def test_bad_input_fails_clearly(lm_data_bin, alibi_checkpoint, tmp_path, capsys
           "is smaller than the longest evaluation length")
     # windows longer than the split: its whole text under a longer length's name (and, far beyond, an
     # OverflowError traceback or a per-position buffer that filled the memory)
-    fails([lm_data_bin, "-c", alibi_checkpoint, "--lengths", "1x,2k", *base], "evaluation length(s) 2048 exceed the")
+    fails([lm_data_bin, "-c", alibi_checkpoint, "--lengths", "1x,2k", *base], "evaluation length 2048 exceeds the")
     fails([lm_data_bin, "-c", alibi_checkpoint, "--lengths", "1e9x", *base], "not between 1 and 2147483647")
     assert not (out / "results.json").exists()
 

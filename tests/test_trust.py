@@ -327,6 +327,31 @@ def test_eval_lm_refuses_a_split_the_model_s_limit_cuts_then_its_remedy_scores_a
     assert int(re.findall(r"Evaluated ([\d,]+) tokens", fixed.output)[-1].replace(",", "")) == total
 
 
+@pytest.mark.fast_cases(1)
+@pytest.mark.parametrize("entry", ["alibi-eval-lm", "fairseq-eval-lm --user-dir", "alibi-sweep"])
+def test_a_length_longer_than_the_split_is_refused_by_eval_lm_as_by_the_sweep(entry, alibi_checkpoint, lm_data_bin,
+                                                                               alibi_user_dir, tmp_path):
+    """alibi-eval-lm --tokens-per-sample beyond the split scored one shorter block (the whole split) under
+    that length's name, exit status 0; the sweep refused it. One check (coverage.longer_than_text), one line."""
+    total = split_tokens_by_hand(lm_data_bin)
+    length = str(total + 1)
+    given = {"alibi-eval-lm": [tool("alibi-eval-lm"), lm_data_bin, "--path", alibi_checkpoint],
+             "fairseq-eval-lm --user-dir": [tool("fairseq-eval-lm"), "--user-dir", alibi_user_dir, lm_data_bin,
+                                            "--path", alibi_checkpoint],
+             "alibi-sweep": [tool("alibi-sweep"), lm_data_bin, "-c", f"a={alibi_checkpoint}", "--methods", "none",
+                             "-o", tmp_path / "sweep"]}[entry]
+    tail = ["--lengths", f"32,{length}", "--cpu"] if entry == "alibi-sweep" else [*EVAL[:2], "--tokens-per-sample",
+                                                                                  length, "--cpu"]
+    result = run_cli([*given, *tail], expect_ok=False)
+    lines = error_lines(result) if entry != "fairseq-eval-lm --user-dir" else result.output.strip().splitlines()[-1:]
+    assert result.returncode == 1 and "Perplexity" not in result.output, result.output[-2000:]
+    flag = "evaluation length" if entry == "alibi-sweep" else "--tokens-per-sample"
+    assert len(lines) == 1 and f"{flag} {length} exceeds the {total:,} tokens of the evaluated text (valid)" in lines[0]
+    assert f"give {'--lengths' if entry == 'alibi-sweep' else '--tokens-per-sample'} up to {total}" in lines[0]
+    if entry == "alibi-eval-lm":  # the whole split as one block is not refused
+        run_cli([*given, *EVAL[:2], "--tokens-per-sample", str(total), "--cpu"])
+
+
 @pytest.mark.slow
 def test_the_sweep_scores_the_whole_split_of_the_same_model(sinusoidal_checkpoint, lm_data_bin, tmp_path):
     import json

@@ -157,6 +157,44 @@ def test_a_checkpoint_flag_that_names_no_file_is_refused(flag, given, expected, 
     assert not (tmp_path / "save").exists()
 
 
+def save_directory(path):
+    """A save directory as fairseq-train leaves it: epoch and update checkpoints beside best and last."""
+    path.mkdir()
+    for name in ("checkpoint1.pt", "checkpoint2.pt", "checkpoint10.pt", "checkpoint_2_300.pt", "checkpoint_best.pt",
+                 "checkpoint_last.pt"):
+        torch.save({}, path / name)
+    return path
+
+
+#: Every tool that takes a checkpoint path: how to give it one, in-process.
+CHECKPOINT_TOOLS = {
+    "alibi-eval-lm": None,  # fairseq's loader: a real run (below)
+    "alibi-sweep": lambda data, ckpt, out: ("fairseq_alibi.evaluation.perplexity", [data, "-c", ckpt, "-o", out]),
+    "alibi-retrieval": lambda data, ckpt, out: ("fairseq_alibi.evaluation.retrieval", [data, "-c", ckpt, "-o", out]),
+    "alibi-export-hf": lambda data, ckpt, out: ("fairseq_alibi.export", [ckpt, out]),
+}
+
+
+@pytest.mark.parametrize("script", CHECKPOINT_TOOLS)
+def test_a_save_directory_given_as_a_checkpoint_suggests_best_and_last_first(script, lm_data_bin, tmp_path, capsys):
+    """The files there, checkpoint_best.pt and checkpoint_last.pt first, then the newest (the first epochs'
+    were suggested, in the order of their names)."""
+    import importlib
+
+    ckpt = save_directory(tmp_path / "ckpt")
+    expected = (f"{ckpt} is a directory; give a checkpoint file in it, e.g. {ckpt}/checkpoint_best.pt, "
+                f"{ckpt}/checkpoint_last.pt, {ckpt}/checkpoint10.pt, {ckpt}/checkpoint2.pt (2 more .pt files there)")
+    if CHECKPOINT_TOOLS[script] is None:
+        result = run_cli([tool(script), lm_data_bin, "--path", ckpt, "--cpu"], expect_ok=False, cwd=tmp_path)
+        assert_one_error(result, expected)
+        return
+    module, argv = CHECKPOINT_TOOLS[script](str(lm_data_bin), str(ckpt), str(tmp_path / "out"))
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(module).main(argv)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert stopped.value.code == 1 and len(lines) == 1 and expected in lines[0], lines
+
+
 @pytest.mark.parametrize("script,extra,expected", [
     ("alibi-eval-lm", ["--gen-subset", "valid"], "--path CHECKPOINT is required"),
     ("alibi-generate", ["--sampling"], "--sampling draws one sequence per beam, so --nbest (1) must equal --beam (5)"),

@@ -31,7 +31,7 @@ import torch
 
 from transformers import PreTrainedConfig
 
-from .errors import ConfigError, ScalingError
+from .errors import ConfigError, ScalingError, plural
 from .positions import ROPE_PARAMETERS, attention_entry, check_params, exported_methods
 from .positions import params_of
 from .scaling import NO_SCALING, Scaling
@@ -120,7 +120,8 @@ def scaling_of_rope(value: Any, train_length: Optional[int]) -> Scaling:
         raise invalid('give a dictionary such as {"rope_type": "linear", "factor": 2.0}')
     unknown = sorted(str(key) for key in value if key not in ROPE_KEYS)
     if unknown:
-        raise invalid(f"unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(ROPE_KEYS)}")
+        raise invalid(f"unknown {plural(len(unknown), 'key')} {', '.join(unknown)}; allowed keys: "
+                      f"{', '.join(ROPE_KEYS)}")
     rope_type = value.get("rope_type", "default")
     if rope_type not in types:
         raise invalid(f"rope_type must be one of {', '.join(types)}")
@@ -172,7 +173,8 @@ def refuse_model_arguments(config, args, kwargs) -> None:
     keywords that neither it nor the config took (``rope_theta=...``), refused here in one
     line (a TypeError before); a config field given beside an explicit ``config=`` too."""
     if args:
-        raise ConfigError(f"this exported model takes its config alone, not {len(args)} more positional argument(s)")
+        raise ConfigError(f"this exported model takes its config alone, not {len(args)} more positional "
+                          f"{plural(len(args), 'argument')}")
     if kwargs:
         fields = getattr(type(config), "__dataclass_fields__", {})
         passed = [key for key in kwargs if key in fields]

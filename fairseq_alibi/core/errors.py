@@ -54,6 +54,12 @@ class KernelUnsupportedError(UserError, NotImplementedError):
 warned = set()
 
 
+def plural(count: int, singular: str, several: str = "") -> str:
+    """``singular`` for one thing, else ``several`` (default: ``singular`` + s):
+    ``f"{n} {plural(n, 'word')} {plural(n, 'is', 'are')} ..."``, never ``word(s)``."""
+    return singular if count == 1 else (several or singular + "s")
+
+
 def warn_once(message: str) -> None:
     """A warning a user should act on, logged once per process (one line,
     logger ``fairseq_alibi``: the console scripts print it in fairseq's format,

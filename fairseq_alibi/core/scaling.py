@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .errors import ScalingError, warn_once, warned
+from .errors import ScalingError, plural, warn_once, warned
 
 
 @dataclass(frozen=True)
@@ -337,7 +337,8 @@ class Scaling:
             raise invalid('give a dictionary such as {"type": "linear", "factor": 2.0}, or None')
         unknown = sorted(str(key) for key in value if key not in HF_KEYS)
         if unknown:
-            raise invalid(f"unknown key(s) {', '.join(unknown)}; allowed keys: {', '.join(HF_KEYS)}")
+            raise invalid(f"unknown {plural(len(unknown), 'key')} {', '.join(unknown)}; allowed keys: "
+                          f"{', '.join(HF_KEYS)}")
         method = value.get("type")
         if method not in METHOD_INFO:
             raise invalid(f"type must be one of {', '.join(METHODS)}")

@@ -27,7 +27,7 @@ import os
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..core.scaling import Scaling
-from ..errors import EvaluationError
+from ..errors import EvaluationError, plural
 from .data_dir import check_data
 from .prompts import Vocabulary
 from .axes import check_checkpoint_paths, parse_named
@@ -123,7 +123,8 @@ class Encoder:
         missing = sorted({w for w in words if d.index(w) == d.unk()})
         if missing:
             raise EvaluationError(
-                f"{where}{len(missing)} word(s) not in the model's dictionary: {', '.join(missing[:20])}; every "
+                f"{where}{len(missing)} {plural(len(missing), 'word')} not in the model's dictionary: "
+                f"{', '.join(missing[:20])}; every "
                 "word of a prompt and answer must be in the dictionary (none is replaced by <unk>): rewrite "
                 "them with the model's own words"
             )

@@ -25,7 +25,7 @@ import sys
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from ..core.scaling import Scaling
-from ..errors import EvaluationError
+from ..errors import EvaluationError, plural
 from ..inputs import check_text
 from .data_dir import split_text
 from .prompts import Vocabulary
@@ -102,7 +102,8 @@ class HFEncoder:
             missing = sorted({w for w in text.split()
                               if unk in self.tokenizer(w, add_special_tokens=False)["input_ids"]})
             raise EvaluationError(
-                f"{where}{len(missing)} word(s) the model's tokenizer reads as {self.tokenizer.unk_token}: "
+                f"{where}{len(missing)} {plural(len(missing), 'word')} the model's tokenizer reads as "
+                f"{self.tokenizer.unk_token}: "
                 f"{', '.join(missing[:20])}; rewrite them with words it knows (none is silently unknown)"
             )
         return ids

@@ -58,11 +58,11 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from ..errors import EvaluationError
+from ..errors import EvaluationError, plural
 from . import paired, report, runner
 from .axes import check_max_tokens, method_rank, parse_lengths, resolve_lengths
 from .backends import backend_for
-from ..coverage import coverage_problem
+from ..coverage import coverage_problem, longer_than_text
 from .runner import tool_parser
 
 logger = logging.getLogger("fairseq_alibi.sweep")
@@ -207,13 +207,9 @@ def check_lengths(name: str, lengths: List[int], stride: Optional[int], max_toke
             "sliding window scores its last STRIDE tokens, so choose a stride smaller than the shortest length"
         )
     check_max_tokens(max_tokens, max(lengths), f"the longest evaluation length of {name}", "one window")
-    if max(lengths) > available:
-        raise EvaluationError(
-            f"{name}: evaluation length(s) {', '.join(str(n) for n in lengths if n > available)} exceed the "
-            f"{available} tokens of the evaluated text ({text}): a window cannot be longer than the text, so the "
-            f"cell would be a shorter one under that length's name; give lengths up to {available}, or evaluate "
-            "a longer split"
-        )
+    problem = longer_than_text(lengths, available, text)
+    if problem:
+        raise EvaluationError(f"{name}: {problem}")
 
 
 def score_tokens(scored, length: int, per_position: bool, where: str) -> dict:
@@ -284,7 +280,8 @@ def parse_modes(args) -> List[str]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
-        raise EvaluationError(f"unknown mode(s) {', '.join(bad or modes)}: choose from {', '.join(MODES)}")
+        raise EvaluationError(f"unknown {plural(len(bad or modes), 'mode')} {', '.join(bad or modes)}: choose from "
+                              f"{', '.join(MODES)}")
     if "sliding" in modes and args.stride is None:
         raise EvaluationError("--modes sliding needs --stride N (N >= 1 tokens scored per window)")
     if args.stride is not None and args.stride < 1:

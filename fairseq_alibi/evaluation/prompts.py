@@ -40,7 +40,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from ..errors import PromptError
+from ..errors import PromptError, plural
 
 DIGITS = tuple("0123456789")
 
@@ -138,7 +138,7 @@ def template_fields(task: str, defaults: Dict[str, str], given: Dict[str, str], 
     answer, a glued one (``{key}:``) would be dropped."""
     unknown = sorted(set(given) - set(defaults))
     if unknown:
-        raise PromptError(f"unknown template field(s) {', '.join(unknown)} for task {task}: "
+        raise PromptError(f"unknown template {plural(len(unknown), 'field')} {', '.join(unknown)} for task {task}: "
                           f"the fields are {', '.join(defaults)}")
     fields = dict(defaults, **given)
     for name, text in fields.items():
@@ -148,7 +148,7 @@ def template_fields(task: str, defaults: Dict[str, str], given: Dict[str, str], 
         missing = [p for p in required if p not in holes]
         glued = [w for w in text.split() if ("{" in w or "}" in w) and not re.fullmatch(r"\{\w+\}", w)]
         if bad or missing or glued:
-            what = (f"unknown placeholder(s) {', '.join('{' + h + '}' for h in bad)}" if bad else
+            what = (f"unknown {plural(len(bad), 'placeholder')} {', '.join('{' + h + '}' for h in bad)}" if bad else
                     f"no {', '.join('{' + p + '}' for p in missing)} (without it the prompt cannot be answered)"
                     if missing else f"{glued[0]!r}: a placeholder must be a word of its own (spaces around it)")
             takes = ", ".join("{" + p + "}" for p in required) or "no placeholder"
@@ -196,7 +196,8 @@ class BuiltinTask:
         if spell.missing:
             shown = ", ".join(spell.missing[:20]) + (" ..." if len(spell.missing) > 20 else "")
             raise PromptError(
-                f"task {self.name}: {len(spell.missing)} word(s) are not in the model's dictionary: {shown}. "
+                f"task {self.name}: {len(spell.missing)} {plural(len(spell.missing), 'word is', 'words are')} not in "
+                f"the model's dictionary: {shown}. "
                 f"Every word must be in the dictionary (none is replaced by <unk>); {self.missing_hint()}"
                 "replace template texts with --template FIELD=TEXT "
                 f"(fields: {', '.join(self.fields)}), or --number-format joined if the dictionary "

@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..errors import EvaluationError
+from ..errors import EvaluationError, plural
 from . import prompts as P
 from . import report, runner
 from .axes import check_max_tokens, method_rank, parse_lengths, resolve_lengths
@@ -198,9 +198,9 @@ def builtin_samples(task: P.BuiltinTask, encoder, lengths: Sequence[int], depths
                 cell.append(Sample.make(ids, ans, centres[b], "", distance=len(ids) - offset))
             out[(length, b)] = cell
         if slots < depths:
-            logger.warning("--depths %d: a %s prompt of %d tokens has %d place(s) for the %s, so its depth bins "
+            logger.warning("--depths %d: a %s prompt of %d tokens has %d %s for the %s, so its depth bins "
                            "repeat the same needle positions; use --depths %d or fewer, or longer --lengths",
-                           depths, task.name, length, slots, task.unit, slots)
+                           depths, task.name, length, slots, plural(slots, "place"), task.unit, slots)
     return out
 
 

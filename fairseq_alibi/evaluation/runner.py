@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from ..core.scaling import METHOD_SYNTAX, Scaling
-from ..errors import report_errors
+from ..errors import plural, report_errors
 from .axes import DEFAULT_METHODS, applicable, check_methods_apply, method_rank, methods_for, parse_methods
 from .progress import Countdown, progress, quiet_logging
 from .protocols import Backend, Cell, Described, EvaluationModel, Measure
@@ -114,8 +114,9 @@ def run(args, methods: List[Scaling], measure: Measure, backend: Backend) -> Lis
             kept = {m.key for m in plan.methods}
             skipped = [m.spelling for m in methods if m.key not in kept]
             if skipped:
-                logger.warning("%s (%s): %s do(es) not apply to it (the methods that do: %s); evaluated with %s",
+                logger.warning("%s (%s): %s %s not apply to it (the methods that do: %s); evaluated with %s",
                                d.info.name, d.info.position or d.info.model, ", ".join(skipped),
+                               plural(len(skipped), "does", "do"),
                                ", ".join(applicable(d.info)), ", ".join(m.spelling for m in plan.methods))
         store = ResultStore(args.output_dir, lambda cell: record_key(cell, measure), measure.order)
         identities = {d.info.name: f"{d.info.identity}|{backend.data_identity}|{measure.settings_identity()}"

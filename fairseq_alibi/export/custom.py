@@ -13,7 +13,7 @@ from typing import Callable, Dict, FrozenSet, Set
 
 from ..core.configuration_alibi import AlibiLMConfig, rope_parameters_of
 from ..core.positions import POSITIONS, ROPE_PARAMETERS, attention_entry
-from ..errors import ExportError
+from ..errors import ExportError, plural
 from ..core.modeling_alibi import ACTIVATIONS, AlibiForCausalLM
 
 #: ``auto_map`` of every exported model: the classes of the files that travel with it.
@@ -56,7 +56,8 @@ class ReadWeights(dict):
     def check_all_read(self, fmt: str) -> None:
         left = sorted(set(self) - self.read)
         if left:
-            raise ExportError(f"the {fmt} format has no place for {len(left)} weight(s) of this model "
+            raise ExportError(f"the {fmt} format has no place for {len(left)} {plural(len(left), 'weight')} "
+                              "of this model "
                               f"({', '.join(left[:4])}); export it in the default format (--format custom)")
 
 

@@ -12,10 +12,11 @@ def guarded_eval_lm(module) -> None:
     ``fairseq-eval-lm --user-dir`` loaded the plugin.  Idempotent.
 
     Kind: wrong result.  Stock: fairseq's ``eval_lm`` prints loss 0 /
-    perplexity 1.00 when it scored no token, prints NaN as a result, and
+    perplexity 1.00 when it scored no token, prints NaN as a result,
     prints a perplexity over part of the split when its loader skipped blocks
-    longer than the model's positions; here each stops with one error line
-    (the coverage check is ``coverage.py``)."""
+    longer than the model's positions, and scores one shorter block under the
+    name of a ``--tokens-per-sample`` longer than the split; here each stops
+    with one error line (the checks are ``coverage.py``'s)."""
     import math
 
     from ..errors import UserError
@@ -27,7 +28,8 @@ def guarded_eval_lm(module) -> None:
     stock_main = module.main
 
     def main(cfg, *args, **kwargs):
-        with coverage.recorded_loaders(cfg.dataset.gen_subset):
+        subset = cfg.dataset.gen_subset
+        with coverage.recorded_loaders(subset, lambda dataset: coverage.check_block_length(dataset, cfg.task, subset)):
             return stock_main(cfg, *args, **kwargs)
 
     def eval_lm(*args, **kwargs):
