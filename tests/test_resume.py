@@ -278,9 +278,9 @@ def test_a_finished_run_rerun_trains_and_writes_nothing_and_says_so(lm_data_bin,
     again = run_cli(args)
     assert _bytes(save) == before
     said = [line for line in again.output.splitlines() if "already finished" in line]
-    where = "(--max-update 6)" if limit == "--max-update" else "the end of epoch 1 (--max-epoch 1)"
-    assert said == [f"the run in {save} is already finished at update {updates}{' ' if limit == '--max-update' else ', '}"
-                    f"{where}: nothing trained, nothing written; to train it further give a higher {limit}"], said
+    where = " (--max-update 6)" if limit == "--max-update" else ", the end of epoch 1 (--max-epoch 1)"
+    assert said == [f"the run in {save} is already finished at update {updates}{where}: nothing trained, nothing "
+                    f"written; to train it further give a higher {limit}"], said
     assert "Loaded checkpoint" not in again.output and "num_updates" not in again.output
 
 
@@ -374,13 +374,15 @@ def test_every_model_field_but_the_changeable_ones_is_refused_on_resume():
 @pytest.mark.slow
 def test_a_run_resumed_with_another_model_is_refused_in_one_line(lm_data_bin, tmp_path):
     """Another --fox-init-slopes (stock: recorded in the checkpoint and the export although the gates
-    started at 0), --fox-data-dependent, --ssmax or --arch (stock: a 30-line traceback): one error
-    line naming the difference, exit 1, the checkpoint untouched; another --dropout resumes."""
+    started at 0), --fox-data-dependent, --ssmax or --arch (stock: a 30-line traceback), --optimizer or
+    --criterion (stock: an AssertionError traceback): one error line naming the difference, exit 1,
+    the checkpoint untouched; another --dropout resumes."""
     save = tmp_path / "run"
     run_cli(_family_args(lm_data_bin, save, "fox", max_update=6))
     before = _bytes(save)
     for flags, said in ((["--fox-init-slopes", "1"], "--fox-init-slopes 1.0 (the checkpoint: --fox-init-slopes 0.0)"),
-                        (["--fox-data-dependent", "0"], "--fox-data-dependent 0 (the checkpoint: --fox-data-dependent 1)"),
+                        (["--fox-data-dependent", "0"],
+                         "--fox-data-dependent 0 (the checkpoint: --fox-data-dependent 1)"),
                         (["--ssmax"], "--ssmax (the checkpoint: no --ssmax)")):
         result = run_cli(_family_args(lm_data_bin, save, "fox", max_update=8) + flags, expect_ok=False)
         assert result.returncode == 1 and error_lines(result) == [
@@ -388,6 +390,15 @@ def test_a_run_resumed_with_another_model_is_refused_in_one_line(lm_data_bin, tm
             "the model it started with (architecture, shapes, initial values, position settings); give a new "
             "--save-dir to train this model, or the checkpoint's options to resume it"], result.output[-3000:]
         assert "Traceback" not in result.output and _bytes(save) == before
+    for flags, section, old, new in ((["--optimizer", "sgd"], "optimizer", "adam", "sgd"),
+                                     (["--criterion", "label_smoothed_cross_entropy"], "criterion", "cross_entropy",
+                                      "label_smoothed_cross_entropy")):
+        result = run_cli(_family_args(lm_data_bin, save, "fox", max_update=8) + flags, expect_ok=False)
+        assert result.returncode == 1 and error_lines(result) == [
+            f"error: --save-dir {save} holds a run trained with --{section} {old}: this command gives --{section} "
+            f"{new}; a resumed run keeps its optimizer state, which fairseq takes only with the same --optimizer and "
+            "--criterion; give --reset-optimizer to start from the checkpoint's weights with a new optimizer (the "
+            "update count starts again at 0), or a new --save-dir"], result.output[-3000:]  # stock: a traceback
     args = _family_args(lm_data_bin, save, "alibi", max_update=8)
     result = run_cli(args, expect_ok=False)
     assert result.returncode == 1 and "this command gives --arch transformer_lm_alibi (the checkpoint: --arch " \

@@ -271,6 +271,15 @@ def _check_resume(cfg) -> bool:
                         "run keeps the model it started with (architecture, shapes, initial values, position "
                         "settings); give a new --save-dir to train this model, or the checkpoint's options "
                         "to resume it")
+    for section in ("optimizer", "criterion"):  # fairseq's trainer asserts both, after building everything
+        trained = getattr(state.get("cfg"), section, None)
+        old = _section(trained).get("_name") if trained is not None else None
+        new = _section(full[section]).get("_name")
+        if old and new and old != new:
+            raise UserError(f"{where} holds a run trained with --{section} {old}: this command gives --{section} "
+                            f"{new}; a resumed run keeps its optimizer state, which fairseq takes only with the same "
+                            "--optimizer and --criterion; give --reset-optimizer to start from the checkpoint's "
+                            "weights with a new optimizer (the update count starts again at 0), or a new --save-dir")
     finished = _finished(cfg, state)
     if finished and distributed_utils.is_master(cfg.distributed_training):
         run = f"the run in {cfg.checkpoint.save_dir}" if last else f"the run of {source}"
@@ -283,11 +292,13 @@ def guarded_train(module) -> None:
     """Applied to ``fairseq_cli.train`` (passed as ``module``) by ``alibi-train``,
     to ``fairseq_cli.hydra_train`` (its ``pre_main``, the training ``main`` it
     imported) by ``alibi-hydra-train``, and by :func:`guarded_stock_train` when a
-    stock ``fairseq-train --user-dir`` loaded the plugin.  Before anything is built, the checkpoint the run would
-    resume from (``checkpoint_last.pt`` of ``--save-dir``, or
-    ``--restore-file``) is read: a model config other than the one it was
-    trained with (:func:`model_difference`) is refused in one line naming the
-    first difference; a run with nothing left to train (its updates at
+    stock ``fairseq-train --user-dir`` loaded the plugin.  Before anything is
+    built, the checkpoint the run would resume from (``checkpoint_last.pt`` of
+    ``--save-dir``, or ``--restore-file``; none with ``--reset-optimizer``,
+    which starts the update count again) is read: a model config other than
+    the one it was trained with (:func:`model_difference`), or another
+    ``--optimizer`` or ``--criterion``, is refused in one line naming the first
+    difference; a run with nothing left to train (its updates at
     ``--max-update``, or its epochs past ``--max-epoch``) trains nothing, writes
     nothing and says so in one line, exit status 0.  Idempotent.
 
@@ -296,8 +307,9 @@ def guarded_train(module) -> None:
     ``checkpoint_last.pt`` and ``checkpoint_best.pt`` (each rerun one more);
     a resumed run builds its model from the new options, so another
     architecture, shape or ``--ssmax`` is a 30-line traceback from the
-    state-dict or optimizer load, and another initial value (``--fox-init-slopes``)
-    or setting is recorded in every later checkpoint and export although the
+    state-dict or optimizer load (another optimizer or criterion: an
+    AssertionError's), and another initial value (``--fox-init-slopes``) or
+    setting is recorded in every later checkpoint and export although the
     weights were trained from the old one."""
     name = "pre_main" if hasattr(module, "pre_main") else "main"
     stock_main = getattr(module, name)
