@@ -284,6 +284,7 @@ def test_a_finished_run_rerun_trains_and_writes_nothing_and_says_so(lm_data_bin,
     assert "Loaded checkpoint" not in again.output and "num_updates" not in again.output
 
 
+@pytest.mark.slow  # two fresh processes: the fork server has the plugin loaded already
 def test_stock_fairseq_train_with_the_plugin_keeps_a_finished_run(lm_data_bin, alibi_user_dir, tmp_path):
     """fairseq-train --user-dir gets alibi-train's guard (patches.resume.guarded_stock_train)."""
     save = tmp_path / "run"
