@@ -31,6 +31,7 @@ CUDA (float32 on a CPU), 16 heads of 64 (d=1024), a fixed 16K tokens per call
    captures the slopes and nothing else, with the block mask, with two sets of
    ``kernel_options`` (:data:`KERNEL_OPTIONS`), and without the block mask
    (causality in the ``score_mod``: every block computed); the package's own
+   ``score_mod`` and block mask (the layer's call without the layer), its
    ``score_mod`` with torch's ``create_block_mask``, and the slopes-only
    ``score_mod`` with the package's block mask.  Each is checked against a
    dense-bias SDPA reference of the same inputs (``max_abs_diff``).
@@ -99,6 +100,7 @@ DIAGNOSTICS = {
     "slopes-128x64": "flex: slopes-only score_mod + block mask, blocks 128x64",
     "slopes-rows-safe": "flex: slopes-only score_mod + block mask, rows safe",
     "slopes-no-mask": "flex: slopes-only score_mod, no block mask",
+    "package": "flex: package score_mod + package block mask",
     "package-score-mod": "flex: package score_mod + create_block_mask",
     "package-block-mask": "flex: slopes-only score_mod + package block mask",
 }
@@ -338,11 +340,9 @@ def diagnostic_call(key: str, length, batch, heads, head_dim, device, dtype, bac
         package = package_flex()
         if package is None:
             raise LookupError("fairseq_alibi.core.flex has no score_mod and causal_block_mask any more")
-        if key == "package-score-mod":
+        if key in ("package", "package-score-mod"):
             score_mod = package.score_mod(build_stack("alibi", length, heads, head_dim), length, length, device)
-            block_mask = torch_mask()
-        else:
-            block_mask = package.causal_block_mask(length, length, device)
+        block_mask = torch_mask() if key == "package-score-mod" else package.causal_block_mask(length, length, device)
     else:
         block_mask = torch_mask()
         options = {"slopes-128x64": KERNEL_OPTIONS["blocks 128x64"],
@@ -357,9 +357,8 @@ def diagnostic_call(key: str, length, batch, heads, head_dim, device, dtype, bac
     def reset():
         q.grad = k.grad = v.grad = None
 
-    def check():
-        with torch.no_grad():
-            out = forward()
+    def check():  # in the timed forward's grad mode: the graph it compiled, no other
+        out = forward().detach()
         reference = alibi_reference(q.detach(), k.detach(), v.detach(), slopes, causal_only=score_mod is None)
         return float((out.float() - reference.float()).abs().max())
 
@@ -370,30 +369,23 @@ def diagnostic_call(key: str, length, batch, heads, head_dim, device, dtype, bac
 def measure(make: Callable, device, repeats: int) -> dict:
     """The readings of one path (see the module's docstring), or ``failed`` with the reason."""
     row: dict = {}
-    calls = None
     try:
         with recorded_choices() as chosen:
-            calls = make()
-            forward, step, reset, check = calls
-            first = step or forward
+            forward, step, reset, check = make()
+            mode = torch.no_grad if step is None else contextlib.nullcontext  # forward only: no graph kept
             start = time.perf_counter()
-            if step is None:
-                with torch.no_grad():
-                    first()
-            else:
-                first()
+            with mode():
+                (step or forward)()
             sync(device)
             row["first_s"] = time.perf_counter() - start
             reset()
             if check is not None:
-                row["max_abs_diff"] = check()
+                with mode():
+                    row["max_abs_diff"] = check()
             fwd, full, peaks = [], [], []
             for _ in range(repeats):
-                if step is None:
-                    with torch.no_grad():
-                        ms, peak = timed(forward, device)
-                else:
-                    ms, _ = timed(forward, device)
+                with mode():
+                    ms, peak = timed(forward, device)
                 fwd.append(ms)
                 if step is not None:
                     ms, peak = timed(step, device)
@@ -413,10 +405,6 @@ def measure(make: Callable, device, repeats: int) -> dict:
     except Exception as exc:  # a path that cannot run here: said in its row, the others still run
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         row = {"failed": f"{type(exc).__name__}: {message}"[:300]}
-    finally:
-        del calls
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     return row
 
 
@@ -446,6 +434,8 @@ def kernels(opts, device) -> dict:
         row = dict(path=path, length=length, batch=batch, shapes=shapes, device=result["device"],
                    torch=result["torch"], dtype=config["dtype"], heads=heads, head_dim=head_dim, tokens=batch * length,
                    **extra, **measure(make, device, opts.repeats))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the row's tensors, freed with measure's frame, back to the driver
         base = flash.get(length)
         if base and "failed" not in row:
             row["ratio"] = row["ms"] / base["ms"] if row["ms"] and base.get("ms") else None

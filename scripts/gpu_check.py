@@ -379,6 +379,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="keep the steps' JSON, logs and a copy of the results file here "
                                  "(default: a temporary directory)")
     p.add_argument("--results", help="the results file (default: docs/results/gpu-check-<date>.md)")
+    p.add_argument("--commit", help="the code's commit, where this checkout has no git (a lent machine's copy of "
+                                    "the working tree): written into the results file's header")
     p.add_argument("--no-write", action="store_true", help="print the results; write no results file "
                                                            "(the copy in --out is still written)")
     opts = p.parse_args(argv)
@@ -402,7 +404,7 @@ def main(argv=None) -> int:
     copy = os.path.join(out_dir, os.path.basename(results))
     command = "python scripts/gpu_check.py" + ("" if argv is None and len(sys.argv) < 2 else " " + " ".join(
         argv if argv is not None else sys.argv[1:]))
-    commit = commit_of_checkout()
+    commit = opts.commit or commit_of_checkout()
     statuses: Dict[str, dict] = {}
     deadline = time.monotonic() + opts.budget
 

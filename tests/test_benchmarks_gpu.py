@@ -137,7 +137,8 @@ def test_the_diagnostics_change_nothing_but_the_speed():
     scores = (scores - slopes[:, None, None] * (i - j)).masked_fill(j > i, float("-inf"))
     assert torch.allclose(alibi, scores.softmax(-1) @ v, atol=1e-5)
     assert set(gpu_attention.DIAGNOSTICS) == {"mask-only", "slopes", "slopes-128x64", "slopes-rows-safe",
-                                              "slopes-no-mask", "package-score-mod", "package-block-mask"}
+                                              "slopes-no-mask", "package", "package-score-mod",
+                                              "package-block-mask"}
 
 
 @pytest.mark.slow

@@ -317,13 +317,14 @@ def test_main_writes_the_results_file_after_every_step(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpu_check, "run_step", fake_step)
     assert gpu_check.main(["--steps", "kernels", "eval", "--budget", "60", "--out", str(out),
-                           "--results", str(results)]) == 0
+                           "--results", str(results), "--commit", "0123abc"]) == 0
     assert "| kernels | not run | - |" in seen["kernels"] and "not run (yet): kernels, eval" in seen["kernels"]
     assert "| kernels | ok | 1 |" in seen["eval"] and "## kernels" in seen["eval"]
     final = results.read_text()
     assert (out / "gpu-check-test.md").read_text() == final
     assert "| eval | timed out after 5 s | 1 |" in final and "## eval" in final  # its rows, marked partial or not
     assert "**Command:** `python scripts/gpu_check.py --steps kernels eval --budget 60" in final
+    assert "; the code at commit 0123abc" in final
 
 
 def test_results_path_is_new_for_each_run_of_a_day(tmp_path, monkeypatch):
