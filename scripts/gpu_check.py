@@ -32,6 +32,12 @@ every row, so a step that runs out of its time keeps the rows it finished
 (its table says it is partial) and a run stopped from outside keeps the steps
 done.  A step that fails or runs out of time is written as such; the others
 still run.  Without CUDA it stops at once, in one line.
+
+On a GPU machine without network access (``make install`` cannot reach the
+package index), install the wheels of fairseq-fixed, hydra-core, omegaconf,
+antlr4-python3-runtime, sacremoses and bitarray for its Python, then run
+``PYTHONPATH=$PWD python3 scripts/gpu_check.py --out DIR --commit SHA``
+(``--commit``: a copied working tree has no git to ask).
 """
 
 from __future__ import annotations
