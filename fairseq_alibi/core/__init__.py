@@ -22,6 +22,7 @@ which follows ``from .module import name`` (so this folder stays flat).
 * ``bias``: a layer stack's shared position object (``StackBias``: slopes or a learned bias,
   scaling, caches; the causal mask alone for NoPE);
 * ``kernels`` (+ ``causal_blocks``, ``flex``): attention kernels in one registry;
+* ``layer``: one layer's wiring to its stack's object (fairseq's layer and the exported model's);
 * ``configuration_alibi``, ``modeling_alibi``: the exported Hugging Face model.
 
 Every module of this folder is named above (tests/test_docs.py checks it).
