@@ -259,10 +259,17 @@ def check_position_flags(argv: List[str]) -> None:
     """Every position method's flag given (``--fire-hidden``, ``--rotary-base``)
     takes a value its ``core.params.Param`` allows, checked before fairseq loads
     data or builds anything (the model build checks the config again, for
-    Hydra and the hub API)."""
+    Hydra and the hub API).  With an ``--arch``, its method's flags alone: another
+    method's is argparse's one line, which names the architectures that take it
+    (``arguments.py``), not a range it could never have."""
+    from . import facts
     from .core.positions import params_of
 
-    for _, param in params_of():
+    arch = _flag(argv, "--arch", "-a")
+    method = facts.position_of(facts.model_family(arch)) if arch is not None else None
+    for name, param in params_of():
+        if arch is not None and name != method:
+            continue
         text = _flag(argv, param.flag)
         if text is None:
             continue
@@ -346,7 +353,7 @@ def _run(module_name: str, *checks, with_overrides_help: bool = False, guard=Non
         module = importlib.import_module(module_name)
         if defaults is not None and not {"-h", "--help"} & set(sys.argv[1:]):
             sys.argv[1:] = defaults(sys.argv[1:])
-        for check in (check_position_flags,) + checks:
+        for check in checks:
             check(sys.argv[1:])
         if guard is not None:
             guard(module)
@@ -397,8 +404,8 @@ def train():
         _resume_guard(module)  # the resumed run's checkpoint read, after the data directories were checked
         checked_training_data(module)
 
-    _run("fairseq_cli.train", training_help, check_arch, check_training_blocks, check_training_method,
-         check_training_kernel, check_checkpoint_flags, check_training_criterion, guard=guard,
+    _run("fairseq_cli.train", training_help, check_arch, check_position_flags, check_training_blocks,
+         check_training_method, check_training_kernel, check_checkpoint_flags, check_training_criterion, guard=guard,
          defaults=training_defaults, interruption_note=_interruption_note)
 
 

@@ -88,6 +88,24 @@ def test_every_method_param_on_an_arch_without_it_names_the_archs_that_take_it(m
         assert param.valid.text in line and f"give it with --arch {owners[0]}" in line
 
 
+def test_a_range_is_checked_on_its_own_arch_only(monkeypatch, capsys):
+    """alibi-train's check of the flags' ranges (before fairseq loads) takes the --arch's method's flags alone:
+    --fox-init-slopes 70 on ALiBi said it must be at most 64, never that ALiBi takes no such option."""
+    from fairseq_alibi import cli
+    from fairseq_alibi.errors import UserError
+
+    for method, param in PARAMS:
+        high = param.valid.high
+        text = str(int(high) + 1) if param.valid.kind is int else repr(high * 2)
+        with pytest.raises(UserError, match=f"{param.flag} {text} is not valid: it must be "):
+            cli.check_position_flags(["--arch", facts.position_model(method), param.flag, text])
+        for arch in archs_without(param.name):
+            cli.check_position_flags(["--arch", arch, param.flag, text])  # argparse's line names the arch
+        line = parse("alibi-train", [*POSITIONALS["alibi-train"], "--arch", facts.ALIBI_LM, param.flag, text],
+                     monkeypatch, capsys)
+        assert line.startswith(f"{param.flag} is an option of --arch "), line
+
+
 def test_ssmax_on_the_stock_models_names_the_plugin_s_models_and_the_twin(monkeypatch, capsys):
     """--ssmax takes every registered method's LM (the logit options apply to all), never fairseq's own."""
     for arch in facts.stock_archs(facts.STOCK_LM):
