@@ -404,3 +404,29 @@ def test_no_step_leaves_files_the_device_would_not_send_back(tmp_path):
         files |= set(gpu_check.outputs(step)) | {f"{step}.log"}
     assert len(files) <= 8, sorted(files)
     assert all(os.path.basename(name) == name for name in files)
+
+
+@pytest.mark.slow
+def test_the_real_benchmarks_through_the_check_one_step_out_of_time(tmp_path, monkeypatch):
+    """The check's whole path on the CPU, the benchmarks' own outputs read back: the kernel
+    benchmark given more lengths than its share of the time allows is stopped, its finished rows
+    in the results file as partial; the evaluation after it gets the time left and its table."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Fake GPU")
+    lengths = [str(n) for n in range(64, 64 + 8 * 80, 8)]  # far more than 40 s of rows on any CPU
+    monkeypatch.setitem(gpu_check.STEPS, "kernels", (1, [
+        "benchmarks/gpu_attention.py", "--part", "kernels", "--device", "cpu", "--tokens", "128", "--heads", "2",
+        "--head-dim", "8", "--repeats", "1", "--shapes", "static", "--diagnose-lengths", "none", "--lengths",
+        *lengths, "--json", "{json}"]))
+    monkeypatch.setitem(gpu_check.STEPS, "eval", (1, [
+        "benchmarks/eval_memory.py", "--lengths", "32", "--methods", "alibi", "--repeats", "1", "--timed", "2",
+        "--vocab", "64", "--embed-dim", "16", "--layers", "1", "--heads", "2", "--ffn", "32", "--json", "{json}"]))
+    results, out = tmp_path / "gpu-check-test.md", tmp_path / "out"
+    assert gpu_check.main(["--steps", "kernels", "eval", "--budget", "80", "--out", str(out),
+                           "--results", str(results)]) == 0
+    text = results.read_text()
+    assert "| kernels | timed out after 40 s | 40 |" in text, text
+    assert "Partial: the kernels step stopped before its end; the rows it finished:" in text
+    assert "| 64 | 2 | flash-causal | static |" in text  # the first row, from the benchmark's own JSON
+    assert "| eval | ok |" in text and "| 32 | alibi | " in text and "the median of 2 forwards" in text
+    assert (out / "kernels.log").read_text().startswith("$ ")
