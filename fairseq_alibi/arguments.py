@@ -45,8 +45,9 @@ from .errors import closest, one_line
 TOOLS = ("alibi-train", "alibi-eval-lm", "alibi-generate", "alibi-interactive", "alibi-preprocess", "alibi-sweep",
          "alibi-retrieval", "alibi-export-hf", "alibi-convert-checkpoint")
 
-#: The options that choose which registered class adds further options, and
-#: the fairseq registry each names (``--arch`` the models', by model name).
+#: fairseq's options that choose a registered class, which adds options of its
+#: own once chosen (``--arch`` a model, by its name; ``--optimizer`` ``adam``'s
+#: ``--adam-betas``): where :func:`owners` looks for an option's owner.
 SELECTORS = ("--arch", "--task", "--criterion", "--optimizer", "--lr-scheduler", "--tokenizer", "--bpe", "--scoring")
 
 #: Where an evaluation tool takes a model option.
@@ -153,58 +154,45 @@ def _value_problem(flag: str, value: str, action: Optional[argparse.Action], arg
 # ------------------------------------------------------------------ where an option belongs
 
 
+def _registries():
+    """``(selector, {name: class})`` of each fairseq registry whose choice adds options."""
+    import fairseq_alibi.models  # noqa: F401  (registers the plugin's models)
+    from fairseq.models import MODEL_REGISTRY
+    from fairseq.registry import REGISTRIES
+    from fairseq.tasks import TASK_REGISTRY
+
+    return [("--arch", MODEL_REGISTRY), ("--task", TASK_REGISTRY)] + [
+        ("--" + name.replace("_", "-"), registry["registry"]) for name, registry in REGISTRIES.items()]
+
+
+@functools.lru_cache(maxsize=None)
+def _options_of(selector: str, name: str) -> Dict[str, argparse.Action]:
+    """``{option: action}`` that class ``name`` of ``selector`` adds once chosen."""
+    from fairseq.dataclass.utils import gen_parser_from_dataclass
+
+    cls = dict(_registries())[selector][name]
+    parser = argparse.ArgumentParser(add_help=False)
+    try:
+        if hasattr(cls, "add_args"):
+            cls.add_args(parser)
+        elif hasattr(cls, "__dataclass"):
+            gen_parser_from_dataclass(parser, cls.__dataclass())
+    except Exception:  # a class whose options cannot be listed here: it owns none we name
+        return {}
+    return dict(parser._option_string_actions)
+
+
 @functools.lru_cache(maxsize=None)
 def owners() -> Dict[str, List[Tuple[str, str]]]:
     """``{option: [(selector, name), ...]}``: every option that a registered
     class adds once chosen (``("--arch", "transformer_lm_fox")`` for
     ``--fox-init-slopes``), over fairseq's registries and this plugin's models."""
-    import fairseq_alibi.models  # noqa: F401  (registers the plugin's models)
-    from fairseq.dataclass.utils import gen_parser_from_dataclass
-    from fairseq.models import MODEL_REGISTRY
-    from fairseq.registry import REGISTRIES
-    from fairseq.tasks import TASK_REGISTRY
-
-    tables = [("--arch", MODEL_REGISTRY), ("--task", TASK_REGISTRY)]
-    tables += [("--" + name.replace("_", "-"), registry["registry"]) for name, registry in REGISTRIES.items()]
     found: Dict[str, List[Tuple[str, str]]] = {}
-    for selector, table in tables:
-        for name, cls in table.items():
-            parser = argparse.ArgumentParser(add_help=False)
-            try:
-                if hasattr(cls, "add_args"):
-                    cls.add_args(parser)
-                elif hasattr(cls, "__dataclass"):
-                    gen_parser_from_dataclass(parser, cls.__dataclass())
-            except Exception:  # a class whose options cannot be listed here: it owns none we name
-                continue
-            for action in parser._actions:
-                for option in action.option_strings:
-                    found.setdefault(option, []).append((selector, name))
+    for selector, table in _registries():
+        for name in table:
+            for option in _options_of(selector, name):
+                found.setdefault(option, []).append((selector, name))
     return found
-
-
-@functools.lru_cache(maxsize=None)
-def owner_action(selector: str, name: str, flag: str) -> Optional[argparse.Action]:
-    """The action of ``flag`` as class ``name`` of ``selector`` declares it (its type, help)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    if selector == "--arch":
-        from fairseq.models import MODEL_REGISTRY
-
-        MODEL_REGISTRY[name].add_args(parser)
-    elif selector == "--task":
-        from fairseq.tasks import TASK_REGISTRY
-
-        TASK_REGISTRY[name].add_args(parser)
-    else:
-        from fairseq.dataclass.utils import gen_parser_from_dataclass
-        from fairseq.registry import REGISTRIES
-
-        cls = REGISTRIES[selector[2:].replace("-", "_")]["registry"][name]
-        if hasattr(cls, "add_args"):
-            cls.add_args(parser)
-        else:
-            gen_parser_from_dataclass(parser, cls.__dataclass())
-    return parser._option_string_actions.get(flag)
 
 
 def tool_parser(tool: str) -> argparse.ArgumentParser:
@@ -343,7 +331,7 @@ def unknown_option(parser: argparse.ArgumentParser, flag: str, value: Optional[s
     found = owners().get(flag, [])
     tools = {tool: options[flag] for tool, options in tool_options().items()
              if flag in options and tool != _tool_name(prog)}
-    action = next((owner_action(s, n, flag) for s, n in found[:1]), None) or next(iter(tools.values()), None)
+    action = next((_options_of(s, n).get(flag) for s, n in found[:1]), None) or next(iter(tools.values()), None)
     models = [name for selector, name in found if selector == "--arch"]
     if parser.description == "Hydra":  # alibi-hydra-train: Hydra's own parser
         section = _hydra_section(_key(flag), found)
@@ -352,6 +340,10 @@ def unknown_option(parser: argparse.ArgumentParser, flag: str, value: Optional[s
                 f"it takes {takes(flag, action)})")
     if models and _action(parser, OVERRIDES_FLAG) is not None:
         return evaluation_override(prog, flag, value, action)
+    if flag in ("--arch", "-a") and _action(parser, OVERRIDES_FLAG) is not None:
+        return (f"{prog} takes no {flag}: the checkpoint (--path) holds the architecture it was trained with "
+                f"(alibi-train's --arch); its options an evaluation may change go in {OVERRIDES_FLAG} "
+                f"(`{_tool_name(prog)} --help` lists the keys)")
     key = _key(flag)
     if _action(parser, "--methods") is not None and key in (SPELLING_KEY,) + tuple(CONFIG_KEYS.values()):
         return (f"{prog} takes no {flag}: it evaluates each model under the context-extension methods of --methods "

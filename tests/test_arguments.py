@@ -133,6 +133,8 @@ def test_a_model_option_given_to_an_evaluation_tool_says_how_to_override_it(tool
             assert "an evaluation keeps the checkpoint's value" in line and "{'" not in line, line
     line = parse(tool_name, [*POSITIONALS[tool_name], "--position-scaling", "logn"], monkeypatch, capsys)
     assert METHOD_SYNTAX in line  # the spellings position_scaling takes
+    line = parse(tool_name, [*POSITIONALS[tool_name], "--arch", "transformer_lm_fox"], monkeypatch, capsys)
+    assert line.startswith(f"{tool_name} takes no --arch: the checkpoint (--path) holds the architecture"), line
 
 
 @pytest.mark.parametrize("tool_name", arguments.TOOLS)
