@@ -70,8 +70,9 @@ class PositionDecoderLayer(TransformerDecoderLayer):
     """Stock decoder layer whose self-attention reads the stack's position object."""
 
     def __init__(self, args, positions: StackBias, kernel: str = "auto", no_encoder_attn=False,
-                 ssmax_length: Optional[int] = None):
-        attach_shared(self, "positions", positions)  # read by build_self_attention
+                 ssmax_length: Optional[int] = None, layer_index: Optional[int] = None):
+        attach_shared(self, "positions", positions)  # the stack's, read by build_self_attention
+        self.layer_index = layer_index  # its place in the stack (core.layer.wire: a hybrid chooses by it)
         self.alibi_kernel = kernel
         self.ssmax_length = ssmax_length  # --ssmax: SSMax's scales, initialized from this training length
         super().__init__(args, no_encoder_attn=no_encoder_attn)
@@ -90,7 +91,7 @@ def self_attention(layer, embed_dim: int, heads: int, dropout: float) -> Positio
     return PositionMultiheadAttention(
         embed_dim, heads, layer.positions, kernel=layer.alibi_kernel, dropout=dropout,
         q_noise=layer.quant_noise, qn_block_size=layer.quant_noise_block_size,
-        ssmax_length=getattr(layer, "ssmax_length", None),
+        ssmax_length=getattr(layer, "ssmax_length", None), layer_index=getattr(layer, "layer_index", None),
     )
 
 
@@ -125,8 +126,8 @@ class PositionTransformerDecoder(TransformerDecoder):
     def build_decoder_layer(self, args, no_encoder_attn=False):
         index = self.__dict__.get("_layers_built", 0)  # fairseq builds the layers in order, 0 first
         self.__dict__["_layers_built"] = index + 1
-        layer_positions = self.positions.at_layer(index)  # the stack's object, or a hybrid's choice for this layer
-        layer = PositionDecoderLayer(args, layer_positions, self.alibi_kernel, no_encoder_attn, self.ssmax_length)
+        layer = PositionDecoderLayer(args, self.positions, self.alibi_kernel, no_encoder_attn, self.ssmax_length,
+                                     layer_index=index)  # its object: core.layer.wire, as the exported model's
         return wrap_layer(layer, args)
 
     def extract_features_scriptable(self, prev_output_tokens, *args, **kwargs):
