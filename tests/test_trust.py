@@ -34,6 +34,8 @@ from conftest import error_lines, fairseq_config, run_cli, tool, train_args
 #: No extension, a known training length (rnope_window=0 means half of it, as every model has).
 TRAINED = Scaling("none", 1.0, 16)
 HEADS, HEAD_DIM = 4, 8
+#: The depth of the decoder the config fields describe (fairseq always hands decoder_layers over).
+LAYERS = 8
 #: Params whose largest valid value is the model's number of heads (checked by the build, not the registry).
 HEAD_BOUND = {"rotary_alibi_heads"}
 PARAMS = P.params_of()
@@ -125,8 +127,10 @@ def test_every_option_at_its_limits_through_every_entry_point(method, param, val
         P.build(method, HEADS, HEAD_DIM, params, TRAINED)
 
     # the model's config fields, as fairseq hands them to the decoder
-    args = Namespace(decoder_attention_heads=HEADS, decoder_embed_dim=HEADS * HEAD_DIM, **params)
-    if refused or cross:
+    args = Namespace(decoder_attention_heads=HEADS, decoder_embed_dim=HEADS * HEAD_DIM, decoder_layers=LAYERS, **params)
+    entry = P.position(method)
+    too_deep = entry.depth_check(params, LAYERS) if entry.depth_check and not (refused or cross) else None
+    if refused or cross or too_deep:
         with pytest.raises(ConfigError, match=re.escape(param.name)):
             build_positions(args, method)
 
@@ -145,7 +149,7 @@ def test_every_option_at_its_limits_through_every_entry_point(method, param, val
     # the exported model's Hugging Face config (methods the exported model computes)
     if method not in exported_methods() or head_bound:  # an exported config holds no heads to check against
         return
-    if refused or cross:
+    if refused or cross or too_deep:
         with pytest.raises(ConfigError, match=re.escape(param.name)):
             hf_config(method, params)
     else:
@@ -161,8 +165,9 @@ def hf_config(method, params):
     if method == "rotary":  # rotary's own parameters in transformers' rope_parameters, the others as any method's
         rope = {"rope_type": "default", **{ROPE_KEYS[name]: value for name, value in params.items() if name in ROPE_KEYS}}
         others = {name: value for name, value in params.items() if name not in ROPE_KEYS}
-        return AlibiLMConfig(position_method=method, rope_parameters=rope, position_params=others or None)
-    return AlibiLMConfig(position_method=method, position_params=params)
+        return AlibiLMConfig(position_method=method, rope_parameters=rope, position_params=others or None,
+                             layers=LAYERS)
+    return AlibiLMConfig(position_method=method, position_params=params, layers=LAYERS)
 
 
 @pytest.mark.slow
