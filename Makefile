@@ -54,11 +54,11 @@ test: install
 test-all: install
 	$(BIN)/python -m pytest -q -n auto $(PYTEST_ARGS) tests
 
-# On a machine with a CUDA GPU (about 10 minutes): the CUDA tests, the kernel
-# benchmark against bias-free flash attention, compile costs, paired
-# fairseq-train runs (ALiBi vs sinusoidal, fp16, 512 and 2048 tokens) and a
-# 16K-32K evaluation; writes the numbers, the device named, into
-# docs/results/gpu-check.md.  Options: scripts/gpu_check.py --help.
+# On a machine with a CUDA GPU (at most 470 s of steps): the CUDA tests, every
+# registered method's attention call against bias-free flash attention, and a
+# warmed 16K-32K evaluation; writes the numbers, the device and torch named,
+# into docs/results/gpu-check-<date>.md.  Options (compile costs, paired
+# fairseq-train runs, offline machines): scripts/gpu_check.py --help.
 gpu-check: install
 	$(BIN)/python scripts/gpu_check.py
 

@@ -394,7 +394,7 @@ def main(argv=None) -> int:
     opts = p.parse_args(argv)
     unknown = [s for s in opts.steps if s not in STEPS]
     if unknown:
-        p.error(f"unknown step(s) {', '.join(unknown)}; allowed: {', '.join(STEPS)}")
+        p.error(f"unknown {'step' if len(unknown) == 1 else 'steps'} {', '.join(unknown)}; allowed: {', '.join(STEPS)}")
     if not opts.budget > 0:
         p.error(f"--budget must be a positive number of seconds, got {opts.budget:g}")
 

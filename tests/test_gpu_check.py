@@ -42,7 +42,7 @@ def test_refuses_without_cuda_in_one_line():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--steps", "tests", "bogus"], "unknown step(s) bogus; allowed: tests, kernels, eval, compile, train"),
+    (["--steps", "tests", "bogus"], "unknown step bogus; allowed: tests, kernels, eval, compile, train"),
     (["--budget", "0"], "--budget must be a positive number of seconds, got 0"),
     (["--budget", "ten"], "argument --budget: invalid float value: 'ten'"),
 ])

@@ -16,7 +16,8 @@ tails ``log`` and ``power``.
 
 The other position methods (``position_method``: every entry of
 ``positions.POSITIONS``, and ``sinusoidal``) hold their params in
-``position_params`` and a logit method (``logn``) in ``alibi_scaling``.  A
+``position_params`` and a logit method (log-n scaling, ``scaling.LOGIT_METHODS``) in
+``alibi_scaling``.  A
 method whose entry's ``scaling_key`` is ``rope_parameters`` (RoPE) spells its
 base, rotated share and context extension as transformers spells them where
 transformers defines the same method (:func:`rope_parameters_of`,
