@@ -26,7 +26,7 @@ import torch
 
 from conftest import cli_env, fairseq_config, run_cli, tool
 from fairseq_alibi.core import rotary
-from fairseq_alibi.core.positions import POSITIONS
+from fairseq_alibi.core.positions import POSITIONS, attention_entry
 from fairseq_alibi.core.scaling import NO_SCALING, Scaling
 from fairseq_alibi.models import attention
 from test_export import captured, hf_log_probs, max_diff, one_error_line, save, window_loss
@@ -51,6 +51,9 @@ CUSTOM = {
     "fox": ["--arch", "transformer_lm_fox", *COMPARE],
     "rnope": ["--arch", "transformer_lm_rnope", *COMPARE, "--rnope-window", "6"],  # a NoPE layer; 6 < 3 L keys
     "alibi-ssmax": ["--arch", "transformer_lm_alibi", *COMPARE, "--ssmax"],
+    "stickbreaking": ["--arch", "transformer_lm_stickbreaking", *COMPARE],
+    "path": ["--arch", "transformer_lm_path", *COMPARE, "--path-short-conv", "0"],
+    "path-fox": ["--arch", "transformer_lm_path", *COMPARE, "--path-forget-gate", "1"],
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: The half-precision export of a model (both dtypes over the methods; an export costs seconds):
@@ -197,6 +200,40 @@ def test_every_method_exports_exactly_through_the_custom_model(name, exports, ba
         lost = max_diff(torch.tensor(got["own"]), reference)
         assert 0 < lost < 0.03 * reference.abs().max().item(), (name, dtype)  # rounding, not a defect
         assert f"({dtype} rounding); same-precision difference" in output
+
+
+def test_every_registered_method_has_a_custom_export_case():
+    """A method added to the registry is exported here (its case in :data:`CUSTOM`)."""
+    archs = {flags[flags.index("--arch") + 1] for flags in CUSTOM.values()}
+    assert {f"transformer_lm_{name}" for name in POSITIONS if name not in ("alibi", "rotary")} <= archs
+
+
+@pytest.mark.parametrize("name", list(CUSTOM))
+@pytest.mark.slow
+def test_every_export_decodes_with_its_kv_cache_as_fairseq_scores_or_refuses_one(name, exports):
+    """Token by token with transformers' cache, a method whose entry has a KV cache
+    (``kv_cache``) gives fairseq's log-probs of the whole row; one without refuses the cache in
+    one line (its state is not the keys and values alone: FoX's gate sums, PaTH's keys)."""
+    from transformers.cache_utils import DynamicCache
+
+    from fairseq_alibi.core.errors import InputError
+    from fairseq_alibi.core.modeling_alibi import AlibiForCausalLM
+
+    model, _, out, _ = exports[f"{name}-float32"]
+    hf = AlibiForCausalLM.from_pretrained(out).eval()
+    ids = tokens(2 * L)
+    method = json.loads((out / "config.json").read_text())["position_method"]
+    if not POSITIONS.get(method, POSITIONS["nope"]).kv_cache:
+        with pytest.raises(InputError, match="no KV cache yet .* use_cache=False"):
+            hf(input_ids=ids, use_cache=True)
+        return
+    cache, steps = DynamicCache(), []
+    with torch.no_grad():
+        steps.append(hf(input_ids=ids[:, :5], past_key_values=cache, use_cache=True).logits)
+        for t in range(5, ids.size(1)):
+            steps.append(hf(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+    got, reference = torch.cat(steps, dim=1).float().log_softmax(-1), fairseq_log_probs(model, ids)
+    assert max_diff(got, reference) < 4e-6 * max(10.0, reference.abs().max().item()), name  # float32 rounding
 
 
 def _rounded(model, dtype):
@@ -565,6 +602,10 @@ def test_logn_is_written_and_read_back_for_every_position_method():
                     "original_max_position_embeddings": L}
     assert scaling_of_rope(rope, None) == logn.complete()
     for method in [m for m in POSITIONS if m not in ("alibi", "rotary")] + ["sinusoidal"]:
+        if "logn" not in attention_entry(method).extensions:  # no softmax (stick-breaking): refused, naming what applies
+            with pytest.raises(ScalingError, match=f"a {method} model's context extension is one of none$"):
+                AlibiLMConfig(position_method=method, alibi_scaling=logn.to_hf(), alibi_train_length=L).scaling()
+            continue
         config = AlibiLMConfig(position_method=method, alibi_scaling=logn.to_hf(), alibi_train_length=L)
         assert config.scaling() == logn.complete(), method
     with pytest.raises(ScalingError, match="a t5bias model's context extension is one of none, logn"):

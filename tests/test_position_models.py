@@ -17,7 +17,9 @@ from fairseq_alibi.core import positions as P
 from fairseq_alibi.core.bias import ModuleBias
 from fairseq_alibi.core.errors import ConfigError
 from fairseq_alibi.core.errors import ScalingError
+from fairseq_alibi.core.path import path_reference
 from fairseq_alibi.core.positions import POSITIONS
+from fairseq_alibi.core.stickbreaking import stickbreaking_reference
 from fairseq_alibi.core.scaling import Scaling
 from fairseq_alibi.models.attention import rescale
 
@@ -108,9 +110,29 @@ def test_attention_equals_the_naive_definition(data_dir, name):
         q = attention.q_proj(x).view(12, 2, 4, 8).permute(1, 2, 0, 3)
         k = attention.k_proj(x).view(12, 2, 4, 8).permute(1, 2, 0, 3)
         v = attention.v_proj(x).view(12, 2, 4, 8).permute(1, 2, 0, 3)
-        probs = torch.softmax(naive_scores(name, attention.positions, q, k, x), -1)
-        expected = attention.out_proj((probs @ v.double()).float().permute(2, 0, 1, 3).reshape(12, 2, 32))
+        if attention.positions.own_kernel:  # not softmax over biased scores: the method's own float64 product
+            heads = naive_own_attention(name, attention.positions, q, k, v, x)
+        else:
+            heads = torch.softmax(naive_scores(name, attention.positions, q, k, x), -1) @ v.double()
+        expected = attention.out_proj(heads.float().permute(2, 0, 1, 3).reshape(12, 2, 32))
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def naive_own_attention(name: str, position, q, k, v, x) -> torch.Tensor:
+    """``[B, H, T, D]`` float64 output of a method with an attention of its own, from its
+    naive reference (``stickbreaking_reference``: the product of the shares; ``path_reference``:
+    every product of the H matrices), the layer's terms after it written out."""
+    if name == "stickbreaking":  # the remainder times the head's vector, then a group norm per head
+        out, remainder, _ = stickbreaking_reference(q, k, v)
+        terms = position.terms
+        out = out + remainder[..., None] * terms.head_bias.double()[:, None]
+        mean, var = out.mean(-1, keepdim=True), out.var(-1, unbiased=False, keepdim=True)
+        scale = terms.norm.weight.double().view(1, 4, 1, 8)
+        shift = terms.norm.bias.double().view(1, 4, 1, 8)
+        return (out - mean) / torch.sqrt(var + terms.norm.eps) * scale + shift
+    assert name == "path", f"no naive definition of {name}'s own attention"
+    w, beta, _ = position.proj(x)
+    return path_reference(q, k, v, w, beta)[0]
 
 
 def incremental(model, ids) -> torch.Tensor:
@@ -136,6 +158,8 @@ def test_kv_cache_equals_the_full_forward(data_dir, name):
 @pytest.mark.parametrize("kernel", ["sdpa", "chunked"])
 def test_kernels_equal_the_reference_past_the_training_length(data_dir, name, kernel):
     model = build(data_dir, name)
+    if model.decoder.layers[0].self_attn.positions.own_kernel:
+        pytest.skip(f"{name} runs its own attention, no shared kernel (tests/test_{name}.py: its kernel's long inputs)")
     ids = tokens(20 * TRAIN, batch=1)
     outputs = {}
     for path in ("reference", kernel):
@@ -440,3 +464,95 @@ def test_nope_first_layer_weighs_a_token_alike_at_every_distance(data_dir):
     torch.testing.assert_close(nope[:, 12, 3], nope[:, 12, 11], rtol=1e-6, atol=0)
     rotary = first_layer_weights(build(data_dir, "rotary"), ids)
     assert (rotary[:, 12, 1] - rotary[:, 12, 11]).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------- methods with an attention of their own
+#: Every method whose layers compute their attention themselves (``layer.attention``'s own_kernel),
+#: with its variants: name -> (method, extra training flags).
+OWN = {"stickbreaking": ("stickbreaking", ()), "path": ("path", ()),
+       "path-fox": ("path", ("--path-forget-gate", "1")), "path-noconv": ("path", ("--path-short-conv", "0")),
+       "path-fox-ssmax": ("path", ("--path-forget-gate", "1", "--ssmax"))}
+
+
+def test_every_method_with_its_own_attention_has_cases():
+    own = {name for name in METHODS if P.build(name, 4, 8, {p.name: p.default for p in POSITIONS[name].params},
+                                               Scaling("none", 0.0, TRAIN), 2).own_kernel}
+    assert own == {method for method, _ in OWN.values()}
+
+
+def build_own(data_dir, case: str, *extra):
+    method, flags = OWN[case]
+    return build(data_dir, method, "--attention-dropout", "0", *flags, *extra)
+
+
+def decoded(model, ids, pad=None, reorder=None) -> torch.Tensor:
+    """Log-probs of fairseq's incremental decoding, token by token; ``reorder`` (step,
+    new_order): the cache reordered at that step as beam search reorders it."""
+    state, steps = {}, []
+    for t in range(ids.size(1)):
+        if reorder is not None and t == reorder[0]:
+            model.decoder.reorder_incremental_state_scripting(state, reorder[1])
+            ids = ids[reorder[1]]
+            steps = [step[reorder[1]] for step in steps]  # the rows' log-probs so far follow them
+        out = model.decoder(ids[:, : t + 1], incremental_state=state)
+        steps.append(model.get_normalized_probs(out, log_probs=True)[:, -1:])
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("case", list(OWN))
+def test_an_own_attention_decodes_with_its_cache_as_the_full_forward_and_reorders_for_beams(data_dir, case):
+    """fairseq's incremental decoding (the method's own cache state: PaTH's transformed keys,
+    its convolution's inputs, FoX's gate sums) equals the full forward, under logn too; beam
+    search's reorder of the cache mid-row gives the reordered rows' full forward."""
+    model = build_own(data_dir, case)
+    ids = tokens(2 * TRAIN, batch=3)
+    with torch.no_grad():
+        full = model.get_normalized_probs(model(ids), log_probs=True)
+        torch.testing.assert_close(decoded(model, ids), full, rtol=1e-4, atol=1e-4)
+        order = torch.tensor([2, 0, 0])
+        torch.testing.assert_close(decoded(model, ids, reorder=(9, order)), full[order], rtol=1e-4, atol=1e-4)
+        if "logn" in POSITIONS[OWN[case][0]].extensions:
+            rescale(model, Scaling.parse("logn", TRAIN // 4))
+            logn = model.get_normalized_probs(model(ids), log_probs=True)
+            assert (logn - full).abs().max() > 1e-3  # past L/4 keys logn sharpens
+            torch.testing.assert_close(decoded(model, ids), logn, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", list(OWN))
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_an_own_attention_scores_a_padded_row_as_its_unpadded_self(data_dir, case, side):
+    """Through the model's layers, full forward and token by token with the cache (the
+    layer's padding mask, and the method's: padded keys transparent to stick-breaking,
+    beta = 0 and no convolution input for PaTH)."""
+    model = build_own(data_dir, case)
+    pad = model.decoder.dictionary.pad()
+    ids = tokens(TRAIN, batch=2)
+    short = ids[1, :11]
+    padded = ids.clone()
+    padded[1] = pad
+    if side == "left":
+        padded[1, -11:] = short
+        real = slice(TRAIN - 11, TRAIN)
+    else:
+        padded[1, :11] = short
+        real = slice(0, 11)
+    with torch.no_grad():
+        batch = model.get_normalized_probs(model(padded), log_probs=True)
+        alone = model.get_normalized_probs(model(short[None]), log_probs=True)
+        torch.testing.assert_close(batch[1, real], alone[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(batch[0], model.get_normalized_probs(model(ids[:1]), log_probs=True)[0],
+                                   rtol=1e-4, atol=1e-4)
+        # token by token with the cache, the padding mask of each step extended
+        torch.testing.assert_close(decoded(model, padded)[1, real], alone[0], rtol=1e-4, atol=1e-4)
+
+
+def test_ssmax_is_refused_in_one_line_where_no_logit_method_applies(data_dir):
+    """SSMax scales a softmax's logits: stick-breaking has none (nor takes logn), so
+    --ssmax is refused where the model is built; PaTH takes it (its case above)."""
+    for name in METHODS:
+        applies = "logn" in POSITIONS[name].extensions
+        if applies:
+            continue
+        with pytest.raises(ConfigError, match=f"ssmax=True is not valid with position method {name}: .*--ssmax$"):
+            build(data_dir, name, "--ssmax", "--attention-dropout", "0")
+    assert [n for n in METHODS if "logn" not in POSITIONS[n].extensions] == ["stickbreaking"]

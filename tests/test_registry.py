@@ -16,6 +16,7 @@ import torch
 from fairseq_alibi.core import positions as P
 from fairseq_alibi.core.alibi import get_slopes
 from fairseq_alibi.core.bias import ModuleBias
+from fairseq_alibi.core.scaling import Scaling
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -138,7 +139,11 @@ def test_every_entry_says_what_the_export_and_the_cache_need():
         assert P.CUSTOM in entry.exports and set(entry.exports) <= {P.CUSTOM, P.BLOOM, P.NEOX}, entry.name
         assert entry.scaling_key in (P.ALIBI_SCALING, P.ROPE_PARAMETERS), entry.name
         assert isinstance(entry.kv_cache, bool), entry.name
-    assert [n for n in P.POSITIONS if not P.position(n).kv_cache] == ["fox"]
+    assert [n for n in P.POSITIONS if not P.position(n).kv_cache] == ["fox", "path"]
+    for entry in P.POSITIONS.values():  # a state of its own (layer.attention's own_cache): none in transformers' cache
+        params = {p.name: p.default for p in entry.params}
+        stack = P.build(entry.name, 4, 8, params, Scaling("none", 0.0, 32), layers=4)
+        assert not (stack.at_layer(0).for_layer().own_cache and entry.kv_cache), entry.name
     assert P.holding(P.BLOOM) == ("alibi",) and P.holding(P.NEOX) == ("rotary",)
 
 

@@ -18,11 +18,15 @@ which follows ``from .module import name`` (so this folder stays flat).
 * ``t5bias``, ``kerple``, ``fire``: the learned biases (T5's buckets, Kerple's log kernel, FIRE's MLP);
 * ``fox``: the Forgetting Transformer's per-layer forget gates (a data-dependent bias ``c_i - c_j``);
 * ``hybrid``: RNoPE-SWA, RoPE layers with a sliding window interleaved with full-attention NoPE layers;
+* ``stickbreaking``, ``path``: methods that compute their attention themselves (stick-breaking
+  attention, no softmax; PaTH, keys through a product of Householder-like transformations),
+  each with its own kernel and KV cache;
 * ``logit_scale``, ``ssmax``: query scaling by the keys seen (the ``logn`` extension method; learned SSMax);
 * ``bias``: a layer stack's shared position object (``StackBias``: slopes or a learned bias,
   scaling, caches; the causal mask alone for NoPE);
 * ``kernels`` (+ ``causal_blocks``, ``flex``): attention kernels in one registry;
-* ``layer``: one layer's wiring to its stack's object (fairseq's layer and the exported model's);
+* ``layer``: one layer's wiring to its stack's object and its attention call (fairseq's layer and the
+  exported model's);
 * ``configuration_alibi``, ``modeling_alibi``: the exported Hugging Face model.
 
 Every module of this folder is named above (tests/test_docs.py checks it).

@@ -137,6 +137,11 @@ class StackBias:
       ``logit_scale.py``; SSMax's scales are the layer's);
     * a kernel of its own: ``own_kernels``, by registry name
       (``kernels.kernel_for``);
+    * an attention of its own, not softmax over biased scores: ``own_kernel``
+      and ``attend(q, k, v, x, key_padding_mask, state, dropout_p)``, which
+      ``layer.attention`` calls in place of every shared kernel; ``own_cache``:
+      it keeps its KV-cache state itself (``state``, a batch-first dict under
+      fairseq's names), so the layer skips the shared cache extension;
     * per layer: :meth:`at_layer` (a hybrid's choice), :meth:`for_layer` (a
       layer's own object, a submodule under ``layer_attribute``),
       :meth:`fit_depth`;
@@ -171,6 +176,14 @@ class StackBias:
     #: chunked paths, ``fox.py``; a method that is not softmax over biased
     #: scores brings all of its own).
     own_kernels: Dict[str, Callable[..., Tuple[Tensor, Optional[Tensor]]]] = {}
+    #: The object computes a layer's whole attention itself (``attend``: stick-breaking,
+    #: PaTH), no shared kernel runs it: ``layer.attention`` calls it, ``check_kernel``
+    #: takes ``auto`` alone and no attention dropout.
+    own_kernel = False
+    #: With ``own_kernel``: its KV-cache state is not the keys and values as they came
+    #: (PaTH's keys change with every new token; a convolution's and a gate's state):
+    #: ``attend`` extends the layer's cache dict itself, the layer only its padding mask.
+    own_cache = False
     #: Whether the layers of a pass share what it builds with gradients (a
     #: learned bias's values, ``ModuleBias.cached``).  Not under activation
     #: checkpointing, where each layer's forward runs again in its own

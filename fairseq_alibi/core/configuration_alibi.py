@@ -34,7 +34,7 @@ from transformers import PreTrainedConfig
 
 from .errors import ConfigError, ScalingError, plural
 from .positions import ROPE_PARAMETERS, attention_entry, check_params, exported_methods
-from .positions import params_of
+from .positions import params_of, ssmax_problem
 from .scaling import NO_SCALING, Scaling
 from .methods import REGISTERED  # noqa: F401  (registers an exported model's method from outside the core)
 
@@ -400,4 +400,7 @@ def check_position_params(config) -> None:
         return  # an unknown name is refused by ``scaling()``
     given = config.position_settings()  # the declared defaults filled in
     entry = attention_entry(name)
+    problem = ssmax_problem(entry.name, bool(getattr(config, "ssmax", False)))
+    if problem:
+        raise ConfigError(problem)
     check_params(entry.name, {p.name: given[p.name] for p in entry.params}, getattr(config, "layers", None))

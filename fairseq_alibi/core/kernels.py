@@ -593,6 +593,15 @@ def check_kernel(name: str, bias: StackBias, dropout: float = 0.0) -> str:
     runs ``sdpa`` instead."""
     if name not in KERNEL_NAMES:
         raise ConfigError(f"alibi_attention={name!r} is not valid; allowed values: {', '.join(KERNEL_NAMES)}")
+    if bias.own_kernel:  # its attention is not softmax over biased scores: no shared kernel runs it
+        if dropout > 0:
+            raise ConfigError(f"attention_dropout={dropout:g} is not valid with this position method, whose "
+                              "attention runs its own kernel, which has no attention dropout: set "
+                              "--attention-dropout 0 (attention_dropout=0)")
+        if name != "auto":
+            raise ConfigError(f"alibi_attention={name!r} is not valid with this position method, whose attention "
+                              "is not softmax over biased scores and runs its own kernel: use auto")
+        return name
     if name == "flex" and not bias.supports_flex:
         raise ConfigError("alibi_attention='flex' is not valid here; flex has a score_mod for ALiBi's fixed slopes "
                           "only, not for learned slopes or other position methods: use auto, sdpa or chunked")

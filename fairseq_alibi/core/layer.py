@@ -14,18 +14,23 @@ configured kernel once (``kernels.check_kernel``).  Per call,
 object to the layer's input (FoX's gates of this call: ``bind``).  Nothing
 is rebuilt per layer or call: the stack's object, and its caches, are
 shared by the layers.  (The stack is settled for its depth, a hybrid's
-interleaving, where it is built: ``positions.build``.)
+interleaving, where it is built: ``positions.build``.)  Then
+:func:`attention` computes the call's attention: the checked kernel
+(``kernels.attend``), or the object's own attention where it brings one
+(``own_kernel``: stick-breaking, PaTH), with its cache state where it keeps
+its own (``own_cache``: the layer then extends only the padding mask).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .bias import StackBias
-from .kernels import check_kernel
+from .kernels import attend, check_kernel
+from .logit_scale import scaled_queries
 
 
 def wire(layer: torch.nn.Module, stack: StackBias, kernel: str, dropout: float,
@@ -60,3 +65,25 @@ def bind_call(positions: StackBias, q: Tensor, k: Tensor, x: Tensor, past: int,
     q, k = positions.rotate(q, k, past, past + q.size(2), new_pad if past == 0 else None)
     bound, carry = positions.bind(x, new_pad, carried)
     return q, k, bound, carry
+
+
+def attention(positions: StackBias, kernel: str, q: Tensor, k: Tensor, v: Tensor, x: Tensor, past: int,
+              key_padding_mask: Optional[Tensor], dropout_p: float, need_weights: bool, ssmax: Optional[Tensor],
+              state: Optional[Dict[str, Tensor]] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """``(output [B, H, T, D], weights or None)`` of one call of a layer whose
+    object (bound: :func:`bind_call`) is ``positions``: ``q`` the ``T`` new
+    queries after ``past`` cached tokens, ``key_padding_mask`` ``[B, past +
+    T]``, ``x`` the new tokens' input ``[T, B, C]``.  A shared kernel
+    (``kernels.attend``, ``k`` and ``v`` every key) for a softmax over biased
+    scores; the object's own ``attend`` where it brings one (``own_kernel``),
+    its queries first scaled by the logit methods as ``kernels.attend`` scales
+    them (the ``logn`` method of its scaling, SSMax's learned ``ssmax``: the
+    object refuses them where they do not apply, when it is built), with the
+    layer's cache ``state`` (a batch-first dict, fairseq's names) where it
+    keeps its own (``own_cache``: ``k``, ``v`` the new tokens', the state
+    extended in place), else every key with no state.  An own attention gives
+    no weights."""
+    if not positions.own_kernel:
+        return attend(q, k, v, positions, kernel, key_padding_mask, dropout_p, need_weights, past > 0, ssmax)
+    q = scaled_queries(q, past + q.size(2), positions.scaling, key_padding_mask, ssmax, positions.window)
+    return positions.attend(q, k, v, x, key_padding_mask, state if positions.own_cache else None, dropout_p), None

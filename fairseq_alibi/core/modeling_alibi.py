@@ -58,8 +58,7 @@ from .configuration_alibi import AlibiLMConfig, scaling_of_rope
 from .positions import SINUSOIDAL, attention_entry
 from .positions import build as build_positions
 from .errors import InputError
-from .kernels import attend
-from .layer import bind_call, wire
+from .layer import attention, bind_call, wire
 from .ssmax import ScalableSoftmax
 
 
@@ -126,9 +125,14 @@ class AttentionContext:
         q, k, bound, _ = bind_call(positions, q, k, x.transpose(0, 1), self.past, new_pad)
         return q, k, bound
 
-    def attend(self, positions: StackBias, kernel: str, q: Tensor, k: Tensor, v: Tensor, dropout_p: float,
-               ssmax: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
-        return attend(q, k, v, positions, kernel, self.pad, dropout_p, self.need_weights, self.past > 0, ssmax)
+    def attend(self, positions: StackBias, kernel: str, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
+               dropout_p: float, ssmax: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        """``layer.attention`` of the layer's call (``x`` its input ``[B, T, C]``), as fairseq's layer calls it."""
+        if self.need_weights and positions.own_kernel:
+            raise InputError("output_attentions is not available for this model: its position method computes its "
+                             "attention with its own kernel, which forms no attention weights; leave it out")
+        return attention(positions, kernel, q, k, v, x.transpose(0, 1), self.past, self.pad, dropout_p,
+                         self.need_weights, ssmax)
 
 
 class AlibiSelfAttention(nn.Module):
@@ -165,7 +169,7 @@ class AlibiSelfAttention(nn.Module):
                 )
             # a static cache returns all its slots, the empty ones after the filled ones
             k, v = k[:, :, :keys], v[:, :, :keys]
-        out, weights = context.attend(positions, self.kernel, q, k, v, self.dropout if self.training else 0.0,
+        out, weights = context.attend(positions, self.kernel, q, k, v, x, self.dropout if self.training else 0.0,
                                       None if self.ssmax is None else self.ssmax.scale)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, dim)), weights
 

@@ -304,6 +304,7 @@ class PathPositions(StackBias):
     shared kernels (the keys each query sees depend on the query)."""
 
     own_kernel = True
+    own_cache = True  # its cached keys are carried through each new token's H, beside the conv's and gate's state
     learned = True
     layer_attribute = "path"
 

@@ -13,9 +13,16 @@ A position method is one of five kinds:
   ``fox.py``): each layer binds its gates to its input, kernels take the
   per-row bias (``StackBias.batched``);
 * ``hybrid``: a different object per layer (``StackBias.at_layer``):
-  RNoPE-SWA's windowed RoPE and full NoPE layers (``hybrid.py``).
+  RNoPE-SWA's windowed RoPE and full NoPE layers (``hybrid.py``);
+* ``attention``: the method computes each layer's attention itself
+  (``StackBias.own_kernel``, called by ``layer.attention``): stick-breaking
+  attention, which has no softmax (``stickbreaking.py``), and PaTH, whose
+  keys each query sees through its own product of transformations
+  (``path.py``).
 
-Every kind takes the logit methods (``logn``, ``logit_scale.py``) and SSMax.
+The logit methods (``logn``, ``logit_scale.py``) and SSMax, which scale a
+softmax's logits, apply to every method with a softmax: every one but
+stick-breaking (:func:`ssmax_problem`).
 
 Adding a method: its maths in a module of this folder, one :class:`Position`
 line in :data:`POSITIONS`; the fairseq side (``models/transformer_lm.py``)
@@ -40,6 +47,8 @@ from .fire import INIT_THRESHOLD, Fire
 from .fox import FOX_EXTENSIONS, GATE_INIT_STD, ForgetGates
 from .hybrid import AUTO_NOPE_EVERY, DEFAULT_NOPE_EVERY, RNOPE_EXTENSIONS, HybridPositions
 from .kerple import KerpleLog
+from .path import PATH_EXTENSIONS, PathPositions
+from .stickbreaking import STICKBREAKING_EXTENSIONS, StickBreakingPositions
 from .params import LEARNED, SHAPE, Param, Range
 from .rotary import BASE_RANGE, DEFAULT_BASE, ROPE_METHODS, RotaryPositions
 from .scaling import LOGIT_METHODS, MAX_TOKENS as SCALING_MAX_TOKENS, Scaling, check_applies
@@ -166,6 +175,15 @@ def _rnope_depth(params: Dict[str, Any], layers: int) -> Optional[str]:
     return None
 
 
+def _stickbreaking(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
+    return StickBreakingPositions(num_heads, head_dim, scaling)
+
+
+def _path(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
+    return PathPositions(num_heads, head_dim, num_heads * head_dim, bool(params["path_short_conv"]),
+                         bool(params["path_forget_gate"]), scaling)
+
+
 #: The largest training length, threshold or distance a parameter takes, in tokens (fairseq's int32 lengths):
 #: the scaling spec's own bound (a factor times the training length is at most it).
 MAX_TOKENS = SCALING_MAX_TOKENS
@@ -237,7 +255,31 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
                     "attention (the last of each group)",
                     Range(int, 2, 4096, special=((AUTO_NOPE_EVERY, f"{DEFAULT_NOPE_EVERY}, or the number of layers "
                                                   "where fewer"),)))), depth_check=_rnope_depth, colour="#bcbd22"),
+    Position("stickbreaking", "attention", STICKBREAKING_EXTENSIONS, "no softmax and no positions: query i gives "
+             "key j sigmoid(z_ij) of what the nearer keys left, the rest to a learned vector per head "
+             "(stick-breaking attention, Tan et al. 2025)", _stickbreaking, colour="#17becf"),
+    Position("path", "attention", PATH_EXTENSIONS, "key j seen from query i through H_i ... H_{j+1}, H_t = I - "
+             "beta_t w_t w_t^T from each token's input (PaTH attention, Yang et al. 2025)", _path,
+             (Param("path_short_conv", 1, "whether w passes the authors' short causal convolution (width 3, SiLU) "
+                    "after its low-rank projection (1) or not (0)", Range(int, 0, 1), SHAPE),
+              Param("path_forget_gate", 0, "whether FoX's forget gate is added on top (1: PaTH-FoX, c_i - c_j per "
+                    "head and layer, c the running sum of log forget gates; 0: PaTH alone)", Range(int, 0, 1),
+                    SHAPE)),
+             # no KV cache in the export: each new token changes every cached key (H_t) and the cache carries
+             # the convolution's and the gate's state, which transformers' cache of appended keys does not hold
+             kv_cache=False, colour="#393b79"),
 )}
+
+
+def ssmax_problem(name: str, ssmax: bool) -> Optional[str]:
+    """Why SSMax (``--ssmax``) cannot be trained with position method ``name``, or
+    None: SSMax scales a softmax's logits as the logit methods do (``logn``), so it
+    applies where they do (the entry's ``extensions``): every method but one without a
+    softmax (stick-breaking)."""
+    if not ssmax or set(LOGIT_METHODS) <= set(extensions(name)):
+        return None
+    return (f"ssmax=True is not valid with position method {name}: SSMax scales the logits of a softmax, which "
+            f"{name} attention has not (nor does logn apply to it); train without --ssmax")
 
 
 def params_of(names=None):

@@ -17,7 +17,7 @@ import torch
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
-from ..core import kernels, layer
+from ..core import layer
 from ..core.bias import StackBias
 from ..core.scaling import Scaling
 from ..core.ssmax import ScalableSoftmax
@@ -75,13 +75,17 @@ class PositionMultiheadAttention(MultiheadAttention):
         past = self._cached_length(incremental_state)
         carried = self._get_input_buffer(incremental_state).get("prev_positions") if past else None
         q, k, positions, carry = layer.bind_call(self.positions, q, k, query, past, key_padding_mask, carried)
+        saved = None
         if incremental_state is not None:
-            k, v, key_padding_mask = self._extend_cache(incremental_state, k, v, key_padding_mask, bsz, carry)
+            k, v, key_padding_mask, saved = self._extend_cache(incremental_state, k, v, key_padding_mask, bsz, carry,
+                                                               positions.own_cache)
 
         dropout_p = self.dropout_module.p if self.training else 0.0
         ssmax = self.ssmax.scale if "ssmax" in self._modules else None
-        out, weights = kernels.attend(q, k, v, positions, self.kernel, key_padding_mask, dropout_p,
-                                      need_weights, incremental_state is not None, ssmax)
+        out, weights = layer.attention(positions, self.kernel, q, k, v, query, past, key_padding_mask, dropout_p,
+                                       need_weights, ssmax, saved)
+        if saved is not None and positions.own_cache:  # the object extended its own state: keep it
+            self._set_input_buffer(incremental_state, saved)
         out = self.out_proj(out.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim))
         if not need_weights or weights is None:
             return out, None  # the reference kernel computes weights either way: not asked, not returned
@@ -96,27 +100,35 @@ class PositionMultiheadAttention(MultiheadAttention):
         return saved["prev_key"].size(2) if "prev_key" in saved else 0
 
     def _extend_cache(self, incremental_state, k: Tensor, v: Tensor, key_padding_mask, bsz: int,
-                      carry: Optional[Tensor] = None):
-        """Keys, values and padding mask with the cached ones prepended; the
-        cache updated (with the position object's ``carry``: FoX's cumulative
-        log-gates of every cached key, ``[B, H, S]``)."""
+                      carry: Optional[Tensor] = None, own_cache: bool = False):
+        """``(keys, values, padding mask, the cache dict)``: the keys and values
+        with the cached ones prepended and the cache updated (with the position
+        object's ``carry``: FoX's cumulative log-gates of every cached key,
+        ``[B, H, S]``); where the object keeps its own state (``own_cache``:
+        PaTH's transformed keys, its convolution's and gate's state) the new
+        keys and values as they are and the padding mask alone extended, the
+        object's ``attend`` extending the dict.  fairseq's
+        ``reorder_incremental_state`` reorders every tensor of the dict on its
+        first (batch) dimension, the object's state too (beam search)."""
         saved = self._get_input_buffer(incremental_state)
-        if "prev_key" in saved:
+        cached = saved["prev_key"].size(2) if "prev_key" in saved else 0
+        if not own_cache and cached:
             k = torch.cat([saved["prev_key"], k], dim=2)
             v = torch.cat([saved["prev_value"], v], dim=2)
         key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
             key_padding_mask=key_padding_mask,
             prev_key_padding_mask=saved.get("prev_key_padding_mask"),
             batch_size=bsz,
-            src_len=k.size(2),
+            src_len=cached + k.size(2) if own_cache else k.size(2),
             static_kv=False,
         )
-        saved["prev_key"], saved["prev_value"] = k, v
+        if not own_cache:
+            saved["prev_key"], saved["prev_value"] = k, v
         saved["prev_key_padding_mask"] = key_padding_mask
         if carry is not None:
             saved["prev_positions"] = carry
         self._set_input_buffer(incremental_state, saved)
-        return k, v, key_padding_mask
+        return k, v, key_padding_mask, saved
 
 
 def biases(model: torch.nn.Module):

@@ -151,6 +151,9 @@ def build_positions(args, position: str) -> StackBias:
     (``alibi_*`` fields, checked against the methods that apply) and the
     position method's own parameters, checked with the stack's depth."""
     entry = P.position(position)
+    problem = P.ssmax_problem(position, bool(safe_getattr(args, "ssmax", False)))
+    if problem:
+        raise ConfigError(problem)
     heads = args.decoder_attention_heads
     params = {p.name: getattr(args, p.name, p.default) for p in entry.params}
     return P.build(position, heads, args.decoder_embed_dim // heads, params, scaling_from_config(args),
