@@ -73,6 +73,8 @@ VARIANTS: Dict[str, Tuple[List[str], Optional[str]]] = {
     "fox": (["--arch", "transformer_lm_fox", "--fox-init-slopes", "1"], None),
     "fox-ssmax": (["--arch", "transformer_lm_fox", "--ssmax"], None),
     "rnope": (["--arch", "transformer_lm_rnope", "--rnope-window", "6"], None),
+    "stickbreaking": (["--arch", "transformer_lm_stickbreaking"], None),
+    "path-fox-logn": (["--arch", "transformer_lm_path", "--path-forget-gate", "1"], "logn"),
 }
 #: ``auto`` first: what ``choose_kernel`` picks is recorded too (``choices``).
 KERNEL_LIST = ("auto", "reference", "sdpa", "chunked", "blocked", "flex")

@@ -86,6 +86,40 @@ def test_alibi_train_console_script(lm_data_bin, alibi_checkpoint, tmp_path):
     }
 
 
+#: Methods whose layers compute their attention themselves, trained through each stock entry point.
+OWN_ATTENTION = {"stickbreaking": ("alibi-train", ()),
+                 "path": ("fairseq-train", ("--path-forget-gate", "1"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", list(OWN_ATTENTION))
+def test_a_method_with_its_own_attention_trains_evaluates_and_refuses_dropout(method, lm_data_bin, alibi_user_dir,
+                                                                               tmp_path):
+    """Stick-breaking through alibi-train, PaTH-FoX through stock fairseq-train --user-dir:
+    a few updates, a checkpoint holding the layers' own parameters, then alibi-eval-lm at
+    8x L; attention dropout refused in one line where the model is built (by alibi-train;
+    stock fairseq-train prints the same ConfigError in its traceback)."""
+    script, flags = OWN_ATTENTION[method]
+    args = train_args(lm_data_bin, tmp_path, max_update=6)
+    args[args.index("--arch") + 1] = f"transformer_lm_{method}"
+    extra = [*flags, "--user-dir", alibi_user_dir] if script == "fairseq-train" else list(flags)
+    result = run_cli([tool(script), *args, *extra])
+    assert "done training" in result.output
+    state = load_state(tmp_path / "checkpoint_best.pt")
+    assert num_updates(state) == 6 and state["cfg"]["model"]["_name"] == f"transformer_lm_{method}"
+    own = [k for k in state["model"] if f".self_attn.{method}." in k]
+    assert own and all(torch.isfinite(state["model"][k]).all() for k in own)
+    scored = run_cli([tool("alibi-eval-lm"), lm_data_bin, "--path", tmp_path / "checkpoint_best.pt", "--cpu",
+                      "--gen-subset", "valid", "--tokens-per-sample", str(EVAL_LENGTH)])
+    assert math.isfinite(parse_eval(scored.output).loss), scored.output[-2000:]
+    fresh = train_args(lm_data_bin, tmp_path / "dropout", max_update=6)  # a save directory not yet trained
+    fresh[fresh.index("--arch") + 1] = f"transformer_lm_{method}"
+    refused = run_cli([tool("alibi-train"), *fresh, *flags, "--attention-dropout", "0.1"], expect_ok=False)
+    assert refused.returncode == 1 and error_lines(refused) == [
+        "error: attention_dropout=0.1 is not valid with this position method, whose attention runs its own kernel, "
+        "which has no attention dropout: set --attention-dropout 0 (attention_dropout=0)"]
+
+
 # --------------------------------------------------------------------------- eval-lm
 
 def linear(factor):

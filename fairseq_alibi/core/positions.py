@@ -262,7 +262,7 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
              "beta_t w_t w_t^T from each token's input (PaTH attention, Yang et al. 2025)", _path,
              (Param("path_short_conv", 1, "whether w passes the authors' short causal convolution (width 3, SiLU) "
                     "after its low-rank projection (1) or not (0)", Range(int, 0, 1), SHAPE),
-              Param("path_forget_gate", 0, "whether FoX's forget gate is added on top (1: PaTH-FoX, c_i - c_j per "
+              Param("path_forget_gate", 0, "whether FoX's forget gate is added on top (1: the authors' PaTH FoX, c_i - c_j per "
                     "head and layer, c the running sum of log forget gates; 0: PaTH alone)", Range(int, 0, 1),
                     SHAPE)),
              # no KV cache in the export: each new token changes every cached key (H_t) and the cache carries
