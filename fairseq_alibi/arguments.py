@@ -25,12 +25,16 @@ methods' ``--model-overrides`` keys an evaluation may set (``alibi-eval-lm
 
 Importing this module imports neither torch nor fairseq: the plugin's tools
 build their parsers with it before either loads; the explanations load them.
+Nor does it import the modules above it (the tools, the models): they import
+it, so what an explanation reads from them is named (:data:`TOOLS`,
+:data:`PLUGIN`) and imported when an error is explained (:func:`upstairs`).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import re
 import sys
 import textwrap
@@ -39,11 +43,29 @@ from typing import Dict, List, Optional, Tuple
 from .errors import closest, one_line
 
 #: The console scripts whose options an unknown option is looked up in (in this
-#: order): each builds its parser (fairseq's with the language-modeling task's
-#: options, the task of these scripts).  ``alibi-hydra-train`` takes Hydra's
-#: ``KEY=VALUE`` overrides and ``alibi-user-dir`` nothing.
-TOOLS = ("alibi-train", "alibi-eval-lm", "alibi-generate", "alibi-interactive", "alibi-preprocess", "alibi-sweep",
-         "alibi-retrieval", "alibi-export-hf", "alibi-convert-checkpoint")
+#: order), each with the function that builds its parser, named as setup.py names
+#: an entry point (:func:`upstairs`): fairseq's (given the language-modeling
+#: task's options, the task of these scripts) and the plugin's tools'.
+#: ``alibi-hydra-train`` takes Hydra's ``KEY=VALUE`` overrides and
+#: ``alibi-user-dir`` nothing.
+TOOLS = {
+    "alibi-train": "fairseq.options:get_training_parser",
+    "alibi-eval-lm": "fairseq.options:get_eval_lm_parser",
+    "alibi-generate": "fairseq.options:get_generation_parser",
+    "alibi-interactive": "fairseq.options:get_interactive_generation_parser",
+    "alibi-preprocess": "fairseq.options:get_preprocessing_parser",
+    "alibi-sweep": ".evaluation.perplexity:get_parser",
+    "alibi-retrieval": ".evaluation.retrieval:get_parser",
+    "alibi-export-hf": ".export:parser",
+    "alibi-convert-checkpoint": ".fork:parser",
+}
+
+#: The plugin's ``--user-dir`` entry (:func:`upstairs`): it applies the patches
+#: (before fairseq's first import) and registers the plugin's models in
+#: fairseq's registries, which :func:`owners` reads; its config module holds the
+#: model keys an evaluation may or may not override.
+PLUGIN = ".models"
+MODEL_CONFIG = ".models.config"
 
 #: fairseq's options that choose a registered class, which adds options of its
 #: own once chosen (``--arch`` a model, by its name; ``--optimizer`` ``adam``'s
@@ -79,6 +101,30 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def flag_value(argv: List[str], *names: str) -> Optional[str]:
+    """The value of the last ``--name VALUE`` / ``--name=VALUE`` in ``argv``."""
+    value = None
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                value = argv[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def upstairs(target: str):
+    """``module:attribute`` (or a module), imported now: what an explanation reads
+    from the modules above this one (:data:`TOOLS`, :data:`PLUGIN`,
+    :data:`MODEL_CONFIG`), named and not imported, since they import this module
+    (the tools build their parsers with it, the plugin's entry switches
+    fairseq's to it).  Only an error's explanation calls it, in every console
+    script alike, stock or the plugin's."""
+    module, _, attribute = target.partition(":")
+    loaded = importlib.import_module(module, __package__)
+    return getattr(loaded, attribute) if attribute else loaded
+
+
 # ------------------------------------------------------------------ what an option takes
 
 
@@ -94,9 +140,8 @@ def _param(flag: str, argv: Optional[List[str]] = None):
     found = [(method, param) for method, param in params_of() if param.flag == flag]
     if len(found) > 1 and argv:
         from . import facts
-        from .cli import _flag
 
-        method = facts.position_of(facts.model_family(_flag(argv, "--arch", "-a")))
+        method = facts.position_of(facts.model_family(flag_value(argv, "--arch", "-a")))
         found = [(m, p) for m, p in found if m == method] or found
     return found[0][1] if found else None
 
@@ -155,8 +200,9 @@ def _value_problem(flag: str, value: str, action: Optional[argparse.Action], arg
 
 
 def _registries():
-    """``(selector, {name: class})`` of each fairseq registry whose choice adds options."""
-    import fairseq_alibi.models  # noqa: F401  (registers the plugin's models)
+    """``(selector, {name: class})`` of each fairseq registry whose choice adds
+    options, the plugin's models registered."""
+    upstairs(PLUGIN)
     from fairseq.models import MODEL_REGISTRY
     from fairseq.registry import REGISTRIES
     from fairseq.tasks import TASK_REGISTRY
@@ -198,31 +244,12 @@ def owners() -> Dict[str, List[Tuple[str, str]]]:
 def tool_parser(tool: str) -> argparse.ArgumentParser:
     """The parser of console script ``tool`` (:data:`TOOLS`), as it stands before
     an architecture is chosen (fairseq's with the language-modeling task's options)."""
-    if tool == "alibi-sweep":
-        from .evaluation.perplexity import get_parser
-
-        return get_parser()
-    if tool == "alibi-retrieval":
-        from .evaluation.retrieval import get_parser
-
-        return get_parser()
-    if tool == "alibi-export-hf":
-        from .export import parser
-
-        return parser()
-    if tool == "alibi-convert-checkpoint":
-        from .fork import parser
-
-        return parser()
-    import fairseq_alibi.models  # noqa: F401
-    from fairseq import options
+    if TOOLS[tool].startswith("."):  # one of the plugin's tools
+        return upstairs(TOOLS[tool])()
+    upstairs(PLUGIN)  # first: fairseq's parsers patched, their --arch choices the plugin's models too
     from fairseq.tasks import TASK_REGISTRY
 
-    build = {"alibi-train": options.get_training_parser, "alibi-eval-lm": options.get_eval_lm_parser,
-             "alibi-generate": options.get_generation_parser,
-             "alibi-interactive": options.get_interactive_generation_parser,
-             "alibi-preprocess": options.get_preprocessing_parser}[tool]
-    parser = build(default_task="language_modeling")
+    parser = upstairs(TOOLS[tool])(default_task="language_modeling")
     if tool != "alibi-preprocess":
         TASK_REGISTRY["language_modeling"].add_args(parser)
     return parser
@@ -257,9 +284,7 @@ def _suggested(selector: str, names: List[str], given: Optional[str]) -> str:
 
 
 def _given(parser: argparse.ArgumentParser, argv: List[str], selector: str) -> Optional[str]:
-    from .cli import _flag
-
-    value = _flag(argv, selector, *(("-a",) if selector == "--arch" else ()))
+    value = flag_value(argv, selector, *(("-a",) if selector == "--arch" else ()))
     if value is None:
         action = _action(parser, selector)
         value = action.default if action is not None and isinstance(action.default, str) else None
@@ -304,7 +329,6 @@ def evaluation_override(prog: str, flag: str, value: Optional[str], action: Opti
     """A model option given to an evaluation tool: set with ``--model-overrides``
     where an evaluation may change it (:func:`evaluation_keys`), else fixed by training."""
     from .core.params import ROLES, SHAPE
-    from .models.config import SHAPE_OPTIONS, WEIGHT_FLAGS
 
     key = _key(flag)
     param = _param(flag)
@@ -315,7 +339,7 @@ def evaluation_override(prog: str, flag: str, value: Optional[str], action: Opti
                 f"({key} takes {what}; `{_tool_name(prog)} --help` lists the keys)")
     if param is not None:
         why = f": {ROLES[param.role]}"
-    elif key in SHAPE_OPTIONS or key in WEIGHT_FLAGS:
+    elif key in upstairs(f"{MODEL_CONFIG}:SHAPE_OPTIONS") or key in upstairs(f"{MODEL_CONFIG}:WEIGHT_FLAGS"):
         why = f": {ROLES[SHAPE]}"
     else:
         why = ""
@@ -419,9 +443,7 @@ def evaluation_keys() -> Tuple[str, ...]:
     the plugin's ALiBi fields (the context extension, ``position_scaling`` and
     its older names, and the kernel) and every position method's ``setting``
     parameters (``core.params``: read at every forward pass)."""
-    from .models.config import ALIBI_FIELDS
-
-    return ALIBI_FIELDS + tuple(dict.fromkeys(name for name, _ in _per_pass()))
+    return upstairs(f"{MODEL_CONFIG}:ALIBI_FIELDS") + tuple(dict.fromkeys(name for name, _ in _per_pass()))
 
 
 def _per_pass():

@@ -13,23 +13,12 @@ import importlib
 import logging
 import os
 import sys
-from typing import List, Optional
+from typing import List
 
+from .arguments import flag_value
 from .errors import UserError, closest, report_errors
 
 logger = logging.getLogger("fairseq_alibi")
-
-
-def _flag(argv: List[str], *names: str) -> Optional[str]:
-    """The value of the last ``--name VALUE`` / ``--name=VALUE`` in ``argv``."""
-    value = None
-    for i, arg in enumerate(argv):
-        for name in names:
-            if arg == name and i + 1 < len(argv):
-                value = argv[i + 1]
-            elif arg.startswith(name + "="):
-                value = arg.split("=", 1)[1]
-    return value
 
 
 def check_training_method(argv: List[str]) -> None:
@@ -38,7 +27,7 @@ def check_training_method(argv: List[str]) -> None:
     from .core.scaling import METHODS
 
     for flag in ("--position-scaling", "--alibi-interpolation"):
-        method = _flag(argv, flag)
+        method = flag_value(argv, flag)
         name = (method or "").partition(":")[0].strip().lower()
         if name in METHODS and name != "none":  # an unknown name is the model build's one error line
             logger.warning(
@@ -53,7 +42,7 @@ def check_training_method(argv: List[str]) -> None:
 def check_training_kernel(argv: List[str]) -> None:
     """``--alibi-attention flex`` cannot train without CUDA: refused in one line at
     once, not after fairseq has loaded the data and compiled a validation pass."""
-    if _flag(argv, "--alibi-attention") != "flex":
+    if flag_value(argv, "--alibi-attention") != "flex":
         return
     import torch
 
@@ -67,10 +56,11 @@ def check_training_criterion(argv: List[str]) -> None:
     """``--criterion adaptive_loss`` (an adaptive softmax's, the paper's WikiText-103
     models) runs only under fairseq's own ``--ddp-backend legacy_ddp``, also on one
     CPU: fairseq raised that after loading the data, with a traceback."""
-    if _flag(argv, "--criterion") == "adaptive_loss" and _flag(argv, "--ddp-backend") not in ("legacy_ddp", "no_c10d"):
+    backend = flag_value(argv, "--ddp-backend")
+    if flag_value(argv, "--criterion") == "adaptive_loss" and backend not in ("legacy_ddp", "no_c10d"):
         raise UserError(f"--criterion adaptive_loss needs --ddp-backend legacy_ddp (fairseq's adaptive loss does not "
                         f"run under PyTorch's DistributedDataParallel, --ddp-backend "
-                        f"{_flag(argv, '--ddp-backend') or 'pytorch_ddp, the default'}); add --ddp-backend legacy_ddp")
+                        f"{backend or 'pytorch_ddp, the default'}); add --ddp-backend legacy_ddp")
 
 
 def check_arch(argv: List[str]) -> None:
@@ -80,7 +70,7 @@ def check_arch(argv: List[str]) -> None:
 
     from . import facts
 
-    arch = _flag(argv, "--arch", "-a")
+    arch = flag_value(argv, "--arch", "-a")
     if arch is None:
         return
     if arch not in ARCH_MODEL_REGISTRY:
@@ -98,10 +88,10 @@ def check_arch(argv: List[str]) -> None:
 
 def check_context_window(argv: List[str]) -> None:
     """``--context-window`` must leave tokens to score in each window."""
-    context = _flag(argv, "--context-window")
+    context = flag_value(argv, "--context-window")
     if context is None:
         return
-    tokens = _flag(argv, "--tokens-per-sample") or "1024"  # the language_modeling default
+    tokens = flag_value(argv, "--tokens-per-sample") or "1024"  # the language_modeling default
     try:
         context_i, tokens_i = int(context), int(tokens)
     except ValueError:
@@ -118,9 +108,9 @@ def check_training_blocks(argv: List[str]) -> None:
     """``language_modeling`` with ``--sample-break-mode none`` trains on blocks of
     ``--tokens-per-sample`` tokens; fairseq drops every sample longer than
     ``--max-tokens`` and then crashes (IndexError) or trains on the last short block."""
-    task, mode = _flag(argv, "--task"), _flag(argv, "--sample-break-mode") or "none"
-    max_tokens, tokens = _flag(argv, "--max-tokens"), _flag(argv, "--tokens-per-sample") or "1024"
-    if max_tokens is None and _flag(argv, "--batch-size") is None and _flag(argv, "--max-sentences") is None:
+    task, mode = flag_value(argv, "--task"), flag_value(argv, "--sample-break-mode") or "none"
+    max_tokens, tokens = flag_value(argv, "--max-tokens"), flag_value(argv, "--tokens-per-sample") or "1024"
+    if max_tokens is None and flag_value(argv, "--batch-size") is None and flag_value(argv, "--max-sentences") is None:
         # stock fairseq: an AssertionError traceback ("Must specify batch size ...")
         raise UserError("no batch size: give --max-tokens N (tokens per batch, at least one sample's "
                         f"--tokens-per-sample {tokens}) or --batch-size N (samples per batch)")
@@ -148,11 +138,11 @@ def eval_lm_batches(argv: List[str]) -> List[str]:
     was refused, with ``--batch-size N`` alone too (docs/evaluating.md: use it alone).
     The limit becomes ``max(36000, N x --tokens-per-sample)`` (N = 1 without
     ``--batch-size``): the stock limit wherever it held a block, never one that refuses it."""
-    if _flag(argv, "--max-tokens") is not None:
+    if flag_value(argv, "--max-tokens") is not None:
         return argv
     try:
-        blocks = int(_flag(argv, "--batch-size", "--max-sentences") or 1)
-        tokens = int(_flag(argv, "--tokens-per-sample") or 1024)  # the language_modeling default
+        blocks = int(flag_value(argv, "--batch-size", "--max-sentences") or 1)
+        tokens = int(flag_value(argv, "--tokens-per-sample") or 1024)  # the language_modeling default
     except ValueError:
         return argv  # argparse reports the bad number
     limit = min(max(EVAL_LM_MAX_TOKENS, blocks * tokens), 2**31 - 1)
@@ -164,10 +154,10 @@ def training_defaults(argv: List[str]) -> List[str]:
     (stock fairseq-train's is translation, which rejects ``--tokens-per-sample``) and, for
     that task, ``--arch transformer_lm_alibi`` (fairseq raised a bare RuntimeError without
     an ``--arch``); another task needs its ``--arch``."""
-    task = _flag(argv, "--task")
+    task = flag_value(argv, "--task")
     if task is None:
         argv = argv + ["--task", "language_modeling"]
-    if _flag(argv, "--arch", "-a") is None:
+    if flag_value(argv, "--arch", "-a") is None:
         if task not in (None, "language_modeling"):
             raise UserError(f"--task {task} needs an --arch (`alibi-train --task {task} --help` lists them)")
         argv = argv + ["--arch", "transformer_lm_alibi"]
@@ -178,7 +168,7 @@ def check_model_overrides(argv: List[str]) -> None:
     """``--model-overrides`` must be a dict literal (fairseq ``eval``s the string:
     anything else is a SyntaxError or runs as code); its plugin values are
     checked by type where the checkpoint is loaded (``models.config``)."""
-    text = _flag(argv, "--model-overrides")
+    text = flag_value(argv, "--model-overrides")
     if text is None:
         return
     example = "--model-overrides \"{'position_scaling': 'ntk:2'}\""
@@ -201,7 +191,7 @@ def check_numeric_flags(argv: List[str]) -> None:
     for table, parse, problem_of in ((INTEGER_OPTIONS, int, integer_problem), (REAL_OPTIONS, float, real_problem)):
         for key in table:
             flag = "--" + key.replace("_", "-")
-            text = _flag(argv, flag)
+            text = flag_value(argv, flag)
             if text is None:
                 continue
             try:
@@ -223,7 +213,7 @@ def check_checkpoint_flags(argv: List[str]) -> None:
     from .errors import checkpoint_files
 
     for flag in ("--restore-file", "--finetune-from-model"):
-        path = _flag(argv, flag)
+        path = flag_value(argv, flag)
         if path is None or (flag == "--restore-file" and path == "checkpoint_last.pt"):
             continue
         if os.path.isdir(path):
@@ -239,7 +229,7 @@ def check_checkpoint_flags(argv: List[str]) -> None:
 def check_model_path(argv: List[str]) -> None:
     """The evaluation and generation scripts need ``--path CHECKPOINT``: fairseq
     met its absence as an AttributeError on None."""
-    if _flag(argv, "--path") is None and not {"-h", "--help"} & set(argv):
+    if flag_value(argv, "--path") is None and not {"-h", "--help"} & set(argv):
         raise UserError("--path CHECKPOINT is required: the checkpoint file to load (e.g. "
                         "--path checkpoints/checkpoint_best.pt, which fairseq-train writes)")
 
@@ -249,7 +239,7 @@ def check_sampling(argv: List[str]) -> None:
     equal to ``--beam`` (5 and 1 by default): say which to give."""
     if "--sampling" not in argv:
         return
-    beam, nbest = _flag(argv, "--beam") or "5", _flag(argv, "--nbest") or "1"
+    beam, nbest = flag_value(argv, "--beam") or "5", flag_value(argv, "--nbest") or "1"
     if beam != nbest:
         raise UserError(f"--sampling draws one sequence per beam, so --nbest ({nbest}) must equal --beam ({beam}); "
                         "give --beam 1 for one sampled sequence per input (or --nbest equal to --beam)")
@@ -265,12 +255,12 @@ def check_position_flags(argv: List[str]) -> None:
     from . import facts
     from .core.positions import params_of
 
-    arch = _flag(argv, "--arch", "-a")
+    arch = flag_value(argv, "--arch", "-a")
     method = facts.position_of(facts.model_family(arch)) if arch is not None else None
     for name, param in params_of():
         if arch is not None and name != method:
             continue
-        text = _flag(argv, param.flag)
+        text = flag_value(argv, param.flag)
         if text is None:
             continue
         try:
@@ -311,9 +301,9 @@ def training_help(argv: List[str]) -> None:
     from fairseq import options
 
     rest = [a for a in argv if a not in ("-h", "--help")]
-    if _flag(rest, "--task") is None:
+    if flag_value(rest, "--task") is None:
         rest += ["--task", "language_modeling"]
-    if _flag(rest, "--arch", "-a") is None:
+    if flag_value(rest, "--arch", "-a") is None:
         rest += ["--arch", "transformer_lm_alibi"]
     parser = options.get_training_parser()
     options.parse_args_and_arch(parser, ["DATA", *rest], parse_known=True)
@@ -428,7 +418,7 @@ def check_input_file(argv: List[str]) -> None:
     encoding as a UnicodeDecodeError traceback, after the model had loaded)."""
     from .inputs import check_text
 
-    path = _flag(argv, "--input")
+    path = flag_value(argv, "--input")
     if path not in (None, "-"):
         check_text(path, "input file", flag="--input")
 
@@ -460,7 +450,7 @@ def check_hydra_config(argv: List[str]) -> None:
     and fail on a setting the user never saw ("Must specify batch size")."""
     import fairseq
 
-    directory, name = _flag(argv, "--config-dir", "-cd"), _flag(argv, "--config-name", "-cn")
+    directory, name = flag_value(argv, "--config-dir", "-cd"), flag_value(argv, "--config-name", "-cn")
     if directory is not None and not os.path.isdir(directory):
         what = "is a file, not a directory" if os.path.exists(directory) else "not found"
         raise UserError(f"--config-dir {directory} {what}: give the directory of your YAML configs "

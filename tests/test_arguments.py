@@ -192,6 +192,42 @@ def test_help_lists_every_key_an_evaluation_may_set_from_the_registry():
     assert "position_scaling" in eval_lm and "ssmax" in eval_lm.split("fixed by training")[1]
 
 
+# ------------------------------------------------------------------ where arguments.py stands
+BELOW = ("errors", "options", "facts", "core")  # the modules arguments.py may import
+
+
+def test_arguments_imports_no_module_above_it():
+    """The tools build their parsers with arguments.py and the plugin's entry switches fairseq's to it:
+    it imported cli (_flag), the tools' parser factories and the models, a loop of 14 files."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(arguments.__file__).read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:  # from .X import ..., from . import X
+            names = [node.module] if node.module else [a.name for a in node.names]
+            assert node.level == 1 and {n.split(".")[0] for n in names} <= set(BELOW), (node.lineno, names)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+            assert not [n for n in names if n.split(".")[0] == "fairseq_alibi"], (node.lineno, names)
+
+
+def test_every_console_script_that_takes_options_is_named_with_its_parser():
+    """TOOLS names each parser factory by text (importing the tools would be a loop): every console
+    script of setup.py but the two that take no options is there, and each name resolves to its parser."""
+    import re
+    from pathlib import Path
+
+    setup = (Path(arguments.__file__).parents[1] / "setup.py").read_text(encoding="utf-8")
+    scripts = re.findall(r'"(alibi-[\w-]+) = ', setup)
+    assert sorted(arguments.TOOLS) == sorted(set(scripts) - {"alibi-hydra-train", "alibi-user-dir"})
+    for tool_name, target in arguments.TOOLS.items():
+        assert callable(arguments.upstairs(target)), target
+        assert isinstance(arguments.tool_parser(tool_name), arguments.OneLineParser), tool_name
+    for name in ("ALIBI_FIELDS", "SHAPE_OPTIONS", "WEIGHT_FLAGS"):
+        assert arguments.upstairs(f"{arguments.MODEL_CONFIG}:{name}")
+
+
 # ------------------------------------------------------------------ the scripts themselves
 SCRIPT_CASES = [
     ("alibi-train", ["DATA", "--arch", "transformer_lm_alibi", "--fox-init-slopes", "1", "--max-tokens", "2048"],
