@@ -63,7 +63,7 @@ class PositionLanguageModelConfig(stock.TransformerLanguageModelConfig, AlibiCon
     decoder_output_dim: Optional[int] = option(None, "decoder output dimension (default: decoder_embed_dim)")
     ssmax: bool = option(False, "scalable softmax (SSMax, Nakanishi 2025): each query's logits times s_h ln n, n "
                          "the keys it sees, s_h learned per head and layer (initialized to 1 / ln "
-                         "alibi_train_length); any position method")
+                         "alibi_train_length); any position method with a softmax (not stickbreaking)")
 
 
 class PositionDecoderLayer(TransformerDecoderLayer):
