@@ -727,8 +727,8 @@ def test_summary_puts_each_method_under_its_family(tmp_path):
 def test_recipe_runs_every_family_of_the_registry(tmp_path):
     """The retrieval recipe at toy size with every model (sinusoidal and each
     position method of the registry, two layers for rnope's hybrid): each is
-    trained, each evaluated under ``none`` and ``logn`` (the methods every
-    position method takes; the stock sinusoidal model ``none`` only) at 1x, and
+    trained, each evaluated under ``none`` and ``logn`` (``logn`` where it applies: not
+    to the stock sinusoidal model nor to stick-breaking, which has no softmax) at 1x, and
     the summary has a column per model."""
     import subprocess
 
@@ -745,9 +745,10 @@ def test_recipe_runs_every_family_of_the_registry(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert sorted(p.parent.name for p in out.glob("seed1/*/trained.ok")) == sorted(models)
     cells = json.loads((out / "seed1" / "families" / "results.json").read_text())["cells"]
-    for name in models:  # logn applies to every position method, not to the stock sinusoidal model
+    for name in models:  # logn applies to every position method with a softmax (its entry's extensions)
         mine = [c for c in cells if c["checkpoint"] == name]
-        assert {c["method"] for c in mine} == ({"none"} if name == "sinusoidal" else {"none", "logn"}), name
+        applies = {"none"} if name == "sinusoidal" else {"none", "logn"} & set(POSITIONS[name].extensions)
+        assert {c["method"] for c in mine} == applies, name
         assert all(0.0 <= c["accuracy"] <= 1.0 for c in mine), name
     header = markdown_rows((out / "summary-families.md").read_text(), "Accuracy % by prompt length")[0]
     assert header == ["method"] + [f"{name} 64 (1x)" for name in sorted(models)]  # the summary sorts by name
