@@ -55,7 +55,7 @@ import subprocess
 import sys
 import sysconfig
 import tokenize
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import CorpusError, one_line, plural, report_errors
@@ -364,11 +364,63 @@ def binarize(rawdir: str, destdir: str, workers: int = 1) -> None:
                           + (said[-1] if said else one_line(result.stdout[-2000:])))
 
 
+#: Settings a rebuild may change in place without a word: the held-out overlap (the recipes set it) and
+#: the Python that read the sources.  Another source, directory, case or split is another corpus.
+REBUILT_IN_PLACE = ("held_out_overlap", "python")
+
+
+def recorded_settings(destdir: str) -> Optional[dict]:
+    """The settings of the corpus built in ``destdir`` (its manifest's), or None."""
+    try:
+        with open(os.path.join(destdir, MANIFEST), encoding="utf-8") as f:
+            settings = json.load(f).get("settings")
+    except (OSError, ValueError):
+        return None
+    return settings if isinstance(settings, dict) else None
+
+
+def as_built(cfg: CorpusConfig) -> CorpusConfig:
+    """``cfg`` with the content settings of the corpus already in its
+    ``destdir`` (its sources, directory, case, count and split fractions),
+    keeping ``cfg``'s held-out overlap: what a recipe rebuilds when it asks
+    for another overlap, so that a corpus of another package's docstrings
+    stays that package's (``--as-built``)."""
+    recorded = recorded_settings(cfg.destdir)
+    if recorded is None:
+        return cfg
+    kept = {key: recorded[key] for key in ("stdlib_dir", "lowercase", "min_count", "valid_fraction",
+                                           "test_fraction") if key in recorded}
+    if "sources" in recorded:
+        kept["sources"] = tuple(recorded["sources"])
+    return replace(cfg, **kept)
+
+
+def check_replaces_nothing_else(cfg: CorpusConfig) -> None:
+    """A ``CorpusError`` if ``cfg.destdir`` holds a corpus built with other
+    content settings than ``cfg``'s (beyond :data:`REBUILT_IN_PLACE`): a
+    rebuild would replace, say, a corpus of NumPy's docstrings with CPython's
+    under the same name, and every number after it would describe another
+    corpus than the one the user built there."""
+    recorded = recorded_settings(cfg.destdir)
+    if recorded is None:
+        return
+    wanted = cfg.settings()
+    for key in sorted(set(recorded) | set(wanted)):
+        if key in REBUILT_IN_PLACE or recorded.get(key) == wanted.get(key):
+            continue
+        raise CorpusError(
+            f"{cfg.destdir} holds a corpus built with {key}={recorded.get(key)!r}, and this command asks for "
+            f"{key}={wanted.get(key)!r}: rebuilding would replace that corpus with another under the same name; "
+            "give --as-built to keep its settings (a recipe's DATA), another --destdir, or --force to replace it")
+
+
 def prepare(cfg: CorpusConfig, force: bool = False) -> dict:
     """Build (or find already built) the corpus; returns the manifest."""
     if cfg.held_out_overlap not in HELD_OUT_OVERLAP:
         raise CorpusError(f"held_out_overlap is {cfg.held_out_overlap!r}; choose from {', '.join(HELD_OUT_OVERLAP)}")
     manifest_path = os.path.join(cfg.destdir, MANIFEST)
+    if not force:
+        check_replaces_nothing_else(cfg)
     if not force and is_prepared(cfg):
         logger.info("corpus already prepared in %s (delete it or pass --force to rebuild)", cfg.destdir)
         with open(manifest_path, encoding="utf-8") as f:
@@ -444,7 +496,11 @@ def get_parser() -> argparse.ArgumentParser:
                    help="a valid or test paragraph that train holds verbatim: drop it (default), or keep "
                    "it (the corpus as built before 2026-12-02, for the numbers measured on it)")
     p.add_argument("--workers", type=int, default=CorpusConfig.workers, help="fairseq-preprocess workers")
-    p.add_argument("--force", action="store_true", help="rebuild even if an identical corpus exists")
+    p.add_argument("--force", action="store_true", help="rebuild even if an identical corpus exists, or "
+                   "replace a corpus built in DESTDIR with other settings")
+    p.add_argument("--as-built", action="store_true", help="take the sources, directory, case, count and "
+                   "split fractions of the corpus already in DESTDIR (if any), so that only --held-out-overlap "
+                   "can change it: what the recipes run on their DATA")
     return p
 
 
@@ -459,6 +515,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         valid_fraction=args.valid_fraction, test_fraction=args.test_fraction,
         held_out_overlap=args.held_out_overlap, workers=args.workers,
     )
+    if args.as_built:
+        cfg = as_built(cfg)
     with report_errors():
         manifest = prepare(cfg, force=args.force)
     splits = manifest["splits"]

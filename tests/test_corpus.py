@@ -139,9 +139,12 @@ def test_build_split_by_document_and_idempotent(tmp_path):
     corpus.prepare(cfg2)
     for split in corpus.SPLITS:
         assert (tmp_path / "bin2" / "raw" / f"wiki.{split}.tokens").read_text() == "\n".join(raw[split]) + "\n"
-    # Different settings: rebuilt.
+    # Different content settings: refused, the corpus untouched; replaced with force.
     cfg3 = corpus.CorpusConfig(**{**cfg.__dict__, "lowercase": True})
-    corpus.prepare(cfg3)
+    with pytest.raises(corpus.CorpusError, match="lowercase=False.*--as-built"):
+        corpus.prepare(cfg3)
+    assert os.stat(dest / "train.bin").st_mtime_ns == mtime
+    corpus.prepare(cfg3, force=True)
     assert json.loads((dest / corpus.MANIFEST).read_text())["settings"]["lowercase"] is True
     # The corpus as built before the overlap was dropped: the same train, the licence line held out.
     keep = corpus.prepare(corpus.CorpusConfig(**{**cfg.__dict__, "destdir": str(tmp_path / "keep"),
@@ -227,3 +230,61 @@ def test_hydra_config_loads_and_trains(lm_data_bin, tmp_path):
     assert state["cfg"]["criterion"]["_name"] == "adaptive_loss"
     assert not any("embed_positions" in k for k in state["model"])
     assert not (tmp_path / "outputs").exists()  # hydra.run.dir is "."
+
+
+def test_another_corpus_in_destdir_is_refused_before_anything_is_read(tmp_path):
+    """The fast half of the next test: a manifest of another package's corpus
+    in DESTDIR, and the builder's defaults asked for: refused naming the
+    setting, and ``as_built`` takes the recorded settings instead."""
+    dest = tmp_path / "bin"
+    dest.mkdir()
+    recorded = corpus.CorpusConfig(destdir=str(dest), stdlib_dir=str(tmp_path / "numpy"),
+                                   sources=("docstrings",)).settings()
+    (dest / corpus.MANIFEST).write_text(json.dumps({"settings": recorded}))
+    with pytest.raises(corpus.CorpusError, match="sources=.*--as-built.*--force"):
+        corpus.prepare(corpus.CorpusConfig(destdir=str(dest)))
+    again = corpus.as_built(corpus.CorpusConfig(destdir=str(dest), held_out_overlap="keep"))
+    assert (again.stdlib_dir, again.sources, again.held_out_overlap) == (str(tmp_path / "numpy"), ("docstrings",),
+                                                                         "keep")
+    corpus.check_replaces_nothing_else(corpus.CorpusConfig(destdir=str(dest), stdlib_dir=str(tmp_path / "numpy"),
+                                                           sources=("docstrings",), held_out_overlap="keep"))
+
+
+@pytest.mark.slow
+def test_a_recipe_keeps_the_corpus_its_data_holds(tmp_path, capsys):
+    """A recipe's DATA built from another package's sources (``--stdlib-dir``)
+    stays that corpus: the recipes call the builder with ``--as-built``, which
+    takes the recorded sources and directory and changes only the held-out
+    overlap; without it, a build of other sources over it is refused in one
+    line (it rebuilt CPython's corpus over it, and every number after described
+    another corpus than the one the user built)."""
+    stdlib = fake_stdlib(tmp_path / "otherpkg")
+    dest = tmp_path / "bin"
+    base = ["--destdir", str(dest), "--min-count", "2", "--valid-fraction", "0.1", "--test-fraction", "0.1",
+            "--workers", "1"]
+    assert corpus.main(base + ["--sources", "docstrings,comments", "--stdlib-dir", str(stdlib)]) == 0
+    built = json.loads((dest / corpus.MANIFEST).read_text())
+    mtime = os.stat(dest / "train.bin").st_mtime_ns
+
+    # What compare.sh and demo.sh run on their DATA: nothing rebuilt.
+    assert corpus.main(["--destdir", str(dest), "--as-built", "--held-out-overlap", "drop"]) == 0
+    assert os.stat(dest / "train.bin").st_mtime_ns == mtime
+    # Another overlap: rebuilt from the same package, not from CPython's documentation.
+    assert corpus.main(["--destdir", str(dest), "--as-built", "--held-out-overlap", "keep"]) == 0
+    kept = json.loads((dest / corpus.MANIFEST).read_text())
+    assert kept["settings"]["stdlib_dir"] == built["settings"]["stdlib_dir"] == str(stdlib)
+    assert kept["documents"] == built["documents"] and kept["dropped_train_overlap"] is None
+    # The builder's defaults over it, without --as-built: one error line, nothing replaced.
+    mtime = os.stat(dest / "train.bin").st_mtime_ns
+    with pytest.raises(SystemExit) as stopped:
+        corpus.main(["--destdir", str(dest)])
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--as-built" in err[0], err
+    assert os.stat(dest / "train.bin").st_mtime_ns == mtime
+
+
+def test_the_recipes_build_their_data_as_built():
+    for recipe in (ROOT / "examples" / "positions" / "compare.sh", RECIPES / "demo.sh"):
+        calls = [line for line in recipe.read_text().splitlines() if "fairseq_alibi.corpus" in line]
+        assert calls and all("--as-built" in line for line in calls), recipe

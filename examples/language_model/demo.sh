@@ -48,7 +48,7 @@ training_threads
 fresh_report "$OUT/sweep/results.md" "$OUT/sweep/perplexity.png" "$OUT/sweep/per_position.png"
 
 stamp "1/3 corpus -> $DATA"
-python -m fairseq_alibi.corpus --destdir "$DATA" --held-out-overlap "$HELD_OUT_OVERLAP"
+python -m fairseq_alibi.corpus --destdir "$DATA" --as-built --held-out-overlap "$HELD_OUT_OVERLAP"
 
 train() {  # train NAME: identical settings for both models; only the arch (position handling) differs
   local name=$1

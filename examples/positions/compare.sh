@@ -67,7 +67,7 @@ if [ -f "$DATA/train.bin" ] && [ -f "$DATA/valid.bin" ] && [ ! -f "$DATA/corpus.
   stamp "1/4 corpus: $DATA already binarized"
 else
   stamp "1/4 corpus -> $DATA"
-  python -m fairseq_alibi.corpus --destdir "$DATA" --held-out-overlap "$HELD_OUT_OVERLAP"
+  python -m fairseq_alibi.corpus --destdir "$DATA" --as-built --held-out-overlap "$HELD_OUT_OVERLAP"
 fi
 
 train() {  # train SEED NAME: the demo's settings for every method; only the arch differs
