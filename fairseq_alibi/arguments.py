@@ -267,8 +267,16 @@ def _tool_name(prog: str) -> str:
 
 
 def _names(selector: str, names: List[str], most: int = 8) -> str:
-    shown = ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-    return f"{selector} {shown}"
+    """``--arch a, b and 36 more``: the plugin's own LMs (one per position method)
+    first and every one of them, then fairseq's others up to ``most`` names in all."""
+    from . import facts
+    from .core.positions import POSITIONS
+
+    ours = {facts.position_model(name) for name in POSITIONS} if selector == "--arch" else set()
+    shown = [n for n in names if n in ours]
+    shown += [n for n in names if n not in ours][:max(0, most - len(shown))]
+    more = f" and {len(names) - len(shown)} more" if len(names) > len(shown) else ""
+    return f"{selector} {', '.join(shown)}{more}"
 
 
 def _suggested(selector: str, names: List[str], given: Optional[str]) -> str:

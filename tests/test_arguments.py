@@ -11,6 +11,8 @@ the whole path (one line, exit status 1, no usage)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import fairseq_alibi.models  # noqa: F401  (registers the models, applies the patches)
@@ -115,6 +117,14 @@ def test_ssmax_on_the_stock_models_names_the_plugin_s_models_and_the_twin(monkey
         assert f"give it with --arch {facts.twin_name(arch)}," in line and "it is a switch" in line
 
 
+def test_a_long_list_of_archs_names_every_one_of_the_plugin_s_lms_and_counts_the_rest(monkeypatch, capsys):
+    """--decoder-layers (46 archs) named fairseq's first 8 (nonautoregressive_transformer, ...), and --ssmax
+    8 of the plugin's 10 LMs: the plugin's come whole and first, fairseq's fill up to 8 names, the rest counted."""
+    ours = [facts.position_model(name) for name in POSITIONS]
+    line = parse("alibi-sweep", [*POSITIONALS["alibi-sweep"], "--decoder-layers", "3"], monkeypatch, capsys)
+    assert re.search(rf"model option of --arch {', '.join(ours)} and \d+ more \(", line), line
+
+
 @pytest.mark.parametrize("tool_name", ["alibi-eval-lm", "alibi-generate", "alibi-interactive"])
 def test_a_model_option_given_to_an_evaluation_tool_says_how_to_override_it(tool_name, monkeypatch, capsys):
     """Every registered param and the context extension: a per-pass one is set with
@@ -215,7 +225,6 @@ def test_arguments_imports_no_module_above_it():
 def test_every_console_script_that_takes_options_is_named_with_its_parser():
     """TOOLS names each parser factory by text (importing the tools would be a loop): every console
     script of setup.py but the two that take no options is there, and each name resolves to its parser."""
-    import re
     from pathlib import Path
 
     setup = (Path(arguments.__file__).parents[1] / "setup.py").read_text(encoding="utf-8")
