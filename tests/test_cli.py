@@ -647,7 +647,7 @@ def test_dynamic_scaling_without_train_length_fails_eval(lm_data_bin, alibi_chec
         "--gen-subset", "valid", "--tokens-per-sample", str(EVAL_LENGTH),
         "--model-overrides", repr(overrides),
     ], expect_ok=False)
-    assert_reports(result, ["alibi_train_length=0", "positive integer"], "alibi-eval-lm")
+    assert_reports(result, ["alibi_train_length=0", "an integer in [1, 2147483647]"], "alibi-eval-lm")
     assert "Loss (base 2)" not in result.output
 
 
