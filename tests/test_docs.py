@@ -523,11 +523,12 @@ def test_lists_of_position_methods_are_the_registry():
     listed = re.search(r"\(`([a-z0-9 ]+)`, each trained as", doc("examples/retrieval/README.md")).group(1).split()
     assert listed == list(POSITIONS), missing_methods("examples/retrieval/README.md", listed, list(POSITIONS))
     retrieval = " ".join(doc("docs/retrieval.md").split())
-    applies = re.search(r"\(ALiBi: all but `(\w+)`; RoPE: ((?:`\w+`, )*`\w+`); RNoPE: RoPE's; the others", retrieval)
+    applies = re.search(r"\(ALiBi: all but `(\w+)`; RoPE: ((?:`\w+`, )*`\w+`); RNoPE: RoPE's; stick-breaking, which has no softmax to scale: `none` only; the others", retrieval)
     assert [m for m in METHODS if m not in position("alibi").extensions] == [applies.group(1)]
     assert ticked(applies.group(2)) == list(position("rotary").extensions)
     assert position("rnope").extensions == position("rotary").extensions, "docs/retrieval.md: RNoPE takes RoPE's"
-    others = [name for name, entry in POSITIONS.items() if name not in ("alibi", "rotary", "rnope")]
+    assert position("stickbreaking").extensions == ("none",), "docs/retrieval.md: stick-breaking takes `none` only"
+    others = [name for name, entry in POSITIONS.items() if name not in ("alibi", "rotary", "rnope", "stickbreaking")]
     assert all(POSITIONS[name].extensions == ("none", "logn") for name in others), \
         "docs/retrieval.md says every other position method has `none` and `logn`"
 
