@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import kernel_parser, machine_description, median, parse_kernel_args, write_rows  # noqa: E402
 
 from fairseq_alibi.core import kernels  # noqa: E402
+from fairseq_alibi.core.layer import attention as layer_attention  # noqa: E402
 from fairseq_alibi.core import positions as P  # noqa: E402
 from fairseq_alibi.core.scaling import Scaling  # noqa: E402
 
@@ -81,12 +82,13 @@ class Case:
             start = time.process_time()
             bias, _ = layer.bind(x, None, None)
             rq, rk = bias.rotate(leaves[0], leaves[1], 0, k.size(2))
-            out, _ = kernels.attend(rq, rk, leaves[2], bias, "auto", None, dropout)
+            out, _ = layer_attention(bias, "auto", rq, rk, leaves[2], x, 0, None, dropout, False, None)
             if train:
                 (out * weight).sum().backward()
             seconds = time.process_time() - start
-            if not train:
-                chunked = kernels.choose_kernel("auto", bias, False, q.size(2), k.size(2)) == "chunked"
+            if not train:  # an own attention (stick-breaking, PaTH) runs no shared kernel: it reads every key
+                chunked = not bias.own_kernel and kernels.choose_kernel("auto", bias, False, q.size(2),
+                                                                        k.size(2)) == "chunked"
                 self.shares.append(kernels.keys_read(bias, rq, rk) if chunked else 1.0)
             return seconds
 
@@ -96,11 +98,13 @@ def measure(methods, shape, dropout: float, train: bool, repeats: int, length: i
     gen = torch.Generator().manual_seed(0)
     q, k, v, weight = (torch.randn(shape, generator=gen) for _ in range(4))
     cases = {m: Case(m, shape[1], shape[3], length) for m in methods}
-    for case in cases.values():  # warm-up
-        case.seconds(q, k, v, weight, dropout, train)
-    times = {m: [] for m in methods}
+    # an attention of its own (stick-breaking, PaTH) has no attention dropout: nan, not measured
+    runnable = [m for m in methods if not (dropout > 0 and cases[m].layers[0].own_kernel)]
+    for m in runnable:  # warm-up
+        cases[m].seconds(q, k, v, weight, dropout, train)
+    times = {m: [] if m in runnable else [float("nan")] * repeats for m in methods}
     for r in range(repeats):
-        for m in (methods if r % 2 == 0 else methods[::-1]):
+        for m in (runnable if r % 2 == 0 else runnable[::-1]):
             times[m].append(cases[m].seconds(q, k, v, weight, dropout, train))
     return times, {m: cases[m].shares for m in methods}
 

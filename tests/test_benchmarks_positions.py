@@ -512,6 +512,9 @@ def test_the_fox_kernel_benchmark_times_every_case_in_a_tiny_run(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["case"], r["dropout"]) for r in rows] == [(c, d) for d in (0.0, 0.2) for c in fox_kernel.CASES]
     for row in rows:
+        if math.isnan(row["median_s"]):  # an attention of its own has no dropout: not measured there, nothing else
+            assert row["column"] == "train, dropout 0.2" and row["method"] in ("stickbreaking", "path"), row
+            continue
         assert len(row["seconds"]) == 2 and row["median_s"] == pytest.approx(statistics.median(row["seconds"]))
         alibi = next(r for r in rows if r["case"] == "alibi" and r["dropout"] == row["dropout"])
         assert row["ratio"] == pytest.approx(row["median_s"] / alibi["median_s"])
@@ -533,6 +536,9 @@ def test_the_position_kernels_benchmark_times_every_method_of_the_registry(tmp_p
     methods = ["alibi"] + [m for m in position_kernels.P.POSITIONS if m != "alibi"]
     assert [(r["method"], r["column"]) for r in rows] == [(m, c) for m in methods for c in columns]
     for row in rows:
+        if math.isnan(row["median_s"]):  # an attention of its own has no dropout: not measured there, nothing else
+            assert row["column"] == "train, dropout 0.2" and row["method"] in ("stickbreaking", "path"), row
+            continue
         assert len(row["seconds"]) == 2 and row["median_s"] == pytest.approx(statistics.median(row["seconds"]))
         alibi = next(r for r in rows if r["method"] == "alibi" and r["column"] == row["column"])
         assert row["ratio"] == pytest.approx(row["median_s"] / alibi["median_s"])

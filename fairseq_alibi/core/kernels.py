@@ -675,7 +675,12 @@ def attend(q, k, v, bias: StackBias, name: str, key_padding_mask=None, dropout_p
     a KV-cache step (``incremental``) under dynamic scaling past the training
     length is warned about once (:func:`scaling.warn_if_cache_drifts`).
     Queries are first scaled by the logit scalings (``logit_scale.py``: the
-    ``logn`` method of ``bias.scaling``, SSMax's learned ``ssmax`` scales ``[H]``)."""
+    ``logn`` method of ``bias.scaling``, SSMax's learned ``ssmax`` scales ``[H]``).
+    An object that computes its attention itself (``own_kernel``) is refused: no shared
+    kernel computes it, ``layer.attention`` calls its own."""
+    if bias.own_kernel:
+        raise TypeError(f"{type(bias).__name__} computes its attention itself (own_kernel), which no shared kernel "
+                        "does: call core.layer.attention, not kernels.attend")
     directions = None if bias.causal else getattr(bias, "directions", None) or (0,) * q.size(1)  # 0: both ways
     q = scaled_queries(q, k.size(2), bias.scaling, key_padding_mask, ssmax, bias.window, directions)
     if incremental and bias.scaling.dynamic and k.size(2) > q.size(2):
