@@ -173,9 +173,13 @@ def test_the_which_method_table_covers_every_method_and_its_figure_draws_each_po
     which.plot(str(tmp_path / "which.png"), points_)
     fig, = figures
     labels = [c.get_label() for c in fig.axes[0].collections if not c.get_label().startswith("_")]
-    assert labels == [which.label(p) for p in which.order(points_)]
+    drawn = [p for p in which.order(points_) if which.has_numbers(p)]
+    assert labels == [which.label(p) for p in drawn]
+    unmeasured = [which.label(p) for p in which.order(points_) if not which.has_numbers(p)]
+    texts = " ".join(t.get_text() for t in fig.axes[0].texts)
+    assert all(name in texts for name in unmeasured) and ("not yet measured" in texts) == bool(unmeasured)
     for collection, point in zip([c for c in fig.axes[0].collections if not c.get_label().startswith("_")],
-                                 which.order(points_)):
+                                 drawn):
         assert tuple(collection.get_edgecolor()[0][:3]) == pytest.approx(
             __import__("matplotlib").colors.to_rgb(position_colour(point["method"])))
     bad = tmp_path / "bad.csv"

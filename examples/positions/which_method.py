@@ -8,7 +8,8 @@ notes say where each number was measured): ``method`` (a registry name, or
 ``ppl_16x`` with ``ppl_16x_low``/``ppl_16x_high`` (the seeds' range),
 ``lines_4x`` with its range (empty where not measured past L: the model did
 not learn the task at 1x, whose accuracy ``lines_1x`` gives) and
-``train_speed`` (words/s against ALiBi's).  Points are drawn in the registry's
+``train_speed`` (words/s against ALiBi's).  A method with none of the numbers
+is one not yet measured: it has a row, no point, and the figure names it.  Points are drawn in the registry's
 order and colours (``fairseq_alibi/evaluation/styles.py``); a model without a
 measurement past L sits in a strip below 0, its 1x accuracy beside it, and an
 arrow leads from a method to its variants.
@@ -53,6 +54,9 @@ def read(path: str) -> List[dict]:
         for row in rows:
             point = {name: number(row[name]) for name in FIELDS if name not in ("method", "variant")}
             point.update(method=row["method"].strip(), variant=row["variant"].strip())
+            if all(point[name] is None for name in FIELDS if name not in ("method", "variant")):
+                out.append(point)  # a method not yet measured: named, not drawn
+                continue
             if point["ppl_16x"] is None or point["train_speed"] is None or point["train_speed"] <= 0:
                 raise ValueError(f"{point['method']} {point['variant']}: ppl_16x and a positive train_speed are needed")
             if point["lines_4x"] is None and point["lines_1x"] is None:
@@ -70,6 +74,11 @@ def order(points: List[dict]) -> List[dict]:
     names = ("sinusoidal", *POSITIONS)
     rank = {name: i for i, name in enumerate(names)}
     return sorted(points, key=lambda p: (rank.get(p["method"], len(names)), p["method"], bool(p["variant"])))
+
+
+def has_numbers(point: dict) -> bool:
+    """Whether the point has numbers (a row without any is a method not yet measured)."""
+    return point["ppl_16x"] is not None
 
 
 def label(point: dict) -> str:
@@ -92,7 +101,8 @@ def plot(path: str, points: List[dict]) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    points = order(points)
+    unmeasured = [label(p) for p in order(points) if not has_numbers(p)]
+    points = [p for p in order(points) if has_numbers(p)]
     fig, ax = plt.subplots(figsize=(10.5, 6.2), layout="constrained")
     where: Dict[str, tuple] = {}
     for point in points:
@@ -127,6 +137,9 @@ def plot(path: str, points: List[dict]) -> None:
     ax.set_ylabel("retrieval (lines task) accuracy at 4x L, % (bars: the seeds' range)")
     ax.set_title("Which method: perplexity far past L against retrieval past L (top left is best)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
+    if unmeasured:
+        ax.text(0.99, 0.01, "not yet measured: " + ", ".join(unmeasured), transform=ax.transAxes, ha="right",
+                va="bottom", fontsize=8, color="grey")
     notes = [(Line2D([], [], ls="none", marker="o", color="grey", mfc="grey", ms=math.sqrt(AREA)),
               "the method with its defaults"),
              (Line2D([], [], ls="none", marker="*", color="grey", mfc="grey", ms=math.sqrt(AREA)),
