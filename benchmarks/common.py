@@ -8,11 +8,13 @@ that only holds a dictionary of the requested size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import tempfile
+from typing import Optional
 
 import torch
 
@@ -147,3 +149,46 @@ def write_rows(path, args: argparse.Namespace, rows) -> None:
     if path:
         with open(path, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+@contextlib.contextmanager
+def replaced(function, replacement):
+    """``function`` replaced by ``replacement`` in every module of the package
+    that holds it, for the block: a module that imported it by name (``from
+    .causal_blocks import _block_calls``) holds its own reference, which a
+    patch of the defining module alone would miss."""
+    import sys
+
+    holders = [module for module in list(sys.modules.values())
+               if (getattr(module, "__name__", "") or "").startswith("fairseq_alibi")
+               and getattr(module, function.__name__, None) is function]
+    for module in holders:
+        setattr(module, function.__name__, replacement)
+    try:
+        yield holders
+    finally:
+        for module in holders:
+            setattr(module, function.__name__, function)
+
+
+def refusal(objects, kernel: str = "auto", dropout: float = 0.0) -> Optional[str]:
+    """Why a layer of each of ``objects`` (a stack's position objects, one per
+    layer) refuses the kernel option ``kernel`` or attention dropout
+    ``dropout``, in words for a benchmark's row, or None: ``kernels.check_kernel``,
+    which every layer runs when it is built, asked first without dropout (the
+    kernel), then with it.  A method whose object computes its attention itself
+    (``own_kernel``) is said so; another refusal quotes the check."""
+    from fairseq_alibi.core import kernels
+    from fairseq_alibi.core.errors import ConfigError
+
+    for obj in objects:
+        for drop in (0.0, dropout):
+            try:
+                kernels.check_kernel(kernel, obj, drop)
+            except ConfigError as err:
+                if drop == 0.0:
+                    why = "the method runs its own attention, auto only" if obj.own_kernel else str(err)
+                    return f"no kernel {kernel}: {why} (refused)"
+                why = "the method's own attention has none" if obj.own_kernel else f"the {kernel} kernel has none"
+                return f"no attention dropout {dropout:g}: {why} (refused)"
+    return None

@@ -41,7 +41,8 @@ length; the milliseconds of the forward alone (``fwd_ms``) and of forward +
 backward (``ms``; the backward is their difference), medians of
 ``--repeats`` interleaved readings (CUDA events); the first call's seconds
 (``first_s``: compilation included where the path compiles); the peak memory of
-one call; the ratios to ``flash-causal``; the kernels ``auto`` chose.  A row that
+one call; the ratios to ``flash-causal``; the kernels ``auto`` chose (``own
+attention`` for a method that computes its attention itself).  A row that
 runs out of memory or fails says so and the others still run.  ``--json`` is
 rewritten after every row (``complete`` false until the end), so a run stopped
 early keeps the rows it finished.
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -69,7 +71,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_lm, device_name, machine_description, make_dict_dir, median, positive  # noqa: E402
+from common import build_lm, device_name, machine_description, make_dict_dir, median, positive, replaced  # noqa: E402
 from eval_memory import write_json  # noqa: E402
 
 # fairseq, once imported, logs at DEBUG: not every lock the compiler takes
@@ -149,33 +151,41 @@ def configure_dynamo(shapes: str) -> None:
             setattr(config, limit, max(getattr(config, limit), 256))
 
 
+#: What a row records as ``auto``'s choice for a layer that computes its attention itself.
+OWN_ATTENTION = "own attention"
+
+
 @contextlib.contextmanager
 def recorded_choices():
-    """The kernels ``auto`` picks inside the block: ``choose_kernel`` wrapped wherever a module of
-    the package holds it (it may move between modules; nothing is recorded where it is gone)."""
+    """The kernels ``auto`` picks inside the block (``choose_kernel``), and
+    :data:`OWN_ATTENTION` for a layer whose object computes its attention
+    itself (``own_kernel``: ``layer.attention`` calls its ``attend`` and no
+    kernel is chosen), each wrapped wherever a module of the package holds it
+    (it may move between modules; nothing is recorded where it is gone)."""
     chosen: List[str] = []
-    try:
-        from fairseq_alibi.core import kernels as K
-        original = getattr(K, "choose_kernel", None)
-    except ImportError:
-        original = None
-    patched = []
-    if original is not None:
-        def recording(*args, **kwargs):
-            name = original(*args, **kwargs)
-            chosen.append(name)
-            return name
+    found = []
+    for module, name in (("kernels", "choose_kernel"), ("layer", "attention")):
+        try:
+            found.append(getattr(importlib.import_module(f"fairseq_alibi.core.{module}"), name, None))
+        except ImportError:
+            found.append(None)
+    choose, attention = found
 
-        for module in list(sys.modules.values()):
-            if (getattr(module, "__name__", "") or "").startswith("fairseq_alibi") \
-                    and getattr(module, "choose_kernel", None) is original:
-                module.choose_kernel = recording
-                patched.append(module)
-    try:
+    def recording(*args, **kwargs):
+        name = choose(*args, **kwargs)
+        chosen.append(name)
+        return name
+
+    def own(positions, *args, **kwargs):
+        if getattr(positions, "own_kernel", False):
+            chosen.append(OWN_ATTENTION)
+        return attention(positions, *args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        for original, wrapper in ((choose, recording), (attention, own)):
+            if original is not None:
+                stack.enter_context(replaced(original, wrapper))
         yield chosen
-    finally:
-        for module in patched:
-            module.choose_kernel = original
 
 
 # ----------------------------------------------------------------- the calls timed

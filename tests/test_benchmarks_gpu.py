@@ -71,6 +71,11 @@ def test_every_registered_method_is_timed(tmp_path, dynamo_config, later_method)
         assert timed == set(P.POSITIONS), f"not timed at {length}: {set(P.POSITIONS) - timed}"
         assert {r["kernel"] for r in at if r.get("method") == "alibi"} == {"auto", "sdpa"}
         assert all(r["chosen"] for r in at if "method" in r)  # the kernel auto (or the name) ran
+        # a layer that computes its attention itself (own_kernel) ran its own attention, no kernel; the others a kernel
+        own = {m for m in P.POSITIONS if any(gpu_attention.build_stack(m, length, 2, 8).at_layer(i).own_kernel
+                                             for i in range(gpu_attention.LAYERS))}
+        assert own and all((r["chosen"] == [gpu_attention.OWN_ATTENTION]) == (r["method"] in own)
+                           for r in at if "method" in r), [(r["method"], r["chosen"]) for r in at if "method" in r]
         assert all(r["ratio"] > 0 for r in at if r["path"] != "flash-causal")
     hybrid = [r["path"] for r in rows if r.get("method") == "rnope" and r["length"] == 64]
     assert len(hybrid) == 2, hybrid  # a row per kind of layer: windowed RoPE, NoPE
