@@ -9,9 +9,10 @@ changes, where ``positions_cost.py`` times whole models.
 
 One call is what a layer runs between its projections: the method's
 rotation of queries and keys (rotary, rnope), its bias built for the pass
-(T5, Kerple, FIRE; FoX's gates from a random input), ``kernels.attend`` with
+(T5, Kerple, FIRE; FoX's gates from a random input), ``layer.attention`` with
 ``alibi_attention=auto`` (the kernel a model runs: ``blocked`` in CPU training,
-``chunked`` or SDPA in evaluation) and, in training, the backward pass into
+``chunked`` or SDPA in evaluation; an attention of its own, ``own_kernel``, its
+``attend``: stick-breaking, PaTH) and, in training, the backward pass into
 q, k, v and the method's parameters.  The hybrid (rnope) alternates its two
 layer kinds call by call, as a stack of ``rnope_nope_every`` layers would run
 them (one NoPE call per group).  Weights are each method's initial ones, q, k
@@ -20,7 +21,9 @@ model skips a different share of the keys).
 
 Time is CPU time of this process (``time.process_time``, one thread); the
 cases of a repeat alternate (A B C, then C B A, ...).  The table gives each
-method's median and its ratio to ALiBi's median.  Words per second of whole
+method's median and its ratio to ALiBi's median; a method whose layers refuse a
+column's attention dropout (an attention of its own has none) is not timed
+there, its row says why.  Words per second of whole
 models: ``positions_cost.py``.
 """
 
@@ -33,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import kernel_parser, machine_description, median, parse_kernel_args, write_rows  # noqa: E402
+from common import kernel_parser, machine_description, median, parse_kernel_args, refusal, write_rows  # noqa: E402
 
 from fairseq_alibi.core import kernels  # noqa: E402
 from fairseq_alibi.core.layer import attention as layer_attention  # noqa: E402
@@ -86,27 +89,31 @@ class Case:
             if train:
                 (out * weight).sum().backward()
             seconds = time.process_time() - start
-            if not train:  # an own attention (stick-breaking, PaTH) runs no shared kernel: it reads every key
-                chunked = not bias.own_kernel and kernels.choose_kernel("auto", bias, False, q.size(2),
-                                                                        k.size(2)) == "chunked"
+            if bias.own_kernel:  # its own attention, no shared kernel: what it reads is not counted here
+                self.shares.append(None)
+            elif not train:
+                chunked = kernels.choose_kernel("auto", bias, False, q.size(2), k.size(2)) == "chunked"
                 self.shares.append(kernels.keys_read(bias, rq, rk) if chunked else 1.0)
             return seconds
 
 
 def measure(methods, shape, dropout: float, train: bool, repeats: int, length: int):
-    """(CPU seconds per call, keys read per evaluation call) per method."""
+    """(CPU seconds per call, keys read per evaluation call, why a method was not
+    run) per method: one whose layers refuse the attention dropout (``common.refusal``,
+    as the model's layers check it when built: an attention of its own has none)
+    is not timed, its row says why."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, weight = (torch.randn(shape, generator=gen) for _ in range(4))
     cases = {m: Case(m, shape[1], shape[3], length) for m in methods}
-    # an attention of its own (stick-breaking, PaTH) has no attention dropout: nan, not measured
-    runnable = [m for m in methods if not (dropout > 0 and cases[m].layers[0].own_kernel)]
+    refused = {m: why for m in methods if (why := refusal(cases[m].layers, "auto", dropout))}
+    runnable = [m for m in methods if m not in refused]
     for m in runnable:  # warm-up
         cases[m].seconds(q, k, v, weight, dropout, train)
-    times = {m: [] if m in runnable else [float("nan")] * repeats for m in methods}
+    times = {m: [] for m in methods}
     for r in range(repeats):
         for m in (runnable if r % 2 == 0 else runnable[::-1]):
             times[m].append(cases[m].seconds(q, k, v, weight, dropout, train))
-    return times, {m: cases[m].shares for m in methods}
+    return times, {m: cases[m].shares for m in methods}, refused
 
 
 def main(argv=None) -> int:
@@ -136,34 +143,42 @@ def main(argv=None) -> int:
     methods += [f"{FIRE_AT}{t:g}" for t in args.fire_threshold]
     print(f"position_kernels: L={args.length}, B={args.batch}, {args.heads} heads of {args.head_dim}, "
           f"{args.threads} thread(s); {machine_description()}", file=sys.stderr)
-    columns, shares, rows = [], {}, []
+    columns, shares, refused, rows = [], {}, {}, []
     for dropout in args.dropout:
-        times, _ = measure(methods, (args.batch, args.heads, args.length, args.head_dim), dropout, True,
-                           args.repeats, args.length)
-        columns.append((f"train, dropout {dropout:g}", times))
-        print(f"[position_kernels] {columns[-1][0]} done", file=sys.stderr)
+        name = f"train, dropout {dropout:g}"
+        times, _, refused[name] = measure(methods, (args.batch, args.heads, args.length, args.head_dim), dropout,
+                                          True, args.repeats, args.length)
+        columns.append((name, times))
+        print(f"[position_kernels] {name} done", file=sys.stderr)
     for n in args.eval_length:
-        times, shares[f"eval {n} tokens"] = measure(methods, (1, args.heads, n, args.head_dim), 0.0, False,
-                                                    args.repeats, args.length)
-        columns.append((f"eval {n} tokens", times))
-        print(f"[position_kernels] {columns[-1][0]} done", file=sys.stderr)
+        name = f"eval {n} tokens"
+        times, shares[name], refused[name] = measure(methods, (1, args.heads, n, args.head_dim), 0.0, False,
+                                                     args.repeats, args.length)
+        columns.append((name, times))
+        print(f"[position_kernels] {name} done", file=sys.stderr)
     command = " ".join(sys.argv[1:] if argv is None else argv)
     print(f"Command: `python benchmarks/position_kernels.py {command}`\n")
     print("CPU seconds per call (median of " f"{args.repeats}), and / ALiBi; in evaluation also the share of the "
           "causal (query, key) pairs the call scores (kernels.keys_read: below 1 where key windows skip keys; "
-          "a hybrid's mean over its layer kinds):\n")
+          "a hybrid's mean over its layer kinds; - for an attention of its own, which no kernel here runs):\n")
     print("| method | " + " | ".join(f"{name}, s | / ALiBi" + (" | keys read" if name in shares else "")
                                      for name, _ in columns) + " |")
     print("|---|" + "".join("---|---|---|" if name in shares else "---|---|" for name, _ in columns))
     for m in methods:
         cells = []
         for name, times in columns:
+            if m in refused[name]:  # not run: the row says why
+                rows.append({"method": m, "column": name, "refused": refused[name][m]})
+                cells.append(refused[name][m] + " | -" + (" | -" if name in shares else ""))
+                continue
             med = median(times[m])
             ratio = med / median(times["alibi"])
             row = {"method": m, "column": name, "seconds": times[m], "median_s": med, "ratio": ratio}
             if name in shares:
-                row["keys_read"] = sum(shares[name][m]) / len(shares[name][m])
-                cells.append(f"{med:.3f} | {ratio:.2f} | {row['keys_read']:.2f}")
+                counted = [share for share in shares[name][m] if share is not None]
+                row["keys_read"] = sum(counted) / len(counted) if counted else None
+                cells.append(f"{med:.3f} | {ratio:.2f} | " + ("-" if row["keys_read"] is None else
+                                                             f"{row['keys_read']:.2f}"))
             else:
                 cells.append(f"{med:.3f} | {ratio:.2f}")
             rows.append(row)

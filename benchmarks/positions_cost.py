@@ -7,8 +7,8 @@
     python benchmarks/positions_cost.py --json cost.json --markdown cost.md   # keep the results
 
 The ALiBi paper's table of training speed, inference speed and memory, for
-the seven position methods of this project (sinusoidal: the stock
-``transformer_lm``; the others ``transformer_lm_<method>``), every model with
+the stock model and every position method of the registry (sinusoidal: the
+stock ``transformer_lm``; the others ``transformer_lm_<method>``), every model with
 the same flags as ``compare.sh`` trains it (2 layers, d=128, 8 heads, FFN 512,
 pre-norm, L=64, 2048 tokens per update, dropout 0.1), only the arch differing.
 
@@ -20,7 +20,10 @@ pre-norm, L=64, 2048 tokens per update, dropout 0.1), only the arch differing.
   its updates after ``--skip`` warm-up updates.  Each repeat visits every
   (attention dropout, method) once, the methods in an order rotated by one
   each repeat, so that a slow phase of the machine does not fall on one
-  method only.
+  method only.  A method whose attention has no dropout (an attention of its
+  own: ``own_kernel``, which refuses any) trains at attention dropout 0 in
+  every column, its other dropouts 0.1 as every model's, paired with the
+  column's other runs as usual; its row says so (:func:`trained_dropout`).
 * **Evaluation**: one no-grad forward of the decoder stack
   (``extract_features``: embeddings, layers, final norm; no vocabulary
   projection, which costs every method the same) over one sequence of each
@@ -75,7 +78,7 @@ ROOT = os.path.dirname(HERE)
 # an installed copy elsewhere would be measured instead (the training runs get it
 # through PYTHONPATH, fairseq_train_wps.run_all).
 sys.path[:0] = [HERE, ROOT]
-from common import heads_problem, machine_description, median, model_args, positive  # noqa: E402
+from common import heads_problem, machine_description, median, model_args, positive, refusal, replaced  # noqa: E402
 from eval_memory import MEASURED_ALLOCATOR, mem_available_gib, reset_peak, rss_mib, status_mib  # noqa: E402
 from fairseq_train_wps import (BIN, RunFailed, make_corpus, read_log, run_all, summarize,  # noqa: E402
                               train_inner_stats)
@@ -91,6 +94,8 @@ SSMAX = "+ssmax"
 METHODS = (BASELINE,) + tuple(POSITIONS)
 CHOICES = METHODS + tuple(name + SSMAX for name in POSITIONS)
 DEFAULT_METHODS = METHODS + ("alibi" + SSMAX,)
+#: Every model's dropout (compare.sh's): a method that has no attention dropout keeps it (:func:`trained_dropout`).
+DROPOUT = 0.1
 #: A sinusoidal cell is skipped when its ``T x T`` float future mask, twice, would take more
 #: than this share of the memory available (the machine may be shared).
 MEMORY_SHARE = 0.6
@@ -117,7 +122,8 @@ def rotated(methods: Sequence[str], shift: int) -> List[str]:
 
 def size_args(opts) -> List[str]:
     """The model flags every method shares (compare.sh's)."""
-    return model_args(opts.embed_dim, opts.layers, opts.heads, opts.ffn, dropout=0.1) + ["--decoder-normalize-before"]
+    return model_args(opts.embed_dim, opts.layers, opts.heads, opts.ffn, dropout=DROPOUT) + \
+        ["--decoder-normalize-before"]
 
 
 def train_command(data: str, method: str, opts, attention_dropout: float) -> List[str]:
@@ -179,35 +185,42 @@ def run_cell(opts) -> dict:
     return {"seconds": median(calls), "calls": calls, "first_call": first, "keys_read": keys_read(forward, x)}
 
 
-def keys_read(forward, x) -> float:
+def keys_read(forward, x) -> Optional[float]:
     """The (query, key) pairs the attention of one more (untimed) ``forward``
     of ``x`` scores, every layer together, as a share of the pairs causal
     attention scores (each query with the keys up to its own): below 1 where
-    key windows skip keys (``kernels.keys_read`` of each ``chunked`` call,
-    with the layer's own queries and keys), 1 for a kernel that scores every
-    causal pair (SDPA, the explicit paths), a little above 1 for blocks that
-    score their diagonal squares whole.  The stock sinusoidal model calls
-    none of this project's kernels: its attention scores the full ``T x T``
-    square, ``2T / (T + 1)`` of the causal pairs."""
-    from fairseq_alibi.core import kernels
+    key windows skip keys (``kernels.keys_read`` of each ``chunked`` call, a
+    method's own ``chunked`` kernel's too, FoX's, with the layer's own queries
+    and keys), 1 for a kernel that scores every causal pair (SDPA, the
+    explicit paths), a little above 1 for blocks that score their diagonal
+    squares whole.  The stock sinusoidal model calls none of this project's
+    kernels: its attention scores the full ``T x T`` square, ``2T / (T + 1)``
+    of the causal pairs.  None where a layer computes its attention itself
+    (``own_kernel``: no kernel here runs it, and what it reads is its own)."""
+    from fairseq_alibi.core import kernels, layer
 
-    real, read, causal = dict(kernels.KERNELS), [0.0], [0]
+    real_for, real_attention, read, causal, own = kernels.kernel_for, layer.attention, [0.0], [0], [0]
 
-    def counting(name: str):
+    def counting_for(name: str, bias):
+        chosen = real_for(name, bias)
+
         def kernel(q, k, v, bias, key_padding_mask, dropout_p, *args, **kwargs):
             q_len, k_len = q.size(2), k.size(2)
             pairs = q.size(0) * q.size(1) * (q_len * (k_len - q_len) + q_len * (q_len + 1) // 2)
             share = kernels.keys_read(bias, q, k) if name == "chunked" and key_padding_mask is None else 1.0
             read[0] += share * pairs
             causal[0] += pairs
-            return real[name](q, k, v, bias, key_padding_mask, dropout_p, *args, **kwargs)
+            return chosen(q, k, v, bias, key_padding_mask, dropout_p, *args, **kwargs)
         return kernel
 
-    kernels.KERNELS.update({name: counting(name) for name in real})
-    try:
+    def attention(positions, *args, **kwargs):
+        own[0] += bool(positions.own_kernel)
+        return real_attention(positions, *args, **kwargs)
+
+    with replaced(real_for, counting_for), replaced(real_attention, attention):
         forward(x)
-    finally:
-        kernels.KERNELS.update(real)
+    if own[0]:
+        return None
     length = x.size(1)
     return read[0] / causal[0] if causal[0] else 2 * length / (length + 1)
 
@@ -327,7 +340,7 @@ def header(opts, command: str, loads: Sequence[float]) -> List[str]:
         f"pre-norm, vocabulary {opts.vocab}, L={opts.length}; "
         + (f"training {tokens_per_update(opts)} tokens per update ({opts.max_tokens // opts.length} samples), "
            if opts.attention_dropout else "")
-        + f"dropout 0.1. Each value: the median over {opts.repeats} repeat(s) (fewer where a row says so); "
+        + f"dropout {DROPOUT}. Each value: the median over {opts.repeats} repeat(s) (fewer where a row says so); "
         "/ sinusoidal"
         + (" and / ALiBi: the ratio of the medians to that method's" if ALIBI in opts.methods else
            ": the ratio of the medians") + ", [the range of the ratios of the pairs of one repeat].",
@@ -364,7 +377,8 @@ def table_lines(header: List[str], rows: List[List[str]]) -> List[str]:
 def train_table(opts, train: Dict[str, Dict[str, dict]]) -> List[str]:
     drops = list(train)
     header = ["method"] + [c for d in drops for c in [f"wps, attention dropout {d}"] + ratio_columns(opts)]
-    rows = [[method] + [c for d in drops for c in value_cells(opts, train[d][method])] for method in opts.methods]
+    rows = [[method + "".join(f" ({train[d][method]['note']})" for d in drops if train[d][method].get("note"))]
+            + [c for d in drops for c in value_cells(opts, train[d][method])] for method in opts.methods]
     return [f"### Training: words/s of `alibi-train` (median update after {opts.skip} warm-up, "
             f"{opts.updates} updates per run)", ""] + table_lines(header, rows)
 
@@ -390,7 +404,8 @@ KEYS_READ_NOTE = ("Keys read: the (query, key) pairs the attention scores, every
                   "causal pairs (each query with the keys up to its own), from one more forward of the timed cell. "
                   "Below 1 where key windows skip the keys a head cannot weigh (ALiBi's steep heads, FoX's closed "
                   "gates, a sliding window): a method that reads every key cannot be that much faster per pair. "
-                  "The stock sinusoidal model scores the full T x T square (2T / (T + 1)).")
+                  "The stock sinusoidal model scores the full T x T square (2T / (T + 1)). - for a method that "
+                  "computes its attention itself (no kernel here counts what it reads).")
 
 
 #: What a report says under a table whose memory could not be read from a reset high-water mark.
@@ -416,20 +431,32 @@ def progress(start: float, message: str) -> None:
 
 
 def measure_training(opts, data: str, workdir: str, start: float) -> Dict[str, Dict[str, dict]]:
-    """Per attention dropout, ``compared`` words/s of every method."""
+    """Per attention dropout, ``compared`` words/s of every method; a method
+    that refuses the column's attention dropout trains without
+    (:func:`trained_dropout`: its entry's ``attention_dropout`` and ``note``)."""
     wps = {str(d): {m: [] for m in opts.methods} for d in opts.attention_dropout}
     thresholds = {str(d): {m: [] for m in opts.methods} for d in opts.attention_dropout}
+    used = {(str(d), m): trained_dropout(opts, m, d) for d in opts.attention_dropout for m in opts.methods}
     for r in range(opts.repeats):
         for drop in opts.attention_dropout:
             for method in rotated(opts.methods, r):
+                trained, note = used[str(drop), method]
+                if trained is None:  # refused even without attention dropout: its row says why
+                    wps[str(drop)][method].append(None)
+                    thresholds[str(drop)][method].append(None)
+                    continue
                 log = os.path.join(workdir, f"{method}_ad{drop}_{r}.log")
-                run_all([(train_command(data, method, opts, drop), log)], parallel=False)
+                run_all([(train_command(data, method, opts, trained), log)], parallel=False)
                 value = summarize(read_log(log), opts.skip)[0]
                 wps[str(drop)][method].append(value)
                 thresholds[str(drop)][method].append(logged_scalar(log, "fire_threshold")[opts.skip:] or None)
                 progress(start, f"train repeat {r + 1}/{opts.repeats}, attention dropout {drop}, "
-                                f"{method}: median wps {value:.0f}")
+                                f"{method}: median wps {value:.0f}" + (f" ({note})" if note else ""))
     train = {drop: compared(values) for drop, values in wps.items()}
+    for (drop, method), (trained, note) in used.items():
+        train[drop][method]["attention_dropout"] = trained
+        if note:
+            train[drop][method]["note"] = note
     for drop, methods in thresholds.items():
         for method, runs in methods.items():
             if any(runs):  # FIRE: the threshold at each counted update of each repeat
@@ -475,8 +502,9 @@ def measure_evaluation(opts, dict_dir: str, start: float):
             for method in rotated(opts.methods, r + m):
                 cell = measure_cell(opts, method, length, dict_dir)
                 cells[method].append(cell)
+                read = "-" if cell.get("keys_read") is None else f"{cell['keys_read']:.3f}"  # -: its own attention
                 state = cell.get("skipped") or cell.get("failed") or \
-                    (f"{cell['seconds']:.3f} s (keys read {cell['keys_read']:.3f}), " if "seconds" in cell else "") + \
+                    (f"{cell['seconds']:.3f} s (keys read {read}), " if "seconds" in cell else "") + \
                     f"peak {cell['peak_mib']:.0f} MiB (own {cell['own_mib']:.0f})"
                 progress(start, f"eval repeat {r + 1}/{opts.repeats}, {length} tokens, {method}: {state}")
         by_key = {key: compared({method: [c.get(key) for c in runs] for method, runs in cells.items()})
@@ -545,22 +573,59 @@ def parse_args(argv=None):
     return opts
 
 
-def depth_problem(method: str, layers: int, heads: int, embed_dim: int, length: int) -> Optional[str]:
-    """Why ``method`` cannot be built ``layers`` deep (a hybrid needs both
-    kinds of layer), as a one-line error, or None."""
+def layer_objects(method: str, layers: int, heads: int, embed_dim: int, length: int) -> list:
+    """The position object of each of ``method``'s ``layers`` layers, its params
+    at their defaults, as its model builds them (``ConfigError`` where it cannot
+    be built); none for the stock sinusoidal model."""
     from fairseq_alibi.core import positions
-    from fairseq_alibi.core.errors import ConfigError
     from fairseq_alibi.core.scaling import Scaling
 
     position = position_of(method)
     if position not in positions.POSITIONS:
-        return None  # the stock sinusoidal model
+        return []  # the stock sinusoidal model
     params = {param.name: param.default for param in positions.POSITIONS[position].params}
+    stack = positions.build(position, heads, embed_dim // heads, params, Scaling("none", train_length=length), layers)
+    return [stack.at_layer(index).for_layer() for index in range(layers)]
+
+
+def depth_problem(method: str, layers: int, heads: int, embed_dim: int, length: int) -> Optional[str]:
+    """Why ``method`` cannot be built ``layers`` deep (a hybrid needs both
+    kinds of layer), or with ``--ssmax`` (``<method>+ssmax`` of a method
+    without a softmax: ``positions.ssmax_problem``), as a one-line error, or None."""
+    from fairseq_alibi.core import positions
+    from fairseq_alibi.core.errors import ConfigError
+
+    problem = positions.ssmax_problem(position_of(method), True) if method_flags(method) else None
+    if problem:
+        return f"--methods {method}: {problem}"
     try:
-        positions.build(position, heads, embed_dim // heads, params, Scaling("none", train_length=length), layers)
+        layer_objects(method, layers, heads, embed_dim, length)
     except ConfigError as err:
-        return f"--methods {position} with --layers {layers}: {err}"
+        return f"--methods {position_of(method)} with --layers {layers}: {err}"
     return None
+
+
+def option_refusal(opts, method: str, attention_dropout: float, kernel: str = "auto") -> Optional[str]:
+    """Why ``method``'s model, at ``opts``' sizes, refuses ``attention_dropout``
+    or the kernel option ``kernel`` (``common.refusal``: an attention of its own
+    takes neither), in words for its row; None where it takes both (the stock
+    model, which has no kernel option, always)."""
+    return refusal(layer_objects(method, opts.layers, opts.heads, opts.embed_dim, opts.length), kernel,
+                   attention_dropout)
+
+
+def trained_dropout(opts, method: str, attention_dropout: float):
+    """``(the attention dropout method trains with, what its row says)`` in the
+    column of ``attention_dropout``: that dropout and nothing; for a method
+    that refuses it but takes none (an attention of its own), 0 and why, its
+    other dropouts unchanged (``DROPOUT``), paired with the others' runs of the
+    column as usual; ``(None, why)`` where it refuses even 0 (not run)."""
+    refused = option_refusal(opts, method, attention_dropout)
+    if refused is None:
+        return attention_dropout, None
+    if option_refusal(opts, method, 0.0) is None:
+        return 0.0, f"{refused}; trained at attention dropout 0, its other dropouts {DROPOUT}"
+    return None, refused
 
 
 def fit_methods_to_depth(p: argparse.ArgumentParser, opts, methods: Sequence[str], optional: Set[str]) -> None:

@@ -28,7 +28,10 @@ ALiBi: the median over rounds of its words/s over ALiBi's of the same round
 (above 1 is faster than ALiBi), with the range of those ratios; and the
 share of the causal pairs that the blocked kernel's flash calls scored in a
 training forward of the first batch (ALiBi's key windows, with the model's
-own queries and keys).
+own queries and keys).  A method whose model refuses an attention dropout
+or the ``--alibi-attention`` given (an attention of its own, ``own_kernel``:
+no attention dropout, ``auto`` only) is not run in that column: its row says
+why in words.
 """
 
 from __future__ import annotations
@@ -43,9 +46,11 @@ from typing import Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from common import (build_lm, heads_problem, machine_description, make_dict_dir, median, model_args,  # noqa: E402
-                    positive)
+                    positive, replaced)
 from positions_cost import (ALIBI, BASELINE, CHOICES, DEFAULT_METHODS, arch_of, fit_methods_to_depth,  # noqa: E402
-                            left_out_lines, method_flags, rotated, significant)
+                            left_out_lines, method_flags, option_refusal, rotated, significant)
+
+from fairseq_alibi.core.kernels import KERNEL_NAMES  # noqa: E402
 
 REFERENCE = ALIBI
 
@@ -137,11 +142,8 @@ def keys_read(run: Run, sample) -> Optional[float]:
         causal[0] += heads * (q_len * (k_len - q_len) + q_len * (q_len + 1) // 2)
         return calls
 
-    causal_blocks._block_calls = counting
-    try:
+    with replaced(real, counting):  # wherever it is held: FoX's own blocked kernel imports it by name
         run.model(**sample["net_input"])
-    finally:
-        causal_blocks._block_calls = real
     return read[0] / causal[0] if causal[0] else None
 
 
@@ -163,9 +165,15 @@ def paired(values: List[float], reference: List[float]) -> dict:
 
 
 def measure(opts, attention_dropout: float) -> Dict[str, dict]:
-    """Per method: its words/s per round (wall and CPU time), medians, and speed relative to ALiBi."""
+    """Per method: its words/s per round (wall and CPU time), medians, and speed relative to ALiBi;
+    ``{"refused": why}`` for a method whose model refuses ``attention_dropout`` or ``--alibi-attention``
+    (an attention of its own: ``positions_cost.option_refusal``), not run."""
     data_dir = make_dict_dir(opts.vocab)
-    runs = {method: Run(opts, method, data_dir, attention_dropout) for method in opts.methods}
+    refused = {method: option_refusal(opts, method, attention_dropout, opts.alibi_attention)
+               for method in opts.methods if method != BASELINE}  # the stock model has no kernel option
+    refused = {method: why for method, why in refused.items() if why}
+    methods = [method for method in opts.methods if method not in refused]
+    runs = {method: Run(opts, method, data_dir, attention_dropout) for method in methods}
     dictionary = runs[REFERENCE].task.source_dictionary
     batches = make_batches(opts.steps, opts.batch, opts.length, len(dictionary), dictionary.pad(),
                            dictionary.eos(), opts.padded)
@@ -174,24 +182,25 @@ def measure(opts, attention_dropout: float) -> Dict[str, dict]:
     warmup = [batches[i % len(batches)] for i in range(opts.warmup)]
     for run in runs.values():  # caches, allocator, lazy initialisation
         run.words_per_second(warmup)
-    wall: Dict[str, List[float]] = {method: [] for method in opts.methods}
-    cpu: Dict[str, List[float]] = {method: [] for method in opts.methods}
+    wall: Dict[str, List[float]] = {method: [] for method in methods}
+    cpu: Dict[str, List[float]] = {method: [] for method in methods}
     for r in range(opts.rounds):
-        for method in rotated(opts.methods, r):
+        for method in rotated(methods, r):
             w, c = runs[method].words_per_second(batches)
             wall[method].append(w)
             cpu[method].append(c)
         print(f"[train_throughput] attention dropout {attention_dropout}, round {r + 1}/{opts.rounds}: "
-              + ", ".join(f"{m} {wall[m][-1]:.0f}" for m in opts.methods) + " words/s", file=sys.stderr, flush=True)
+              + ", ".join(f"{m} {wall[m][-1]:.0f}" for m in methods) + " words/s", file=sys.stderr, flush=True)
     for method, run in runs.items():
         thresholds[method].append(fire_threshold(run))
-    return {method: {"params": runs[method].params, "keys_read": read[method], "wps": wall[method],
-                     "fire_threshold": None if thresholds[method][0] is None else thresholds[method],
-                     "cpu_wps": cpu[method],
-                     "median_wps": median(wall[method]), "median_cpu_wps": median(cpu[method]),
-                     "speed": paired(wall[method], wall[REFERENCE]),
-                     "cpu_speed": paired(cpu[method], cpu[REFERENCE])}
-            for method in opts.methods}
+    measured = {method: {"params": runs[method].params, "keys_read": read[method], "wps": wall[method],
+                         "fire_threshold": None if thresholds[method][0] is None else thresholds[method],
+                         "cpu_wps": cpu[method],
+                         "median_wps": median(wall[method]), "median_cpu_wps": median(cpu[method]),
+                         "speed": paired(wall[method], wall[REFERENCE]),
+                         "cpu_speed": paired(cpu[method], cpu[REFERENCE])}
+                for method in methods}
+    return {method: measured.get(method) or {"refused": refused[method]} for method in opts.methods}
 
 
 def render(opts, command: str, results: Dict[str, Dict[str, dict]]) -> str:
@@ -215,7 +224,8 @@ def render(opts, command: str, results: Dict[str, Dict[str, dict]]) -> str:
                                       "| keys read" for d in drops) + " |",
              "|---|" + "---|---|---|---|" * len(drops)]
     for method in opts.methods:
-        cells = [f"{results[d][method]['median_wps']:.0f} | {speed(results[d][method]['speed'])} | "
+        cells = [f"{results[d][method]['refused']} | - | - | -" if "refused" in results[d][method] else
+                 f"{results[d][method]['median_wps']:.0f} | {speed(results[d][method]['speed'])} | "
                  f"{speed(results[d][method]['cpu_speed'])} | "
                  + ("-" if results[d][method]["keys_read"] is None else f"{results[d][method]['keys_read']:.3f}")
                  for d in drops]
@@ -248,7 +258,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed updates per method before the rounds")
     p.add_argument("--padded", action="store_true", help="right-padded batches (sample-break-mode eos)")
     p.add_argument("--pre-norm", action="store_true", help="--decoder-normalize-before for every model")
-    p.add_argument("--alibi-attention", default="auto", help="the kernel option of every method but the stock model")
+    p.add_argument("--alibi-attention", default="auto", choices=KERNEL_NAMES,
+                   help="the kernel option of every method but the stock model")
     p.add_argument("--threads", type=positive, help="torch threads (default: torch's own choice)")
     p.add_argument("--json", help="also write every measurement here")
     opts = p.parse_args(argv)
@@ -263,6 +274,10 @@ def parse_args(argv=None):
     methods = [m for name in opts.methods for m in (DEFAULT_METHODS if name == "all" else [name])]
     fit_methods_to_depth(p, opts, [REFERENCE] + [m for m in dict.fromkeys(methods) if m != REFERENCE],
                          optional=set(DEFAULT_METHODS) - set(opts.methods) if "all" in opts.methods else set())
+    for drop in opts.attention_dropout:  # every speed is a ratio to ALiBi's: a column without it is no table
+        if why := option_refusal(opts, REFERENCE, drop, opts.alibi_attention):
+            p.error(f"--alibi-attention {opts.alibi_attention} with --attention-dropout {drop:g}: {REFERENCE}, every "
+                    f"speed's reference, refuses it: {why}; give another kernel or attention dropout")
     return opts
 
 

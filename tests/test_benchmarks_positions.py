@@ -512,39 +512,49 @@ def test_the_fox_kernel_benchmark_times_every_case_in_a_tiny_run(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["case"], r["dropout"]) for r in rows] == [(c, d) for d in (0.0, 0.2) for c in fox_kernel.CASES]
     for row in rows:
-        if math.isnan(row["median_s"]):  # an attention of its own has no dropout: not measured there, nothing else
-            assert row["column"] == "train, dropout 0.2" and row["method"] in ("stickbreaking", "path"), row
-            continue
         assert len(row["seconds"]) == 2 and row["median_s"] == pytest.approx(statistics.median(row["seconds"]))
         alibi = next(r for r in rows if r["case"] == "alibi" and r["dropout"] == row["dropout"])
         assert row["ratio"] == pytest.approx(row["median_s"] / alibi["median_s"])
 
 
-def test_the_position_kernels_benchmark_times_every_method_of_the_registry(tmp_path):
+def test_the_position_kernels_benchmark_times_every_method_of_the_registry(tmp_path, capsys):
     """``benchmarks/position_kernels.py`` on a tiny setting: every method of the
     registry (the hybrid's layer kinds, FoX's gates from an input) in a row per
     column (two dropouts, one evaluation length), each timed every repeat, the
-    ratio the one of the medians to ALiBi's, evaluation with its keys read."""
+    ratio the one of the medians to ALiBi's, evaluation with its keys read; a
+    method with an attention of its own (``own_kernel``) not timed with attention
+    dropout, its row and its table cell saying why, and no keys read counted."""
     import position_kernels
 
     out = tmp_path / "kernels.json"
     assert position_kernels.main(["--length", "40", "--batch", "1", "--heads", "2", "--head-dim", "8",
                                   "--repeats", "2", "--dropout", "0", "0.2", "--eval-length", "90",
                                   "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     columns = ["train, dropout 0", "train, dropout 0.2", "eval 90 tokens"]
     methods = ["alibi"] + [m for m in position_kernels.P.POSITIONS if m != "alibi"]
     assert [(r["method"], r["column"]) for r in rows] == [(m, c) for m in methods for c in columns]
+    own = {m for m in methods if any(layer.own_kernel for layer in position_kernels.Case(m, 2, 8, 40).layers)}
+    assert own  # the registry has such methods (stick-breaking, PaTH)
+    refused = "no attention dropout 0.2: the method's own attention has none (refused)"
+    assert [(r["method"], r["column"]) for r in rows if "refused" in r] == [
+        (m, "train, dropout 0.2") for m in methods if m in own]
     for row in rows:
-        if math.isnan(row["median_s"]):  # an attention of its own has no dropout: not measured there, nothing else
-            assert row["column"] == "train, dropout 0.2" and row["method"] in ("stickbreaking", "path"), row
+        if "refused" in row:
+            assert row["refused"] == refused and "median_s" not in row
+            assert re.search(rf"^\| {row['method']} \| [^|]+ \| [^|]+ \| {re.escape(refused)} \| - \|", printed, re.M)
             continue
         assert len(row["seconds"]) == 2 and row["median_s"] == pytest.approx(statistics.median(row["seconds"]))
         alibi = next(r for r in rows if r["method"] == "alibi" and r["column"] == row["column"])
         assert row["ratio"] == pytest.approx(row["median_s"] / alibi["median_s"])
-        # evaluation only: the share of causal pairs scored (one block of 90 queries: no window skips a key)
+        # evaluation only: the share of causal pairs scored (one block of 90 queries: no window skips a key);
+        # none counted for an attention of its own, which no shared kernel runs
         assert ("keys_read" in row) == row["column"].startswith("eval")
-        assert row.get("keys_read", 1.0) >= 1.0
+        if row["method"] in own:
+            assert row.get("keys_read") is None
+        else:
+            assert row.get("keys_read", 1.0) >= 1.0
 
 
 def test_the_position_kernels_benchmark_times_t5s_two_training_paths(monkeypatch):
@@ -682,3 +692,145 @@ def test_the_throughput_benchmark_pairs_every_method_update_by_update(tmp_path):
             f"dropout 0.0: {start:.2f} -> {end:.2f}.") in train_throughput.render(fire_opts, "cmd", {"0.0": fire})
     everything = train_throughput.parse_args(["--methods", "nope", "all"]).methods
     assert everything[0] == "alibi" and sorted(everything) == sorted(positions_cost.DEFAULT_METHODS)
+
+#: The tiny model of the refusal tests (train_throughput's flags; positions_cost takes the same sizes).
+TINY_MODEL = ["--length", "16", "--layers", "2", "--embed-dim", "16", "--heads", "2", "--ffn", "32"]
+
+
+def own_attention(opts):
+    """The registered methods whose layers compute their attention themselves (``own_kernel``), at ``opts``' sizes."""
+    return [m for m in positions_cost.POSITIONS if any(
+        layer.own_kernel for layer in positions_cost.layer_objects(m, opts.layers, opts.heads, opts.embed_dim,
+                                                                   opts.length))]
+
+
+def test_what_a_method_refuses_is_read_from_its_layers_for_every_method():
+    """``option_refusal`` and ``trained_dropout`` of every registered method: an
+    attention of its own refuses attention dropout and every kernel name but auto,
+    in words, and trains the dropout column at attention dropout 0; every other
+    method takes both (its column's dropout as given), as does the stock model."""
+    opts = train_throughput.parse_args(TINY_MODEL)
+    own = own_attention(opts)
+    assert own  # stick-breaking and PaTH
+    for method in (positions_cost.BASELINE, *positions_cost.POSITIONS):
+        dropout, kernel = (positions_cost.option_refusal(opts, method, 0.1),
+                           positions_cost.option_refusal(opts, method, 0.0, "sdpa"))
+        if method in own:
+            assert dropout == "no attention dropout 0.1: the method's own attention has none (refused)"
+            assert kernel == "no kernel sdpa: the method runs its own attention, auto only (refused)"
+            assert positions_cost.trained_dropout(opts, method, 0.1) == (
+                0.0, f"{dropout}; trained at attention dropout 0, its other dropouts {positions_cost.DROPOUT}")
+        else:
+            assert dropout is None and (kernel is None or method == positions_cost.BASELINE), (method, kernel)
+            assert positions_cost.trained_dropout(opts, method, 0.1) == (0.1, None)
+        assert positions_cost.option_refusal(opts, method, 0.0) is None
+        assert positions_cost.trained_dropout(opts, method, 0.0) == (0.0, None)
+    # a kernel without attention dropout, the other way round: the row quotes the layer's check
+    assert positions_cost.option_refusal(opts, "alibi", 0.1, "chunked") == \
+        "no attention dropout 0.1: the chunked kernel has none (refused)"
+    # --ssmax of a method without a softmax: a usage error where named, in one line
+    no_softmax = [m for m in positions_cost.POSITIONS if positions_cost.position_of(m + positions_cost.SSMAX) == m
+                  and positions_cost.depth_problem(m + positions_cost.SSMAX, 2, 2, 16, 16)]
+    assert no_softmax and set(no_softmax) <= set(own)
+    for method in no_softmax:
+        with pytest.raises(SystemExit):
+            train_throughput.parse_args(["--methods", method + positions_cost.SSMAX, *TINY_MODEL])
+
+
+def test_the_throughput_benchmark_says_in_its_row_what_a_method_refuses(capsys):
+    """``train_throughput.py`` with attention dropout 0.1 (and ``--alibi-attention
+    sdpa``): a method whose attention is its own is not run in that column, its
+    row saying why in words, and runs where it can; ALiBi, every speed's reference,
+    refusing a column is one usage error."""
+    opts = train_throughput.parse_args(["--methods", "all", "--attention-dropout", "0", "0.1", "--rounds", "1",
+                                        "--warmup", "0", "--vocab", "20", *TINY_MODEL])
+    own = own_attention(opts)
+    opts.methods = [train_throughput.REFERENCE, *own]  # the others' columns: the test above
+    results = {str(d): train_throughput.measure(opts, d) for d in opts.attention_dropout}
+    report = train_throughput.render(opts, "cmd", results)
+    why = "no attention dropout 0.1: the method's own attention has none (refused)"
+    for method in own:
+        assert results["0.0"][method]["median_wps"] > 0 and results["0.1"][method] == {"refused": why}
+        row = next(line for line in report.splitlines() if line.startswith(f"| {method} |"))
+        assert row.endswith(f" | {why} | - | - | - |") and f"{results['0.0'][method]['median_wps']:.0f}" in row
+    assert results["0.1"]["alibi"]["median_wps"] > 0
+    opts = train_throughput.parse_args(["--methods", *own, "--alibi-attention", "sdpa", "--rounds", "1", "--warmup",
+                                        "0", "--vocab", "20", *TINY_MODEL])
+    results = train_throughput.measure(opts, 0.0)
+    assert {m: results[m] for m in own} == {
+        m: {"refused": "no kernel sdpa: the method runs its own attention, auto only (refused)"} for m in own}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train_throughput.parse_args(["--alibi-attention", "flex", "--attention-dropout", "0", "0.1", *TINY_MODEL])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exit_info.value.code == 2 and len(errors) == 1 and errors[0].endswith(
+        "error: --alibi-attention flex with --attention-dropout 0.1: alibi, every speed's reference, refuses it: no "
+        "attention dropout 0.1: the flex kernel has none (refused); give another kernel or attention dropout")
+
+
+def test_positions_cost_trains_an_attention_of_its_own_without_attention_dropout(tmp_path, monkeypatch):
+    """In the attention dropout 0.1 column, a method whose attention is its own
+    trains at attention dropout 0 (its other dropouts 0.1), every other method
+    at 0.1, and its row says so; without such runs the benchmark stopped at the
+    first refusal (alibi-train's error)."""
+    opts = positions_cost.parse_args(["--attention-dropout", "0", "0.1", "--repeats", "1", "--updates", "3",
+                                      "--skip", "1", "--max-tokens", "64", "--eval-multiples", *TINY_MODEL])
+    own = own_attention(opts)
+    trained = {}
+
+    def run_all(jobs, parallel):
+        for cmd, log in jobs:
+            drop = float(cmd[cmd.index("--attention-dropout") + 1])
+            trained[os.path.basename(log)] = drop
+            with open(log, "w") as f:
+                for update in range(3):
+                    f.write(f'x | train_inner | {{"wps": "{100 + update}", "wall": "{update}"}}\n')
+
+    monkeypatch.setattr(positions_cost, "run_all", run_all)
+    train = positions_cost.measure_training(opts, "unused", str(tmp_path), time.time())
+    assert set(own) <= set(opts.methods) and own
+    for method in opts.methods:
+        assert trained[f"{method}_ad0.0_0.log"] == 0.0 and train["0.0"][method]["attention_dropout"] == 0.0
+        assert trained[f"{method}_ad0.1_0.log"] == train["0.1"][method]["attention_dropout"] == (
+            0.0 if method in own else 0.1)
+        assert "note" not in train["0.0"][method] and ("note" in train["0.1"][method]) == (method in own)
+        assert train["0.1"][method]["median"] == 101.5
+    (table,) = [rows for title, rows in tables("\n".join(positions_cost.train_table(opts, train))).items()]
+    note = ("no attention dropout 0.1: the method's own attention has none (refused); trained at attention "
+            "dropout 0, its other dropouts 0.1")
+    assert [row[0] for row in table[1:]] == [m + (f" ({note})" if m in own else "") for m in opts.methods]
+
+
+def test_keys_read_counts_every_method_s_own_kernels_and_none_for_an_attention_of_its_own(monkeypatch):
+    """``positions_cost.keys_read`` of a forward of every method's model: a kernel
+    the method brings (FoX's chunked kernel) is counted as the shared ones are
+    (it read as the stock model's full square, 2T / (T + 1), counting nothing);
+    an attention of its own (``own_kernel``) is not counted (None, '-' in the
+    table), where it read as that square too.  Blocks of 32 queries: 4 in the
+    forward, whose diagonal squares scored whole make 1.24 at most."""
+    from common import build_lm, make_dict_dir
+
+    from fairseq_alibi.core import kernels
+
+    monkeypatch.setattr(kernels, "CHUNK_SIZE", 32)
+
+    opts = positions_cost.parse_args(["--eval-multiples", "8", *TINY_MODEL])
+    own, length = own_attention(opts), 8 * 16
+    data = make_dict_dir(20)
+    x = torch.randint(4, 20, (1, length), generator=torch.Generator().manual_seed(0))
+    for method in opts.methods:
+        _, model, _, _ = build_lm(positions_cost.arch_of(method), data, positions_cost.cell_extra_args(opts, method),
+                                  tokens_per_sample=16)
+        model.eval()
+
+        def forward(x):
+            with torch.no_grad():
+                model.decoder.extract_features(x, None)
+
+        read = positions_cost.keys_read(forward, x)
+        if method == positions_cost.BASELINE:
+            assert read == 2 * length / (length + 1)
+        elif positions_cost.position_of(method) in own:
+            assert read is None, method
+        else:
+            assert 0 < read < 1.5, (method, read)  # counted: at most each block's diagonal square whole
