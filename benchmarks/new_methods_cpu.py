@@ -77,9 +77,9 @@ def scored(case, q, k, v) -> float:
     count = []
     original = stickbreaking._block_terms
 
-    def counting(qs, keys, allowed, keep_beta):
+    def counting(qs, keys, *rest):
         count.append(qs.size(2) * keys.size(2))
-        return original(qs, keys, allowed, keep_beta)
+        return original(qs, keys, *rest)
 
     stickbreaking._block_terms = counting
     try:
