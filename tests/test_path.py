@@ -194,6 +194,25 @@ def test_low_precision_stays_near_the_float64_product(dtype, tol):
         assert float((g.double() - e).abs().max()) < 4 * tol * float(e.abs().max())
 
 
+def test_far_keys_below_float32s_normal_range_weigh_nothing():
+    """A steep forget gate (-3 per token) puts every row's far keys below exp(-87): the float32 kernel takes
+    them as weighing nothing (an exponential landing among subnormals is slow) and stays the float64
+    product's, values and gradients; a row whose keys are all padding still gives 0."""
+    q, k, v, w, beta, _ = inputs(70, dtype=torch.float32)
+    c = torch.full((2, HEADS, 70), -3.0).cumsum(-1).requires_grad_()
+    pad = torch.zeros(2, 70, dtype=torch.bool)
+    pad[1, :40] = True  # row 1's first 40 queries see padding only
+    expected, _ = path_reference(q, k, v, w, beta, c, pad)
+    out, _ = path_attention(q, k, v, w, beta, c, pad, block=16)
+    assert float((out.double() - expected).abs().max()) < 2e-5 * float(expected.abs().max())
+    assert bool((out[1, :, :40] == 0).all())
+    d_out = torch.randn(expected.shape, dtype=torch.float64)
+    want = torch.autograd.grad((expected * d_out).sum(), (q, k, w, beta, c))
+    got = torch.autograd.grad((out.double() * d_out).sum(), (q, k, w, beta, c))
+    for g, e in zip(got, want):
+        assert float((g.double() - e).abs().max()) < 1e-4 * float(e.abs().max())
+
+
 def test_long_inputs_run_block_by_block():
     """4,096 tokens without gradients: each step holds [B, H, T, block] scores, never [B, H, T, T]."""
     torch.manual_seed(0)

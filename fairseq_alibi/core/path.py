@@ -97,6 +97,9 @@ CONV_WIDTH = 3
 NORM_EPS = 1e-6
 #: The initial standard deviation of every PaTH projection (the authors' initializer_range).
 INIT_STD = 0.02
+#: Below this a float32 softmax's shifted score is taken as -inf: exp(-87) = 1.6e-38 is float32's last
+#: normal decade (smallest normal 1.18e-38).
+SUBNORMAL = -87.0
 
 
 def path_reference(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gate: Optional[Tensor] = None,
@@ -262,7 +265,7 @@ def _sweep(terms, vb: Tensor, c_new: Optional[Tensor], key_pad: Optional[Tensor]
 
     scores = masked(local, 0, blocks)
     top = _finite_max(scores.amax(-1))
-    weights = torch.exp(scores - top[..., None])
+    weights = _shifted_exp(scores, top)
     state = (top, weights.sum(-1), weights @ vb)
     queries, done = carried, []
     for d in range(blocks):
@@ -304,12 +307,24 @@ def _finite_max(top: Tensor) -> Tensor:
     return torch.where(torch.isfinite(top), top, torch.zeros_like(top))
 
 
+def _shifted_exp(scores: Tensor, shift: Tensor) -> Tensor:
+    """``exp(scores - shift)``, a difference below :data:`SUBNORMAL` taken as
+    ``-inf`` (in float32: its exponential would be a subnormal number, under
+    ``1.2e-38`` of the row's largest weight, and an exponential that lands
+    there costs some 30 times a normal one on the CPU; FoX's gate puts a band
+    of every row's far keys there)."""
+    shifted = scores - shift[..., None]
+    if shifted.dtype != torch.float64:
+        shifted = F.threshold(shifted, SUBNORMAL, float("-inf"))
+    return torch.exp(shifted)
+
+
 def _softmax_step(state, scores: Tensor, values: Tensor):
     """The online softmax's ``(shift, sum, weighted values)`` with ``scores``
     ``[..., c, keys]`` of their ``values`` ``[..., keys, D]`` added."""
     top, total, acc = state
     new = torch.maximum(top, _finite_max(scores.amax(-1)))
-    weights = torch.exp(scores - new[..., None])
+    weights = _shifted_exp(scores, new)
     decay = torch.exp(top - new)
     return new, total * decay + weights.sum(-1), acc * decay[..., None] + _product(weights, values)
 
