@@ -245,6 +245,36 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     return out.to(out_dtype), keys
 
 
+class _Ranges(torch.autograd.Function):
+    """``x[a:b]`` for every ``(a, b)`` of ``ranges`` at once, their gradients
+    summed into one tensor in the backward: autograd's own slice fills a
+    tensor of zeros the size of the whole ``x`` for each slice's gradient (the
+    sweep takes one slice of each block term per step)."""
+
+    @staticmethod
+    def forward(ctx, x, ranges):
+        ctx.ranges, ctx.shape = ranges, x.shape
+        return tuple(x[a:b] for a, b in ranges)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for (a, b), grad in zip(ctx.ranges, grads):
+            if grad is not None:
+                total = grad.new_zeros(ctx.shape) if total is None else total
+                total[a:b] += grad
+        return total, None
+
+
+def _slices(x: Optional[Tensor], ranges) -> list:
+    """``[x[a:b] for (a, b) in ranges]``, through :class:`_Ranges` where ``x`` takes a gradient."""
+    if x is None:
+        return [None] * len(ranges)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return list(_Ranges.apply(x, ranges))
+    return [x[a:b] for a, b in ranges]
+
+
 def _sweep(terms, vb: Tensor, c_new: Optional[Tensor], key_pad: Optional[Tensor], past) -> Tensor:
     """The attention of every query block, ``[n, B, H, c, D]``: the diagonal
     blocks, then the earlier blocks from the diagonal backwards, all query
@@ -253,36 +283,38 @@ def _sweep(terms, vb: Tensor, c_new: Optional[Tensor], key_pad: Optional[Tensor]
     queries hold the query blocks not yet done: block ``d`` is done at step
     ``d`` (after the cache's keys, ``past``), and leaves them."""
     local, carried, k_end, through, _ = terms
-    blocks = local.size(0)
+    n = local.size(0)
     k_end_t = k_end.transpose(-1, -2).contiguous()  # a contiguous right operand: the CPU's batched product is faster
+    # step d's key blocks 0 .. n - d - 1, its queries' gates (blocks d ..) and the blocks they are carried through
+    earlier = [(0, n - d) for d in range(1, n)]
+    keys, values, c_keys = (_slices(t, earlier) for t in (k_end_t, vb, c_new))
+    c_queries = _slices(c_new, [(d, n) for d in range(1, n)])
+    moves = [_slices(t, [(1, n - d + 1) for d in range(1, n)]) for t in through]
+    pads = _slices(key_pad, earlier)
 
-    def masked(scores: Tensor, first: int, count: int) -> Tensor:  # query blocks first.., key blocks ..count
-        if c_new is not None:
-            scores = scores + c_new[first:, ..., None] - c_new[:count, ..., None, :]
-        if key_pad is not None:
-            scores = scores.masked_fill(key_pad[:count], float("-inf"))
-        return scores
+    def masked(scores: Tensor, c_query: Optional[Tensor], c_key: Optional[Tensor], pad: Optional[Tensor]) -> Tensor:
+        if c_query is not None:
+            scores = scores + c_query[..., None] - c_key[..., None, :]
+        return scores if pad is None else scores.masked_fill(pad, float("-inf"))
 
-    scores = masked(local, 0, blocks)
+    scores = masked(local, c_new, c_new, key_pad)
     top = _finite_max(scores.amax(-1))
     weights = _shifted_exp(scores, top)
     state = (top, weights.sum(-1), weights @ vb)
     queries, done = carried, []
-    for d in range(blocks):
-        if d == 1:
-            queries = queries[1:]
-        elif d > 1:
-            queries = _carry(queries[1:], [t[1:blocks - d + 1] for t in through])
-        if d:
-            scores = masked(_product(queries, k_end_t[:blocks - d]), d, blocks - d)
-            state = _softmax_step(state, scores, vb[:blocks - d])
-        first = tuple(t[:1] for t in state)
+    for d in range(n):
+        if d:  # the queries of blocks d .. n - 1, carried back to the end of blocks 0 .. n - d - 1
+            queries = queries.split([1, queries.size(0) - 1])[1]
+            if d > 1:
+                queries = _carry(queries, [move[d - 1] for move in moves])
+            scores = masked(_product(queries, keys[d - 1]), c_queries[d - 1], c_keys[d - 1], pads[d - 1])
+            state = _softmax_step(state, scores, values[d - 1])
+        first, state = zip(*(t.split([1, t.size(0) - 1]) for t in state))
         if past is not None:  # query block d carried through block 0 too, then the cache's keys
             first = _past_step(first, queries[:1] if d == 0 else _carry(queries[:1], [t[:1] for t in through]),
                                None if c_new is None else c_new[d:d + 1], past)
         _, total, acc = first
         done.append(acc / torch.where(total > 0, total, 1.0)[..., None])
-        state = tuple(t[1:] for t in state)
     return torch.cat(done, 0)
 
 
