@@ -142,8 +142,10 @@ def _bmm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
 
 
 def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b``, ``acc`` a view ``[B, H, m, p]`` of a larger tensor, in place."""
-    acc.flatten(0, 1).baddbmm_(a.flatten(0, 1), b.flatten(0, 1))
+    """``acc += a @ b``, ``acc`` a view ``[B, H, m, p]`` of a larger contiguous
+    tensor, in place (``view``, not ``flatten``: a copy would take the sum
+    and drop it; ``view`` raises instead)."""
+    acc.view((-1,) + acc.shape[2:]).baddbmm_(a.flatten(0, 1), b.flatten(0, 1))
 
 
 def _view(space: Tensor, *shape: int) -> Tensor:
@@ -209,7 +211,10 @@ def _prepared(q: Tensor, k: Tensor, v: Tensor):
     """``(exact dtype, q / sqrt(d), k and v reversed along the sequence)``: nearest first within a block is then
     the memory order."""
     exact = torch.promote_types(q.dtype, torch.float32)
-    return exact, q.to(exact) * q.size(-1) ** -0.5, _reversed(k.to(exact)), _reversed(v.to(exact))
+    # contiguous whatever the inputs' layout (a product keeps its input's strides): the backward's gradients,
+    # zeros like these, are summed into through views
+    qs = (q.to(exact) * q.size(-1) ** -0.5).contiguous()
+    return exact, qs, _reversed(k.to(exact)), _reversed(v.to(exact))
 
 
 class _StickBreaking(torch.autograd.Function):
