@@ -557,6 +557,28 @@ def test_the_position_kernels_benchmark_times_every_method_of_the_registry(tmp_p
             assert row.get("keys_read", 1.0) >= 1.0
 
 
+def test_the_new_methods_benchmark_times_every_case_beside_alibi_and_sdpa(capsys):
+    """``benchmarks/new_methods_cpu.py`` on a tiny setting: a row per case in
+    each table (training, evaluation), ratios to ALiBi's and SDPA's medians;
+    in evaluation the share of the causal pairs each scores: stick-breaking
+    with z about -5 scores every block (its diagonal squares whole: above 1),
+    with z about N(0, 1) at 2,000 tokens it skips the blocks of spent sticks."""
+    import new_methods_cpu
+
+    assert new_methods_cpu.main(["--lengths", "40", "--batch", "1", "--heads", "2", "--head-dim", "8",
+                                 "--trained-length", "16", "--eval-lengths", "2000", "--repeats", "1"]) == 0
+    tables = [[line.split(" | ") for line in t.splitlines()[2:]] for t in capsys.readouterr().out.split("\n\n")
+              if t.startswith("| case | s |")]
+    assert len(tables) == 2 and all([r[0][2:] for r in t] == list(new_methods_cpu.CASES) for t in tables)
+    rows = [None] + tables[1]
+    scored = {r[0][2:]: float(r[4]) for r in rows[1:]}
+    assert scored["sdpa"] == scored["path"] == 1.0
+    assert scored["stickbreaking-far"] > 1.0 > scored["stickbreaking"] > 0.0
+    alibi = float(rows[1][1])
+    for r in rows[1:]:
+        assert float(r[2]) == pytest.approx(float(r[1]) / alibi, rel=0.02, abs=0.006), r  # printed rounded
+
+
 def test_the_position_kernels_benchmark_times_t5s_two_training_paths(monkeypatch):
     """``position_kernels.py --t5-paths``: a row for T5 through the generic
     per-distance path beside T5's own; that case has no far bucket (so the

@@ -61,6 +61,24 @@ def test_the_kernel_and_its_gradients_are_the_naive_product(S, T, block, gated):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("block,dense", [(2, False), (3, True), (8, True)])
+def test_both_forms_of_a_blocks_product_give_the_naive_product(block, dense):
+    """A query is carried through a block as the d x d matrix where d <= 2c, else as two thin products: both
+    give the reference's values and gradients (DIM = 6: blocks of 2 take the thin form)."""
+    from fairseq_alibi.core import path
+    q, k, v, w, beta, c = inputs(13)
+    blocked = [path._blocked(t, -(-13 // block), block) for t in (q, k, w, beta)]
+    assert (len(path._block_terms(*blocked)[3]) == 1) == dense
+    expected, _ = path_reference(q, k, v, w, beta, c)
+    out, _ = path_attention(q, k, v, w, beta, c, block=block)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    d_out = torch.randn_like(expected)
+    tensors = (q, k, v, w, beta, c)
+    for g, e in zip(torch.autograd.grad((out * d_out).sum(), tensors), torch.autograd.grad((expected * d_out).sum(),
+                                                                                         tensors)):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
+
+
 def test_the_cached_keys_are_the_rank_one_updates():
     """Each new token t carries every cached key through H_t: k <- k - beta_t (k . w_t) w_t."""
     q, k, v, w, beta, _ = inputs(10)
@@ -174,6 +192,25 @@ def test_low_precision_stays_near_the_float64_product(dtype, tol):
     got = torch.autograd.grad((out.double() * d_out).sum(), (q, k, w, beta))
     for g, e in zip(got, want):
         assert float((g.double() - e).abs().max()) < 4 * tol * float(e.abs().max())
+
+
+def test_far_keys_below_float32s_normal_range_weigh_nothing():
+    """A steep forget gate (-3 per token) puts every row's far keys below exp(-87): the float32 kernel takes
+    them as weighing nothing (an exponential landing among subnormals is slow) and stays the float64
+    product's, values and gradients; a row whose keys are all padding still gives 0."""
+    q, k, v, w, beta, _ = inputs(70, dtype=torch.float32)
+    c = torch.full((2, HEADS, 70), -3.0).cumsum(-1).requires_grad_()
+    pad = torch.zeros(2, 70, dtype=torch.bool)
+    pad[1, :40] = True  # row 1's first 40 queries see padding only
+    expected, _ = path_reference(q, k, v, w, beta, c, pad)
+    out, _ = path_attention(q, k, v, w, beta, c, pad, block=16)
+    assert float((out.double() - expected).abs().max()) < 2e-5 * float(expected.abs().max())
+    assert bool((out[1, :, :40] == 0).all())
+    d_out = torch.randn(expected.shape, dtype=torch.float64)
+    want = torch.autograd.grad((expected * d_out).sum(), (q, k, w, beta, c))
+    got = torch.autograd.grad((out.double() * d_out).sum(), (q, k, w, beta, c))
+    for g, e in zip(got, want):
+        assert float((g.double() - e).abs().max()) < 1e-4 * float(e.abs().max())
 
 
 def test_long_inputs_run_block_by_block():

@@ -47,6 +47,22 @@ def test_the_kernel_and_its_gradients_are_the_naive_product(T, S, block):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("layout", ["BTHD", "TBHD", "BHTD"])
+def test_inputs_of_any_memory_layout_give_the_naive_products_gradients(layout):
+    """q, k, v as permuted views of [B, T, H, D] (heads split from one projection) or [T, B, H, D]
+    (fairseq's): the backward sums each block's gradient into views of contiguous tensors (a strided q once
+    had its dq summed into a copy and dropped)."""
+    shape = {"B": 2, "H": HEADS, "T": 37, "D": DIM}
+    torch.manual_seed(0)
+    base = [torch.randn([shape[c] for c in layout], dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    q, k, v = (t.permute([layout.index(c) for c in "BHTD"]) for t in base)
+    out, remainder = stickbreaking_attention(q, k, v, block=8, key_block=16)
+    expected, rem, _ = stickbreaking_reference(q, k, v)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads(out, remainder, base), grads(expected, rem, base)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
 def test_the_weights_of_a_query_sum_to_at_most_one_and_the_rest_is_the_remainder():
     q, k, v = inputs(30, spread=3.0)
     _, rem, weights = stickbreaking_reference(q, k, v)

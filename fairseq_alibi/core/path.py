@@ -45,14 +45,21 @@ its block is ``k_j - sum_t beta_t a_tj w_t`` with ``a = (I + L)^{-1}
 strictly_lower(W K^T)``, a query carried back to its block's start is ``q_i -
 sum_t beta_t c_ti w_t`` with ``c = (I + U)^{-1} lower(W Q^T)``, and the whole
 block is ``M = I - (beta W)^T (I + U)^{-1} W`` (one triangular solve per
-block, no ``d x d`` matrix formed).  The queries then sweep the earlier blocks
-from the diagonal backwards, all query blocks at once (one step per block
-distance), each step scoring a block of keys and carrying the queries through
-that block's ``M``, with an online softmax: time ``O(T^2 d)``, memory ``O(T
-d)`` per head (``[B, H, T, c]`` scores per step), ``T / c`` steps.  Autograd
-runs through it (in training every step's terms are kept, ``O(T^2)`` in all,
-as dense attention's).  The naive reference (:func:`path_reference`) forms
-every product ``H_i ... H_{j+1}`` as a matrix, in float64: the tests' oracle.
+block; a query row is carried through it as ``q (I - X^T (beta W))``, ``X =
+(I + U)^{-1} W``, the ``d x d`` matrix formed once per block where ``d <=
+2c``, there the cheaper: half the work of the two thin products at ``d = c``).  The queries then
+sweep the earlier blocks from the diagonal backwards, all query blocks at
+once (one step per block distance: query block ``m`` scores key block ``m -
+d``), each step scoring a block of keys and carrying the queries through
+that block's ``M``, with an online softmax; a query block leaves the sweep
+once it has scored the first block, so the state shrinks step by step (no
+concatenation).  Blocks are the leading axis (``[n, B, H, c, d]``), so a run
+of blocks is one contiguous batch of the CPU's batched product, and the
+scale ``1 / sqrt(d)`` is folded into the queries.  Time ``O(T^2 d)``, memory
+``O(T d)`` per head (``[B, H, T, c]`` scores per step), ``T / c`` steps.
+Autograd runs through it (in training every step's terms are kept, ``O(T^2)``
+in all, as dense attention's).  The naive reference (:func:`path_reference`)
+forms every product ``H_i ... H_{j+1}`` as a matrix, in float64: the tests' oracle.
 
 KV cache: the cached keys are kept transformed, ``H_t ... H_{j+1} k_j``; each
 new token ``t`` updates every cached key ``k <- k - beta_t (k . w_t) w_t``
@@ -77,8 +84,11 @@ from .fox import ForgetGates, LayerForgetGate
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling, check_applies
 from .stickbreaking import refuse_dropout
 
-#: Tokens per block of the kernel.
+#: Tokens per block of the kernel where gradients are taken, and where none are (timed on the CPU, an AMD
+#: EPYC, one thread, 4 heads of 64: of 64, 128 and 256, 64 the fastest forward + backward at 1,024 tokens,
+#: 128 the fastest forward at 2,048-8,192, 1.15x faster there than 64).
 BLOCK = 64
+INFERENCE_BLOCK = 128
 #: The rank of the projection that gives ``w`` (the authors').
 W_RANK = 32
 #: The width of the short convolution on ``w`` (the authors').
@@ -87,6 +97,9 @@ CONV_WIDTH = 3
 NORM_EPS = 1e-6
 #: The initial standard deviation of every PaTH projection (the authors' initializer_range).
 INIT_STD = 0.02
+#: Below this a float32 softmax's shifted score is taken as -inf: exp(-87) = 1.6e-38 is float32's last
+#: normal decade (smallest normal 1.18e-38).
+SUBNORMAL = -87.0
 
 
 def path_reference(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gate: Optional[Tensor] = None,
@@ -129,16 +142,59 @@ def _solve(matrix: Tensor, rhs: Tensor, upper: bool) -> Tensor:
 
 
 def _blocked(x: Tensor, blocks: int, size: int) -> Tensor:
-    """``[B, H, T, ...]`` -> ``[B, H, blocks, size, ...]``, zero-padded at the end."""
+    """``[B, H, T, ...]`` -> ``[blocks, B, H, size, ...]``, zero-padded at the end:
+    blocks first, so that a run of blocks is one contiguous batch."""
     extra = blocks * size - x.size(2)
     if extra:
         x = torch.cat([x, x.new_zeros(x.shape[:2] + (extra,) + x.shape[3:])], dim=2)
-    return x.view(x.shape[:2] + (blocks, size) + x.shape[3:])
+    return x.view(x.shape[:2] + (blocks, size) + x.shape[3:]).movedim(2, 0).contiguous()
+
+
+def _block_terms(qb: Tensor, kb: Tensor, wb: Tensor, bb: Tensor):
+    """The compact (UT) form of each block, ``[n, B, H, c, ...]``: ``(local
+    scores within the block, queries carried back to the block's start, keys
+    carried to its end, the block's product)``, the product as ``(M,)``, the
+    ``D x D`` matrix a query row is multiplied by, where ``D <= 2c`` (then the
+    cheaper), else as ``(X, beta W)``: ``q M = q - (q X^T) (beta W)``."""
+    size, D = qb.size(-2), qb.size(-1)
+    eye = torch.ones(size, size, dtype=torch.bool, device=qb.device)
+    strictly_lower, lower = eye.tril(-1), eye.tril()
+    ww = wb @ wb.transpose(-1, -2)  # [n, B, H, c, c]
+    low = (ww * bb[..., None, :]).masked_fill(~strictly_lower, 0.0)  # beta_s w_t . w_s, s < t
+    up = (ww * bb[..., None, :]).masked_fill(~strictly_lower.T, 0.0)  # beta_s w_t . w_s, s > t
+    wbeta = wb * bb[..., None]  # [n, B, H, c, D]
+    # keys carried through the later H of their own block: k_j - sum_t beta_t a_tj w_t
+    a = _solve(low, (wb @ kb.transpose(-1, -2)).masked_fill(~strictly_lower, 0.0), upper=False)
+    k_end = kb - a.transpose(-1, -2) @ wbeta
+    qw = (qb @ wb.transpose(-1, -2)).masked_fill(~lower, 0.0)  # [i, t]: q_i . w_t for t <= i
+    local = qb @ kb.transpose(-1, -2) - qw @ (a * bb[..., None])
+    # queries carried back to their block's start, and the block's product M = I - X^T (beta W)
+    carried = qb - _solve(up, qw.transpose(-1, -2), upper=True).transpose(-1, -2) @ wbeta
+    x = _solve(up, wb, upper=True)  # [n, B, H, c, D]
+    if D <= 2 * size:
+        through = (torch.eye(D, dtype=qb.dtype, device=qb.device) - x.transpose(-1, -2) @ wbeta,)
+    else:
+        through = (x, wbeta)
+    return local.masked_fill(~lower, float("-inf")), carried, k_end, through, (x, wbeta)
+
+
+def _product(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of ``[n, B, H, m, k]`` and ``[n, B, H, k, p]`` as one batched product of 3-d views (``matmul`` on
+    5-d operands takes up to 1.5x as long on the CPU)."""
+    return torch.bmm(a.flatten(0, 2), b.flatten(0, 2)).view(a.shape[:-1] + b.shape[-1:])
+
+
+def _carry(queries: Tensor, through) -> Tensor:
+    """Query rows ``[n, ..., c, D]`` carried back through blocks whose products are ``through`` (sliced alike)."""
+    if len(through) == 1:
+        return _product(queries, through[0])
+    x, wbeta = through
+    return queries - (queries @ x.transpose(-1, -2)) @ wbeta
 
 
 def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gate: Optional[Tensor] = None,
                    key_padding_mask: Optional[Tensor] = None, past_keys: Optional[Tensor] = None,
-                   past_values: Optional[Tensor] = None, block: int = BLOCK, return_keys: bool = False
+                   past_values: Optional[Tensor] = None, block: Optional[int] = None, return_keys: bool = False
                    ) -> Tuple[Tensor, Optional[Tensor]]:
     """The blockwise kernel: ``(output [B, H, T, D] in q's dtype, keys)``.
 
@@ -149,7 +205,11 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     cumulative log gates ``[B, H, S0 + T]`` or None.  ``keys`` (where
     ``return_keys``): every key carried through the new tokens' ``H`` too,
     ``[B, H, S0 + T, D]``, the next call's ``past_keys``.  Computed in float32
-    (float64 for float64 inputs)."""
+    (float64 for float64 inputs), ``block`` tokens at a time (:data:`BLOCK`
+    where a gradient is taken, else :data:`INFERENCE_BLOCK`)."""
+    if block is None:
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, w, beta, gate))
+        block = BLOCK if grad else INFERENCE_BLOCK
     if block < 1:
         raise ValueError(f"block must be at least 1, not {block}")
     exact = torch.promote_types(q.dtype, torch.float32)
@@ -162,66 +222,114 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
         beta = beta.masked_fill(pad[:, None, S0:], 0.0)
     size = min(block, T)
     blocks = -(-T // size)
-    scale = D ** -0.5
-    qb, kb, vb, wb = (_blocked(t, blocks, size) for t in (q, k, v, w))
-    bb = _blocked(beta, blocks, size)  # [B, H, n, c]; 0 past the end: H = I there
-    eye = torch.ones(size, size, dtype=torch.bool, device=q.device)
-    strictly_lower, lower = eye.tril(-1), eye.tril()
-    ww = wb @ wb.transpose(-1, -2)  # [B, H, n, c, c]
-    low = (ww * bb[..., None, :]).masked_fill(~strictly_lower, 0.0)  # beta_s w_t . w_s, s < t
-    up = (ww * bb[..., None, :]).masked_fill(~strictly_lower.T, 0.0)  # beta_s w_t . w_s, s > t
-    wbeta = wb * bb[..., None]  # [B, H, n, c, D]
-    # keys carried through the later H of their own block: k_j - sum_t beta_t a_tj w_t
-    a = _solve(low, (wb @ kb.transpose(-1, -2)).masked_fill(~strictly_lower, 0.0), upper=False)
-    k_end = kb - a.transpose(-1, -2) @ wbeta
-    qw = (qb @ wb.transpose(-1, -2)).masked_fill(~lower, 0.0)  # [i, t]: q_i . w_t for t <= i
-    local = qb @ kb.transpose(-1, -2) - qw @ (a * bb[..., None])
-    # queries carried back to their block's start, and the block's product M = I - (beta W)^T X
-    carried = qb - _solve(up, qw.transpose(-1, -2), upper=True).transpose(-1, -2) @ wbeta
-    x = _solve(up, wb, upper=True)  # [B, H, n, c, D]
-
-    key_pad = _blocked(pad[:, None, S0:], blocks, size)[:, :, :, None, :] if pad is not None else None
-    if gate is not None:
-        gate = gate.to(torch.float32 if exact == torch.float32 else exact)
-        c_new = _blocked(gate[..., S0:], blocks, size)  # [B, H, n, c]
-
-    def masked(scores: Tensor, query_blocks: slice, key_blocks: slice) -> Tensor:
-        scores = scores * scale
-        if gate is not None:
-            scores = scores + c_new[:, :, query_blocks, :, None] - c_new[:, :, key_blocks, None, :]
-        if key_pad is not None:
-            scores = scores.masked_fill(key_pad[:, :, key_blocks], float("-inf"))
-        return scores
-
-    # the diagonal blocks, then the online softmax's state
-    scores = masked(local, slice(None), slice(None)).masked_fill(~lower, float("-inf"))
-    top = _finite_max(scores.amax(-1))
-    weights = torch.exp(scores - top[..., None])
-    total, acc = weights.sum(-1), weights @ vb
-    for distance in range(1, blocks):
-        later, earlier = slice(distance, None), slice(0, blocks - distance)
-        scores = masked(carried[:, :, later] @ k_end[:, :, earlier].transpose(-1, -2), later, earlier)
-        top, total, acc = _merged(top, total, acc, scores, vb[:, :, earlier], distance)
-        moved = carried[:, :, later]
-        moved = moved - (moved @ x[:, :, earlier].transpose(-1, -2)) @ wbeta[:, :, earlier]
-        carried = torch.cat([carried[:, :, :distance], moved], dim=2)
+    # the scale folded into the queries: every score below is already q . k / sqrt(d)
+    qb, kb, vb, wb = (_blocked(t, blocks, size) for t in (q * D ** -0.5, k, v, w))
+    bb = _blocked(beta, blocks, size)  # [n, B, H, c]; 0 past the end: H = I there
+    terms = _block_terms(qb, kb, wb, bb)
+    past = None
     if S0:
-        scores = (carried.flatten(2, 3) @ past_keys.to(exact).transpose(-1, -2)).view(B, H, blocks, size, S0) * scale
-        if gate is not None:
-            scores = scores + c_new[..., None] - gate[:, :, None, None, :S0]
-        if pad is not None:
-            scores = scores.masked_fill(pad[:, None, None, None, :S0], float("-inf"))
-        top, total, acc = _merged(top, total, acc, scores, past_values.to(exact)[:, :, None], 0)
-    out = (acc / torch.where(total > 0, total, 1.0)[..., None]).flatten(2, 3)[:, :, :T]
-
+        past = (past_keys.to(exact), past_values.to(exact),
+                None if gate is None else gate[:, :, None, :S0], None if pad is None else pad[:, None, None, :S0])
+    key_pad = _blocked(pad[:, None, S0:], blocks, size)[..., None, :] if pad is not None else None
+    c_new = None if gate is None else _blocked(gate.to(exact)[..., S0:], blocks, size)  # [n, B, H, c]
+    out = _sweep(terms, vb, c_new, key_pad, past)
+    out = out.movedim(0, 2).flatten(2, 3)[:, :, :T]
     keys = None
     if return_keys:  # every key carried through the new tokens' H: the next call's cache
+        x, wbeta = terms[4]
         keys = past_keys.to(exact) if S0 else q.new_zeros((B, H, 0, D))
         for n in range(blocks):
-            keys = keys - (keys @ wbeta[:, :, n].transpose(-1, -2)) @ x[:, :, n]
-            keys = torch.cat([keys, k_end[:, :, n]], dim=2)
+            keys = keys - (keys @ wbeta[n].transpose(-1, -2)) @ x[n]
+            keys = torch.cat([keys, terms[2][n]], dim=2)
         keys = keys[:, :, :S0 + T]
     return out.to(out_dtype), keys
+
+
+class _Ranges(torch.autograd.Function):
+    """``x[a:b]`` for every ``(a, b)`` of ``ranges`` at once, their gradients
+    summed into one tensor in the backward: autograd's own slice fills a
+    tensor of zeros the size of the whole ``x`` for each slice's gradient (the
+    sweep takes one slice of each block term per step)."""
+
+    @staticmethod
+    def forward(ctx, x, ranges):
+        ctx.ranges, ctx.shape = ranges, x.shape
+        return tuple(x[a:b] for a, b in ranges)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for (a, b), grad in zip(ctx.ranges, grads):
+            if grad is not None:
+                total = grad.new_zeros(ctx.shape) if total is None else total
+                total[a:b] += grad
+        return total, None
+
+
+def _slices(x: Optional[Tensor], ranges) -> list:
+    """``[x[a:b] for (a, b) in ranges]``, through :class:`_Ranges` where ``x`` takes a gradient."""
+    if x is None:
+        return [None] * len(ranges)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return list(_Ranges.apply(x, ranges))
+    return [x[a:b] for a, b in ranges]
+
+
+def _sweep(terms, vb: Tensor, c_new: Optional[Tensor], key_pad: Optional[Tensor], past) -> Tensor:
+    """The attention of every query block, ``[n, B, H, c, D]``: the diagonal
+    blocks, then the earlier blocks from the diagonal backwards, all query
+    blocks at once (one step per block distance ``d``: query block ``m``
+    scores key block ``m - d``), with an online softmax.  The state and the
+    queries hold the query blocks not yet done: block ``d`` is done at step
+    ``d`` (after the cache's keys, ``past``), and leaves them."""
+    local, carried, k_end, through, _ = terms
+    n = local.size(0)
+    k_end_t = k_end.transpose(-1, -2).contiguous()  # a contiguous right operand: the CPU's batched product is faster
+    # step d's key blocks 0 .. n - d - 1, its queries' gates (blocks d ..) and the blocks they are carried through
+    earlier = [(0, n - d) for d in range(1, n)]
+    keys, values, c_keys = (_slices(t, earlier) for t in (k_end_t, vb, c_new))
+    c_queries = _slices(c_new, [(d, n) for d in range(1, n)])
+    moves = [_slices(t, [(1, n - d + 1) for d in range(1, n)]) for t in through]
+    pads = _slices(key_pad, earlier)
+
+    def masked(scores: Tensor, c_query: Optional[Tensor], c_key: Optional[Tensor], pad: Optional[Tensor]) -> Tensor:
+        if c_query is not None:
+            scores = scores + c_query[..., None] - c_key[..., None, :]
+        return scores if pad is None else scores.masked_fill(pad, float("-inf"))
+
+    scores = masked(local, c_new, c_new, key_pad)
+    top = _finite_max(scores.amax(-1))
+    weights = _shifted_exp(scores, top)
+    state = (top, weights.sum(-1), weights @ vb)
+    queries, done = carried, []
+    for d in range(n):
+        if d:  # the queries of blocks d .. n - 1, carried back to the end of blocks 0 .. n - d - 1
+            queries = queries.split([1, queries.size(0) - 1])[1]
+            if d > 1:
+                queries = _carry(queries, [move[d - 1] for move in moves])
+            scores = masked(_product(queries, keys[d - 1]), c_queries[d - 1], c_keys[d - 1], pads[d - 1])
+            state = _softmax_step(state, scores, values[d - 1])
+        first, state = zip(*(t.split([1, t.size(0) - 1]) for t in state))
+        if past is not None:  # query block d carried through block 0 too, then the cache's keys
+            first = _past_step(first, queries[:1] if d == 0 else _carry(queries[:1], [t[:1] for t in through]),
+                               None if c_new is None else c_new[d:d + 1], past)
+        _, total, acc = first
+        done.append(acc / torch.where(total > 0, total, 1.0)[..., None])
+    return torch.cat(done, 0)
+
+
+def _past_step(state, queries: Tensor, c_query: Optional[Tensor], past):
+    """The online softmax's ``state`` of one query block (``queries`` ``[1, B,
+    H, c, D]``, carried to the start of the new tokens) with the cache's keys
+    added: ``past`` = ``(keys, values, their gates [B, H, 1, S0] or None,
+    their padding [B, 1, 1, S0] or None)``."""
+    keys, values, c_past, pad = past
+    scores = queries[0] @ keys.transpose(-1, -2)
+    if c_query is not None:
+        scores = scores + c_query[0, ..., None] - c_past
+    if pad is not None:
+        scores = scores.masked_fill(pad, float("-inf"))
+    return _softmax_step(state, scores[None], values[None])
 
 
 def _finite_max(top: Tensor) -> Tensor:
@@ -231,19 +339,26 @@ def _finite_max(top: Tensor) -> Tensor:
     return torch.where(torch.isfinite(top), top, torch.zeros_like(top))
 
 
-def _merged(top: Tensor, total: Tensor, acc: Tensor, scores: Tensor, values: Tensor, first: int):
+def _shifted_exp(scores: Tensor, shift: Tensor) -> Tensor:
+    """``exp(scores - shift)``, a difference below :data:`SUBNORMAL` taken as
+    ``-inf`` (in float32: its exponential would be a subnormal number, under
+    ``1.2e-38`` of the row's largest weight, and an exponential that lands
+    there costs some 30 times a normal one on the CPU; FoX's gate puts a band
+    of every row's far keys there)."""
+    shifted = scores - shift[..., None]
+    if shifted.dtype != torch.float64:
+        shifted = F.threshold(shifted, SUBNORMAL, float("-inf"))
+    return torch.exp(shifted)
+
+
+def _softmax_step(state, scores: Tensor, values: Tensor):
     """The online softmax's ``(shift, sum, weighted values)`` with ``scores``
-    ``[B, H, n - first, c, keys]`` of the query blocks ``first ..`` added."""
-    old = top[:, :, first:]
-    new = torch.maximum(old, _finite_max(scores.amax(-1)))
-    weights = torch.exp(scores - new[..., None])
-    decay = torch.exp(old - new)
-    total_part = total[:, :, first:] * decay + weights.sum(-1)
-    acc_part = acc[:, :, first:] * decay[..., None] + weights @ values
-    if first:
-        return (torch.cat([top[:, :, :first], new], 2), torch.cat([total[:, :, :first], total_part], 2),
-                torch.cat([acc[:, :, :first], acc_part], 2))
-    return new, total_part, acc_part
+    ``[..., c, keys]`` of their ``values`` ``[..., keys, D]`` added."""
+    top, total, acc = state
+    new = torch.maximum(top, _finite_max(scores.amax(-1)))
+    weights = _shifted_exp(scores, new)
+    decay = torch.exp(top - new)
+    return new, total * decay + weights.sum(-1), acc * decay[..., None] + _product(weights, values)
 
 
 class PathProjections(nn.Module):

@@ -45,19 +45,25 @@ the project's search tool) and written down here:
   is transparent, ``A = 0`` and ``1 - beta = 1``, so a left- or right-padded
   row weighs its real keys as its unpadded self does.
 
-The kernel (:func:`stickbreaking_attention`) is blockwise and exact: queries
-in blocks, and for each block the keys from the diagonal backwards in blocks,
-the log-remainder of each query carried from block to block (the flash-style
-order of the authors' Triton kernel), so memory grows linearly with the
-length (``[B, H, block, block]`` at a time) in inference and in training: its
-backward (a custom ``autograd.Function``) recomputes each block from ``q``,
-``k``, ``v`` and the saved outputs, with the gradient of a weight's farther
-keys taken as the row's total less its nearer keys (the ``dO . O`` identity
-of flash attention).  Once a whole query block's remainder is below
-``exp(-120)`` (zero in float32) no farther key can change a number, and the
-keys before are skipped: a long row whose heads have spent their stick costs
-the keys they read, not the row.  The naive reference
-(:func:`stickbreaking_reference`) computes the product itself, in float64,
+The kernel (:func:`stickbreaking_attention`) is blockwise and exact:
+queries in blocks, and for each block the keys from the diagonal backwards in
+blocks, the remainder of each query carried from block to block (the
+flash-style order of the authors' Triton kernel), so memory grows linearly
+with the length (``[B, H, block, key_block]`` at a time) in inference and in
+training: its backward (a custom ``autograd.Function``) recomputes each block
+from ``q``, ``k``, ``v`` and the saved outputs, with the gradient of a
+weight's farther keys taken as the row's total less its nearer keys (the
+``dO . O`` identity of flash attention).  Within a block the stick is a
+running product along the keys, nearest first (keys and values are reversed
+once per call, so that this is the memory order): ``1 - beta = sigmoid(-z)``,
+exact where ``beta`` is near 1, and ``A_j = beta_j`` times the product of the
+nearer keys' ``1 - beta``; no logarithm or exponential is taken, which on
+the CPU costs more than the sigmoids (and an exponential that lands among
+float32's subnormal numbers costs some 30 times a normal one).  Once a whole
+query block's remainder is below ``exp(-120)`` (zero in float32) no farther
+key can change a number, and the keys before are skipped: a long row whose
+heads have spent their stick costs the keys they read, not the row.  The
+naive reference (:func:`stickbreaking_reference`) computes the product itself, in float64,
 with ``[B, H, T, S]`` memory: the tests' oracle.
 
 KV cache: the keys and values as they are (nothing is transformed), queries
@@ -79,9 +85,13 @@ from .bias import StackBias
 from .errors import ConfigError
 from .scaling import NO_SCALING, Scaling, check_applies
 
-#: Queries and keys per block of the kernel.
+#: Queries per block of the kernel.
 BLOCK = 128
-#: A log-remainder below this is 0 once exponentiated in float32 (and bfloat16): farther keys weigh nothing.
+#: Keys per block of the kernel (where no ``block`` is given).  Queries and keys per block timed on the CPU
+#: (an AMD EPYC, one thread, 4 heads of 64, benchmarks/new_methods_cpu.py): 128 x 256 within 3 % of the best
+#: of 64-512 in training at 1,024 tokens and in evaluation at 4,096-8,192, 64 x 64 some 40 % slower.
+KEY_BLOCK = 256
+#: A remainder below ``exp(SPENT)`` is 0 in float32 (and bfloat16): farther keys weigh nothing.
 SPENT = -120.0
 #: The group norm's epsilon (torch's default, the authors' GroupNorm).
 NORM_EPS = 1e-5
@@ -99,6 +109,48 @@ def _allowed(q_len: int, k_len: int, start: int, rows: int, first: int, stop: in
     if pad is not None:
         allowed = allowed & ~pad[:, None, None, first:stop]
     return allowed
+
+
+def _excluded(q_len: int, k_len: int, start: int, rows: int, first: int, stop: int, pad: Optional[Tensor],
+              device) -> Optional[Tensor]:
+    """bool ``[B or 1, 1, rows, stop - first]``, True where :func:`_allowed` is
+    False, with the keys from ``stop - 1`` down to ``first`` (the kernel's
+    order); None where every key is allowed (a block wholly before the first
+    query, no padding)."""
+    if stop <= k_len - q_len + start and pad is None:
+        return None
+    offset = k_len - q_len
+    query = torch.arange(offset + start, offset + start + rows, device=device)[:, None]
+    key = torch.arange(stop - 1, first - 1, -1, device=device)[None, :]
+    excluded = (key >= query)[None, None]
+    if pad is not None:
+        excluded = excluded | _reversed(pad[:, None, None, first:stop], 3)
+    return excluded
+
+
+def _reversed(x: Tensor, axis: int = 2) -> Tensor:
+    """``x`` with ``axis`` reversed, as one index select on the axes before it merged (``torch.flip``, or a
+    select on a 4-d tensor, takes several times as long on the CPU)."""
+    flat = x.reshape((-1,) + x.shape[axis:])
+    return flat.index_select(1, torch.arange(x.size(axis) - 1, -1, -1, device=x.device)).view(x.shape)
+
+
+def _bmm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """``a @ b`` of ``[B, H, m, n]`` and ``[B, H, n, p]`` into ``out`` (a buffer's view; no allocation)."""
+    torch.bmm(a.flatten(0, 1), b.flatten(0, 1), out=out.flatten(0, 1))
+    return out
+
+
+def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b``, ``acc`` a view ``[B, H, m, p]`` of a larger contiguous
+    tensor, in place (``view``, not ``flatten``: a copy would take the sum
+    and drop it; ``view`` raises instead)."""
+    acc.view((-1,) + acc.shape[2:]).baddbmm_(a.flatten(0, 1), b.flatten(0, 1))
+
+
+def _view(space: Tensor, *shape: int) -> Tensor:
+    """The first elements of the buffer ``space`` as a contiguous tensor of ``shape``."""
+    return space[:math.prod(shape)].view(shape)
 
 
 def stickbreaking_reference(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None
@@ -129,101 +181,134 @@ def _blocks(k_len: int, q_len: int, start: int, rows: int, block: int):
         stop = first
 
 
-def _block_terms(qs: Tensor, k: Tensor, allowed: Tensor, carry: Tensor):
-    """One key block's ``(sigmoid, log(1 - beta), log A)`` for scaled queries
-    ``qs`` and keys ``k``, the log-remainder ``carry`` of the nearer keys."""
-    z = qs @ k.transpose(-1, -2)
-    softplus = F.softplus(z)  # log(1 - beta) = -softplus(z), log(beta) = z - softplus(z): one call for both
-    log_left = softplus.neg().masked_fill(~allowed, 0.0)
-    suffix = log_left.flip(-1).cumsum(-1).flip(-1)  # sum over the keys from j on, this block
-    farther = F.pad(suffix[..., 1:], (0, 1))  # sum over k > j in this block
-    log_a = (z - softplus).masked_fill(~allowed, float("-inf")) + farther + carry[..., None]
-    return z, suffix, log_a
+def _block_terms(qs: Tensor, k: Tensor, excluded: Optional[Tensor], z: Tensor, beta: Tensor, weights: Tensor):
+    """One key block's ``(beta, A, kept)`` for scaled queries ``qs`` and keys
+    ``k`` nearest first, ``[B, H, rows, D]`` and ``[B, H, cols, D]``, into the
+    buffers ``z``, ``beta`` and ``weights`` ``[B, H, rows, cols]`` (``weights``
+    may be ``beta``, which it then overwrites): ``beta = sigmoid(z)``, the
+    weights ``A_j = beta_j prod_{k nearer} (1 - beta_k)`` within the block, and
+    ``kept`` ``[B, H, rows, 1]``, the share of the stick the whole block
+    leaves.  ``1 - beta`` is ``sigmoid(-z)`` (exact where beta is near 1), the
+    product a running one along the keys (no logarithm, no exponential); an
+    excluded key has ``z = -inf``: ``beta = 0``, ``1 - beta = 1``."""
+    _bmm(qs, k.transpose(-1, -2), z)
+    if excluded is not None:
+        z.masked_fill_(excluded, float("-inf"))
+    torch.sigmoid(z, out=beta)
+    kept = z.neg_().sigmoid_().cumprod_(-1)  # prod over the keys up to j, j's own included
+    if weights is not beta:
+        weights[..., :1].copy_(beta[..., :1])
+    torch.mul(beta[..., 1:], kept[..., :-1], out=weights[..., 1:])
+    return beta, weights, kept[..., -1:]
+
+
+def _spent(carry: Tensor) -> bool:
+    """Whether every query's remainder so far is below ``exp(SPENT)`` (0 in float32): no farther key counts."""
+    return float(carry.max()) < math.exp(SPENT)
+
+
+def _prepared(q: Tensor, k: Tensor, v: Tensor):
+    """``(exact dtype, q / sqrt(d), k and v reversed along the sequence)``: nearest first within a block is then
+    the memory order."""
+    exact = torch.promote_types(q.dtype, torch.float32)
+    # contiguous whatever the inputs' layout (a product keeps its input's strides): the backward's gradients,
+    # zeros like these, are summed into through views
+    qs = (q.to(exact) * q.size(-1) ** -0.5).contiguous()
+    return exact, qs, _reversed(k.to(exact)), _reversed(v.to(exact))
 
 
 class _StickBreaking(torch.autograd.Function):
-    """The blockwise kernel with its recomputing backward (linear memory)."""
+    """The blockwise kernel with its recomputing backward (linear memory).
+    Keys and values reversed once, the remainder carried from block to block
+    as a product (``carry`` ``[B, H, rows, 1]``), every ``[B, H, rows, cols]``
+    term written into buffers allocated once per call (a fresh tensor of that
+    size is a fresh mapping of memory, its pages faulted in one by one)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pad, block):
-        exact = torch.promote_types(q.dtype, torch.float32)
-        scale = q.size(-1) ** -0.5
-        qf, kf, vf = q.to(exact), k.to(exact), v.to(exact)
-        B, H, T, D = q.shape
-        S = k.size(2)
-        out = q.new_zeros((B, H, T, v.size(-1)), dtype=exact)
-        log_rem = q.new_zeros((B, H, T), dtype=exact)
+    def forward(ctx, q, k, v, pad, block, key_block):
+        exact, qs, kr, vr = _prepared(q, k, v)
+        B, H, T, _ = q.shape
+        S, Dv = k.size(2), v.size(-1)
+        out = q.new_zeros((B, H, T, Dv), dtype=exact)
+        rem = q.new_ones((B, H, T), dtype=exact)
+        space = [q.new_empty(B * H * block * key_block, dtype=exact) for _ in range(2)]
+        pv_space = q.new_empty(B * H * block * Dv, dtype=exact)
         for start in range(0, T, block):
             rows = min(block, T - start)
-            qs = qf[:, :, start:start + rows] * scale
-            carry = log_rem[:, :, start:start + rows]
-            acc = out[:, :, start:start + rows]
-            for first, stop in _blocks(S, T, start, rows, block):
-                allowed = _allowed(T, S, start, rows, first, stop, pad, q.device)
-                _, suffix, log_a = _block_terms(qs, kf[:, :, first:stop], allowed, carry)
-                acc += torch.exp(log_a) @ vf[:, :, first:stop]
-                carry += suffix[..., 0]
-                if float(carry.max()) < SPENT:
+            part = slice(start, start + rows)
+            carry = q.new_ones((B, H, rows, 1), dtype=exact)
+            for first, stop in _blocks(S, T, start, rows, key_block):
+                keys = slice(S - stop, S - first)
+                z, weights = (_view(t, B, H, rows, stop - first) for t in space)
+                excluded = _excluded(T, S, start, rows, first, stop, pad, q.device)
+                _, weights, kept = _block_terms(qs[:, :, part], kr[:, :, keys], excluded, z, weights, weights)
+                out[:, :, part].addcmul_(_bmm(weights, vr[:, :, keys], _view(pv_space, B, H, rows, Dv)), carry)
+                carry = carry * kept
+                if _spent(carry):
                     break
-        ctx.save_for_backward(q, k, v, pad, out, log_rem)
-        ctx.block = block
-        rem = torch.exp(log_rem)
+            rem[:, :, part] = carry[..., 0]
+        ctx.save_for_backward(q, k, v, pad, out, rem)
+        ctx.blocks = block, key_block
         return out.to(q.dtype), rem
 
     @staticmethod
     def backward(ctx, d_out, d_rem):
-        q, k, v, pad, out, log_rem = ctx.saved_tensors
-        block = ctx.block
-        exact = out.dtype
-        scale = q.size(-1) ** -0.5
-        qf, kf, vf = q.to(exact), k.to(exact), v.to(exact)
-        B, H, T, D = q.shape
+        q, k, v, pad, out, rem = ctx.saved_tensors
+        block, key_block = ctx.blocks
+        exact, qs, kr, vr = _prepared(q, k, v)
+        B, H, T, _ = q.shape
         S = k.size(2)
         d_out = d_out.to(exact) if d_out is not None else torch.zeros_like(out)
-        rem = torch.exp(log_rem)
         d_rem = d_rem.to(exact) if d_rem is not None else torch.zeros_like(rem)
         # the total of g_m A_m over a row's keys (g_m = dO . v_m), the remainder's term
-        # -d_rem * rem * sigmoid(z_k) folded in: each z_k's farther keys are the total less its nearer ones
-        total = (d_out * out).sum(-1) + d_rem * rem
-        dq, dk, dv = torch.zeros_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
+        # -d_rem * rem * beta_k folded in: each z_k's farther keys are the total less its nearer ones
+        total = ((d_out * out).sum(-1) + d_rem * rem)[..., None]
+        dq, dkr, dvr = torch.zeros_like(qs), torch.zeros_like(kr), torch.zeros_like(vr)
+        space = [q.new_empty(B * H * block * key_block, dtype=exact) for _ in range(4)]
         for start in range(0, T, block):
             rows = min(block, T - start)
-            qs = qf[:, :, start:start + rows] * scale
-            carry = q.new_zeros((B, H, rows), dtype=exact)
-            nearer = q.new_zeros((B, H, rows), dtype=exact)  # sum of g A over the keys visited
-            d_block = d_out[:, :, start:start + rows]
-            for first, stop in _blocks(S, T, start, rows, block):
-                allowed = _allowed(T, S, start, rows, first, stop, pad, q.device)
-                z, suffix, log_a = _block_terms(qs, kf[:, :, first:stop], allowed, carry)
-                a = torch.exp(log_a)
-                ga = (d_block @ vf[:, :, first:stop].transpose(-1, -2)) * a
-                ga_suffix = ga.flip(-1).cumsum(-1).flip(-1) + nearer[..., None]  # keys from j on
-                sig = torch.sigmoid(z).masked_fill(~allowed, 0.0)
-                dz = ga * (1.0 - sig) - sig * (total[:, :, start:start + rows, None] - ga_suffix)
-                dq[:, :, start:start + rows] += dz @ kf[:, :, first:stop] * scale
-                dk[:, :, first:stop] += dz.transpose(-1, -2) @ qs
-                dv[:, :, first:stop] += a.transpose(-1, -2) @ d_block
-                carry += suffix[..., 0]
-                nearer = ga_suffix[..., 0]
-                if float(carry.max()) < SPENT:
+            part = slice(start, start + rows)
+            carry = rem.new_ones((B, H, rows, 1))
+            rest = total[:, :, part]  # the total less the keys visited
+            for first, stop in _blocks(S, T, start, rows, key_block):
+                keys = slice(S - stop, S - first)
+                z, beta, weights, ga = (_view(t, B, H, rows, stop - first) for t in space)
+                excluded = _excluded(T, S, start, rows, first, stop, pad, q.device)
+                beta, weights, kept = _block_terms(qs[:, :, part], kr[:, :, keys], excluded, z, beta, weights)
+                d_carried = d_out[:, :, part] * carry
+                _bmm(d_carried, vr[:, :, keys].transpose(-1, -2), ga).mul_(weights)  # g A, A with the carry
+                carry = carry * kept
+                nearer = torch.cumsum(ga, -1, out=z)  # keys from the block's nearest to j, j included
+                step = nearer[..., -1:].clone()
+                # dz_j = g_j A_j - beta_j (g_j A_j + sum over the farther keys of g A + d_rem rem)
+                dz = torch.addcmul(ga, beta, torch.sub(ga, nearer, out=nearer).add_(rest), value=-1.0, out=ga)
+                rest = rest - step
+                _add_product(dq[:, :, part], dz, kr[:, :, keys])
+                _add_product(dkr[:, :, keys], dz.transpose(-1, -2), qs[:, :, part])
+                _add_product(dvr[:, :, keys], weights.transpose(-1, -2), d_carried)
+                if _spent(carry):
                     break
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return (dq.mul_(q.size(-1) ** -0.5).to(q.dtype), _reversed(dkr).to(k.dtype), _reversed(dvr).to(v.dtype),
+                None, None, None)
 
 
 def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None,
-                            block: int = BLOCK) -> Tuple[Tensor, Tensor]:
+                            block: Optional[int] = None, key_block: Optional[int] = None) -> Tuple[Tensor, Tensor]:
     """The blockwise kernel: ``(sum_j A_ij v_j`` ``[B, H, T, D]`` in ``q``'s
     dtype, remainder ``prod_k (1 - beta_ik)`` ``[B, H, T]`` in float32, or
     float64 for float64 inputs), queries the last ``T`` of the ``S`` keys,
     ``key_padding_mask`` ``[B, S]`` True at padding.  Computed in float32 (or
-    float64), ``block`` queries and keys at a time; differentiable in ``q``,
-    ``k`` and ``v`` with memory linear in the length."""
-    if block < 1:
-        raise ValueError(f"block must be at least 1, not {block}")
+    float64), ``block`` queries (:data:`BLOCK`) and ``key_block`` keys at a
+    time (:data:`KEY_BLOCK`, or ``block`` where only that is given);
+    differentiable in ``q``, ``k`` and ``v`` with memory linear in the length."""
+    key_block = key_block or block or KEY_BLOCK
+    block = block or BLOCK
+    if block < 1 or key_block < 1:
+        raise ValueError(f"block and key_block must be at least 1, not {block} and {key_block}")
     pad = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
     if pad is not None and not bool(pad.any()):
         pad = None
-    return _StickBreaking.apply(q, k, v, pad, block)
+    return _StickBreaking.apply(q, k, v, pad, block, key_block)
 
 
 class StickBreakingOutput(nn.Module):

@@ -1,0 +1,175 @@
+"""Stick-breaking and PaTH on the CPU beside ALiBi and bias-free causal SDPA:
+one attention call in training (forward + backward) and in long evaluation
+(forward, batch 1, no grad), paired in one process (issue 81's CPU targets).
+
+    python benchmarks/new_methods_cpu.py                           # L = 1024 and 2048, eval 8x and 32x of 256
+    python benchmarks/new_methods_cpu.py --lengths 1024 --batch 4 --heads 8 --eval-lengths 2048 8192 --repeats 5
+
+Each method is timed as ``position_kernels.py`` times it (its layer object's
+``bind``, rotation and ``core.layer.attention`` with ``auto``, through the
+layer's own kernel and its terms after it for stick-breaking and PaTH);
+``sdpa`` is ``F.scaled_dot_product_attention(..., is_causal=True)`` alone,
+the cost of bias-free causal attention.  Neither new method takes attention
+dropout (their authors' kernels have none), so the training column has none:
+a model's "dropout 0.1" only changes its other dropouts, outside the call.
+Time is CPU time of this process (``time.process_time``, one thread by
+default); a repeat runs every case, in an order rotated from repeat to repeat,
+after one warm-up call each; medians.  In evaluation the table also gives the
+time per causal (query, key) pair each call scores (ALiBi's key windows skip
+pairs: ``kernels.keys_read``; every other method here scores them all) as a
+ratio to ALiBi's, and the time over SDPA's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_description, median, positive  # noqa: E402
+from position_kernels import Case  # noqa: E402
+
+from fairseq_alibi.core import positions as P  # noqa: E402
+from fairseq_alibi.core import stickbreaking  # noqa: E402
+from fairseq_alibi.core.scaling import Scaling  # noqa: E402
+
+#: The cases: a method of core.positions and its parameters, or "sdpa".  "stickbreaking-far": its
+#: queries and keys shifted so that z = q . k / sqrt(d) is about -5 + N(0, 1) (each key takes about
+#: 1 % of the stick): no row spends its stick within 8,192 keys, so no key block is skipped; with
+#: random q and k (z about N(0, 1)) a row's stick is spent within a few hundred keys.
+CASES = {"alibi": ("alibi", {}), "sdpa": ("sdpa", {}), "stickbreaking": ("stickbreaking", {}),
+         "stickbreaking-far": ("stickbreaking", {}), "path": ("path", {}),
+         "path-fox": ("path", {"path_forget_gate": 1})}
+
+
+class Sdpa:
+    """Bias-free causal attention, the reference of issue 81's 1.3x."""
+
+    shares = None
+
+    def seconds(self, q, k, v, weight, dropout: float, train: bool) -> float:
+        with torch.set_grad_enabled(train):
+            leaves = [t.clone().requires_grad_(train) for t in (q, k, v)]
+            start = time.process_time()
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+            if train:
+                (out * weight).sum().backward()
+            return time.process_time() - start
+
+
+class Far(Case):
+    """Stick-breaking with z about -5 + N(0, 1): every key block scored."""
+
+    def seconds(self, q, k, v, weight, dropout: float, train: bool) -> float:
+        q, k = q.clone(), k.clone()
+        q[..., 0], k[..., 0] = 10.0, -4.0 * math.sqrt(q.size(-1)) / 8.0
+        return super().seconds(q, k, v, weight, dropout, train)
+
+
+def scored(case, q, k, v) -> float:
+    """The share of the causal pairs one stick-breaking forward scores
+    (the blocks it does not skip, their masked part included)."""
+    count = []
+    original = stickbreaking._block_terms
+
+    def counting(qs, keys, *rest):
+        count.append(qs.size(2) * keys.size(2))
+        return original(qs, keys, *rest)
+
+    stickbreaking._block_terms = counting
+    try:
+        case.seconds(q, k, v, None, 0.0, False)
+    finally:
+        stickbreaking._block_terms = original
+    T = q.size(2)
+    return sum(count) / (T * (T + 1) // 2)
+
+
+def build(name: str, heads: int, head_dim: int, length: int):
+    method, params = CASES[name]
+    if method == "sdpa":
+        return Sdpa()
+    case = (Far if name.endswith("-far") else Case)(method, heads, head_dim, length)
+    if params:  # rebuilt with the variant's parameters
+        entry = P.position(method)
+        full = {p.name: p.default for p in entry.params}
+        full.update(params)
+        case.stack = P.build(method, heads, head_dim, full, Scaling("none", train_length=length))
+        case.stack.fit_depth(2)
+        case.layers = [case.stack.at_layer(0).for_layer()]
+    return case
+
+
+def measure(names, shape, train: bool, repeats: int, length: int):
+    """CPU seconds per call per case, and ALiBi's share of the causal pairs read (evaluation)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, weight = (torch.randn(shape, generator=gen) for _ in range(4))
+    cases = {n: build(n, shape[1], shape[3], length) for n in names}
+    for n in names:  # warm-up
+        cases[n].seconds(q, k, v, weight, 0.0, train)
+    times = {n: [] for n in names}
+    for r in range(repeats):
+        turn = r % len(names)
+        for n in names[turn:] + names[:turn]:
+            times[n].append(cases[n].seconds(q, k, v, weight, 0.0, train))
+    shares = {}
+    if not train:  # the share of the causal pairs each scores: ALiBi's windows and spent sticks skip some
+        shares = {n: 1.0 for n in names}
+        shares["alibi"] = sum(cases["alibi"].shares) / len(cases["alibi"].shares)
+        for n in names:
+            if n.startswith("stickbreaking"):
+                shares[n] = scored(cases[n], q, k, v)
+    return times, shares
+
+
+def table(title: str, names, times, shares) -> None:
+    alibi, sdpa = median(times["alibi"]), median(times["sdpa"])
+    print(f"\n{title}\n")
+    head = "| case | s | / ALiBi | / SDPA |" + (" pairs scored | per pair / ALiBi's | per pair / SDPA's |"
+                                                 if shares else "")
+    print(head)
+    print("|---|---|---|---|" + ("---|---|---|" if shares else ""))
+    for n in names:
+        med = median(times[n])
+        cells = f"| {n} | {med:.4f} | {med / alibi:.2f} | {med / sdpa:.2f} |"
+        if shares:  # time per pair scored, over ALiBi's and SDPA's (which scores every causal pair)
+            per_pair = med / shares[n]
+            cells += f" {shares[n]:.2f} | {per_pair / (alibi / shares['alibi']):.2f} | {per_pair / sdpa:.2f} |"
+        print(cells)
+
+
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=positive, nargs="*", default=[1024, 2048], help="training lengths")
+    p.add_argument("--batch", type=positive, default=2)
+    p.add_argument("--heads", type=positive, default=4)
+    p.add_argument("--head-dim", type=positive, default=64)
+    p.add_argument("--trained-length", type=positive, default=256, help="ALiBi's training length in evaluation")
+    p.add_argument("--eval-lengths", type=positive, nargs="*", default=[2048, 8192])
+    p.add_argument("--cases", nargs="+", choices=tuple(CASES), default=list(CASES))
+    p.add_argument("--repeats", type=positive, default=3)
+    p.add_argument("--threads", type=positive, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    names = ["alibi", "sdpa"] + [n for n in args.cases if n not in ("alibi", "sdpa")]
+    print(f"new_methods_cpu: B={args.batch}, {args.heads} heads of {args.head_dim}, {args.threads} thread(s), "
+          f"{args.repeats} repeats; {machine_description()}")
+    for n in args.lengths:
+        times, _ = measure(names, (args.batch, args.heads, n, args.head_dim), True, args.repeats, n)
+        table(f"Training, L = {n}: forward + backward, CPU s per call (median)", names, times, {})
+    for n in args.eval_lengths:
+        times, shares = measure(names, (1, args.heads, n, args.head_dim), False, args.repeats, args.trained_length)
+        table(f"Evaluation, {n} tokens ({n / args.trained_length:g}x L = {args.trained_length}), forward; ALiBi "
+              f"reads {shares['alibi']:.2f} of the causal pairs", names, times, shares)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
