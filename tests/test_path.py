@@ -79,6 +79,31 @@ def test_both_forms_of_a_blocks_product_give_the_naive_product(block, dense):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
 
 
+
+@pytest.mark.parametrize("block", [2, 4])
+def test_the_training_sweep_and_its_own_backward_are_the_naive_product(block, monkeypatch):
+    """Where a gradient is taken the sweep is ``_TrainingSweep`` (its backward written out, not autograd's):
+    many blocks, both forms of a block's product, the gate and padding on both sides of a row, in float64."""
+    from fairseq_alibi.core import path
+    calls = []
+    original = path._TrainingSweep.forward
+    monkeypatch.setattr(path._TrainingSweep, "forward", staticmethod(lambda *a: calls.append(1) or original(*a)))
+    q, k, v, w, beta, c = inputs(37)
+    pad = torch.zeros(2, 37, dtype=torch.bool)
+    pad[0, :5], pad[1, 30:] = True, True
+    expected, _ = path_reference(q, k, v, w, beta, c, pad)
+    out, _ = path_attention(q, k, v, w, beta, c, pad, block=block)
+    assert calls == [1]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    d_out = torch.randn_like(expected)
+    tensors = (q, k, v, w, beta, c)
+    got = torch.autograd.grad((out * d_out).sum(), tensors)
+    for g, e in zip(got, torch.autograd.grad((expected * d_out).sum(), tensors)):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
+    with torch.no_grad():  # evaluation: the online sweep alone
+        path_attention(q, k, v, w, beta, c, pad, block=block)
+    assert calls == [1]
+
 def test_the_cached_keys_are_the_rank_one_updates():
     """Each new token t carries every cached key through H_t: k <- k - beta_t (k . w_t) w_t."""
     q, k, v, w, beta, _ = inputs(10)

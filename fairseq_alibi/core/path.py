@@ -39,15 +39,16 @@ Choices, each checked against the authors' layer (flash-linear-attention's
 
 The kernel (:func:`path_attention`): tokens in blocks of ``c``.  Within a
 block, products of consecutive ``H`` have the compact (UT) form: with ``W``
-the block's ``w`` rows, ``L = strictly_lower(W W^T) diag(beta)`` and ``U =
-strictly_upper(W W^T) diag(beta)``, a key carried through the later ``H`` of
-its block is ``k_j - sum_t beta_t a_tj w_t`` with ``a = (I + L)^{-1}
+the block's ``w`` rows, ``L = strictly_lower(W W^T) diag(beta)`` and ``T =
+(I + L)^{-1}`` (one triangular inverse per block), a key carried through the
+later ``H`` of its block is ``k_j - sum_t beta_t a_tj w_t`` with ``a = T
 strictly_lower(W K^T)``, a query carried back to its block's start is ``q_i -
-sum_t beta_t c_ti w_t`` with ``c = (I + U)^{-1} lower(W Q^T)``, and the whole
-block is ``M = I - (beta W)^T (I + U)^{-1} W`` (one triangular solve per
-block; a query row is carried through it as ``q (I - X^T (beta W))``, ``X =
-(I + U)^{-1} W``, the ``d x d`` matrix formed once per block where ``d <=
-2c``, there the cheaper: half the work of the two thin products at ``d = c``).  The queries then
+sum_t beta_t (lower(Q W^T) T W)_it``, and the whole block is ``M = I - (beta
+W)^T T W``.  (The upper form ``(I + U)^{-1}``, ``U = strictly_upper(W W^T)
+diag(beta)``, that a query's side suggests, is never formed: ``(I +
+U)^{-T} diag(beta) = diag(beta) T``.)  A query row is carried through a block
+as ``q M``, the ``d x d`` matrix formed once per block where ``d <= 2c``,
+there the cheaper, else as ``q - (q (beta W)^T) (T W)``.  The queries then
 sweep the earlier blocks from the diagonal backwards, all query blocks at
 once (one step per block distance: query block ``m`` scores key block ``m -
 d``), each step scoring a block of keys and carrying the queries through
@@ -57,8 +58,11 @@ concatenation).  Blocks are the leading axis (``[n, B, H, c, d]``), so a run
 of blocks is one contiguous batch of the CPU's batched product, and the
 scale ``1 / sqrt(d)`` is folded into the queries.  Time ``O(T^2 d)``, memory
 ``O(T d)`` per head (``[B, H, T, c]`` scores per step), ``T / c`` steps.
-Autograd runs through it (in training every step's terms are kept, ``O(T^2)``
-in all, as dense attention's).  The naive reference (:func:`path_reference`)
+Where a gradient is taken the sweep is :class:`_TrainingSweep`, with a
+backward of its own (the softmax's, from each step's weights kept, and the
+queries' gradients carried back through the blocks they went through; every
+step's terms kept, ``O(T^2)`` in all, as dense attention's); autograd runs
+through the block terms.  The naive reference (:func:`path_reference`)
 forms every product ``H_i ... H_{j+1}`` as a matrix, in float64: the tests' oracle.
 
 KV cache: the cached keys are kept transformed, ``H_t ... H_{j+1} k_j``; each
@@ -155,27 +159,31 @@ def _block_terms(qb: Tensor, kb: Tensor, wb: Tensor, bb: Tensor):
     scores within the block, queries carried back to the block's start, keys
     carried to its end, the block's product)``, the product as ``(M,)``, the
     ``D x D`` matrix a query row is multiplied by, where ``D <= 2c`` (then the
-    cheaper), else as ``(X, beta W)``: ``q M = q - (q X^T) (beta W)``."""
+    cheaper), else as ``(beta W, G)``: ``q M = q - (q (beta W)^T) G``.
+
+    One triangular inverse per block, ``T = (I + L)^{-1}``: every term the
+    upper form ``(I + U)^{-1}`` would give is written with it, since ``(I +
+    U)^{-T} diag(beta) = diag(beta) T`` (``U^T = diag(beta) strictly_lower(W
+    W^T)``, ``L = strictly_lower(W W^T) diag(beta)``), and ``G = T W``."""
     size, D = qb.size(-2), qb.size(-1)
     eye = torch.ones(size, size, dtype=torch.bool, device=qb.device)
     strictly_lower, lower = eye.tril(-1), eye.tril()
-    ww = wb @ wb.transpose(-1, -2)  # [n, B, H, c, c]
-    low = (ww * bb[..., None, :]).masked_fill(~strictly_lower, 0.0)  # beta_s w_t . w_s, s < t
-    up = (ww * bb[..., None, :]).masked_fill(~strictly_lower.T, 0.0)  # beta_s w_t . w_s, s > t
+    low = _product(wb, wb.transpose(-1, -2)).mul_(bb[..., None, :]).masked_fill_(~strictly_lower, 0.0)
+    inverse = _solve(low, torch.eye(size, dtype=qb.dtype, device=qb.device).expand_as(low), upper=False)
     wbeta = wb * bb[..., None]  # [n, B, H, c, D]
+    g = _product(inverse, wb)  # T W
     # keys carried through the later H of their own block: k_j - sum_t beta_t a_tj w_t
-    a = _solve(low, (wb @ kb.transpose(-1, -2)).masked_fill(~strictly_lower, 0.0), upper=False)
-    k_end = kb - a.transpose(-1, -2) @ wbeta
-    qw = (qb @ wb.transpose(-1, -2)).masked_fill(~lower, 0.0)  # [i, t]: q_i . w_t for t <= i
-    local = qb @ kb.transpose(-1, -2) - qw @ (a * bb[..., None])
-    # queries carried back to their block's start, and the block's product M = I - X^T (beta W)
-    carried = qb - _solve(up, qw.transpose(-1, -2), upper=True).transpose(-1, -2) @ wbeta
-    x = _solve(up, wb, upper=True)  # [n, B, H, c, D]
+    a = _product(inverse, _product(wb, kb.transpose(-1, -2)).masked_fill(~strictly_lower, 0.0))
+    k_end = kb - _product(a.transpose(-1, -2), wbeta)
+    qw = _product(qb, wb.transpose(-1, -2)).masked_fill(~lower, 0.0)  # [i, t]: q_i . w_t for t <= i
+    local = _product(qb, kb.transpose(-1, -2)) - _product(qw, a * bb[..., None])
+    # queries carried back to their block's start, and the block's product M = I - (beta W)^T G
+    carried = qb - _product(qw, g * bb[..., None])
     if D <= 2 * size:
-        through = (torch.eye(D, dtype=qb.dtype, device=qb.device) - x.transpose(-1, -2) @ wbeta,)
+        through = (torch.eye(D, dtype=qb.dtype, device=qb.device) - _product(wbeta.transpose(-1, -2), g),)
     else:
-        through = (x, wbeta)
-    return local.masked_fill(~lower, float("-inf")), carried, k_end, through, (x, wbeta)
+        through = (wbeta, g)
+    return local.masked_fill(~lower, float("-inf")), carried, k_end, through, (wbeta, g)
 
 
 def _product(a: Tensor, b: Tensor) -> Tensor:
@@ -188,8 +196,8 @@ def _carry(queries: Tensor, through) -> Tensor:
     """Query rows ``[n, ..., c, D]`` carried back through blocks whose products are ``through`` (sliced alike)."""
     if len(through) == 1:
         return _product(queries, through[0])
-    x, wbeta = through
-    return queries - (queries @ x.transpose(-1, -2)) @ wbeta
+    left, right = through
+    return queries - (queries @ left.transpose(-1, -2)) @ right
 
 
 def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gate: Optional[Tensor] = None,
@@ -207,8 +215,8 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     ``[B, H, S0 + T, D]``, the next call's ``past_keys``.  Computed in float32
     (float64 for float64 inputs), ``block`` tokens at a time (:data:`BLOCK`
     where a gradient is taken, else :data:`INFERENCE_BLOCK`)."""
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, w, beta, gate))
     if block is None:
-        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, w, beta, gate))
         block = BLOCK if grad else INFERENCE_BLOCK
     if block < 1:
         raise ValueError(f"block must be at least 1, not {block}")
@@ -232,14 +240,19 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
                 None if gate is None else gate[:, :, None, :S0], None if pad is None else pad[:, None, None, :S0])
     key_pad = _blocked(pad[:, None, S0:], blocks, size)[..., None, :] if pad is not None else None
     c_new = None if gate is None else _blocked(gate.to(exact)[..., S0:], blocks, size)  # [n, B, H, c]
-    out = _sweep(terms, vb, c_new, key_pad, past)
+    if grad and past is None:  # the sweep with a backward of its own
+        local, carried, k_end, through, _ = terms
+        out = _TrainingSweep.apply(_masked(local, c_new, c_new, key_pad), carried, k_end, vb, c_new, key_pad,
+                                   *through)
+    else:
+        out = _sweep(terms, vb, c_new, key_pad, past)
     out = out.movedim(0, 2).flatten(2, 3)[:, :, :T]
     keys = None
     if return_keys:  # every key carried through the new tokens' H: the next call's cache
-        x, wbeta = terms[4]
+        left, right = terms[4]  # the block's product is I - left^T right; a key row k goes to k - (k right^T) left
         keys = past_keys.to(exact) if S0 else q.new_zeros((B, H, 0, D))
         for n in range(blocks):
-            keys = keys - (keys @ wbeta[n].transpose(-1, -2)) @ x[n]
+            keys = keys - (keys @ right[n].transpose(-1, -2)) @ left[n]
             keys = torch.cat([keys, terms[2][n]], dim=2)
         keys = keys[:, :, :S0 + T]
     return out.to(out_dtype), keys
@@ -275,6 +288,14 @@ def _slices(x: Optional[Tensor], ranges) -> list:
     return [x[a:b] for a, b in ranges]
 
 
+def _masked(scores: Tensor, c_query: Optional[Tensor], c_key: Optional[Tensor], pad: Optional[Tensor]) -> Tensor:
+    """``scores`` ``[..., c, keys]`` with FoX's gate bias ``c_i - c_j`` added (``c_query`` ``[..., c]``, ``c_key``
+    ``[..., keys]``, or None) and the padded keys (``pad``, True there, or None) at ``-inf``."""
+    if c_query is not None:
+        scores = scores + c_query[..., None] - c_key[..., None, :]
+    return scores if pad is None else scores.masked_fill(pad, float("-inf"))
+
+
 def _sweep(terms, vb: Tensor, c_new: Optional[Tensor], key_pad: Optional[Tensor], past) -> Tensor:
     """The attention of every query block, ``[n, B, H, c, D]``: the diagonal
     blocks, then the earlier blocks from the diagonal backwards, all query
@@ -292,12 +313,7 @@ def _sweep(terms, vb: Tensor, c_new: Optional[Tensor], key_pad: Optional[Tensor]
     moves = [_slices(t, [(1, n - d + 1) for d in range(1, n)]) for t in through]
     pads = _slices(key_pad, earlier)
 
-    def masked(scores: Tensor, c_query: Optional[Tensor], c_key: Optional[Tensor], pad: Optional[Tensor]) -> Tensor:
-        if c_query is not None:
-            scores = scores + c_query[..., None] - c_key[..., None, :]
-        return scores if pad is None else scores.masked_fill(pad, float("-inf"))
-
-    scores = masked(local, c_new, c_new, key_pad)
+    scores = _masked(local, c_new, c_new, key_pad)
     top = _finite_max(scores.amax(-1))
     weights = _shifted_exp(scores, top)
     state = (top, weights.sum(-1), weights @ vb)
@@ -307,7 +323,7 @@ def _sweep(terms, vb: Tensor, c_new: Optional[Tensor], key_pad: Optional[Tensor]
             queries = queries.split([1, queries.size(0) - 1])[1]
             if d > 1:
                 queries = _carry(queries, [move[d - 1] for move in moves])
-            scores = masked(_product(queries, keys[d - 1]), c_queries[d - 1], c_keys[d - 1], pads[d - 1])
+            scores = _masked(_product(queries, keys[d - 1]), c_queries[d - 1], c_keys[d - 1], pads[d - 1])
             state = _softmax_step(state, scores, values[d - 1])
         first, state = zip(*(t.split([1, t.size(0) - 1]) for t in state))
         if past is not None:  # query block d carried through block 0 too, then the cache's keys
@@ -316,6 +332,97 @@ def _sweep(terms, vb: Tensor, c_new: Optional[Tensor], key_pad: Optional[Tensor]
         _, total, acc = first
         done.append(acc / torch.where(total > 0, total, 1.0)[..., None])
     return torch.cat(done, 0)
+
+
+class _TrainingSweep(torch.autograd.Function):
+    """:func:`_sweep` where a gradient is taken and no cache is read, with a
+    backward of its own.  The forward keeps each step's carried queries and
+    its weights ``exp(s - m)`` (``m`` the row's maximum over every step; ``O(T^2)``, as autograd's record of the
+    sweep would, in one tensor per step rather than a dozen) and the rows'
+    sums; the backward is the softmax's from those (``dS = P (dP - rowsum(dO
+    O))``, ``1 / sum`` folded into ``dO``), the steps in reverse, each query
+    block's gradient carried back through the block products its queries went
+    through (``q M``: ``dq = g M^T``, ``dM = q^T g``), so that the elementwise
+    work of the online softmax is neither recorded nor differentiated."""
+
+    @staticmethod
+    def forward(ctx, local, carried, k_end, vb, c_new, key_pad, *through):
+        n = local.size(0)
+        k_end_t = k_end.transpose(-1, -2).contiguous()
+        scores, queries_by_step = [local], [carried]
+        top = local.amax(-1)
+        queries = carried
+        for d in range(1, n):
+            queries = queries[1:]
+            if d > 1:
+                queries = _carry(queries, [t[1:n - d + 1] for t in through])
+            queries_by_step.append(queries)
+            step = _masked(_product(queries, k_end_t[:n - d]), None if c_new is None else c_new[d:],
+                           None if c_new is None else c_new[:n - d], None if key_pad is None else key_pad[:n - d])
+            scores.append(step)
+            torch.maximum(top[d:], step.amax(-1), out=top[d:])
+        top = _finite_max(top)
+        total, acc = torch.zeros_like(top), torch.zeros(vb.shape, dtype=vb.dtype, device=vb.device)
+        for d, step in enumerate(scores):
+            scores[d] = weights = _shifted_exp(step, top[d:])
+            total[d:] += weights.sum(-1)
+            _add_bmm(acc[d:], weights, vb[:n - d])
+        # 1 / the row's sum; 0 for a row with no key (padding), whose output is 0
+        inverse = torch.where(total > 0, total, 1.0).reciprocal_().masked_fill_(total == 0, 0.0)[..., None]
+        out = acc * inverse
+        ctx.save_for_backward(k_end, vb, c_new, out, inverse, *through)
+        ctx.weights, ctx.queries = scores, queries_by_step
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        k_end, vb, c_new, out, inverse, *through = ctx.saved_tensors
+        weights, queries_by_step = ctx.weights, ctx.queries
+        n = k_end.size(0)
+        # dS = W / sum (dO . v - rowsum(dO O)): 1 / sum folded into dO and the row term
+        delta = (d_out * out).sum(-1, keepdim=True) * inverse
+        d_out = (d_out * inverse).contiguous()
+        d_carried, d_k, d_v = (torch.zeros_like(t) for t in (queries_by_step[0], k_end, vb))
+        d_c = None if c_new is None else torch.zeros_like(c_new)
+        d_through = [torch.zeros_like(t) for t in through]
+        from_later = None  # the gradient of step d's queries (blocks 1 ..) from the steps after it
+        for d in range(n - 1, -1, -1):
+            _add_bmm(d_v[:n - d], weights[d].transpose(-1, -2), d_out[d:])
+            d_scores = _product(d_out[d:], vb[:n - d].transpose(-1, -2)).sub_(delta[d:]).mul_(weights[d])
+            if d == 0:
+                return (d_scores, d_carried, d_k, d_v, d_c, None, *d_through)
+            if d_c is not None:
+                d_c[d:] += d_scores.sum(-1)
+                d_c[:n - d] -= d_scores.sum(-2)
+            queries = queries_by_step[d]
+            d_queries = _product(d_scores, k_end[:n - d])
+            if from_later is not None:
+                d_queries[1:] += from_later
+            _add_bmm(d_k[:n - d], d_scores.transpose(-1, -2), queries)
+            if d == 1:
+                d_carried[1:] += d_queries
+            else:
+                from_later = _carry_backward(queries_by_step[d - 1][1:], d_queries, through, d_through,
+                                             slice(1, n - d + 1))
+
+
+def _add_bmm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` in place, ``acc`` a contiguous ``[m, ..., r, p]`` (a leading slice of a contiguous tensor)."""
+    acc.view((-1,) + acc.shape[-2:]).baddbmm_(a.flatten(0, 2), b.flatten(0, 2))
+
+
+def _carry_backward(queries: Tensor, grad: Tensor, through, d_through, blocks: slice) -> Tensor:
+    """The gradient of the ``queries`` that :func:`_carry` carried through the
+    block products ``through[..][blocks]``, given ``grad``, that of the carried
+    ones; the products' gradients are added into ``d_through`` (sliced alike)."""
+    if len(through) == 1:
+        _add_bmm(d_through[0][blocks], queries.transpose(-1, -2), grad)
+        return _product(grad, through[0][blocks].transpose(-1, -2))
+    left, right = (t[blocks] for t in through)  # y = q - (q left^T) right
+    _add_bmm(d_through[1][blocks], _product(queries, left.transpose(-1, -2)).transpose(-1, -2).neg(), grad)
+    d_u = _product(grad, right.transpose(-1, -2)).neg_()
+    _add_bmm(d_through[0][blocks], d_u.transpose(-1, -2), queries)
+    return grad + _product(d_u, left)
 
 
 def _past_step(state, queries: Tensor, c_query: Optional[Tensor], past):
