@@ -100,9 +100,10 @@ def test_the_training_sweep_and_its_own_backward_are_the_naive_product(block, mo
     got = torch.autograd.grad((out * d_out).sum(), tensors)
     for g, e in zip(got, torch.autograd.grad((expected * d_out).sum(), tensors)):
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
-    with torch.no_grad():  # evaluation: the online sweep alone
-        path_attention(q, k, v, w, beta, c, pad, block=block)
+    with torch.no_grad():  # evaluation: the online sweep alone, in place
+        again, _ = path_attention(q, k, v, w, beta, c, pad, block=block)
     assert calls == [1]
+    torch.testing.assert_close(again, expected, rtol=1e-12, atol=1e-12)
 
 def test_the_cached_keys_are_the_rank_one_updates():
     """Each new token t carries every cached key through H_t: k <- k - beta_t (k . w_t) w_t."""

@@ -317,14 +317,21 @@ def _sweep(terms, vb: Tensor, c_new: Optional[Tensor], key_pad: Optional[Tensor]
     top = _finite_max(scores.amax(-1))
     weights = _shifted_exp(scores, top)
     state = (top, weights.sum(-1), weights @ vb)
+    # without a gradient, each step's scores are written into one buffer and the state updated in place
+    space = None if torch.is_grad_enabled() and any(t.requires_grad for t in (local, carried, k_end, vb)) \
+        else local.new_empty(max(n - 1, 0) * local[0].numel())
     queries, done = carried, []
     for d in range(n):
         if d:  # the queries of blocks d .. n - 1, carried back to the end of blocks 0 .. n - d - 1
             queries = queries.split([1, queries.size(0) - 1])[1]
             if d > 1:
                 queries = _carry(queries, [move[d - 1] for move in moves])
-            scores = _masked(_product(queries, keys[d - 1]), c_queries[d - 1], c_keys[d - 1], pads[d - 1])
-            state = _softmax_step(state, scores, values[d - 1])
+            if space is not None:
+                state = _softmax_step_in_place(state, queries, keys[d - 1], c_queries[d - 1], c_keys[d - 1],
+                                               pads[d - 1], values[d - 1], space)
+            else:
+                scores = _masked(_product(queries, keys[d - 1]), c_queries[d - 1], c_keys[d - 1], pads[d - 1])
+                state = _softmax_step(state, scores, values[d - 1])
         first, state = zip(*(t.split([1, t.size(0) - 1]) for t in state))
         if past is not None:  # query block d carried through block 0 too, then the cache's keys
             first = _past_step(first, queries[:1] if d == 0 else _carry(queries[:1], [t[:1] for t in through]),
@@ -466,6 +473,34 @@ def _softmax_step(state, scores: Tensor, values: Tensor):
     weights = _shifted_exp(scores, new)
     decay = torch.exp(top - new)
     return new, total * decay + weights.sum(-1), acc * decay[..., None] + _product(weights, values)
+
+
+def _softmax_step_in_place(state, queries: Tensor, keys_t: Tensor, c_query: Optional[Tensor], c_key: Optional[Tensor],
+                           pad: Optional[Tensor], values: Tensor, space: Tensor):
+    """:func:`_softmax_step` of the scores ``queries @ keys_t`` (gate and
+    padding as :func:`_masked`), where no gradient is taken: the scores
+    written into the first elements of ``space``, their weights computed
+    there, the state's sums and weighted values (contiguous) updated where they
+    lie (a fresh tensor the size of a step's scores is a fresh mapping of
+    memory, its pages faulted in one by one)."""
+    top, total, acc = state
+    shape = queries.shape[:-1] + keys_t.shape[-1:]
+    scores = space[:math.prod(shape)].view(shape)
+    torch.bmm(queries.flatten(0, 2), keys_t.flatten(0, 2), out=scores.view((-1,) + shape[-2:]))
+    if c_query is not None:
+        scores.add_(c_query[..., None]).sub_(c_key[..., None, :])
+    if pad is not None:
+        scores.masked_fill_(pad, float("-inf"))
+    new = torch.maximum(top, _finite_max(scores.amax(-1)))
+    scores.sub_(new[..., None])
+    if scores.dtype != torch.float64:
+        F.threshold(scores, SUBNORMAL, float("-inf"), inplace=True)
+    scores.exp_()
+    decay = torch.exp(top - new)
+    total = total.mul_(decay).add_(scores.sum(-1))
+    acc = acc.mul_(decay[..., None])
+    acc.view((-1,) + acc.shape[-2:]).baddbmm_(scores.flatten(0, 2), values.flatten(0, 2))
+    return new, total, acc
 
 
 class PathProjections(nn.Module):
