@@ -348,6 +348,29 @@ class StackBias:
         return self, None
 
 
+class OwnAttentionStack(StackBias):
+    """The stack object of a method whose layers bring an attention of their
+    own (``own_kernel``: stick-breaking's, PaTH's): no bias for the shared
+    kernels and no Toeplitz structure, parameters per layer (a subclass's
+    :meth:`for_layer`), and only the extension methods of its registry entry
+    (``method``, its name there; ``extensions``, the methods it takes)."""
+
+    own_kernel = True
+    learned = True
+    method = ""
+    extensions: Tuple[str, ...] = ("none",)
+
+    def __init__(self, num_heads: int, scaling: Scaling = NO_SCALING):
+        StackBias.__init__(self, num_heads)
+        self.rescale(scaling)
+
+    @property
+    def toeplitz(self) -> bool:
+        return False
+
+    def rescale(self, scaling: Scaling) -> None:
+        self.scaling = check_applies(scaling, self.method, self.extensions).complete()
+
 class AlibiBias(StackBias):
     """Slopes and bias of one layer stack, shared by all its attention layers.
 

@@ -83,9 +83,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .bias import StackBias
+from .bias import OwnAttentionStack
 from .fox import ForgetGates, LayerForgetGate
-from .scaling import LOGIT_METHODS, NO_SCALING, Scaling, check_applies
+from .scaling import LOGIT_METHODS, NO_SCALING, Scaling
 from .stickbreaking import refuse_dropout
 
 #: Tokens per block of the kernel where gradients are taken, and where none are (timed on the CPU, an AMD
@@ -554,30 +554,22 @@ class PathProjections(nn.Module):
 PATH_EXTENSIONS = ("none",) + LOGIT_METHODS
 
 
-class PathPositions(StackBias):
+class PathPositions(OwnAttentionStack):
     """The stack's PaTH object: no parameters of its own; each layer gets its
     own projections and, with ``forget_gate``, FoX's gate (:meth:`for_layer`).
     ``own_kernel``: a layer calls :meth:`LayerPath.attend` in place of the
     shared kernels (the keys each query sees depend on the query)."""
 
-    own_kernel = True
     own_cache = True  # its cached keys are carried through each new token's H, beside the conv's and gate's state
-    learned = True
+    method = "path"
+    extensions = PATH_EXTENSIONS
     layer_attribute = "path"
 
     def __init__(self, num_heads: int, head_dim: int, embed_dim: int, short_conv: bool = True,
                  forget_gate: bool = False, scaling: Scaling = NO_SCALING):
-        StackBias.__init__(self, num_heads)
         self.head_dim, self.embed_dim = head_dim, embed_dim
         self.short_conv, self.forget_gate = short_conv, forget_gate
-        self.scaling = check_applies(scaling, "path", PATH_EXTENSIONS).complete()
-
-    @property
-    def toeplitz(self) -> bool:
-        return False
-
-    def rescale(self, scaling: Scaling) -> None:
-        self.scaling = check_applies(scaling, "path", PATH_EXTENSIONS).complete()
+        OwnAttentionStack.__init__(self, num_heads, scaling)
 
     def for_layer(self) -> "LayerPath":
         return LayerPath(self.num_heads, self.head_dim, self.embed_dim, self.short_conv, self.forget_gate,

@@ -81,9 +81,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .bias import StackBias
+from .bias import OwnAttentionStack
 from .errors import ConfigError
-from .scaling import NO_SCALING, Scaling, check_applies
+from .scaling import NO_SCALING, Scaling
 
 #: Queries per block of the kernel.
 BLOCK = 128
@@ -343,27 +343,19 @@ def refuse_dropout(method: str, dropout: float) -> None:
                           "has no attention dropout (nor do the authors' models): set --attention-dropout 0")
 
 
-class StickBreakingPositions(StackBias):
+class StickBreakingPositions(OwnAttentionStack):
     """The stack's stick-breaking object: no parameters of its own; each layer
     gets its own terms (:meth:`for_layer`).  ``own_kernel``: a layer calls
     :meth:`LayerStickBreaking.attend` in place of the shared kernels, which
     add a bias to a softmax this method does not have."""
 
-    own_kernel = True
-    learned = True
+    method = "stickbreaking"
+    extensions = STICKBREAKING_EXTENSIONS
     layer_attribute = "stickbreaking"
 
     def __init__(self, num_heads: int, head_dim: int, scaling: Scaling = NO_SCALING):
-        StackBias.__init__(self, num_heads)
         self.head_dim = head_dim
-        self.scaling = check_applies(scaling, "stickbreaking", STICKBREAKING_EXTENSIONS).complete()
-
-    @property
-    def toeplitz(self) -> bool:
-        return False
-
-    def rescale(self, scaling: Scaling) -> None:
-        self.scaling = check_applies(scaling, "stickbreaking", STICKBREAKING_EXTENSIONS).complete()
+        OwnAttentionStack.__init__(self, num_heads, scaling)
 
     def for_layer(self) -> "LayerStickBreaking":
         return LayerStickBreaking(self.num_heads, self.head_dim, self.scaling)
