@@ -86,7 +86,7 @@ from torch import Tensor, nn
 from .bias import OwnAttentionStack
 from .fox import ForgetGates, LayerForgetGate
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling
-from .stickbreaking import refuse_dropout
+from .stickbreaking import add_product, refuse_dropout
 
 #: Tokens per block of the kernel where gradients are taken, and where none are (timed on the CPU, an AMD
 #: EPYC, one thread, 4 heads of 64: of 64, 128 and 256, 64 the fastest forward + backward at 1,024 tokens,
@@ -373,7 +373,7 @@ class _TrainingSweep(torch.autograd.Function):
         for d, step in enumerate(scores):
             scores[d] = weights = _shifted_exp(step, top[d:])
             total[d:] += weights.sum(-1)
-            _add_bmm(acc[d:], weights, vb[:n - d])
+            add_product(acc[d:], weights, vb[:n - d])
         # 1 / the row's sum; 0 for a row with no key (padding), whose output is 0
         inverse = torch.where(total > 0, total, 1.0).reciprocal_().masked_fill_(total == 0, 0.0)[..., None]
         out = acc * inverse
@@ -394,7 +394,7 @@ class _TrainingSweep(torch.autograd.Function):
         d_through = [torch.zeros_like(t) for t in through]
         from_later = None  # the gradient of step d's queries (blocks 1 ..) from the steps after it
         for d in range(n - 1, -1, -1):
-            _add_bmm(d_v[:n - d], weights[d].transpose(-1, -2), d_out[d:])
+            add_product(d_v[:n - d], weights[d].transpose(-1, -2), d_out[d:])
             d_scores = _product(d_out[d:], vb[:n - d].transpose(-1, -2)).sub_(delta[d:]).mul_(weights[d])
             if d == 0:
                 return (d_scores, d_carried, d_k, d_v, d_c, None, *d_through)
@@ -405,7 +405,7 @@ class _TrainingSweep(torch.autograd.Function):
             d_queries = _product(d_scores, k_end[:n - d])
             if from_later is not None:
                 d_queries[1:] += from_later
-            _add_bmm(d_k[:n - d], d_scores.transpose(-1, -2), queries)
+            add_product(d_k[:n - d], d_scores.transpose(-1, -2), queries)
             if d == 1:
                 d_carried[1:] += d_queries
             else:
@@ -413,22 +413,17 @@ class _TrainingSweep(torch.autograd.Function):
                                              slice(1, n - d + 1))
 
 
-def _add_bmm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` in place, ``acc`` a contiguous ``[m, ..., r, p]`` (a leading slice of a contiguous tensor)."""
-    acc.view((-1,) + acc.shape[-2:]).baddbmm_(a.flatten(0, 2), b.flatten(0, 2))
-
-
 def _carry_backward(queries: Tensor, grad: Tensor, through, d_through, blocks: slice) -> Tensor:
     """The gradient of the ``queries`` that :func:`_carry` carried through the
     block products ``through[..][blocks]``, given ``grad``, that of the carried
     ones; the products' gradients are added into ``d_through`` (sliced alike)."""
     if len(through) == 1:
-        _add_bmm(d_through[0][blocks], queries.transpose(-1, -2), grad)
+        add_product(d_through[0][blocks], queries.transpose(-1, -2), grad)
         return _product(grad, through[0][blocks].transpose(-1, -2))
     left, right = (t[blocks] for t in through)  # y = q - (q left^T) right
-    _add_bmm(d_through[1][blocks], _product(queries, left.transpose(-1, -2)).transpose(-1, -2).neg(), grad)
+    add_product(d_through[1][blocks], _product(queries, left.transpose(-1, -2)).transpose(-1, -2).neg(), grad)
     d_u = _product(grad, right.transpose(-1, -2)).neg_()
-    _add_bmm(d_through[0][blocks], d_u.transpose(-1, -2), queries)
+    add_product(d_through[0][blocks], d_u.transpose(-1, -2), queries)
     return grad + _product(d_u, left)
 
 
@@ -499,7 +494,7 @@ def _softmax_step_in_place(state, queries: Tensor, keys_t: Tensor, c_query: Opti
     decay = torch.exp(top - new)
     total = total.mul_(decay).add_(scores.sum(-1))
     acc = acc.mul_(decay[..., None])
-    acc.view((-1,) + acc.shape[-2:]).baddbmm_(scores.flatten(0, 2), values.flatten(0, 2))
+    add_product(acc, scores, values)
     return new, total, acc
 
 

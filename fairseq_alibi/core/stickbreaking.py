@@ -141,11 +141,12 @@ def _bmm(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
     return out
 
 
-def _add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b``, ``acc`` a view ``[B, H, m, p]`` of a larger contiguous
-    tensor, in place (``view``, not ``flatten``: a copy would take the sum
-    and drop it; ``view`` raises instead)."""
-    acc.view((-1,) + acc.shape[2:]).baddbmm_(a.flatten(0, 1), b.flatten(0, 1))
+def add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` over any leading axes (``[..., m, p]``), ``acc`` a view
+    of a larger contiguous tensor, in place (``view``, not ``flatten``: a copy
+    would take the sum and drop it; ``view`` raises instead).  PaTH's kernel
+    uses it too."""
+    acc.view((-1,) + acc.shape[-2:]).baddbmm_(a.flatten(0, -3), b.flatten(0, -3))
 
 
 def _view(space: Tensor, *shape: int) -> Tensor:
@@ -283,9 +284,9 @@ class _StickBreaking(torch.autograd.Function):
                 # dz_j = g_j A_j - beta_j (g_j A_j + sum over the farther keys of g A + d_rem rem)
                 dz = torch.addcmul(ga, beta, torch.sub(ga, nearer, out=nearer).add_(rest), value=-1.0, out=ga)
                 rest = rest - step
-                _add_product(dq[:, :, part], dz, kr[:, :, keys])
-                _add_product(dkr[:, :, keys], dz.transpose(-1, -2), qs[:, :, part])
-                _add_product(dvr[:, :, keys], weights.transpose(-1, -2), d_carried)
+                add_product(dq[:, :, part], dz, kr[:, :, keys])
+                add_product(dkr[:, :, keys], dz.transpose(-1, -2), qs[:, :, part])
+                add_product(dvr[:, :, keys], weights.transpose(-1, -2), d_carried)
                 if _spent(carry):
                     break
         return (dq.mul_(q.size(-1) ** -0.5).to(q.dtype), _reversed(dkr).to(k.dtype), _reversed(dvr).to(v.dtype),
