@@ -239,16 +239,57 @@ def test_far_keys_below_float32s_normal_range_weigh_nothing():
         assert float((g.double() - e).abs().max()) < 1e-4 * float(e.abs().max())
 
 
-def test_long_inputs_run_block_by_block():
-    """4,096 tokens without gradients: each step holds [B, H, T, block] scores, never [B, H, T, T]."""
+def test_long_inputs_run_chunk_by_chunk_as_one_sweep():
+    """4,096 tokens without gradients go chunk by chunk (each step of a chunk's sweep holds [B, H, chunk,
+    block] scores, the fused call over the keys before the chunk none, never [B, H, T, T]), and give what
+    one sweep over the whole row gives."""
     torch.manual_seed(0)
     T = 4096
     q, k, v = (torch.randn(1, 1, T, 16) for _ in range(3))
-    w, beta = F.normalize(torch.randn(1, 1, T, 16), dim=-1), torch.rand(1, 1, T)
+    w, beta = F.normalize(torch.randn(1, 1, T, 16), dim=-1), 2 * torch.rand(1, 1, T)
     with torch.no_grad():
-        out, _ = path_attention(q, k, v, w, beta, block=64)
+        out, _ = path_attention(q, k, v, w, beta)
+        whole, _ = path_attention(q, k, v, w, beta, chunk=T)
     assert out.shape == (1, 1, T, 16) and bool(torch.isfinite(out).all())
-    assert math.isfinite(float(out.sum()))
+    torch.testing.assert_close(out, whole, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("block,chunk", [(2, 4), (3, 7)])
+def test_long_evaluation_chunk_by_chunk_is_the_naive_product(block, chunk, gated, fused, monkeypatch):
+    """Without a gradient a row longer than a chunk is read chunk by chunk, each chunk's queries scoring the
+    keys before it in one call of torch's fused kernel (or, where it is missing, with the scores written
+    out): the float64 product's values, with padding on both sides of a row and a row whose first chunks
+    are all padding (outputs 0 there), and the cache's keys at the end as one sweep's."""
+    from fairseq_alibi.core import path
+    calls = []
+    if fused:
+        original = path._FUSED_WITH_LSE
+        assert original is not None  # torch 2.x's CPU kernel
+        monkeypatch.setattr(path, "_FUSED_WITH_LSE", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    else:
+        monkeypatch.setattr(path, "_FUSED_WITH_LSE", None)
+    q, k, v, w, beta, c = inputs(29)
+    gate = c if gated else None
+    pad = torch.zeros(2, 29, dtype=torch.bool)
+    pad[0, :11], pad[1, 25:] = True, True  # row 0: its first 11 queries see padding only
+    expected, _ = path_reference(q, k, v, w, beta, gate, pad)
+    with torch.no_grad():
+        out, keys = path_attention(q, k, v, w, beta, gate, pad, block=block, chunk=chunk, return_keys=True)
+        _, whole = path_attention(q, k, v, w, beta, gate, pad, block=block, chunk=29, return_keys=True)
+    assert len(calls) == (-(-29 // chunk) - 1 if fused else 0)
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert bool((out[0, :, :11] == 0).all())
+    torch.testing.assert_close(keys, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_chunks_in_float32_stay_near_the_float64_product():
+    q, k, v, w, beta, c = inputs(70, dtype=torch.float32)
+    expected, _ = path_reference(q, k, v, w, beta, c)
+    with torch.no_grad():
+        out, _ = path_attention(q, k, v, w, beta, c, block=8, chunk=24)
+    assert float((out.double() - expected).abs().max()) < 2e-5 * float(expected.abs().max())
 
 
 @pytest.mark.parametrize("forget_gate", [False, True])
