@@ -1,0 +1,153 @@
+"""Long evaluation of trained models, side by side: what each method's
+attention costs on the activations a trained model makes, against ALiBi's.
+
+    python benchmarks/trained_eval.py data-bin/embedded \
+        -c alibi=outputs/compare-new-methods/seed1/alibi/checkpoint_last.pt \
+        -c stickbreaking=outputs/compare-new-methods/seed1/stickbreaking/checkpoint_last.pt \
+        -c path=outputs/compare-new-methods/seed1/path/checkpoint_last.pt --tokens 512 2048 8192 --repeats 3
+
+Random inputs (``new_methods_cpu.py``) say what a kernel costs per pair; a
+trained model decides how many pairs it scores: ALiBi's key windows skip the
+keys its slopes cannot reach, and stick-breaking stops reading keys once every
+query of a block has spent its stick.  Each checkpoint scores one sequence of
+``--tokens`` tokens of the data's valid split (its documents end to end,
+repeated where the split is shorter), batch 1, no grad, one thread, the
+kernels the model picks; a repeat runs every model once, in an order rotated
+from repeat to repeat, after one warm-up forward each.  The table gives, per
+model, the median seconds of the whole forward and of its attention calls
+alone (``core.layer.attention``: the kernel and, for stick-breaking and PaTH,
+their own terms and projections; not the q, k, v and output projections),
+each over the first model's (name it ``alibi``), and the share of the causal
+(query, key) pairs the attention scores over every layer (the chunked
+kernel's key windows, ALiBi's and FoX's: ``kernels.keys_read``;
+stick-breaking: the key blocks it computes; every other kernel: 1), with the attention's time per pair scored over the
+first model's.  The first model's shape and the others' should match (same
+layers, heads, widths) for the ratios to mean the method's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from argparse import Namespace
+from contextlib import contextmanager
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine_description, median, replaced  # noqa: E402
+from trained_windows import sequence  # noqa: E402
+
+from fairseq_alibi.core import kernels as K  # noqa: E402
+from fairseq_alibi.core import layer as core_layer  # noqa: E402
+from fairseq_alibi.core import stickbreaking  # noqa: E402
+from fairseq_alibi.evaluation.backends import FairseqBackend  # noqa: E402
+from fairseq_alibi.errors import EvaluationError  # noqa: E402
+
+
+@contextmanager
+def recorded(record: dict):
+    """Every attention call's seconds (``record["attention"]``), the causal
+    pairs it could score (``record["pairs"]``, each query with the keys up to
+    its own) and those it scores (``record["scored"]``): a ``chunked`` call's
+    ``kernels.keys_read`` (ALiBi's windows, FoX's), stick-breaking's key
+    blocks computed, every other call all of them."""
+    real_attention, real_for, real_terms = core_layer.attention, K.kernel_for, stickbreaking._block_terms
+    scored = [None]  # this call's pairs scored, where a kernel counted them
+
+    def attention(positions, kernel, q, k, *args, **kwargs):
+        T, S = q.size(2), k.size(2)
+        scored[0] = None
+        start = time.perf_counter()
+        result = real_attention(positions, kernel, q, k, *args, **kwargs)
+        record["attention"] += time.perf_counter() - start
+        causal = q.size(0) * q.size(1) * (T * (S - T) + T * (T + 1) // 2)
+        record["pairs"] += causal
+        record["scored"] += causal if scored[0] is None else min(scored[0], causal)
+        return result
+
+    def counting_for(name: str, bias):
+        chosen = real_for(name, bias)
+
+        def kernel(q, k, v, bias, key_padding_mask, *args, **kwargs):
+            if name == "chunked" and key_padding_mask is None:
+                T, S = q.size(2), k.size(2)
+                share = K.keys_read(bias, q, k)
+                scored[0] = (scored[0] or 0) + share * q.size(0) * q.size(1) * (T * (S - T) + T * (T + 1) // 2)
+            return chosen(q, k, v, bias, key_padding_mask, *args, **kwargs)
+        return kernel
+
+    def block_terms(qs, keys, *rest):
+        scored[0] = (scored[0] or 0) + qs.size(0) * qs.size(1) * qs.size(2) * keys.size(2)
+        return real_terms(qs, keys, *rest)
+
+    with replaced(real_attention, attention), replaced(real_for, counting_for), replaced(real_terms, block_terms):
+        yield
+
+
+def forward(model, tokens: torch.Tensor) -> dict:
+    """One timed forward: ``{"whole", "attention", "scored", "pairs"}``."""
+    record = {"attention": 0.0, "scored": 0, "pairs": 0}
+    with torch.no_grad(), recorded(record):
+        start = time.perf_counter()
+        model(tokens)
+        record["whole"] = time.perf_counter() - start
+    return record
+
+
+def measure(models, tokens: torch.Tensor, repeats: int) -> dict:
+    """Per model name: medians of the whole forward and the attention, and the share of pairs scored."""
+    names = list(models)
+    for name in names:
+        forward(models[name], tokens[:, :64])  # warm-up
+    runs = {name: [] for name in names}
+    for r in range(repeats):
+        turn = r % len(names)
+        for name in names[turn:] + names[:turn]:
+            runs[name].append(forward(models[name], tokens))
+    return {name: {"whole": median([x["whole"] for x in rs]), "attention": median([x["attention"] for x in rs]),
+                   "share": rs[0]["scored"] / rs[0]["pairs"] if rs[0]["pairs"] else 1.0}
+            for name, rs in runs.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data", help="the models' fairseq-preprocess directory (dict.txt, valid split)")
+    p.add_argument("-c", "--checkpoint", action="append", required=True, metavar="NAME=PATH",
+                   help="a causal language model's checkpoint (repeatable; the first is the reference: ALiBi's)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="sequence lengths to score")
+    p.add_argument("--repeats", type=int, default=3, help="timed forwards of each model per length")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.repeats < 1 or any(t < 2 for t in args.tokens) or args.threads < 1:
+        p.error("--repeats and --threads must be at least 1 and every --tokens at least 2")
+    torch.set_num_threads(args.threads)
+    try:
+        backend = FairseqBackend(Namespace(data=args.data, cpu=True, checkpoint=args.checkpoint), subset="valid")
+        loaded = {name: backend.load(backend.describe(name, path), max(args.tokens))
+                  for name, path in backend.specs(args)}  # kept: a loaded model is freed with its holder
+        models = {name: held.model for name, held in loaded.items()}
+    except EvaluationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    first = next(iter(models))
+    print(f"host: {machine_description()}\n")
+    print(f"| model | tokens | pairs scored | s, forward | / {first} | s, attention | / {first} "
+          f"| attention per pair / {first}'s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tokens in args.tokens:
+        rows = measure(models, sequence(args.data, tokens), args.repeats)
+        ref = rows[first]
+        for name, row in rows.items():
+            per_pair = (row["attention"] / row["share"]) / (ref["attention"] / ref["share"])
+            print(f"| {name} | {tokens} | {row['share']:.3f} | {row['whole']:.3g} | {row['whole'] / ref['whole']:.2f} "
+                  f"| {row['attention']:.3g} | {row['attention'] / ref['attention']:.2f} | {per_pair:.2f} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""``benchmarks/trained_eval.py``: trained models' long evaluation side by side,
+the attention's time and the pairs it scores counted per model."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from conftest import REPO, run_cli, tool, train_args
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+import trained_eval  # noqa: E402
+
+
+def test_trained_models_are_timed_side_by_side_with_the_pairs_they_score(lm_data_bin, tmp_path, monkeypatch,
+                                                                          capsys):
+    """Tiny ALiBi and stick-breaking models, a few updates each: one row per
+    model and length, the first model the reference (1.00); the attention's
+    seconds part of the forward's; ALiBi's chunked calls (their threshold
+    lowered here) counted by their share of keys read at 600 tokens (half,
+    here), its SDPA calls at 40 scoring every pair; the per-pair column the attention's time over the share scored, over
+    ALiBi's; a missing checkpoint one error line."""
+    paths = {}
+    for name, arch in (("alibi", "transformer_lm_alibi"), ("stickbreaking", "transformer_lm_stickbreaking")):
+        args = train_args(lm_data_bin, tmp_path / name, max_update=3)
+        args[args.index("transformer_lm_alibi")] = arch
+        run_cli([tool("alibi-train"), *args])
+        paths[name] = tmp_path / name / "checkpoint_last.pt"
+    monkeypatch.setattr(trained_eval.K, "CHUNK_THRESHOLD", 64 * 64)
+    monkeypatch.setattr(trained_eval.K, "keys_read", lambda bias, q, k: 0.5)  # what the windows would skip
+    argv = [str(lm_data_bin), "-c", f"alibi={paths['alibi']}", "-c", f"stickbreaking={paths['stickbreaking']}",
+            "--tokens", "40", "600", "--repeats", "1"]
+    assert trained_eval.main(argv) == 0
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines() if line.startswith(("| alibi |", "| stickbreaking |"))]
+    assert [(row[0], row[1]) for row in rows] == [("alibi", "40"), ("stickbreaking", "40"),
+                                                   ("alibi", "600"), ("stickbreaking", "600")]
+    for model, tokens, share, whole, whole_ratio, attention, attention_ratio, per_pair in rows:
+        assert 0 < float(attention) < float(whole)
+        assert 0 < float(share) <= 1
+        if model == "alibi":
+            assert whole_ratio == attention_ratio == per_pair == "1.00"
+    alibi_40, sb_40, alibi_600, sb_600 = rows
+    assert float(alibi_40[2]) == 1.0 and float(alibi_600[2]) == 0.5  # 40 tokens: SDPA; 600: chunked
+    expected = (float(sb_600[5]) / float(sb_600[2])) / (float(alibi_600[5]) / float(alibi_600[2]))
+    assert float(sb_600[7]) == pytest.approx(expected, rel=0.02, abs=0.01)
+    assert trained_eval.main([str(lm_data_bin), "-c", f"alibi={tmp_path / 'none.pt'}"]) == 1
+    assert capsys.readouterr().err.startswith("error: ")
