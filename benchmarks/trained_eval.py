@@ -27,23 +27,20 @@ layers, heads, widths) for the ratios to mean the method's cost.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
-from argparse import Namespace
 from contextlib import contextmanager
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_description, median, replaced  # noqa: E402
-from trained_windows import sequence  # noqa: E402
+from trained_windows import arguments, load_models, sequence  # noqa: E402
 
 from fairseq_alibi.core import kernels as K  # noqa: E402
 from fairseq_alibi.core import layer as core_layer  # noqa: E402
 from fairseq_alibi.core import stickbreaking  # noqa: E402
-from fairseq_alibi.evaluation.backends import FairseqBackend  # noqa: E402
 from fairseq_alibi.errors import EvaluationError  # noqa: E402
 
 
@@ -113,26 +110,14 @@ def measure(models, tokens: torch.Tensor, repeats: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data", help="the models' fairseq-preprocess directory (dict.txt, valid split)")
-    p.add_argument("-c", "--checkpoint", action="append", required=True, metavar="NAME=PATH",
-                   help="a causal language model's checkpoint (repeatable; the first is the reference: ALiBi's)")
-    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="sequence lengths to score")
-    p.add_argument("--repeats", type=int, default=3, help="timed forwards of each model per length")
-    p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
-    if args.repeats < 1 or any(t < 2 for t in args.tokens) or args.threads < 1:
-        p.error("--repeats and --threads must be at least 1 and every --tokens at least 2")
-    torch.set_num_threads(args.threads)
+    args = arguments(__doc__, argv, "a causal language model's checkpoint (repeatable; the first is the reference: "
+                     "ALiBi's)", [2048, 8192], "timed forwards of each model per length")
     try:
-        backend = FairseqBackend(Namespace(data=args.data, cpu=True, checkpoint=args.checkpoint), subset="valid")
-        loaded = {name: backend.load(backend.describe(name, path), max(args.tokens))
-                  for name, path in backend.specs(args)}  # kept: a loaded model is freed with its holder
-        models = {name: held.model for name, held in loaded.items()}
+        held = load_models(args)
     except EvaluationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    models = {name: h.model for name, h in held.items()}
     first = next(iter(models))
     print(f"host: {machine_description()}\n")
     print(f"| model | tokens | pairs scored | s, forward | / {first} | s, attention | / {first} "

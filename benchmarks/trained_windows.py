@@ -106,25 +106,38 @@ def measure(model, tokens: torch.Tensor, repeats: int) -> dict:
             "max_diff": float((with_windows - every_key).abs().max())}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(doc: str, argv, checkpoint_help: str, tokens, repeats_help: str) -> argparse.Namespace:
+    """The command line these trained-model benchmarks share (``doc``: the script's docstring)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data", help="the models' fairseq-preprocess directory (dict.txt, valid split)")
-    p.add_argument("-c", "--checkpoint", action="append", required=True, metavar="NAME=PATH",
-                   help="a causal language model's checkpoint (repeatable)")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192], help="sequence lengths to score")
-    p.add_argument("--repeats", type=int, default=3, help="timed forwards of each form per length")
+    p.add_argument("-c", "--checkpoint", action="append", required=True, metavar="NAME=PATH", help=checkpoint_help)
+    p.add_argument("--tokens", type=int, nargs="+", default=tokens, help="sequence lengths to score")
+    p.add_argument("--repeats", type=int, default=3, help=repeats_help)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     if args.repeats < 1 or any(t < 2 for t in args.tokens) or args.threads < 1:
         p.error("--repeats and --threads must be at least 1 and every --tokens at least 2")
     torch.set_num_threads(args.threads)
+    return args
+
+
+def load_models(args) -> dict:
+    """Each ``-c NAME=PATH`` checkpoint loaded for ``max(args.tokens)`` tokens, by name: the backend's loaded
+    model (``.model``; a loaded model is freed with its holder, so the holders are what is kept).  Raises
+    ``EvaluationError``."""
+    backend = FairseqBackend(Namespace(data=args.data, cpu=True, checkpoint=args.checkpoint), subset="valid")
+    return {name: backend.load(backend.describe(name, path), max(args.tokens)) for name, path in backend.specs(args)}
+
+
+def main(argv=None) -> int:
+    args = arguments(__doc__, argv, "a causal language model's checkpoint (repeatable)", [1024, 8192],
+                     "timed forwards of each form per length")
     try:
-        backend = FairseqBackend(Namespace(data=args.data, cpu=True, checkpoint=args.checkpoint), subset="valid")
-        models = [(name, backend.load(backend.describe(name, path), max(args.tokens)).model)
-                  for name, path in backend.specs(args)]
+        held = load_models(args)
     except EvaluationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    models = [(name, h.model) for name, h in held.items()]
     print(f"host: {machine_description()}\n")
     print("| model | tokens | keys read, windows | keys read, all | s, windows | s, all keys | windows / all "
           "| max diff of log-probs |")
