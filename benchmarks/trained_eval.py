@@ -12,17 +12,20 @@ keys its slopes cannot reach, and stick-breaking stops reading keys once every
 query of a block has spent its stick.  Each checkpoint scores one sequence of
 ``--tokens`` tokens of the data's valid split (its documents end to end,
 repeated where the split is shorter), batch 1, no grad, one thread, the
-kernels the model picks; a repeat runs every model once, in an order rotated
-from repeat to repeat, after one warm-up forward each.  The table gives, per
-model, the median seconds of the whole forward and of its attention calls
-alone (``core.layer.attention``: the kernel and, for stick-breaking and PaTH,
+kernels the model picks, timed in CPU time of this process
+(``time.process_time``: what else runs on the machine slows it less).  A
+repeat runs every model once, in an order rotated from repeat to repeat,
+after one warm-up forward each.  The table gives, per model, the median
+seconds of the whole forward and of its attention calls alone
+(``core.layer.attention``: the kernel and, for stick-breaking and PaTH,
 their own terms and projections; not the q, k, v and output projections),
-each over the first model's (name it ``alibi``), and the share of the causal
-(query, key) pairs the attention scores over every layer (the chunked
-kernel's key windows, ALiBi's and FoX's: ``kernels.keys_read``;
-stick-breaking: the key blocks it computes; every other kernel: 1), with the attention's time per pair scored over the
-first model's.  The first model's shape and the others' should match (same
-layers, heads, widths) for the ratios to mean the method's cost.
+each over the first model's (name it ``alibi``), and the share of the
+causal (query, key) pairs the attention scores over every layer (the
+chunked kernel's key windows, ALiBi's and FoX's: ``kernels.keys_read``;
+stick-breaking: the key blocks it computes; every other kernel: 1), with
+the attention's time per pair scored over the first model's.  The models
+should share their shape (layers, heads, widths) for the ratios to be the
+methods' costs.
 """
 
 from __future__ import annotations
@@ -57,9 +60,9 @@ def recorded(record: dict):
     def attention(positions, kernel, q, k, *args, **kwargs):
         T, S = q.size(2), k.size(2)
         scored[0] = None
-        start = time.perf_counter()
+        start = time.process_time()
         result = real_attention(positions, kernel, q, k, *args, **kwargs)
-        record["attention"] += time.perf_counter() - start
+        record["attention"] += time.process_time() - start
         causal = q.size(0) * q.size(1) * (T * (S - T) + T * (T + 1) // 2)
         record["pairs"] += causal
         record["scored"] += causal if scored[0] is None else min(scored[0], causal)
@@ -88,9 +91,9 @@ def forward(model, tokens: torch.Tensor) -> dict:
     """One timed forward: ``{"whole", "attention", "scored", "pairs"}``."""
     record = {"attention": 0.0, "scored": 0, "pairs": 0}
     with torch.no_grad(), recorded(record):
-        start = time.perf_counter()
+        start = time.process_time()
         model(tokens)
-        record["whole"] = time.perf_counter() - start
+        record["whole"] = time.process_time() - start
     return record
 
 
