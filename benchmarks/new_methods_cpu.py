@@ -156,7 +156,14 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="+", choices=tuple(CASES), default=list(CASES))
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--threads", type=positive, default=1)
+    p.add_argument("--memory", action="store_true",
+                   help="also the memory one evaluation forward adds, per case and length (positions_cost.memory_of)")
+    p.add_argument("--memory-cell", nargs=2, metavar=("CASE", "LENGTH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.memory_cell:
+        torch.set_num_threads(args.threads)
+        memory_cell(args.memory_cell[0], int(args.memory_cell[1]), args)
+        return 0
     torch.set_num_threads(args.threads)
     names = ["alibi", "sdpa"] + [n for n in args.cases if n not in ("alibi", "sdpa")]
     print(f"new_methods_cpu: B={args.batch}, {args.heads} heads of {args.head_dim}, {args.threads} thread(s), "
@@ -168,8 +175,43 @@ def main(argv=None) -> int:
         times, shares = measure(names, (1, args.heads, n, args.head_dim), False, args.repeats, args.trained_length)
         table(f"Evaluation, {n} tokens ({n / args.trained_length:g}x L = {args.trained_length}), forward; ALiBi "
               f"reads {shares['alibi']:.2f} of the causal pairs", names, times, shares)
+    if args.memory and args.eval_lengths:
+        memory_table(names, args)
     return 0
 
+
+def memory_table(names, args) -> None:
+    """MiB that one evaluation forward adds to resident memory (the peak of two calls over what was resident
+    before them, ``positions_cost.memory_of``), per case and evaluation length, each cell in a fresh process
+    (in one process the allocator keeps what an earlier case freed): linear in the length for a linear-memory
+    kernel."""
+    import json
+    import subprocess
+
+    lengths = args.eval_lengths
+    print("\nEvaluation memory, MiB one forward adds (batch 1, each cell its own process)\n")
+    print("| case | " + " | ".join(f"{n} tokens" for n in lengths) + " |")
+    print("|---|" + "---|" * len(lengths))
+    for name in names:
+        cells = []
+        for n in lengths:
+            cmd = [sys.executable, os.path.abspath(__file__), "--memory-cell", name, str(n), "--heads", str(args.heads),
+                   "--head-dim", str(args.head_dim), "--trained-length", str(args.trained_length),
+                   "--threads", str(args.threads)]
+            cells.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["own_mib"])
+        print(f"| {name} | " + " | ".join(f"{mib:.0f}" for mib in cells) + " |", flush=True)
+
+
+def memory_cell(name: str, length: int, args) -> None:
+    """One cell of :func:`memory_table`, printed as JSON."""
+    import json
+
+    from positions_cost import memory_of
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn((1, args.heads, length, args.head_dim), generator=gen) for _ in range(3))
+    case = build(name, args.heads, args.head_dim, args.trained_length)
+    print(json.dumps(memory_of(lambda: case.seconds(q, k, v, None, 0.0, False))))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -579,6 +579,22 @@ def test_the_new_methods_benchmark_times_every_case_beside_alibi_and_sdpa(capsys
         assert float(r[2]) == pytest.approx(float(r[1]) / alibi, rel=0.02, abs=0.006), r  # printed rounded
 
 
+def test_the_new_methods_benchmark_measures_memory_cell_by_cell_in_fresh_processes(capsys):
+    """``new_methods_cpu.py --memory``: a row per case (ALiBi and SDPA first)
+    and a column per evaluation length, each cell a fresh process's
+    ``memory_of`` of one forward, a number of MiB not below 0."""
+    import new_methods_cpu
+
+    assert new_methods_cpu.main(["--lengths", "--heads", "2", "--head-dim", "8", "--trained-length", "16",
+                                 "--eval-lengths", "256", "2048", "--repeats", "1", "--cases", "path",
+                                 "--memory"]) == 0
+    out = capsys.readouterr().out.split("Evaluation memory")[1]
+    rows = {line.split(" | ")[0][2:]: [float(c) for c in line.strip(" |").split(" | ")[1:]]
+            for line in out.splitlines() if line.startswith("| ") and not line.startswith(("| case", "|---"))}
+    assert list(rows) == ["alibi", "sdpa", "path"] and all(len(r) == 2 for r in rows.values())
+    assert all(mib >= 0 for r in rows.values() for mib in r)
+
+
 def test_the_position_kernels_benchmark_times_t5s_two_training_paths(monkeypatch):
     """``position_kernels.py --t5-paths``: a row for T5 through the generic
     per-distance path beside T5's own; that case has no far bucket (so the
