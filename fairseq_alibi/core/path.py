@@ -96,14 +96,15 @@ from .fox import ForgetGates, LayerForgetGate
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling
 from .stickbreaking import add_product, refuse_dropout
 
-#: Tokens per block of the kernel where gradients are taken, and where none are, and tokens per chunk where
-#: none are (a longer input is read chunk by chunk, each chunk's queries scoring the keys before it in one
-#: fused attention call: :func:`_by_chunks`).  Timed on the CPU (an AMD EPYC, one thread, 4 heads of 64): of
-#: blocks of 64, 128 and 256, 64 the fastest forward + backward at 1,024 tokens; of blocks of 32, 64 and 128
-#: and chunks of 256, 512 and 1,024, blocks of 64 in chunks of 512 the fastest forward at 2,048 tokens and
-#: within 5 % of the fastest at 8,192.
+#: Tokens per block of the kernel where gradients are taken, and where none are (twice the head dimension, 32 to
+#: 64: :func:`inference_block`), and tokens per chunk where none are (a longer input is read chunk by chunk,
+#: each chunk's queries scoring the keys before it in one fused attention call: :func:`_by_chunks`).  Timed on
+#: the CPU (an AMD EPYC, one thread): of blocks of 64, 128 and 256, 64 the fastest forward + backward at 1,024
+#: tokens (4 heads of 64); without a gradient, of blocks of 16 to 128 and chunks of 128 to 1,024, blocks of 64
+#: in chunks of 512 the fastest at 2,048 tokens and within 5 % of the fastest at 8,192 with 4 heads of 64, blocks
+#: of 32 in chunks of 512 the fastest at 2,048 and 8,192 with 8 heads of 16.
 BLOCK = 64
-INFERENCE_BLOCK = 64
+INFERENCE_BLOCKS = (32, 64)
 CHUNK = 512
 #: The rank of the projection that gives ``w`` (the authors').
 W_RANK = 32
@@ -150,6 +151,13 @@ def path_reference(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     empty = scores.amax(-1, keepdim=True) == float("-inf")
     weights = torch.softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
     return weights @ v, weights
+
+
+def inference_block(head_dim: int) -> int:
+    """Tokens per block where no gradient is taken: twice the head dimension, within :data:`INFERENCE_BLOCKS`
+    (a block's triangular inverse grows as its cube, its products with the head dimension)."""
+    low, high = INFERENCE_BLOCKS
+    return min(high, max(low, 2 * head_dim))
 
 
 def _solve(matrix: Tensor, rhs: Tensor, upper: bool) -> Tensor:
@@ -226,12 +234,12 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     ``return_keys``): every key carried through the new tokens' ``H`` too,
     ``[B, H, S0 + T, D]``, the next call's ``past_keys``.  Computed in float32
     (float64 for float64 inputs), ``block`` tokens at a time (:data:`BLOCK`
-    where a gradient is taken, else :data:`INFERENCE_BLOCK`); where no
+    where a gradient is taken, else :func:`inference_block`); where no
     gradient is taken, ``chunk`` tokens (:data:`CHUNK`) per call of
     :func:`_by_chunks`."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, w, beta, gate))
     if block is None:
-        block = BLOCK if grad else INFERENCE_BLOCK
+        block = BLOCK if grad else inference_block(q.size(-1))
     chunk = chunk or CHUNK
     if block < 1 or chunk < 1:
         raise ValueError(f"block and chunk must be at least 1, not {block} and {chunk}")
