@@ -159,6 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--memory", action="store_true",
                    help="also the memory one evaluation forward adds, per case and length (positions_cost.memory_of)")
     p.add_argument("--memory-cell", nargs=2, metavar=("CASE", "LENGTH"), help=argparse.SUPPRESS)
+    p.add_argument("--profile", metavar="CASE", choices=tuple(CASES),
+                   help="also where one evaluation call of CASE spends its time at each --eval-lengths "
+                        "(torch.profiler: the operators' shares of the call's CPU time)")
     args = p.parse_args(argv)
     if args.memory_cell:
         torch.set_num_threads(args.threads)
@@ -177,7 +180,29 @@ def main(argv=None) -> int:
               f"reads {shares['alibi']:.2f} of the causal pairs", names, times, shares)
     if args.memory and args.eval_lengths:
         memory_table(names, args)
+    if args.profile:
+        profile_table(args.profile, args)
     return 0
+
+
+def profile_table(name: str, args, rows: int = 6) -> None:
+    """The operators taking the largest shares of one evaluation call's CPU time (after a warm-up call)."""
+    from torch.profiler import profile
+
+    print(f"\nWhere one evaluation call of {name} spends its time (torch.profiler, self CPU time)\n")
+    print("| tokens | " + " | ".join(f"operator {i + 1}" for i in range(rows)) + " |")
+    print("|---|" + "---|" * rows)
+    for n in args.eval_lengths:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn((1, args.heads, n, args.head_dim), generator=gen) for _ in range(3))
+        case = build(name, args.heads, args.head_dim, args.trained_length)
+        case.seconds(q, k, v, None, 0.0, False)
+        with profile() as prof:
+            case.seconds(q, k, v, None, 0.0, False)
+        spent = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+        total = sum(spent.values())
+        top = sorted(spent.items(), key=lambda item: -item[1])[:rows]
+        print(f"| {n} | " + " | ".join(f"{key} {t / total:.0%}" for key, t in top) + " |")
 
 
 def memory_table(names, args) -> None:

@@ -579,16 +579,24 @@ def test_the_new_methods_benchmark_times_every_case_beside_alibi_and_sdpa(capsys
         assert float(r[2]) == pytest.approx(float(r[1]) / alibi, rel=0.02, abs=0.006), r  # printed rounded
 
 
-def test_the_new_methods_benchmark_measures_memory_cell_by_cell_in_fresh_processes(capsys):
-    """``new_methods_cpu.py --memory``: a row per case (ALiBi and SDPA first)
-    and a column per evaluation length, each cell a fresh process's
-    ``memory_of`` of one forward, a number of MiB not below 0."""
+@pytest.mark.slow  # six fresh processes and a profiled call: about 20-50 s
+def test_the_new_methods_benchmark_measures_memory_cell_by_cell_and_profiles_a_case(capsys):
+    """``new_methods_cpu.py --memory --profile path``: a row per case (ALiBi
+    and SDPA first) and a column per evaluation length, each cell a fresh
+    process's ``memory_of`` of one forward, a number of MiB not below 0; then
+    a row per length of PaTH's largest operators, shares of its call that add
+    up to at most 100 %, the fused attention call among them past a chunk."""
     import new_methods_cpu
 
     assert new_methods_cpu.main(["--lengths", "--heads", "2", "--head-dim", "8", "--trained-length", "16",
-                                 "--eval-lengths", "256", "2048", "--repeats", "1", "--cases", "path",
-                                 "--memory"]) == 0
-    out = capsys.readouterr().out.split("Evaluation memory")[1]
+                                 "--eval-lengths", "256", "1024", "--repeats", "1", "--cases", "path",
+                                 "--memory", "--profile", "path"]) == 0
+    out, profiled = capsys.readouterr().out.split("Evaluation memory")[1].split("Where one evaluation call")
+    shares = {line.split(" | ")[0][2:]: [(c.rsplit(" ", 1)[0], float(c.rsplit(" ", 1)[1].rstrip("%")))
+                                          for c in line.strip(" |").split(" | ")[1:]]
+              for line in profiled.splitlines() if line.startswith("| ") and line[2].isdigit()}
+    assert list(shares) == ["256", "1024"] and all(0 < sum(p for _, p in r) <= 100.5 for r in shares.values())
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in [op for op, _ in shares["1024"]]
     rows = {line.split(" | ")[0][2:]: [float(c) for c in line.strip(" |").split(" | ")[1:]]
             for line in out.splitlines() if line.startswith("| ") and not line.startswith(("| case", "|---"))}
     assert list(rows) == ["alibi", "sdpa", "path"] and all(len(r) == 2 for r in rows.values())
