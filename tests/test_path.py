@@ -284,12 +284,17 @@ def test_long_evaluation_chunk_by_chunk_is_the_naive_product(block, chunk, gated
     torch.testing.assert_close(keys, whole, rtol=1e-12, atol=1e-12)
 
 
-def test_chunks_in_float32_stay_near_the_float64_product():
-    q, k, v, w, beta, c = inputs(70, dtype=torch.float32)
-    expected, _ = path_reference(q, k, v, w, beta, c)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
+def test_chunks_in_low_precision_stay_near_the_float64_product(dtype, tol):
+    """70 tokens in chunks of 24 (the last one short) and blocks of 8, the gate on and a left-padded row."""
+    q, k, v, w, beta, c = inputs(70, dtype=dtype)
+    pad = torch.zeros(2, 70, dtype=torch.bool)
+    pad[1, :30] = True
+    expected, _ = path_reference(q, k, v, w, beta, c, pad)
     with torch.no_grad():
-        out, _ = path_attention(q, k, v, w, beta, c, block=8, chunk=24)
-    assert float((out.double() - expected).abs().max()) < 2e-5 * float(expected.abs().max())
+        out, _ = path_attention(q, k, v, w, beta, c, pad, block=8, chunk=24)
+    assert out.dtype == dtype
+    assert float((out.double() - expected).abs().max()) < tol * float(expected.abs().max())
 
 
 @pytest.mark.parametrize("forget_gate", [False, True])
