@@ -39,8 +39,8 @@ from fairseq_alibi.core import stickbreaking  # noqa: E402
 from fairseq_alibi.core.scaling import Scaling  # noqa: E402
 
 #: The cases: a method of core.positions and its parameters, or "sdpa".  "stickbreaking-far": its
-#: queries and keys shifted so that z = q . k / sqrt(d) is about -5 + N(0, 1) (each key takes about
-#: 1 % of the stick): no row spends its stick within 8,192 keys, so no key block is skipped; with
+#: queries and keys shifted so that z = q . k / sqrt(d) is about -8 + N(0, 1) (each key takes about
+#: 0.05 % of the stick): no row spends its stick within 16,384 keys, so no key block is skipped; with
 #: random q and k (z about N(0, 1)) a row's stick is spent within a few hundred keys.
 CASES = {"alibi": ("alibi", {}), "sdpa": ("sdpa", {}), "stickbreaking": ("stickbreaking", {}),
          "stickbreaking-far": ("stickbreaking", {}), "path": ("path", {}),
@@ -63,22 +63,23 @@ class Sdpa:
 
 
 class Far(Case):
-    """Stick-breaking with z about -5 + N(0, 1): every key block scored."""
+    """Stick-breaking with z about -8 + N(0, 1): every key block scored."""
 
     def seconds(self, q, k, v, weight, dropout: float, train: bool) -> float:
         q, k = q.clone(), k.clone()
-        q[..., 0], k[..., 0] = 10.0, -4.0 * math.sqrt(q.size(-1)) / 8.0
+        q[..., 0], k[..., 0] = 10.0, -6.4 * math.sqrt(q.size(-1)) / 8.0
         return super().seconds(q, k, v, weight, dropout, train)
 
 
 def scored(case, q, k, v) -> float:
     """The share of the causal pairs one stick-breaking forward scores
-    (the blocks it does not skip, their masked part included)."""
+    (the blocks it does not skip, their masked part included, for each head
+    still reading)."""
     count = []
     original = stickbreaking._block_terms
 
     def counting(qs, keys, *rest):
-        count.append(qs.size(2) * keys.size(2))
+        count.append(qs.size(0) * qs.size(1) * qs.size(2) * keys.size(2) / (q.size(0) * q.size(1)))
         return original(qs, keys, *rest)
 
     stickbreaking._block_terms = counting

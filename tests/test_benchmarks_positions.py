@@ -561,7 +561,7 @@ def test_the_new_methods_benchmark_times_every_case_beside_alibi_and_sdpa(capsys
     """``benchmarks/new_methods_cpu.py`` on a tiny setting: a row per case in
     each table (training, evaluation), ratios to ALiBi's and SDPA's medians;
     in evaluation the share of the causal pairs each scores: stick-breaking
-    with z about -5 scores every block (its diagonal squares whole: above 1),
+    with z about -8 scores every block (its diagonal squares whole: above 1),
     with z about N(0, 1) at 2,000 tokens it skips the blocks of spent sticks."""
     import new_methods_cpu
 

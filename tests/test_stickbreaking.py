@@ -45,6 +45,40 @@ def test_the_kernel_and_its_gradients_are_the_naive_product(T, S, block):
     torch.testing.assert_close(remainder, rem, rtol=1e-12, atol=1e-12)
     for got, want in zip(grads(out, remainder, (q, k, v)), grads(expected, rem, (q, k, v))):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    with torch.no_grad():  # evaluation: the forward that gathers the heads still reading
+        out, remainder = stickbreaking_attention(q, k, v, pad, block=block)
+    torch.testing.assert_close(out, expected.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(remainder, rem.detach(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_without_a_gradient_each_head_stops_where_its_own_stick_is_spent(dtype, monkeypatch):
+    """Heads 0 and 2 score every key at 8.5 (their sticks spent within a few
+    keys), head 1 at -5 (0.7 % of the stick each, never spent in 120 keys):
+    without a gradient, heads 0 and 2 stop reading after their first key
+    blocks while head 1 reads on alone, in both rows of a batch with one
+    left-padded; values and remainders stay the float64 product's (the keys
+    left out weigh under 2^-16 of a rounding unit)."""
+    q, k, v = inputs(120)
+    with torch.no_grad():
+        for head in (0, 2):
+            q[:, head], k[:, head] = 3.0, 1.0  # z = 3 * 8 / sqrt(8) = 8.5
+        q[:, 1], k[:, 1] = 0.0, 0.0
+        q[:, 1, :, 0], k[:, 1, :, 0] = 5.0, -(8 ** 0.5)  # z = -5
+    pad = torch.zeros(2, 120, dtype=torch.bool)
+    pad[1, :7] = True
+    expected, rem, _ = stickbreaking_reference(q, k, v, pad)
+    assert float(rem[:, 1, -1].min()) > 1e-3 and float(rem[:, 0, 20:].max()) < 1e-30
+    heads_read = []
+    original = stickbreaking._block_terms
+    monkeypatch.setattr(stickbreaking, "_block_terms", lambda qs, *a: heads_read.append(qs.size(0)) or original(qs, *a))
+    with torch.no_grad():
+        out, remainder = stickbreaking_attention(*(t.to(dtype) for t in (q, k, v)), pad, block=16, key_block=16)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), expected.detach(), rtol=tol, atol=tol)
+    torch.testing.assert_close(remainder.double(), rem.detach(), rtol=tol, atol=tol)
+    # the first key blocks of a query block read every head of both rows, the later ones head 1 of each alone
+    assert max(heads_read) == 2 * HEADS and heads_read.count(2) >= 15 and set(heads_read) <= {2, 2 * HEADS}
 
 
 @pytest.mark.parametrize("layout", ["BTHD", "TBHD", "BHTD"])
@@ -94,6 +128,11 @@ def test_incremental_queries_equal_the_full_forward():
         torch.testing.assert_close(r, rem[:, :, t:t + 1], rtol=0, atol=1e-13)
     out, r = stickbreaking_attention(q[:, :, 20:], k, v, block=8)  # a chunk after a cached prefix
     torch.testing.assert_close(out, full[:, :, 20:], rtol=0, atol=1e-13)
+    with torch.no_grad():  # decoding: each head of a single query stops at its own spent stick
+        for t in (0, 1, 9, 28):
+            out, r = stickbreaking_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], block=8)
+            torch.testing.assert_close(out, full[:, :, t:t + 1].detach(), rtol=0, atol=1e-13)
+            torch.testing.assert_close(r, rem[:, :, t:t + 1].detach(), rtol=0, atol=1e-13)
 
 
 def padded(t: torch.Tensor, extra: int, side: str) -> torch.Tensor:

@@ -62,7 +62,12 @@ the CPU costs more than the sigmoids (and an exponential that lands among
 float32's subnormal numbers costs some 30 times a normal one).  Once a whole
 query block's remainder is below ``exp(-120)`` (zero in float32) no farther
 key can change a number, and the keys before are skipped: a long row whose
-heads have spent their stick costs the keys they read, not the row.  The
+heads have spent their stick costs the keys they read, not the row.  Where
+no gradient is taken (evaluation, decoding) each head stops on its own, once
+its queries' remainders are below :func:`negligible_remainder` (the farther
+keys then weigh under ``2^-16`` of a rounding unit, the standard ALiBi's key
+windows keep), the heads still reading gathered into one batch: a trained
+model's heads spend their sticks at very different distances.  The
 naive reference (:func:`stickbreaking_reference`) computes the product itself, in float64,
 with ``[B, H, T, S]`` memory: the tests' oracle.
 
@@ -82,6 +87,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .bias import OwnAttentionStack
+from .causal_blocks import SKIPPED_SHARE
 from .errors import ConfigError
 from .scaling import NO_SCALING, Scaling
 
@@ -208,6 +214,73 @@ def _spent(carry: Tensor) -> bool:
     return float(carry.max()) < math.exp(SPENT)
 
 
+def negligible_remainder(dtype: torch.dtype) -> float:
+    """Below this remainder no farther key can move an output or the
+    remainder itself by more than ``SKIPPED_SHARE`` of a rounding unit of
+    ``dtype`` (the farther keys' weights sum to at most the remainder, each
+    output is at most the largest ``|v|``): where no gradient is taken, a
+    head's queries stop reading keys there (the house's standard for keys
+    left out, as ALiBi's key windows leave them: ``causal_blocks``).
+    ``2^-39`` in float32."""
+    return SKIPPED_SHARE * torch.finfo(dtype).eps
+
+
+def _forward_by_heads(qs: Tensor, kr: Tensor, vr: Tensor, pad: Optional[Tensor], block: int, key_block: int,
+                      exact: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """The forward where no gradient is taken: ``(sum_j A_ij v_j, remainder)``,
+    ``[B, H, T, Dv]`` and ``[B, H, T]``, each head of a query block reading
+    key blocks until its own queries' remainders are all below
+    :func:`negligible_remainder` (a trained model's heads spend their sticks
+    at very different distances: one long-sighted head would keep every
+    other head reading); the heads still reading are gathered into one
+    batch per key block."""
+    B, H, T, _ = qs.shape
+    S, Dv = kr.size(2), vr.size(-1)
+    floor = negligible_remainder(exact)
+    heads = B * H
+    qf, kf, vf = qs.flatten(0, 1), kr.flatten(0, 1), vr.flatten(0, 1)  # [B H, ., D]
+    out = qs.new_zeros((heads, T, Dv))
+    rem = qs.new_ones((heads, T))
+    space = [qs.new_empty(heads * block * key_block) for _ in range(2)]
+    pv_space = qs.new_empty(heads * block * Dv)
+    for start in range(0, T, block):
+        rows = min(block, T - start)
+        part = slice(start, start + rows)
+        active = None  # the heads still reading (None: all of them)
+        queries = qf[:, part].unsqueeze(1)  # [n, 1, rows, D]: each head its own batch row
+        carry = qs.new_ones((heads, 1, rows, 1))
+        for first, stop in _blocks(S, T, start, rows, key_block):
+            keys = slice(S - stop, S - first)
+            n = heads if active is None else active.numel()
+            k_block, v_block = kf[:, keys], vf[:, keys]
+            if active is not None:
+                k_block, v_block = k_block.index_select(0, active), v_block.index_select(0, active)
+            z, weights = (_view(t, n, 1, rows, stop - first) for t in space)
+            excluded = _excluded(T, S, start, rows, first, stop, pad, qs.device)
+            if excluded is not None and excluded.size(0) > 1:  # padding: the mask of each head's row of the batch
+                excluded = excluded.repeat_interleave(H, 0) if active is None else \
+                    excluded.index_select(0, torch.div(active, H, rounding_mode="floor"))
+            _, weights, kept = _block_terms(queries, k_block.unsqueeze(1), excluded, z, weights, weights)
+            gained = _bmm(weights, v_block.unsqueeze(1), _view(pv_space, n, 1, rows, Dv)).mul_(carry)
+            if active is None:
+                out[:, part] += gained[:, 0]
+            else:
+                out[:, part].index_add_(0, active, gained[:, 0])
+            carry = carry * kept
+            reading = carry.amax((1, 2, 3)) >= floor
+            if not bool(reading.all()):  # heads whose queries have all spent their sticks stop here
+                done = torch.arange(heads, device=qs.device) if active is None else active
+                rem[:, part].index_copy_(0, done[~reading], carry[~reading][:, 0, :, 0])
+                active = done[reading]
+                if active.numel() == 0:
+                    break
+                queries, carry = queries[reading], carry[reading]
+        else:
+            done = torch.arange(heads, device=qs.device) if active is None else active
+            rem[:, part].index_copy_(0, done, carry[:, 0, :, 0])
+    return out.view(B, H, T, Dv), rem.view(B, H, T)
+
+
 def _prepared(q: Tensor, k: Tensor, v: Tensor):
     """``(exact dtype, q / sqrt(d), k and v reversed along the sequence)``: nearest first within a block is then
     the memory order."""
@@ -301,7 +374,9 @@ def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: O
     ``key_padding_mask`` ``[B, S]`` True at padding.  Computed in float32 (or
     float64), ``block`` queries (:data:`BLOCK`) and ``key_block`` keys at a
     time (:data:`KEY_BLOCK`, or ``block`` where only that is given);
-    differentiable in ``q``, ``k`` and ``v`` with memory linear in the length."""
+    differentiable in ``q``, ``k`` and ``v`` with memory linear in the length
+    (:class:`_StickBreaking`); where no gradient is taken,
+    :func:`_forward_by_heads`, each head stopping at its own spent stick."""
     key_block = key_block or block or KEY_BLOCK
     block = block or BLOCK
     if block < 1 or key_block < 1:
@@ -309,6 +384,10 @@ def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: O
     pad = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
     if pad is not None and not bool(pad.any()):
         pad = None
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        exact, qs, kr, vr = _prepared(q, k, v)
+        out, rem = _forward_by_heads(qs, kr, vr, pad, block, key_block, exact)
+        return out.to(q.dtype), rem
     return _StickBreaking.apply(q, k, v, pad, block, key_block)
 
 
