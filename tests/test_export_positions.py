@@ -54,6 +54,7 @@ CUSTOM = {
     "stickbreaking": ["--arch", "transformer_lm_stickbreaking", *COMPARE],
     "path": ["--arch", "transformer_lm_path", *COMPARE, "--path-short-conv", "0"],
     "path-fox": ["--arch", "transformer_lm_path", *COMPARE, "--path-forget-gate", "1"],
+    "path-fox-scaled": ["--arch", "transformer_lm_path", *COMPARE, "--path-forget-gate", "2"],
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: The half-precision export of a model (both dtypes over the methods; an export costs seconds):

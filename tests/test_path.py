@@ -297,22 +297,29 @@ def test_chunks_in_low_precision_stay_near_the_float64_product(dtype, tol):
     assert float((out.double() - expected).abs().max()) < tol * float(expected.abs().max())
 
 
-@pytest.mark.parametrize("forget_gate", [False, True])
+@pytest.mark.parametrize("forget_gate", [0, 1, 2])
 def test_the_layer_attends_with_its_own_kernel_and_cache(forget_gate):
-    """A layer's object (projections, FoX's gate for PaTH-FoX): its cache, extended call by call, gives the
-    full forward; attention dropout and the extension methods without a logit scaling are refused."""
+    """A layer's object (projections, FoX's gate for PaTH-FoX, its bias unscaled (1) or divided by sqrt(d)
+    (2): the kernel given the gate's running sums so): its cache, extended call by call, gives the full
+    forward; attention dropout and the extension methods without a logit scaling are refused."""
     torch.manual_seed(0)
     layer = PathPositions(HEADS, DIM, 16, forget_gate=forget_gate).for_layer().double()
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(std=0.5)
-    assert layer.own_kernel and (layer.gate is not None) == forget_gate
+    assert layer.own_kernel and (layer.gate is not None) == bool(forget_gate)
     q, k, v = (torch.randn(2, HEADS, 11, DIM, dtype=torch.float64) for _ in range(3))
     x = torch.randn(11, 2, 16, dtype=torch.float64)
     pad = torch.zeros(2, 11, dtype=torch.bool)
     pad[1, :2] = True
     with torch.no_grad():
         full = layer.attend(q, k, v, x, pad)
+        w, beta, _ = layer.proj(x, pad)
+        gate = None if layer.gate is None else layer.gate.bind(x, pad, None)[1] * (DIM ** -0.5 if forget_gate == 2
+                                                                                  else 1.0)
+        expected, _ = path_attention(q, k, v, w, beta, gate, pad)
+    torch.testing.assert_close(full, expected, rtol=0, atol=1e-12)
+    with torch.no_grad():
         state = {}
         for start, stop in [(0, 4), (4, 5), (5, 6), (6, 11)]:
             part = layer.attend(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], x[start:stop],

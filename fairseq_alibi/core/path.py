@@ -25,12 +25,12 @@ Choices, each checked against the authors' layer (flash-linear-attention's
   (their models' ``initializer_range``; the convolution too), so ``beta``
   starts near 1 for every token.
 * The forget gate (``path_forget_gate``): FoX's ``logsigmoid(x W_g + b)`` per
-  head, this package's ``LayerForgetGate`` itself; its bias ``c_i - c_j`` is
-  added **unscaled** to ``s_ij`` (FoX's softmax).  The authors' kernel adds
-  the gate before multiplying by ``1 / sqrt(d)`` (its scores are ``(q . k +
-  c_i - c_j) / sqrt(d)``): the same family of models, a different
-  parameterization of the gate; ours makes PaTH-FoX with every ``beta = 0``
-  exactly this package's FoX.
+  head, this package's ``LayerForgetGate`` itself.  With ``1`` its bias
+  ``c_i - c_j`` is added **unscaled** to ``s_ij`` (FoX's softmax), so that
+  PaTH-FoX with every ``beta = 0`` is exactly this package's FoX; with ``2``
+  it is divided by ``sqrt(d)`` first, as the authors' kernel has it (its
+  scores are ``(q . k + c_i - c_j) / sqrt(d)``): the same family of models,
+  the gate's parameterization differing.
 * No QK norm (theirs is optional and off by default); no attention dropout
   (refused where the model is built).
 * Padding (ours; their layer packs rows): a padded token's ``beta`` is 0
@@ -665,7 +665,8 @@ PATH_EXTENSIONS = ("none",) + LOGIT_METHODS
 
 class PathPositions(OwnAttentionStack):
     """The stack's PaTH object: no parameters of its own; each layer gets its
-    own projections and, with ``forget_gate``, FoX's gate (:meth:`for_layer`).
+    own projections and, with ``forget_gate`` (1: its bias unscaled, 2:
+    divided by ``sqrt(head_dim)``, the authors'), FoX's gate (:meth:`for_layer`).
     ``own_kernel``: a layer calls :meth:`LayerPath.attend` in place of the
     shared kernels (the keys each query sees depend on the query)."""
 
@@ -675,7 +676,7 @@ class PathPositions(OwnAttentionStack):
     layer_attribute = "path"
 
     def __init__(self, num_heads: int, head_dim: int, embed_dim: int, short_conv: bool = True,
-                 forget_gate: bool = False, scaling: Scaling = NO_SCALING):
+                 forget_gate: int = 0, scaling: Scaling = NO_SCALING):
         self.head_dim, self.embed_dim = head_dim, embed_dim
         self.short_conv, self.forget_gate = short_conv, forget_gate
         OwnAttentionStack.__init__(self, num_heads, scaling)
@@ -690,7 +691,7 @@ class LayerPath(nn.Module, PathPositions):
     PaTH-FoX, ``gate`` (``fox.LayerForgetGate``, FoX's own code)."""
 
     def __init__(self, num_heads: int, head_dim: int, embed_dim: int, short_conv: bool = True,
-                 forget_gate: bool = False, scaling: Scaling = NO_SCALING):
+                 forget_gate: int = 0, scaling: Scaling = NO_SCALING):
         nn.Module.__init__(self)
         PathPositions.__init__(self, num_heads, head_dim, embed_dim, short_conv, forget_gate, scaling)
         self.proj = PathProjections(embed_dim, num_heads, head_dim, short_conv)
@@ -720,7 +721,8 @@ class LayerPath(nn.Module, PathPositions):
         gate = None
         if self.gate is not None:
             _, gate = self.gate.bind(x, new_pad, state.get("prev_positions"))
-        out, keys = path_attention(q, k, v, w, beta, gate, key_padding_mask, past_keys, past_values,
+        used = gate if gate is None or self.forget_gate == 1 else gate * self.head_dim ** -0.5
+        out, keys = path_attention(q, k, v, w, beta, used, key_padding_mask, past_keys, past_values,
                                    return_keys=caching)
         if not caching:
             return out

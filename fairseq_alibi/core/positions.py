@@ -181,7 +181,7 @@ def _stickbreaking(num_heads: int, head_dim: int, params: Dict[str, Any], scalin
 
 def _path(num_heads: int, head_dim: int, params: Dict[str, Any], scaling: Scaling) -> StackBias:
     return PathPositions(num_heads, head_dim, num_heads * head_dim, bool(params["path_short_conv"]),
-                         bool(params["path_forget_gate"]), scaling)
+                         int(params["path_forget_gate"]), scaling)
 
 
 #: The largest training length, threshold or distance a parameter takes, in tokens (fairseq's int32 lengths):
@@ -262,9 +262,10 @@ POSITIONS: Dict[str, Position] = {p.name: p for p in (
              "beta_t w_t w_t^T from each token's input (PaTH attention, Yang et al. 2025)", _path,
              (Param("path_short_conv", 1, "whether w passes the authors' short causal convolution (width 3, SiLU) "
                     "after its low-rank projection (1) or not (0)", Range(int, 0, 1), SHAPE),
-              Param("path_forget_gate", 0, "whether FoX's forget gate is added on top (1: the authors' PaTH FoX, c_i - c_j per "
-                    "head and layer, c the running sum of log forget gates; 0: PaTH alone)", Range(int, 0, 1),
-                    SHAPE)),
+              Param("path_forget_gate", 0, "whether FoX's forget gate is added on top (PaTH-FoX: c_i - c_j per head "
+                    "and layer, c the running sum of log forget gates; 1: added to the scaled scores as FoX adds "
+                    "it; 2: divided by sqrt(head dim) first, as the authors' kernel has it; 0: PaTH alone)",
+                    Range(int, 0, 2), SHAPE)),
              # no KV cache in the export: each new token changes every cached key (H_t) and the cache carries
              # the convolution's and the gate's state, which transformers' cache of appended keys does not hold
              kv_cache=False, colour="#393b79"),
