@@ -22,8 +22,9 @@ their own terms and projections; not the q, k, v and output projections),
 each over the first model's (name it ``alibi``), and the share of the
 causal (query, key) pairs the attention scores over every layer (the
 chunked kernel's key windows, ALiBi's and FoX's: ``kernels.keys_read``;
-stick-breaking: the key blocks it computes; every other kernel: 1), with
-the attention's time per pair scored over the first model's.  The models
+stick-breaking: the key blocks it computes; PaTH-FoX: all but the cached
+keys its gate leaves out of a chunk's fused call; every other kernel: 1),
+with the attention's time per pair scored over the first model's.  The models
 should share their shape (layers, heads, widths) for the ratios to be the
 methods' costs.
 """
@@ -43,6 +44,7 @@ from trained_windows import arguments, load_models, sequence  # noqa: E402
 
 from fairseq_alibi.core import kernels as K  # noqa: E402
 from fairseq_alibi.core import layer as core_layer  # noqa: E402
+from fairseq_alibi.core import path  # noqa: E402
 from fairseq_alibi.core import stickbreaking  # noqa: E402
 from fairseq_alibi.errors import EvaluationError  # noqa: E402
 
@@ -53,20 +55,27 @@ def recorded(record: dict):
     pairs it could score (``record["pairs"]``, each query with the keys up to
     its own) and those it scores (``record["scored"]``): a ``chunked`` call's
     ``kernels.keys_read`` (ALiBi's windows, FoX's), stick-breaking's key
-    blocks computed, every other call all of them."""
+    blocks computed, every other call all of them less the cached keys
+    PaTH-FoX's gate leaves out of a chunk's fused call."""
     real_attention, real_for, real_terms = core_layer.attention, K.kernel_for, stickbreaking._block_terms
-    scored = [None]  # this call's pairs scored, where a kernel counted them
+    real_forgotten = path._forgotten
+    scored, skipped = [None], [0]  # this call's pairs scored, where a kernel counted them; pairs left out
 
     def attention(positions, kernel, q, k, *args, **kwargs):
         T, S = q.size(2), k.size(2)
-        scored[0] = None
+        scored[0], skipped[0] = None, 0
         start = time.process_time()
         result = real_attention(positions, kernel, q, k, *args, **kwargs)
         record["attention"] += time.process_time() - start
         causal = q.size(0) * q.size(1) * (T * (S - T) + T * (T + 1) // 2)
         record["pairs"] += causal
-        record["scored"] += causal if scored[0] is None else min(scored[0], causal)
+        record["scored"] += (causal if scored[0] is None else min(scored[0], causal)) - skipped[0]
         return result
+
+    def forgotten(state, flat, *rest):  # PaTH-FoX: the first cached keys left out of a chunk's fused call
+        first = real_forgotten(state, flat, *rest)
+        skipped[0] += first * flat.size(0) * flat.size(1) * flat.size(2)
+        return first
 
     def counting_for(name: str, bias):
         chosen = real_for(name, bias)
@@ -83,7 +92,8 @@ def recorded(record: dict):
         scored[0] = (scored[0] or 0) + qs.size(0) * qs.size(1) * qs.size(2) * keys.size(2)
         return real_terms(qs, keys, *rest)
 
-    with replaced(real_attention, attention), replaced(real_for, counting_for), replaced(real_terms, block_terms):
+    with replaced(real_attention, attention), replaced(real_for, counting_for), replaced(real_terms, block_terms), \
+            replaced(real_forgotten, forgotten):
         yield
 
 

@@ -284,6 +284,34 @@ def test_long_evaluation_chunk_by_chunk_is_the_naive_product(block, chunk, gated
     torch.testing.assert_close(keys, whole, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_keys_the_gate_has_forgotten_are_left_out_of_the_fused_call(dtype, monkeypatch):
+    """PaTH-FoX with a steep gate (-2 per token) in chunks of 8: the fused
+    call of each chunk reads only the last cached keys (the earlier ones
+    weigh under 2^-16 of a rounding unit for every query), the values stay the
+    float64 product's; a gentle gate (-0.01 per token) leaves every key in."""
+    from fairseq_alibi.core import path
+    read = []
+    original = path._FUSED_WITH_LSE
+    monkeypatch.setattr(path, "_FUSED_WITH_LSE", lambda q, k, *a, **kw: read.append(k.size(2)) or original(q, k, *a, **kw))
+    q, k, v, w, beta, _ = inputs(64, dtype=dtype)
+    pad = torch.zeros(2, 64, dtype=torch.bool)
+    pad[1, :5] = True
+    for step, forgets in ((-2.0, True), (-0.01, False)):
+        c = torch.full((2, HEADS, 64), step, dtype=dtype).cumsum(-1)
+        expected, _ = path_reference(q, k, v, w, beta, c, pad)
+        read.clear()
+        with torch.no_grad():
+            out, _ = path_attention(q, k, v, w, beta, c, pad, block=4, chunk=8)
+        tol = 1e-12 if dtype == torch.float64 else 2e-5
+        torch.testing.assert_close(out.double(), expected.detach(), rtol=tol, atol=tol)
+        cached = list(range(8, 64, 8))  # the keys before chunks 2 .. 8
+        if forgets:  # a window of about gap / 2 keys (gap: 36-51 here) and the chunk's reach, however long the row
+            assert read[:2] == cached[:2] and max(read) <= 32 < cached[-1], read
+        else:
+            assert read == cached
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
 def test_chunks_in_low_precision_stay_near_the_float64_product(dtype, tol):
     """70 tokens in chunks of 24 (the last one short) and blocks of 8, the gate on and a left-padded row."""

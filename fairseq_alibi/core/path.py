@@ -92,6 +92,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .bias import OwnAttentionStack
+from .causal_blocks import negligible_gap
 from .fox import ForgetGates, LayerForgetGate
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling
 from .stickbreaking import add_product, refuse_dropout
@@ -520,6 +521,11 @@ def _with_past(state, queries: Tensor, c_query: Optional[Tensor], past):
             torch.is_grad_enabled() and any(t.requires_grad for t in (queries, keys, values))):
         bias = None
         if c_flat is not None:
+            first = _forgotten(state, flat, c_flat, keys, c_past)
+            if first == keys.size(2):  # every cached key forgotten: the state as it is
+                return state
+            keys, values, c_past = keys[:, :, first:], values[:, :, first:], c_past[..., first:]
+            pad = None if pad is None else pad[..., first:]
             c_ref = c_past[..., -1:]
             bias = c_ref - c_past
             c_flat = c_flat - c_ref[..., 0]
@@ -548,6 +554,30 @@ def _with_past(state, queries: Tensor, c_query: Optional[Tensor], past):
     new = torch.maximum(top, top_b)
     mine, theirs = torch.exp(top - new), torch.exp(top_b - new)
     return new, total * mine + total_b * theirs, acc * mine[..., None] + acc_b * theirs[..., None]
+
+
+def _forgotten(state, flat: Tensor, c_flat: Tensor, keys: Tensor, c_past: Tensor) -> int:
+    """How many of the first cached keys PaTH-FoX's gate has made negligible
+    for every query of the call (``flat`` ``[B, H, Q, D]``, their gates'
+    running sums ``c_flat`` ``[B, H, Q]``; ``keys`` ``[B, H, S0, D]`` and
+    ``c_past`` ``[B, H, 1, S0]``; ``state`` the sweep's online softmax).  PaTH's
+    transformations do not lengthen a vector (their eigenvalues are 1 and
+    ``1 - beta``, in ``(-1, 1]``), so a carried query and key score at most
+    ``|q| K`` (``K`` the longest cached key), and a row's largest weight is
+    at least its largest score so far (``state``'s shift): a key whose ``c_i -
+    c_j + |q_i| K`` is more than ``causal_blocks.negligible_gap`` below that
+    for every row weighs less than ``2^-16`` of a rounding unit, the standard
+    of FoX's and ALiBi's key windows.  ``c`` falls along the row, so those
+    keys are a prefix."""
+    top, total, _ = state
+    n, B, H, c = top.shape
+    top, total = (t.movedim(0, 2).reshape(B, H, n * c) for t in (top, total))
+    reach = keys.norm(dim=-1).amax(-1, keepdim=True)  # [B, H, 1]
+    # each row's highest gate-and-score allowance; rows without a key yet (padding) constrain nothing
+    allowance = (c_flat + flat.norm(dim=-1) * reach - top).masked_fill(total == 0, float("-inf"))
+    gap = negligible_gap(keys.size(2) + flat.size(2), flat.dtype)
+    bound = allowance.amax(-1, keepdim=True) + gap  # [B, H, 1]
+    return int((c_past[:, :, 0] > bound).sum(-1).min())
 
 
 #: torch's fused CPU attention that also returns each row's log-sum-exp (a private op of torch 2.x; where it is
