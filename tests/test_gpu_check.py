@@ -413,7 +413,7 @@ def test_the_real_benchmarks_through_the_check_one_step_out_of_time(tmp_path, mo
     in the results file as partial; the evaluation after it gets the time left and its table."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Fake GPU")
-    lengths = [str(n) for n in range(64, 64 + 8 * 80, 8)]  # far more than 40 s of rows on any CPU
+    lengths = [str(n) for n in range(64, 64 + 8 * 320, 8)]  # far more than 40 s of rows on any CPU (80 took 28 s)
     monkeypatch.setitem(gpu_check.STEPS, "kernels", (1, [
         "benchmarks/gpu_attention.py", "--part", "kernels", "--device", "cpu", "--tokens", "128", "--heads", "2",
         "--head-dim", "8", "--repeats", "1", "--shapes", "static", "--diagnose-lengths", "none", "--lengths",
