@@ -47,3 +47,23 @@ def test_trained_models_are_timed_side_by_side_with_the_pairs_they_score(lm_data
     assert float(sb_600[7]) == pytest.approx(expected, rel=0.02, abs=0.01)
     assert trained_eval.main([str(lm_data_bin), "-c", f"alibi={tmp_path / 'none.pt'}"]) == 1
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_the_keys_path_fox_leaves_out_are_not_counted_as_scored(lm_data_bin, tmp_path, monkeypatch, capsys):
+    """A tiny PaTH-FoX model at 600 tokens (chunks of 512): where the gate
+    leaves out half the cached keys of the second chunk's fused call (the
+    decision replaced here), the share scored is the causal pairs less 256
+    keys for each of its 88 queries."""
+    args = train_args(lm_data_bin, tmp_path / "pathfox", max_update=3)
+    args[args.index("transformer_lm_alibi")] = "transformer_lm_path"
+    run_cli([tool("alibi-train"), *args, "--path-forget-gate", "2"])
+    def _forgotten(state, flat, c_flat, keys, c_past):  # the name the benchmark's replacement looks for
+        return keys.size(2) // 2
+
+    monkeypatch.setattr(trained_eval.path, "_forgotten", _forgotten)
+    argv = [str(lm_data_bin), "-c", f"pathfox={tmp_path / 'pathfox' / 'checkpoint_last.pt'}", "--tokens", "600",
+            "--repeats", "1"]
+    assert trained_eval.main(argv) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| pathfox |"))
+    share = float(row.split("|")[3])
+    assert share == pytest.approx(1 - 256 * 88 / (600 * 601 / 2), abs=6e-4)
