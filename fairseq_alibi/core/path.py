@@ -76,8 +76,8 @@ each row's log-sum-exp, merged into the sweep's online softmax.
 
 Long evaluation (no gradient, more than :data:`CHUNK` tokens) is the cache's
 path chunk by chunk (:func:`_by_chunks`): most pairs are then scored by the
-fused kernel, and only the pairs within a chunk by the sweep (at 8,192
-tokens, 0.6x the time of one sweep over the whole row).
+fused kernel, and only the pairs within a chunk by the sweep
+(``benchmarks/new_methods_cpu.py`` times it; docs/results/performance-new-methods-cpu-3.md).
 
 Pure torch, no fairseq: this file travels with exported models.
 """
