@@ -579,6 +579,36 @@ def test_the_new_methods_benchmark_times_every_case_beside_alibi_and_sdpa(capsys
         assert float(r[2]) == pytest.approx(float(r[1]) / alibi, rel=0.02, abs=0.006), r  # printed rounded
 
 
+@pytest.mark.parametrize("evaluation", [False, True])
+def test_the_path_blocks_benchmark_runs_each_size_it_names_beside_sdpa(evaluation, capsys, monkeypatch):
+    """``benchmarks/path_blocks.py``: a row per block (and sweep or chunk) size after SDPA's, each timed with
+    the sizes its row names (the sweep's merges counted: none where the sweep's block is the block), the
+    ratio its time over SDPA's, and the kernel's own sizes as they were afterwards."""
+    import path_blocks
+    from fairseq_alibi.core import path
+
+    merged, sizes = [], []
+    original_merges, original_chunks = path._merged_terms, path._by_chunks
+    monkeypatch.setattr(path, "_merged_terms", lambda terms, merges: merged.append(merges) or
+                        original_merges(terms, merges))
+    monkeypatch.setattr(path, "_by_chunks", lambda *a: sizes.append(a[-3:-2] + a[-1:]) or original_chunks(*a))
+    sweep_block = path.SWEEP_BLOCK
+    argv = ["--lengths", "96", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "1", "--blocks", "8"]
+    argv += ["--eval", "--chunks", "16", "32"] if evaluation else ["--sweep-blocks", "8", "16"]
+    assert path_blocks.main(argv) == 0
+    assert path.SWEEP_BLOCK == sweep_block
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    names = [r[0][2:] for r in rows]
+    if evaluation:
+        assert names == ["sdpa", "path, blocks 8, chunks 16", "path, blocks 8, chunks 32"]
+        assert sorted(set(sizes)) == [(8, 16), (8, 32)] and merged == []
+    else:
+        assert names == ["sdpa", "path, blocks 8, sweep 8", "path, blocks 8, sweep 16"]
+        assert sorted(set(merged)) == [0, 1] and sizes == []
+    for r in rows:
+        assert float(r[2].split()[0]) == pytest.approx(float(r[1]) / float(rows[0][1]), rel=0.05, abs=0.01)
+
+
 @pytest.mark.slow  # six fresh processes and a profiled call: about 20-50 s
 def test_the_new_methods_benchmark_measures_memory_cell_by_cell_and_profiles_a_case(capsys):
     """``new_methods_cpu.py --memory --profile path``: a row per case (ALiBi

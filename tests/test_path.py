@@ -80,17 +80,22 @@ def test_both_forms_of_a_blocks_product_give_the_naive_product(block, dense):
 
 
 
-@pytest.mark.parametrize("block", [2, 4])
-def test_the_training_sweep_and_its_own_backward_are_the_naive_product(block, monkeypatch):
-    """Where a gradient is taken the sweep is ``_TrainingSweep`` (its backward written out, not autograd's):
-    many blocks, both forms of a block's product, the gate and padding on both sides of a row, in float64."""
+@pytest.mark.parametrize("block,S,sweep_block,merges", [(2, 37, 128, 0), (4, 37, 128, 1), (4, 70, 16, 2),
+                                                        (4, 45, 64, 1), (4, 30, 64, 0)])
+def test_the_training_sweep_and_its_own_backward_are_the_naive_product(block, S, sweep_block, merges, monkeypatch):
+    """Where a gradient is taken the sweep is ``_TrainingSweep`` (its backward written out, not autograd's) on the
+    block terms merged in pairs (up to SWEEP_BLOCK tokens, at least SWEEP_STEPS merged blocks; none where a
+    block's product takes the thin form, blocks of 2 here): many blocks, lengths that are no multiple of a
+    merged block, the gate and padding on both sides of a row, in float64."""
     from fairseq_alibi.core import path
+    monkeypatch.setattr(path, "SWEEP_BLOCK", sweep_block)
+    assert path._merges(S, block, DIM) == merges
     calls = []
     original = path._TrainingSweep.forward
     monkeypatch.setattr(path._TrainingSweep, "forward", staticmethod(lambda *a: calls.append(1) or original(*a)))
-    q, k, v, w, beta, c = inputs(37)
-    pad = torch.zeros(2, 37, dtype=torch.bool)
-    pad[0, :5], pad[1, 30:] = True, True
+    q, k, v, w, beta, c = inputs(S)
+    pad = torch.zeros(2, S, dtype=torch.bool)
+    pad[0, :5], pad[1, S - 7:] = True, True
     expected, _ = path_reference(q, k, v, w, beta, c, pad)
     out, _ = path_attention(q, k, v, w, beta, c, pad, block=block)
     assert calls == [1]
@@ -104,6 +109,7 @@ def test_the_training_sweep_and_its_own_backward_are_the_naive_product(block, mo
         again, _ = path_attention(q, k, v, w, beta, c, pad, block=block)
     assert calls == [1]
     torch.testing.assert_close(again, expected, rtol=1e-12, atol=1e-12)
+
 
 def test_the_cached_keys_are_the_rank_one_updates():
     """Each new token t carries every cached key through H_t: k <- k - beta_t (k . w_t) w_t."""

@@ -58,8 +58,10 @@ concatenation).  Blocks are the leading axis (``[n, B, H, c, d]``), so a run
 of blocks is one contiguous batch of the CPU's batched product, and the
 scale ``1 / sqrt(d)`` is folded into the queries.  Time ``O(T^2 d)``, memory
 ``O(T d)`` per head (``[B, H, T, c]`` scores per step), ``T / c`` steps.
-Where a gradient is taken the sweep is :class:`_TrainingSweep`, with a
-backward of its own (the softmax's, from each step's weights kept, and the
+Where a gradient is taken the sweep is :class:`_TrainingSweep`, on
+blocks merged in pairs up to :data:`SWEEP_BLOCK` tokens (:func:`_merged_terms`:
+the triangular inverses stay small, the sweep's products grow and its steps
+fewer), with a backward of its own (the softmax's, from each step's weights kept, and the
 queries' gradients carried back through the blocks they went through; every
 step's terms kept, ``O(T^2)`` in all, as dense attention's); autograd runs
 through the block terms.  The naive reference (:func:`path_reference`)
@@ -97,14 +99,17 @@ from .fox import ForgetGates, LayerForgetGate
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling
 from .stickbreaking import add_product, refuse_dropout
 
-#: Tokens per block of the kernel where gradients are taken, and where none are (twice the head dimension, 32 to
-#: 64: :func:`inference_block`), and tokens per chunk where none are (a longer input is read chunk by chunk,
-#: each chunk's queries scoring the keys before it in one fused attention call: :func:`_by_chunks`).  Timed on
-#: the CPU (an AMD EPYC, one thread): of blocks of 64, 128 and 256, 64 the fastest forward + backward at 1,024
-#: tokens (4 heads of 64); without a gradient, of blocks of 16 to 128 and chunks of 128 to 1,024, blocks of 64
-#: in chunks of 512 the fastest at 2,048 tokens and within 5 % of the fastest at 8,192 with 4 heads of 64, blocks
-#: of 32 in chunks of 512 the fastest at 2,048 and 8,192 with 8 heads of 16.
+#: Tokens per block of the kernel where gradients are taken (``BLOCK``; the training sweep merges them in pairs
+#: up to ``SWEEP_BLOCK`` while it keeps at least ``SWEEP_STEPS`` blocks: :func:`_merges`), and where none are
+#: (twice the head dimension, 32 to 64: :func:`inference_block`), and tokens per chunk where none are (a longer
+#: input is read chunk by chunk, each chunk's queries scoring the keys before it in one fused attention call:
+#: :func:`_by_chunks`).  Chosen on the CPU (an AMD EPYC, one thread, 4 heads of 64): the training sizes by
+#: ``benchmarks/path_blocks.py`` (docs/results/performance-new-methods-cpu-4.md), the evaluation sizes by
+#: ``benchmarks/new_methods_cpu.py`` (blocks of 64 in chunks of 512 the fastest at 2,048 tokens, within 5 %
+#: of the fastest at 8,192; docs/results/performance-new-methods-cpu-3.md).
 BLOCK = 64
+SWEEP_BLOCK = 128
+SWEEP_STEPS = 4
 INFERENCE_BLOCKS = (32, 64)
 CHUNK = 512
 #: The rank of the projection that gives ``w`` (the authors').
@@ -255,7 +260,9 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     if pad is not None:
         beta = beta.masked_fill(pad[:, None, S0:], 0.0)
     size = min(block, T)
-    blocks = -(-T // size)
+    # where the training sweep runs, blocks are merged in pairs ``merges`` times (a whole number of merged blocks)
+    merges = _merges(T, size, D) if grad and not S0 else 0
+    blocks = -(-T // (size << merges)) << merges
     # the scale folded into the queries: every score below is already q . k / sqrt(d)
     qb, kb, vb, wb = (_blocked(t, blocks, size) for t in (q * D ** -0.5, k, v, w))
     bb = _blocked(beta, blocks, size)  # [n, B, H, c]; 0 past the end: H = I there
@@ -266,8 +273,9 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
                 None if pad is None else pad[:, None, None, :S0])
     key_pad = _blocked(pad[:, None, S0:], blocks, size)[..., None, :] if pad is not None else None
     c_new = None if gate is None else _blocked(gate.to(exact)[..., S0:], blocks, size)  # [n, B, H, c]
-    if grad and past is None:  # the sweep with a backward of its own
-        local, carried, k_end, through, _ = terms
+    if grad and past is None:  # the sweep with a backward of its own, on the merged blocks
+        local, carried, k_end, through = _merged_terms(terms, merges)
+        vb, c_new, key_pad = _merged_blocks(vb, c_new, key_pad, merges)
         out = _TrainingSweep.apply(_masked(local, c_new, c_new, key_pad), carried, k_end, vb, c_new, key_pad,
                                    *through)
     else:
@@ -275,6 +283,50 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     out = out.movedim(0, 2).flatten(2, 3)[:, :, :T]
     keys = _keys_carried(terms, past_keys.to(exact) if S0 else None, T) if return_keys else None
     return out.to(out_dtype), keys
+
+
+def _merges(T: int, size: int, D: int) -> int:
+    """How many times the training sweep merges blocks in pairs: up to :data:`SWEEP_BLOCK` tokens per merged
+    block, while the sweep keeps at least :data:`SWEEP_STEPS` blocks (fewer, larger blocks score more of the
+    masked half of the diagonal blocks) and the block product is a ``D x D`` matrix."""
+    merges = 0
+    while D <= 2 * size << merges and size << merges + 1 <= min(SWEEP_BLOCK, T // SWEEP_STEPS):
+        merges += 1
+    return merges
+
+
+def _merged_terms(terms, merges: int):
+    """The block terms of :func:`_block_terms` (``local``, ``carried``, ``k_end``, ``(M,)``) for blocks merged
+    in pairs ``merges`` times.  Of an earlier block ``e`` and the next ``o``: the local scores gain the
+    corner ``carried_o . k_end_e`` (``o``'s queries at ``o``'s start, ``e``'s keys at ``e``'s end: the
+    same point), ``o``'s queries are carried on through ``M_e`` (``q M_e``), ``e``'s keys on through
+    ``M_o`` (``k M_o^T``), and the pair's product is ``M_o M_e``."""
+    local, carried, k_end, through = terms[:4]
+    for _ in range(merges):
+        (m,) = through
+        early, late = (slice(0, None, 2), slice(1, None, 2))
+        corner = _product(carried[late], k_end[early].transpose(-1, -2))
+        top = torch.cat([local[early], torch.full_like(local[early], float("-inf"))], dim=-1)
+        local = torch.cat([top, torch.cat([corner, local[late]], dim=-1)], dim=-2)
+        carried = torch.cat([carried[early], _product(carried[late], m[early])], dim=-2)
+        k_end = torch.cat([_product(k_end[early], m[late].transpose(-1, -2)), k_end[late]], dim=-2)
+        through = (_product(m[late], m[early]),)
+    return local, carried, k_end, through
+
+
+def _merged_blocks(vb: Tensor, c_new: Optional[Tensor], key_pad: Optional[Tensor], merges: int):
+    """Values ``[n, B, H, c, D]``, gates ``[n, B, H, c]`` and key padding ``[n, B, 1, 1, c]`` re-blocked as
+    :func:`_merged_terms`' merged blocks (``2^merges`` consecutive blocks each)."""
+    if not merges:
+        return vb, c_new, key_pad
+    r = 1 << merges
+
+    def joined(x: Tensor, axis: int) -> Tensor:  # blocks [n, ...] -> [n / r, ...], r blocks along ``axis``
+        x = x.unflatten(0, (x.size(0) // r, r)).movedim(1, axis - 1)
+        return x.flatten(axis - 1, axis)
+
+    return (joined(vb, -2), None if c_new is None else joined(c_new, -1),
+            None if key_pad is None else joined(key_pad, -1))
 
 
 def _by_chunks(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gate: Optional[Tensor],
