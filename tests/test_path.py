@@ -212,11 +212,15 @@ def test_the_projections_carry_the_convolution_across_calls():
     assert plain.w_conv is None and plain(x.float())[2] is None
 
 
+@pytest.mark.parametrize("block,merges", [(16, 0), (4, 2)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
-def test_low_precision_stays_near_the_float64_product(dtype, tol):
+def test_low_precision_stays_near_the_float64_product(dtype, tol, block, merges):
+    """Values and gradients, the training sweep on blocks of 16 as they are and on blocks of 4 merged twice."""
+    from fairseq_alibi.core import path
+    assert path._merges(70, block, DIM) == merges
     q, k, v, w, beta, c = inputs(70, dtype=dtype)
     expected, _ = path_reference(q, k, v, w, beta, c)
-    out, _ = path_attention(q, k, v, w, beta, c, block=16)
+    out, _ = path_attention(q, k, v, w, beta, c, block=block)
     assert out.dtype == dtype
     assert float((out.double() - expected).abs().max()) < tol * float(expected.abs().max())
     d_out = torch.randn(expected.shape, dtype=torch.float64)
