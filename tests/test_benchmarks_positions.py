@@ -580,11 +580,11 @@ def test_the_new_methods_benchmark_times_every_case_beside_alibi_and_sdpa(capsys
 
 
 @pytest.mark.parametrize("evaluation", [False, True])
-def test_the_path_blocks_benchmark_runs_each_size_it_names_beside_sdpa(evaluation, capsys, monkeypatch):
-    """``benchmarks/path_blocks.py``: a row per block (and sweep or chunk) size after SDPA's, each timed with
-    the sizes its row names (the sweep's merges counted: none where the sweep's block is the block), the
-    ratio its time over SDPA's, and the kernel's own sizes as they were afterwards."""
-    import path_blocks
+def test_the_kernel_blocks_benchmark_runs_each_path_size_it_names_beside_sdpa(evaluation, capsys, monkeypatch):
+    """``benchmarks/kernel_blocks.py`` (PaTH): a row per block (and sweep or chunk) size after SDPA's, each
+    timed with the sizes its row names (the sweep's merges counted: none where the sweep's block is the
+    block), the ratio its time over SDPA's, and the kernel's own sizes as they were afterwards."""
+    import kernel_blocks
     from fairseq_alibi.core import path
 
     merged, sizes = [], []
@@ -595,9 +595,9 @@ def test_the_path_blocks_benchmark_runs_each_size_it_names_beside_sdpa(evaluatio
     sweep_block = path.SWEEP_BLOCK
     argv = ["--lengths", "96", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "1", "--blocks", "8"]
     argv += ["--eval", "--chunks", "16", "32"] if evaluation else ["--sweep-blocks", "8", "16"]
-    assert path_blocks.main(argv) == 0
+    assert kernel_blocks.main(argv) == 0
     assert path.SWEEP_BLOCK == sweep_block
-    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    rows = kernel_blocks_rows(capsys.readouterr().out)
     names = [r[0][2:] for r in rows]
     if evaluation:
         assert names == ["sdpa", "path, blocks 8, chunks 16", "path, blocks 8, chunks 32"]
@@ -605,8 +605,41 @@ def test_the_path_blocks_benchmark_runs_each_size_it_names_beside_sdpa(evaluatio
     else:
         assert names == ["sdpa", "path, blocks 8, sweep 8", "path, blocks 8, sweep 16"]
         assert sorted(set(merged)) == [0, 1] and sizes == []
+
+
+@pytest.mark.parametrize("evaluation", [False, True])
+def test_the_kernel_blocks_benchmark_runs_each_stickbreaking_size_it_names(evaluation, capsys, monkeypatch):
+    """``kernel_blocks.py --method stickbreaking``: a row per (query block, key block) after SDPA's, each
+    case's calls made with its sizes, with a gradient or (``--eval``) without; with ``--far`` (here with
+    ``--eval``) ``q . k / sqrt(d)`` is about -8, about 0 without."""
+    import kernel_blocks
+    from fairseq_alibi.core import stickbreaking
+
+    calls, scores, original = [], [], stickbreaking.stickbreaking_attention
+
+    def recording(q, k, v, **sizes):
+        calls.append((sizes["block"], sizes["key_block"], torch.is_grad_enabled()))
+        scores.append(float((q.detach() @ k.detach().transpose(-1, -2)).mean()) / q.size(-1) ** 0.5)
+        return original(q, k, v, **sizes)
+
+    monkeypatch.setattr(stickbreaking, "stickbreaking_attention", recording)
+    argv = ["--method", "stickbreaking", "--lengths", "40", "--batch", "1", "--heads", "2", "--head-dim", "8",
+            "--repeats", "1", "--blocks", "8", "16", "--key-blocks", "32"] + (["--eval", "--far"] if evaluation
+                                                                              else [])
+    assert kernel_blocks.main(argv) == 0
+    rows = kernel_blocks_rows(capsys.readouterr().out)
+    assert [r[0][2:] for r in rows] == ["sdpa", "stickbreaking, blocks 8, key blocks 32",
+                                        "stickbreaking, blocks 16, key blocks 32"]
+    assert sorted(set(calls)) == [(8, 32, not evaluation), (16, 32, not evaluation)]
+    assert all(-9 < z < -7 if evaluation else abs(z) < 1 for z in scores)
+
+
+def kernel_blocks_rows(out: str):
+    """The table rows of ``kernel_blocks.py``'s output, SDPA's first; each ratio its time over SDPA's."""
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ")][1:]
     for r in rows:
         assert float(r[2].split()[0]) == pytest.approx(float(r[1]) / float(rows[0][1]), rel=0.05, abs=0.01)
+    return rows
 
 
 @pytest.mark.slow  # six fresh processes and a profiled call: about 20-50 s

@@ -104,7 +104,7 @@ from .stickbreaking import add_product, refuse_dropout
 #: (twice the head dimension, 32 to 64: :func:`inference_block`), and tokens per chunk where none are (a longer
 #: input is read chunk by chunk, each chunk's queries scoring the keys before it in one fused attention call:
 #: :func:`_by_chunks`).  Chosen on the CPU (an AMD EPYC, one thread, 4 heads of 64) with
-#: ``benchmarks/path_blocks.py``, the evaluation sizes with its ``--eval``: blocks of 64 in chunks of 512 the
+#: ``benchmarks/kernel_blocks.py``, the evaluation sizes with its ``--eval``: blocks of 64 in chunks of 512 the
 #: fastest at 2,048 and 8,192 tokens, and blocks of 32 with 8 heads of 16
 #: (docs/results/performance-new-methods-cpu-4.md).
 BLOCK = 64

@@ -94,8 +94,9 @@ from .scaling import NO_SCALING, Scaling
 #: Queries per block of the kernel.
 BLOCK = 128
 #: Keys per block of the kernel (where no ``block`` is given).  Queries and keys per block timed on the CPU
-#: (an AMD EPYC, one thread, 4 heads of 64, benchmarks/new_methods_cpu.py): 128 x 256 within 3 % of the best
-#: of 64-512 in training at 1,024 tokens and in evaluation at 4,096-8,192, 64 x 64 some 40 % slower.
+#: (an AMD EPYC, one thread, 4 heads of 64, every key block scored: ``benchmarks/kernel_blocks.py --method
+#: stickbreaking --far``): 128 x 256 the fastest of 64-256 x 128-512 in training at 1,024 tokens and within
+#: 3 % of the fastest in evaluation at 4,096 (docs/results/performance-new-methods-cpu-4.md).
 KEY_BLOCK = 256
 #: A remainder below ``exp(SPENT)`` is 0 in float32 (and bfloat16): farther keys weigh nothing.
 SPENT = -120.0
