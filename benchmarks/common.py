@@ -115,6 +115,13 @@ def median(values):
     return values[n // 2] if n % 2 else 0.5 * (values[n // 2 - 1] + values[n // 2])
 
 
+def rotated(items, shift: int) -> list:
+    """``items`` in the order of a round ``shift``: rotated by ``shift`` (cases timed side by side take turns
+    at going first, so that none is always timed after the same neighbour)."""
+    shift %= len(items)
+    return list(items[shift:]) + list(items[:shift])
+
+
 def kernel_parser(description: str, dropout_nargs: str = "+") -> argparse.ArgumentParser:
     """The options of a benchmark of one attention call (``fox_kernel.py``,
     ``position_kernels.py``): its shape, attention dropouts, repeats, threads,

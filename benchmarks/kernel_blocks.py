@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from common import machine_description, median, positive  # noqa: E402
+from common import machine_description, median, positive, rotated  # noqa: E402
 
 from fairseq_alibi.core import path, stickbreaking  # noqa: E402
 
@@ -110,7 +110,7 @@ def time_cases(cases, repeats: int):
         run()
     names, times = list(cases), {name: [] for name in cases}
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             start = time.process_time()
             cases[name]()
             times[name].append(time.process_time() - start)

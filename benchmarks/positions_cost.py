@@ -78,7 +78,8 @@ ROOT = os.path.dirname(HERE)
 # an installed copy elsewhere would be measured instead (the training runs get it
 # through PYTHONPATH, fairseq_train_wps.run_all).
 sys.path[:0] = [HERE, ROOT]
-from common import heads_problem, machine_description, median, model_args, positive, refusal, replaced  # noqa: E402
+from common import (heads_problem, machine_description, median, model_args, positive, refusal,  # noqa: E402
+                    replaced, rotated)
 from eval_memory import MEASURED_ALLOCATOR, mem_available_gib, reset_peak, rss_mib, status_mib  # noqa: E402
 from fairseq_train_wps import (BIN, RunFailed, make_corpus, read_log, run_all, summarize,  # noqa: E402
                               train_inner_stats)
@@ -113,11 +114,6 @@ def position_of(method: str) -> str:
 def method_flags(method: str) -> List[str]:
     """The training flags a table's method adds to its arch (``--ssmax``)."""
     return ["--ssmax"] if method.endswith(SSMAX) else []
-
-
-def rotated(methods: Sequence[str], shift: int) -> List[str]:
-    shift %= len(methods)
-    return list(methods[shift:]) + list(methods[:shift])
 
 
 def size_args(opts) -> List[str]:
