@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine_description, median, positive  # noqa: E402
 from position_kernels import Case  # noqa: E402
 
+from fairseq_alibi.core import native  # noqa: E402
 from fairseq_alibi.core import positions as P  # noqa: E402
 from fairseq_alibi.core import stickbreaking  # noqa: E402
 from fairseq_alibi.core.scaling import Scaling  # noqa: E402
@@ -42,8 +43,11 @@ from fairseq_alibi.core.scaling import Scaling  # noqa: E402
 #: queries and keys shifted so that z = q . k / sqrt(d) is about -8 + N(0, 1) (each key takes about
 #: 0.05 % of the stick): no row spends its stick within 16,384 keys, so no key block is skipped; with
 #: random q and k (z about N(0, 1)) a row's stick is spent within a few hundred keys.
+#: A name ending in "-eager": the same case with the fused CPU loops switched off (``core/native.py``),
+#: its eager PyTorch passes instead.
 CASES = {"alibi": ("alibi", {}), "sdpa": ("sdpa", {}), "stickbreaking": ("stickbreaking", {}),
-         "stickbreaking-far": ("stickbreaking", {}), "path": ("path", {}),
+         "stickbreaking-far": ("stickbreaking", {}), "stickbreaking-eager": ("stickbreaking", {}),
+         "stickbreaking-far-eager": ("stickbreaking", {}), "path": ("path", {}),
          "path-fox": ("path", {"path_forget_gate": 1})}
 
 
@@ -71,22 +75,40 @@ class Far(Case):
         return super().seconds(q, k, v, weight, dropout, train)
 
 
+class Eager:
+    """A case run with the fused CPU loops switched off (``FAIRSEQ_ALIBI_NATIVE=0`` during its calls)."""
+
+    def __init__(self, case):
+        self.case = case
+
+    def seconds(self, *args) -> float:
+        before = os.environ.get(native.SWITCH)
+        os.environ[native.SWITCH] = "0"
+        try:
+            return self.case.seconds(*args)
+        finally:
+            if before is None:
+                del os.environ[native.SWITCH]
+            else:
+                os.environ[native.SWITCH] = before
+
+
 def scored(case, q, k, v) -> float:
     """The share of the causal pairs one stick-breaking forward scores
     (the blocks it does not skip, their masked part included, for each head
     still reading)."""
     count = []
-    original = stickbreaking._block_terms
+    original = stickbreaking._read_block
 
-    def counting(qs, keys, *rest):
-        count.append(qs.size(0) * qs.size(1) * qs.size(2) * keys.size(2) / (q.size(0) * q.size(1)))
-        return original(qs, keys, *rest)
+    def counting(queries, keys, *rest):  # [heads still reading, rows, D], [heads, cols, D]
+        count.append(queries.size(0) * queries.size(1) * keys.size(1) / (q.size(0) * q.size(1)))
+        return original(queries, keys, *rest)
 
-    stickbreaking._block_terms = counting
+    stickbreaking._read_block = counting
     try:
         case.seconds(q, k, v, None, 0.0, False)
     finally:
-        stickbreaking._block_terms = original
+        stickbreaking._read_block = original
     T = q.size(2)
     return sum(count) / (T * (T + 1) // 2)
 
@@ -95,7 +117,7 @@ def build(name: str, heads: int, head_dim: int, length: int):
     method, params = CASES[name]
     if method == "sdpa":
         return Sdpa()
-    case = (Far if name.endswith("-far") else Case)(method, heads, head_dim, length)
+    case = (Far if "-far" in name else Case)(method, heads, head_dim, length)
     if params:  # rebuilt with the variant's parameters
         entry = P.position(method)
         full = {p.name: p.default for p in entry.params}
@@ -103,7 +125,7 @@ def build(name: str, heads: int, head_dim: int, length: int):
         case.stack = P.build(method, heads, head_dim, full, Scaling("none", train_length=length))
         case.stack.fit_depth(2)
         case.layers = [case.stack.at_layer(0).for_layer()]
-    return case
+    return Eager(case) if name.endswith("-eager") else case
 
 
 def measure(names, shape, train: bool, repeats: int, length: int):
@@ -171,7 +193,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     names = ["alibi", "sdpa"] + [n for n in args.cases if n not in ("alibi", "sdpa")]
     print(f"new_methods_cpu: B={args.batch}, {args.heads} heads of {args.head_dim}, {args.threads} thread(s), "
-          f"{args.repeats} repeats; {machine_description()}")
+          f"{args.repeats} repeats; {machine_description()}; fused CPU loops: {native.status()}")
     for n in args.lengths:
         times, _ = measure(names, (args.batch, args.heads, n, args.head_dim), True, args.repeats, n)
         table(f"Training, L = {n}: forward + backward, CPU s per call (median)", names, times, {})

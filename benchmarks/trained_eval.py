@@ -57,7 +57,7 @@ def recorded(record: dict):
     ``kernels.keys_read`` (ALiBi's windows, FoX's), stick-breaking's key
     blocks computed, every other call all of them less the cached keys
     PaTH-FoX's gate leaves out of a chunk's fused call."""
-    real_attention, real_for, real_terms = core_layer.attention, K.kernel_for, stickbreaking._block_terms
+    real_attention, real_for, real_terms = core_layer.attention, K.kernel_for, stickbreaking._read_block
     real_forgotten = path._forgotten
     scored, skipped = [None], [0]  # this call's pairs scored, where a kernel counted them; pairs left out
 
@@ -89,9 +89,9 @@ def recorded(record: dict):
             return chosen(q, k, v, bias, key_padding_mask, *args, **kwargs)
         return kernel
 
-    def block_terms(qs, keys, *rest):
-        scored[0] = (scored[0] or 0) + qs.size(0) * qs.size(1) * qs.size(2) * keys.size(2)
-        return real_terms(qs, keys, *rest)
+    def block_terms(queries, keys, *rest):  # stick-breaking's key blocks: [heads reading, rows, D], [., cols, D]
+        scored[0] = (scored[0] or 0) + queries.size(0) * queries.size(1) * keys.size(1)
+        return real_terms(queries, keys, *rest)
 
     with replaced(real_attention, attention), replaced(real_for, counting_for), replaced(real_terms, block_terms), \
             replaced(real_forgotten, forgotten):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fairseq_alibi.core import stickbreaking
+from fairseq_alibi.core import native, stickbreaking
 from fairseq_alibi.core.errors import ConfigError, ScalingError
 from fairseq_alibi.core.scaling import Scaling
 from fairseq_alibi.core.stickbreaking import (StickBreakingOutput, StickBreakingPositions, stickbreaking_attention,
@@ -70,8 +70,8 @@ def test_without_a_gradient_each_head_stops_where_its_own_stick_is_spent(dtype, 
     expected, rem, _ = stickbreaking_reference(q, k, v, pad)
     assert float(rem[:, 1, -1].min()) > 1e-3 and float(rem[:, 0, 20:].max()) < 1e-30
     heads_read = []
-    original = stickbreaking._block_terms
-    monkeypatch.setattr(stickbreaking, "_block_terms", lambda qs, *a: heads_read.append(qs.size(0)) or original(qs, *a))
+    original = stickbreaking._read_block
+    monkeypatch.setattr(stickbreaking, "_read_block", lambda qs, *a: heads_read.append(qs.size(0)) or original(qs, *a))
     with torch.no_grad():
         out, remainder = stickbreaking_attention(*(t.to(dtype) for t in (q, k, v)), pad, block=16, key_block=16)
     tol = 1e-12 if dtype == torch.float64 else 2e-5
@@ -79,6 +79,33 @@ def test_without_a_gradient_each_head_stops_where_its_own_stick_is_spent(dtype, 
     torch.testing.assert_close(remainder.double(), rem.detach(), rtol=tol, atol=tol)
     # the first key blocks of a query block read every head of both rows, the later ones head 1 of each alone
     assert max(heads_read) == 2 * HEADS and heads_read.count(2) >= 15 and set(heads_read) <= {2, 2 * HEADS}
+
+
+# evaluation in float32 and bfloat16 takes the fused CPU loop (core/native.py): against the float64 product and
+# the eager passes, at lengths that straddle the blocks and the loop's vectors, with padding, cached queries
+@pytest.mark.parametrize("T,S,block,key_block,side", [(37, 37, 16, 16, "left"), (70, 70, 32, 64, "right"),
+                                                      (9, 41, 4, 8, "left"), (1, 30, 8, 8, None),
+                                                      (130, 130, 128, 256, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_evaluation_through_the_fused_loop_is_the_naive_product(T, S, block, key_block, side, dtype, monkeypatch):
+    q, k, v = (t.detach() for t in inputs(T, S, spread=2.0))
+    pad = None if side is None else torch.zeros(2, S, dtype=torch.bool)
+    if side is not None:
+        pad[1, slice(0, 3) if side == "left" else slice(S - 2, S)] = True
+    expected, rem, _ = stickbreaking_reference(q, k, v, pad)
+    low = [t.to(dtype) for t in (q, k, v)]
+    with torch.no_grad():
+        out, remainder = stickbreaking_attention(*low, pad, block=block, key_block=key_block)
+        monkeypatch.setenv(native.SWITCH, "0")
+        eager, eager_rem = stickbreaking_attention(*low, pad, block=block, key_block=key_block)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2  # bfloat16: its output rounding, the inputs exact in float32
+    expected_low, rem_low, _ = stickbreaking_reference(*low, pad)
+    torch.testing.assert_close(out.double(), expected_low, rtol=tol, atol=tol)
+    torch.testing.assert_close(remainder.double(), rem_low, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out, eager, rtol=tol, atol=tol)
+    torch.testing.assert_close(remainder, eager_rem, rtol=2e-5, atol=2e-6)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("layout", ["BTHD", "TBHD", "BHTD"])

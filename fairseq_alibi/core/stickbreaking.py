@@ -89,6 +89,7 @@ from torch import Tensor, nn
 from .bias import OwnAttentionStack
 from .causal_blocks import SKIPPED_SHARE
 from .errors import ConfigError
+from .native import available_for as native_available, stickbreaking_terms as native_terms
 from .scaling import NO_SCALING, Scaling
 
 #: Queries per block of the kernel.
@@ -226,59 +227,98 @@ def negligible_remainder(dtype: torch.dtype) -> float:
     return SKIPPED_SHARE * torch.finfo(dtype).eps
 
 
+def _read_block(queries: Tensor, keys: Tensor, values: Tensor, carry: Tensor, first_seen: int,
+                pad: Optional[Tensor], space, acc: Tensor, active: Optional[Tensor]) -> Tensor:
+    """One key block for the heads still reading, no gradient: adds ``sum_j
+    carry A_j v_j`` to their rows of ``acc`` ``[heads, rows, Dv]`` (the rows
+    ``active``, or all where None) and returns the stick left after the
+    block ``[n, rows]``; queries ``[n, rows, D]`` (scaled), keys and values
+    ``[n, cols, D]`` (nearest first), ``carry`` ``[n, rows]`` the stick each
+    query has left before the block (a tensor this function may overwrite).
+    Query ``r`` sees the keys ``c >= first_seen - r``; ``pad`` ``[n, cols]``
+    (uint8, nonzero at padding) or None.  ``space``: three flat buffers of
+    at least ``n x rows x max(cols, Dv)`` floats.
+
+    In float32 on the CPU the fused loop of ``native.py`` computes the
+    weights, reading each score once (scores laid out key by key, so that
+    the running product along the keys is one vector step per key); else
+    :func:`_block_terms`'s passes of eager PyTorch."""
+    n, rows, _ = queries.shape
+    cols, Dv = keys.size(1), values.size(-1)
+    if native_available(queries):
+        z, weights = (_view(t, n, cols, rows) for t in space[:2])
+        torch.bmm(keys, queries.transpose(1, 2), out=z)
+        native_terms(z, weights, carry, pad, first_seen)  # the weights times the carry
+        if active is None:
+            acc.baddbmm_(weights.transpose(1, 2), values)
+        else:
+            acc.index_add_(0, active, torch.bmm(weights.transpose(1, 2), values, out=_view(space[2], n, rows, Dv)))
+        return carry
+    z, weights = (_view(t, n, 1, rows, cols) for t in space[:2])
+    excluded = None
+    if first_seen > 0:
+        row = torch.arange(rows, device=queries.device)[:, None]
+        excluded = (torch.arange(cols, device=queries.device)[None, :] < first_seen - row)[None, None]
+    if pad is not None:
+        keys_padded = pad.to(torch.bool)[:, None, None, :]
+        excluded = keys_padded if excluded is None else excluded | keys_padded
+    _, weights, kept = _block_terms(queries.unsqueeze(1), keys.unsqueeze(1), excluded, z, weights, weights)
+    gained = torch.bmm(weights[:, 0], values, out=_view(space[2], n, rows, Dv)).mul_(carry[..., None])
+    if active is None:
+        acc += gained
+    else:
+        acc.index_add_(0, active, gained)
+    return carry.mul_(kept[:, 0, :, 0])
+
+
 def _forward_by_heads(qs: Tensor, kr: Tensor, vr: Tensor, pad: Optional[Tensor], block: int, key_block: int,
                       exact: torch.dtype) -> Tuple[Tensor, Tensor]:
     """The forward where no gradient is taken: ``(sum_j A_ij v_j, remainder)``,
     ``[B, H, T, Dv]`` and ``[B, H, T]``, each head of a query block reading
-    key blocks until its own queries' remainders are all below
-    :func:`negligible_remainder` (a trained model's heads spend their sticks
-    at very different distances: one long-sighted head would keep every
-    other head reading); the heads still reading are gathered into one
-    batch per key block."""
+    key blocks (:func:`_read_block`) until its own queries' remainders are
+    all below :func:`negligible_remainder` (a trained model's heads spend
+    their sticks at very different distances: one long-sighted head would
+    keep every other head reading); the heads still reading are gathered
+    into one batch per key block."""
     B, H, T, _ = qs.shape
     S, Dv = kr.size(2), vr.size(-1)
     floor = negligible_remainder(exact)
     heads = B * H
     qf, kf, vf = qs.flatten(0, 1), kr.flatten(0, 1), vr.flatten(0, 1)  # [B H, ., D]
-    out = qs.new_zeros((heads, T, Dv))
-    rem = qs.new_ones((heads, T))
-    space = [qs.new_empty(heads * block * key_block) for _ in range(2)]
-    pv_space = qs.new_empty(heads * block * Dv)
+    # each head's row of padding, keys reversed as kr's are
+    head_pad = None if pad is None else _reversed(pad[:, None], 2)[:, 0].repeat_interleave(H, 0).to(torch.uint8)
+    out = qs.new_empty((heads, T, Dv))
+    rem = qs.new_empty((heads, T))
+    space = [qs.new_empty(heads * block * max(key_block, Dv)) for _ in range(3)]
     for start in range(0, T, block):
         rows = min(block, T - start)
         part = slice(start, start + rows)
+        acc = out[:, part].zero_()
+        every = torch.arange(heads, device=qs.device)
         active = None  # the heads still reading (None: all of them)
-        queries = qf[:, part].unsqueeze(1)  # [n, 1, rows, D]: each head its own batch row
-        carry = qs.new_ones((heads, 1, rows, 1))
+        queries = qf[:, part]  # [n, rows, D]
+        carry = qs.new_ones((heads, rows))
         for first, stop in _blocks(S, T, start, rows, key_block):
             keys = slice(S - stop, S - first)
-            n = heads if active is None else active.numel()
             k_block, v_block = kf[:, keys], vf[:, keys]
+            block_pad = None if head_pad is None else head_pad[:, keys]
             if active is not None:
                 k_block, v_block = k_block.index_select(0, active), v_block.index_select(0, active)
-            z, weights = (_view(t, n, 1, rows, stop - first) for t in space)
-            excluded = _excluded(T, S, start, rows, first, stop, pad, qs.device)
-            if excluded is not None and excluded.size(0) > 1:  # padding: the mask of each head's row of the batch
-                excluded = excluded.repeat_interleave(H, 0) if active is None else \
-                    excluded.index_select(0, torch.div(active, H, rounding_mode="floor"))
-            _, weights, kept = _block_terms(queries, k_block.unsqueeze(1), excluded, z, weights, weights)
-            gained = _bmm(weights, v_block.unsqueeze(1), _view(pv_space, n, 1, rows, Dv)).mul_(carry)
-            if active is None:
-                out[:, part] += gained[:, 0]
-            else:
-                out[:, part].index_add_(0, active, gained[:, 0])
-            carry = carry * kept
-            reading = carry.amax((1, 2, 3)) >= floor
+                block_pad = None if block_pad is None else block_pad.index_select(0, active)
+            if block_pad is not None and not bool(block_pad.any()):
+                block_pad = None
+            carry = _read_block(queries, k_block, v_block, carry, stop - (S - T) - start,
+                                None if block_pad is None else block_pad.contiguous(), space, acc, active)
+            reading = carry.amax(1) >= floor
             if not bool(reading.all()):  # heads whose queries have all spent their sticks stop here
-                done = torch.arange(heads, device=qs.device) if active is None else active
-                rem[:, part].index_copy_(0, done[~reading], carry[~reading][:, 0, :, 0])
+                done = every if active is None else active
+                rem[:, part].index_copy_(0, done[~reading], carry[~reading])
                 active = done[reading]
                 if active.numel() == 0:
                     break
                 queries, carry = queries[reading], carry[reading]
         else:
-            done = torch.arange(heads, device=qs.device) if active is None else active
-            rem[:, part].index_copy_(0, done, carry[:, 0, :, 0])
+            rem[:, part].index_copy_(0, every if active is None else active, carry)
     return out.view(B, H, T, Dv), rem.view(B, H, T)
 
 

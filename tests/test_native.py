@@ -1,0 +1,153 @@
+"""The fused CPU loops (``core/native.py``): each loop against a float64
+computation of its formula (extreme and NaN inputs, masks, lengths that are
+not a whole number of vectors), the build's cache and its fallbacks (switched
+off, no compiler), and the arguments it refuses."""
+
+import logging
+import os
+
+import pytest
+import torch
+
+from fairseq_alibi.core import native, stickbreaking
+from fairseq_alibi.core.stickbreaking import stickbreaking_attention, stickbreaking_reference
+
+
+def sticks_float64(z, kept, pad, base):
+    """The stick-breaking loop's formula in float64: ``(weights times the stick before each key, stick left)``."""
+    heads, cols, rows = z.shape
+    z = z.double()
+    seen = torch.arange(cols)[:, None] >= base - torch.arange(rows)[None, :]
+    if pad is not None:
+        seen = seen[None] & (pad == 0)[..., None]
+    beta = torch.where(seen, torch.sigmoid(z), 0.0)
+    left = torch.where(seen, torch.sigmoid(-z), 1.0)
+    after = torch.cumprod(left, 1) * kept.double()[:, None]  # the stick after each key
+    before = torch.cat([kept.double()[:, None], after[:, :-1]], 1)
+    return beta * before, after[:, -1]
+
+
+def test_the_library_builds_here():
+    """This machine has a compiler and AVX2: the loops must run (a skip would hide a broken build)."""
+    assert native.status() == "built", native.status()
+
+
+@pytest.mark.parametrize("heads,cols,rows,base", [(3, 40, 37, 9), (2, 33, 16, 0), (1, 5, 1, 3), (2, 17, 48, -4)])
+def test_the_stickbreaking_loop_is_its_float64_formula(heads, cols, rows, base):
+    """Scores from N(0, 6^2) and extremes (|z| of 100 and about float32's exp limit) in rows that fill
+    whole vectors and in the scalar tail, a padded key, a stick that is not 1 before the block."""
+    gen = torch.Generator().manual_seed(heads * cols + rows)
+    z = 6 * torch.randn(heads, cols, rows, generator=gen)
+    z[0, 2, : min(rows, 5)] = torch.tensor([100.0, -100.0, 87.5, -87.5, 0.0])[: min(rows, 5)]
+    kept = 0.5 + torch.rand(heads, rows, generator=gen)
+    pad = torch.zeros(heads, cols, dtype=torch.uint8)
+    pad[-1, cols // 2] = 1
+    weights, left = torch.empty_like(z), kept.clone()
+    native.stickbreaking_terms(z, weights, left, pad, base)
+    want_weights, want_left = sticks_float64(z, kept, pad, base)
+    # float32's running product over up to 40 keys: a few units in the last place per key
+    torch.testing.assert_close(weights.double(), want_weights, rtol=2e-6, atol=1e-37)
+    torch.testing.assert_close(left.double(), want_left, rtol=2e-6, atol=1e-37)
+    assert bool((weights[pad.bool()[..., None].expand_as(weights)] == 0).all())  # padding weighs exactly 0
+    unseen = torch.arange(cols)[:, None] < base - torch.arange(rows)[None, :]
+    assert bool((weights[:, unseen] == 0).all())
+
+
+def test_nan_passes_through():
+    z = torch.zeros(1, 3, 20)
+    z[0, 1, 4] = float("nan")
+    weights, kept = torch.empty_like(z), torch.ones(1, 20)
+    native.stickbreaking_terms(z, weights, kept, None, 0)
+    assert bool(weights[0, 1, 4].isnan()) and bool(kept[0, 4].isnan()) and bool(weights[0, 2, 4].isnan())
+    assert not bool(weights[0, :, 5].isnan().any())
+
+
+def test_wrong_arguments_are_refused():
+    z = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="float32"):
+        native.stickbreaking_terms(z.double(), z.double(), torch.ones(2, 4), None, 0)
+    with pytest.raises(ValueError, match="kept"):
+        native.stickbreaking_terms(z, torch.empty_like(z), torch.ones(2, 5), None, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.stickbreaking_terms(z.transpose(1, 2).contiguous().transpose(1, 2), torch.empty_like(z),
+                                   torch.ones(2, 4), None, 0)
+    with pytest.raises(ValueError, match="pad"):
+        native.stickbreaking_terms(z, torch.empty_like(z), torch.ones(2, 4), torch.zeros(2, 3, dtype=torch.bool), 0)
+
+
+@pytest.fixture
+def fresh_state(monkeypatch, tmp_path):
+    """The module as before its first use, building into ``tmp_path``."""
+    monkeypatch.setattr(native, "_state", {"library": None, "tried": False, "why": "not built yet"})
+    monkeypatch.setenv(native.DIRECTORY, str(tmp_path))
+    return tmp_path
+
+
+def test_the_build_is_kept_and_reused(fresh_state):
+    assert native.library() is not None
+    built = [name for name in os.listdir(fresh_state) if name.endswith(".so")]
+    assert len(built) == 1 and built[0].startswith("fairseq_alibi_native_")
+    stamp = os.stat(fresh_state / built[0]).st_mtime_ns
+    native._state["tried"] = False  # a new process: the same source, compiler and flags load the same file
+    assert native.library() is not None
+    assert os.listdir(fresh_state) == built and os.stat(fresh_state / built[0]).st_mtime_ns == stamp
+
+
+def attention_case():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 45, 8, generator=gen) for _ in range(3))
+    pad = torch.zeros(2, 45, dtype=torch.bool)
+    pad[1, :4] = True
+    return q, k, v, pad
+
+
+def test_switched_off_the_eager_path_gives_the_numbers(monkeypatch):
+    q, k, v, pad = attention_case()
+    expected, rem, _ = stickbreaking_reference(q, k, v, pad)
+    monkeypatch.setenv(native.SWITCH, "0")
+    assert native.library() is None and "switched off" in native.status()
+    calls = []
+    monkeypatch.setattr(stickbreaking, "native_terms", lambda *a: calls.append(1))
+    with torch.no_grad():
+        out, remainder = stickbreaking_attention(q, k, v, pad, block=16, key_block=16)
+    assert not calls
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(remainder.double(), rem, rtol=2e-5, atol=2e-5)
+
+
+def test_without_a_compiler_the_eager_path_runs_and_says_why(fresh_state, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", str(fresh_state / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.library() is None
+    assert native.status().startswith("not available") and "eager" in caplog.text
+    assert not native.available_for(torch.zeros(1))
+    q, k, v, pad = attention_case()
+    expected, _, _ = stickbreaking_reference(q, k, v, pad)
+    with torch.no_grad():
+        out, _ = stickbreaking_attention(q, k, v, pad, block=16, key_block=16)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
+
+
+def test_a_failed_compilation_is_reported(fresh_state, monkeypatch):
+    monkeypatch.setattr(native, "SOURCE", native.SOURCE + "\nthis is not C++;\n")
+    assert native.library() is None
+    assert "failed" in native.status()
+
+
+def test_float64_and_other_devices_keep_the_eager_path():
+    assert native.available_for(torch.zeros(2, dtype=torch.float32))
+    assert not native.available_for(torch.zeros(2, dtype=torch.float64))
+    assert not native.available_for(torch.zeros(2, dtype=torch.bfloat16))
+    assert not native.available_for(torch.zeros(2, device="meta"))
+
+
+def test_the_stickbreaking_kernel_runs_the_loop_in_float32_evaluation(monkeypatch):
+    """The kernel's evaluation path calls the loop (and not the eager block terms) for float32."""
+    calls = []
+    real = stickbreaking.native_terms
+    monkeypatch.setattr(stickbreaking, "native_terms", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(stickbreaking, "_block_terms", lambda *a: pytest.fail("eager block terms called"))
+    q, k, v, pad = attention_case()
+    with torch.no_grad():
+        stickbreaking_attention(q, k, v, pad, block=16, key_block=16)
+    assert calls
