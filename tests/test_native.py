@@ -107,7 +107,7 @@ def test_switched_off_the_eager_path_gives_the_numbers(monkeypatch):
     monkeypatch.setenv(native.SWITCH, "0")
     assert native.library() is None and "switched off" in native.status()
     calls = []
-    monkeypatch.setattr(stickbreaking, "native_terms", lambda *a: calls.append(1))
+    monkeypatch.setattr(stickbreaking, "native_terms", lambda *a, **kw: calls.append(1))
     with torch.no_grad():
         out, remainder = stickbreaking_attention(q, k, v, pad, block=16, key_block=16)
     assert not calls
@@ -145,7 +145,7 @@ def test_the_stickbreaking_kernel_runs_the_loop_in_float32_evaluation(monkeypatc
     """The kernel's evaluation path calls the loop (and not the eager block terms) for float32."""
     calls = []
     real = stickbreaking.native_terms
-    monkeypatch.setattr(stickbreaking, "native_terms", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(stickbreaking, "native_terms", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(stickbreaking, "_block_terms", lambda *a: pytest.fail("eager block terms called"))
     q, k, v, pad = attention_case()
     with torch.no_grad():

@@ -250,12 +250,18 @@ def _pointer(t: Optional[Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-def stickbreaking_terms(z: Tensor, w: Tensor, kept: Tensor, pad: Optional[Tensor], base: int) -> None:
+def stickbreaking_terms(z: Tensor, w: Tensor, kept: Tensor, pad: Optional[Tensor], base: int,
+                        checked: bool = True) -> None:
     """Stick-breaking's weights of one block (the C++ ``fa_stickbreaking_terms``): ``z`` and ``w``
     ``[heads, cols, rows]`` (scores in, weights out), ``kept`` ``[heads, rows]`` (in place), ``pad``
     ``[heads, cols]`` uint8 or None; all float32, contiguous, on the CPU; query ``r`` sees key ``c`` where
-    ``c >= base - r``."""
+    ``c >= base - r``.  ``checked=False`` skips the checks of the arguments (a kernel's inner loop, whose
+    buffers are made to fit: they cost as much as the call)."""
     heads, cols, rows = z.shape
+    if not checked:
+        _state["library"].fa_stickbreaking_terms(z.data_ptr(), w.data_ptr(), kept.data_ptr(), _pointer(pad),
+                                                 heads, cols, rows, base, torch.get_num_threads())
+        return
     for name, t, shape in (("z", z, (heads, cols, rows)), ("w", w, (heads, cols, rows)),
                            ("kept", kept, (heads, rows))):
         if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":

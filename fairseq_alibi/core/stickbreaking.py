@@ -228,7 +228,7 @@ def negligible_remainder(dtype: torch.dtype) -> float:
 
 
 def _read_block(queries: Tensor, keys: Tensor, values: Tensor, carry: Tensor, first_seen: int,
-                pad: Optional[Tensor], space, acc: Tensor, active: Optional[Tensor]) -> Tensor:
+                pad: Optional[Tensor], space, acc: Tensor, active: Optional[Tensor], fused: bool) -> Tensor:
     """One key block for the heads still reading, no gradient: adds ``sum_j
     carry A_j v_j`` to their rows of ``acc`` ``[heads, rows, Dv]`` (the rows
     ``active``, or all where None) and returns the stick left after the
@@ -239,16 +239,17 @@ def _read_block(queries: Tensor, keys: Tensor, values: Tensor, carry: Tensor, fi
     (uint8, nonzero at padding) or None.  ``space``: three flat buffers of
     at least ``n x rows x max(cols, Dv)`` floats.
 
-    In float32 on the CPU the fused loop of ``native.py`` computes the
-    weights, reading each score once (scores laid out key by key, so that
-    the running product along the keys is one vector step per key); else
-    :func:`_block_terms`'s passes of eager PyTorch."""
+    With ``fused`` (float32 on the CPU, where :func:`native_available`)
+    the fused loop of ``native.py`` computes the weights, reading each score
+    once (scores laid out key by key, so that the running product along the
+    keys is one vector step per key); else :func:`_block_terms`'s passes of
+    eager PyTorch."""
     n, rows, _ = queries.shape
     cols, Dv = keys.size(1), values.size(-1)
-    if native_available(queries):
+    if fused:
         z, weights = (_view(t, n, cols, rows) for t in space[:2])
         torch.bmm(keys, queries.transpose(1, 2), out=z)
-        native_terms(z, weights, carry, pad, first_seen)  # the weights times the carry
+        native_terms(z, weights, carry, pad, first_seen, checked=False)  # the weights times the carry
         if active is None:
             acc.baddbmm_(weights.transpose(1, 2), values)
         else:
@@ -290,6 +291,7 @@ def _forward_by_heads(qs: Tensor, kr: Tensor, vr: Tensor, pad: Optional[Tensor],
     out = qs.new_empty((heads, T, Dv))
     rem = qs.new_empty((heads, T))
     space = [qs.new_empty(heads * block * max(key_block, Dv)) for _ in range(3)]
+    fused = native_available(qs)
     for start in range(0, T, block):
         rows = min(block, T - start)
         part = slice(start, start + rows)
@@ -308,7 +310,7 @@ def _forward_by_heads(qs: Tensor, kr: Tensor, vr: Tensor, pad: Optional[Tensor],
             if block_pad is not None and not bool(block_pad.any()):
                 block_pad = None
             carry = _read_block(queries, k_block, v_block, carry, stop - (S - T) - start,
-                                None if block_pad is None else block_pad.contiguous(), space, acc, active)
+                                None if block_pad is None else block_pad.contiguous(), space, acc, active, fused)
             reading = carry.amax(1) >= floor
             if not bool(reading.all()):  # heads whose queries have all spent their sticks stop here
                 done = every if active is None else active
