@@ -178,6 +178,24 @@ def replaced(function, replacement):
             setattr(module, function.__name__, function)
 
 
+@contextlib.contextmanager
+def fused_loops_off(off: bool = True):
+    """The fused CPU loops (``core/native.py``) switched off for the block where ``off``: the eager
+    PyTorch passes run instead, so that a benchmark can time both paths side by side."""
+    from fairseq_alibi.core import native
+
+    before = os.environ.get(native.SWITCH)
+    if off:
+        os.environ[native.SWITCH] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(native.SWITCH, None)
+        else:
+            os.environ[native.SWITCH] = before
+
+
 def refusal(objects, kernel: str = "auto", dropout: float = 0.0) -> Optional[str]:
     """Why a layer of each of ``objects`` (a stack's position objects, one per
     layer) refuses the kernel option ``kernel`` or attention dropout

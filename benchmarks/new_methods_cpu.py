@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_description, median, positive  # noqa: E402
+from common import fused_loops_off, machine_description, median, positive  # noqa: E402
 from position_kernels import Case  # noqa: E402
 
 from fairseq_alibi.core import native  # noqa: E402
@@ -76,21 +76,14 @@ class Far(Case):
 
 
 class Eager:
-    """A case run with the fused CPU loops switched off (``FAIRSEQ_ALIBI_NATIVE=0`` during its calls)."""
+    """A case run with the fused CPU loops switched off (``common.fused_loops_off``)."""
 
     def __init__(self, case):
         self.case = case
 
     def seconds(self, *args) -> float:
-        before = os.environ.get(native.SWITCH)
-        os.environ[native.SWITCH] = "0"
-        try:
+        with fused_loops_off():
             return self.case.seconds(*args)
-        finally:
-            if before is None:
-                del os.environ[native.SWITCH]
-            else:
-                os.environ[native.SWITCH] = before
 
 
 def scored(case, q, k, v) -> float:

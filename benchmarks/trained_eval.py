@@ -39,11 +39,12 @@ from contextlib import contextmanager
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine_description, median, replaced  # noqa: E402
+from common import fused_loops_off, machine_description, median, replaced  # noqa: E402
 from trained_windows import arguments, load_models, sequence  # noqa: E402
 
 from fairseq_alibi.core import kernels as K  # noqa: E402
 from fairseq_alibi.core import layer as core_layer  # noqa: E402
+from fairseq_alibi.core import native  # noqa: E402
 from fairseq_alibi.core import path  # noqa: E402
 from fairseq_alibi.core import stickbreaking  # noqa: E402
 from fairseq_alibi.errors import EvaluationError  # noqa: E402
@@ -108,24 +109,38 @@ def forward(model, tokens: torch.Tensor) -> dict:
     return record
 
 
-def measure(models, tokens: torch.Tensor, repeats: int) -> dict:
-    """Per model name: medians of the whole forward and the attention, and the share of pairs scored."""
+def measure(models, tokens: torch.Tensor, repeats: int, eager=()) -> dict:
+    """Per model name: medians of the whole forward and the attention, and the share of pairs scored; the
+    models named in ``eager`` run with the fused CPU loops switched off."""
     names = list(models)
     for name in names:
-        forward(models[name], tokens[:, :64])  # warm-up
+        with fused_loops_off(name in eager):
+            forward(models[name], tokens[:, :64])  # warm-up
     runs = {name: [] for name in names}
     for r in range(repeats):
         turn = r % len(names)
         for name in names[turn:] + names[:turn]:
-            runs[name].append(forward(models[name], tokens))
+            with fused_loops_off(name in eager):
+                runs[name].append(forward(models[name], tokens))
     return {name: {"whole": median([x["whole"] for x in rs]), "attention": median([x["attention"] for x in rs]),
                    "share": rs[0]["scored"] / rs[0]["pairs"] if rs[0]["pairs"] else 1.0}
             for name, rs in runs.items()}
 
 
 def main(argv=None) -> int:
+    def eager_option(p):
+        p.add_argument("--eager", nargs="+", default=[], metavar="NAME",
+                       help="models (by their -c NAME) run with the fused CPU loops switched off, the eager "
+                            "PyTorch passes instead: name one checkpoint twice to time both paths side by side")
+
     args = arguments(__doc__, argv, "a causal language model's checkpoint (repeatable; the first is the reference: "
-                     "ALiBi's)", [2048, 8192], "timed forwards of each model per length")
+                     "ALiBi's)", [2048, 8192], "timed forwards of each model per length", eager_option)
+    names = [spec.split("=", 1)[0] for spec in args.checkpoint]
+    unknown = [name for name in args.eager if name not in names]
+    if unknown:
+        print(f"error: --eager names {', '.join(unknown)}, which no -c NAME=PATH gives; the models: "
+              f"{', '.join(names)}", file=sys.stderr)
+        return 1
     try:
         held = load_models(args)
     except EvaluationError as e:
@@ -133,12 +148,13 @@ def main(argv=None) -> int:
         return 1
     models = {name: h.model for name, h in held.items()}
     first = next(iter(models))
-    print(f"host: {machine_description()}\n")
+    print(f"host: {machine_description()}; fused CPU loops: {native.status()}"
+          + (f" (switched off for {', '.join(args.eager)})" if args.eager else "") + "\n")
     print(f"| model | tokens | pairs scored | s, forward | / {first} | s, attention | / {first} "
           f"| attention per pair / {first}'s |")
     print("|---|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
-        rows = measure(models, sequence(args.data, tokens), args.repeats)
+        rows = measure(models, sequence(args.data, tokens), args.repeats, args.eager)
         ref = rows[first]
         for name, row in rows.items():
             per_pair = (row["attention"] / row["share"]) / (ref["attention"] / ref["share"])

@@ -106,9 +106,12 @@ def measure(model, tokens: torch.Tensor, repeats: int) -> dict:
             "max_diff": float((with_windows - every_key).abs().max())}
 
 
-def arguments(doc: str, argv, checkpoint_help: str, tokens, repeats_help: str) -> argparse.Namespace:
-    """The command line these trained-model benchmarks share (``doc``: the script's docstring)."""
+def arguments(doc: str, argv, checkpoint_help: str, tokens, repeats_help: str, extra=None) -> argparse.Namespace:
+    """The command line these trained-model benchmarks share (``doc``: the script's docstring; ``extra``: a
+    function that adds a script's own options to the parser)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    if extra is not None:
+        extra(p)
     p.add_argument("data", help="the models' fairseq-preprocess directory (dict.txt, valid split)")
     p.add_argument("-c", "--checkpoint", action="append", required=True, metavar="NAME=PATH", help=checkpoint_help)
     p.add_argument("--tokens", type=int, nargs="+", default=tokens, help="sequence lengths to score")

@@ -574,9 +574,27 @@ def test_the_new_methods_benchmark_times_every_case_beside_alibi_and_sdpa(capsys
     scored = {r[0][2:]: float(r[4]) for r in rows[1:]}
     assert scored["sdpa"] == scored["path"] == 1.0
     assert scored["stickbreaking-far"] > 1.0 > scored["stickbreaking"] > 0.0
+    # the eager cases: the same kernel with the fused loops off, the same key blocks scored
+    assert scored["stickbreaking-far-eager"] == scored["stickbreaking-far"]
+    assert scored["stickbreaking-eager"] == scored["stickbreaking"]
     alibi = float(rows[1][1])
     for r in rows[1:]:
         assert float(r[2]) == pytest.approx(float(r[1]) / alibi, rel=0.02, abs=0.006), r  # printed rounded
+
+
+def test_an_eager_case_runs_without_the_fused_loops(monkeypatch):
+    """``new_methods_cpu``'s ``-eager`` cases switch the loops off for their calls (and back on after)."""
+    import new_methods_cpu
+    from fairseq_alibi.core import native, stickbreaking
+
+    loops = []
+    real_terms = stickbreaking.native_terms
+    monkeypatch.setattr(stickbreaking, "native_terms", lambda *a, **kw: loops.append(1) or real_terms(*a, **kw))
+    q, k, v = (torch.randn(1, 2, 300, 8) for _ in range(3))
+    new_methods_cpu.build("stickbreaking-far-eager", 2, 8, 16).seconds(q, k, v, None, 0.0, False)
+    assert not loops and native.status() == "built"
+    new_methods_cpu.build("stickbreaking-far", 2, 8, 16).seconds(q, k, v, None, 0.0, False)
+    assert loops
 
 
 @pytest.mark.parametrize("evaluation", [False, True])

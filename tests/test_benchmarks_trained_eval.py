@@ -3,6 +3,7 @@ the attention's time and the pairs it scores counted per model."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -29,13 +30,25 @@ def test_trained_models_are_timed_side_by_side_with_the_pairs_they_score(lm_data
         paths[name] = tmp_path / name / "checkpoint_last.pt"
     monkeypatch.setattr(trained_eval.K, "CHUNK_THRESHOLD", 64 * 64)
     monkeypatch.setattr(trained_eval.K, "keys_read", lambda bias, q, k: 0.5)  # what the windows would skip
+    loops = []  # whether each call of the fused loop came while the loops were switched off
+    real_terms = trained_eval.stickbreaking.native_terms
+    monkeypatch.setattr(trained_eval.stickbreaking, "native_terms",
+                        lambda *a, **kw: loops.append(os.environ.get("FAIRSEQ_ALIBI_NATIVE")) or real_terms(*a, **kw))
     argv = [str(lm_data_bin), "-c", f"alibi={paths['alibi']}", "-c", f"stickbreaking={paths['stickbreaking']}",
-            "--tokens", "40", "600", "--repeats", "1"]
+            "-c", f"sb-eager={paths['stickbreaking']}", "--eager", "sb-eager", "--tokens", "40", "600",
+            "--repeats", "1"]
     assert trained_eval.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fused CPU loops: built (switched off for sb-eager)" in out
+    eager_rows = [[cell.strip() for cell in line.strip("|").split("|")]
+                  for line in out.splitlines() if line.startswith("| sb-eager |")]
     rows = [[cell.strip() for cell in line.strip("|").split("|")]
-            for line in capsys.readouterr().out.splitlines() if line.startswith(("| alibi |", "| stickbreaking |"))]
+            for line in out.splitlines() if line.startswith(("| alibi |", "| stickbreaking |"))]
     assert [(row[0], row[1]) for row in rows] == [("alibi", "40"), ("stickbreaking", "40"),
                                                    ("alibi", "600"), ("stickbreaking", "600")]
+    # the same checkpoint with the loops off: the same pairs scored, and no call of the loop while off
+    assert [row[2] for row in eager_rows] == [rows[1][2], rows[3][2]]
+    assert loops and "0" not in loops
     for model, tokens, share, whole, whole_ratio, attention, attention_ratio, per_pair in rows:
         assert 0 < float(attention) < float(whole)
         assert 0 < float(share) <= 1
@@ -47,6 +60,8 @@ def test_trained_models_are_timed_side_by_side_with_the_pairs_they_score(lm_data
     assert float(sb_600[7]) == pytest.approx(expected, rel=0.02, abs=0.01)
     assert trained_eval.main([str(lm_data_bin), "-c", f"alibi={tmp_path / 'none.pt'}"]) == 1
     assert capsys.readouterr().err.startswith("error: ")
+    assert trained_eval.main([str(lm_data_bin), "-c", f"alibi={paths['alibi']}", "--eager", "sb"]) == 1
+    assert capsys.readouterr().err.startswith("error: --eager names sb, which no -c NAME=PATH gives")
 
 
 def test_the_keys_path_fox_leaves_out_are_not_counted_as_scored(lm_data_bin, tmp_path, monkeypatch, capsys):
