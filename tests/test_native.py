@@ -32,19 +32,21 @@ def test_the_library_builds_here():
     assert native.status() == "built", native.status()
 
 
+@pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("heads,cols,rows,base", [(3, 40, 37, 9), (2, 33, 16, 0), (1, 5, 1, 3), (2, 17, 48, -4)])
-def test_the_stickbreaking_loop_is_its_float64_formula(heads, cols, rows, base):
+def test_the_stickbreaking_loop_is_its_float64_formula(heads, cols, rows, base, in_place):
     """Scores from N(0, 6^2) and extremes (|z| of 100 and about float32's exp limit) in rows that fill
-    whole vectors and in the scalar tail, a padded key, a stick that is not 1 before the block."""
+    whole vectors and in the scalar tail, a padded key, a stick that is not 1 before the block; the
+    weights written into a buffer of their own or over the scores."""
     gen = torch.Generator().manual_seed(heads * cols + rows)
     z = 6 * torch.randn(heads, cols, rows, generator=gen)
     z[0, 2, : min(rows, 5)] = torch.tensor([100.0, -100.0, 87.5, -87.5, 0.0])[: min(rows, 5)]
     kept = 0.5 + torch.rand(heads, rows, generator=gen)
     pad = torch.zeros(heads, cols, dtype=torch.uint8)
     pad[-1, cols // 2] = 1
-    weights, left = torch.empty_like(z), kept.clone()
-    native.stickbreaking_terms(z, weights, left, pad, base)
     want_weights, want_left = sticks_float64(z, kept, pad, base)
+    weights, left = (z if in_place else torch.empty_like(z)), kept.clone()
+    native.stickbreaking_terms(z, weights, left, pad, base)
     # float32's running product over up to 40 keys: a few units in the last place per key
     torch.testing.assert_close(weights.double(), want_weights, rtol=2e-6, atol=1e-37)
     torch.testing.assert_close(left.double(), want_left, rtol=2e-6, atol=1e-37)

@@ -119,7 +119,7 @@ extern "C" int fa_abi(void) { return 1; }
 // stick left before the block (in) and after it (out), w [heads, cols, rows] the weights times that
 // stick: with b = sigmoid(z) = 1 / (1 + e), e = exp(-z), and 1 - b = e b (exact where b is near 1),
 //     w[c, r] = b kept[r];  kept[r] *= e b,
-// key by key.  A key query r does not see (c < base - r: its own key and later ones) or a padded key
+// key by key (w may be z: each score is read before its weight is written).  A key query r does not see (c < base - r: its own key and later ones) or a padded key
 // (pad[heads, cols] nonzero; pad may be null) weighs 0 and leaves the stick as it is.
 extern "C" void fa_stickbreaking_terms(const float* z, float* w, float* kept, const uint8_t* pad,
                                        int64_t heads, int64_t cols, int64_t rows, int64_t base, int threads) {
@@ -253,7 +253,8 @@ def _pointer(t: Optional[Tensor]) -> Optional[int]:
 def stickbreaking_terms(z: Tensor, w: Tensor, kept: Tensor, pad: Optional[Tensor], base: int,
                         checked: bool = True) -> None:
     """Stick-breaking's weights of one block (the C++ ``fa_stickbreaking_terms``): ``z`` and ``w``
-    ``[heads, cols, rows]`` (scores in, weights out), ``kept`` ``[heads, rows]`` (in place), ``pad``
+    ``[heads, cols, rows]`` (scores in, weights out; ``w`` may be ``z``), ``kept`` ``[heads, rows]`` (in
+    place), ``pad``
     ``[heads, cols]`` uint8 or None; all float32, contiguous, on the CPU; query ``r`` sees key ``c`` where
     ``c >= base - r``.  ``checked=False`` skips the checks of the arguments (a kernel's inner loop, whose
     buffers are made to fit: they cost as much as the call)."""

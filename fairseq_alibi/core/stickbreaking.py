@@ -246,10 +246,10 @@ def _read_block(queries: Tensor, keys: Tensor, values: Tensor, carry: Tensor, fi
     eager PyTorch."""
     n, rows, _ = queries.shape
     cols, Dv = keys.size(1), values.size(-1)
-    if fused:
-        z, weights = (_view(t, n, cols, rows) for t in space[:2])
-        torch.bmm(keys, queries.transpose(1, 2), out=z)
-        native_terms(z, weights, carry, pad, first_seen, checked=False)  # the weights times the carry
+    if fused:  # the weights (times the carry) written over the scores: half the memory the loop streams through
+        weights = _view(space[0], n, cols, rows)
+        torch.bmm(keys, queries.transpose(1, 2), out=weights)
+        native_terms(weights, weights, carry, pad, first_seen, checked=False)
         if active is None:
             acc.baddbmm_(weights.transpose(1, 2), values)
         else:
