@@ -91,17 +91,16 @@ def scored(case, q, k, v) -> float:
     (the blocks it does not skip, their masked part included, for each head
     still reading)."""
     count = []
-    original = stickbreaking._read_block
+    original = stickbreaking._count_scored
 
-    def counting(queries, keys, *rest):  # [heads still reading, rows, D], [heads, cols, D]
-        count.append(queries.size(0) * queries.size(1) * keys.size(1) / (q.size(0) * q.size(1)))
-        return original(queries, keys, *rest)
+    def counting(pairs: int):  # every head's pairs computed, block by block or once for the fused forward
+        count.append(pairs / (q.size(0) * q.size(1)))
 
-    stickbreaking._read_block = counting
+    stickbreaking._count_scored = counting
     try:
         case.seconds(q, k, v, None, 0.0, False)
     finally:
-        stickbreaking._read_block = original
+        stickbreaking._count_scored = original
     T = q.size(2)
     return sum(count) / (T * (T + 1) // 2)
 

@@ -58,7 +58,7 @@ def recorded(record: dict):
     ``kernels.keys_read`` (ALiBi's windows, FoX's), stick-breaking's key
     blocks computed, every other call all of them less the cached keys
     PaTH-FoX's gate leaves out of a chunk's fused call."""
-    real_attention, real_for, real_terms = core_layer.attention, K.kernel_for, stickbreaking._read_block
+    real_attention, real_for, real_count = core_layer.attention, K.kernel_for, stickbreaking._count_scored
     real_forgotten = path._forgotten
     scored, skipped = [None], [0]  # this call's pairs scored, where a kernel counted them; pairs left out
 
@@ -90,11 +90,10 @@ def recorded(record: dict):
             return chosen(q, k, v, bias, key_padding_mask, *args, **kwargs)
         return kernel
 
-    def block_terms(queries, keys, *rest):  # stick-breaking's key blocks: [heads reading, rows, D], [., cols, D]
-        scored[0] = (scored[0] or 0) + queries.size(0) * queries.size(1) * keys.size(1)
-        return real_terms(queries, keys, *rest)
+    def count_scored(pairs: int):  # stick-breaking's pairs computed (its key blocks' whole)
+        scored[0] = (scored[0] or 0) + pairs
 
-    with replaced(real_attention, attention), replaced(real_for, counting_for), replaced(real_terms, block_terms), \
+    with replaced(real_attention, attention), replaced(real_for, counting_for), replaced(real_count, count_scored), \
             replaced(real_forgotten, forgotten):
         yield
 

@@ -30,10 +30,10 @@ def test_trained_models_are_timed_side_by_side_with_the_pairs_they_score(lm_data
         paths[name] = tmp_path / name / "checkpoint_last.pt"
     monkeypatch.setattr(trained_eval.K, "CHUNK_THRESHOLD", 64 * 64)
     monkeypatch.setattr(trained_eval.K, "keys_read", lambda bias, q, k: 0.5)  # what the windows would skip
-    loops = []  # whether each call of the fused loop came while the loops were switched off
-    real_terms = trained_eval.stickbreaking.native_terms
-    monkeypatch.setattr(trained_eval.stickbreaking, "native_terms",
-                        lambda *a, **kw: loops.append(os.environ.get("FAIRSEQ_ALIBI_NATIVE")) or real_terms(*a, **kw))
+    loops = []  # whether each call of the fused forward came while the loops were switched off
+    real_forward = trained_eval.stickbreaking.native_forward
+    monkeypatch.setattr(trained_eval.stickbreaking, "native_forward",
+                        lambda *a: loops.append(os.environ.get("FAIRSEQ_ALIBI_NATIVE")) or real_forward(*a))
     argv = [str(lm_data_bin), "-c", f"alibi={paths['alibi']}", "-c", f"stickbreaking={paths['stickbreaking']}",
             "-c", f"sb-eager={paths['stickbreaking']}", "--eager", "sb-eager", "--tokens", "40", "600",
             "--repeats", "1"]

@@ -143,13 +143,31 @@ def test_float64_and_other_devices_keep_the_eager_path():
     assert not native.available_for(torch.zeros(2, device="meta"))
 
 
-def test_the_stickbreaking_kernel_runs_the_loop_in_float32_evaluation(monkeypatch):
-    """The kernel's evaluation path calls the loop (and not the eager block terms) for float32."""
-    calls = []
-    real = stickbreaking.native_terms
-    monkeypatch.setattr(stickbreaking, "native_terms", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+def test_the_stickbreaking_kernel_runs_the_fused_forward_in_float32_evaluation(monkeypatch):
+    """The kernel's evaluation path calls the whole fused forward for float32 (neither the loop block by block
+    nor the eager block terms); where torch's sgemm is not found, the loop block by block."""
+    forwards, loops = [], []
+    real_forward, real_terms = stickbreaking.native_forward, stickbreaking.native_terms
+    monkeypatch.setattr(stickbreaking, "native_forward", lambda *a: forwards.append(1) or real_forward(*a))
+    monkeypatch.setattr(stickbreaking, "native_terms", lambda *a, **kw: loops.append(1) or real_terms(*a, **kw))
     monkeypatch.setattr(stickbreaking, "_block_terms", lambda *a: pytest.fail("eager block terms called"))
     q, k, v, pad = attention_case()
     with torch.no_grad():
         stickbreaking_attention(q, k, v, pad, block=16, key_block=16)
-    assert calls
+        assert forwards and not loops
+        monkeypatch.setitem(native._state, "sgemm", None)
+        assert not native.forward_available()
+        stickbreaking_attention(q, k, v, pad, block=16, key_block=16)
+    assert len(forwards) == 1 and loops
+
+
+def test_the_fused_forward_refuses_what_it_cannot_run():
+    q, k, v = torch.zeros(2, 5, 4), torch.zeros(2, 7, 4), torch.zeros(2, 7, 3)
+    with pytest.raises(ValueError, match="float32"):
+        native.stickbreaking_forward(q.double(), k, v, None, 4, 4, 1e-12)
+    with pytest.raises(ValueError, match="at least T"):
+        native.stickbreaking_forward(torch.zeros(2, 9, 4), k, v, None, 4, 4, 1e-12)
+    with pytest.raises(ValueError, match="pad"):
+        native.stickbreaking_forward(q, k, v, torch.zeros(2, 5, dtype=torch.uint8), 4, 4, 1e-12)
+    with pytest.raises(ValueError, match="at least 1"):
+        native.stickbreaking_forward(q, k, v, None, 0, 4, 1e-12)

@@ -69,16 +69,22 @@ def test_without_a_gradient_each_head_stops_where_its_own_stick_is_spent(dtype, 
     pad[1, :7] = True
     expected, rem, _ = stickbreaking_reference(q, k, v, pad)
     assert float(rem[:, 1, -1].min()) > 1e-3 and float(rem[:, 0, 20:].max()) < 1e-30
-    heads_read = []
+    heads_read, scored = [], []
     original = stickbreaking._read_block
     monkeypatch.setattr(stickbreaking, "_read_block", lambda qs, *a: heads_read.append(qs.size(0)) or original(qs, *a))
-    with torch.no_grad():
-        out, remainder = stickbreaking_attention(*(t.to(dtype) for t in (q, k, v)), pad, block=16, key_block=16)
+    monkeypatch.setattr(stickbreaking, "_count_scored", scored.append)
     tol = 1e-12 if dtype == torch.float64 else 2e-5
-    torch.testing.assert_close(out.double(), expected.detach(), rtol=tol, atol=tol)
-    torch.testing.assert_close(remainder.double(), rem.detach(), rtol=tol, atol=tol)
+    # float32: the whole fused forward first (which stops each head in C++), then block by block in Python
+    for fused in ((True, False) if dtype == torch.float32 else (False,)):
+        monkeypatch.setenv(native.SWITCH, "1" if fused else "0")
+        with torch.no_grad():
+            out, remainder = stickbreaking_attention(*(t.to(dtype) for t in (q, k, v)), pad, block=16, key_block=16)
+        torch.testing.assert_close(out.double(), expected.detach(), rtol=tol, atol=tol)
+        torch.testing.assert_close(remainder.double(), rem.detach(), rtol=tol, atol=tol)
     # the first key blocks of a query block read every head of both rows, the later ones head 1 of each alone
     assert max(heads_read) == 2 * HEADS and heads_read.count(2) >= 15 and set(heads_read) <= {2, 2 * HEADS}
+    if dtype == torch.float32:  # the fused forward's one count, then the blocks': the same pairs
+        assert len(scored) == 1 + len(heads_read) and scored[0] == sum(scored[1:])
 
 
 # evaluation in float32 and bfloat16 takes the fused CPU loop (core/native.py): against the float64 product and
@@ -87,7 +93,15 @@ def test_without_a_gradient_each_head_stops_where_its_own_stick_is_spent(dtype, 
                                                       (9, 41, 4, 8, "left"), (1, 30, 8, 8, None),
                                                       (130, 130, 128, 256, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_evaluation_through_the_fused_loop_is_the_naive_product(T, S, block, key_block, side, dtype, monkeypatch):
+@pytest.mark.parametrize("fused", ["forward", "loop"])
+def test_evaluation_through_the_fused_loop_is_the_naive_product(T, S, block, key_block, side, dtype, fused,
+                                                                 monkeypatch):
+    """The whole C++ forward, or the loop block by block (where torch's sgemm is not found), against the
+    float64 product and the eager passes; the same (query, key) pairs scored as the eager path."""
+    if fused == "loop":
+        monkeypatch.setitem(native._state, "sgemm", None)
+    scored = []
+    monkeypatch.setattr(stickbreaking, "_count_scored", scored.append)
     q, k, v = (t.detach() for t in inputs(T, S, spread=2.0))
     pad = None if side is None else torch.zeros(2, S, dtype=torch.bool)
     if side is not None:
@@ -96,8 +110,10 @@ def test_evaluation_through_the_fused_loop_is_the_naive_product(T, S, block, key
     low = [t.to(dtype) for t in (q, k, v)]
     with torch.no_grad():
         out, remainder = stickbreaking_attention(*low, pad, block=block, key_block=key_block)
+        fused_scored, scored[:] = sum(scored), []
         monkeypatch.setenv(native.SWITCH, "0")
         eager, eager_rem = stickbreaking_attention(*low, pad, block=block, key_block=key_block)
+    assert fused_scored == sum(scored) > 0
     tol = 2e-5 if dtype == torch.float32 else 1e-2  # bfloat16: its output rounding, the inputs exact in float32
     expected_low, rem_low, _ = stickbreaking_reference(*low, pad)
     torch.testing.assert_close(out.double(), expected_low, rtol=tol, atol=tol)

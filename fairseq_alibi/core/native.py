@@ -42,7 +42,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -54,12 +54,13 @@ SWITCH = "FAIRSEQ_ALIBI_NATIVE"
 #: Where the built library is kept.
 DIRECTORY = "FAIRSEQ_ALIBI_NATIVE_DIR"
 #: Bumped with every change of the functions' signatures (checked on load).
-ABI = 1
+ABI = 2
 
 SOURCE = r"""
 // fairseq_alibi/core/native.py's loops.  Built by that module; see its docstring.
 #include <stdint.h>
 #include <string.h>
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -112,55 +113,126 @@ static inline vf reciprocal(vf d) {
 #endif
 }
 
-extern "C" int fa_abi(void) { return 1; }
+extern "C" int fa_abi(void) { return 2; }
 
-// Stick-breaking's terms of one block of scores per head, keys nearest first (see stickbreaking.py):
-// z [heads, cols, rows] the scores (key c of query r at c * rows + r), kept [heads, rows] each query's
-// stick left before the block (in) and after it (out), w [heads, cols, rows] the weights times that
-// stick: with b = sigmoid(z) = 1 / (1 + e), e = exp(-z), and 1 - b = e b (exact where b is near 1),
-//     w[c, r] = b kept[r];  kept[r] *= e b,
-// key by key (w may be z: each score is read before its weight is written).  A key query r does not see (c < base - r: its own key and later ones) or a padded key
-// (pad[heads, cols] nonzero; pad may be null) weighs 0 and leaves the stick as it is.
+// Stick-breaking's weights of one block of scores of one head, keys nearest first (see stickbreaking.py):
+// z [cols, rows] the scores (key c of query r at c * rows + r), stick [rows] each query's stick left before
+// the block (in) and after it (out), w [cols, rows] the weights times that stick: with b = sigmoid(z) =
+// 1 / (1 + e), e = exp(-z), and 1 - b = e b (exact where b is near 1),
+//     w[c, r] = b stick[r];  stick[r] *= e b,
+// key by key (w may be z: each score is read before its weight is written).  A key query r does not see
+// (c < base - r: its own key and later ones) or a padded key (pad[cols] nonzero; pad may be null) weighs 0
+// and leaves the stick as it is.
+static void sticks(const float* z, float* w, float* stick, const uint8_t* pad, int64_t cols, int64_t rows,
+                   int64_t base) {
+    vi lane;
+    for (int i = 0; i < WIDTH; ++i) lane[i] = i;
+    for (int64_t c = 0; c < cols; ++c) {
+        const float* zc = z + c * rows;
+        float* wc = w + c * rows;
+        if (pad && pad[c]) {
+            memset(wc, 0, rows * sizeof(float));
+            continue;
+        }
+        const int64_t first = base - c;  // the first row that sees key c
+        int64_t r = 0;
+        for (; r + WIDTH <= rows; r += WIDTH) {
+            vf zr, st;
+            memcpy(&zr, zc + r, sizeof zr);
+            memcpy(&st, stick + r, sizeof st);
+            vf e = fexp<vf, vi>(-zr);
+            vf b = reciprocal(1.0f + e);
+            vf left = e * b;
+            vi seen = (lane + (int32_t)(r - first)) >= 0;
+            b = seen ? b : 0.0f;
+            left = seen ? left : 1.0f;
+            vf wr = b * st;
+            st *= left;
+            memcpy(wc + r, &wr, sizeof wr);
+            memcpy(stick + r, &st, sizeof st);
+        }
+        for (; r < rows; ++r) {
+            v1f zr = {-zc[r]};
+            float e = fexp<v1f, v1i>(zr)[0];
+            float b = 1.0f / (1.0f + e), left = e * b;
+            if (r < first) { b = 0.0f; left = 1.0f; }
+            wc[r] = b * stick[r];
+            stick[r] *= left;
+        }
+    }
+}
+
+// sticks() for a batch of heads: z, w [heads, cols, rows], kept [heads, rows], pad [heads, cols] or null.
 extern "C" void fa_stickbreaking_terms(const float* z, float* w, float* kept, const uint8_t* pad,
                                        int64_t heads, int64_t cols, int64_t rows, int64_t base, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && heads > 1)
-    for (int64_t h = 0; h < heads; ++h) {
-        float* stick = kept + h * rows;
-        vi lane;
-        for (int i = 0; i < WIDTH; ++i) lane[i] = i;
-        for (int64_t c = 0; c < cols; ++c) {
-            const float* zc = z + (h * cols + c) * rows;
-            float* wc = w + (h * cols + c) * rows;
-            if (pad && pad[h * cols + c]) {
-                memset(wc, 0, rows * sizeof(float));
-                continue;
+    for (int64_t h = 0; h < heads; ++h)
+        sticks(z + h * cols * rows, w + h * cols * rows, kept + h * rows, pad ? pad + h * cols : nullptr,
+               cols, rows, base);
+}
+
+// The BLAS routine torch calls (Fortran's sgemm, column-major): its address is passed in.
+typedef void (*sgemm_t)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                        const int*, const float*, const int*, const float*, float*, const int*);
+
+// Stick-breaking's forward without a gradient, whole: stickbreaking.py's _forward_by_heads step for step, one
+// head at a time (each thread one head: a head's block of scores stays in the core's cache between the two
+// products and the loop).  q [heads, T, D] (scaled), k [heads, S, D] and v [heads, S, Dv] with the keys
+// reversed (key S - 1 first), pad [heads, S] in the same order (nonzero at padding; may be null); queries
+// the last T of the S keys.  For each block of `block` queries, key blocks of `key_block` from the diagonal
+// backwards: scores z = K Q^T, the weights over them (sticks), out += z^T V, until every query of the block
+// has less than `floor` of its stick left.  Writes out [heads, T, Dv], rem [heads, T] (the sticks left) and
+// scored[heads], the (query, key) pairs computed (whole blocks, masked parts included).
+extern "C" void fa_stickbreaking_forward(const float* q, const float* k, const float* v, const uint8_t* pad,
+                                         float* out, float* rem, int64_t* scored, int64_t heads, int64_t T,
+                                         int64_t S, int64_t D, int64_t Dv, int64_t block, int64_t key_block,
+                                         float floor, int threads, void* gemm) {
+    const sgemm_t sgemm = (sgemm_t)gemm;
+    const int64_t offset = S - T;
+    const float one = 1.0f, zero = 0.0f;
+    const int d = (int)D, dv = (int)Dv;
+#pragma omp parallel num_threads(threads) if (threads > 1 && heads > 1)
+    {
+        float* z = new float[block * key_block];
+#pragma omp for schedule(dynamic)
+        for (int64_t h = 0; h < heads; ++h) {
+            const float* qh = q + h * T * D;
+            const float* kh = k + h * S * D;
+            const float* vh = v + h * S * Dv;
+            const uint8_t* ph = pad ? pad + h * S : nullptr;
+            float* oh = out + h * T * Dv;
+            float* stick = rem + h * T;
+            int64_t pairs = 0;
+            for (int64_t start = 0; start < T; start += block) {
+                const int64_t rows = T - start < block ? T - start : block;
+                const int n_rows = (int)rows;
+                memset(oh + start * Dv, 0, rows * Dv * sizeof(float));
+                for (int64_t r = 0; r < rows; ++r) stick[start + r] = 1.0f;
+                for (int64_t stop = offset + start + rows - 1; stop > 0;) {  // keys before the last query
+                    const int64_t first = stop - key_block > 0 ? stop - key_block : 0;
+                    const int n_cols = (int)(stop - first);
+                    const float* kb = kh + (S - stop) * D;  // key stop - 1 first
+                    const float* vb = vh + (S - stop) * Dv;
+                    // z [cols, rows] = K_block Q_rows^T: column-major z^T = Q_rows K_block^T
+                    sgemm("T", "N", &n_rows, &n_cols, &d, &one, qh + start * D, &d, kb, &d, &zero, z, &n_rows);
+                    sticks(z, z, stick + start, ph ? ph + (S - stop) : nullptr, n_cols, rows, stop - offset - start);
+                    // out [rows, Dv] += z^T V_block: column-major out^T += V_block^T z
+                    sgemm("N", "T", &dv, &n_rows, &n_cols, &one, vb, &dv, z, &n_rows, &one, oh + start * Dv, &dv);
+                    pairs += rows * n_cols;
+                    float top = 0.0f;
+                    bool nan = false;
+                    for (int64_t r = 0; r < rows; ++r) {
+                        const float s = stick[start + r];
+                        nan |= s != s;
+                        top = s > top ? s : top;
+                    }
+                    if (nan || !(top >= floor)) break;  // every query's stick spent (as the eager path: NaN stops)
+                    stop = first;
+                }
             }
-            const int64_t first = base - c;  // the first row that sees key c
-            int64_t r = 0;
-            for (; r + WIDTH <= rows; r += WIDTH) {
-                vf zr, st;
-                memcpy(&zr, zc + r, sizeof zr);
-                memcpy(&st, stick + r, sizeof st);
-                vf e = fexp<vf, vi>(-zr);
-                vf b = reciprocal(1.0f + e);
-                vf left = e * b;
-                vi seen = (lane + (int32_t)(r - first)) >= 0;
-                b = seen ? b : 0.0f;
-                left = seen ? left : 1.0f;
-                vf wr = b * st;
-                st *= left;
-                memcpy(wc + r, &wr, sizeof wr);
-                memcpy(stick + r, &st, sizeof st);
-            }
-            for (; r < rows; ++r) {
-                v1f zr = {-zc[r]};
-                float e = fexp<v1f, v1i>(zr)[0];
-                float b = 1.0f / (1.0f + e), left = e * b;
-                if (r < first) { b = 0.0f; left = 1.0f; }
-                wc[r] = b * stick[r];
-                stick[r] *= left;
-            }
+            scored[h] = pairs;
         }
+        delete[] z;
     }
 }
 """
@@ -217,6 +289,9 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError(f"{path} has ABI {library.fa_abi()}, not {ABI}")
     library.fa_stickbreaking_terms.restype = None
     library.fa_stickbreaking_terms.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    library.fa_stickbreaking_forward.restype = None
+    library.fa_stickbreaking_forward.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
+                                                 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
     return library
 
 
@@ -236,6 +311,18 @@ def library() -> Optional[ctypes.CDLL]:
     return _state["library"]
 
 
+def _sgemm_address() -> Optional[int]:
+    """The address of the BLAS ``sgemm`` (Fortran's ``sgemm_``) in torch's own CPU library, already loaded
+    (``RTLD_NOLOAD``: nothing new is loaded or run), or None where it has none: the products the fused
+    forward takes are then torch's calls instead."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        torch_cpu = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        return ctypes.cast(torch_cpu.sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
 def status() -> str:
     """One line: whether the fused loops run, and why not where they do not."""
     return "built" if library() is not None else _state["why"]
@@ -244,6 +331,15 @@ def status() -> str:
 def available_for(t: Tensor) -> bool:
     """Whether the loops serve tensors like ``t``: float32 on the CPU, and the library loaded."""
     return t.device.type == "cpu" and t.dtype == torch.float32 and library() is not None
+
+
+def forward_available() -> bool:
+    """Whether :func:`stickbreaking_forward` runs here: the library loaded and torch's ``sgemm`` found."""
+    if library() is None:
+        return False
+    if "sgemm" not in _state:
+        _state["sgemm"] = _sgemm_address()
+    return _state["sgemm"] is not None
 
 
 def _pointer(t: Optional[Tensor]) -> Optional[int]:
@@ -272,3 +368,32 @@ def stickbreaking_terms(z: Tensor, w: Tensor, kept: Tensor, pad: Optional[Tensor
         raise ValueError(f"pad must be a contiguous uint8 tensor of shape {(heads, cols)}")
     library().fa_stickbreaking_terms(z.data_ptr(), w.data_ptr(), kept.data_ptr(), _pointer(pad),
                                      heads, cols, rows, base, torch.get_num_threads())
+
+
+def stickbreaking_forward(q: Tensor, k: Tensor, v: Tensor, pad: Optional[Tensor], block: int, key_block: int,
+                          floor: float) -> Tuple[Tensor, Tensor, int]:
+    """Stick-breaking's forward without a gradient in one call (the C++ ``fa_stickbreaking_forward``, where
+    :func:`forward_available`): ``(out [heads, T, Dv], remainders [heads, T], pairs scored)`` of the scaled
+    queries ``q`` ``[heads, T, D]`` (the last ``T`` of the ``S`` keys), keys ``k`` ``[heads, S, D]`` and
+    values ``v`` ``[heads, S, Dv]`` reversed along the keys, ``pad`` ``[heads, S]`` (uint8, reversed alike)
+    or None; float32, contiguous, on the CPU.  ``block`` queries by ``key_block`` keys at a time; a head's
+    query block stops reading keys once every query's stick is below ``floor``."""
+    heads, T, D = q.shape
+    S, Dv = k.size(1), v.size(-1)
+    for name, t, shape in (("q", q, (heads, T, D)), ("k", k, (heads, S, D)), ("v", v, (heads, S, Dv))):
+        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {shape}, "
+                             f"not {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
+    if pad is not None and (pad.dtype != torch.uint8 or not pad.is_contiguous() or tuple(pad.shape) != (heads, S)):
+        raise ValueError(f"pad must be a contiguous uint8 tensor of shape {(heads, S)}")
+    if block < 1 or key_block < 1 or S < T or max(heads, T, S, D, Dv, block * key_block) >= 2 ** 31:
+        raise ValueError(f"block {block} and key_block {key_block} must be at least 1, S {S} at least T {T}, "
+                         "and every size below 2^31 (BLAS's 32-bit sizes)")
+    if not forward_available():
+        raise RuntimeError(f"the fused forward does not run here: {status()}")
+    out, rem = q.new_empty((heads, T, Dv)), q.new_empty((heads, T))
+    scored = torch.zeros(heads, dtype=torch.int64)
+    library().fa_stickbreaking_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(pad), out.data_ptr(),
+                                       rem.data_ptr(), scored.data_ptr(), heads, T, S, D, Dv, block, key_block,
+                                       floor, torch.get_num_threads(), _state["sgemm"])
+    return out, rem, int(scored.sum())

@@ -67,14 +67,21 @@ no gradient is taken (evaluation, decoding) each head stops on its own, once
 its queries' remainders are below :func:`negligible_remainder` (the farther
 keys then weigh under ``2^-16`` of a rounding unit, the standard ALiBi's key
 windows keep), the heads still reading gathered into one batch: a trained
-model's heads spend their sticks at very different distances.  The
+model's heads spend their sticks at very different distances.  There, in
+float32 on a CPU with AVX2, a block's weights come from one fused loop
+(``native.py``, C++ compiled on first use) instead of five passes of eager
+PyTorch: the scores laid out key by key (``K Q^T``), so that the running
+product along the keys is one vector step per key, the weights (times the
+stick left) written over the scores; the eager passes run wherever the loop
+cannot be built.  The
 naive reference (:func:`stickbreaking_reference`) computes the product itself, in float64,
 with ``[B, H, T, S]`` memory: the tests' oracle.
 
 KV cache: the keys and values as they are (nothing is transformed), queries
 the last ``T`` of ``S`` keys, so incremental decoding is the full forward.
 
-Pure torch, no fairseq: this file travels with exported models.
+Torch and this folder's ``native.py`` (optional, standard library and torch),
+no fairseq: this file travels with exported models.
 """
 
 from __future__ import annotations
@@ -89,7 +96,8 @@ from torch import Tensor, nn
 from .bias import OwnAttentionStack
 from .causal_blocks import SKIPPED_SHARE
 from .errors import ConfigError
-from .native import available_for as native_available, stickbreaking_terms as native_terms
+from .native import available_for as native_available, forward_available as native_forward_available
+from .native import stickbreaking_forward as native_forward, stickbreaking_terms as native_terms
 from .scaling import NO_SCALING, Scaling
 
 #: Queries per block of the kernel.
@@ -246,6 +254,7 @@ def _read_block(queries: Tensor, keys: Tensor, values: Tensor, carry: Tensor, fi
     eager PyTorch."""
     n, rows, _ = queries.shape
     cols, Dv = keys.size(1), values.size(-1)
+    _count_scored(n * rows * cols)
     if fused:  # the weights (times the carry) written over the scores: half the memory the loop streams through
         weights = _view(space[0], n, cols, rows)
         torch.bmm(keys, queries.transpose(1, 2), out=weights)
@@ -272,6 +281,11 @@ def _read_block(queries: Tensor, keys: Tensor, values: Tensor, carry: Tensor, fi
     return carry.mul_(kept[:, 0, :, 0])
 
 
+def _count_scored(pairs: int) -> None:
+    """Called with the (query, key) pairs each evaluation forward computes (whole blocks, their masked parts
+    included), block by block or once for the fused forward: the benchmarks count them here."""
+
+
 def _forward_by_heads(qs: Tensor, kr: Tensor, vr: Tensor, pad: Optional[Tensor], block: int, key_block: int,
                       exact: torch.dtype) -> Tuple[Tensor, Tensor]:
     """The forward where no gradient is taken: ``(sum_j A_ij v_j, remainder)``,
@@ -290,8 +304,12 @@ def _forward_by_heads(qs: Tensor, kr: Tensor, vr: Tensor, pad: Optional[Tensor],
     head_pad = None if pad is None else _reversed(pad[:, None], 2)[:, 0].repeat_interleave(H, 0).to(torch.uint8)
     out = qs.new_empty((heads, T, Dv))
     rem = qs.new_empty((heads, T))
-    space = [qs.new_empty(heads * block * max(key_block, Dv)) for _ in range(3)]
     fused = native_available(qs)
+    if fused and native_forward_available():  # every block in one call of the C++ forward
+        out, rem, scored = native_forward(qf, kf, vf, head_pad, block, key_block, floor)
+        _count_scored(scored)
+        return out.view(B, H, T, Dv), rem.view(B, H, T)
+    space = [qs.new_empty(heads * block * max(key_block, Dv)) for _ in range(3)]
     for start in range(0, T, block):
         rows = min(block, T - start)
         part = slice(start, start + rows)
