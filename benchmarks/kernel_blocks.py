@@ -14,7 +14,9 @@ same tensors.  PaTH's cases: a block size of the block terms
 training sweep runs on (``--sweep-blocks``, :data:`path.SWEEP_BLOCK` by
 default: the block terms merged in pairs up to it).  Stick-breaking's:
 queries per block (``--blocks``, :data:`stickbreaking.BLOCK`) and keys per
-block (``--key-blocks``, :data:`stickbreaking.KEY_BLOCK`).  The cases run in
+block (``--key-blocks``, :data:`stickbreaking.KEY_BLOCK`; with ``--eval``
+where the fused C++ forward runs, its :data:`stickbreaking.FUSED_BLOCK` and
+:data:`stickbreaking.FUSED_KEY_BLOCK`).  The cases run in
 turn, the order rotated each repeat; reported per length: each case's
 median CPU time (``time.process_time``) and its median ratio to SDPA's
 time of the same repeat, with the range of those ratios.  This is the
@@ -43,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from common import machine_description, median, positive, rotated  # noqa: E402
 
-from fairseq_alibi.core import path, stickbreaking  # noqa: E402
+from fairseq_alibi.core import native, path, stickbreaking  # noqa: E402
 
 
 def inputs(batch: int, heads: int, length: int, head_dim: int, seed: int = 0, far: bool = False):
@@ -135,8 +137,9 @@ def main(argv=None):
     p.add_argument("--chunks", type=positive, nargs="+", default=[path.CHUNK], help="PaTH with --eval: chunk sizes")
     p.add_argument("--sweep-blocks", type=positive, nargs="+", default=[path.BLOCK, path.SWEEP_BLOCK],
                    help="PaTH's training sweep's block sizes (a block size: no merging)")
-    p.add_argument("--key-blocks", type=positive, nargs="+", default=[stickbreaking.KEY_BLOCK],
-                   help="stick-breaking: keys per block")
+    p.add_argument("--key-blocks", type=positive, nargs="+",
+                   help="stick-breaking: keys per block (default: the kernel's own, the fused forward's with --eval "
+                        "where it runs)")
     p.add_argument("--far", action="store_true",
                    help="q . k / sqrt(d) about -8: no stick-breaking row spends its stick (every key block scored)")
     p.add_argument("--batch", type=positive, default=2)
@@ -151,7 +154,9 @@ def main(argv=None):
           f"batch {opts.batch}, "
           f"{opts.heads} heads of {opts.head_dim}; {opts.repeats} repeats, rotated")
     if opts.method == "stickbreaking":
-        blocks = opts.blocks or [stickbreaking.BLOCK]
+        fused = opts.eval and native.forward_available()  # the fused forward's own sizes, where it runs
+        blocks = opts.blocks or [stickbreaking.FUSED_BLOCK if fused else stickbreaking.BLOCK]
+        opts.key_blocks = opts.key_blocks or [stickbreaking.FUSED_KEY_BLOCK if fused else stickbreaking.KEY_BLOCK]
     else:
         blocks = opts.blocks or [path.inference_block(opts.head_dim) if opts.eval else path.BLOCK]
     for length in opts.lengths:

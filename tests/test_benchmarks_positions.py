@@ -574,9 +574,8 @@ def test_the_new_methods_benchmark_times_every_case_beside_alibi_and_sdpa(capsys
     scored = {r[0][2:]: float(r[4]) for r in rows[1:]}
     assert scored["sdpa"] == scored["path"] == 1.0
     assert scored["stickbreaking-far"] > 1.0 > scored["stickbreaking"] > 0.0
-    # the eager cases: the same kernel with the fused loops off, the same key blocks scored
-    assert scored["stickbreaking-far-eager"] == scored["stickbreaking-far"]
-    assert scored["stickbreaking-eager"] == scored["stickbreaking"]
+    # the eager cases: the kernel with the fused loops off (its own block sizes, so its own share of pairs)
+    assert scored["stickbreaking-far-eager"] > 1.0 > scored["stickbreaking-eager"] > 0.0
     alibi = float(rows[1][1])
     for r in rows[1:]:
         assert float(r[2]) == pytest.approx(float(r[1]) / alibi, rel=0.02, abs=0.006), r  # printed rounded

@@ -46,8 +46,9 @@ def test_trained_models_are_timed_side_by_side_with_the_pairs_they_score(lm_data
             for line in out.splitlines() if line.startswith(("| alibi |", "| stickbreaking |"))]
     assert [(row[0], row[1]) for row in rows] == [("alibi", "40"), ("stickbreaking", "40"),
                                                    ("alibi", "600"), ("stickbreaking", "600")]
-    # the same checkpoint with the loops off: the same pairs scored, and no call of the loop while off
-    assert [row[2] for row in eager_rows] == [rows[1][2], rows[3][2]]
+    # the same checkpoint with the loops off (the eager block sizes: its own share of pairs), and no call of the
+    # fused forward while they are off
+    assert [row[1] for row in eager_rows] == ["40", "600"] and all(0 < float(row[2]) <= 1 for row in eager_rows)
     assert loops and "0" not in loops
     for model, tokens, share, whole, whole_ratio, attention, attention_ratio, per_pair in rows:
         assert 0 < float(attention) < float(whole)

@@ -100,13 +100,21 @@ from .native import available_for as native_available, forward_available as nati
 from .native import stickbreaking_forward as native_forward, stickbreaking_terms as native_terms
 from .scaling import NO_SCALING, Scaling
 
-#: Queries per block of the kernel.
+#: Queries per block of the kernel in training (and in evaluation where the fused forward does not run).
 BLOCK = 128
-#: Keys per block of the kernel (where no ``block`` is given).  Queries and keys per block timed on the CPU
+#: Keys per block of the kernel there (where no ``block`` is given).  Queries and keys per block timed on the CPU
 #: (an AMD EPYC, one thread, 4 heads of 64, every key block scored: ``benchmarks/kernel_blocks.py --method
 #: stickbreaking --far``): 128 x 256 the fastest of 64-256 x 128-512 in training at 1,024 tokens and within
-#: 3 % of the fastest in evaluation at 4,096 (docs/results/performance-new-methods-cpu-4.md).
+#: 3 % of the fastest in evaluation block by block at 4,096 (docs/results/performance-new-methods-cpu-4.md).
 KEY_BLOCK = 256
+#: Queries and keys per block of the fused C++ forward (evaluation in float32, ``native.py``), where its blocks
+#: cost no Python: 64 x 128 the fastest or within 2 % of it of 64-256 x 64-512 with random inputs (sticks spent
+#: within a few hundred keys, heads stopping a block sooner), and within 2 % of the fastest with every key
+#: block scored, at 4,096 tokens with 4 heads of 64 and 8 of 16 (``benchmarks/kernel_blocks.py --method
+#: stickbreaking --eval [--far] --batch 1 --blocks 64 128 256 --key-blocks 64 128 256 512``; an AMD EPYC, one
+#: thread; docs/results/performance-new-methods-cpu-5.md).
+FUSED_BLOCK = 64
+FUSED_KEY_BLOCK = 128
 #: A remainder below ``exp(SPENT)`` is 0 in float32 (and bfloat16): farther keys weigh nothing.
 SPENT = -120.0
 #: The group norm's epsilon (torch's default, the authors' GroupNorm).
@@ -433,11 +441,14 @@ def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: O
     dtype, remainder ``prod_k (1 - beta_ik)`` ``[B, H, T]`` in float32, or
     float64 for float64 inputs), queries the last ``T`` of the ``S`` keys,
     ``key_padding_mask`` ``[B, S]`` True at padding.  Computed in float32 (or
-    float64), ``block`` queries (:data:`BLOCK`) and ``key_block`` keys at a
-    time (:data:`KEY_BLOCK`, or ``block`` where only that is given);
-    differentiable in ``q``, ``k`` and ``v`` with memory linear in the length
-    (:class:`_StickBreaking`); where no gradient is taken,
-    :func:`_forward_by_heads`, each head stopping at its own spent stick."""
+    float64), ``block`` queries (:data:`BLOCK`, or :data:`FUSED_BLOCK` for
+    the fused C++ forward) and ``key_block`` keys at a time
+    (:data:`KEY_BLOCK` or :data:`FUSED_KEY_BLOCK`, or ``block`` where only
+    that is given); differentiable in ``q``, ``k`` and ``v`` with memory
+    linear in the length (:class:`_StickBreaking`); where no gradient is
+    taken, :func:`_forward_by_heads`, each head stopping at its own spent
+    stick."""
+    sizes = (block, key_block)
     key_block = key_block or block or KEY_BLOCK
     block = block or BLOCK
     if block < 1 or key_block < 1:
@@ -447,6 +458,8 @@ def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: O
         pad = None
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         exact, qs, kr, vr = _prepared(q, k, v)
+        if sizes == (None, None) and native_available(qs) and native_forward_available():
+            block, key_block = FUSED_BLOCK, FUSED_KEY_BLOCK
         out, rem = _forward_by_heads(qs, kr, vr, pad, block, key_block, exact)
         return out.to(q.dtype), rem
     return _StickBreaking.apply(q, k, v, pad, block, key_block)
