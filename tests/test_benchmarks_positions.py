@@ -577,8 +577,9 @@ def test_the_new_methods_benchmark_times_every_case_beside_alibi_and_sdpa(capsys
     # the eager cases: the kernel with the fused loops off (its own block sizes, so its own share of pairs)
     assert scored["stickbreaking-far-eager"] > 1.0 > scored["stickbreaking-eager"] > 0.0
     alibi = float(rows[1][1])
-    for r in rows[1:]:
-        assert float(r[2]) == pytest.approx(float(r[1]) / alibi, rel=0.02, abs=0.006), r  # printed rounded
+    for r in rows[1:]:  # the ratio of the medians, as far as the printed seconds (4 decimals) and ratio (2) allow
+        low, high = (float(r[1]) - 5e-5) / (alibi + 5e-5), (float(r[1]) + 5e-5) / (alibi - 5e-5)
+        assert low - 0.005 <= float(r[2]) <= high + 0.005, r
 
 
 def test_an_eager_case_runs_without_the_fused_loops(monkeypatch):
