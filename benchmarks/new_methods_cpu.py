@@ -44,12 +44,11 @@ from fairseq_alibi.core.scaling import Scaling  # noqa: E402
 #: 0.05 % of the stick): no row spends its stick within 16,384 keys, so no key block is skipped; with
 #: random q and k (z about N(0, 1)) a row's stick is spent within a few hundred keys.
 #: A name ending in "-eager": the same case with the fused CPU loops switched off (``core/native.py``),
-#: its eager PyTorch passes instead.  "fire": the other method that misses the evaluation target (its bias
-#: built over every key), for ``--profile fire``.
+#: its eager PyTorch passes instead (FIRE: the shared chunked kernel, its bias built over every key).
 CASES = {"alibi": ("alibi", {}), "sdpa": ("sdpa", {}), "stickbreaking": ("stickbreaking", {}),
          "stickbreaking-far": ("stickbreaking", {}), "stickbreaking-eager": ("stickbreaking", {}),
          "stickbreaking-far-eager": ("stickbreaking", {}), "path": ("path", {}),
-         "path-fox": ("path", {"path_forget_gate": 1}), "fire": ("fire", {})}
+         "path-fox": ("path", {"path_forget_gate": 1}), "fire": ("fire", {}), "fire-eager": ("fire", {})}
 
 
 class Sdpa:

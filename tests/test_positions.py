@@ -579,6 +579,45 @@ def test_fire_chunked_evaluation_equals_the_reference_kernel(dtype, tol, group_d
         torch.testing.assert_close(got.float()[..., seen, :], expected[..., seen, :], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("T, S", [(300, 300), (40, 3040), (1, 3100)])  # whole rows; cached keys far past L
+def test_fire_fused_evaluation_equals_the_reference_kernel(dtype, tol, T, S, monkeypatch):
+    """FIRE's own ``chunked`` kernel (``fire.fused_chunked_kernel``: one C++ call, the bias from one value per
+    distance, the pairs that straddle a knot their own) against the reference kernel's dense bias and the
+    shared chunked kernel, with and without right padding, queries far past the threshold (a block's rows
+    then straddle knots); with a gradient it is the shared kernel."""
+    from fairseq_alibi.core import fire, kernels, native
+    from fairseq_alibi.core.bias import ModuleBias
+
+    bias = ModuleBias(knotted_fire(), 3, toeplitz=False)
+    assert kernels.kernel_for("chunked", bias) is fire.fused_chunked_kernel
+    calls = []
+    real = fire.fire_forward
+    monkeypatch.setattr(fire, "fire_forward", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, T, 8, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 3, S, 8, generator=gen).to(dtype) for _ in range(2))
+    padded = torch.zeros(2, S, dtype=torch.bool)
+    padded[1, -3:] = True  # right padding of the second row: its last queries are padding too
+    results = {}
+    for pad in (None, padded) if T == S else (None,):
+        with torch.no_grad():
+            expected, _ = kernels.reference_kernel(q.float(), k.float(), v.float(), bias, pad, 0.0)
+            shared, _ = kernels.chunked_kernel(q, k, v, bias, pad, 0.0, chunk_size=128)
+            got, _ = fire.fused_chunked_kernel(q, k, v, bias, pad, 0.0)
+        assert got.dtype == dtype and calls
+        seen = slice(None) if pad is None else slice(0, S - 3)
+        torch.testing.assert_close(got.float()[..., seen, :], expected[..., seen, :], rtol=tol, atol=tol)
+        torch.testing.assert_close(got.float()[..., seen, :], shared.float()[..., seen, :], rtol=tol, atol=tol)
+        results[pad is None] = expected
+    calls.clear()
+    monkeypatch.setenv(native.SWITCH, "0")  # switched off: the shared kernel, the same numbers
+    with torch.no_grad():
+        off, _ = fire.fused_chunked_kernel(q, k, v, bias, None, 0.0)
+    assert not calls
+    torch.testing.assert_close(off.float(), results[True], rtol=tol, atol=tol)
+
+
 def test_fire_reversed_block_writes_the_rows_that_straddle_a_knot():
     """Far past the threshold a block's rows see one distance on both sides of
     a knot: the case the pairwise correction exists for (without it, the

@@ -608,6 +608,11 @@ class ModuleBias(nn.Module, StackBias):
     def heads_apart(self) -> bool:
         return not self._toeplitz and hasattr(self.method, "reversed_head_blocks")
 
+    @property
+    def own_kernels(self):  # type: ignore[override]
+        """The module's own kernels, where it brings any (FIRE's fused long evaluation)."""
+        return getattr(self.method, "own_kernels", {})
+
     def reversed_head_blocks(self, q_start: int, q_len: int, keys: int, device,
                              storage: Tensor, group: int = 1) -> Iterator[Tuple[slice, Tensor]]:
         """Where :attr:`heads_apart`, without gradients: ``(heads, their

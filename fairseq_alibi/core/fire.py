@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from .alibi import learned_slopes as positive, learned_slopes_inverse as positive_inverse
 from .bias import distance_ramp, reversed_rows
 from .kerple import causal_distance
+from .native import available_for as native_available, fire_forward, forward_available as native_forward_available
 
 #: Rows per group of :meth:`Fire.reversed_block`: a group pays up to ``ROW_GROUP ** 2`` pairwise values per
 #: knot its rows straddle, and a few small operations per group.
@@ -32,6 +33,9 @@ ROW_GROUP = 64
 #: The initial values of the reference implementation: ``c`` of psi, the threshold ``L`` (in tokens).
 INIT_C = 0.1
 INIT_THRESHOLD = 512.0
+#: Queries and keys per block of the fused C++ evaluation (``native.py``), stick-breaking's fused sizes.
+FUSED_BLOCK = 64
+FUSED_KEY_BLOCK = 128
 
 
 class Fire(nn.Module):
@@ -126,6 +130,27 @@ class Fire(nn.Module):
         piece = torch.arange(order.numel() + 1, device=order.device)[:, None]
         on = torch.where(w > 0, piece > rank, torch.where(w < 0, piece <= rank, b > 0)).to(torch.float32)
         return knots, on @ (w[:, None] * out_w.t()), on @ (b[:, None] * out_w.t()) + out_b
+
+    def fused_tables(self, q_start: int, q_len: int, k_len: int, device) -> Tuple[Tensor, ...]:
+        """What the fused evaluation (``native.fire_forward``) reads, float32, no gradient: ``psi`` of every
+        distance ``0 .. k_len - 1``, the normalizer ``psi(max(threshold, i))`` of every query ``q_start ..
+        q_start + q_len - 1``, and the MLP as its pieces (:meth:`pieces`: knots, slopes and intercepts, these
+        two one row per head), each computed as :meth:`values` computes it (the loop then divides and takes
+        the product and the sum apart, as torch does there, not fused)."""
+        with torch.no_grad():
+            c = self.c
+            psi = torch.log1p(c * torch.arange(k_len, device=device, dtype=torch.float32))
+            query = torch.arange(q_start, q_start + q_len, device=device, dtype=torch.float32)
+            normalizer = torch.log1p(c * torch.maximum(query, self.threshold))
+            knots, slopes, intercepts = self.pieces()
+            return (psi.contiguous(), normalizer.contiguous(), knots.contiguous(), slopes.t().contiguous(),
+                    intercepts.t().contiguous())
+
+    @property
+    def own_kernels(self) -> Dict[str, object]:
+        """The kernels this bias brings (``StackBias.own_kernels``, through ``ModuleBias``): its fused long
+        evaluation in place of the shared ``chunked`` kernel."""
+        return OWN_KERNELS
 
     def value_span(self) -> Tensor:
         """The largest over heads of the range of the bias (no gradient): the
@@ -292,3 +317,33 @@ def _put_pairs(out: Tensor, rows: Tensor, cols: Tensor, values: Tensor) -> None:
     """Write ``values [H, n]`` into ``out [H, q, k]`` at the pairs ``(rows[n], cols[n])`` of every head."""
     heads = torch.arange(out.size(0), device=out.device)[:, None].expand_as(values)
     out.index_put_((heads, rows[None].expand_as(values), cols[None].expand_as(values)), values)
+
+
+def fused_chunked_kernel(q: Tensor, k: Tensor, v: Tensor, bias, key_padding_mask: Optional[Tensor], dropout_p: float,
+                         chunk_size: Optional[int] = None):
+    """FIRE's ``chunked`` kernel: without a gradient, in float32 (or bfloat16 and float16, computed in float32)
+    on a CPU where ``native.py``'s fused forward runs, the whole attention in one C++ call: per head and block
+    of :data:`FUSED_BLOCK` queries, the scores of :data:`FUSED_KEY_BLOCK` keys at a time by torch's sgemm,
+    FIRE's bias added from one value per distance (per pair where a block's rows straddle a knot), an online
+    softmax, the output by sgemm; nothing ``[H, rows, keys]`` is built or read back as a mask, which is most of
+    the shared kernel's time.  Elsewhere, the shared ``chunked`` kernel (``kernels.chunked_kernel``)."""
+    from .kernels import chunked_kernel  # the shared kernel imports no position method: no cycle, but late
+
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    exact = q.detach()[:0].to(torch.float32)
+    if grad or dropout_p > 0 or not (native_available(exact) and native_forward_available()):
+        return chunked_kernel(q, k, v, bias, key_padding_mask, dropout_p, chunk_size)
+    B, H, T, D = q.shape
+    S = k.size(2)
+    qs = (q.to(torch.float32) * D ** -0.5).flatten(0, 1).contiguous()
+    kf, vf = (t.to(torch.float32).flatten(0, 1).contiguous() for t in (k, v))
+    pad = None
+    if key_padding_mask is not None and bool(key_padding_mask.any()):
+        pad = key_padding_mask.to(torch.bool)[:, None].expand(B, H, S).flatten(0, 1).to(torch.uint8).contiguous()
+    tables = bias.method.fused_tables(S - T, T, S, q.device)
+    out = fire_forward(qs, kf, vf, pad, *tables, FUSED_BLOCK, FUSED_KEY_BLOCK)
+    return out.view(B, H, T, -1).to(q.dtype), None
+
+
+#: :attr:`Fire.own_kernels`.
+OWN_KERNELS = {"chunked": fused_chunked_kernel}

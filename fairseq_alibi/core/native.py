@@ -54,12 +54,13 @@ SWITCH = "FAIRSEQ_ALIBI_NATIVE"
 #: Where the built library is kept.
 DIRECTORY = "FAIRSEQ_ALIBI_NATIVE_DIR"
 #: Bumped with every change of the functions' signatures (checked on load).
-ABI = 2
+ABI = 3
 
 SOURCE = r"""
 // fairseq_alibi/core/native.py's loops.  Built by that module; see its docstring.
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -113,7 +114,7 @@ static inline vf reciprocal(vf d) {
 #endif
 }
 
-extern "C" int fa_abi(void) { return 2; }
+extern "C" int fa_abi(void) { return 3; }
 
 // Stick-breaking's weights of one block of scores of one head, keys nearest first (see stickbreaking.py):
 // z [cols, rows] the scores (key c of query r at c * rows + r), stick [rows] each query's stick left before
@@ -235,6 +236,195 @@ extern "C" void fa_stickbreaking_forward(const float* q, const float* k, const f
         delete[] z;
     }
 }
+
+// The index of x's piece: the number of knots below x (torch.bucketize's, right=False).
+static inline int piece_of(float x, const float* knots, int n_knots) {
+    int lo = 0, hi = n_knots;  // the first knot >= x, by bisection
+    while (lo < hi) {
+        int mid = (lo + hi) >> 1;
+        if (knots[mid] < x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+// FIRE's bias value of MLP input x on piece p: slope x + intercept, rounded twice as torch's separate
+// product and sum round it (no fused multiply-add), so that the values are fire.py's bit for bit.
+__attribute__((optimize("fp-contract=off"))) static inline float fire_value(float slope, float x, float intercept) {
+    return slope * x + intercept;
+}
+__attribute__((optimize("fp-contract=off"))) static inline vf fire_values(vf slope, vf x, vf intercept) {
+    return slope * x + intercept;
+}
+
+// A row's running maximum raised to m (where it rises): its earlier sum and output scaled by exp(old - m).
+static inline void rescaled(float* o, int64_t Dv, float* top, float* total, float m) {
+    if (!(m > *top)) return;
+    if (*top != -INFINITY) {
+        v1f a = {*top - m};
+        const float scale = fexp<v1f, v1i>(a)[0];
+        *total *= scale;
+        for (int64_t t = 0; t < Dv; ++t) o[t] *= scale;
+    }
+    *top = m;
+}
+
+// FIRE's attention without a gradient (fire.py): softmax over keys j <= i of q_i . k_j / sqrt(d) + b_h(i, j),
+// b_h(i, j) = slope x + intercept on the piece of x = psi[i - j] / norm[i] (psi[d] = log(c d + 1), norm[i] =
+// log(c max(threshold, i) + 1), both computed by the caller in float32).  q [heads, T, D] (scaled), k [heads,
+// S, D], v [heads, S, Dv], pad [heads, S] (nonzero at padding; may be null); queries the last T of the S
+// keys; the tables knots [n], slopes and intercepts [H, n + 1] per head of the model (head h of the batch's
+// heads reads row h % H).  For each block of `block` queries, key blocks of `key_block` in order: scores z =
+// K Q^T by sgemm, the bias added, an online softmax (the rows' running maxima and sums), out += P^T V by
+// sgemm; out [heads, T, Dv] divided by the sums at the end.  Each block's bias per distance where the block's
+// rows share a piece (the piece at the block's smallest and largest normalizer agree), per pair elsewhere.
+extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, const uint8_t* pad,
+                                const float* psi, const float* norm, const float* knots, int64_t n_knots,
+                                const float* slopes, const float* intercepts, int64_t model_heads, float* out,
+                                int64_t heads, int64_t T, int64_t S, int64_t D, int64_t Dv, int64_t block,
+                                int64_t key_block, int threads, void* gemm) {
+    const sgemm_t sgemm = (sgemm_t)gemm;
+    const int64_t offset = S - T;
+    const int64_t pieces = n_knots + 1;
+    const float one = 1.0f, zero = 0.0f;
+    const int d = (int)D, dv = (int)Dv;
+#pragma omp parallel num_threads(threads) if (threads > 1 && heads > 1)
+    {
+        float* z = new float[block * key_block];
+        float* top = new float[block];    // each row's running maximum
+        float* total = new float[block];  // each row's running sum of exp(score - top)
+        const int64_t span = block + key_block;  // the distances one block pair spans
+        int* low = new int[span];
+        int* high = new int[span];
+        float* slope_d = new float[span];
+        float* icpt_d = new float[span];
+#pragma omp for schedule(dynamic)
+        for (int64_t h = 0; h < heads; ++h) {
+            const float* qh = q + h * T * D;
+            const float* kh = k + h * S * D;
+            const float* vh = v + h * S * Dv;
+            const uint8_t* ph = pad ? pad + h * S : nullptr;
+            const float* sl = slopes + (h % model_heads) * pieces;
+            const float* ic = intercepts + (h % model_heads) * pieces;
+            float* oh = out + h * T * Dv;
+            for (int64_t start = 0; start < T; start += block) {
+                const int64_t rows = T - start < block ? T - start : block;
+                const int n_rows = (int)rows;
+                const int64_t i0 = offset + start;  // the block's first query position
+                const float* nrm = norm + start;
+                const float n_first = nrm[0], n_last = nrm[rows - 1];
+                memset(oh + start * Dv, 0, rows * Dv * sizeof(float));
+                for (int64_t r = 0; r < rows; ++r) { top[r] = -INFINITY; total[r] = 0.0f; }
+                const int64_t keys = i0 + rows;  // keys 0 .. i0 + rows - 1
+                for (int64_t j0 = 0; j0 < keys; j0 += key_block) {
+                    const int64_t cols = keys - j0 < key_block ? keys - j0 : key_block;
+                    const int n_cols = (int)cols;
+                    sgemm("T", "N", &n_rows, &n_cols, &d, &one, qh + start * D, &d, kh + j0 * D, &d, &zero, z, &n_rows);
+                    // distances i - j of the pair block: from i0 - (j0 + cols - 1) to i0 + rows - 1 - j0
+                    const int64_t d_lo = i0 - (j0 + cols - 1);
+                    for (int64_t e = 0; e < rows + cols - 1; ++e) {
+                        const int64_t dist = d_lo + e;
+                        if (dist < 0) continue;
+                        // x falls as the normalizer grows: the last row's x is the smallest
+                        low[e] = piece_of(psi[dist] / n_last, knots, (int)n_knots);
+                        high[e] = piece_of(psi[dist] / n_first, knots, (int)n_knots);
+                        slope_d[e] = sl[low[e]];
+                        icpt_d[e] = ic[low[e]];
+                    }
+                    for (int64_t c = 0; c < cols; ++c) {
+                        float* zc = z + c * rows;
+                        const int64_t j = j0 + c;
+                        if (ph && ph[j]) {
+                            for (int64_t r = 0; r < rows; ++r) zc[r] = -INFINITY;
+                            continue;
+                        }
+                        // row r: distance i0 + r - j (rows before j - i0 do not see key j), entry e = r + cols - 1 - c
+                        int64_t r = j - i0 > 0 ? j - i0 : 0;
+                        for (int64_t s = 0; s < r && s < rows; ++s) zc[s] = -INFINITY;
+                        const float* ps = psi + (i0 - j);  // ps[r]: row r's psi
+                        const int* lo = low + (cols - 1 - c);
+                        const int* hi = high + (cols - 1 - c);
+                        const float* sd = slope_d + (cols - 1 - c);
+                        const float* id = icpt_d + (cols - 1 - c);
+                        for (; r + WIDTH <= rows; r += WIDTH) {
+                            vf pv, nv, sv, iv, zv;
+                            vi lv, hv;
+                            memcpy(&pv, ps + r, sizeof pv);
+                            memcpy(&nv, nrm + r, sizeof nv);
+                            memcpy(&sv, sd + r, sizeof sv);
+                            memcpy(&iv, id + r, sizeof iv);
+                            memcpy(&zv, zc + r, sizeof zv);
+                            memcpy(&lv, lo + r, sizeof lv);
+                            memcpy(&hv, hi + r, sizeof hv);
+                            const vf x = pv / nv;
+                            vf b = fire_values(sv, x, iv);
+                            const vi differ = lv != hv;
+                            bool any = false;
+                            for (int l = 0; l < WIDTH; ++l) any |= differ[l] != 0;
+                            if (any) {  // rows that straddle a knot at this distance: their own piece
+                                for (int l = 0; l < WIDTH; ++l) {
+                                    if (!differ[l]) continue;
+                                    const int p = piece_of(x[l], knots, (int)n_knots);
+                                    b[l] = fire_value(sl[p], x[l], ic[p]);
+                                }
+                            }
+                            zv += b;
+                            memcpy(zc + r, &zv, sizeof zv);
+                        }
+                        for (; r < rows; ++r) {
+                            const float x = ps[r] / nrm[r];
+                            const int p = lo[r] == hi[r] ? lo[r] : piece_of(x, knots, (int)n_knots);
+                            zc[r] += fire_value(sl[p], x, ic[p]);
+                        }
+                    }
+                    // online softmax: the rows' new maxima, their earlier sums and outputs rescaled
+                    int64_t r = 0;
+                    for (; r + WIDTH <= rows; r += WIDTH) {
+                        vf m;
+                        memcpy(&m, top + r, sizeof m);
+                        for (int64_t c = 0; c < cols; ++c) {
+                            vf zv;
+                            memcpy(&zv, z + c * rows + r, sizeof zv);
+                            m = zv > m ? zv : m;
+                        }
+                        for (int l = 0; l < WIDTH; ++l) rescaled(oh + (start + r + l) * Dv, Dv, top + r + l, total + r + l, m[l]);
+                    }
+                    for (; r < rows; ++r) {
+                        float m = top[r];
+                        for (int64_t c = 0; c < cols; ++c) m = z[c * rows + r] > m ? z[c * rows + r] : m;
+                        rescaled(oh + (start + r) * Dv, Dv, top + r, total + r, m);
+                    }
+                    for (int64_t c = 0; c < cols; ++c) {  // the weights exp(z - max), 0 where masked, into z
+                        float* zc = z + c * rows;
+                        int64_t r = 0;
+                        for (; r + WIDTH <= rows; r += WIDTH) {
+                            vf zv, m, t;
+                            memcpy(&zv, zc + r, sizeof zv);
+                            memcpy(&m, top + r, sizeof m);
+                            memcpy(&t, total + r, sizeof t);
+                            vf p = fexp<vf, vi>(zv - m);
+                            p = zv == -INFINITY ? 0.0f : p;
+                            t += p;
+                            memcpy(zc + r, &p, sizeof p);
+                            memcpy(total + r, &t, sizeof t);
+                        }
+                        for (; r < rows; ++r) {
+                            v1f a = {zc[r] - top[r]};
+                            const float p = zc[r] == -INFINITY ? 0.0f : fexp<v1f, v1i>(a)[0];
+                            zc[r] = p;
+                            total[r] += p;
+                        }
+                    }
+                    sgemm("N", "T", &dv, &n_rows, &n_cols, &one, vh + j0 * Dv, &dv, z, &n_rows, &one, oh + start * Dv, &dv);
+                }
+                for (int64_t r = 0; r < rows; ++r) {
+                    float* o = oh + (start + r) * Dv;
+                    for (int64_t t = 0; t < Dv; ++t) o[t] /= total[r];
+                }
+            }
+        }
+        delete[] z; delete[] top; delete[] total; delete[] low; delete[] high; delete[] slope_d; delete[] icpt_d;
+    }
+}
 """
 
 _state = {"library": None, "tried": False, "why": "not built yet"}
@@ -289,6 +479,10 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError(f"{path} has ABI {library.fa_abi()}, not {ABI}")
     library.fa_stickbreaking_terms.restype = None
     library.fa_stickbreaking_terms.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    library.fa_fire_forward.restype = None
+    library.fa_fire_forward.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
+                                        + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 7
+                                        + [ctypes.c_int, ctypes.c_void_p])
     library.fa_stickbreaking_forward.restype = None
     library.fa_stickbreaking_forward.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
                                                  + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
@@ -397,3 +591,37 @@ def stickbreaking_forward(q: Tensor, k: Tensor, v: Tensor, pad: Optional[Tensor]
                                        rem.data_ptr(), scored.data_ptr(), heads, T, S, D, Dv, block, key_block,
                                        floor, torch.get_num_threads(), _state["sgemm"])
     return out, rem, int(scored.sum())
+
+
+def fire_forward(q: Tensor, k: Tensor, v: Tensor, pad: Optional[Tensor], psi: Tensor, norm: Tensor, knots: Tensor,
+                 slopes: Tensor, intercepts: Tensor, block: int, key_block: int) -> Tensor:
+    """FIRE's attention without a gradient in one call (the C++ ``fa_fire_forward``, where
+    :func:`forward_available`): ``out [heads, T, Dv]`` of the scaled queries ``q`` ``[heads, T, D]`` (the last
+    ``T`` of the ``S`` keys), keys ``k`` ``[heads, S, D]``, values ``v`` ``[heads, S, Dv]``, ``pad`` ``[heads,
+    S]`` (uint8) or None; FIRE's tables (``fire.Fire.fused_tables``): ``psi`` ``[S]`` per distance, ``norm``
+    ``[T]`` per query, ``knots`` ``[n]``, ``slopes`` and ``intercepts`` ``[H, n + 1]`` per head of the model
+    (batch head ``h`` reads row ``h % H``); float32, contiguous, on the CPU; ``block`` queries by ``key_block``
+    keys at a time."""
+    heads, T, D = q.shape
+    S, Dv = k.size(1), v.size(-1)
+    H, pieces = slopes.shape
+    shapes = (("q", q, (heads, T, D)), ("k", k, (heads, S, D)), ("v", v, (heads, S, Dv)), ("psi", psi, (S,)),
+              ("norm", norm, (T,)), ("knots", knots, (pieces - 1,)), ("slopes", slopes, (H, pieces)),
+              ("intercepts", intercepts, (H, pieces)))
+    for name, t, shape in shapes:
+        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {shape}, "
+                             f"not {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
+    if pad is not None and (pad.dtype != torch.uint8 or not pad.is_contiguous() or tuple(pad.shape) != (heads, S)):
+        raise ValueError(f"pad must be a contiguous uint8 tensor of shape {(heads, S)}")
+    if block < 1 or key_block < 1 or S < T or heads % H or max(heads, T, S, D, Dv, block * key_block) >= 2 ** 31:
+        raise ValueError(f"block {block} and key_block {key_block} must be at least 1, S {S} at least T {T}, the "
+                         f"heads {heads} a multiple of the model's {H}, and every size below 2^31")
+    if not forward_available():
+        raise RuntimeError(f"the fused forward does not run here: {status()}")
+    out = q.new_empty((heads, T, Dv))
+    library().fa_fire_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(pad), psi.data_ptr(),
+                              norm.data_ptr(), knots.data_ptr(), pieces - 1, slopes.data_ptr(), intercepts.data_ptr(),
+                              H, out.data_ptr(), heads, T, S, D, Dv, block, key_block, torch.get_num_threads(),
+                              _state["sgemm"])
+    return out
