@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from .alibi import learned_slopes as positive, learned_slopes_inverse as positive_inverse
 from .bias import distance_ramp, reversed_rows
 from .kerple import causal_distance
+from .kernels import chunked_kernel
 from .native import available_for as native_available, fire_forward, forward_available as native_forward_available
 
 #: Rows per group of :meth:`Fire.reversed_block`: a group pays up to ``ROW_GROUP ** 2`` pairwise values per
@@ -327,8 +328,6 @@ def fused_chunked_kernel(q: Tensor, k: Tensor, v: Tensor, bias, key_padding_mask
     FIRE's bias added from one value per distance (per pair where a block's rows straddle a knot), an online
     softmax, the output by sgemm; nothing ``[H, rows, keys]`` is built or read back as a mask, which is most of
     the shared kernel's time.  Elsewhere, the shared ``chunked`` kernel (``kernels.chunked_kernel``)."""
-    from .kernels import chunked_kernel  # the shared kernel imports no position method: no cycle, but late
-
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     exact = q.detach()[:0].to(torch.float32)
     if grad or dropout_p > 0 or not (native_available(exact) and native_forward_available()):
