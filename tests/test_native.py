@@ -171,3 +171,25 @@ def test_the_fused_forward_refuses_what_it_cannot_run():
         native.stickbreaking_forward(q, k, v, torch.zeros(2, 5, dtype=torch.uint8), 4, 4, 1e-12)
     with pytest.raises(ValueError, match="at least 1"):
         native.stickbreaking_forward(q, k, v, None, 0, 4, 1e-12)
+
+
+def test_a_blas_that_computes_other_products_switches_the_fused_forwards_off(monkeypatch, caplog):
+    """torch's sgemm is checked once against torch's own products before a fused forward runs: a routine that
+    computes something else (here: nothing at all) is refused, with a warning, and the kernels' other paths
+    give the numbers."""
+    import ctypes
+
+    noop = ctypes.CFUNCTYPE(None)(lambda: None)  # called with the sgemm's arguments, it writes nothing
+    address = ctypes.cast(noop, ctypes.c_void_p).value
+    assert native.forward_available() and native._sgemm_works(native._sgemm_address())
+    assert not native._sgemm_works(address)
+    monkeypatch.setattr(native, "_sgemm_address", lambda: address)
+    monkeypatch.delitem(native._state, "sgemm")  # restored after the test
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert not native.forward_available()
+    assert "switched off" in caplog.text
+    q, k, v, pad = attention_case()
+    expected, _, _ = stickbreaking_reference(q, k, v, pad)
+    with torch.no_grad():
+        out, _ = stickbreaking_attention(q, k, v, pad, block=16, key_block=16)
+    torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)

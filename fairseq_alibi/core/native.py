@@ -54,7 +54,7 @@ SWITCH = "FAIRSEQ_ALIBI_NATIVE"
 #: Where the built library is kept.
 DIRECTORY = "FAIRSEQ_ALIBI_NATIVE_DIR"
 #: Bumped with every change of the functions' signatures (checked on load).
-ABI = 3
+ABI = 4
 
 SOURCE = r"""
 // fairseq_alibi/core/native.py's loops.  Built by that module; see its docstring.
@@ -114,7 +114,7 @@ static inline vf reciprocal(vf d) {
 #endif
 }
 
-extern "C" int fa_abi(void) { return 3; }
+extern "C" int fa_abi(void) { return 4; }
 
 // Stick-breaking's weights of one block of scores of one head, keys nearest first (see stickbreaking.py):
 // z [cols, rows] the scores (key c of query r at c * rows + r), stick [rows] each query's stick left before
@@ -175,6 +175,17 @@ extern "C" void fa_stickbreaking_terms(const float* z, float* w, float* kept, co
 // The BLAS routine torch calls (Fortran's sgemm, column-major): its address is passed in.
 typedef void (*sgemm_t)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                         const int*, const float*, const int*, const float*, float*, const int*);
+
+// The forwards' two products, called exactly as they call them, on row-major q [rows, d], k [cols, d] and
+// v [cols, dv]: z [cols, rows] = K Q^T, then o [rows, dv] += z^T V (native.py's _sgemm_works checks both
+// against torch before a forward runs).
+extern "C" void fa_sgemm_probe(void* gemm, const float* q, const float* k, const float* v, float* z, float* o,
+                               int rows, int cols, int d, int dv) {
+    const sgemm_t sgemm = (sgemm_t)gemm;
+    const float one = 1.0f, zero = 0.0f;
+    sgemm("T", "N", &rows, &cols, &d, &one, q, &d, k, &d, &zero, z, &rows);      // z [cols, rows] = K Q^T
+    sgemm("N", "T", &dv, &rows, &cols, &one, v, &dv, z, &rows, &one, o, &dv);    // o [rows, dv] += z^T V
+}
 
 // Stick-breaking's forward without a gradient, whole: stickbreaking.py's _forward_by_heads step for step, one
 // head at a time (each thread one head: a head's block of scores stays in the core's cache between the two
@@ -479,6 +490,8 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError(f"{path} has ABI {library.fa_abi()}, not {ABI}")
     library.fa_stickbreaking_terms.restype = None
     library.fa_stickbreaking_terms.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    library.fa_sgemm_probe.restype = None
+    library.fa_sgemm_probe.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4
     library.fa_fire_forward.restype = None
     library.fa_fire_forward.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
                                         + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 7
@@ -527,12 +540,35 @@ def available_for(t: Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32 and library() is not None
 
 
+def _sgemm_works(address: int) -> bool:
+    """Whether ``sgemm`` at ``address`` computes the forwards' two products as torch does (a BLAS whose
+    integers are 64-bit, or another convention, would give wrong numbers with no error): one small case of
+    each, against torch's products, within float32 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    rows, cols, d, dv = 5, 7, 3, 4
+    q, k, v = (torch.randn(n, m, generator=gen) for n, m in ((rows, d), (cols, d), (cols, dv)))
+    start = torch.randn(rows, dv, generator=gen)
+    z, o = torch.empty(cols, rows), start.clone()
+    library().fa_sgemm_probe(address, q.data_ptr(), k.data_ptr(), v.data_ptr(), z.data_ptr(), o.data_ptr(),
+                             rows, cols, d, dv)
+    want_z = k.double() @ q.double().t()
+    return bool(torch.allclose(z.double(), want_z, rtol=1e-5, atol=1e-5)) and bool(
+        torch.allclose(o.double(), start.double() + want_z.t() @ v.double(), rtol=1e-5, atol=1e-5))
+
+
 def forward_available() -> bool:
-    """Whether :func:`stickbreaking_forward` runs here: the library loaded and torch's ``sgemm`` found."""
+    """Whether the fused forwards (:func:`stickbreaking_forward`, :func:`fire_forward`) run here: the library
+    loaded, torch's ``sgemm`` found, and its products checked once (:func:`_sgemm_works`; a failed check is
+    logged as a warning, and the callers' other paths run)."""
     if library() is None:
         return False
     if "sgemm" not in _state:
-        _state["sgemm"] = _sgemm_address()
+        address = _sgemm_address()
+        if address is not None and not _sgemm_works(address):
+            logger.warning("torch's sgemm at %s does not compute the fused forwards' products as torch does; "
+                           "the fused forwards are switched off", hex(address))
+            address = None
+        _state["sgemm"] = address
     return _state["sgemm"] is not None
 
 
