@@ -1,22 +1,34 @@
-"""Fused CPU loops, compiled from the C++ below on first use.
+"""Fused CPU calls, compiled from the C++ below on first use.
 
 Eager PyTorch runs an elementwise formula as one pass over memory per
-operation.  Where a kernel's elementwise work costs as much as its matrix
-products (stick-breaking's two sigmoids and running product along the keys,
-five passes over every block of scores), one loop that reads each score once
-does the same work in a third of the time.  This module holds such loops, in
-C++ with GCC's vector extensions (16 floats at a time with AVX-512, else 8;
-x86-64 CPUs with AVX2 or AVX-512, the vector instructions torch itself uses
-there),
-compiled with the machine's C++ compiler into a shared library and called
-through ``ctypes`` on tensors' memory.
+operation, and a blockwise kernel written in Python as one step (a dozen
+operations) per block.  Where that costs as much as the matrix products,
+one C++ call does the whole attention: per head (OpenMP threads over the
+heads) and block of queries, the scores of a block of keys by the BLAS
+``sgemm`` torch itself calls, one vectorized loop over them, the output by
+``sgemm``, each head's block of scores staying in the core's cache.  Two
+such calls, both for evaluation (no gradient):
+
+* :func:`stickbreaking_forward`: stick-breaking's weights (two sigmoids
+  and the running product along the keys), each head stopping once its
+  sticks are spent (``stickbreaking.py``); :func:`stickbreaking_terms` is
+  its loop alone, for one block at a time;
+* :func:`fire_forward`: FIRE's bias (one value per distance and block,
+  per pair where the block's rows straddle a knot of its MLP) and an online
+  softmax (``fire.py``).
+
+The loops are C++ with GCC's vector extensions, 16 floats at a time with
+AVX-512, else 8 (x86-64 CPUs with AVX2 or AVX-512, the vector instructions
+torch itself uses there); their exponential is within 2 units in the last
+place of the exact one.  ``sgemm``'s address is read from torch's own,
+already loaded CPU library and its two products checked once against
+torch's (:func:`forward_available`).
 
 It is optional: without a compiler, on a build error, on a CPU without AVX2
 (or not x86-64: the loops were not measured there), off the CPU, for
 float64 (the tests' exact oracle), or with ``FAIRSEQ_ALIBI_NATIVE=0`` in the
 environment, :func:`library` is None and each caller runs its eager
-PyTorch path, which computes the same numbers (to float32 rounding: the
-loops' exponential is within 2 units in the last place of the exact one).
+PyTorch path, which computes the same numbers to float32 rounding.
 :func:`status` says which, and why.
 
 The library is built once per source, compiler and flags into
@@ -24,11 +36,10 @@ The library is built once per source, compiler and flags into
 ``$XDG_CACHE_HOME`` honoured), written under a temporary name and renamed,
 so that processes building at once (test workers) never load half a file.
 The file's name is the hash of what built it: a changed source or compiler
-builds anew, nothing stale is loaded.  Parallel over heads with OpenMP
-(torch's own runtime, which is loaded first, serves the library), as many
-threads as ``torch.get_num_threads()``.
+builds anew, nothing stale is loaded.  OpenMP is torch's own runtime, which
+is loaded first; as many threads as ``torch.get_num_threads()``.
 
-Pure torch and the standard library, no fairseq: this file travels with
+Torch and the standard library, no fairseq: this file travels with
 exported models, which build the same library where they run (or fall back).
 """
 
