@@ -21,8 +21,8 @@ which follows ``from .module import name`` (so this folder stays flat).
 * ``stickbreaking``, ``path``: methods that compute their attention themselves (stick-breaking
   attention, no softmax; PaTH, keys through a product of Householder-like transformations),
   each with its own kernel and KV cache;
-* ``native``: fused CPU loops in C++, compiled on first use where a compiler and AVX2 are (stick-breaking's
-  evaluation), eager PyTorch elsewhere;
+* ``native``: fused CPU calls in C++, compiled on first use where a compiler and AVX2 are (stick-breaking's
+  and FIRE's evaluation), eager PyTorch elsewhere;
 * ``logit_scale``, ``ssmax``: query scaling by the keys seen (the ``logn`` extension method; learned SSMax);
 * ``bias``: a layer stack's shared position object (``StackBias``: slopes or a learned bias,
   scaling, caches; the causal mask alone for NoPE);
