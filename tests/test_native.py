@@ -193,3 +193,18 @@ def test_a_blas_that_computes_other_products_switches_the_fused_forwards_off(mon
     with torch.no_grad():
         out, _ = stickbreaking_attention(q, k, v, pad, block=16, key_block=16)
     torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("off", False), ("False", False), ("1", True), ("yes", True),
+                                       (" ", True)])
+def test_the_switch_takes_the_usual_spellings(value, on, monkeypatch):
+    monkeypatch.setenv(native.SWITCH, value)
+    assert native.switched_on() is on and (native.library() is not None) is on
+
+
+def test_a_misspelt_switch_is_refused_in_one_line(monkeypatch):
+    from fairseq_alibi.core.errors import ConfigError
+
+    monkeypatch.setenv(native.SWITCH, "of")
+    with pytest.raises(ConfigError, match=r"FAIRSEQ_ALIBI_NATIVE='of' is not valid: set it to 0"):
+        native.library()

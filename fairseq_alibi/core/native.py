@@ -58,9 +58,11 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
-#: Set to 0 to run every kernel's eager PyTorch path.
+#: Set to 0 to run every kernel's eager PyTorch path (:func:`switched_on`).
 SWITCH = "FAIRSEQ_ALIBI_NATIVE"
 #: Where the built library is kept.
 DIRECTORY = "FAIRSEQ_ALIBI_NATIVE_DIR"
@@ -513,11 +515,26 @@ def _build() -> ctypes.CDLL:
     return library
 
 
+#: The values of :data:`SWITCH` (any case), off and on.
+OFF, ON = ("0", "false", "off", "no"), ("1", "true", "on", "yes", "")
+
+
+def switched_on() -> bool:
+    """:data:`SWITCH` read: unset or one of :data:`ON` lets the fused calls run, one of :data:`OFF` switches
+    them off; ``ConfigError`` for anything else (a typo must not leave them on unnoticed)."""
+    value = os.environ.get(SWITCH, "1").strip().lower()
+    if value not in OFF + ON:
+        raise ConfigError(f"{SWITCH}={os.environ[SWITCH]!r} is not valid: set it to 0 (or false, off, no) to run "
+                          "the eager PyTorch paths instead of the fused CPU calls, to 1 (or true, on, yes) or unset "
+                          "it to let them run")
+    return value not in OFF
+
+
 def library() -> Optional[ctypes.CDLL]:
     """The loaded library, or None where it is switched off or cannot be built (:func:`status` says
     why; the first failure is logged once as a warning)."""
-    if os.environ.get(SWITCH, "1").strip() == "0":
-        _state["why"] = f"switched off ({SWITCH}=0)"
+    if not switched_on():
+        _state["why"] = f"switched off ({SWITCH}={os.environ[SWITCH]})"
         return None
     if not _state["tried"]:
         _state["tried"] = True
