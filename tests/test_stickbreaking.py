@@ -124,6 +124,36 @@ def test_evaluation_through_the_fused_loop_is_the_naive_product(T, S, block, key
         torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("T,S,block,key_block,side", [(37, 37, 16, 16, "left"), (70, 70, 32, 64, "right"),
+                                                      (9, 41, 4, 8, None), (130, 130, 128, 256, None)])
+def test_training_through_the_fused_forward_is_the_naive_product(T, S, block, key_block, side, monkeypatch):
+    """Where a gradient is taken in float32, the forward is the fused C++ call and the backward this
+    module's own: values and gradients against the float64 product and against the eager forward."""
+    calls = []
+    real_forward = stickbreaking.native_forward
+    monkeypatch.setattr(stickbreaking, "native_forward", lambda *a: calls.append(1) or real_forward(*a))
+    q64, k64, v64 = inputs(T, S, spread=2.0)
+    pad = None if side is None else torch.zeros(2, S, dtype=torch.bool)
+    if side is not None:
+        pad[1, slice(0, 3) if side == "left" else slice(S - 2, S)] = True
+    expected, rem, _ = stickbreaking_reference(q64, k64, v64, pad)
+    want = grads(expected, rem, (q64, k64, v64))
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(native.SWITCH, switch)
+        q, k, v = (t.detach().float().requires_grad_() for t in (q64, k64, v64))
+        out, remainder = stickbreaking_attention(q, k, v, pad, block=block, key_block=key_block)
+        results[switch] = (out, remainder, grads(out, remainder, (q, k, v)))
+    assert len(calls) == 1  # the fused forward ran once, with the loops on
+    for out, remainder, got in results.values():
+        torch.testing.assert_close(out.double(), expected.detach(), rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(remainder.double(), rem.detach(), rtol=2e-5, atol=2e-5)
+        for g, w in zip(got, want):
+            assert float((g.double() - w).abs().max()) < 1e-4 * max(1.0, float(w.abs().max()))
+    for a, b in zip(results["1"][2], results["0"][2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["BTHD", "TBHD", "BHTD"])
 def test_inputs_of_any_memory_layout_give_the_naive_products_gradients(layout):
     """q, k, v as permuted views of [B, T, H, D] (heads split from one projection) or [T, B, H, D]

@@ -117,6 +117,9 @@ FUSED_BLOCK = 64
 FUSED_KEY_BLOCK = 128
 #: A remainder below ``exp(SPENT)`` is 0 in float32 (and bfloat16): farther keys weigh nothing.
 SPENT = -120.0
+#: The fused forward's stopping point where a gradient is taken: the smallest positive float32, so that a head
+#: stops once every stick is exactly 0 (what ``exp(SPENT)`` is in float32).
+SPENT_FLOAT32 = 2.0 ** -149
 #: The group norm's epsilon (torch's default, the authors' GroupNorm).
 NORM_EPS = 1e-5
 
@@ -294,6 +297,12 @@ def _count_scored(pairs: int) -> None:
     included), block by block or once for the fused forward: the benchmarks count them here."""
 
 
+def _head_pad(pad: Optional[Tensor], heads: int) -> Optional[Tensor]:
+    """uint8 ``[B H, S]``: each head's row of the key padding ``pad`` ``[B, S]``, the keys reversed as the
+    kernel's keys are (None for None)."""
+    return None if pad is None else _reversed(pad[:, None], 2)[:, 0].repeat_interleave(heads, 0).to(torch.uint8)
+
+
 def _forward_by_heads(qs: Tensor, kr: Tensor, vr: Tensor, pad: Optional[Tensor], block: int, key_block: int,
                       exact: torch.dtype) -> Tuple[Tensor, Tensor]:
     """The forward where no gradient is taken: ``(sum_j A_ij v_j, remainder)``,
@@ -308,8 +317,7 @@ def _forward_by_heads(qs: Tensor, kr: Tensor, vr: Tensor, pad: Optional[Tensor],
     floor = negligible_remainder(exact)
     heads = B * H
     qf, kf, vf = qs.flatten(0, 1), kr.flatten(0, 1), vr.flatten(0, 1)  # [B H, ., D]
-    # each head's row of padding, keys reversed as kr's are
-    head_pad = None if pad is None else _reversed(pad[:, None], 2)[:, 0].repeat_interleave(H, 0).to(torch.uint8)
+    head_pad = _head_pad(pad, H)
     out = qs.new_empty((heads, T, Dv))
     rem = qs.new_empty((heads, T))
     fused = native_available(qs)
@@ -365,13 +373,24 @@ class _StickBreaking(torch.autograd.Function):
     Keys and values reversed once, the remainder carried from block to block
     as a product (``carry`` ``[B, H, rows, 1]``), every ``[B, H, rows, cols]``
     term written into buffers allocated once per call (a fresh tensor of that
-    size is a fresh mapping of memory, its pages faulted in one by one)."""
+    size is a fresh mapping of memory, its pages faulted in one by one).  In
+    float32 on the CPU its forward is the fused C++ call of evaluation
+    (``native.py``), each head stopping once its sticks are 0; the backward
+    is this class's own either way."""
 
     @staticmethod
     def forward(ctx, q, k, v, pad, block, key_block):
         exact, qs, kr, vr = _prepared(q, k, v)
         B, H, T, _ = q.shape
         S, Dv = k.size(2), v.size(-1)
+        if native_available(qs) and native_forward_available():  # float32 on the CPU: the fused call
+            # each head stops once its sticks are 0 in float32 (below the smallest float: exp(SPENT) rounds to 0)
+            out, rem, _ = native_forward(qs.flatten(0, 1), kr.flatten(0, 1), vr.flatten(0, 1), _head_pad(pad, H),
+                                         block, key_block, SPENT_FLOAT32)
+            out, rem = out.view(B, H, T, Dv), rem.view(B, H, T)
+            ctx.save_for_backward(q, k, v, pad, out, rem)
+            ctx.blocks = block, key_block
+            return out.to(q.dtype), rem
         out = q.new_zeros((B, H, T, Dv), dtype=exact)
         rem = q.new_ones((B, H, T), dtype=exact)
         space = [q.new_empty(B * H * block * key_block, dtype=exact) for _ in range(2)]
