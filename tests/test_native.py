@@ -109,7 +109,7 @@ def test_switched_off_the_eager_path_gives_the_numbers(monkeypatch):
     monkeypatch.setenv(native.SWITCH, "0")
     assert native.library() is None and "switched off" in native.status()
     calls = []
-    monkeypatch.setattr(stickbreaking, "native_terms", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr(stickbreaking, "native_forward", lambda *a: calls.append(1))
     with torch.no_grad():
         out, remainder = stickbreaking_attention(q, k, v, pad, block=16, key_block=16)
     assert not calls
@@ -122,7 +122,7 @@ def test_without_a_compiler_the_eager_path_runs_and_says_why(fresh_state, monkey
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert native.library() is None
     assert native.status().startswith("not available") and "eager" in caplog.text
-    assert not native.available_for(torch.zeros(1))
+    assert not native.runs_for(torch.zeros(1))
     q, k, v, pad = attention_case()
     expected, _, _ = stickbreaking_reference(q, k, v, pad)
     with torch.no_grad():
@@ -137,28 +137,27 @@ def test_a_failed_compilation_is_reported(fresh_state, monkeypatch):
 
 
 def test_float64_and_other_devices_keep_the_eager_path():
-    assert native.available_for(torch.zeros(2, dtype=torch.float32))
-    assert not native.available_for(torch.zeros(2, dtype=torch.float64))
-    assert not native.available_for(torch.zeros(2, dtype=torch.bfloat16))
-    assert not native.available_for(torch.zeros(2, device="meta"))
+    assert native.runs_for(torch.zeros(2, dtype=torch.float32))
+    assert native.runs_for(torch.zeros(2, dtype=torch.bfloat16))  # computed in float32
+    assert not native.runs_for(torch.zeros(2, dtype=torch.float64))
+    assert not native.runs_for(torch.zeros(2, device="meta"))
 
 
 def test_the_stickbreaking_kernel_runs_the_fused_forward_in_float32_evaluation(monkeypatch):
-    """The kernel's evaluation path calls the whole fused forward for float32 (neither the loop block by block
-    nor the eager block terms); where torch's sgemm is not found, the loop block by block."""
-    forwards, loops = [], []
-    real_forward, real_terms = stickbreaking.native_forward, stickbreaking.native_terms
+    """The kernel's evaluation path calls the whole fused forward for float32 (not the eager block terms);
+    where torch's sgemm is not found, the eager block terms."""
+    forwards, blocks = [], []
+    real_forward, real_terms = stickbreaking.native_forward, stickbreaking._block_terms
     monkeypatch.setattr(stickbreaking, "native_forward", lambda *a: forwards.append(1) or real_forward(*a))
-    monkeypatch.setattr(stickbreaking, "native_terms", lambda *a, **kw: loops.append(1) or real_terms(*a, **kw))
-    monkeypatch.setattr(stickbreaking, "_block_terms", lambda *a: pytest.fail("eager block terms called"))
+    monkeypatch.setattr(stickbreaking, "_block_terms", lambda *a: blocks.append(1) or real_terms(*a))
     q, k, v, pad = attention_case()
     with torch.no_grad():
         stickbreaking_attention(q, k, v, pad, block=16, key_block=16)
-        assert forwards and not loops
+        assert forwards and not blocks
         monkeypatch.setitem(native._state, "sgemm", None)
         assert not native.forward_available()
         stickbreaking_attention(q, k, v, pad, block=16, key_block=16)
-    assert len(forwards) == 1 and loops
+    assert len(forwards) == 1 and blocks
 
 
 def test_the_fused_forward_refuses_what_it_cannot_run():

@@ -93,13 +93,9 @@ def test_without_a_gradient_each_head_stops_where_its_own_stick_is_spent(dtype, 
                                                       (9, 41, 4, 8, "left"), (1, 30, 8, 8, None),
                                                       (130, 130, 128, 256, None)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fused", ["forward", "loop"])
-def test_evaluation_through_the_fused_loop_is_the_naive_product(T, S, block, key_block, side, dtype, fused,
-                                                                 monkeypatch):
-    """The whole C++ forward, or the loop block by block (where torch's sgemm is not found), against the
-    float64 product and the eager passes; the same (query, key) pairs scored as the eager path."""
-    if fused == "loop":
-        monkeypatch.setitem(native._state, "sgemm", None)
+def test_evaluation_through_the_fused_loop_is_the_naive_product(T, S, block, key_block, side, dtype, monkeypatch):
+    """The whole C++ forward against the float64 product and the eager passes; the same (query, key) pairs
+    scored as the eager path."""
     scored = []
     monkeypatch.setattr(stickbreaking, "_count_scored", scored.append)
     q, k, v = (t.detach() for t in inputs(T, S, spread=2.0))

@@ -26,7 +26,7 @@ from .alibi import learned_slopes as positive, learned_slopes_inverse as positiv
 from .bias import distance_ramp, reversed_rows
 from .kerple import causal_distance
 from .kernels import chunked_kernel
-from .native import available_for as native_available, fire_forward, forward_available as native_forward_available
+from .native import fire_forward, runs_for as native_runs
 
 #: Rows per group of :meth:`Fire.reversed_block`: a group pays up to ``ROW_GROUP ** 2`` pairwise values per
 #: knot its rows straddle, and a few small operations per group.
@@ -329,8 +329,7 @@ def fused_chunked_kernel(q: Tensor, k: Tensor, v: Tensor, bias, key_padding_mask
     softmax, the output by sgemm; nothing ``[H, rows, keys]`` is built or read back as a mask, which is most of
     the shared kernel's time.  Elsewhere, the shared ``chunked`` kernel (``kernels.chunked_kernel``)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    exact = q.detach()[:0].to(torch.float32)
-    if grad or dropout_p > 0 or not (native_available(exact) and native_forward_available()):
+    if grad or dropout_p > 0 or not native_runs(q):
         return chunked_kernel(q, k, v, bias, key_padding_mask, dropout_p, chunk_size)
     B, H, T, D = q.shape
     S = k.size(2)
@@ -339,7 +338,8 @@ def fused_chunked_kernel(q: Tensor, k: Tensor, v: Tensor, bias, key_padding_mask
     pad = None
     if key_padding_mask is not None and bool(key_padding_mask.any()):
         pad = key_padding_mask.to(torch.bool)[:, None].expand(B, H, S).flatten(0, 1).to(torch.uint8).contiguous()
-    tables = bias.method.fused_tables(S - T, T, S, q.device)
+    tables = bias.cached("fused_tables", (S - T, T, S, str(q.device)),  # once per pass, shared by the layers
+                         lambda: bias.method.fused_tables(S - T, T, S, q.device))
     out = fire_forward(qs, kf, vf, pad, *tables, FUSED_BLOCK, FUSED_KEY_BLOCK)
     return out.view(B, H, T, -1).to(q.dtype), None
 

@@ -12,7 +12,7 @@ such calls, both for evaluation (no gradient):
 * :func:`stickbreaking_forward`: stick-breaking's weights (two sigmoids
   and the running product along the keys), each head stopping once its
   sticks are spent (``stickbreaking.py``); :func:`stickbreaking_terms` is
-  its loop alone, for one block at a time;
+  its loop alone, for its tests;
 * :func:`fire_forward`: FIRE's bias (one value per distance and block,
   per pair where the block's rows straddle a knot of its MLP) and an online
   softmax (``fire.py``).
@@ -563,11 +563,6 @@ def status() -> str:
     return "built" if library() is not None else _state["why"]
 
 
-def available_for(t: Tensor) -> bool:
-    """Whether the loops serve tensors like ``t``: float32 on the CPU, and the library loaded."""
-    return t.device.type == "cpu" and t.dtype == torch.float32 and library() is not None
-
-
 def _sgemm_works(address: int) -> bool:
     """Whether ``sgemm`` at ``address`` computes the forwards' two products as torch does (a BLAS whose
     integers are 64-bit, or another convention, would give wrong numbers with no error): one small case of
@@ -582,6 +577,12 @@ def _sgemm_works(address: int) -> bool:
     want_z = k.double() @ q.double().t()
     return bool(torch.allclose(z.double(), want_z, rtol=1e-5, atol=1e-5)) and bool(
         torch.allclose(o.double(), start.double() + want_z.t() @ v.double(), rtol=1e-5, atol=1e-5))
+
+
+def runs_for(t: Tensor) -> bool:
+    """Whether the fused calls serve tensors like ``t``: on the CPU, not float64 (the tests' exact oracle;
+    any other dtype is computed in float32), and :func:`forward_available`."""
+    return t.device.type == "cpu" and t.dtype != torch.float64 and forward_available()
 
 
 def forward_available() -> bool:
@@ -604,19 +605,13 @@ def _pointer(t: Optional[Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-def stickbreaking_terms(z: Tensor, w: Tensor, kept: Tensor, pad: Optional[Tensor], base: int,
-                        checked: bool = True) -> None:
-    """Stick-breaking's weights of one block (the C++ ``fa_stickbreaking_terms``): ``z`` and ``w``
-    ``[heads, cols, rows]`` (scores in, weights out; ``w`` may be ``z``), ``kept`` ``[heads, rows]`` (in
-    place), ``pad``
-    ``[heads, cols]`` uint8 or None; all float32, contiguous, on the CPU; query ``r`` sees key ``c`` where
-    ``c >= base - r``.  ``checked=False`` skips the checks of the arguments (a kernel's inner loop, whose
-    buffers are made to fit: they cost as much as the call)."""
+def stickbreaking_terms(z: Tensor, w: Tensor, kept: Tensor, pad: Optional[Tensor], base: int) -> None:
+    """Stick-breaking's loop alone, on one block of every head (the C++ ``fa_stickbreaking_terms``; the fused
+    forward runs the same loop, and the tests check it through this): ``z`` and ``w`` ``[heads, cols, rows]``
+    (scores in, weights out; ``w`` may be ``z``), ``kept`` ``[heads, rows]`` (in place), ``pad`` ``[heads,
+    cols]`` uint8 or None; all float32, contiguous, on the CPU; query ``r`` sees key ``c`` where ``c >= base -
+    r``."""
     heads, cols, rows = z.shape
-    if not checked:
-        _state["library"].fa_stickbreaking_terms(z.data_ptr(), w.data_ptr(), kept.data_ptr(), _pointer(pad),
-                                                 heads, cols, rows, base, torch.get_num_threads())
-        return
     for name, t, shape in (("z", z, (heads, cols, rows)), ("w", w, (heads, cols, rows)),
                            ("kept", kept, (heads, rows))):
         if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":

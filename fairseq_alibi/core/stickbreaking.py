@@ -67,13 +67,13 @@ no gradient is taken (evaluation, decoding) each head stops on its own, once
 its queries' remainders are below :func:`negligible_remainder` (the farther
 keys then weigh under ``2^-16`` of a rounding unit, the standard ALiBi's key
 windows keep), the heads still reading gathered into one batch: a trained
-model's heads spend their sticks at very different distances.  There, in
-float32 on a CPU with AVX2, a block's weights come from one fused loop
-(``native.py``, C++ compiled on first use) instead of five passes of eager
-PyTorch: the scores laid out key by key (``K Q^T``), so that the running
-product along the keys is one vector step per key, the weights (times the
-stick left) written over the scores; the eager passes run wherever the loop
-cannot be built.  The
+model's heads spend their sticks at very different distances.  On a CPU
+with AVX2 (not float64) the forward, with or without a gradient, is one
+C++ call (``native.py``, compiled on first use): per head and block, the
+scores by torch's sgemm laid out key by key (``K Q^T``, so that the running
+product along the keys is one vector step per key), the weights in one loop
+written over them, the output by sgemm; elsewhere the eager passes above
+run (five per block).  The
 naive reference (:func:`stickbreaking_reference`) computes the product itself, in float64,
 with ``[B, H, T, S]`` memory: the tests' oracle.
 
@@ -96,8 +96,7 @@ from torch import Tensor, nn
 from .bias import OwnAttentionStack
 from .causal_blocks import SKIPPED_SHARE
 from .errors import ConfigError
-from .native import available_for as native_available, forward_available as native_forward_available
-from .native import stickbreaking_forward as native_forward, stickbreaking_terms as native_terms
+from .native import runs_for as native_runs, stickbreaking_forward as native_forward
 from .scaling import NO_SCALING, Scaling
 
 #: Queries per block of the kernel in training (and in evaluation where the fused forward does not run).
@@ -247,34 +246,20 @@ def negligible_remainder(dtype: torch.dtype) -> float:
 
 
 def _read_block(queries: Tensor, keys: Tensor, values: Tensor, carry: Tensor, first_seen: int,
-                pad: Optional[Tensor], space, acc: Tensor, active: Optional[Tensor], fused: bool) -> Tensor:
-    """One key block for the heads still reading, no gradient: adds ``sum_j
-    carry A_j v_j`` to their rows of ``acc`` ``[heads, rows, Dv]`` (the rows
+                pad: Optional[Tensor], space, acc: Tensor, active: Optional[Tensor]) -> Tensor:
+    """One key block for the heads still reading, no gradient, in eager
+    PyTorch (where the fused forward does not run): adds ``sum_j carry A_j
+    v_j`` to their rows of ``acc`` ``[heads, rows, Dv]`` (the rows
     ``active``, or all where None) and returns the stick left after the
     block ``[n, rows]``; queries ``[n, rows, D]`` (scaled), keys and values
     ``[n, cols, D]`` (nearest first), ``carry`` ``[n, rows]`` the stick each
     query has left before the block (a tensor this function may overwrite).
     Query ``r`` sees the keys ``c >= first_seen - r``; ``pad`` ``[n, cols]``
     (uint8, nonzero at padding) or None.  ``space``: three flat buffers of
-    at least ``n x rows x max(cols, Dv)`` floats.
-
-    With ``fused`` (float32 on the CPU, where :func:`native_available`)
-    the fused loop of ``native.py`` computes the weights, reading each score
-    once (scores laid out key by key, so that the running product along the
-    keys is one vector step per key); else :func:`_block_terms`'s passes of
-    eager PyTorch."""
+    at least ``n x rows x max(cols, Dv)`` floats."""
     n, rows, _ = queries.shape
     cols, Dv = keys.size(1), values.size(-1)
     _count_scored(n * rows * cols)
-    if fused:  # the weights (times the carry) written over the scores: half the memory the loop streams through
-        weights = _view(space[0], n, cols, rows)
-        torch.bmm(keys, queries.transpose(1, 2), out=weights)
-        native_terms(weights, weights, carry, pad, first_seen, checked=False)
-        if active is None:
-            acc.baddbmm_(weights.transpose(1, 2), values)
-        else:
-            acc.index_add_(0, active, torch.bmm(weights.transpose(1, 2), values, out=_view(space[2], n, rows, Dv)))
-        return carry
     z, weights = (_view(t, n, 1, rows, cols) for t in space[:2])
     excluded = None
     if first_seen > 0:
@@ -320,8 +305,7 @@ def _forward_by_heads(qs: Tensor, kr: Tensor, vr: Tensor, pad: Optional[Tensor],
     head_pad = _head_pad(pad, H)
     out = qs.new_empty((heads, T, Dv))
     rem = qs.new_empty((heads, T))
-    fused = native_available(qs)
-    if fused and native_forward_available():  # every block in one call of the C++ forward
+    if native_runs(qs):  # every block in one call of the C++ forward
         out, rem, scored = native_forward(qf, kf, vf, head_pad, block, key_block, floor)
         _count_scored(scored)
         return out.view(B, H, T, Dv), rem.view(B, H, T)
@@ -344,7 +328,7 @@ def _forward_by_heads(qs: Tensor, kr: Tensor, vr: Tensor, pad: Optional[Tensor],
             if block_pad is not None and not bool(block_pad.any()):
                 block_pad = None
             carry = _read_block(queries, k_block, v_block, carry, stop - (S - T) - start,
-                                None if block_pad is None else block_pad.contiguous(), space, acc, active, fused)
+                                None if block_pad is None else block_pad.contiguous(), space, acc, active)
             reading = carry.amax(1) >= floor
             if not bool(reading.all()):  # heads whose queries have all spent their sticks stop here
                 done = every if active is None else active
@@ -383,7 +367,7 @@ class _StickBreaking(torch.autograd.Function):
         exact, qs, kr, vr = _prepared(q, k, v)
         B, H, T, _ = q.shape
         S, Dv = k.size(2), v.size(-1)
-        if native_available(qs) and native_forward_available():  # float32 on the CPU: the fused call
+        if native_runs(qs):  # float32 on the CPU: the fused call
             # each head stops once its sticks are 0 in float32 (below the smallest float: exp(SPENT) rounds to 0)
             out, rem, _ = native_forward(qs.flatten(0, 1), kr.flatten(0, 1), vr.flatten(0, 1), _head_pad(pad, H),
                                          block, key_block, SPENT_FLOAT32)
@@ -477,7 +461,7 @@ def stickbreaking_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: O
         pad = None
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         exact, qs, kr, vr = _prepared(q, k, v)
-        if sizes == (None, None) and native_available(qs) and native_forward_available():
+        if sizes == (None, None) and native_runs(qs):
             block, key_block = FUSED_BLOCK, FUSED_KEY_BLOCK
         out, rem = _forward_by_heads(qs, kr, vr, pad, block, key_block, exact)
         return out.to(q.dtype), rem
