@@ -172,6 +172,18 @@ def test_the_fused_forward_refuses_what_it_cannot_run():
         native.stickbreaking_forward(q, k, v, None, 0, 4, 1e-12)
 
 
+def test_the_path_forward_refuses_what_it_cannot_run():
+    q, keys, values, beta = torch.zeros(2, 5, 4), torch.zeros(2, 7, 4), torch.zeros(2, 7, 3), torch.zeros(2, 5)
+    with pytest.raises(ValueError, match="float32"):
+        native.path_forward(q.double(), q, q, beta, values, keys, 4, 8, 4, 4, False)
+    with pytest.raises(ValueError, match="keys must be .* shape"):
+        native.path_forward(q, q, q, beta, values, torch.zeros(2, 7, 5), 4, 8, 4, 4, False)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.path_forward(q, q, q, beta, values, torch.zeros(2, 4, 7).transpose(1, 2), 4, 8, 4, 4, False)
+    with pytest.raises(ValueError, match="at least 1"):
+        native.path_forward(q, q, q, beta, values, keys, 4, 0, 4, 4, False)
+
+
 def test_a_blas_that_computes_other_products_switches_the_fused_forwards_off(monkeypatch, caplog):
     """torch's sgemm is checked once against torch's own products before a fused forward runs: a routine that
     computes something else (here: nothing at all) is refused, with a warning, and the kernels' other paths

@@ -322,6 +322,79 @@ def test_keys_the_gate_has_forgotten_are_left_out_of_the_fused_call(dtype, monke
             assert read == cached
 
 
+def fused_calls(monkeypatch) -> list:
+    """Counts the calls of the fused C++ forward (``native.path_forward``) from ``path.py``."""
+    from fairseq_alibi.core import path
+    calls, real = [], path.native_forward
+    monkeypatch.setattr(path, "native_forward", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+# evaluation in float32 and bfloat16 without gate or padding takes the fused C++ call (core/native.py): its
+# values and the cache's keys against the float64 product and the eager path, at lengths that straddle its
+# blocks and chunks (the last of each short), with and without a cache before the new tokens
+@pytest.mark.parametrize("S,T,block,chunk", [(29, 29, 3, 7), (32, 32, 4, 8), (40, 40, 8, 40), (70, 70, 8, 24),
+                                             (37, 13, 4, 8), (30, 3, 4, 8)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
+def test_evaluation_through_the_fused_call_is_the_naive_product(S, T, block, chunk, dtype, tol, monkeypatch):
+    from fairseq_alibi.core import native
+    q, k, v, w, beta, _ = inputs(S, dtype=dtype)
+    expected, _ = path_reference(q[:, :, S - T:], k, v, w, beta)
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(native.SWITCH, switch)
+        calls = fused_calls(monkeypatch)
+        with torch.no_grad():
+            past = past_values = None
+            if S > T:  # the cache, built by the eager path
+                monkeypatch.setenv(native.SWITCH, "0")
+                _, past = path_attention(q[:, :, :S - T], k[:, :, :S - T], v[:, :, :S - T], w[:, :, :S - T],
+                                         beta[:, :, :S - T], block=block, return_keys=True)
+                past_values = v[:, :, :S - T]
+                monkeypatch.setenv(native.SWITCH, switch)
+            new = slice(S - T, S)
+            results[switch] = path_attention(q[:, :, new], k[:, :, new], v[:, :, new], w[:, :, new],
+                                             beta[:, :, new], past_keys=past, past_values=past_values, block=block,
+                                             chunk=chunk, return_keys=True)
+        assert len(calls) == (switch == "1")
+    (fused, keys), (eager, eager_keys) = results["1"], results["0"]
+    assert fused.dtype == dtype and keys.shape == (2, HEADS, S, DIM)
+    scale = float(expected.abs().max())
+    assert float((fused.double() - expected).abs().max()) < tol * scale
+    assert float((fused.double() - eager.double()).abs().max()) < tol * scale
+    with torch.no_grad():  # every key carried through every token, as the eager path carries them
+        _, whole = path_attention(q.double(), k.double(), v.double(), w.double(), beta.double(), return_keys=True)
+    assert float((keys.double() - whole).abs().max()) < tol * float(whole.abs().max())
+
+
+def test_the_fused_call_serves_what_it_can_compute_exactly(monkeypatch):
+    """The fused call runs without a gradient, gate or padding (a mask of no padding counts as none), in float32
+    and bfloat16, and after a cache where at least D / 2 tokens are new; a gradient, the gate, padding, float64
+    and a decoding step keep the eager path."""
+    calls = fused_calls(monkeypatch)
+    q, k, v, w, beta, c = inputs(12, dtype=torch.float32)
+    no_pad, pad = torch.zeros(2, 12, dtype=torch.bool), torch.zeros(2, 12, dtype=torch.bool)
+    pad[0, :2] = True
+    expect = [({}, True), ({"key_padding_mask": no_pad}, True), ({"gate": c}, False),
+              ({"key_padding_mask": pad}, False)]
+    with torch.no_grad():
+        for kwargs, fused in expect:
+            calls.clear()
+            path_attention(q, k, v, w, beta, block=4, **kwargs)
+            assert len(calls) == fused, kwargs
+        calls.clear()
+        path_attention(*(t.double() for t in (q, k, v, w, beta)), block=4)
+        path_attention(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], w[:, :, 10:], beta[:, :, 10:],
+                       past_keys=k[:, :, :10].detach(), past_values=v[:, :, :10].detach(), block=4)  # 2 < 6 / 2 new
+        assert not calls
+        path_attention(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], w[:, :, 8:], beta[:, :, 8:],
+                       past_keys=k[:, :, :8].detach(), past_values=v[:, :, :8].detach(), block=4)
+        assert len(calls) == 1
+    calls.clear()
+    path_attention(q, k, v, w, beta, block=4)[0].sum().backward()
+    assert not calls
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
 def test_chunks_in_low_precision_stay_near_the_float64_product(dtype, tol):
     """70 tokens in chunks of 24 (the last one short) and blocks of 8, the gate on and a left-padded row."""

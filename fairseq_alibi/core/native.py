@@ -6,8 +6,8 @@ operations) per block.  Where that costs as much as the matrix products,
 one C++ call does the whole attention: per head (OpenMP threads over the
 heads) and block of queries, the scores of a block of keys by the BLAS
 ``sgemm`` torch itself calls, one vectorized loop over them, the output by
-``sgemm``, each head's block of scores staying in the core's cache.  Two
-such calls, both for evaluation (no gradient):
+``sgemm``, each head's block of scores staying in the core's cache.  Three
+such calls, all for evaluation (no gradient):
 
 * :func:`stickbreaking_forward`: stick-breaking's weights (two sigmoids
   and the running product along the keys), each head stopping once its
@@ -15,7 +15,11 @@ such calls, both for evaluation (no gradient):
   its loop alone, for its tests;
 * :func:`fire_forward`: FIRE's bias (one value per distance and block,
   per pair where the block's rows straddle a knot of its MLP) and an online
-  softmax (``fire.py``).
+  softmax (``fire.py``);
+* :func:`path_forward`: PaTH's blocks' compact forms, the sweep within each
+  chunk, the cached keys and their carrying through the chunk, without gate
+  or padding (``path.py``): ``sgemm`` for every product, the triangular
+  inverse by forward substitution.
 
 The loops are C++ with GCC's vector extensions, 16 floats at a time with
 AVX-512, else 8 (x86-64 CPUs with AVX2 or AVX-512, the vector instructions
@@ -67,7 +71,7 @@ SWITCH = "FAIRSEQ_ALIBI_NATIVE"
 #: Where the built library is kept.
 DIRECTORY = "FAIRSEQ_ALIBI_NATIVE_DIR"
 #: Bumped with every change of the functions' signatures (checked on load).
-ABI = 4
+ABI = 5
 
 SOURCE = r"""
 // fairseq_alibi/core/native.py's loops.  Built by that module; see its docstring.
@@ -127,7 +131,7 @@ static inline vf reciprocal(vf d) {
 #endif
 }
 
-extern "C" int fa_abi(void) { return 4; }
+extern "C" int fa_abi(void) { return 5; }
 
 // Stick-breaking's weights of one block of scores of one head, keys nearest first (see stickbreaking.py):
 // z [cols, rows] the scores (key c of query r at c * rows + r), stick [rows] each query's stick left before
@@ -449,6 +453,232 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
         delete[] z; delete[] top; delete[] total; delete[] low; delete[] high; delete[] slope_d; delete[] icpt_d;
     }
 }
+
+// Row-major C [m, n] = alpha op(A) op(B) + beta C by the column-major sgemm (C^T = op(B)^T op(A)^T).
+static inline void mm(sgemm_t g, bool ta, bool tb, int m, int n, int k, float alpha, const float* A, int lda,
+                      const float* B, int ldb, float beta, float* C, int ldc) {
+    if (m <= 0 || n <= 0) return;
+    g(tb ? "T" : "N", ta ? "T" : "N", &n, &m, &k, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
+}
+
+// One step of an online softmax over row-major scores z [rows, cols] (leading dimension ld): each row's
+// running maximum top, sum total and output o [rows, Dv] (ld Dv) rescaled where the maximum rises, z
+// overwritten by the weights exp(z - top), 0 where z - top <= -87 (path.py's SUBNORMAL: a weight under
+// float32's normal range is 0, as the eager path's threshold makes it; NaN stays NaN).
+static void softmax_rows(float* z, int64_t rows, int64_t cols, int64_t ld, float* top, float* total, float* o,
+                         int64_t Dv) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float* zr = z + r * ld;
+        float m = top[r];
+        int64_t c = 0;
+        if (cols >= WIDTH) {
+            vf mv;
+            memcpy(&mv, zr, sizeof mv);
+            for (c = WIDTH; c + WIDTH <= cols; c += WIDTH) {
+                vf x;
+                memcpy(&x, zr + c, sizeof x);
+                mv = x > mv ? x : mv;
+            }
+            for (int l = 0; l < WIDTH; ++l) m = mv[l] > m ? mv[l] : m;
+        }
+        for (; c < cols; ++c) m = zr[c] > m ? zr[c] : m;
+        rescaled(o + r * Dv, Dv, top + r, total + r, m);
+        m = top[r];
+        vf sum = {};
+        float tail = 0.0f;
+        for (c = 0; c + WIDTH <= cols; c += WIDTH) {
+            vf x;
+            memcpy(&x, zr + c, sizeof x);
+            x -= m;
+            vf p = fexp<vf, vi>(x);
+            p = x <= -87.0f ? 0.0f : p;
+            sum += p;
+            memcpy(zr + c, &p, sizeof p);
+        }
+        for (; c < cols; ++c) {
+            v1f x = {zr[c] - m};
+            const float p = x[0] <= -87.0f ? 0.0f : fexp<v1f, v1i>(x)[0];
+            tail += p;
+            zr[c] = p;
+        }
+        for (int l = 0; l < WIDTH; ++l) tail += sum[l];
+        total[r] += tail;
+    }
+}
+
+// PaTH's compact (UT) form of one block of c tokens (path.py's _block_terms), row-major: q, k, w [c, D]
+// (q scaled; rows past the input's end zero, their beta 0: H = I there), beta [c]; writes local [c, c] (the
+// block's own scores, -inf above the diagonal), carried [c, D] (queries carried back to the block's start),
+// k_end [c, D] (keys carried to its end) and m [D, D] (the block's product, q -> q m).  work: 4 c^2 + 2 c D.
+static void path_block(sgemm_t g, int c, int D, const float* q, const float* k, const float* w, const float* beta,
+                       float* local, float* carried, float* k_end, float* m, float* work) {
+    float* low = work;              // strictly_lower(W W^T) diag(beta), then reused for Q W^T
+    float* inv = low + c * c;       // T = (I + low)^{-1}, unit lower triangular
+    float* a = inv + c * c;         // T strictly_lower(W K^T), then diag(beta) of it
+    float* x = a + c * c;           // strictly_lower(W K^T)
+    float* wbeta = x + c * c;       // diag(beta) W
+    float* gt = wbeta + c * D;      // G = T W, then diag(beta) G
+    mm(g, false, true, c, c, D, 1.0f, w, D, w, D, 0.0f, low, c);
+    for (int i = 0; i < c; ++i)
+        for (int t = 0; t < c; ++t) low[i * c + t] = t < i ? low[i * c + t] * beta[t] : 0.0f;
+    for (int i = 0; i < c; ++i) {  // forward substitution, row by row: T_i = e_i - sum_t<i low[i, t] T_t
+        float* row = inv + i * c;
+        memset(row, 0, c * sizeof(float));
+        row[i] = 1.0f;
+        for (int t = 0; t < i; ++t) {
+            const float l = low[i * c + t];
+            if (l == 0.0f) continue;
+            const float* other = inv + t * c;
+            for (int j = 0; j <= t; ++j) row[j] -= l * other[j];
+        }
+    }
+    mm(g, false, false, c, D, c, 1.0f, inv, c, w, D, 0.0f, gt, D);
+    mm(g, false, true, c, c, D, 1.0f, w, D, k, D, 0.0f, x, c);
+    for (int t = 0; t < c; ++t)
+        for (int j = t; j < c; ++j) x[t * c + j] = 0.0f;
+    mm(g, false, false, c, c, c, 1.0f, inv, c, x, c, 0.0f, a, c);
+    for (int t = 0; t < c; ++t)
+        for (int d = 0; d < D; ++d) wbeta[t * D + d] = beta[t] * w[t * D + d];
+    memcpy(k_end, k, (size_t)c * D * sizeof(float));
+    mm(g, true, false, c, D, c, -1.0f, a, c, wbeta, D, 1.0f, k_end, D);  // k_end = K - A^T (beta W)
+    for (int d = 0; d < D * D; ++d) m[d] = 0.0f;
+    for (int d = 0; d < D; ++d) m[d * D + d] = 1.0f;
+    mm(g, true, false, D, D, c, -1.0f, wbeta, D, gt, D, 1.0f, m, D);      // M = I - (beta W)^T G
+    float* qw = low;
+    mm(g, false, true, c, c, D, 1.0f, q, D, w, D, 0.0f, qw, c);
+    for (int i = 0; i < c; ++i)
+        for (int t = i + 1; t < c; ++t) qw[i * c + t] = 0.0f;
+    for (int t = 0; t < c; ++t) {
+        for (int j = 0; j < c; ++j) a[t * c + j] *= beta[t];
+        for (int d = 0; d < D; ++d) gt[t * D + d] *= beta[t];
+    }
+    mm(g, false, true, c, c, D, 1.0f, q, D, k, D, 0.0f, local, c);
+    mm(g, false, false, c, c, c, -1.0f, qw, c, a, c, 1.0f, local, c);   // Q K^T - QW diag(beta) A
+    for (int i = 0; i < c; ++i)
+        for (int j = i + 1; j < c; ++j) local[i * c + j] = -INFINITY;
+    memcpy(carried, q, (size_t)c * D * sizeof(float));
+    mm(g, false, false, c, D, c, -1.0f, qw, c, gt, D, 1.0f, carried, D);  // Q - QW diag(beta) G
+}
+
+// PaTH's attention without a gradient, without padding or gate (path.py's _by_chunks and _sweep, in one call):
+// per head, `chunk` tokens at a time in blocks of `block`: each block's compact form (path_block), then each
+// query block's online softmax over its own block, the earlier blocks of its chunk from the nearest back (its
+// queries carried through each block's product on the way), and every key before the chunk (the cache, kept
+// carried to the chunk's start) in blocks of `key_block`; then the cache carried through the chunk (one D x D
+// product per key: the chunk's block products multiplied first) and the chunk's keys appended, carried to its
+// end.  q, k, w [heads, T, D] (q scaled), beta [heads, T], values [heads, S0 + T, Dv] (the cache's and the new
+// ones), keys [heads, S0 + T, D]: the cache's S0 keys in, every key carried through the T new tokens out (the
+// last chunk's step only where carry_last: else the keys are left as the last chunk read them); out [heads, T, Dv].
+extern "C" void fa_path_forward(const float* q, const float* k, const float* w, const float* beta, const float* values,
+                                float* keys, float* out, int64_t heads, int64_t T, int64_t S0, int64_t D, int64_t Dv,
+                                int64_t block, int64_t chunk, int64_t query_block, int64_t key_block,
+                                int carry_last, int threads,
+                                void* gemm) {
+    const sgemm_t g = (sgemm_t)gemm;
+    const int c = (int)block, d = (int)D, dv = (int)Dv;
+    const int64_t most = (chunk + block - 1) / block;  // blocks per chunk
+    const int64_t S = S0 + T;
+#pragma omp parallel num_threads(threads) if (threads > 1 && heads > 1)
+    {
+        float* qc = new float[most * c * D];      // each block's queries carried to its start
+        float* ke = new float[most * c * D];      // each block's keys carried to its end
+        float* prod = new float[most * D * D];    // each block's product
+        float* loc = new float[most * c * c];     // each block's own scores
+        float* in = new float[3 * c * D + c];     // one block's q, k, w and beta, zero past the end
+        float* work = new float[4 * c * c + 2 * c * D];
+        const int64_t width = key_block > c ? key_block : c;
+        float* z = new float[(query_block > c ? query_block : c) * width];
+        float* qa = new float[most * c * D];     // the chunk's queries, carried to its start
+        float* qb = new float[c * D];
+        float* o = new float[most * c * Dv];     // the chunk's outputs, unnormalized
+        float* top = new float[most * c];
+        float* total = new float[most * c];
+        float* after = new float[D * D];
+        float* spare = new float[(width > D ? width : D) * D];
+#pragma omp for schedule(dynamic)
+        for (int64_t h = 0; h < heads; ++h) {
+            const float* qh = q + h * T * D;
+            const float* kh = k + h * T * D;
+            const float* wh = w + h * T * D;
+            const float* bh = beta + h * T;
+            const float* vh = values + h * S * Dv;
+            float* keys_h = keys + h * S * D;
+            float* oh = out + h * T * Dv;
+            for (int64_t s = 0; s < T; s += chunk) {
+                const int64_t len = T - s < chunk ? T - s : chunk;
+                const int64_t nb = (len + c - 1) / c;
+                const int64_t past = S0 + s;  // keys before the chunk, carried to its start
+                for (int64_t b = 0; b < nb; ++b) {
+                    const int64_t first = s + b * c, rows = len - b * c < c ? len - b * c : c;
+                    float *qi = in, *ki = in + c * D, *wi = in + 2 * c * D, *bi = in + 3 * c * D;
+                    memset(in, 0, (3 * c * D + c) * sizeof(float));
+                    memcpy(qi, qh + first * D, rows * D * sizeof(float));
+                    memcpy(ki, kh + first * D, rows * D * sizeof(float));
+                    memcpy(wi, wh + first * D, rows * D * sizeof(float));
+                    memcpy(bi, bh + first, rows * sizeof(float));
+                    path_block(g, c, d, qi, ki, wi, bi, loc + b * c * c, qc + b * c * D, ke + b * c * D,
+                               prod + b * D * D, work);
+                }
+                for (int64_t m = 0; m < nb; ++m) {  // each query block within the chunk
+                    const int rows = (int)(len - m * c < c ? len - m * c : c);
+                    const float* vm = vh + (past + m * c) * Dv;
+                    float *tm = top + m * c, *sm = total + m * c, *om = o + m * c * Dv, *qm = qa + m * c * D;
+                    for (int r = 0; r < rows; ++r) { tm[r] = -INFINITY; sm[r] = 0.0f; }
+                    memset(om, 0, rows * Dv * sizeof(float));
+                    for (int r = 0; r < rows; ++r) memcpy(z + r * rows, loc + m * c * c + r * c, rows * sizeof(float));
+                    softmax_rows(z, rows, rows, rows, tm, sm, om, Dv);
+                    mm(g, false, false, rows, dv, rows, 1.0f, z, rows, vm, dv, 1.0f, om, dv);
+                    memcpy(qm, qc + m * c * D, rows * D * sizeof(float));
+                    for (int64_t e = m - 1; e >= 0; --e) {  // the chunk's earlier blocks, nearest first
+                        mm(g, false, true, rows, c, d, 1.0f, qm, d, ke + e * c * D, d, 0.0f, z, c);
+                        softmax_rows(z, rows, c, c, tm, sm, om, Dv);
+                        mm(g, false, false, rows, dv, c, 1.0f, z, c, vh + (past + e * c) * Dv, dv, 1.0f, om, dv);
+                        if (e || past) {  // on to the end of block e - 1 (or the chunk's start)
+                            mm(g, false, false, rows, d, d, 1.0f, qm, d, prod + e * D * D, d, 0.0f, qb, d);
+                            memcpy(qm, qb, rows * D * sizeof(float));
+                        }
+                    }
+                }
+                // every query of the chunk, carried to its start, against the keys before it
+                for (int64_t r0 = 0; r0 < len; r0 += query_block) {
+                    const int rows = (int)(len - r0 < query_block ? len - r0 : query_block);
+                    for (int64_t j0 = 0; j0 < past; j0 += key_block) {
+                        const int cols = (int)(past - j0 < key_block ? past - j0 : key_block);
+                        mm(g, false, true, rows, cols, d, 1.0f, qa + r0 * D, d, keys_h + j0 * D, d, 0.0f, z, cols);
+                        softmax_rows(z, rows, cols, cols, top + r0, total + r0, o + r0 * Dv, Dv);
+                        mm(g, false, false, rows, dv, cols, 1.0f, z, cols, vh + j0 * Dv, dv, 1.0f, o + r0 * Dv, dv);
+                    }
+                }
+                float* dst = oh + s * Dv;
+                for (int64_t r = 0; r < len; ++r) {
+                    const float inv = 1.0f / total[r];
+                    for (int64_t t = 0; t < Dv; ++t) dst[r * Dv + t] = o[r * Dv + t] * inv;
+                }
+                if (s + len >= T && !carry_last) continue;
+                // the chunk's keys carried to its end: block m's through the products of blocks m + 1 .. nb - 1
+                // (a key row goes through a block as k M^T), then the cache through all of them
+                for (int64_t i = 0; i < D * D; ++i) after[i] = 0.0f;
+                for (int64_t i = 0; i < D; ++i) after[i * D + i] = 1.0f;
+                for (int64_t m = nb - 1; m >= 0; --m) {
+                    const int rows = (int)(len - m * c < c ? len - m * c : c);
+                    mm(g, false, false, rows, d, d, 1.0f, ke + m * c * D, d, after, d, 0.0f,
+                       keys_h + (past + m * c) * D, d);
+                    if (m || past) {
+                        mm(g, true, false, d, d, d, 1.0f, prod + m * D * D, d, after, d, 0.0f, spare, d);
+                        memcpy(after, spare, D * D * sizeof(float));
+                    }
+                }
+                for (int64_t j0 = 0; j0 < past; j0 += width) {
+                    const int cols = (int)(past - j0 < width ? past - j0 : width);
+                    mm(g, false, false, cols, d, d, 1.0f, keys_h + j0 * D, d, after, d, 0.0f, spare, d);
+                    memcpy(keys_h + j0 * D, spare, cols * D * sizeof(float));
+                }
+            }
+        }
+        delete[] qc; delete[] ke; delete[] prod; delete[] loc; delete[] in; delete[] work; delete[] z;
+        delete[] qa; delete[] qb; delete[] o; delete[] top; delete[] total; delete[] after; delete[] spare;
+    }
+}
 """
 
 _state = {"library": None, "tried": False, "why": "not built yet"}
@@ -509,6 +739,9 @@ def _build() -> ctypes.CDLL:
     library.fa_fire_forward.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
                                         + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 7
                                         + [ctypes.c_int, ctypes.c_void_p])
+    library.fa_path_forward.restype = None
+    library.fa_path_forward.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_int] * 2 + [
+        ctypes.c_void_p]
     library.fa_stickbreaking_forward.restype = None
     library.fa_stickbreaking_forward.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
                                                  + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
@@ -683,4 +916,36 @@ def fire_forward(q: Tensor, k: Tensor, v: Tensor, pad: Optional[Tensor], psi: Te
                               norm.data_ptr(), knots.data_ptr(), pieces - 1, slopes.data_ptr(), intercepts.data_ptr(),
                               H, out.data_ptr(), heads, T, S, D, Dv, block, key_block, torch.get_num_threads(),
                               _state["sgemm"])
+    return out
+
+
+def path_forward(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, values: Tensor, keys: Tensor, block: int,
+                 chunk: int, query_block: int, key_block: int, carry_last: bool) -> Tensor:
+    """PaTH's attention without a gradient, padding or gate in one call (the C++ ``fa_path_forward``, where
+    :func:`forward_available`): ``out [heads, T, Dv]`` of the ``T`` new tokens' scaled queries ``q``, keys
+    ``k`` and ``w`` ``[heads, T, D]`` and ``beta`` ``[heads, T]``, with ``values`` ``[heads, S0 + T, Dv]``
+    (the cache's, then the new ones) and ``keys`` ``[heads, S0 + T, D]``, whose first ``S0`` rows are the
+    cache's keys (carried through every cached token's ``H``): on return every row holds its key carried
+    through the new tokens too (the last chunk's step taken only where ``carry_last``).  Float32,
+    contiguous, on the CPU; ``chunk`` tokens per step, in blocks of ``block``, the cache's keys read
+    ``key_block`` at a time (``path.py``)."""
+    heads, T, D = q.shape
+    S, Dv = keys.size(1), values.size(-1)
+    shapes = (("q", q, (heads, T, D)), ("k", k, (heads, T, D)), ("w", w, (heads, T, D)), ("beta", beta, (heads, T)),
+              ("values", values, (heads, S, Dv)), ("keys", keys, (heads, S, D)))
+    for name, t, shape in shapes:
+        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {shape}, "
+                             f"not {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
+    if min(block, chunk, query_block, key_block) < 1 or S < T or max(
+            heads, S, D, Dv, chunk * max(block, key_block, D, Dv), query_block * key_block) >= 2 ** 31:
+        raise ValueError(f"block {block}, chunk {chunk}, query_block {query_block} and key_block {key_block} must be "
+                         f"at least 1, S {S} at "
+                         f"least T {T}, and every size below 2^31 (BLAS's 32-bit sizes)")
+    if not forward_available():
+        raise RuntimeError(f"the fused forward does not run here: {status()}")
+    out = q.new_empty((heads, T, Dv))
+    library().fa_path_forward(q.data_ptr(), k.data_ptr(), w.data_ptr(), beta.data_ptr(), values.data_ptr(),
+                              keys.data_ptr(), out.data_ptr(), heads, T, S - T, D, Dv, block, chunk, query_block, key_block,
+                              int(carry_last), torch.get_num_threads(), _state["sgemm"])
     return out

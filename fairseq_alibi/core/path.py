@@ -80,6 +80,11 @@ Long evaluation (no gradient, more than :data:`CHUNK` tokens) is the cache's
 path chunk by chunk (:func:`_by_chunks`): most pairs are then scored by the
 fused kernel, and only the pairs within a chunk by the sweep
 (``benchmarks/new_methods_cpu.py`` times it; docs/results/performance-new-methods-cpu-3.md).
+Without a gradient, gate or padding, on the CPU in float32 or bfloat16, the
+same chunks, block terms, sweep and cache are one C++ call instead
+(:func:`_fused`, ``native.py``'s ``fa_path_forward``): the Python steps and
+the temporaries between them were most of the eager path's cost
+(docs/results/performance-new-methods-cpu-6.md).
 
 Pure torch, no fairseq: this file travels with exported models.
 """
@@ -96,6 +101,7 @@ from torch import Tensor, nn
 from .bias import OwnAttentionStack
 from .causal_blocks import negligible_gap
 from .fox import ForgetGates, LayerForgetGate
+from .native import path_forward as native_forward, runs_for as native_runs
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling
 from .stickbreaking import add_product, refuse_dropout
 
@@ -112,6 +118,9 @@ SWEEP_BLOCK = 128
 SWEEP_STEPS = 4
 INFERENCE_BLOCKS = (32, 64)
 CHUNK = 512
+#: Queries and cached keys per product of the fused CPU call (:func:`_fused`) over the keys before a chunk.
+FUSED_QUERY_BLOCK = 128
+FUSED_KEY_BLOCK = 256
 #: The rank of the projection that gives ``w`` (the authors').
 W_RANK = 32
 #: The width of the short convolution on ``w`` (the authors').
@@ -249,6 +258,8 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     chunk = chunk or CHUNK
     if block < 1 or chunk < 1:
         raise ValueError(f"block and chunk must be at least 1, not {block} and {chunk}")
+    if not grad and _fused_runs(q, gate, key_padding_mask, past_keys):
+        return _fused(q, k, v, w, beta, past_keys, past_values, block, chunk, return_keys)
     if not grad and q.size(2) > chunk:
         return _by_chunks(q, k, v, w, beta, gate, key_padding_mask, past_keys, past_values, block, return_keys, chunk)
     exact = torch.promote_types(q.dtype, torch.float32)
@@ -283,6 +294,37 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     out = out.movedim(0, 2).flatten(2, 3)[:, :, :T]
     keys = _keys_carried(terms, past_keys.to(exact) if S0 else None, T) if return_keys else None
     return out.to(out_dtype), keys
+
+
+def _fused_runs(q: Tensor, gate: Optional[Tensor], key_padding_mask: Optional[Tensor],
+                past_keys: Optional[Tensor]) -> bool:
+    """Whether :func:`_fused` serves a call without a gradient: the fused CPU calls run for ``q``
+    (``native.runs_for``), no gate, no padding, and, after a cache, at least ``D / 2`` new tokens (fewer, a
+    decoding step, carry the cache through their blocks as two thin products, the cheaper: :func:`_keys_carried`)."""
+    if gate is not None or (key_padding_mask is not None and bool(key_padding_mask.any())):
+        return False
+    if past_keys is not None and 2 * q.size(2) < q.size(-1):
+        return False
+    return native_runs(q)
+
+
+def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, past_keys: Optional[Tensor],
+           past_values: Optional[Tensor], block: int, chunk: int, return_keys: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """:func:`path_attention` without a gradient, gate or padding as one C++ call (``native.path_forward``):
+    the same chunks, blocks and online softmax as :func:`_by_chunks` and :func:`_sweep`, in float32, each head's
+    block terms, sweep and cached keys (read :data:`FUSED_KEY_BLOCK` at a time by :data:`FUSED_QUERY_BLOCK`
+    queries) staying in the core's cache; the new tokens' keys carried into the cache's buffer in place."""
+    B, H, T, D = q.shape
+    S0 = 0 if past_keys is None else past_keys.size(2)
+    flat = [t.to(torch.float32).reshape(B * H, *t.shape[2:]).contiguous() for t in (q * D ** -0.5, k, w, beta)]
+    values = v if past_values is None else torch.cat([past_values, v], dim=2)
+    values = values.to(torch.float32).reshape(B * H, S0 + T, v.size(-1)).contiguous()
+    keys = q.new_empty((B * H, S0 + T, D), dtype=torch.float32)
+    if S0:
+        keys[:, :S0] = past_keys.reshape(B * H, S0, D)
+    out = native_forward(*flat, values, keys, block, chunk, FUSED_QUERY_BLOCK, FUSED_KEY_BLOCK, return_keys)
+    out = out.view(B, H, T, -1).to(q.dtype)
+    return out, keys.view(B, H, S0 + T, D) if return_keys else None
 
 
 def _merges(T: int, size: int, D: int) -> int:
