@@ -36,7 +36,7 @@ from position_kernels import Case  # noqa: E402
 
 from fairseq_alibi.core import native  # noqa: E402
 from fairseq_alibi.core import positions as P  # noqa: E402
-from fairseq_alibi.core import stickbreaking  # noqa: E402
+from fairseq_alibi.core import path, stickbreaking  # noqa: E402
 from fairseq_alibi.core.scaling import Scaling  # noqa: E402
 
 #: The cases: a method of core.positions and its parameters, or "sdpa".  "stickbreaking-far": its
@@ -44,11 +44,13 @@ from fairseq_alibi.core.scaling import Scaling  # noqa: E402
 #: 0.05 % of the stick): no row spends its stick within 16,384 keys, so no key block is skipped; with
 #: random q and k (z about N(0, 1)) a row's stick is spent within a few hundred keys.
 #: A name ending in "-eager": the same case with the fused CPU loops switched off (``core/native.py``),
-#: its eager PyTorch passes instead (FIRE: the shared chunked kernel, its bias built over every key).
+#: its eager PyTorch passes instead (FIRE: the shared chunked kernel, its bias built over every key; PaTH: its
+#: chunks, block terms and sweep as PyTorch operations, the cached keys by torch's fused attention).
 CASES = {"alibi": ("alibi", {}), "sdpa": ("sdpa", {}), "stickbreaking": ("stickbreaking", {}),
          "stickbreaking-far": ("stickbreaking", {}), "stickbreaking-eager": ("stickbreaking", {}),
          "stickbreaking-far-eager": ("stickbreaking", {}), "path": ("path", {}),
-         "path-fox": ("path", {"path_forget_gate": 1}), "fire": ("fire", {}), "fire-eager": ("fire", {})}
+         "path-fox": ("path", {"path_forget_gate": 1}), "path-eager": ("path", {}),
+         "path-fox-eager": ("path", {"path_forget_gate": 1}), "fire": ("fire", {}), "fire-eager": ("fire", {})}
 
 
 class Sdpa:
@@ -105,6 +107,26 @@ def scored(case, q, k, v) -> float:
     return sum(count) / (T * (T + 1) // 2)
 
 
+def path_scored(case, q, k, v) -> float:
+    """The share of the causal pairs one PaTH forward scores: all of them less the (query, cached key) pairs
+    PaTH-FoX's gate leaves out of its chunks (counted by the fused C++ call, or from the eager path's rule)."""
+    from common import replaced
+    skipped = [0]
+
+    def forgotten(state, flat, *rest):  # the eager path: the first cached keys left out, for every head
+        first = real_forgotten(state, flat, *rest)
+        rows = int((flat[0, 0].abs().sum(-1) > 0).sum())  # the block padding past the input: zero queries
+        skipped[0] += first * flat.size(0) * flat.size(1) * rows
+        return first
+
+    real_forgotten = path._forgotten
+    with replaced(real_forgotten, forgotten), replaced(path._count_skipped, lambda pairs: skipped.__setitem__(
+            0, skipped[0] + pairs)):
+        case.seconds(q, k, v, None, 0.0, False)
+    T = q.size(2)
+    return 1.0 - skipped[0] / (q.size(0) * q.size(1) * T * (T + 1) // 2)
+
+
 def build(name: str, heads: int, head_dim: int, length: int):
     method, params = CASES[name]
     if method == "sdpa":
@@ -139,6 +161,8 @@ def measure(names, shape, train: bool, repeats: int, length: int):
         for n in names:
             if n.startswith("stickbreaking"):
                 shares[n] = scored(cases[n], q, k, v)
+            elif n.startswith("path"):
+                shares[n] = path_scored(cases[n], q, k, v)
     return times, shares
 
 

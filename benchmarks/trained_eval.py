@@ -57,9 +57,9 @@ def recorded(record: dict):
     its own) and those it scores (``record["scored"]``): a ``chunked`` call's
     ``kernels.keys_read`` (ALiBi's windows, FoX's), stick-breaking's key
     blocks computed, every other call all of them less the cached keys
-    PaTH-FoX's gate leaves out of a chunk's fused call."""
+    PaTH-FoX's gate leaves out of a chunk's fused call (the eager path's, or the fused C++ call's count)."""
     real_attention, real_for, real_count = core_layer.attention, K.kernel_for, stickbreaking._count_scored
-    real_forgotten = path._forgotten
+    real_forgotten, real_skipped = path._forgotten, path._count_skipped
     scored, skipped = [None], [0]  # this call's pairs scored, where a kernel counted them; pairs left out
 
     def attention(positions, kernel, q, k, *args, **kwargs):
@@ -79,6 +79,9 @@ def recorded(record: dict):
         skipped[0] += first * flat.size(0) * flat.size(1) * rows
         return first
 
+    def count_skipped(pairs: int):  # PaTH-FoX: the same, counted by its fused C++ call
+        skipped[0] += pairs
+
     def counting_for(name: str, bias):
         chosen = real_for(name, bias)
 
@@ -94,7 +97,7 @@ def recorded(record: dict):
         scored[0] = (scored[0] or 0) + pairs
 
     with replaced(real_attention, attention), replaced(real_for, counting_for), replaced(real_count, count_scored), \
-            replaced(real_forgotten, forgotten):
+            replaced(real_forgotten, forgotten), replaced(real_skipped, count_skipped):
         yield
 
 

@@ -66,10 +66,14 @@ def test_trained_models_are_timed_side_by_side_with_the_pairs_they_score(lm_data
 
 
 def test_the_keys_path_fox_leaves_out_are_not_counted_as_scored(lm_data_bin, tmp_path, monkeypatch, capsys):
-    """A tiny PaTH-FoX model at 600 tokens (chunks of 512): where the gate
-    leaves out half the cached keys of the second chunk's fused call (the
+    """A tiny PaTH-FoX model at 600 tokens (chunks of 512), on the eager path
+    (the fused C++ call counts its own, through ``path._count_skipped``: the
+    kernel's tests check it leaves out what the eager rule does): where the
+    gate leaves out half the cached keys of the second chunk's fused call (the
     decision replaced here), the share scored is the causal pairs less 256
     keys for each of its 88 queries."""
+    from fairseq_alibi.core import native
+    monkeypatch.setenv(native.SWITCH, "0")
     args = train_args(lm_data_bin, tmp_path / "pathfox", max_update=3)
     args[args.index("transformer_lm_alibi")] = "transformer_lm_path"
     run_cli([tool("alibi-train"), *args, "--path-forget-gate", "2"])

@@ -172,16 +172,48 @@ def test_the_fused_forward_refuses_what_it_cannot_run():
         native.stickbreaking_forward(q, k, v, None, 0, 4, 1e-12)
 
 
+@pytest.mark.parametrize("n,c,D", [(5, 8, 6), (3, 16, 16), (2, 5, 8)])
+def test_the_path_block_terms_and_their_backward_are_autograds_in_float64(n, c, D):
+    """PaTH's block terms (``path._block_terms``, through autograd in float64) against the C++ forward and its
+    hand-written backward in float32: every output (the masked half of the local scores -inf in both) and
+    the gradients of q, k, w and beta from random gradients of all four outputs."""
+    from fairseq_alibi.core import path
+    gen = torch.Generator().manual_seed(n * c + D)
+    q, k = (torch.randn(n, c, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    w = torch.nn.functional.normalize(torch.randn(n, c, D, generator=gen, dtype=torch.float64), dim=-1)
+    beta = 2 * torch.rand(n, c, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, w, beta)]
+    terms = path._block_terms(*(t[:, None, None] for t in leaves))  # [n, B, H, c, ...] with B = H = 1
+    local, carried, k_end, m = (t[:, 0, 0] for t in terms[:3] + terms[3])
+    fused = native.path_block_terms(*(t.float().contiguous() for t in (q, k, w, beta)))
+    seen = torch.isfinite(local)
+    assert bool((torch.isinf(fused[0]) == ~seen).all())
+    for got, want in zip(fused[:4], (local, carried, k_end, m)):
+        torch.testing.assert_close(got.double().where(seen, 0.0) if got.shape == local.shape else got.double(),
+                                   (want.where(seen, 0.0) if want.shape == local.shape else want).detach(),
+                                   rtol=1e-5, atol=1e-5)
+    grads = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in (local, carried, k_end, m)]
+    total = (local.where(seen, 0.0) * grads[0]).sum() + sum((t * g).sum() for t, g in zip((carried, k_end, m),
+                                                                                          grads[1:]))
+    want = torch.autograd.grad(total, leaves)
+    got = native.path_block_terms_backward(*(t.float().contiguous() for t in (q, k, w, beta)), fused[4],
+                                           *(g.float().contiguous() for g in grads))
+    for g, e in zip(got, want):
+        assert float((g.double() - e).abs().max()) < 1e-5 * float(e.abs().max())
+
+
 def test_the_path_forward_refuses_what_it_cannot_run():
     q, keys, values, beta = torch.zeros(2, 5, 4), torch.zeros(2, 7, 4), torch.zeros(2, 7, 3), torch.zeros(2, 5)
     with pytest.raises(ValueError, match="float32"):
-        native.path_forward(q.double(), q, q, beta, values, keys, 4, 8, 4, 4, False)
+        native.path_forward(q.double(), q, q, beta, values, keys, None, 0.0, 4, 8, 4, 4, False)
     with pytest.raises(ValueError, match="keys must be .* shape"):
-        native.path_forward(q, q, q, beta, values, torch.zeros(2, 7, 5), 4, 8, 4, 4, False)
+        native.path_forward(q, q, q, beta, values, torch.zeros(2, 7, 5), None, 0.0, 4, 8, 4, 4, False)
     with pytest.raises(ValueError, match="contiguous"):
-        native.path_forward(q, q, q, beta, values, torch.zeros(2, 4, 7).transpose(1, 2), 4, 8, 4, 4, False)
+        native.path_forward(q, q, q, beta, values, torch.zeros(2, 4, 7).transpose(1, 2), None, 0.0, 4, 8, 4, 4, False)
     with pytest.raises(ValueError, match="at least 1"):
-        native.path_forward(q, q, q, beta, values, keys, 4, 0, 4, 4, False)
+        native.path_forward(q, q, q, beta, values, keys, None, 0.0, 4, 0, 4, 4, False)
+    with pytest.raises(ValueError, match="gate must be .* shape"):
+        native.path_forward(q, q, q, beta, values, keys, torch.zeros(2, 5), 0.0, 4, 8, 4, 4, False)
 
 
 def test_a_blas_that_computes_other_products_switches_the_fused_forwards_off(monkeypatch, caplog):

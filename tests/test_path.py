@@ -330,16 +330,18 @@ def fused_calls(monkeypatch) -> list:
     return calls
 
 
-# evaluation in float32 and bfloat16 without gate or padding takes the fused C++ call (core/native.py): its
-# values and the cache's keys against the float64 product and the eager path, at lengths that straddle its
-# blocks and chunks (the last of each short), with and without a cache before the new tokens
+# evaluation in float32 and bfloat16 without padding takes the fused C++ call (core/native.py): its values and
+# the cache's keys against the float64 product and the eager path, at lengths that straddle its blocks and
+# chunks (the last of each short), with and without a cache before the new tokens, with and without the gate
 @pytest.mark.parametrize("S,T,block,chunk", [(29, 29, 3, 7), (32, 32, 4, 8), (40, 40, 8, 40), (70, 70, 8, 24),
                                              (37, 13, 4, 8), (30, 3, 4, 8)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
-def test_evaluation_through_the_fused_call_is_the_naive_product(S, T, block, chunk, dtype, tol, monkeypatch):
+@pytest.mark.parametrize("gated", [False, True])
+def test_evaluation_through_the_fused_call_is_the_naive_product(S, T, block, chunk, dtype, tol, gated, monkeypatch):
     from fairseq_alibi.core import native
-    q, k, v, w, beta, _ = inputs(S, dtype=dtype)
-    expected, _ = path_reference(q[:, :, S - T:], k, v, w, beta)
+    q, k, v, w, beta, c = inputs(S, dtype=dtype)
+    gate = c if gated else None
+    expected, _ = path_reference(q[:, :, S - T:], k, v, w, beta, gate)
     results = {}
     for switch in ("1", "0"):
         monkeypatch.setenv(native.SWITCH, switch)
@@ -349,13 +351,14 @@ def test_evaluation_through_the_fused_call_is_the_naive_product(S, T, block, chu
             if S > T:  # the cache, built by the eager path
                 monkeypatch.setenv(native.SWITCH, "0")
                 _, past = path_attention(q[:, :, :S - T], k[:, :, :S - T], v[:, :, :S - T], w[:, :, :S - T],
-                                         beta[:, :, :S - T], block=block, return_keys=True)
+                                         beta[:, :, :S - T], None if gate is None else gate[..., :S - T],
+                                         block=block, return_keys=True)
                 past_values = v[:, :, :S - T]
                 monkeypatch.setenv(native.SWITCH, switch)
             new = slice(S - T, S)
             results[switch] = path_attention(q[:, :, new], k[:, :, new], v[:, :, new], w[:, :, new],
-                                             beta[:, :, new], past_keys=past, past_values=past_values, block=block,
-                                             chunk=chunk, return_keys=True)
+                                             beta[:, :, new], gate, past_keys=past, past_values=past_values,
+                                             block=block, chunk=chunk, return_keys=True)
         assert len(calls) == (switch == "1")
     (fused, keys), (eager, eager_keys) = results["1"], results["0"]
     assert fused.dtype == dtype and keys.shape == (2, HEADS, S, DIM)
@@ -368,15 +371,15 @@ def test_evaluation_through_the_fused_call_is_the_naive_product(S, T, block, chu
 
 
 def test_the_fused_call_serves_what_it_can_compute_exactly(monkeypatch):
-    """The fused call runs without a gradient, gate or padding (a mask of no padding counts as none), in float32
-    and bfloat16, and after a cache where at least D / 2 tokens are new; a gradient, the gate, padding, float64
-    and a decoding step keep the eager path."""
+    """The fused call runs without a gradient or padding (a mask of no padding counts as none), with or without
+    the gate, in float32 and bfloat16, and after a cache where at least D / 2 tokens are new; a gradient,
+    padding, float64 and a decoding step keep the eager path."""
     calls = fused_calls(monkeypatch)
     q, k, v, w, beta, c = inputs(12, dtype=torch.float32)
     no_pad, pad = torch.zeros(2, 12, dtype=torch.bool), torch.zeros(2, 12, dtype=torch.bool)
     pad[0, :2] = True
-    expect = [({}, True), ({"key_padding_mask": no_pad}, True), ({"gate": c}, False),
-              ({"key_padding_mask": pad}, False)]
+    expect = [({}, True), ({"key_padding_mask": no_pad}, True), ({"gate": c}, True),
+              ({"key_padding_mask": pad}, False), ({"gate": c, "key_padding_mask": pad}, False)]
     with torch.no_grad():
         for kwargs, fused in expect:
             calls.clear()
@@ -393,6 +396,73 @@ def test_the_fused_call_serves_what_it_can_compute_exactly(monkeypatch):
     calls.clear()
     path_attention(q, k, v, w, beta, block=4)[0].sum().backward()
     assert not calls
+
+
+@pytest.mark.parametrize("S,block,gated,padded", [(29, 4, False, False), (40, 8, True, True), (70, 16, True, False)])
+def test_training_through_the_fused_block_terms_is_the_naive_product(S, block, gated, padded, monkeypatch):
+    """Where a gradient is taken in float32, the block terms are the C++ forward and its written-out backward
+    (``_BlockTerms``): values and gradients of every input against the float64 product, and the eager path's
+    (autograd through ``_block_terms``) within float32 rounding; with the gate, padding, and lengths that
+    straddle the blocks and their merges."""
+    from fairseq_alibi.core import native, path
+    calls = []
+    real = path.native_block_terms_backward
+    monkeypatch.setattr(path, "native_block_terms_backward", lambda *a: calls.append(1) or real(*a))
+    q, k, v, w, beta, c = inputs(S, dtype=torch.float32)
+    gate = c if gated else None
+    pad = None
+    if padded:
+        pad = torch.zeros(2, S, dtype=torch.bool)
+        pad[1, :5] = True
+    expected, _ = path_reference(q, k, v, w, beta, gate, pad)
+    d_out = torch.randn(expected.shape, dtype=torch.float64)
+    tensors = (q, k, v, w, beta) + ((c,) if gated else ())
+    want = torch.autograd.grad((expected * d_out).sum(), tensors)
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(native.SWITCH, switch)
+        out, _ = path_attention(q, k, v, w, beta, gate, pad, block=block)
+        results[switch] = (out, torch.autograd.grad((out.double() * d_out).sum(), tensors))
+        assert len(calls) == 1  # the fused backward ran once, with the loops on
+    (out, got), (eager_out, eager) = results["1"], results["0"]
+    assert float((out.double() - expected).abs().max()) < 2e-5 * float(expected.abs().max())
+    for g, e, ge in zip(got, want, eager):
+        scale = float(e.abs().max())
+        assert float((g.double() - e).abs().max()) < 1e-4 * scale
+        assert float((g.double() - ge.double()).abs().max()) < 1e-4 * scale
+
+
+def test_the_fused_call_leaves_out_the_keys_the_gate_has_forgotten(monkeypatch):
+    """PaTH-FoX without padding in the fused call: with a steep gate (-2 per token) each chunk of 8 leaves out
+    the cached keys the eager path's rule (``_forgotten``) leaves out, decided per head rather than for the
+    whole batch (so at least the eager path's pairs), most of them; with a gentle one (-0.01) none; the
+    values stay the float64 product's in both."""
+    from fairseq_alibi.core import native, path
+    skipped, eager_skipped = [], []
+    real_forgotten = path._forgotten
+
+    def forgotten(state, flat, *rest):  # the eager rule's first key kept, times the chunk's queries
+        first = real_forgotten(state, flat, *rest)
+        eager_skipped.append(first * flat.size(0) * flat.size(1) * 8)
+        return first
+
+    monkeypatch.setattr(path, "_count_skipped", skipped.append)
+    monkeypatch.setattr(path, "_forgotten", forgotten)
+    q, k, v, w, beta, _ = inputs(64, dtype=torch.float32)
+    cached = 2 * HEADS * 8 * sum(range(8, 64, 8))  # the (query, cached key) pairs of chunks 2 .. 8
+    for step, forgets in ((-2.0, True), (-0.01, False)):
+        c = torch.full((2, HEADS, 64), step).cumsum(-1)
+        expected, _ = path_reference(q, k, v, w, beta, c)
+        skipped.clear(), eager_skipped.clear()
+        with torch.no_grad():
+            out, _ = path_attention(q, k, v, w, beta, c, block=4, chunk=8)
+            monkeypatch.setenv(native.SWITCH, "0")
+            path_attention(q, k, v, w, beta, c, block=4, chunk=8)
+            monkeypatch.delenv(native.SWITCH)
+        torch.testing.assert_close(out.double(), expected.detach(), rtol=2e-5, atol=2e-5)
+        # per head, at least what the eager rule leaves out for all heads of the batch at once
+        assert len(skipped) == 1 and sum(eager_skipped) <= skipped[0]
+        assert (cached // 2 < skipped[0] < cached) if forgets else skipped[0] == 0, (skipped, cached)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])

@@ -71,7 +71,7 @@ SWITCH = "FAIRSEQ_ALIBI_NATIVE"
 #: Where the built library is kept.
 DIRECTORY = "FAIRSEQ_ALIBI_NATIVE_DIR"
 #: Bumped with every change of the functions' signatures (checked on load).
-ABI = 5
+ABI = 7
 
 SOURCE = r"""
 // fairseq_alibi/core/native.py's loops.  Built by that module; see its docstring.
@@ -131,7 +131,7 @@ static inline vf reciprocal(vf d) {
 #endif
 }
 
-extern "C" int fa_abi(void) { return 5; }
+extern "C" int fa_abi(void) { return 7; }
 
 // Stick-breaking's weights of one block of scores of one head, keys nearest first (see stickbreaking.py):
 // z [cols, rows] the scores (key c of query r at c * rows + r), stick [rows] each query's stick left before
@@ -509,9 +509,10 @@ static void softmax_rows(float* z, int64_t rows, int64_t cols, int64_t ld, float
 // PaTH's compact (UT) form of one block of c tokens (path.py's _block_terms), row-major: q, k, w [c, D]
 // (q scaled; rows past the input's end zero, their beta 0: H = I there), beta [c]; writes local [c, c] (the
 // block's own scores, -inf above the diagonal), carried [c, D] (queries carried back to the block's start),
-// k_end [c, D] (keys carried to its end) and m [D, D] (the block's product, q -> q m).  work: 4 c^2 + 2 c D.
+// k_end [c, D] (keys carried to its end) and m [D, D] (the block's product, q -> q m).  work: 4 c^2 + 2 c D;
+// save (may be null): 3 c^2 + c D, what path_block_backward reads.
 static void path_block(sgemm_t g, int c, int D, const float* q, const float* k, const float* w, const float* beta,
-                       float* local, float* carried, float* k_end, float* m, float* work) {
+                       float* local, float* carried, float* k_end, float* m, float* work, float* save = nullptr) {
     float* low = work;              // strictly_lower(W W^T) diag(beta), then reused for Q W^T
     float* inv = low + c * c;       // T = (I + low)^{-1}, unit lower triangular
     float* a = inv + c * c;         // T strictly_lower(W K^T), then diag(beta) of it
@@ -548,6 +549,12 @@ static void path_block(sgemm_t g, int c, int D, const float* q, const float* k, 
     mm(g, false, true, c, c, D, 1.0f, q, D, w, D, 0.0f, qw, c);
     for (int i = 0; i < c; ++i)
         for (int t = i + 1; t < c; ++t) qw[i * c + t] = 0.0f;
+    if (save) {  // for the backward: T, A and G before their rows are scaled by beta, and lower(Q W^T)
+        memcpy(save, inv, (size_t)c * c * sizeof(float));
+        memcpy(save + c * c, a, (size_t)c * c * sizeof(float));
+        memcpy(save + 2 * c * c, qw, (size_t)c * c * sizeof(float));
+        memcpy(save + 3 * c * c, gt, (size_t)c * D * sizeof(float));
+    }
     for (int t = 0; t < c; ++t) {
         for (int j = 0; j < c; ++j) a[t * c + j] *= beta[t];
         for (int d = 0; d < D; ++d) gt[t * D + d] *= beta[t];
@@ -560,7 +567,139 @@ static void path_block(sgemm_t g, int c, int D, const float* q, const float* k, 
     mm(g, false, false, c, D, c, -1.0f, qw, c, gt, D, 1.0f, carried, D);  // Q - QW diag(beta) G
 }
 
-// PaTH's attention without a gradient, without padding or gate (path.py's _by_chunks and _sweep, in one call):
+// The block terms of n blocks at once, for training (path.py's _BlockTerms): q, k, w [n, c, D], beta [n, c]; local
+// [n, c, c], carried and k_end [n, c, D], m [n, D, D] as path_block writes them, save [n, 3 c^2 + c D] for the
+// backward.
+extern "C" void fa_path_block_terms(const float* q, const float* k, const float* w, const float* beta, float* local,
+                                    float* carried, float* k_end, float* m, float* save, int64_t n, int64_t c,
+                                    int64_t D, int threads, void* gemm) {
+    const sgemm_t g = (sgemm_t)gemm;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
+    {
+        float* work = new float[4 * c * c + 2 * c * D];
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < n; ++b)
+            path_block(g, (int)c, (int)D, q + b * c * D, k + b * c * D, w + b * c * D, beta + b * c, local + b * c * c,
+                       carried + b * c * D, k_end + b * c * D, m + b * D * D, work, save + b * (3 * c * c + c * D));
+        delete[] work;
+    }
+}
+
+// The gradients of path_block's outputs taken back to its inputs, for n blocks (the derivation in path.py's
+// _BlockTerms): given dlocal [n, c, c] (read below the diagonal and on it only), dcarried, dk_end [n, c, D] and dm
+// [n, D, D], writes dq, dk, dw [n, c, D] and dbeta [n, c].  With Wb = diag(beta) W, Ab = diag(beta) A, Gb =
+// diag(beta) G, X = strictly_lower(W K^T), S = W W^T:
+//   dQ = dC + dL K + dQW W;  dK = dL^T Q + dKe + dX^T W;  dQW = lower(-dC Gb^T - dL Ab^T);
+//   dG = -diag(beta) QW^T dC - Wb dM;  dA = -diag(beta) QW^T dL - Wb dKe^T;  dWb = -G dM^T - A dKe;
+//   dT = dA X^T + dG W^T;  dX = strictly_lower(T^T dA);  dLow = -T^T dT T^T;  dS = strictly_lower(dLow) diag(beta);
+//   dW = dQW^T Q + diag(beta) dWb + dX K + T^T dG + (dS + dS^T) W;
+//   dbeta = rowsum(G o dGb) + rowsum(A o dAb) + rowsum(W o dWb) + colsum(strictly_lower(S) o dLow).
+extern "C" void fa_path_block_terms_backward(const float* q, const float* k, const float* w, const float* beta,
+                                             const float* save, const float* dlocal, const float* dcarried,
+                                             const float* dk_end, const float* dm, float* dq, float* dk, float* dw,
+                                             float* dbeta, int64_t n, int64_t cc, int64_t DD, int threads, void* gemm) {
+    const sgemm_t g = (sgemm_t)gemm;
+    const int c = (int)cc, D = (int)DD;
+#pragma omp parallel num_threads(threads) if (threads > 1 && n > 1)
+    {
+        float* dl = new float[c * c];    // dlocal below and on the diagonal
+        float* dqw = new float[c * c];
+        float* da = new float[c * c];    // dAb, then dA
+        float* x = new float[c * c];     // X, then S
+        float* dt = new float[c * c];
+        float* tmp = new float[c * c];
+        float* wb = new float[c * D];
+        float* gb = new float[c * D];    // Gb, then dWb
+        float* ab = new float[c * c];
+        float* dg = new float[c * D];    // dGb, then dG
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < n; ++b) {
+            const float *Q = q + b * c * D, *K = k + b * c * D, *W = w + b * c * D, *be = beta + b * c;
+            const float* sv = save + b * (3 * c * c + c * D);
+            const float *T = sv, *A = sv + c * c, *QW = sv + 2 * c * c, *G = sv + 3 * c * c;
+            const float *dL0 = dlocal + b * c * c, *dC = dcarried + b * c * D, *dKe = dk_end + b * c * D;
+            const float* dM = dm + b * D * D;
+            float *dQ = dq + b * c * D, *dK = dk + b * c * D, *dW = dw + b * c * D, *dB = dbeta + b * c;
+            for (int i = 0; i < c; ++i)
+                for (int j = 0; j < c; ++j) dl[i * c + j] = j <= i ? dL0[i * c + j] : 0.0f;
+            for (int t = 0; t < c; ++t) {
+                dB[t] = 0.0f;
+                for (int d = 0; d < D; ++d) { wb[t * D + d] = be[t] * W[t * D + d]; gb[t * D + d] = be[t] * G[t * D + d]; }
+                for (int j = 0; j < c; ++j) ab[t * c + j] = be[t] * A[t * c + j];
+            }
+            // dQ = dC + dL K;  dK = dL^T Q + dKe
+            memcpy(dQ, dC, (size_t)c * D * sizeof(float));
+            mm(g, false, false, c, D, c, 1.0f, dl, c, K, D, 1.0f, dQ, D);
+            memcpy(dK, dKe, (size_t)c * D * sizeof(float));
+            mm(g, true, false, c, D, c, 1.0f, dl, c, Q, D, 1.0f, dK, D);
+            // dQW = lower(-dC Gb^T - dL Ab^T)
+            mm(g, false, true, c, c, D, -1.0f, dC, D, gb, D, 0.0f, dqw, c);
+            mm(g, false, true, c, c, c, -1.0f, dl, c, ab, c, 1.0f, dqw, c);
+            for (int i = 0; i < c; ++i)
+                for (int t = i + 1; t < c; ++t) dqw[i * c + t] = 0.0f;
+            // dGb = -QW^T dC;  dAb = -QW^T dL;  their beta parts
+            mm(g, true, false, c, D, c, -1.0f, QW, c, dC, D, 0.0f, dg, D);
+            mm(g, true, false, c, c, c, -1.0f, QW, c, dl, c, 0.0f, da, c);
+            for (int t = 0; t < c; ++t) {
+                float s = 0.0f;
+                for (int d = 0; d < D; ++d) { s += G[t * D + d] * dg[t * D + d]; dg[t * D + d] *= be[t]; }
+                for (int j = 0; j < c; ++j) { s += A[t * c + j] * da[t * c + j]; da[t * c + j] *= be[t]; }
+                dB[t] += s;
+            }
+            // dG -= Wb dM;  dA -= Wb dKe^T;  dWb = -G dM^T - A dKe  (into gb)
+            mm(g, false, false, c, D, D, -1.0f, wb, D, dM, D, 1.0f, dg, D);
+            mm(g, false, true, c, c, D, -1.0f, wb, D, dKe, D, 1.0f, da, c);
+            mm(g, false, true, c, D, D, -1.0f, G, D, dM, D, 0.0f, gb, D);
+            mm(g, false, false, c, D, c, -1.0f, A, c, dKe, D, 1.0f, gb, D);
+            // dQ += dQW W;  dW = dQW^T Q + diag(beta) dWb;  dbeta += rowsum(W o dWb)
+            mm(g, false, false, c, D, c, 1.0f, dqw, c, W, D, 1.0f, dQ, D);
+            mm(g, true, false, c, D, c, 1.0f, dqw, c, Q, D, 0.0f, dW, D);
+            for (int t = 0; t < c; ++t) {
+                float s = 0.0f;
+                for (int d = 0; d < D; ++d) { s += W[t * D + d] * gb[t * D + d]; dW[t * D + d] += be[t] * gb[t * D + d]; }
+                dB[t] += s;
+            }
+            // X = strictly_lower(W K^T);  dT = dA X^T + dG W^T;  dX = strictly_lower(T^T dA)
+            mm(g, false, true, c, c, D, 1.0f, W, D, K, D, 0.0f, x, c);
+            for (int t = 0; t < c; ++t)
+                for (int j = t; j < c; ++j) x[t * c + j] = 0.0f;
+            mm(g, false, true, c, c, c, 1.0f, da, c, x, c, 0.0f, dt, c);
+            mm(g, false, true, c, c, D, 1.0f, dg, D, W, D, 1.0f, dt, c);
+            mm(g, true, false, c, c, c, 1.0f, T, c, da, c, 0.0f, x, c);
+            for (int t = 0; t < c; ++t)
+                for (int j = t; j < c; ++j) x[t * c + j] = 0.0f;
+            // dW += dX K + T^T dG;  dK += dX^T W
+            mm(g, false, false, c, D, c, 1.0f, x, c, K, D, 1.0f, dW, D);
+            mm(g, true, false, c, D, c, 1.0f, x, c, W, D, 1.0f, dK, D);
+            mm(g, true, false, c, D, c, 1.0f, T, c, dg, D, 1.0f, dW, D);
+            // dLow = -T^T dT T^T (into dt);  S = W W^T (into x)
+            mm(g, true, false, c, c, c, 1.0f, T, c, dt, c, 0.0f, tmp, c);
+            mm(g, false, true, c, c, c, -1.0f, tmp, c, T, c, 0.0f, dt, c);
+            mm(g, false, true, c, c, D, 1.0f, W, D, W, D, 0.0f, x, c);
+            // dS = strictly_lower(dLow) diag(beta), symmetrized into tmp;  dbeta += colsum(strictly_lower(S) o dLow)
+            for (int i = 0; i < c; ++i)
+                for (int t = 0; t < c; ++t) tmp[i * c + t] = 0.0f;
+            for (int i = 0; i < c; ++i)
+                for (int t = 0; t < i; ++t) {
+                    const float v = dt[i * c + t] * be[t];
+                    tmp[i * c + t] += v;
+                    tmp[t * c + i] += v;
+                    dB[t] += x[i * c + t] * dt[i * c + t];
+                }
+            mm(g, false, false, c, D, c, 1.0f, tmp, c, W, D, 1.0f, dW, D);
+        }
+        delete[] dl; delete[] dqw; delete[] da; delete[] x; delete[] dt; delete[] tmp; delete[] wb; delete[] gb;
+        delete[] ab; delete[] dg;
+    }
+}
+
+// Adds the gate's bias c_i - c_j to scores z [rows, cols] (ld) of queries with gates cq [rows] and keys ck [cols].
+static void add_gate(float* z, int rows, int cols, int ld, const float* cq, const float* ck) {
+    for (int r = 0; r < rows; ++r)
+        for (int j = 0; j < cols; ++j) z[r * ld + j] += cq[r] - ck[j];
+}
+
+// PaTH's attention without a gradient or padding (path.py's _by_chunks and _sweep, in one call):
 // per head, `chunk` tokens at a time in blocks of `block`: each block's compact form (path_block), then each
 // query block's online softmax over its own block, the earlier blocks of its chunk from the nearest back (its
 // queries carried through each block's product on the way), and every key before the chunk (the cache, kept
@@ -569,10 +708,14 @@ static void path_block(sgemm_t g, int c, int D, const float* q, const float* k, 
 // end.  q, k, w [heads, T, D] (q scaled), beta [heads, T], values [heads, S0 + T, Dv] (the cache's and the new
 // ones), keys [heads, S0 + T, D]: the cache's S0 keys in, every key carried through the T new tokens out (the
 // last chunk's step only where carry_last: else the keys are left as the last chunk read them); out [heads, T, Dv].
+// gate [heads, S0 + T] (PaTH-FoX's cumulative log gates c, scaled as the scores are; may be null) adds c_i - c_j
+// to every score, and leaves out the first cached keys that weigh less than exp(-gap) of every row's largest
+// weight so far (path.py's _forgotten: gap = log(keys) + gap_base); skipped [heads] (may be null): the (query,
+// cached key) pairs each head left out, summed over its chunks.
 extern "C" void fa_path_forward(const float* q, const float* k, const float* w, const float* beta, const float* values,
-                                float* keys, float* out, int64_t heads, int64_t T, int64_t S0, int64_t D, int64_t Dv,
-                                int64_t block, int64_t chunk, int64_t query_block, int64_t key_block,
-                                int carry_last, int threads,
+                                const float* gate, float gap_base, float* keys, float* out, int64_t* skipped,
+                                int64_t heads, int64_t T, int64_t S0, int64_t D, int64_t Dv, int64_t block,
+                                int64_t chunk, int64_t query_block, int64_t key_block, int carry_last, int threads,
                                 void* gemm) {
     const sgemm_t g = (sgemm_t)gemm;
     const int c = (int)block, d = (int)D, dv = (int)Dv;
@@ -604,6 +747,8 @@ extern "C" void fa_path_forward(const float* q, const float* k, const float* w, 
             const float* vh = values + h * S * Dv;
             float* keys_h = keys + h * S * D;
             float* oh = out + h * T * Dv;
+            const float* ch = gate ? gate + h * S : nullptr;  // every token's gate, the cache's first
+            int64_t pairs_skipped = 0;
             for (int64_t s = 0; s < T; s += chunk) {
                 const int64_t len = T - s < chunk ? T - s : chunk;
                 const int64_t nb = (len + c - 1) / c;
@@ -626,11 +771,14 @@ extern "C" void fa_path_forward(const float* q, const float* k, const float* w, 
                     for (int r = 0; r < rows; ++r) { tm[r] = -INFINITY; sm[r] = 0.0f; }
                     memset(om, 0, rows * Dv * sizeof(float));
                     for (int r = 0; r < rows; ++r) memcpy(z + r * rows, loc + m * c * c + r * c, rows * sizeof(float));
+                    const float* cm = ch ? ch + past + m * c : nullptr;  // the block's queries' gates
+                    if (ch) add_gate(z, rows, rows, rows, cm, cm);
                     softmax_rows(z, rows, rows, rows, tm, sm, om, Dv);
                     mm(g, false, false, rows, dv, rows, 1.0f, z, rows, vm, dv, 1.0f, om, dv);
                     memcpy(qm, qc + m * c * D, rows * D * sizeof(float));
                     for (int64_t e = m - 1; e >= 0; --e) {  // the chunk's earlier blocks, nearest first
                         mm(g, false, true, rows, c, d, 1.0f, qm, d, ke + e * c * D, d, 0.0f, z, c);
+                        if (ch) add_gate(z, rows, c, c, cm, ch + past + e * c);
                         softmax_rows(z, rows, c, c, tm, sm, om, Dv);
                         mm(g, false, false, rows, dv, c, 1.0f, z, c, vh + (past + e * c) * Dv, dv, 1.0f, om, dv);
                         if (e || past) {  // on to the end of block e - 1 (or the chunk's start)
@@ -639,12 +787,35 @@ extern "C" void fa_path_forward(const float* q, const float* k, const float* w, 
                         }
                     }
                 }
-                // every query of the chunk, carried to its start, against the keys before it
+                // every query of the chunk, carried to its start, against the keys before it: with the gate, from
+                // the first key that is not negligible for some row.  A carried query or key is no longer than it
+                // was (PaTH's eigenvalues are 1 and 1 - beta), so a score is at most |q| max |k|: key j weighs
+                // less than exp(-gap) of row r's largest weight where c_r - c_j + |q_r| max |k| < top_r - gap.
+                int64_t first = 0;
+                if (ch && past) {
+                    float reach = 0.0f, allowance = -INFINITY;
+                    for (int64_t j = 0; j < past; ++j) {
+                        float n = 0.0f;
+                        for (int64_t t = 0; t < D; ++t) n += keys_h[j * D + t] * keys_h[j * D + t];
+                        reach = n > reach ? n : reach;
+                    }
+                    reach = sqrtf(reach);
+                    for (int64_t r = 0; r < len; ++r) {
+                        float n = 0.0f;
+                        for (int64_t t = 0; t < D; ++t) n += qa[r * D + t] * qa[r * D + t];
+                        const float a = ch[past + r] + sqrtf(n) * reach - top[r];
+                        allowance = a > allowance ? a : allowance;
+                    }
+                    const float bound = allowance + (logf((float)(past + len)) + gap_base);
+                    while (first < past && ch[first] > bound) ++first;
+                }
+                pairs_skipped += len * first;
                 for (int64_t r0 = 0; r0 < len; r0 += query_block) {
                     const int rows = (int)(len - r0 < query_block ? len - r0 : query_block);
-                    for (int64_t j0 = 0; j0 < past; j0 += key_block) {
+                    for (int64_t j0 = first; j0 < past; j0 += key_block) {
                         const int cols = (int)(past - j0 < key_block ? past - j0 : key_block);
                         mm(g, false, true, rows, cols, d, 1.0f, qa + r0 * D, d, keys_h + j0 * D, d, 0.0f, z, cols);
+                        if (ch) add_gate(z, rows, cols, cols, ch + past + r0, ch + j0);
                         softmax_rows(z, rows, cols, cols, top + r0, total + r0, o + r0 * Dv, Dv);
                         mm(g, false, false, rows, dv, cols, 1.0f, z, cols, vh + j0 * Dv, dv, 1.0f, o + r0 * Dv, dv);
                     }
@@ -674,6 +845,7 @@ extern "C" void fa_path_forward(const float* q, const float* k, const float* w, 
                     memcpy(keys_h + j0 * D, spare, cols * D * sizeof(float));
                 }
             }
+            if (skipped) skipped[h] = pairs_skipped;
         }
         delete[] qc; delete[] ke; delete[] prod; delete[] loc; delete[] in; delete[] work; delete[] z;
         delete[] qa; delete[] qb; delete[] o; delete[] top; delete[] total; delete[] after; delete[] spare;
@@ -740,8 +912,14 @@ def _build() -> ctypes.CDLL:
                                         + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 7
                                         + [ctypes.c_int, ctypes.c_void_p])
     library.fa_path_forward.restype = None
-    library.fa_path_forward.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_int] * 2 + [
-        ctypes.c_void_p]
+    library.fa_path_forward.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 3
+                                        + [ctypes.c_int64] * 9 + [ctypes.c_int] * 2 + [ctypes.c_void_p])
+    library.fa_path_block_terms.restype = None
+    library.fa_path_block_terms.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 3 + [ctypes.c_int,
+                                                                                           ctypes.c_void_p]
+    library.fa_path_block_terms_backward.restype = None
+    library.fa_path_block_terms_backward.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 3 + [
+        ctypes.c_int, ctypes.c_void_p]
     library.fa_stickbreaking_forward.restype = None
     library.fa_stickbreaking_forward.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
                                                  + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
@@ -919,33 +1097,89 @@ def fire_forward(q: Tensor, k: Tensor, v: Tensor, pad: Optional[Tensor], psi: Te
     return out
 
 
-def path_forward(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, values: Tensor, keys: Tensor, block: int,
-                 chunk: int, query_block: int, key_block: int, carry_last: bool) -> Tensor:
-    """PaTH's attention without a gradient, padding or gate in one call (the C++ ``fa_path_forward``, where
-    :func:`forward_available`): ``out [heads, T, Dv]`` of the ``T`` new tokens' scaled queries ``q``, keys
-    ``k`` and ``w`` ``[heads, T, D]`` and ``beta`` ``[heads, T]``, with ``values`` ``[heads, S0 + T, Dv]``
-    (the cache's, then the new ones) and ``keys`` ``[heads, S0 + T, D]``, whose first ``S0`` rows are the
-    cache's keys (carried through every cached token's ``H``): on return every row holds its key carried
-    through the new tokens too (the last chunk's step taken only where ``carry_last``).  Float32,
-    contiguous, on the CPU; ``chunk`` tokens per step, in blocks of ``block``, the cache's keys read
-    ``key_block`` at a time (``path.py``)."""
+def path_forward(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, values: Tensor, keys: Tensor, gate: Optional[Tensor],
+                 gap_base: float, block: int, chunk: int, query_block: int, key_block: int,
+                 carry_last: bool) -> Tuple[Tensor, int]:
+    """PaTH's attention without a gradient or padding in one call (the C++ ``fa_path_forward``, where
+    :func:`forward_available`): ``(out [heads, T, Dv], pairs skipped)`` of the ``T`` new tokens' scaled
+    queries ``q``, keys ``k`` and ``w`` ``[heads, T, D]`` and ``beta`` ``[heads, T]``, with ``values`` ``[heads,
+    S0 + T, Dv]`` (the cache's, then the new ones) and ``keys`` ``[heads, S0 + T, D]``, whose first ``S0`` rows
+    are the cache's keys (carried through every cached token's ``H``): on return every row holds its key
+    carried through the new tokens too (the last chunk's step taken only where ``carry_last``).  ``gate``
+    ``[heads, S0 + T]`` (PaTH-FoX's cumulative log gates, scaled as the scores) or None; with it a chunk's
+    queries skip the first cached keys that weigh less than ``exp(-gap)`` of every row's largest weight, ``gap
+    = log(keys) + gap_base`` (``causal_blocks.negligible_gap``): the (query, key) pairs so left out, summed
+    over the heads, are the second value.  Float32, contiguous, on the CPU; ``chunk``
+    tokens per step, in blocks of ``block``, the cache's keys read ``key_block`` at a time by ``query_block``
+    queries (``path.py``)."""
     heads, T, D = q.shape
     S, Dv = keys.size(1), values.size(-1)
     shapes = (("q", q, (heads, T, D)), ("k", k, (heads, T, D)), ("w", w, (heads, T, D)), ("beta", beta, (heads, T)),
               ("values", values, (heads, S, Dv)), ("keys", keys, (heads, S, D)))
-    for name, t, shape in shapes:
+    for name, t, shape in shapes + ((("gate", gate, (heads, S)),) if gate is not None else ()):
         if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {shape}, "
                              f"not {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
     if min(block, chunk, query_block, key_block) < 1 or S < T or max(
             heads, S, D, Dv, chunk * max(block, key_block, D, Dv), query_block * key_block) >= 2 ** 31:
         raise ValueError(f"block {block}, chunk {chunk}, query_block {query_block} and key_block {key_block} must be "
-                         f"at least 1, S {S} at "
-                         f"least T {T}, and every size below 2^31 (BLAS's 32-bit sizes)")
+                         f"at least 1, S {S} at least T {T}, and every size below 2^31 (BLAS's 32-bit sizes)")
     if not forward_available():
         raise RuntimeError(f"the fused forward does not run here: {status()}")
     out = q.new_empty((heads, T, Dv))
+    skipped = torch.zeros(heads, dtype=torch.int64)
     library().fa_path_forward(q.data_ptr(), k.data_ptr(), w.data_ptr(), beta.data_ptr(), values.data_ptr(),
-                              keys.data_ptr(), out.data_ptr(), heads, T, S - T, D, Dv, block, chunk, query_block, key_block,
-                              int(carry_last), torch.get_num_threads(), _state["sgemm"])
-    return out
+                              _pointer(gate), gap_base, keys.data_ptr(), out.data_ptr(), skipped.data_ptr(), heads, T,
+                              S - T, D, Dv, block, chunk, query_block, key_block, int(carry_last),
+                              torch.get_num_threads(), _state["sgemm"])
+    return out, int(skipped.sum())
+
+
+def path_block_terms(q: Tensor, k: Tensor, w: Tensor, beta: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """PaTH's block terms of ``n`` blocks in one call (the C++ ``fa_path_block_terms``, where
+    :func:`forward_available`): ``(local [n, c, c], carried [n, c, D], k_end [n, c, D], m [n, D, D], saved)``
+    of the blocks' scaled queries ``q``, keys ``k`` and ``w`` ``[n, c, D]`` and ``beta`` ``[n, c]`` (float32,
+    contiguous, on the CPU), as ``path._block_terms`` gives them (the product as the ``D x D`` matrix);
+    ``saved`` ``[n, 3 c^2 + c D]`` is what :func:`path_block_terms_backward` reads."""
+    n, c, D = q.shape
+    _check_blocks(q, k, w, beta)
+    local, carried, k_end = q.new_empty((n, c, c)), q.new_empty((n, c, D)), q.new_empty((n, c, D))
+    m, saved = q.new_empty((n, D, D)), q.new_empty((n, 3 * c * c + c * D))
+    library().fa_path_block_terms(q.data_ptr(), k.data_ptr(), w.data_ptr(), beta.data_ptr(), local.data_ptr(),
+                                  carried.data_ptr(), k_end.data_ptr(), m.data_ptr(), saved.data_ptr(), n, c, D,
+                                  torch.get_num_threads(), _state["sgemm"])
+    return local, carried, k_end, m, saved
+
+
+def path_block_terms_backward(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, saved: Tensor, d_local: Tensor,
+                              d_carried: Tensor, d_k_end: Tensor, d_m: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients ``(dq, dk, dw, dbeta)`` of :func:`path_block_terms`' inputs from those of its four outputs
+    (the C++ ``fa_path_block_terms_backward``; ``d_local`` is read below and on the diagonal only)."""
+    n, c, D = q.shape
+    _check_blocks(q, k, w, beta)
+    for name, t, shape in (("saved", saved, (n, 3 * c * c + c * D)), ("d_local", d_local, (n, c, c)),
+                           ("d_carried", d_carried, (n, c, D)), ("d_k_end", d_k_end, (n, c, D)),
+                           ("d_m", d_m, (n, D, D))):
+        _check(name, t, shape)
+    dq, dk, dw, dbeta = (torch.empty_like(t) for t in (q, k, w, beta))
+    library().fa_path_block_terms_backward(
+        q.data_ptr(), k.data_ptr(), w.data_ptr(), beta.data_ptr(), saved.data_ptr(), d_local.data_ptr(),
+        d_carried.data_ptr(), d_k_end.data_ptr(), d_m.data_ptr(), dq.data_ptr(), dk.data_ptr(), dw.data_ptr(),
+        dbeta.data_ptr(), n, c, D, torch.get_num_threads(), _state["sgemm"])
+    return dq, dk, dw, dbeta
+
+
+def _check(name: str, t: Tensor, shape) -> None:
+    if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != tuple(shape) or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {tuple(shape)}, "
+                         f"not {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
+
+
+def _check_blocks(q: Tensor, k: Tensor, w: Tensor, beta: Tensor) -> None:
+    n, c, D = q.shape
+    for name, t, shape in (("q", q, (n, c, D)), ("k", k, (n, c, D)), ("w", w, (n, c, D)), ("beta", beta, (n, c))):
+        _check(name, t, shape)
+    if max(n, 3 * c * c + c * D, D * D) >= 2 ** 31:
+        raise ValueError("every size must be below 2^31 (BLAS's 32-bit sizes)")
+    if not forward_available():
+        raise RuntimeError(f"the fused forward does not run here: {status()}")

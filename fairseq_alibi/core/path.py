@@ -80,8 +80,8 @@ Long evaluation (no gradient, more than :data:`CHUNK` tokens) is the cache's
 path chunk by chunk (:func:`_by_chunks`): most pairs are then scored by the
 fused kernel, and only the pairs within a chunk by the sweep
 (``benchmarks/new_methods_cpu.py`` times it; docs/results/performance-new-methods-cpu-3.md).
-Without a gradient, gate or padding, on the CPU in float32 or bfloat16, the
-same chunks, block terms, sweep and cache are one C++ call instead
+Without a gradient or padding, on the CPU in float32 or bfloat16, the same
+chunks, block terms, sweep, cache and forgotten keys are one C++ call instead
 (:func:`_fused`, ``native.py``'s ``fa_path_forward``): the Python steps and
 the temporaries between them were most of the eager path's cost
 (docs/results/performance-new-methods-cpu-6.md).
@@ -101,6 +101,7 @@ from torch import Tensor, nn
 from .bias import OwnAttentionStack
 from .causal_blocks import negligible_gap
 from .fox import ForgetGates, LayerForgetGate
+from .native import path_block_terms as native_block_terms, path_block_terms_backward as native_block_terms_backward
 from .native import path_forward as native_forward, runs_for as native_runs
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling
 from .stickbreaking import add_product, refuse_dropout
@@ -221,6 +222,37 @@ def _block_terms(qb: Tensor, kb: Tensor, wb: Tensor, bb: Tensor):
     return local.masked_fill(~lower, float("-inf")), carried, k_end, through, (wbeta, g)
 
 
+class _BlockTerms(torch.autograd.Function):
+    """:func:`_block_terms` where a gradient is taken, as two C++ calls (``native.py``'s
+    ``fa_path_block_terms`` and its backward): ``(local, carried, k_end, M)`` of blocks ``[n, B, H, c, ...]``
+    in float32, the product as the ``D x D`` matrix (``D <= 2c``).  Autograd through the dozen products,
+    masks and scalings of :func:`_block_terms` recorded each one and took its backward as two or three more
+    passes over memory; the backward here is the same chain rule written out per block (its formulas at the
+    C++ function), each block's products by ``sgemm`` with the block's terms in the core's cache, and what
+    the forward saves per block (``T``, ``A``, ``G`` and ``lower(Q W^T)``) instead of autograd's record."""
+
+    @staticmethod
+    def forward(ctx, qb, kb, wb, bb):
+        c, D = qb.shape[-2:]
+        flat = [t.reshape(-1, c, D).contiguous() for t in (qb, kb, wb)] + [bb.reshape(-1, c).contiguous()]
+        local, carried, k_end, m, saved = native_block_terms(*flat)
+        ctx.save_for_backward(*flat, saved)
+        ctx.shapes = (qb.shape, bb.shape)
+        lead = qb.shape[:-2]
+        return local.view(lead + (c, c)), carried.view(qb.shape), k_end.view(qb.shape), m.view(lead + (D, D))
+
+    @staticmethod
+    def backward(ctx, d_local, d_carried, d_k_end, d_m):
+        *flat, saved = ctx.saved_tensors
+        n, c, D = flat[0].shape
+        shapes = ((n, c, c), (n, c, D), (n, c, D), (n, D, D))
+        grads = [torch.zeros(shape) if d is None else d.reshape(shape).contiguous()
+                 for d, shape in zip((d_local, d_carried, d_k_end, d_m), shapes)]
+        dq, dk, dw, dbeta = native_block_terms_backward(*flat, saved, *grads)
+        block_shape, beta_shape = ctx.shapes
+        return dq.view(block_shape), dk.view(block_shape), dw.view(block_shape), dbeta.view(beta_shape)
+
+
 def _product(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` of ``[n, B, H, m, k]`` and ``[n, B, H, k, p]`` as one batched product of 3-d views (``matmul`` on
     5-d operands takes up to 1.5x as long on the CPU)."""
@@ -258,8 +290,8 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     chunk = chunk or CHUNK
     if block < 1 or chunk < 1:
         raise ValueError(f"block and chunk must be at least 1, not {block} and {chunk}")
-    if not grad and _fused_runs(q, gate, key_padding_mask, past_keys):
-        return _fused(q, k, v, w, beta, past_keys, past_values, block, chunk, return_keys)
+    if not grad and _fused_runs(q, key_padding_mask, past_keys):
+        return _fused(q, k, v, w, beta, gate, past_keys, past_values, block, chunk, return_keys)
     if not grad and q.size(2) > chunk:
         return _by_chunks(q, k, v, w, beta, gate, key_padding_mask, past_keys, past_values, block, return_keys, chunk)
     exact = torch.promote_types(q.dtype, torch.float32)
@@ -277,7 +309,11 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     # the scale folded into the queries: every score below is already q . k / sqrt(d)
     qb, kb, vb, wb = (_blocked(t, blocks, size) for t in (q * D ** -0.5, k, v, w))
     bb = _blocked(beta, blocks, size)  # [n, B, H, c]; 0 past the end: H = I there
-    terms = _block_terms(qb, kb, wb, bb)
+    if grad and not S0 and not return_keys and D <= 2 * size and native_runs(q):  # the training sweep's terms
+        local, carried, k_end, m = _BlockTerms.apply(qb, kb, wb, bb)
+        terms = (local, carried, k_end, (m,))
+    else:
+        terms = _block_terms(qb, kb, wb, bb)
     past = None
     if S0:
         past = (past_keys.to(exact), past_values.to(exact), None if gate is None else gate.to(exact)[:, :, None, :S0],
@@ -296,24 +332,26 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     return out.to(out_dtype), keys
 
 
-def _fused_runs(q: Tensor, gate: Optional[Tensor], key_padding_mask: Optional[Tensor],
-                past_keys: Optional[Tensor]) -> bool:
+def _fused_runs(q: Tensor, key_padding_mask: Optional[Tensor], past_keys: Optional[Tensor]) -> bool:
     """Whether :func:`_fused` serves a call without a gradient: the fused CPU calls run for ``q``
-    (``native.runs_for``), no gate, no padding, and, after a cache, at least ``D / 2`` new tokens (fewer, a
-    decoding step, carry the cache through their blocks as two thin products, the cheaper: :func:`_keys_carried`)."""
-    if gate is not None or (key_padding_mask is not None and bool(key_padding_mask.any())):
+    (``native.runs_for``), no padding, and, after a cache, at least ``D / 2`` new tokens (fewer, a decoding
+    step, carry the cache through their blocks as two thin products, the cheaper: :func:`_keys_carried`)."""
+    if key_padding_mask is not None and bool(key_padding_mask.any()):
         return False
     if past_keys is not None and 2 * q.size(2) < q.size(-1):
         return False
     return native_runs(q)
 
 
-def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, past_keys: Optional[Tensor],
-           past_values: Optional[Tensor], block: int, chunk: int, return_keys: bool) -> Tuple[Tensor, Optional[Tensor]]:
-    """:func:`path_attention` without a gradient, gate or padding as one C++ call (``native.path_forward``):
-    the same chunks, blocks and online softmax as :func:`_by_chunks` and :func:`_sweep`, in float32, each head's
+def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gate: Optional[Tensor],
+           past_keys: Optional[Tensor], past_values: Optional[Tensor], block: int, chunk: int,
+           return_keys: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """:func:`path_attention` without a gradient or padding as one C++ call (``native.path_forward``): the
+    same chunks, blocks and online softmax as :func:`_by_chunks` and :func:`_sweep`, in float32, each head's
     block terms, sweep and cached keys (read :data:`FUSED_KEY_BLOCK` at a time by :data:`FUSED_QUERY_BLOCK`
-    queries) staying in the core's cache; the new tokens' keys carried into the cache's buffer in place."""
+    queries) staying in the core's cache, the new tokens' keys carried into the cache's buffer in place; with
+    the gate, the cached keys it has made negligible for every query of a chunk left out, as
+    :func:`_forgotten` leaves them out (``_count_skipped`` is told how many query-key pairs that left out)."""
     B, H, T, D = q.shape
     S0 = 0 if past_keys is None else past_keys.size(2)
     flat = [t.to(torch.float32).reshape(B * H, *t.shape[2:]).contiguous() for t in (q * D ** -0.5, k, w, beta)]
@@ -322,9 +360,18 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, past_keys: 
     keys = q.new_empty((B * H, S0 + T, D), dtype=torch.float32)
     if S0:
         keys[:, :S0] = past_keys.reshape(B * H, S0, D)
-    out = native_forward(*flat, values, keys, block, chunk, FUSED_QUERY_BLOCK, FUSED_KEY_BLOCK, return_keys)
+    c = None if gate is None else gate.to(torch.float32).reshape(B * H, S0 + T).contiguous()
+    gap_base = negligible_gap(1, torch.float32)  # log(keys) + this: the gap for that many keys
+    out, skipped = native_forward(*flat, values, keys, c, gap_base, block, chunk, FUSED_QUERY_BLOCK, FUSED_KEY_BLOCK,
+                               return_keys)
+    _count_skipped(skipped)
     out = out.view(B, H, T, -1).to(q.dtype)
     return out, keys.view(B, H, S0 + T, D) if return_keys else None
+
+
+def _count_skipped(pairs: int) -> None:
+    """Told the (query, cached key) pairs one fused call left out, summed over its heads and chunks
+    (benchmarks and tests replace it)."""
 
 
 def _merges(T: int, size: int, D: int) -> int:
