@@ -611,7 +611,7 @@ def test_the_kernel_blocks_benchmark_runs_each_path_size_it_names_beside_sdpa(ev
                         original_merges(terms, merges))
     monkeypatch.setattr(path, "_by_chunks", lambda *a: sizes.append(a[-3:-2] + a[-1:]) or original_chunks(*a))
     original_fused = path._fused  # the fused C++ call, where it runs: its block and chunk
-    monkeypatch.setattr(path, "_fused", lambda *a: sizes.append(a[7:9]) or original_fused(*a))
+    monkeypatch.setattr(path, "_fused", lambda *a: sizes.append(a[8:10]) or original_fused(*a))
     sweep_block = path.SWEEP_BLOCK
     argv = ["--lengths", "96", "--batch", "1", "--heads", "2", "--head-dim", "8", "--repeats", "1", "--blocks", "8"]
     argv += ["--eval", "--chunks", "16", "32"] if evaluation else ["--sweep-blocks", "8", "16"]
