@@ -265,6 +265,19 @@ extern "C" void fa_stickbreaking_forward(const float* q, const float* k, const f
     }
 }
 
+// Whether any lane of a comparison's result (0 or -1 per lane) is set: one test instruction.
+static inline bool any_lane(vi mask) {
+#if defined(__AVX512F__)
+    return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
+#elif defined(__AVX2__)
+    return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
+#else
+    bool any = false;
+    for (int l = 0; l < WIDTH; ++l) any |= mask[l] != 0;
+    return any;
+#endif
+}
+
 // The index of x's piece: the number of knots below x (torch.bucketize's, right=False).
 static inline int piece_of(float x, const float* knots, int n_knots) {
     int lo = 0, hi = n_knots;  // the first knot >= x, by bisection
@@ -276,7 +289,7 @@ static inline int piece_of(float x, const float* knots, int n_knots) {
 }
 
 // FIRE's bias value of MLP input x on piece p: slope x + intercept, rounded twice as torch's separate
-// product and sum round it (no fused multiply-add), so that the values are fire.py's bit for bit.
+// product and sum round it (no fused multiply-add), as fire.py computes it.
 __attribute__((optimize("fp-contract=off"))) static inline float fire_value(float slope, float x, float intercept) {
     return slope * x + intercept;
 }
@@ -305,6 +318,9 @@ static inline void rescaled(float* o, int64_t Dv, float* top, float* total, floa
 // K Q^T by sgemm, the bias added, an online softmax (the rows' running maxima and sums), out += P^T V by
 // sgemm; out [heads, T, Dv] divided by the sums at the end.  Each block's bias per distance where the block's
 // rows share a piece (the piece at the block's smallest and largest normalizer agree), per pair elsewhere.
+// x is psi times the row's 1 / norm (a multiplication per pair, not a division): within
+// one unit in the last place of fire.py's psi / norm, and monotone in the row as the quotient is, so the
+// pieces of a block's first and last rows still bound every row's.
 extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, const uint8_t* pad,
                                 const float* psi, const float* norm, const float* knots, int64_t n_knots,
                                 const float* slopes, const float* intercepts, int64_t model_heads, float* out,
@@ -325,6 +341,7 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
         int* high = new int[span];
         float* slope_d = new float[span];
         float* icpt_d = new float[span];
+        float* inv_norm = new float[block];  // 1 / norm of the block's rows: x = psi * (1 / norm)
 #pragma omp for schedule(dynamic)
         for (int64_t h = 0; h < heads; ++h) {
             const float* qh = q + h * T * D;
@@ -339,7 +356,8 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                 const int n_rows = (int)rows;
                 const int64_t i0 = offset + start;  // the block's first query position
                 const float* nrm = norm + start;
-                const float n_first = nrm[0], n_last = nrm[rows - 1];
+                for (int64_t r = 0; r < rows; ++r) inv_norm[r] = 1.0f / nrm[r];
+                const float i_first = inv_norm[0], i_last = inv_norm[rows - 1];
                 memset(oh + start * Dv, 0, rows * Dv * sizeof(float));
                 for (int64_t r = 0; r < rows; ++r) { top[r] = -INFINITY; total[r] = 0.0f; }
                 const int64_t keys = i0 + rows;  // keys 0 .. i0 + rows - 1
@@ -353,8 +371,8 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                         const int64_t dist = d_lo + e;
                         if (dist < 0) continue;
                         // x falls as the normalizer grows: the last row's x is the smallest
-                        low[e] = piece_of(psi[dist] / n_last, knots, (int)n_knots);
-                        high[e] = piece_of(psi[dist] / n_first, knots, (int)n_knots);
+                        low[e] = piece_of(psi[dist] * i_last, knots, (int)n_knots);
+                        high[e] = piece_of(psi[dist] * i_first, knots, (int)n_knots);
                         slope_d[e] = sl[low[e]];
                         icpt_d[e] = ic[low[e]];
                     }
@@ -377,18 +395,16 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                             vf pv, nv, sv, iv, zv;
                             vi lv, hv;
                             memcpy(&pv, ps + r, sizeof pv);
-                            memcpy(&nv, nrm + r, sizeof nv);
+                            memcpy(&nv, inv_norm + r, sizeof nv);
                             memcpy(&sv, sd + r, sizeof sv);
                             memcpy(&iv, id + r, sizeof iv);
                             memcpy(&zv, zc + r, sizeof zv);
                             memcpy(&lv, lo + r, sizeof lv);
                             memcpy(&hv, hi + r, sizeof hv);
-                            const vf x = pv / nv;
+                            const vf x = pv * nv;
                             vf b = fire_values(sv, x, iv);
                             const vi differ = lv != hv;
-                            bool any = false;
-                            for (int l = 0; l < WIDTH; ++l) any |= differ[l] != 0;
-                            if (any) {  // rows that straddle a knot at this distance: their own piece
+                            if (any_lane(differ)) {  // rows that straddle a knot at this distance: their own piece
                                 for (int l = 0; l < WIDTH; ++l) {
                                     if (!differ[l]) continue;
                                     const int p = piece_of(x[l], knots, (int)n_knots);
@@ -399,7 +415,7 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                             memcpy(zc + r, &zv, sizeof zv);
                         }
                         for (; r < rows; ++r) {
-                            const float x = ps[r] / nrm[r];
+                            const float x = ps[r] * inv_norm[r];
                             const int p = lo[r] == hi[r] ? lo[r] : piece_of(x, knots, (int)n_knots);
                             zc[r] += fire_value(sl[p], x, ic[p]);
                         }
@@ -451,6 +467,7 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
             }
         }
         delete[] z; delete[] top; delete[] total; delete[] low; delete[] high; delete[] slope_d; delete[] icpt_d;
+        delete[] inv_norm;
     }
 }
 
