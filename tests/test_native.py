@@ -202,6 +202,44 @@ def test_the_path_block_terms_and_their_backward_are_autograds_in_float64(n, c, 
         assert float((g.double() - e).abs().max()) < 1e-5 * float(e.abs().max())
 
 
+@pytest.mark.parametrize("n,gated,padded", [(1, False, False), (4, True, True), (3, False, True)])
+def test_the_path_sweep_and_its_backward_are_the_eager_sweeps(n, gated, padded):
+    """PaTH's fused training sweep (``path._FusedSweep``: the C++ forward and backward) against the eager one
+    (``path._TrainingSweep``, autograd's backward of nothing but its own) in float64 on the same inputs: the
+    output and the gradients of every input, with the gate and key padding (a padded block's row of zeros)."""
+    from fairseq_alibi.core import path
+    gen = torch.Generator().manual_seed(n)
+    B, H, C, D = 2, 3, 8, 6
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    lower = torch.ones(C, C, dtype=torch.bool).tril()
+    local = rand(n, B, H, C, C).masked_fill(~lower, float("-inf"))
+    carried, k_end, v = rand(n, B, H, C, D), rand(n, B, H, C, D), rand(n, B, H, C, D)
+    m = torch.eye(D, dtype=torch.float64) + 0.3 * rand(n, B, H, D, D)
+    c_new = -rand(n, B, H, C).abs().cumsum(-1) if gated else None
+    key_pad = None
+    if padded:
+        key_pad = torch.zeros(n, B, 1, 1, C, dtype=torch.bool)
+        key_pad[0, 1, ..., :5] = True
+        local = local.masked_fill(key_pad, float("-inf"))
+    inputs = [local, carried, k_end, v] + ([c_new] if gated else [])
+    d_out = rand(n, B, H, C, D)
+    results = []
+    for sweep, dtype in ((path._TrainingSweep, torch.float64), (path._FusedSweep, torch.float32)):
+        leaves = [t.to(dtype).requires_grad_() for t in inputs]
+        mm_ = m.to(dtype).requires_grad_()
+        gate = leaves[4] if gated else None
+        out = sweep.apply(*leaves[:4], gate, key_pad, mm_)
+        grads = torch.autograd.grad((out.double() * d_out).sum(), leaves + [mm_])
+        results.append((out, grads))
+    (want, want_grads), (got, got_grads) = results
+    seen = torch.isfinite(local)
+    assert float((got.double() - want).abs().max()) < 1e-5 * float(want.abs().max())
+    for g, e in zip(got_grads, want_grads):
+        if g.shape == local.shape:  # the masked scores' gradients are 0 in both
+            g, e = g.double().where(seen, 0.0), e.where(seen, 0.0)
+        assert float((g.double() - e).abs().max()) <= 1e-5 * float(e.abs().max()), g.shape  # n = 1: zeros
+
+
 def test_the_path_forward_refuses_what_it_cannot_run():
     q, keys, values, beta = torch.zeros(2, 5, 4), torch.zeros(2, 7, 4), torch.zeros(2, 7, 3), torch.zeros(2, 5)
     with pytest.raises(ValueError, match="float32"):

@@ -7,7 +7,7 @@ one C++ call does the whole attention: per head (OpenMP threads over the
 heads) and block of queries, the scores of a block of keys by the BLAS
 ``sgemm`` torch itself calls, one vectorized loop over them, the output by
 ``sgemm``, each head's block of scores staying in the core's cache.  Three
-such calls, all for evaluation (no gradient):
+such calls for evaluation (no gradient):
 
 * :func:`stickbreaking_forward`: stick-breaking's weights (two sigmoids
   and the running product along the keys), each head stopping once its
@@ -17,9 +17,14 @@ such calls, all for evaluation (no gradient):
   per pair where the block's rows straddle a knot of its MLP) and an online
   softmax (``fire.py``);
 * :func:`path_forward`: PaTH's blocks' compact forms, the sweep within each
-  chunk, the cached keys and their carrying through the chunk, without gate
-  or padding (``path.py``): ``sgemm`` for every product, the triangular
-  inverse by forward substitution.
+  chunk, the cached keys (those PaTH-FoX's gate has made negligible left
+  out) and their carrying through the chunk, without padding (``path.py``):
+  ``sgemm`` for every product, the triangular inverse by forward
+  substitution.
+
+and, for PaTH's training, two pairs of calls with backwards written out:
+:func:`path_block_terms` (the blocks' compact forms) and
+:func:`path_sweep_forward` (the sweep over the blocks and its softmax).
 
 The loops are C++ with GCC's vector extensions, 16 floats at a time with
 AVX-512, else 8 (x86-64 CPUs with AVX2 or AVX-512, the vector instructions
@@ -71,7 +76,7 @@ SWITCH = "FAIRSEQ_ALIBI_NATIVE"
 #: Where the built library is kept.
 DIRECTORY = "FAIRSEQ_ALIBI_NATIVE_DIR"
 #: Bumped with every change of the functions' signatures (checked on load).
-ABI = 7
+ABI = 8
 
 SOURCE = r"""
 // fairseq_alibi/core/native.py's loops.  Built by that module; see its docstring.
@@ -131,7 +136,7 @@ static inline vf reciprocal(vf d) {
 #endif
 }
 
-extern "C" int fa_abi(void) { return 7; }
+extern "C" int fa_abi(void) { return 8; }
 
 // Stick-breaking's weights of one block of scores of one head, keys nearest first (see stickbreaking.py):
 // z [cols, rows] the scores (key c of query r at c * rows + r), stick [rows] each query's stick left before
@@ -716,6 +721,173 @@ static void add_gate(float* z, int rows, int cols, int ld, const float* cq, cons
         for (int j = 0; j < cols; ++j) z[r * ld + j] += cq[r] - ck[j];
 }
 
+// PaTH's training sweep (path.py's _TrainingSweep), forward, per head: blocks of C tokens, the layouts [n, heads, ...]
+// (block m of head h at (m * heads + h)): local [n, heads, C, C] (the blocks' own scores, gate and padding applied,
+// -inf where masked), carried and k_end [n, heads, C, D], v [n, heads, C, Dv], gate [n, heads, C] (the cumulative
+// log gates, or null), pad [n, heads / per_batch, C] (nonzero at padded keys, or null), m [n, heads, D, D] (the
+// blocks' products).  Query block m scores its own block (local) and each earlier block e with its queries carried
+// to e's end (Q_{m,m-1} = carried_m, Q_{m,e} = Q_{m,e+1} M_{e+1}), the gate's c_i - c_j added; the softmax over
+// all of them at once (each row's largest score first; a shifted score at or below -87 weighs 0).  Writes out [n,
+// heads, C, Dv], inverse [n, heads, C] (1 / each row's sum, 0 for a row without a key), and for the backward
+// weights [heads, n (n + 1) / 2, C, C] (query block m's steps from m(m+1)/2: its own block, then e = m - 1 .. 0)
+// and queries [heads, n (n - 1) / 2, C, D] (Q_{m,e} for e = m - 1 .. 0, from m(m-1)/2).
+extern "C" void fa_path_sweep_forward(const float* local, const float* carried, const float* k_end, const float* v,
+                                      const float* gate, const uint8_t* pad, const float* m_blocks, float* out,
+                                      float* inverse, float* weights, float* queries, int64_t n, int64_t heads,
+                                      int64_t per_batch, int64_t C, int64_t D, int64_t Dv, int threads, void* gemm) {
+    const sgemm_t g = (sgemm_t)gemm;
+    const int c = (int)C, d = (int)D, dv = (int)Dv;
+    const int64_t pairs = n * (n + 1) / 2, carries = n * (n - 1) / 2;
+#pragma omp parallel num_threads(threads) if (threads > 1 && heads > 1)
+    {
+        float* top = new float[C];
+        float* total = new float[C];
+#pragma omp for schedule(dynamic)
+        for (int64_t h = 0; h < heads; ++h) {
+            const int64_t b = h / per_batch;
+            for (int64_t m = 0; m < n; ++m) {
+                const int64_t at = m * heads + h;
+                float* P = weights + (h * pairs + m * (m + 1) / 2) * C * C;
+                float* Qs = queries + (h * carries + m * (m - 1) / 2) * C * D;
+                memcpy(P, local + at * C * C, (size_t)C * C * sizeof(float));
+                for (int64_t s = 1; s <= m; ++s) {
+                    const int64_t e = m - s, ae = e * heads + h;
+                    float* Q = Qs + (s - 1) * C * D;
+                    if (s == 1) memcpy(Q, carried + at * C * D, (size_t)C * D * sizeof(float));
+                    else mm(g, false, false, c, d, d, 1.0f, Q - C * D, d, m_blocks + (ae + heads) * D * D, d, 0.0f, Q, d);
+                    float* z = P + s * C * C;
+                    mm(g, false, true, c, c, d, 1.0f, Q, d, k_end + ae * C * D, d, 0.0f, z, c);
+                    if (gate) add_gate(z, c, c, c, gate + at * C, gate + ae * C);
+                    if (pad) {
+                        const uint8_t* pe = pad + (e * (heads / per_batch) + b) * C;
+                        for (int64_t j = 0; j < C; ++j)
+                            if (pe[j]) for (int64_t r = 0; r < C; ++r) z[r * C + j] = -INFINITY;
+                    }
+                }
+                for (int64_t r = 0; r < C; ++r) { top[r] = -INFINITY; total[r] = 0.0f; }
+                for (int64_t s = 0; s <= m; ++s)
+                    for (int64_t r = 0; r < C; ++r) {
+                        const float* zr = P + s * C * C + r * C;
+                        float t = top[r];
+                        for (int64_t j = 0; j < C; ++j) t = zr[j] > t ? zr[j] : t;
+                        top[r] = t;
+                    }
+                for (int64_t r = 0; r < C; ++r) if (top[r] == -INFINITY) top[r] = 0.0f;  // a row without a key
+                float* o = out + at * C * Dv;
+                for (int64_t s = 0; s <= m; ++s) {
+                    float* z = P + s * C * C;
+                    for (int64_t r = 0; r < C; ++r) {
+                        float* zr = z + r * C;
+                        const float t = top[r];
+                        vf sum = {};
+                        float tail = 0.0f;
+                        int64_t j = 0;
+                        for (; j + WIDTH <= C; j += WIDTH) {
+                            vf x;
+                            memcpy(&x, zr + j, sizeof x);
+                            x -= t;
+                            vf p = fexp<vf, vi>(x);
+                            p = x <= -87.0f ? 0.0f : p;
+                            sum += p;
+                            memcpy(zr + j, &p, sizeof p);
+                        }
+                        for (; j < C; ++j) {
+                            v1f x = {zr[j] - t};
+                            const float p = x[0] <= -87.0f ? 0.0f : fexp<v1f, v1i>(x)[0];
+                            tail += p;
+                            zr[j] = p;
+                        }
+                        for (int l = 0; l < WIDTH; ++l) tail += sum[l];
+                        total[r] += tail;
+                    }
+                    const int64_t ae = (m - s) * heads + h;
+                    mm(g, false, false, c, dv, c, 1.0f, z, c, v + ae * C * Dv, dv, s ? 1.0f : 0.0f, o, dv);
+                }
+                float* inv = inverse + at * C;
+                for (int64_t r = 0; r < C; ++r) {
+                    inv[r] = total[r] > 0.0f ? 1.0f / total[r] : 0.0f;
+                    for (int64_t t = 0; t < Dv; ++t) o[r * Dv + t] *= inv[r];
+                }
+            }
+        }
+        delete[] top; delete[] total;
+    }
+}
+
+// fa_path_sweep_forward's backward, per head: the softmax's (dS = P (dP - rowsum(dO O)), 1 / sum folded into dO),
+// then each query block's gradient carried back along the blocks its queries went through (g_{m,0} = dQ_{m,0};
+// dM_e += Q_{m,e}^T g_{m,e-1}, g_{m,e} = dQ_{m,e} + g_{m,e-1} M_e^T; dcarried_m = g_{m,m-1}).  d_out [n, heads, C,
+// Dv]; writes d_local [n, heads, C, C] and adds into d_carried, d_k_end [n, heads, C, D], d_v [n, heads, C, Dv],
+// d_gate [n, heads, C] (may be null: the gate of the steps between blocks; the blocks' own scores' gate is
+// local's) and d_m [n, heads, D, D], all zeroed by the caller.
+extern "C" void fa_path_sweep_backward(const float* d_out, const float* out, const float* inverse,
+                                       const float* weights, const float* queries, const float* k_end,
+                                       const float* v, const float* m_blocks, float* d_local, float* d_carried,
+                                       float* d_k_end, float* d_v, float* d_gate, float* d_m, int64_t n,
+                                       int64_t heads, int64_t C, int64_t D, int64_t Dv, int threads, void* gemm) {
+    const sgemm_t g = (sgemm_t)gemm;
+    const int c = (int)C, d = (int)D, dv = (int)Dv;
+    const int64_t pairs = n * (n + 1) / 2, carries = n * (n - 1) / 2;
+#pragma omp parallel num_threads(threads) if (threads > 1 && heads > 1)
+    {
+        float* dos = new float[C * Dv];
+        float* delta = new float[C];
+        float* ds = new float[C * C];
+        float* dq = new float[(n > 1 ? n - 1 : 1) * C * D];  // dQ_{m,e} of every step e < m
+        float* gr = new float[C * D];
+        float* spare = new float[C * D];
+#pragma omp for schedule(dynamic)
+        for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t m = 0; m < n; ++m) {
+                const int64_t at = m * heads + h;
+                const float* P = weights + (h * pairs + m * (m + 1) / 2) * C * C;
+                const float* Qs = queries + (h * carries + m * (m - 1) / 2) * C * D;
+                const float *dO = d_out + at * C * Dv, *O = out + at * C * Dv, *inv = inverse + at * C;
+                for (int64_t r = 0; r < C; ++r) {
+                    float s = 0.0f;
+                    for (int64_t t = 0; t < Dv; ++t) {
+                        s += dO[r * Dv + t] * O[r * Dv + t];
+                        dos[r * Dv + t] = dO[r * Dv + t] * inv[r];
+                    }
+                    delta[r] = s * inv[r];
+                }
+                for (int64_t s = 0; s <= m; ++s) {
+                    const int64_t e = m - s, ae = e * heads + h;
+                    const float* W = P + s * C * C;
+                    mm(g, true, false, c, dv, c, 1.0f, W, c, dos, dv, 1.0f, d_v + ae * C * Dv, dv);   // dV += P^T dO
+                    float* dS = s ? ds : d_local + at * C * C;
+                    mm(g, false, true, c, c, dv, 1.0f, dos, dv, v + ae * C * Dv, dv, 0.0f, dS, c);    // dP = dO V^T
+                    for (int64_t r = 0; r < C; ++r)
+                        for (int64_t j = 0; j < C; ++j) dS[r * C + j] = W[r * C + j] * (dS[r * C + j] - delta[r]);
+                    if (!s) continue;
+                    const float* Q = Qs + (s - 1) * C * D;
+                    mm(g, false, false, c, d, c, 1.0f, dS, c, k_end + ae * C * D, d, 0.0f, dq + e * C * D, d);
+                    mm(g, true, false, c, d, c, 1.0f, dS, c, Q, d, 1.0f, d_k_end + ae * C * D, d);
+                    if (d_gate) {
+                        float* cq = d_gate + at * C;
+                        float* ck = d_gate + ae * C;
+                        for (int64_t r = 0; r < C; ++r)
+                            for (int64_t j = 0; j < C; ++j) { cq[r] += dS[r * C + j]; ck[j] -= dS[r * C + j]; }
+                    }
+                }
+                if (!m) continue;
+                memcpy(gr, dq, (size_t)C * D * sizeof(float));  // g_{m,0}
+                for (int64_t e = 1; e < m; ++e) {
+                    const float* Q = Qs + (m - e - 1) * C * D;  // Q_{m,e}: step s = m - e
+                    const int64_t ae = e * heads + h;
+                    mm(g, true, false, d, d, c, 1.0f, Q, d, gr, d, 1.0f, d_m + ae * D * D, d);   // dM_e += Q^T g
+                    memcpy(spare, dq + e * C * D, (size_t)C * D * sizeof(float));
+                    mm(g, false, true, c, d, d, 1.0f, gr, d, m_blocks + ae * D * D, d, 1.0f, spare, d);  // + g M_e^T
+                    memcpy(gr, spare, (size_t)C * D * sizeof(float));
+                }
+                float* dc = d_carried + at * C * D;
+                for (int64_t i = 0; i < C * D; ++i) dc[i] += gr[i];
+            }
+        }
+        delete[] dos; delete[] delta; delete[] ds; delete[] dq; delete[] gr; delete[] spare;
+    }
+}
+
 // PaTH's attention without a gradient or padding (path.py's _by_chunks and _sweep, in one call):
 // per head, `chunk` tokens at a time in blocks of `block`: each block's compact form (path_block), then each
 // query block's online softmax over its own block, the earlier blocks of its chunk from the nearest back (its
@@ -937,6 +1109,12 @@ def _build() -> ctypes.CDLL:
     library.fa_path_block_terms_backward.restype = None
     library.fa_path_block_terms_backward.argtypes = [ctypes.c_void_p] * 13 + [ctypes.c_int64] * 3 + [
         ctypes.c_int, ctypes.c_void_p]
+    library.fa_path_sweep_forward.restype = None
+    library.fa_path_sweep_forward.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 6 + [ctypes.c_int,
+                                                                                             ctypes.c_void_p]
+    library.fa_path_sweep_backward.restype = None
+    library.fa_path_sweep_backward.argtypes = [ctypes.c_void_p] * 14 + [ctypes.c_int64] * 5 + [ctypes.c_int,
+                                                                                              ctypes.c_void_p]
     library.fa_stickbreaking_forward.restype = None
     library.fa_stickbreaking_forward.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
                                                  + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
@@ -1200,3 +1378,62 @@ def _check_blocks(q: Tensor, k: Tensor, w: Tensor, beta: Tensor) -> None:
         raise ValueError("every size must be below 2^31 (BLAS's 32-bit sizes)")
     if not forward_available():
         raise RuntimeError(f"the fused forward does not run here: {status()}")
+
+
+def path_sweep_forward(local: Tensor, carried: Tensor, k_end: Tensor, v: Tensor, gate: Optional[Tensor],
+                       pad: Optional[Tensor], m: Tensor, per_batch: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """PaTH's training sweep, forward, in one call (the C++ ``fa_path_sweep_forward``, where
+    :func:`forward_available`): ``(out, inverse, weights, queries)`` of ``n`` blocks of ``C`` tokens of
+    ``heads`` heads, ``per_batch`` heads per batch row: ``local`` ``[n, heads, C, C]`` (the blocks' own scores,
+    masked), ``carried`` and ``k_end`` ``[n, heads, C, D]``, ``v`` ``[n, heads, C, Dv]``, ``gate`` ``[n,
+    heads, C]`` or None, ``pad`` ``[n, heads / per_batch, C]`` (uint8) or None, ``m`` ``[n, heads, D, D]``
+    (float32, contiguous, on the CPU); ``weights`` and ``queries`` are what :func:`path_sweep_backward` reads."""
+    n, heads, C, D = carried.shape
+    Dv = v.size(-1)
+    shapes = (("local", local, (n, heads, C, C)), ("carried", carried, (n, heads, C, D)),
+              ("k_end", k_end, (n, heads, C, D)), ("v", v, (n, heads, C, Dv)), ("m", m, (n, heads, D, D)))
+    for name, t, shape in shapes + ((("gate", gate, (n, heads, C)),) if gate is not None else ()):
+        _check(name, t, shape)
+    if heads % per_batch:
+        raise ValueError(f"heads {heads} must be a multiple of per_batch {per_batch}")
+    if pad is not None and (pad.dtype != torch.uint8 or not pad.is_contiguous()
+                            or tuple(pad.shape) != (n, heads // per_batch, C)):
+        raise ValueError(f"pad must be a contiguous uint8 tensor of shape {(n, heads // per_batch, C)}")
+    if max(heads * n * (n + 1) // 2 * C * C, heads * n * C * max(D, Dv)) >= 2 ** 62 or max(C, D, Dv) >= 2 ** 15:
+        raise ValueError("sizes too large for the fused sweep")
+    if not forward_available():
+        raise RuntimeError(f"the fused forward does not run here: {status()}")
+    out, inverse = v.new_empty((n, heads, C, Dv)), v.new_empty((n, heads, C))
+    weights = v.new_empty((heads, n * (n + 1) // 2, C, C))
+    queries = v.new_empty((heads, max(n * (n - 1) // 2, 1), C, D))
+    library().fa_path_sweep_forward(local.data_ptr(), carried.data_ptr(), k_end.data_ptr(), v.data_ptr(),
+                                    _pointer(gate), _pointer(pad), m.data_ptr(), out.data_ptr(), inverse.data_ptr(),
+                                    weights.data_ptr(), queries.data_ptr(), n, heads, per_batch, C, D, Dv,
+                                    torch.get_num_threads(), _state["sgemm"])
+    return out, inverse, weights, queries
+
+
+def path_sweep_backward(d_out: Tensor, out: Tensor, inverse: Tensor, weights: Tensor, queries: Tensor, k_end: Tensor,
+                        v: Tensor, m: Tensor, gated: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor],
+                                                                     Tensor]:
+    """The gradients ``(d_local, d_carried, d_k_end, d_v, d_gate or None, d_m)`` of :func:`path_sweep_forward`'s
+    inputs from ``d_out`` ``[n, heads, C, Dv]`` (the C++ ``fa_path_sweep_backward``); ``d_gate`` (where
+    ``gated``) is the gate's through the steps between blocks only (the blocks' own scores carry theirs in
+    ``d_local``)."""
+    n, heads, C, D = k_end.shape
+    Dv = v.size(-1)
+    for name, t, shape in (("d_out", d_out, (n, heads, C, Dv)), ("out", out, (n, heads, C, Dv)),
+                           ("inverse", inverse, (n, heads, C)), ("weights", weights, (heads, n * (n + 1) // 2, C, C)),
+                           ("queries", queries, (heads, max(n * (n - 1) // 2, 1), C, D)),
+                           ("k_end", k_end, (n, heads, C, D)), ("v", v, (n, heads, C, Dv)), ("m", m, (n, heads, D, D))):
+        _check(name, t, shape)
+    d_local = v.new_empty((n, heads, C, C))
+    d_carried, d_k_end, d_v = torch.zeros_like(k_end), torch.zeros_like(k_end), torch.zeros_like(v)
+    d_gate = v.new_zeros((n, heads, C)) if gated else None
+    d_m = torch.zeros_like(m)
+    library().fa_path_sweep_backward(d_out.data_ptr(), out.data_ptr(), inverse.data_ptr(), weights.data_ptr(),
+                                     queries.data_ptr(), k_end.data_ptr(), v.data_ptr(), m.data_ptr(),
+                                     d_local.data_ptr(), d_carried.data_ptr(), d_k_end.data_ptr(), d_v.data_ptr(),
+                                     _pointer(d_gate), d_m.data_ptr(), n, heads, C, D, Dv, torch.get_num_threads(),
+                                     _state["sgemm"])
+    return d_local, d_carried, d_k_end, d_v, d_gate, d_m

@@ -64,7 +64,10 @@ the triangular inverses stay small, the sweep's products grow and its steps
 fewer), with a backward of its own (the softmax's, from each step's weights kept, and the
 queries' gradients carried back through the blocks they went through; every
 step's terms kept, ``O(T^2)`` in all, as dense attention's); autograd runs
-through the block terms.  The naive reference (:func:`path_reference`)
+through the block terms.  On the CPU in float32 (bfloat16 computed so), with
+``native.py``'s library built, the block terms and the sweep are C++ calls
+with backwards of their own instead (:class:`_BlockTerms`, :class:`_FusedSweep`;
+docs/results/performance-new-methods-cpu-6.md).  The naive reference (:func:`path_reference`)
 forms every product ``H_i ... H_{j+1}`` as a matrix, in float64: the tests' oracle.
 
 KV cache: the cached keys are kept transformed, ``H_t ... H_{j+1} k_j``; each
@@ -103,6 +106,7 @@ from .causal_blocks import negligible_gap
 from .fox import ForgetGates, LayerForgetGate
 from .native import path_block_terms as native_block_terms, path_block_terms_backward as native_block_terms_backward
 from .native import path_forward as native_forward, runs_for as native_runs
+from .native import path_sweep_backward as native_sweep_backward, path_sweep_forward as native_sweep_forward
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling
 from .stickbreaking import add_product, refuse_dropout
 
@@ -323,8 +327,8 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     if grad and past is None:  # the sweep with a backward of its own, on the merged blocks
         local, carried, k_end, through = _merged_terms(terms, merges)
         vb, c_new, key_pad = _merged_blocks(vb, c_new, key_pad, merges)
-        out = _TrainingSweep.apply(_masked(local, c_new, c_new, key_pad), carried, k_end, vb, c_new, key_pad,
-                                   *through)
+        sweep = _FusedSweep if len(through) == 1 and native_runs(q) else _TrainingSweep
+        out = sweep.apply(_masked(local, c_new, c_new, key_pad), carried, k_end, vb, c_new, key_pad, *through)
     else:
         out = _sweep(terms, vb, c_new, key_pad, past)
     out = out.movedim(0, 2).flatten(2, 3)[:, :, :T]
@@ -628,6 +632,34 @@ class _TrainingSweep(torch.autograd.Function):
             else:
                 from_later = _carry_backward(queries_by_step[d - 1][1:], d_queries, through, d_through,
                                              slice(1, n - d + 1))
+
+
+class _FusedSweep(torch.autograd.Function):
+    """:class:`_TrainingSweep` as two C++ calls (``native.py``'s ``fa_path_sweep_forward`` and its backward),
+    where the fused calls run and the block products are ``D x D`` matrices: the same steps, softmax and
+    backward, per head, each step's scores, weights and carried queries written once into the buffers the
+    backward reads (the same ``O(T^2)`` as the eager sweep's record), its products by ``sgemm``, without the
+    eager sweep's passes over memory for masks, maxima, exponentials and sums."""
+
+    @staticmethod
+    def forward(ctx, local, carried, k_end, vb, c_new, key_pad, m):
+        n, B, H, C, D = carried.shape
+        flat = [t.reshape(n, B * H, *t.shape[3:]).contiguous() for t in (local, carried, k_end, vb, m)]
+        gate = None if c_new is None else c_new.reshape(n, B * H, C).contiguous()
+        pad = None if key_pad is None else key_pad.reshape(n, B, C).to(torch.uint8).contiguous()
+        out, inverse, weights, queries = native_sweep_forward(*flat[:4], gate, pad, flat[4], H)
+        ctx.save_for_backward(out, inverse, weights, queries, flat[2], flat[3], flat[4])
+        ctx.shapes = (local.shape, carried.shape, vb.shape, None if c_new is None else c_new.shape, m.shape)
+        return out.view(vb.shape)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        out, inverse, weights, queries, k_end, vb, m = ctx.saved_tensors
+        local_shape, block_shape, value_shape, gate_shape, m_shape = ctx.shapes
+        d_local, d_carried, d_k_end, d_v, d_gate, d_m = native_sweep_backward(
+            d_out.reshape(out.shape).contiguous(), out, inverse, weights, queries, k_end, vb, m, gate_shape is not None)
+        return (d_local.view(local_shape), d_carried.view(block_shape), d_k_end.view(block_shape),
+                d_v.view(value_shape), None if d_gate is None else d_gate.view(gate_shape), None, d_m.view(m_shape))
 
 
 def _carry_backward(queries: Tensor, grad: Tensor, through, d_through, blocks: slice) -> Tensor:
