@@ -483,10 +483,34 @@ static inline void mm(sgemm_t g, bool ta, bool tb, int m, int n, int k, float al
     g(tb ? "T" : "N", ta ? "T" : "N", &n, &m, &k, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
 }
 
+// A row of scores z [cols] replaced by exp(z - shift), 0 where z - shift <= -87 (path.py's SUBNORMAL: a weight
+// under float32's normal range is 0, as the eager path's threshold makes it; NaN stays NaN); returns their sum.
+static inline float shifted_exp(float* z, int64_t cols, float shift) {
+    vf sum = {};
+    float tail = 0.0f;
+    int64_t c = 0;
+    for (; c + WIDTH <= cols; c += WIDTH) {
+        vf x;
+        memcpy(&x, z + c, sizeof x);
+        x -= shift;
+        vf p = fexp<vf, vi>(x);
+        p = x <= -87.0f ? 0.0f : p;
+        sum += p;
+        memcpy(z + c, &p, sizeof p);
+    }
+    for (; c < cols; ++c) {
+        v1f x = {z[c] - shift};
+        const float p = x[0] <= -87.0f ? 0.0f : fexp<v1f, v1i>(x)[0];
+        tail += p;
+        z[c] = p;
+    }
+    for (int l = 0; l < WIDTH; ++l) tail += sum[l];
+    return tail;
+}
+
 // One step of an online softmax over row-major scores z [rows, cols] (leading dimension ld): each row's
 // running maximum top, sum total and output o [rows, Dv] (ld Dv) rescaled where the maximum rises, z
-// overwritten by the weights exp(z - top), 0 where z - top <= -87 (path.py's SUBNORMAL: a weight under
-// float32's normal range is 0, as the eager path's threshold makes it; NaN stays NaN).
+// overwritten by the weights exp(z - top) (shifted_exp).
 static void softmax_rows(float* z, int64_t rows, int64_t cols, int64_t ld, float* top, float* total, float* o,
                          int64_t Dv) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -505,26 +529,7 @@ static void softmax_rows(float* z, int64_t rows, int64_t cols, int64_t ld, float
         }
         for (; c < cols; ++c) m = zr[c] > m ? zr[c] : m;
         rescaled(o + r * Dv, Dv, top + r, total + r, m);
-        m = top[r];
-        vf sum = {};
-        float tail = 0.0f;
-        for (c = 0; c + WIDTH <= cols; c += WIDTH) {
-            vf x;
-            memcpy(&x, zr + c, sizeof x);
-            x -= m;
-            vf p = fexp<vf, vi>(x);
-            p = x <= -87.0f ? 0.0f : p;
-            sum += p;
-            memcpy(zr + c, &p, sizeof p);
-        }
-        for (; c < cols; ++c) {
-            v1f x = {zr[c] - m};
-            const float p = x[0] <= -87.0f ? 0.0f : fexp<v1f, v1i>(x)[0];
-            tail += p;
-            zr[c] = p;
-        }
-        for (int l = 0; l < WIDTH; ++l) tail += sum[l];
-        total[r] += tail;
+        total[r] += shifted_exp(zr, cols, top[r]);
     }
 }
 
@@ -776,30 +781,7 @@ extern "C" void fa_path_sweep_forward(const float* local, const float* carried, 
                 float* o = out + at * C * Dv;
                 for (int64_t s = 0; s <= m; ++s) {
                     float* z = P + s * C * C;
-                    for (int64_t r = 0; r < C; ++r) {
-                        float* zr = z + r * C;
-                        const float t = top[r];
-                        vf sum = {};
-                        float tail = 0.0f;
-                        int64_t j = 0;
-                        for (; j + WIDTH <= C; j += WIDTH) {
-                            vf x;
-                            memcpy(&x, zr + j, sizeof x);
-                            x -= t;
-                            vf p = fexp<vf, vi>(x);
-                            p = x <= -87.0f ? 0.0f : p;
-                            sum += p;
-                            memcpy(zr + j, &p, sizeof p);
-                        }
-                        for (; j < C; ++j) {
-                            v1f x = {zr[j] - t};
-                            const float p = x[0] <= -87.0f ? 0.0f : fexp<v1f, v1i>(x)[0];
-                            tail += p;
-                            zr[j] = p;
-                        }
-                        for (int l = 0; l < WIDTH; ++l) tail += sum[l];
-                        total[r] += tail;
-                    }
+                    for (int64_t r = 0; r < C; ++r) total[r] += shifted_exp(z + r * C, C, top[r]);
                     const int64_t ae = (m - s) * heads + h;
                     mm(g, false, false, c, dv, c, 1.0f, z, c, v + ae * C * Dv, dv, s ? 1.0f : 0.0f, o, dv);
                 }
