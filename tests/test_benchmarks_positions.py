@@ -609,6 +609,9 @@ def test_the_kernel_blocks_benchmark_runs_each_path_size_it_names_beside_sdpa(ev
     original_merges, original_chunks = path._merged_terms, path._by_chunks
     monkeypatch.setattr(path, "_merged_terms", lambda terms, merges: merged.append(merges) or
                         original_merges(terms, merges))
+    original_fused_merges = path._fused_merges  # the fused C++ merges, where they run
+    monkeypatch.setattr(path, "_fused_merges", lambda terms, merges: merged.append(merges) or
+                        original_fused_merges(terms, merges))
     monkeypatch.setattr(path, "_by_chunks", lambda *a: sizes.append(a[-3:-2] + a[-1:]) or original_chunks(*a))
     original_fused = path._fused  # the fused C++ call, where it runs: its block and chunk
     monkeypatch.setattr(path, "_fused", lambda *a: sizes.append(a[8:10]) or original_fused(*a))
@@ -664,16 +667,17 @@ def kernel_blocks_rows(out: str):
 
 @pytest.mark.slow  # six fresh processes and a profiled call: about 20-50 s
 def test_the_new_methods_benchmark_measures_memory_cell_by_cell_and_profiles_a_case(capsys):
-    """``new_methods_cpu.py --memory --profile path``: a row per case (ALiBi
-    and SDPA first) and a column per evaluation length, each cell a fresh
-    process's ``memory_of`` of one forward, a number of MiB not below 0; then
-    a row per length of PaTH's largest operators, shares of its call that add
-    up to at most 100 %, the fused attention call among them past a chunk."""
+    """``new_methods_cpu.py --memory --profile path-eager``: a row per case
+    (ALiBi and SDPA first) and a column per evaluation length, each cell a
+    fresh process's ``memory_of`` of one forward, a number of MiB not below 0;
+    then a row per length of PaTH's largest operators on its eager path,
+    shares of its call that add up to at most 100 %, torch's fused attention
+    call among them past a chunk."""
     import new_methods_cpu
 
     assert new_methods_cpu.main(["--lengths", "--heads", "2", "--head-dim", "8", "--trained-length", "16",
-                                 "--eval-lengths", "256", "1024", "--repeats", "1", "--cases", "path",
-                                 "--memory", "--profile", "path"]) == 0
+                                 "--eval-lengths", "256", "1024", "--repeats", "1", "--cases", "path-eager",
+                                 "--memory", "--profile", "path-eager"]) == 0
     out, profiled = capsys.readouterr().out.split("Evaluation memory")[1].split("Where one evaluation call")
     shares = {line.split(" | ")[0][2:]: [(c.rsplit(" ", 1)[0], float(c.rsplit(" ", 1)[1].rstrip("%")))
                                           for c in line.strip(" |").split(" | ")[1:]]
@@ -682,7 +686,7 @@ def test_the_new_methods_benchmark_measures_memory_cell_by_cell_and_profiles_a_c
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in [op for op, _ in shares["1024"]]
     rows = {line.split(" | ")[0][2:]: [float(c) for c in line.strip(" |").split(" | ")[1:]]
             for line in out.splitlines() if line.startswith("| ") and not line.startswith(("| case", "|---"))}
-    assert list(rows) == ["alibi", "sdpa", "path"] and all(len(r) == 2 for r in rows.values())
+    assert list(rows) == ["alibi", "sdpa", "path-eager"] and all(len(r) == 2 for r in rows.values())
     assert all(mib >= 0 for r in rows.values() for mib in r)
 
 

@@ -240,6 +240,41 @@ def test_the_path_sweep_and_its_backward_are_the_eager_sweeps(n, gated, padded):
         assert float((g.double() - e).abs().max()) <= 1e-5 * float(e.abs().max()), g.shape  # n = 1: zeros
 
 
+@pytest.mark.parametrize("n,merges", [(2, 1), (4, 1), (8, 2)])
+def test_the_path_merge_and_its_backward_are_the_eager_merges(n, merges):
+    """PaTH's fused block merge (``path._fused_merges``: the C++ merge and its backward, once per level)
+    against the eager one (``path._merged_terms`` through autograd, float64): every merged term, the masked
+    half of the scores -inf in both, and the gradients of every input from random gradients of all four."""
+    from fairseq_alibi.core import path
+    gen = torch.Generator().manual_seed(n + merges)
+    B, H, C, D = 2, 3, 4, 6
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    lower = torch.ones(C, C, dtype=torch.bool).tril()
+    inputs = (rand(n, B, H, C, C).masked_fill(~lower, float("-inf")), rand(n, B, H, C, D), rand(n, B, H, C, D),
+              rand(n, B, H, D, D))
+    results = []
+    for merge, dtype in ((path._merged_terms, torch.float64), (path._fused_merges, torch.float32)):
+        leaves = [t.to(dtype).requires_grad_() for t in inputs]
+        local, carried, k_end, (m,) = merge((leaves[0], leaves[1], leaves[2], (leaves[3],)), merges)
+        outs = (local, carried, k_end, m)
+        if not results:
+            grads = [torch.randn(t.shape, generator=gen, dtype=torch.float64) for t in outs]
+        total = (local.double().masked_fill(torch.isinf(local), 0.0) * grads[0]).sum() + sum(
+            (t.double() * g).sum() for t, g in zip(outs[1:], grads[1:]))
+        results.append((outs, torch.autograd.grad(total, leaves)))
+    (want, want_grads), (got, got_grads) = results
+    assert got[0].shape == (n >> merges, B, H, C << merges, C << merges)
+    assert bool((torch.isinf(got[0]) == torch.isinf(want[0])).all())
+    for g, e in zip(got, want):
+        seen = torch.isfinite(e)
+        assert float((g.double()[seen] - e[seen]).abs().max()) < 1e-5 * float(e[seen].abs().max())
+    seen = torch.isfinite(inputs[0])
+    for g, e in zip(got_grads, want_grads):
+        if g.shape == inputs[0].shape:
+            g, e = g.double().where(seen, 0.0), e.where(seen, 0.0)
+        assert float((g.double() - e).abs().max()) < 1e-5 * float(e.abs().max())
+
+
 def test_the_path_forward_refuses_what_it_cannot_run():
     q, keys, values, beta = torch.zeros(2, 5, 4), torch.zeros(2, 7, 4), torch.zeros(2, 7, 3), torch.zeros(2, 5)
     with pytest.raises(ValueError, match="float32"):

@@ -76,7 +76,7 @@ SWITCH = "FAIRSEQ_ALIBI_NATIVE"
 #: Where the built library is kept.
 DIRECTORY = "FAIRSEQ_ALIBI_NATIVE_DIR"
 #: Bumped with every change of the functions' signatures (checked on load).
-ABI = 8
+ABI = 9
 
 SOURCE = r"""
 // fairseq_alibi/core/native.py's loops.  Built by that module; see its docstring.
@@ -136,7 +136,7 @@ static inline vf reciprocal(vf d) {
 #endif
 }
 
-extern "C" int fa_abi(void) { return 8; }
+extern "C" int fa_abi(void) { return 9; }
 
 // Stick-breaking's weights of one block of scores of one head, keys nearest first (see stickbreaking.py):
 // z [cols, rows] the scores (key c of query r at c * rows + r), stick [rows] each query's stick left before
@@ -726,6 +726,79 @@ static void add_gate(float* z, int rows, int cols, int ld, const float* cq, cons
         for (int j = 0; j < cols; ++j) z[r * ld + j] += cq[r] - ck[j];
 }
 
+// Merged block q of a head (q = p * heads + h): its earlier block e and later block o, as the layout indexes them.
+static inline void pair_of(int64_t q, int64_t heads, int64_t* e, int64_t* o) {
+    const int64_t p = q / heads, h = q % heads;
+    *e = 2 * p * heads + h;
+    *o = (2 * p + 1) * heads + h;
+}
+
+// One level of PaTH's block merge (path.py's _merged_terms), blocks in pairs of each head (the earlier e = 2p, the
+// later o = 2p + 1; block b of head h at b * heads + h): local [n, heads, C, C], carried and k_end [n, heads, C, D],
+// m [n, heads, D, D] give local2 [n / 2, heads, 2C, 2C] (e's and o's own scores on the diagonal, -inf above, the
+// corner carried_o k_end_e^T below), carried2 [n / 2, heads, 2C, D] (e's, then o's carried on through M_e: q M_e),
+// k_end2 (e's carried on through M_o: k M_o^T, then o's) and m2 = M_o M_e.
+extern "C" void fa_path_merge(const float* local, const float* carried, const float* k_end, const float* m,
+                              float* local2, float* carried2, float* k_end2, float* m2, int64_t n, int64_t heads,
+                              int64_t cc, int64_t dd, int threads, void* gemm) {
+    const sgemm_t g = (sgemm_t)gemm;
+    const int C = (int)cc, D = (int)dd, C2 = 2 * C;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 2)
+    for (int64_t q = 0; q < n / 2 * heads; ++q) {
+        int64_t e, o;
+        pair_of(q, heads, &e, &o);
+        float* l2 = local2 + q * C2 * C2;
+        for (int r = 0; r < C; ++r) {
+            memcpy(l2 + r * C2, local + e * C * C + r * C, C * sizeof(float));
+            for (int j = C; j < C2; ++j) l2[r * C2 + j] = -INFINITY;
+            memcpy(l2 + (C + r) * C2 + C, local + o * C * C + r * C, C * sizeof(float));
+        }
+        mm(g, false, true, C, C, D, 1.0f, carried + o * C * D, D, k_end + e * C * D, D, 0.0f, l2 + C * C2, C2);
+        memcpy(carried2 + q * C2 * D, carried + e * C * D, (size_t)C * D * sizeof(float));
+        mm(g, false, false, C, D, D, 1.0f, carried + o * C * D, D, m + e * D * D, D, 0.0f, carried2 + q * C2 * D + C * D, D);
+        mm(g, false, true, C, D, D, 1.0f, k_end + e * C * D, D, m + o * D * D, D, 0.0f, k_end2 + q * C2 * D, D);
+        memcpy(k_end2 + q * C2 * D + C * D, k_end + o * C * D, (size_t)C * D * sizeof(float));
+        mm(g, false, false, D, D, D, 1.0f, m + o * D * D, D, m + e * D * D, D, 0.0f, m2 + q * D * D, D);
+    }
+}
+
+// fa_path_merge's backward: the gradients of its inputs (written whole) from those of its outputs.
+extern "C" void fa_path_merge_backward(const float* carried, const float* k_end, const float* m, const float* d_local2,
+                                       const float* d_carried2, const float* d_k_end2, const float* d_m2, float* d_local,
+                                       float* d_carried, float* d_k_end, float* d_m, int64_t n, int64_t heads,
+                                       int64_t cc, int64_t dd, int threads, void* gemm) {
+    const sgemm_t g = (sgemm_t)gemm;
+    const int C = (int)cc, D = (int)dd, C2 = 2 * C;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 2)
+    for (int64_t q = 0; q < n / 2 * heads; ++q) {
+        int64_t e, o;
+        pair_of(q, heads, &e, &o);
+        const float* dl2 = d_local2 + q * C2 * C2;
+        const float* corner = dl2 + C * C2;  // [C, C], leading dimension 2C
+        const float *dc2 = d_carried2 + q * C2 * D, *dk2 = d_k_end2 + q * C2 * D, *dm2 = d_m2 + q * D * D;
+        const float *co = carried + o * C * D, *ke = k_end + e * C * D;
+        const float *me = m + e * D * D, *mo = m + o * D * D;
+        for (int r = 0; r < C; ++r) {
+            memcpy(d_local + e * C * C + r * C, dl2 + r * C2, C * sizeof(float));
+            memcpy(d_local + o * C * C + r * C, dl2 + (C + r) * C2 + C, C * sizeof(float));
+        }
+        memcpy(d_carried + e * C * D, dc2, (size_t)C * D * sizeof(float));
+        memcpy(d_k_end + o * C * D, dk2 + C * D, (size_t)C * D * sizeof(float));
+        float* dco = d_carried + o * C * D;  // corner k_end_e + dcarried2_o M_e^T
+        mm(g, false, false, C, D, C, 1.0f, corner, C2, ke, D, 0.0f, dco, D);
+        mm(g, false, true, C, D, D, 1.0f, dc2 + C * D, D, me, D, 1.0f, dco, D);
+        float* dke = d_k_end + e * C * D;    // corner^T carried_o + dk_end2_e M_o
+        mm(g, true, false, C, D, C, 1.0f, corner, C2, co, D, 0.0f, dke, D);
+        mm(g, false, false, C, D, D, 1.0f, dk2, D, mo, D, 1.0f, dke, D);
+        float* dme = d_m + e * D * D;        // carried_o^T dcarried2_o + M_o^T dm2
+        mm(g, true, false, D, D, C, 1.0f, co, D, dc2 + C * D, D, 0.0f, dme, D);
+        mm(g, true, false, D, D, D, 1.0f, mo, D, dm2, D, 1.0f, dme, D);
+        float* dmo = d_m + o * D * D;        // dk_end2_e^T k_end_e + dm2 M_e^T
+        mm(g, true, false, D, D, C, 1.0f, dk2, D, ke, D, 0.0f, dmo, D);
+        mm(g, false, true, D, D, D, 1.0f, dm2, D, me, D, 1.0f, dmo, D);
+    }
+}
+
 // PaTH's training sweep (path.py's _TrainingSweep), forward, per head: blocks of C tokens, the layouts [n, heads, ...]
 // (block m of head h at (m * heads + h)): local [n, heads, C, C] (the blocks' own scores, gate and padding applied,
 // -inf where masked), carried and k_end [n, heads, C, D], v [n, heads, C, Dv], gate [n, heads, C] (the cumulative
@@ -1097,6 +1170,11 @@ def _build() -> ctypes.CDLL:
     library.fa_path_sweep_backward.restype = None
     library.fa_path_sweep_backward.argtypes = [ctypes.c_void_p] * 14 + [ctypes.c_int64] * 5 + [ctypes.c_int,
                                                                                               ctypes.c_void_p]
+    library.fa_path_merge.restype = None
+    library.fa_path_merge.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_int, ctypes.c_void_p]
+    library.fa_path_merge_backward.restype = None
+    library.fa_path_merge_backward.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 4 + [ctypes.c_int,
+                                                                                              ctypes.c_void_p]
     library.fa_stickbreaking_forward.restype = None
     library.fa_stickbreaking_forward.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
                                                  + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p])
@@ -1419,3 +1497,45 @@ def path_sweep_backward(d_out: Tensor, out: Tensor, inverse: Tensor, weights: Te
                                      _pointer(d_gate), d_m.data_ptr(), n, heads, C, D, Dv, torch.get_num_threads(),
                                      _state["sgemm"])
     return d_local, d_carried, d_k_end, d_v, d_gate, d_m
+
+
+def path_merge(local: Tensor, carried: Tensor, k_end: Tensor, m: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One level of PaTH's block merge (the C++ ``fa_path_merge``, where :func:`forward_available`): ``(local2,
+    carried2, k_end2, m2)`` of blocks in pairs, ``local`` ``[n, heads, C, C]``, ``carried`` and ``k_end`` ``[n,
+    heads, C, D]``, ``m`` ``[n, heads, D, D]`` (``n`` even; float32, contiguous, on the CPU), as
+    ``path._merged_terms`` merges them once."""
+    n, heads, C, D = carried.shape
+    if n % 2:
+        raise ValueError(f"the blocks must come in pairs, not {n}")
+    for name, t, shape in (("local", local, (n, heads, C, C)), ("carried", carried, (n, heads, C, D)),
+                           ("k_end", k_end, (n, heads, C, D)), ("m", m, (n, heads, D, D))):
+        _check(name, t, shape)
+    if max(n * heads * 4 * C * max(C, D), D * D) >= 2 ** 62 or max(2 * C, D) >= 2 ** 15:
+        raise ValueError("sizes too large for the fused merge")
+    if not forward_available():
+        raise RuntimeError(f"the fused forward does not run here: {status()}")
+    local2, m2 = local.new_empty((n // 2, heads, 2 * C, 2 * C)), m.new_empty((n // 2, heads, D, D))
+    carried2, k_end2 = carried.new_empty((n // 2, heads, 2 * C, D)), k_end.new_empty((n // 2, heads, 2 * C, D))
+    library().fa_path_merge(local.data_ptr(), carried.data_ptr(), k_end.data_ptr(), m.data_ptr(), local2.data_ptr(),
+                            carried2.data_ptr(), k_end2.data_ptr(), m2.data_ptr(), n, heads, C, D,
+                            torch.get_num_threads(), _state["sgemm"])
+    return local2, carried2, k_end2, m2
+
+
+def path_merge_backward(carried: Tensor, k_end: Tensor, m: Tensor, d_local2: Tensor, d_carried2: Tensor,
+                        d_k_end2: Tensor, d_m2: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradients ``(d_local, d_carried, d_k_end, d_m)`` of :func:`path_merge`'s inputs from those of its
+    outputs (the C++ ``fa_path_merge_backward``)."""
+    n, heads, C, D = carried.shape
+    for name, t, shape in (("carried", carried, (n, heads, C, D)), ("k_end", k_end, (n, heads, C, D)),
+                           ("m", m, (n, heads, D, D)), ("d_local2", d_local2, (n // 2, heads, 2 * C, 2 * C)),
+                           ("d_carried2", d_carried2, (n // 2, heads, 2 * C, D)),
+                           ("d_k_end2", d_k_end2, (n // 2, heads, 2 * C, D)), ("d_m2", d_m2, (n // 2, heads, D, D))):
+        _check(name, t, shape)
+    d_local = carried.new_empty((n, heads, C, C))
+    d_carried, d_k_end, d_m = torch.empty_like(carried), torch.empty_like(k_end), torch.empty_like(m)
+    library().fa_path_merge_backward(carried.data_ptr(), k_end.data_ptr(), m.data_ptr(), d_local2.data_ptr(),
+                                     d_carried2.data_ptr(), d_k_end2.data_ptr(), d_m2.data_ptr(), d_local.data_ptr(),
+                                     d_carried.data_ptr(), d_k_end.data_ptr(), d_m.data_ptr(), n, heads, C, D,
+                                     torch.get_num_threads(), _state["sgemm"])
+    return d_local, d_carried, d_k_end, d_m

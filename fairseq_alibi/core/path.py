@@ -107,6 +107,7 @@ from .fox import ForgetGates, LayerForgetGate
 from .native import path_block_terms as native_block_terms, path_block_terms_backward as native_block_terms_backward
 from .native import path_forward as native_forward, runs_for as native_runs
 from .native import path_sweep_backward as native_sweep_backward, path_sweep_forward as native_sweep_forward
+from .native import path_merge as native_merge, path_merge_backward as native_merge_backward
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling
 from .stickbreaking import add_product, refuse_dropout
 
@@ -313,7 +314,8 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     # the scale folded into the queries: every score below is already q . k / sqrt(d)
     qb, kb, vb, wb = (_blocked(t, blocks, size) for t in (q * D ** -0.5, k, v, w))
     bb = _blocked(beta, blocks, size)  # [n, B, H, c]; 0 past the end: H = I there
-    if grad and not S0 and not return_keys and D <= 2 * size and native_runs(q):  # the training sweep's terms
+    fused = grad and not S0 and not return_keys and D <= 2 * size and native_runs(q)
+    if fused:  # the training sweep's terms
         local, carried, k_end, m = _BlockTerms.apply(qb, kb, wb, bb)
         terms = (local, carried, k_end, (m,))
     else:
@@ -325,7 +327,7 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     key_pad = _blocked(pad[:, None, S0:], blocks, size)[..., None, :] if pad is not None else None
     c_new = None if gate is None else _blocked(gate.to(exact)[..., S0:], blocks, size)  # [n, B, H, c]
     if grad and past is None:  # the sweep with a backward of its own, on the merged blocks
-        local, carried, k_end, through = _merged_terms(terms, merges)
+        local, carried, k_end, through = (_fused_merges if fused else _merged_terms)(terms, merges)
         vb, c_new, key_pad = _merged_blocks(vb, c_new, key_pad, merges)
         sweep = _FusedSweep if len(through) == 1 and native_runs(q) else _TrainingSweep
         out = sweep.apply(_masked(local, c_new, c_new, key_pad), carried, k_end, vb, c_new, key_pad, *through)
@@ -405,6 +407,38 @@ def _merged_terms(terms, merges: int):
         k_end = torch.cat([_product(k_end[early], m[late].transpose(-1, -2)), k_end[late]], dim=-2)
         through = (_product(m[late], m[early]),)
     return local, carried, k_end, through
+
+
+class _Merge(torch.autograd.Function):
+    """One level of :func:`_merged_terms`' merge as C++ calls (``native.py``'s ``fa_path_merge`` and its backward),
+    where the block terms are fused: blocks ``[n, B, H, ...]`` in pairs.  Autograd through the eager merge took
+    the pairs as strided slices, whose gradients it filled with zeros and copied back, as long as the merge's
+    products themselves."""
+
+    @staticmethod
+    def forward(ctx, local, carried, k_end, m):
+        n, B, H = carried.shape[:3]
+        flat = [t.reshape(n, B * H, *t.shape[3:]).contiguous() for t in (local, carried, k_end, m)]
+        merged = native_merge(*flat)
+        ctx.save_for_backward(*flat[1:])
+        ctx.shapes = [t.shape for t in (local, carried, k_end, m)]
+        ctx.merged_shapes = [t.shape for t in merged]
+        return tuple(t.view(n // 2, B, H, *t.shape[2:]) for t in merged)
+
+    @staticmethod
+    def backward(ctx, d_local, d_carried, d_k_end, d_m):
+        carried, k_end, m = ctx.saved_tensors
+        grads = [torch.zeros(shape) if d is None else d.reshape(shape).contiguous()
+                 for d, shape in zip((d_local, d_carried, d_k_end, d_m), ctx.merged_shapes)]
+        return tuple(g.view(shape) for g, shape in zip(native_merge_backward(carried, k_end, m, *grads), ctx.shapes))
+
+
+def _fused_merges(terms, merges: int):
+    """:func:`_merged_terms` by :class:`_Merge` (the block products as ``D x D`` matrices)."""
+    local, carried, k_end, (m,) = terms[:4]
+    for _ in range(merges):
+        local, carried, k_end, m = _Merge.apply(local, carried, k_end, m)
+    return local, carried, k_end, (m,)
 
 
 def _merged_blocks(vb: Tensor, c_new: Optional[Tensor], key_pad: Optional[Tensor], merges: int):
