@@ -325,7 +325,9 @@ static inline void rescaled(float* o, int64_t Dv, float* top, float* total, floa
 // rows share a piece (the piece at the block's smallest and largest normalizer agree), per pair elsewhere.
 // x is psi times the row's 1 / norm (a multiplication per pair, not a division): within
 // one unit in the last place of fire.py's psi / norm, and monotone in the row as the quotient is, so the
-// pieces of a block's first and last rows still bound every row's.
+// pieces of a block's first and last rows still bound every row's.  Where no row of a key's column straddles
+// a knot (a count per distance says so), the bias is (slope psi) (1 / norm) + intercept, one multiply-add a
+// pair; each row's largest score is kept as the bias is added (no second pass over the scores).
 extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, const uint8_t* pad,
                                 const float* psi, const float* norm, const float* knots, int64_t n_knots,
                                 const float* slopes, const float* intercepts, int64_t model_heads, float* out,
@@ -347,6 +349,9 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
         float* slope_d = new float[span];
         float* icpt_d = new float[span];
         float* inv_norm = new float[block];  // 1 / norm of the block's rows: x = psi * (1 / norm)
+        float* slope_psi = new float[span];  // slope * psi per distance: the bias slope_psi / norm + intercept
+        int* straddles = new int[span + 1];  // how many of the distances before each straddle a knot
+        float* rowmax = new float[block];    // each row's largest score of the key block
 #pragma omp for schedule(dynamic)
         for (int64_t h = 0; h < heads; ++h) {
             const float* qh = q + h * T * D;
@@ -372,15 +377,22 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                     sgemm("T", "N", &n_rows, &n_cols, &d, &one, qh + start * D, &d, kh + j0 * D, &d, &zero, z, &n_rows);
                     // distances i - j of the pair block: from i0 - (j0 + cols - 1) to i0 + rows - 1 - j0
                     const int64_t d_lo = i0 - (j0 + cols - 1);
+                    straddles[0] = 0;
                     for (int64_t e = 0; e < rows + cols - 1; ++e) {
                         const int64_t dist = d_lo + e;
-                        if (dist < 0) continue;
-                        // x falls as the normalizer grows: the last row's x is the smallest
-                        low[e] = piece_of(psi[dist] * i_last, knots, (int)n_knots);
-                        high[e] = piece_of(psi[dist] * i_first, knots, (int)n_knots);
-                        slope_d[e] = sl[low[e]];
-                        icpt_d[e] = ic[low[e]];
+                        if (dist < 0) {  // no row sees it
+                            low[e] = high[e] = 0;
+                            slope_d[e] = icpt_d[e] = slope_psi[e] = 0.0f;
+                        } else {  // x falls as the normalizer grows: the last row's x is the smallest
+                            low[e] = piece_of(psi[dist] * i_last, knots, (int)n_knots);
+                            high[e] = piece_of(psi[dist] * i_first, knots, (int)n_knots);
+                            slope_d[e] = sl[low[e]];
+                            icpt_d[e] = ic[low[e]];
+                            slope_psi[e] = slope_d[e] * psi[dist];
+                        }
+                        straddles[e + 1] = straddles[e] + (low[e] != high[e]);
                     }
+                    for (int64_t r = 0; r < rows; ++r) rowmax[r] = -INFINITY;
                     for (int64_t c = 0; c < cols; ++c) {
                         float* zc = z + c * rows;
                         const int64_t j = j0 + c;
@@ -396,8 +408,29 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                         const int* hi = high + (cols - 1 - c);
                         const float* sd = slope_d + (cols - 1 - c);
                         const float* id = icpt_d + (cols - 1 - c);
+                        if (r < rows && straddles[rows + cols - 1 - c] == straddles[r + cols - 1 - c]) {
+                            // no row of the column straddles a knot: slope psi / norm + intercept, one FMA a pair
+                            const float* sp = slope_psi + (cols - 1 - c);
+                            for (; r + WIDTH <= rows; r += WIDTH) {
+                                vf spv, nv, iv, zv, mv;
+                                memcpy(&spv, sp + r, sizeof spv);
+                                memcpy(&nv, inv_norm + r, sizeof nv);
+                                memcpy(&iv, id + r, sizeof iv);
+                                memcpy(&zv, zc + r, sizeof zv);
+                                memcpy(&mv, rowmax + r, sizeof mv);
+                                zv += spv * nv + iv;
+                                mv = zv > mv ? zv : mv;
+                                memcpy(zc + r, &zv, sizeof zv);
+                                memcpy(rowmax + r, &mv, sizeof mv);
+                            }
+                            for (; r < rows; ++r) {
+                                zc[r] += sp[r] * inv_norm[r] + id[r];
+                                rowmax[r] = zc[r] > rowmax[r] ? zc[r] : rowmax[r];
+                            }
+                            continue;
+                        }
                         for (; r + WIDTH <= rows; r += WIDTH) {
-                            vf pv, nv, sv, iv, zv;
+                            vf pv, nv, sv, iv, zv, mv;
                             vi lv, hv;
                             memcpy(&pv, ps + r, sizeof pv);
                             memcpy(&nv, inv_norm + r, sizeof nv);
@@ -417,31 +450,20 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                                 }
                             }
                             zv += b;
+                            memcpy(&mv, rowmax + r, sizeof mv);
+                            mv = zv > mv ? zv : mv;
                             memcpy(zc + r, &zv, sizeof zv);
+                            memcpy(rowmax + r, &mv, sizeof mv);
                         }
                         for (; r < rows; ++r) {
                             const float x = ps[r] * inv_norm[r];
                             const int p = lo[r] == hi[r] ? lo[r] : piece_of(x, knots, (int)n_knots);
                             zc[r] += fire_value(sl[p], x, ic[p]);
+                            rowmax[r] = zc[r] > rowmax[r] ? zc[r] : rowmax[r];
                         }
                     }
-                    // online softmax: the rows' new maxima, their earlier sums and outputs rescaled
-                    int64_t r = 0;
-                    for (; r + WIDTH <= rows; r += WIDTH) {
-                        vf m;
-                        memcpy(&m, top + r, sizeof m);
-                        for (int64_t c = 0; c < cols; ++c) {
-                            vf zv;
-                            memcpy(&zv, z + c * rows + r, sizeof zv);
-                            m = zv > m ? zv : m;
-                        }
-                        for (int l = 0; l < WIDTH; ++l) rescaled(oh + (start + r + l) * Dv, Dv, top + r + l, total + r + l, m[l]);
-                    }
-                    for (; r < rows; ++r) {
-                        float m = top[r];
-                        for (int64_t c = 0; c < cols; ++c) m = z[c * rows + r] > m ? z[c * rows + r] : m;
-                        rescaled(oh + (start + r) * Dv, Dv, top + r, total + r, m);
-                    }
+                    // online softmax: the rows' new maxima (kept as the bias was added), earlier sums and outputs rescaled
+                    for (int64_t r = 0; r < rows; ++r) rescaled(oh + (start + r) * Dv, Dv, top + r, total + r, rowmax[r]);
                     for (int64_t c = 0; c < cols; ++c) {  // the weights exp(z - max), 0 where masked, into z
                         float* zc = z + c * rows;
                         int64_t r = 0;
@@ -472,7 +494,7 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
             }
         }
         delete[] z; delete[] top; delete[] total; delete[] low; delete[] high; delete[] slope_d; delete[] icpt_d;
-        delete[] inv_norm;
+        delete[] inv_norm; delete[] slope_psi; delete[] straddles; delete[] rowmax;
     }
 }
 
