@@ -22,9 +22,10 @@ such calls for evaluation (no gradient):
   ``sgemm`` for every product, the triangular inverse by forward
   substitution.
 
-and, for PaTH's training, two pairs of calls with backwards written out:
-:func:`path_block_terms` (the blocks' compact forms) and
-:func:`path_sweep_forward` (the sweep over the blocks and its softmax).
+and, for PaTH's training, three pairs of calls with backwards written out:
+:func:`path_block_terms` (the blocks' compact forms), :func:`path_merge`
+(blocks merged in pairs) and :func:`path_sweep_forward` (the sweep over the
+blocks and its softmax).
 
 The loops are C++ with GCC's vector extensions, 16 floats at a time with
 AVX-512, else 8 (x86-64 CPUs with AVX2 or AVX-512, the vector instructions

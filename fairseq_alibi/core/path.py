@@ -65,8 +65,9 @@ fewer), with a backward of its own (the softmax's, from each step's weights kept
 queries' gradients carried back through the blocks they went through; every
 step's terms kept, ``O(T^2)`` in all, as dense attention's); autograd runs
 through the block terms.  On the CPU in float32 (bfloat16 computed so), with
-``native.py``'s library built, the block terms and the sweep are C++ calls
-with backwards of their own instead (:class:`_BlockTerms`, :class:`_FusedSweep`;
+``native.py``'s library built, the block terms, their merges and the sweep are
+C++ calls with backwards of their own instead (:class:`_BlockTerms`,
+:class:`_Merge`, :class:`_FusedSweep`;
 docs/results/performance-new-methods-cpu-6.md).  The naive reference (:func:`path_reference`)
 forms every product ``H_i ... H_{j+1}`` as a matrix, in float64: the tests' oracle.
 
