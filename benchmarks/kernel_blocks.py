@@ -24,9 +24,8 @@ command behind the two kernels' block constants.
 
 With ``--eval``: the call without a gradient (forward only, every case's
 inputs alike); PaTH's cases a block size (``--blocks``, default
-:data:`path.FUSED_BLOCK` where the fused call runs, else
 :func:`path.inference_block`) and a chunk size (``--chunks``, default
-:data:`path.FUSED_CHUNK`, else :data:`path.CHUNK`); stick-breaking's as in training (with random
+:data:`path.CHUNK`); stick-breaking's as in training (with random
 normal inputs each query spends its stick within a few hundred keys, and
 its heads stop reading there; ``--far`` shifts ``q . k / sqrt(d)`` to about
 -8, so that every key block is scored).
@@ -135,8 +134,7 @@ def main(argv=None):
     p.add_argument("--eval", action="store_true", help="the call without a gradient (evaluation)")
     p.add_argument("--blocks", type=positive, nargs="+",
                    help="PaTH: the block terms' sizes; stick-breaking: queries per block (default: the kernel's own)")
-    p.add_argument("--chunks", type=positive, nargs="+",
-                   help="PaTH with --eval: chunk sizes (default: the kernel's own, the fused call's where it runs)")
+    p.add_argument("--chunks", type=positive, nargs="+", default=[path.CHUNK], help="PaTH with --eval: chunk sizes")
     p.add_argument("--sweep-blocks", type=positive, nargs="+", default=[path.BLOCK, path.SWEEP_BLOCK],
                    help="PaTH's training sweep's block sizes (a block size: no merging)")
     p.add_argument("--key-blocks", type=positive, nargs="+",
@@ -160,10 +158,7 @@ def main(argv=None):
         blocks = opts.blocks or [stickbreaking.FUSED_BLOCK if fused else stickbreaking.BLOCK]
         opts.key_blocks = opts.key_blocks or [stickbreaking.FUSED_KEY_BLOCK if fused else stickbreaking.KEY_BLOCK]
     else:
-        fused = opts.eval and native.forward_available()  # the fused call's own sizes, where it runs
-        blocks = opts.blocks or [path.FUSED_BLOCK if fused else path.inference_block(opts.head_dim) if opts.eval
-                                 else path.BLOCK]
-        opts.chunks = opts.chunks or [path.FUSED_CHUNK if fused else path.CHUNK]
+        blocks = opts.blocks or [path.inference_block(opts.head_dim) if opts.eval else path.BLOCK]
     for length in opts.lengths:
         tensors, grad_out = inputs(opts.batch, opts.heads, length, opts.head_dim, far=opts.far)
         if opts.eval:

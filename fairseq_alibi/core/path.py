@@ -125,12 +125,7 @@ SWEEP_BLOCK = 128
 SWEEP_STEPS = 4
 INFERENCE_BLOCKS = (32, 64)
 CHUNK = 512
-#: The fused CPU call's (:func:`_fused`) tokens per block and per chunk, and its queries and cached keys per
-#: product over the keys before a chunk: ``benchmarks/kernel_blocks.py --eval`` found blocks of 32 in chunks of
-#: 256 the fastest or within 1 % of it with heads of 16, 32 and 64 at 2,048 and 8,192 tokens (up to 9 % faster
-#: than the eager path's sizes at 2,048; docs/results/performance-new-methods-cpu-6.md).
-FUSED_BLOCK = 32
-FUSED_CHUNK = 256
+#: Queries and cached keys per product of the fused CPU call (:func:`_fused`) over the keys before a chunk.
 FUSED_QUERY_BLOCK = 128
 FUSED_KEY_BLOCK = 256
 #: The rank of the projection that gives ``w`` (the authors').
@@ -294,17 +289,15 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     (float64 for float64 inputs), ``block`` tokens at a time (:data:`BLOCK`
     where a gradient is taken, else :func:`inference_block`); where no
     gradient is taken, ``chunk`` tokens (:data:`CHUNK`) per call of
-    :func:`_by_chunks`; the fused call (:func:`_fused`) by default blocks of
-    :data:`FUSED_BLOCK` in chunks of :data:`FUSED_CHUNK`."""
+    :func:`_by_chunks`."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, w, beta, gate))
-    if (block is not None and block < 1) or (chunk is not None and chunk < 1):
-        raise ValueError(f"block and chunk must be at least 1, not {block} and {chunk}")
-    if not grad and _fused_runs(q, key_padding_mask, past_keys):
-        return _fused(q, k, v, w, beta, gate, past_keys, past_values, block or FUSED_BLOCK, chunk or FUSED_CHUNK,
-                      return_keys)
     if block is None:
         block = BLOCK if grad else inference_block(q.size(-1))
     chunk = chunk or CHUNK
+    if block < 1 or chunk < 1:
+        raise ValueError(f"block and chunk must be at least 1, not {block} and {chunk}")
+    if not grad and _fused_runs(q, key_padding_mask, past_keys):
+        return _fused(q, k, v, w, beta, gate, past_keys, past_values, block, chunk, return_keys)
     if not grad and q.size(2) > chunk:
         return _by_chunks(q, k, v, w, beta, gate, key_padding_mask, past_keys, past_values, block, return_keys, chunk)
     exact = torch.promote_types(q.dtype, torch.float32)
