@@ -1294,6 +1294,19 @@ def _pointer(t: Optional[Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
+def _check(name: str, t: Tensor, shape) -> None:
+    """Every fused call's tensor argument: float32, contiguous, on the CPU, of ``shape``; else ValueError."""
+    if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != tuple(shape) or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {tuple(shape)}, "
+                         f"not {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
+
+
+def _check_pad(pad: Optional[Tensor], shape) -> None:
+    """A padding mask, where given: contiguous uint8 (nonzero at padding) of ``shape``."""
+    if pad is not None and (pad.dtype != torch.uint8 or not pad.is_contiguous() or tuple(pad.shape) != tuple(shape)):
+        raise ValueError(f"pad must be a contiguous uint8 tensor of shape {tuple(shape)}")
+
+
 def stickbreaking_terms(z: Tensor, w: Tensor, kept: Tensor, pad: Optional[Tensor], base: int) -> None:
     """Stick-breaking's loop alone, on one block of every head (the C++ ``fa_stickbreaking_terms``; the fused
     forward runs the same loop, and the tests check it through this): ``z`` and ``w`` ``[heads, cols, rows]``
@@ -1303,11 +1316,8 @@ def stickbreaking_terms(z: Tensor, w: Tensor, kept: Tensor, pad: Optional[Tensor
     heads, cols, rows = z.shape
     for name, t, shape in (("z", z, (heads, cols, rows)), ("w", w, (heads, cols, rows)),
                            ("kept", kept, (heads, rows))):
-        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {shape}, "
-                             f"not {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
-    if pad is not None and (pad.dtype != torch.uint8 or not pad.is_contiguous() or tuple(pad.shape) != (heads, cols)):
-        raise ValueError(f"pad must be a contiguous uint8 tensor of shape {(heads, cols)}")
+        _check(name, t, shape)
+    _check_pad(pad, (heads, cols))
     library().fa_stickbreaking_terms(z.data_ptr(), w.data_ptr(), kept.data_ptr(), _pointer(pad),
                                      heads, cols, rows, base, torch.get_num_threads())
 
@@ -1323,11 +1333,8 @@ def stickbreaking_forward(q: Tensor, k: Tensor, v: Tensor, pad: Optional[Tensor]
     heads, T, D = q.shape
     S, Dv = k.size(1), v.size(-1)
     for name, t, shape in (("q", q, (heads, T, D)), ("k", k, (heads, S, D)), ("v", v, (heads, S, Dv))):
-        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {shape}, "
-                             f"not {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
-    if pad is not None and (pad.dtype != torch.uint8 or not pad.is_contiguous() or tuple(pad.shape) != (heads, S)):
-        raise ValueError(f"pad must be a contiguous uint8 tensor of shape {(heads, S)}")
+        _check(name, t, shape)
+    _check_pad(pad, (heads, S))
     if block < 1 or key_block < 1 or S < T or max(heads, T, S, D, Dv, block * key_block) >= 2 ** 31:
         raise ValueError(f"block {block} and key_block {key_block} must be at least 1, S {S} at least T {T}, "
                          "and every size below 2^31 (BLAS's 32-bit sizes)")
@@ -1357,11 +1364,8 @@ def fire_forward(q: Tensor, k: Tensor, v: Tensor, pad: Optional[Tensor], psi: Te
               ("norm", norm, (T,)), ("knots", knots, (pieces - 1,)), ("slopes", slopes, (H, pieces)),
               ("intercepts", intercepts, (H, pieces)))
     for name, t, shape in shapes:
-        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {shape}, "
-                             f"not {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
-    if pad is not None and (pad.dtype != torch.uint8 or not pad.is_contiguous() or tuple(pad.shape) != (heads, S)):
-        raise ValueError(f"pad must be a contiguous uint8 tensor of shape {(heads, S)}")
+        _check(name, t, shape)
+    _check_pad(pad, (heads, S))
     if block < 1 or key_block < 1 or S < T or heads % H or max(heads, T, S, D, Dv, block * key_block) >= 2 ** 31:
         raise ValueError(f"block {block} and key_block {key_block} must be at least 1, S {S} at least T {T}, the "
                          f"heads {heads} a multiple of the model's {H}, and every size below 2^31")
@@ -1395,9 +1399,7 @@ def path_forward(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, values: Tensor, 
     shapes = (("q", q, (heads, T, D)), ("k", k, (heads, T, D)), ("w", w, (heads, T, D)), ("beta", beta, (heads, T)),
               ("values", values, (heads, S, Dv)), ("keys", keys, (heads, S, D)))
     for name, t, shape in shapes + ((("gate", gate, (heads, S)),) if gate is not None else ()):
-        if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {shape}, "
-                             f"not {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
+        _check(name, t, shape)
     if min(block, chunk, query_block, key_block) < 1 or S < T or max(
             heads, S, D, Dv, chunk * max(block, key_block, D, Dv), query_block * key_block) >= 2 ** 31:
         raise ValueError(f"block {block}, chunk {chunk}, query_block {query_block} and key_block {key_block} must be "
@@ -1447,12 +1449,6 @@ def path_block_terms_backward(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, sav
     return dq, dk, dw, dbeta
 
 
-def _check(name: str, t: Tensor, shape) -> None:
-    if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != tuple(shape) or t.device.type != "cpu":
-        raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {tuple(shape)}, "
-                         f"not {t.dtype} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
-
-
 def _check_blocks(q: Tensor, k: Tensor, w: Tensor, beta: Tensor) -> None:
     n, c, D = q.shape
     for name, t, shape in (("q", q, (n, c, D)), ("k", k, (n, c, D)), ("w", w, (n, c, D)), ("beta", beta, (n, c))):
@@ -1479,9 +1475,7 @@ def path_sweep_forward(local: Tensor, carried: Tensor, k_end: Tensor, v: Tensor,
         _check(name, t, shape)
     if heads % per_batch:
         raise ValueError(f"heads {heads} must be a multiple of per_batch {per_batch}")
-    if pad is not None and (pad.dtype != torch.uint8 or not pad.is_contiguous()
-                            or tuple(pad.shape) != (n, heads // per_batch, C)):
-        raise ValueError(f"pad must be a contiguous uint8 tensor of shape {(n, heads // per_batch, C)}")
+    _check_pad(pad, (n, heads // per_batch, C))
     if max(heads * n * (n + 1) // 2 * C * C, heads * n * C * max(D, Dv)) >= 2 ** 62 or max(C, D, Dv) >= 2 ** 15:
         raise ValueError("sizes too large for the fused sweep")
     if not forward_available():
