@@ -32,7 +32,9 @@ may depend on the thread count).  ``python tests/reference_outputs.py``
 writes ``tests/data/reference_outputs.pt``; ``tests/test_reference_outputs.py``
 recomputes and compares.  A new method: a line in :data:`VARIANTS`, then
 ``python tests/reference_outputs.py --only NAME`` adds its outputs and keeps
-every other stored bit.
+every other stored bit.  A kernel change that moves a variant's numbers:
+``--float64 NAME`` first (:func:`float64_check`: how far the new outputs,
+the eager path's and the stored ones lie from float64), then ``--only NAME``.
 """
 
 from __future__ import annotations
@@ -308,8 +310,10 @@ def _sweep(model) -> Dict[str, torch.Tensor]:
     return found
 
 
-def compute_variant(variant: str) -> Dict[str, torch.Tensor]:
-    """Every reference output of ``variant``, by key."""
+def compute_variant(variant: str, dtypes: Optional[Dict[str, torch.dtype]] = None,
+                    sweep_dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
+    """Every reference output of ``variant``, by key (``dtypes``: the names of :data:`DTYPES` and what each
+    computes in, and ``sweep_dtype`` the sweep's: other than the stored ones only for :func:`float64_check`)."""
     from fairseq_alibi.core.errors import KernelUnsupportedError
 
     found: Dict[str, torch.Tensor] = {}
@@ -319,7 +323,7 @@ def compute_variant(variant: str) -> Dict[str, torch.Tensor]:
         full = tokens(2, 40, seed=1)
         right = padded(tokens(3, 40, seed=2), [40, 33, 25], pad, left=False)
         left = padded(tokens(3, 24, seed=3), [24, 17, 9], pad, left=True)
-        for dtype_name, dtype in DTYPES.items():
+        for dtype_name, dtype in (dtypes or DTYPES).items():
             model.to(dtype)
             for kernel in KERNEL_LIST:
                 if (kernel == "flex" and variant != "alibi") or not set_kernel(model, kernel):
@@ -347,9 +351,50 @@ def compute_variant(variant: str) -> Dict[str, torch.Tensor]:
             set_kernel(model, "auto")
             model.float()
             found.update(_hf_cases(model, cfg, dictionary, variant, dtype_name, left, pad))
-        model.float()
+        model.to(sweep_dtype)
         found.update(_sweep(model))
     return found
+
+
+def float64_check(variant: str) -> Dict[str, Dict[str, float]]:
+    """How far ``variant``'s float32 outputs (training, evaluation, cache, sweep) lie from the same model's in
+    float64, per group of keys: ``{group: {"fused": , "eager": , "stored": }}``, each the largest over the
+    group's keys of ``max |x - exact| / max |exact|``; "fused" is this code with the fused CPU calls
+    (``core/native.py``) where they run, "eager" with them switched off, "stored" the saved reference outputs.
+    Run it before regenerating a variant whose numbers a kernel change moved: the new numbers should be as
+    close to float64 as the eager path's and the stored ones."""
+    import os
+
+    from fairseq_alibi.core import native
+
+    def computed(switch: str, dtypes, sweep_dtype) -> Dict[str, torch.Tensor]:
+        before = os.environ.get(native.SWITCH)
+        os.environ[native.SWITCH] = switch
+        try:
+            return compute_variant(variant, dtypes, sweep_dtype)
+        finally:
+            if before is None:
+                os.environ.pop(native.SWITCH)
+            else:
+                os.environ[native.SWITCH] = before
+
+    exact = computed("0", {"float32": torch.float64, "bfloat16": torch.bfloat16}, torch.float64)
+    tables = {"fused": computed("1", None, torch.float32), "eager": computed("0", None, torch.float32)}
+    stored = torch.load(DATA, weights_only=True)["outputs"]
+    tables["stored"] = {k[len(variant) + 1:]: v for k, v in stored.items() if k.startswith(variant + "/")}
+    groups: Dict[str, Dict[str, float]] = {}
+    for key, want in exact.items():
+        if key.endswith("/kernels") or not key.startswith(("train/float32/", "eval/float32/", "cache/float32/",
+                                                           "sweep/")):
+            continue
+        group = "/".join(key.split("/")[:3]) if not key.startswith("sweep/") else "/".join(key.split("/")[:2])
+        scale = float(want.double().abs().max()) or 1.0
+        for name, table in tables.items():
+            if key in table and table[key].shape == want.shape:
+                error = float((table[key].double() - want.double()).abs().max()) / scale
+                row = groups.setdefault(group, {})
+                row[name] = max(row.get(name, 0.0), error)
+    return groups
 
 
 def compute_encoder(mode: str) -> Dict[str, torch.Tensor]:
@@ -405,7 +450,17 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=list(VARIANTS) + list(ENCODER_MODES))
-    only = parser.parse_args().only
+    parser.add_argument("--float64", metavar="VARIANT", choices=list(VARIANTS),
+                        help="write nothing: print how far VARIANT's float32 outputs (fused, eager, stored) lie from "
+                             "the same model's in float64 (float64_check), to run before regenerating it")
+    args = parser.parse_args()
+    if args.float64:
+        print("| group | fused | eager | stored |\n|---|---|---|---|")
+        for group, row in float64_check(args.float64).items():
+            print(f"| {group} | " + " | ".join(f"{row[n]:.1e}" if n in row else "-" for n in ("fused", "eager", "stored"))
+                  + " |")
+        return
+    only = args.only
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=TESTS.parent, capture_output=True, text=True).stdout
     start = time.time()
     if only:

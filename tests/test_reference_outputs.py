@@ -79,3 +79,16 @@ def test_variant_matches_its_reference(saved, variant):
 @pytest.mark.parametrize("mode", R.ENCODER_MODES)
 def test_encoder_matches_its_reference(saved, mode):
     compare(saved, R.compute_encoder(mode), f"encoder/{mode}/")
+
+
+def test_the_float64_check_measures_each_path_against_float64():
+    """``reference_outputs.py --float64 VARIANT`` (run before regenerating a variant): every group of float32
+    outputs (training, evaluation, cache and the sweep, per kernel) measured against the same model in
+    float64, for the code with its fused calls, without them, and the stored outputs; each within float32's
+    rounding and none exactly 0 (the float64 run is a different computation)."""
+    groups = R.float64_check("nope")
+    assert {"train/float32/auto", "eval/float32/auto", "cache/float32/auto", "sweep/auto", "sweep/train"} <= set(groups)
+    for group, row in groups.items():
+        assert set(row) == {"fused", "eager", "stored"}, group
+        assert all(0 < error < 1e-4 for error in row.values()), (group, row)
+
