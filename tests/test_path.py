@@ -212,6 +212,34 @@ def test_the_projections_carry_the_convolution_across_calls():
     assert plain.w_conv is None and plain(x.float())[2] is None
 
 
+@pytest.mark.parametrize("T", [1, 2, 7])
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_the_projections_equal_torchs_depthwise_convolution(T, with_prefix):
+    """``w`` (values and gradients) against the same projections written with ``F.conv1d`` over ``[B, C, T]``,
+    the earlier inputs joined in front (zeros without a state), and the returned state against the last two of
+    those inputs; fewer tokens than the convolution's width included."""
+    from fairseq_alibi.core.path import CONV_WIDTH, NORM_EPS
+    terms = projections()
+    x = torch.randn(T, 2, 16, dtype=torch.float64, requires_grad=True)
+    prefix = torch.randn(2, HEADS * DIM, CONV_WIDTH - 1, dtype=torch.float64) if with_prefix else None
+    w, _, state = terms(x, None, prefix)
+    u = terms.w_proj(x).permute(1, 2, 0)  # [B, C, T]
+    joined = torch.cat([prefix if with_prefix else u.new_zeros(2, u.size(1), CONV_WIDTH - 1), u], dim=-1)
+    conv = F.silu(F.conv1d(joined, terms.w_conv.weight, groups=u.size(1)))  # [B, C, T]
+    expected = conv.view(2, HEADS, DIM, T).transpose(2, 3)
+    expected = expected * torch.rsqrt((expected * expected).sum(-1, keepdim=True) + NORM_EPS)
+    torch.testing.assert_close(w, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state, joined[..., -(CONV_WIDTH - 1):], rtol=1e-12, atol=1e-12)
+    d_w = torch.randn_like(w)
+    parameters = [x, terms.w_conv.weight, terms.w_proj[1].weight]
+    got = torch.autograd.grad((w * d_w).sum(), parameters)
+    want = torch.autograd.grad((expected * d_w).sum(), parameters)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():  # without a gradient, the same values (the convolution's output scaled in place)
+        torch.testing.assert_close(terms(x, None, prefix)[0], expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("block,merges", [(16, 0), (4, 2)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
 def test_low_precision_stays_near_the_float64_product(dtype, tol, block, merges):

@@ -294,6 +294,15 @@ static inline int piece_of(float x, const float* knots, int n_knots) {
     return lo;
 }
 
+// piece_of(x) found from a nearby piece p (the previous distance's): up while the knot above is below x, down
+// while the one below is not; NaN has piece 0, as piece_of gives it.
+static inline int piece_walk(float x, const float* knots, int n_knots, int p) {
+    if (x != x) return 0;
+    while (p < n_knots && knots[p] < x) ++p;
+    while (p > 0 && !(knots[p - 1] < x)) --p;
+    return p;
+}
+
 // FIRE's bias value of MLP input x on piece p: slope x + intercept, rounded twice as torch's separate
 // product and sum round it (no fused multiply-add), as fire.py computes it.
 __attribute__((optimize("fp-contract=off"))) static inline float fire_value(float slope, float x, float intercept) {
@@ -323,7 +332,9 @@ static inline void rescaled(float* o, int64_t Dv, float* top, float* total, floa
 // heads reads row h % H).  For each block of `block` queries, key blocks of `key_block` in order: scores z =
 // K Q^T by sgemm, the bias added, an online softmax (the rows' running maxima and sums), out += P^T V by
 // sgemm; out [heads, T, Dv] divided by the sums at the end.  Each block's bias per distance where the block's
-// rows share a piece (the piece at the block's smallest and largest normalizer agree), per pair elsewhere.
+// rows share a piece (the piece at the block's smallest and largest normalizer agree), per pair elsewhere; the
+// pieces of every distance the query block sees are found once for all its key blocks, by walking along the
+// distances (finding them by bisection for each key block took a quarter of the call's time at 2,048 tokens).
 // x is psi times the row's 1 / norm (a multiplication per pair, not a division): within
 // one unit in the last place of fire.py's psi / norm, and monotone in the row as the quotient is, so the
 // pieces of a block's first and last rows still bound every row's.  Where no row of a key's column straddles
@@ -344,7 +355,9 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
         float* z = new float[block * key_block];
         float* top = new float[block];    // each row's running maximum
         float* total = new float[block];  // each row's running sum of exp(score - top)
-        const int64_t span = block + key_block;  // the distances one block pair spans
+        // per distance of a query block, entry lead + distance (lead entries first: the distances below 0,
+        // which no row sees): the pieces of its last and first rows, the slope and intercept of the first
+        const int64_t lead = block - 1, span = lead + S;
         int* low = new int[span];
         int* high = new int[span];
         float* slope_d = new float[span];
@@ -369,6 +382,27 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                 const float* nrm = norm + start;
                 for (int64_t r = 0; r < rows; ++r) inv_norm[r] = 1.0f / nrm[r];
                 const float i_first = inv_norm[0], i_last = inv_norm[rows - 1];
+                // the block's tables, once for all its key blocks: x grows with the distance, so each row's
+                // piece is found by walking from the previous distance's (piece_walk), not by bisection
+                const int64_t entries = lead + i0 + rows;  // distances up to i0 + rows - 1
+                straddles[0] = 0;
+                for (int64_t e = 0; e < lead; ++e) {
+                    low[e] = high[e] = 0;
+                    slope_d[e] = icpt_d[e] = slope_psi[e] = 0.0f;
+                    straddles[e + 1] = 0;
+                }
+                int p_low = 0, p_high = 0;
+                for (int64_t e = lead; e < entries; ++e) {  // x falls as the normalizer grows: the last row's x is the smallest
+                    const float ps_e = psi[e - lead];
+                    p_low = piece_walk(ps_e * i_last, knots, (int)n_knots, p_low);
+                    p_high = piece_walk(ps_e * i_first, knots, (int)n_knots, p_high);
+                    low[e] = p_low;
+                    high[e] = p_high;
+                    slope_d[e] = sl[p_low];
+                    icpt_d[e] = ic[p_low];
+                    slope_psi[e] = slope_d[e] * ps_e;
+                    straddles[e + 1] = straddles[e] + (p_low != p_high);
+                }
                 memset(oh + start * Dv, 0, rows * Dv * sizeof(float));
                 for (int64_t r = 0; r < rows; ++r) { top[r] = -INFINITY; total[r] = 0.0f; }
                 const int64_t keys = i0 + rows;  // keys 0 .. i0 + rows - 1
@@ -376,23 +410,6 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                     const int64_t cols = keys - j0 < key_block ? keys - j0 : key_block;
                     const int n_cols = (int)cols;
                     sgemm("T", "N", &n_rows, &n_cols, &d, &one, qh + start * D, &d, kh + j0 * D, &d, &zero, z, &n_rows);
-                    // distances i - j of the pair block: from i0 - (j0 + cols - 1) to i0 + rows - 1 - j0
-                    const int64_t d_lo = i0 - (j0 + cols - 1);
-                    straddles[0] = 0;
-                    for (int64_t e = 0; e < rows + cols - 1; ++e) {
-                        const int64_t dist = d_lo + e;
-                        if (dist < 0) {  // no row sees it
-                            low[e] = high[e] = 0;
-                            slope_d[e] = icpt_d[e] = slope_psi[e] = 0.0f;
-                        } else {  // x falls as the normalizer grows: the last row's x is the smallest
-                            low[e] = piece_of(psi[dist] * i_last, knots, (int)n_knots);
-                            high[e] = piece_of(psi[dist] * i_first, knots, (int)n_knots);
-                            slope_d[e] = sl[low[e]];
-                            icpt_d[e] = ic[low[e]];
-                            slope_psi[e] = slope_d[e] * psi[dist];
-                        }
-                        straddles[e + 1] = straddles[e] + (low[e] != high[e]);
-                    }
                     for (int64_t r = 0; r < rows; ++r) rowmax[r] = -INFINITY;
                     for (int64_t c = 0; c < cols; ++c) {
                         float* zc = z + c * rows;
@@ -405,13 +422,14 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                         int64_t r = j - i0 > 0 ? j - i0 : 0;
                         for (int64_t s = 0; s < r && s < rows; ++s) zc[s] = -INFINITY;
                         const float* ps = psi + (i0 - j);  // ps[r]: row r's psi
-                        const int* lo = low + (cols - 1 - c);
-                        const int* hi = high + (cols - 1 - c);
-                        const float* sd = slope_d + (cols - 1 - c);
-                        const float* id = icpt_d + (cols - 1 - c);
-                        if (r < rows && straddles[rows + cols - 1 - c] == straddles[r + cols - 1 - c]) {
+                        const int64_t base = lead + i0 - j;  // row r's distance's entry: base + r
+                        const int* lo = low + base;
+                        const int* hi = high + base;
+                        const float* sd = slope_d + base;
+                        const float* id = icpt_d + base;
+                        if (r < rows && straddles[base + rows] == straddles[base + r]) {
                             // no row of the column straddles a knot: slope psi / norm + intercept, one FMA a pair
-                            const float* sp = slope_psi + (cols - 1 - c);
+                            const float* sp = slope_psi + base;
                             for (; r + WIDTH <= rows; r += WIDTH) {
                                 vf spv, nv, iv, zv, mv;
                                 memcpy(&spv, sp + r, sizeof spv);

@@ -850,6 +850,27 @@ def _softmax_step_in_place(state, queries: Tensor, keys_t: Tensor, c_query: Opti
     return new, total, acc
 
 
+def causal_convolution(u: Tensor, weight: Tensor, prefix: Optional[Tensor]) -> Tensor:
+    """The depthwise causal convolution of ``u`` ``[B, H, T, D]`` along its tokens: channel ``(h, d)``'s
+    ``weight[h D + d, 0, :]`` (``[H D, 1, K]``, ``nn.Conv1d``'s) over that channel's last ``K`` inputs, the
+    ``K - 1`` before the first token read from ``prefix`` ``[B, H, K - 1, D]`` (zeros where None):
+    ``F.conv1d`` over ``[B, H D, K - 1 + T]``, as ``K`` products of shifted slices, in the layout the attention
+    reads.  Taking ``u`` to ``[B, H D, T]``, padding it in front and back costs three copies of ``u``; at
+    2,048 tokens they and the depthwise convolution took more time than the projections before them."""
+    B, H, T, D = u.shape
+    K = weight.size(-1)
+    taps = weight.view(H, D, K)
+    out = u * taps[:, None, :, K - 1]
+    for shift in range(1, K):  # out[t] += weight of u[t - shift] * u[t - shift]
+        tap = taps[:, None, :, K - 1 - shift]
+        if shift < T:
+            out[:, :, shift:].addcmul_(u[:, :, :T - shift], tap)
+        if prefix is not None:  # the first tokens' earlier inputs: prefix[K - 1 + t - shift] for t < shift
+            n = min(shift, T)
+            out[:, :, :n].addcmul_(prefix[:, :, K - 1 - shift:K - 1 - shift + n], tap)
+    return out
+
+
 class PathProjections(nn.Module):
     """One layer's PaTH terms from its input: ``w`` (``w_proj``, a rank-32
     projection, then ``w_conv``, the short causal convolution, where
@@ -878,18 +899,25 @@ class PathProjections(nn.Module):
         T, B, _ = x.shape
         exact = torch.promote_types(x.dtype, torch.float32)
         pad = None if key_padding_mask is None else key_padding_mask.to(torch.bool).T[:, :, None]  # [T, B, 1]
-        u = self.w_proj(x).to(exact)
+        H, D = self.num_heads, self.head_dim
+        first, second = self.w_proj
+        low = first(x).transpose(0, 1).unsqueeze(1)  # [B, 1, T, rank]
+        u = torch.matmul(low, second.weight.view(H, D, -1).transpose(1, 2)).to(exact)  # [B, H, T, D]
         if pad is not None:
-            u = u.masked_fill(pad, 0.0)
+            u = u.masked_fill(pad.permute(1, 2, 0)[..., None], 0.0)
         state = None
         if self.w_conv is not None:
-            u = u.permute(1, 2, 0)  # [B, HD, T]
-            prefix = conv_state if conv_state is not None else u.new_zeros(B, u.size(1), CONV_WIDTH - 1)
-            joined = torch.cat([prefix.to(u.dtype), u], dim=-1)
-            state = joined[..., -(CONV_WIDTH - 1):]
-            u = F.silu(F.conv1d(joined, self.w_conv.weight.to(u.dtype), groups=u.size(1))).permute(2, 0, 1)
-        w = u.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        w = w * torch.rsqrt((w * w).sum(-1, keepdim=True) + NORM_EPS)
+            K = CONV_WIDTH
+            prefix = None if conv_state is None else conv_state.to(exact).view(B, H, D, K - 1).transpose(2, 3)
+            tail = u[:, :, max(T - (K - 1), 0):]  # the last K - 1 inputs: the next call's prefix
+            if T < K - 1:
+                earlier = prefix if prefix is not None else u.new_zeros(B, H, K - 1, D)
+                tail = torch.cat([earlier[:, :, T:], tail], dim=2)
+            state = tail.transpose(2, 3).reshape(B, H * D, K - 1)
+            u = causal_convolution(u, self.w_conv.weight.to(exact), prefix)
+            u = F.silu(u, inplace=not u.requires_grad)
+        scale = torch.rsqrt(torch.linalg.vector_norm(u, dim=-1, keepdim=True).square() + NORM_EPS)
+        w = u * scale if u.requires_grad else u.mul_(scale)  # u is this call's own tensor: scaled in place
         beta = 2 * torch.sigmoid(self.beta_proj(x).to(exact)).permute(1, 2, 0)
         if pad is not None:
             beta = beta.masked_fill(pad.permute(1, 2, 0), 0.0)
