@@ -618,6 +618,28 @@ def test_fire_fused_evaluation_equals_the_reference_kernel(dtype, tol, T, S, mon
     torch.testing.assert_close(off.float(), results[True], rtol=tol, atol=tol)
 
 
+def test_fire_fused_evaluation_weighs_a_far_key_far_above_the_near_ones():
+    """The fused call weighs its key blocks from the nearest back, each later one against the rows' maxima so
+    far in the same pass as its bias; two far keys scoring about 100 above every near one (beyond that pass's
+    headroom, and beyond the exponential's range) have their block weighed again in two passes: the same
+    output as the reference kernel's, the two keys' values in their ratio of weights, about 6 to 1."""
+    from fairseq_alibi.core import fire, kernels
+    from fairseq_alibi.core.bias import ModuleBias
+
+    bias = ModuleBias(knotted_fire(), 3, toeplitz=False)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 3, 300, 8, generator=gen) for _ in range(3))
+    q[..., 0] = 10.0  # keys 0 and 1: q . k / sqrt(8) about 106 and 104, the others about 3.5 N(0, 1)
+    k[..., 1, :] = k[..., 0, :]
+    k[..., 0, 0], k[..., 1, 0] = 30.0, 29.5
+    with torch.no_grad():
+        expected, _ = kernels.reference_kernel(q, k, v, bias, None, 0.0)
+        got, _ = fire.fused_chunked_kernel(q, k, v, bias, None, 0.0)
+    mix = (expected[..., 256:, :] - v[..., 1:2, :]) / (v[..., 0:1, :] - v[..., 1:2, :])  # key 0's share: e / (e + 1)
+    torch.testing.assert_close(mix, torch.full_like(mix, 0.855), rtol=0, atol=0.02)  # capped at e^87: 0.5
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_fire_reversed_block_writes_the_rows_that_straddle_a_knot():
     """Far past the threshold a block's rows see one distance on both sides of
     a knot: the case the pairwise correction exists for (without it, the

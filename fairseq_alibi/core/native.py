@@ -324,14 +324,48 @@ static inline void rescaled(float* o, int64_t Dv, float* top, float* total, floa
     *top = m;
 }
 
+// A column of scores z [rows] replaced by its weights exp(z - top) (0 where z is -inf), added to sums [rows];
+// whether any score exceeds its row's top by more than headroom (then the weights are not to be used).
+static inline bool column_weights(float* z, int64_t rows, const float* top, float* sums, float headroom) {
+    vi over = {};
+    bool late = false;
+    int64_t r = 0;
+    for (; r + WIDTH <= rows; r += WIDTH) {
+        vf zv, m, t;
+        memcpy(&zv, z + r, sizeof zv);
+        memcpy(&m, top + r, sizeof m);
+        memcpy(&t, sums + r, sizeof t);
+        over |= zv > m + headroom;
+        vf p = fexp<vf, vi>(zv - m);
+        p = zv == -INFINITY ? 0.0f : p;
+        t += p;
+        memcpy(z + r, &p, sizeof p);
+        memcpy(sums + r, &t, sizeof t);
+    }
+    for (; r < rows; ++r) {
+        late |= z[r] > top[r] + headroom;
+        v1f a = {z[r] - top[r]};
+        const float p = z[r] == -INFINITY ? 0.0f : fexp<v1f, v1i>(a)[0];
+        z[r] = p;
+        sums[r] += p;
+    }
+    return late || any_lane(over);
+}
+
+// How far above a row's running maximum a later key block's scores may lie and still be weighed against that
+// maximum in the same pass as their bias (fa_fire_forward): weights up to e^30 each, their sum over 2^31 keys
+// far below float32's largest value.
+#define FIRE_HEADROOM 30.0f
+
 // FIRE's attention without a gradient (fire.py): softmax over keys j <= i of q_i . k_j / sqrt(d) + b_h(i, j),
 // b_h(i, j) = slope x + intercept on the piece of x = psi[i - j] / norm[i] (psi[d] = log(c d + 1), norm[i] =
 // log(c max(threshold, i) + 1), both computed by the caller in float32).  q [heads, T, D] (scaled), k [heads,
 // S, D], v [heads, S, Dv], pad [heads, S] (nonzero at padding; may be null); queries the last T of the S
 // keys; the tables knots [n], slopes and intercepts [H, n + 1] per head of the model (head h of the batch's
-// heads reads row h % H).  For each block of `block` queries, key blocks of `key_block` in order: scores z =
-// K Q^T by sgemm, the bias added, an online softmax (the rows' running maxima and sums), out += P^T V by
-// sgemm; out [heads, T, Dv] divided by the sums at the end.  Each block's bias per distance where the block's
+// heads reads row h % H).  For each block of `block` queries, key blocks of `key_block` from the nearest
+// back: scores z = K Q^T by sgemm, the bias added, an online softmax (the rows' running maxima and sums; past
+// the first key block, the weights taken against the maxima so far as the bias is added, see FIRE_HEADROOM),
+// out += P^T V by sgemm; out [heads, T, Dv] divided by the sums at the end.  Each block's bias per distance where the block's
 // rows share a piece (the piece at the block's smallest and largest normalizer agree), per pair elsewhere; the
 // pieces of every distance the query block sees are found once for all its key blocks, by walking along the
 // distances (finding them by bisection for each key block took a quarter of the call's time at 2,048 tokens).
@@ -366,6 +400,7 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
         float* slope_psi = new float[span];  // slope * psi per distance: the bias slope_psi / norm + intercept
         int* straddles = new int[span + 1];  // how many of the distances before each straddle a knot
         float* rowmax = new float[block];    // each row's largest score of the key block
+        float* part = new float[block];      // each row's sum of the key block's weights (one pass)
 #pragma omp for schedule(dynamic)
         for (int64_t h = 0; h < heads; ++h) {
             const float* qh = q + h * T * D;
@@ -406,16 +441,24 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                 memset(oh + start * Dv, 0, rows * Dv * sizeof(float));
                 for (int64_t r = 0; r < rows; ++r) { top[r] = -INFINITY; total[r] = 0.0f; }
                 const int64_t keys = i0 + rows;  // keys 0 .. i0 + rows - 1
-                for (int64_t j0 = 0; j0 < keys; j0 += key_block) {
+                // key blocks from the nearest back: the first sets each row's maximum (two passes: the bias and
+                // the maximum, then the weights); a later one weighs its scores against it as their bias is added
+                // (one pass), unless a score lies more than FIRE_HEADROOM above it (then two passes after all)
+                for (int64_t j0 = (keys - 1) / key_block * key_block; j0 >= 0; j0 -= key_block) {
                     const int64_t cols = keys - j0 < key_block ? keys - j0 : key_block;
                     const int n_cols = (int)cols;
+                    bool lazy = true;  // one pass: every row has a finite maximum
+                    for (int64_t r = 0; r < rows && lazy; ++r) lazy = top[r] != -INFINITY;
+                  again:
                     sgemm("T", "N", &n_rows, &n_cols, &d, &one, qh + start * D, &d, kh + j0 * D, &d, &zero, z, &n_rows);
+                    bool over = false;
                     for (int64_t r = 0; r < rows; ++r) rowmax[r] = -INFINITY;
+                    if (lazy) memset(part, 0, rows * sizeof(float));
                     for (int64_t c = 0; c < cols; ++c) {
                         float* zc = z + c * rows;
                         const int64_t j = j0 + c;
                         if (ph && ph[j]) {
-                            for (int64_t r = 0; r < rows; ++r) zc[r] = -INFINITY;
+                            for (int64_t r = 0; r < rows; ++r) zc[r] = lazy ? 0.0f : -INFINITY;
                             continue;
                         }
                         // row r: distance i0 + r - j (rows before j - i0 do not see key j), entry e = r + cols - 1 - c
@@ -446,6 +489,7 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                                 zc[r] += sp[r] * inv_norm[r] + id[r];
                                 rowmax[r] = zc[r] > rowmax[r] ? zc[r] : rowmax[r];
                             }
+                            if (lazy) over |= column_weights(zc, rows, top, part, FIRE_HEADROOM);
                             continue;
                         }
                         for (; r + WIDTH <= rows; r += WIDTH) {
@@ -480,29 +524,18 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
                             zc[r] += fire_value(sl[p], x, ic[p]);
                             rowmax[r] = zc[r] > rowmax[r] ? zc[r] : rowmax[r];
                         }
+                        if (lazy) over |= column_weights(zc, rows, top, part, FIRE_HEADROOM);
                     }
-                    // online softmax: the rows' new maxima (kept as the bias was added), earlier sums and outputs rescaled
-                    for (int64_t r = 0; r < rows; ++r) rescaled(oh + (start + r) * Dv, Dv, top + r, total + r, rowmax[r]);
-                    for (int64_t c = 0; c < cols; ++c) {  // the weights exp(z - max), 0 where masked, into z
-                        float* zc = z + c * rows;
-                        int64_t r = 0;
-                        for (; r + WIDTH <= rows; r += WIDTH) {
-                            vf zv, m, t;
-                            memcpy(&zv, zc + r, sizeof zv);
-                            memcpy(&m, top + r, sizeof m);
-                            memcpy(&t, total + r, sizeof t);
-                            vf p = fexp<vf, vi>(zv - m);
-                            p = zv == -INFINITY ? 0.0f : p;
-                            t += p;
-                            memcpy(zc + r, &p, sizeof p);
-                            memcpy(total + r, &t, sizeof t);
-                        }
-                        for (; r < rows; ++r) {
-                            v1f a = {zc[r] - top[r]};
-                            const float p = zc[r] == -INFINITY ? 0.0f : fexp<v1f, v1i>(a)[0];
-                            zc[r] = p;
-                            total[r] += p;
-                        }
+                    if (lazy && over) {  // a score far above its row's maximum: the block again, in two passes
+                        lazy = false;
+                        goto again;
+                    }
+                    if (lazy) {
+                        for (int64_t r = 0; r < rows; ++r) total[r] += part[r];
+                    } else {  // online softmax: the rows' new maxima (kept as the bias was added), earlier sums and
+                              // outputs rescaled, then the weights exp(z - max), 0 where masked, into z
+                        for (int64_t r = 0; r < rows; ++r) rescaled(oh + (start + r) * Dv, Dv, top + r, total + r, rowmax[r]);
+                        for (int64_t c = 0; c < cols; ++c) column_weights(z + c * rows, rows, top, total, INFINITY);
                     }
                     sgemm("N", "T", &dv, &n_rows, &n_cols, &one, vh + j0 * Dv, &dv, z, &n_rows, &one, oh + start * Dv, &dv);
                 }
@@ -513,7 +546,7 @@ extern "C" void fa_fire_forward(const float* q, const float* k, const float* v, 
             }
         }
         delete[] z; delete[] top; delete[] total; delete[] low; delete[] high; delete[] slope_d; delete[] icpt_d;
-        delete[] inv_norm; delete[] slope_psi; delete[] straddles; delete[] rowmax;
+        delete[] inv_norm; delete[] slope_psi; delete[] straddles; delete[] rowmax; delete[] part;
     }
 }
 
