@@ -324,3 +324,48 @@ def test_a_misspelt_switch_is_refused_in_one_line(monkeypatch):
     monkeypatch.setenv(native.SWITCH, "of")
     with pytest.raises(ConfigError, match=r"FAIRSEQ_ALIBI_NATIVE='of' is not valid: set it to 0"):
         native.library()
+
+
+def test_scratch_hands_out_only_buffers_nothing_else_holds():
+    """``native.Scratch``: a buffer is handed out again only once no view of it is alive; one that an autograd
+    graph saved stays out of reach until that graph has run its backward (not after a backward that retains
+    the graph), and the kept buffers are at most ``most``."""
+    scratch = native.Scratch(most=3)
+    a = scratch.take((2, 3))
+    b = scratch.take((6,))
+    assert a.data_ptr() != b.data_ptr()
+    a_ptr = a.data_ptr()
+    del a
+    c = scratch.take((3, 2))  # a's buffer: nothing holds it
+    assert c.data_ptr() == a_ptr and c.shape == (3, 2)
+    smaller = scratch.take((4,))  # b and c are held: a new one
+    assert smaller.data_ptr() not in (b.data_ptr(), c.data_ptr())
+    del b, c, smaller
+
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            buffer = scratch.take((6,))
+            buffer.copy_(x)
+            ctx.save_for_backward(buffer)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            (buffer,) = ctx.saved_tensors
+            return grad * buffer
+
+    x = torch.arange(6.0, requires_grad=True)
+    y = Saves.apply(x)
+    held = [scratch.take((6,)) for _ in range(2)]  # the two other buffers: the saved one is not handed out
+    assert len({t.data_ptr() for t in held}) == 2
+    del held
+    y.sum().backward(retain_graph=True)
+    clobber = [scratch.take((6,)).fill_(-1.0) for _ in range(3)]  # the graph keeps its buffer: a new one
+    x.grad = None
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.arange(6.0))  # the saved buffer was not overwritten
+    assert len(scratch.kept) == 3
+    del clobber, y
+    scratch.clear()
+    assert not scratch.kept

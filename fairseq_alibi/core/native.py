@@ -63,6 +63,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from typing import Optional, Tuple
 
 import torch
@@ -1510,6 +1511,50 @@ def _check_blocks(q: Tensor, k: Tensor, w: Tensor, beta: Tensor) -> None:
         raise RuntimeError(f"the fused forward does not run here: {status()}")
 
 
+class Scratch:
+    """Buffers of float32 kept for reuse: the training sweep's weights and carried queries (``O(T^2)``, tens
+    of MiB a layer), which a fresh tensor takes from the operating system page by page, zeroed, on every
+    call: at 2,048 tokens that took a third of the sweep's forward.  :meth:`take` hands out a view of a kept
+    buffer that nothing else references any more (no view of it alive: autograd's saved tensors hold their
+    views until the backward that reads them has run, or the graph is freed), else a new one; at most
+    :attr:`most` are kept, the least recently used dropped first (a model's layers each hold two from the
+    forward to the backward: what is kept is at most what training holds at its peak; :meth:`clear` lets it
+    go)."""
+
+    def __init__(self, most: int = 64):
+        self.most = most
+        self.kept: list = []  # flat buffers, the least recently used first
+        self.lone = self._references(torch.empty(1))
+        self.lock = threading.Lock()
+
+    @staticmethod
+    def _references(t: Tensor) -> int:  # tensors sharing the buffer's storage, t and the query's own included
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+    def take(self, shape: Tuple[int, ...]) -> Tensor:
+        size = 1
+        for n in shape:
+            size *= n
+        with self.lock:
+            for i, buffer in enumerate(self.kept):
+                if buffer.numel() >= size and self._references(buffer) == self.lone:
+                    self.kept.append(self.kept.pop(i))
+                    return buffer[:size].view(shape)
+            buffer = torch.empty(size, dtype=torch.float32)
+            self.kept.append(buffer)
+            if len(self.kept) > self.most:
+                del self.kept[0]
+            return buffer[:size].view(shape)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.kept.clear()
+
+
+#: The training sweep's weights and queries (:func:`path_sweep_forward`).
+SCRATCH = Scratch()
+
+
 def path_sweep_forward(local: Tensor, carried: Tensor, k_end: Tensor, v: Tensor, gate: Optional[Tensor],
                        pad: Optional[Tensor], m: Tensor, per_batch: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """PaTH's training sweep, forward, in one call (the C++ ``fa_path_sweep_forward``, where
@@ -1532,8 +1577,8 @@ def path_sweep_forward(local: Tensor, carried: Tensor, k_end: Tensor, v: Tensor,
     if not forward_available():
         raise RuntimeError(f"the fused forward does not run here: {status()}")
     out, inverse = v.new_empty((n, heads, C, Dv)), v.new_empty((n, heads, C))
-    weights = v.new_empty((heads, n * (n + 1) // 2, C, C))
-    queries = v.new_empty((heads, max(n * (n - 1) // 2, 1), C, D))
+    weights = SCRATCH.take((heads, n * (n + 1) // 2, C, C))  # every entry written before it is read
+    queries = SCRATCH.take((heads, max(n * (n - 1) // 2, 1), C, D))
     library().fa_path_sweep_forward(local.data_ptr(), carried.data_ptr(), k_end.data_ptr(), v.data_ptr(),
                                     _pointer(gate), _pointer(pad), m.data_ptr(), out.data_ptr(), inverse.data_ptr(),
                                     weights.data_ptr(), queries.data_ptr(), n, heads, per_batch, C, D, Dv,
