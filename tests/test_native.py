@@ -287,6 +287,12 @@ def test_the_path_forward_refuses_what_it_cannot_run():
         native.path_forward(q, q, q, beta, values, keys, None, 0.0, 4, 0, 4, 4, False)
     with pytest.raises(ValueError, match="gate must be .* shape"):
         native.path_forward(q, q, q, beta, values, keys, torch.zeros(2, 5), 0.0, 4, 8, 4, 4, False)
+    u, taps = torch.zeros(2, 5, 6), torch.zeros(3, 6)  # a batch of 2, 5 tokens, 2 heads of 3, K = 3
+    assert native.path_w(u, taps, 2, torch.zeros(4, 2, 3), 1e-6).shape == (4, 5, 3)
+    with pytest.raises(ValueError, match="4 heads of equal width"):
+        native.path_w(u, taps, 4, None, 1e-6)
+    with pytest.raises(ValueError, match="prefix must be .* shape"):
+        native.path_w(u, taps, 2, torch.zeros(4, 3, 3), 1e-6)
 
 
 def test_a_blas_that_computes_other_products_switches_the_fused_forwards_off(monkeypatch, caplog):
@@ -369,3 +375,26 @@ def test_scratch_hands_out_only_buffers_nothing_else_holds():
     del clobber, y
     scratch.clear()
     assert not scratch.kept
+
+
+def test_a_fused_output_held_by_its_caller_is_never_written_again():
+    """The fused calls' outputs live in kept buffers (``native.SCRATCH``): one the caller still holds keeps
+    its values through later calls of every size; once dropped, the buffers serve the next calls again."""
+    from fairseq_alibi.core import path
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, w = (torch.randn(1, 2, 40, 8, generator=gen) for _ in range(4))
+    w = torch.nn.functional.normalize(w, dim=-1)
+    beta = torch.rand(1, 2, 40, generator=gen)
+    with torch.no_grad():
+        first, _ = path.path_attention(q, k, v, w, beta, block=4, chunk=8)
+        kept = first.clone()
+        for T in (40, 20, 30):  # later calls, the same size and smaller: none writes into the held output
+            later, _ = path.path_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], w[:, :, :T], beta[:, :, :T],
+                                           block=4, chunk=8)
+            assert later.data_ptr() != first.data_ptr()
+        assert torch.equal(first, kept)
+        kept_before = len(native.SCRATCH.kept)
+        del first, later
+        again, _ = path.path_attention(q, k, v, w, beta, block=4, chunk=8)
+        assert torch.equal(again, kept) and len(native.SCRATCH.kept) == kept_before  # nothing new allocated
+

@@ -240,6 +240,43 @@ def test_the_projections_equal_torchs_depthwise_convolution(T, with_prefix):
         torch.testing.assert_close(terms(x, None, prefix)[0], expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("T", [1, 2, 7, 40])
+@pytest.mark.parametrize("with_prefix", [False, True])
+@pytest.mark.parametrize("dim", [DIM, 40])  # 40: whole vectors of 8 and 16 floats and a remainder
+def test_the_fused_projections_are_the_float64_formula(T, with_prefix, dim, monkeypatch):
+    """Without a gradient in float32, ``w`` is one C++ pass (``native.path_w``): against the eager projections
+    in float64 (the test above ties those to ``F.conv1d``), with and without the convolution's earlier inputs,
+    and with the fused calls switched off (the eager path, the same numbers to float32's rounding)."""
+    from fairseq_alibi.core import native, path
+    from fairseq_alibi.core.path import CONV_WIDTH
+    torch.manual_seed(0)
+    terms = PathProjections(16, HEADS, dim).double()
+    with torch.no_grad():
+        for p in terms.parameters():
+            p.normal_(std=0.5)
+    x = torch.randn(T, 2, 16, dtype=torch.float64)
+    prefix = torch.randn(2, HEADS * dim, CONV_WIDTH - 1, dtype=torch.float64) if with_prefix else None
+    expected, beta64, state64 = terms(x, None, prefix)
+    calls, real = [], path.native_w
+    monkeypatch.setattr(path, "native_w", lambda *a: calls.append(1) or real(*a))
+    single = terms.float()
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(native.SWITCH, switch)
+        with torch.no_grad():
+            results[switch] = single(x.float(), None, None if prefix is None else prefix.float())
+        assert len(calls) == 1
+    (w, beta, state), (eager, _, _) = results["1"], results["0"]
+    assert w.dtype == torch.float32 and w.shape == (2, HEADS, T, dim)
+    torch.testing.assert_close(w.double(), expected, rtol=0, atol=2e-6)
+    torch.testing.assert_close(w, eager, rtol=0, atol=2e-6)
+    torch.testing.assert_close(beta.double(), beta64, rtol=0, atol=1e-6)
+    torch.testing.assert_close(state.double(), state64, rtol=0, atol=1e-5)
+    with torch.enable_grad():  # a gradient: the eager path
+        single(x.float(), None, None if prefix is None else prefix.float())[0].sum().backward()
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("block,merges", [(16, 0), (4, 2)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
 def test_low_precision_stays_near_the_float64_product(dtype, tol, block, merges):

@@ -26,7 +26,7 @@ from .alibi import learned_slopes as positive, learned_slopes_inverse as positiv
 from .bias import distance_ramp, reversed_rows
 from .kerple import causal_distance
 from .kernels import chunked_kernel
-from .native import fire_forward, runs_for as native_runs
+from .native import fire_forward, runs_for as native_runs, scaled
 
 #: Rows per group of :meth:`Fire.reversed_block`: a group pays up to ``ROW_GROUP ** 2`` pairwise values per
 #: knot its rows straddle, and a few small operations per group.
@@ -333,7 +333,7 @@ def fused_chunked_kernel(q: Tensor, k: Tensor, v: Tensor, bias, key_padding_mask
         return chunked_kernel(q, k, v, bias, key_padding_mask, dropout_p, chunk_size)
     B, H, T, D = q.shape
     S = k.size(2)
-    qs = (q.to(torch.float32) * D ** -0.5).flatten(0, 1).contiguous()
+    qs = scaled(q, D ** -0.5).flatten(0, 1)  # in a kept buffer (native.SCRATCH)
     kf, vf = (t.to(torch.float32).flatten(0, 1).contiguous() for t in (k, v))
     pad = None
     if key_padding_mask is not None and bool(key_padding_mask.any()):

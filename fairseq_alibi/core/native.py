@@ -78,7 +78,7 @@ SWITCH = "FAIRSEQ_ALIBI_NATIVE"
 #: Where the built library is kept.
 DIRECTORY = "FAIRSEQ_ALIBI_NATIVE_DIR"
 #: Bumped with every change of the functions' signatures (checked on load).
-ABI = 9
+ABI = 10
 
 SOURCE = r"""
 // fairseq_alibi/core/native.py's loops.  Built by that module; see its docstring.
@@ -138,7 +138,7 @@ static inline vf reciprocal(vf d) {
 #endif
 }
 
-extern "C" int fa_abi(void) { return 9; }
+extern "C" int fa_abi(void) { return 10; }
 
 // Stick-breaking's weights of one block of scores of one head, keys nearest first (see stickbreaking.py):
 // z [cols, rows] the scores (key c of query r at c * rows + r), stick [rows] each query's stick left before
@@ -1018,6 +1018,53 @@ extern "C" void fa_path_sweep_backward(const float* d_out, const float* out, con
     }
 }
 
+// PaTH's w without a gradient (path.py's PathProjections: causal_convolution, SiLU, unit length) in one pass:
+// u [B, T, H D] (the projections as the linear layer gives them; batch head i = b H + h reads u[b, :, h D : h D +
+// D] and model head h), taps [K, H D] (nn.Conv1d's weight transposed), prefix [B H, K - 1, D] (the K - 1 inputs
+// before the first token; null: zeros); writes w [B H, T, D]: y = sum_k taps[k, h D + d] u[t + k - (K - 1), d] (the
+// nearest input first, as causal_convolution sums), silu(y) = y / (1 + exp(-y)), w = silu(y) / sqrt(|silu(y)|^2 +
+// eps).  The eager path's copy into [B, H, T, D] and its five passes over u (and their tensors) are one pass.
+extern "C" void fa_path_w(const float* u, const float* taps, const float* prefix, float* w, int64_t heads,
+                          int64_t model_heads, int64_t T, int64_t D, int64_t K, float eps, int threads) {
+    const int64_t HD = model_heads * D;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && heads > 1)
+    for (int64_t h = 0; h < heads; ++h) {
+        const float* uh = u + (h / model_heads) * T * HD + (h % model_heads) * D;  // token t's row: uh + t * HD
+        const float* ph = prefix ? prefix + h * (K - 1) * D : nullptr;
+        const float* th = taps + (h % model_heads) * D;  // tap k of channel d: th[k * HD + d]
+        float* wh = w + h * T * D;
+        for (int64_t t = 0; t < T; ++t) {
+            float* y = wh + t * D;
+            for (int64_t d = 0; d < D; ++d) y[d] = 0.0f;
+            for (int64_t k = K - 1; k >= 0; --k) {
+                const int64_t i = t + k - (K - 1);  // the input tap k reads
+                const float* x = i >= 0 ? uh + i * HD : ph ? ph + (K - 1 + i) * D : nullptr;
+                if (!x) continue;
+                const float* tk = th + k * HD;
+                for (int64_t d = 0; d < D; ++d) y[d] += tk[d] * x[d];
+            }
+            vf squares = {};
+            int64_t d = 0;
+            for (; d + WIDTH <= D; d += WIDTH) {
+                vf v;
+                memcpy(&v, y + d, sizeof v);
+                v = v / (1.0f + fexp<vf, vi>(-v));
+                memcpy(y + d, &v, sizeof v);
+                squares += v * v;
+            }
+            float norm = 0.0f;
+            for (int l = 0; l < WIDTH; ++l) norm += squares[l];
+            for (; d < D; ++d) {
+                v1f a = {-y[d]};
+                y[d] = y[d] / (1.0f + fexp<v1f, v1i>(a)[0]);
+                norm += y[d] * y[d];
+            }
+            const float scale = 1.0f / sqrtf(norm + eps);
+            for (d = 0; d < D; ++d) y[d] *= scale;
+        }
+    }
+}
+
 // PaTH's attention without a gradient or padding (path.py's _by_chunks and _sweep, in one call):
 // per head, `chunk` tokens at a time in blocks of `block`: each block's compact form (path_block), then each
 // query block's online softmax over its own block, the earlier blocks of its chunk from the nearest back (its
@@ -1233,6 +1280,8 @@ def _build() -> ctypes.CDLL:
     library.fa_path_forward.restype = None
     library.fa_path_forward.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_float] + [ctypes.c_void_p] * 3
                                         + [ctypes.c_int64] * 9 + [ctypes.c_int] * 2 + [ctypes.c_void_p])
+    library.fa_path_w.restype = None
+    library.fa_path_w.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int]
     library.fa_path_block_terms.restype = None
     library.fa_path_block_terms.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 3 + [ctypes.c_int,
                                                                                            ctypes.c_void_p]
@@ -1392,7 +1441,7 @@ def stickbreaking_forward(q: Tensor, k: Tensor, v: Tensor, pad: Optional[Tensor]
                          "and every size below 2^31 (BLAS's 32-bit sizes)")
     if not forward_available():
         raise RuntimeError(f"the fused forward does not run here: {status()}")
-    out, rem = q.new_empty((heads, T, Dv)), q.new_empty((heads, T))
+    out, rem = SCRATCH.take((heads, T, Dv)), SCRATCH.take((heads, T))
     scored = torch.zeros(heads, dtype=torch.int64)
     library().fa_stickbreaking_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(pad), out.data_ptr(),
                                        rem.data_ptr(), scored.data_ptr(), heads, T, S, D, Dv, block, key_block,
@@ -1423,12 +1472,35 @@ def fire_forward(q: Tensor, k: Tensor, v: Tensor, pad: Optional[Tensor], psi: Te
                          f"heads {heads} a multiple of the model's {H}, and every size below 2^31")
     if not forward_available():
         raise RuntimeError(f"the fused forward does not run here: {status()}")
-    out = q.new_empty((heads, T, Dv))
+    out = SCRATCH.take((heads, T, Dv))
     library().fa_fire_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(pad), psi.data_ptr(),
                               norm.data_ptr(), knots.data_ptr(), pieces - 1, slopes.data_ptr(), intercepts.data_ptr(),
                               H, out.data_ptr(), heads, T, S, D, Dv, block, key_block, torch.get_num_threads(),
                               _state["sgemm"])
     return out
+
+
+def path_w(u: Tensor, taps: Tensor, heads: int, prefix: Optional[Tensor], eps: float) -> Tensor:
+    """PaTH's ``w`` ``[B H, T, D]`` without a gradient in one pass (the C++ ``fa_path_w``): of the projections
+    ``u`` ``[B, T, H D]`` (``H = heads``, the model's), the depthwise convolution's ``taps`` ``[K, H D]``
+    (``nn.Conv1d``'s weight transposed) over the ``K - 1`` inputs before each token (``prefix`` ``[B H, K - 1,
+    D]``, zeros where None), SiLU, each row scaled to unit length (``eps`` under the square root)."""
+    B, T, HD = u.shape
+    K = taps.size(0)
+    if heads < 1 or HD % heads or K < 1:
+        raise ValueError(f"u {tuple(u.shape)} must hold {heads} heads of equal width, taps {tuple(taps.shape)} "
+                         "at least one tap")
+    D = HD // heads
+    _check("u", u, (B, T, HD))
+    _check("taps", taps, (K, HD))
+    if prefix is not None:
+        _check("prefix", prefix, (B * heads, K - 1, D))
+    if library() is None:
+        raise RuntimeError(f"the fused loops do not run here: {status()}")
+    w = SCRATCH.take((B * heads, T, D))
+    library().fa_path_w(u.data_ptr(), taps.data_ptr(), _pointer(prefix), w.data_ptr(), B * heads, heads, T, D, K, eps,
+                        torch.get_num_threads())
+    return w
 
 
 def path_forward(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, values: Tensor, keys: Tensor, gate: Optional[Tensor],
@@ -1458,7 +1530,7 @@ def path_forward(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, values: Tensor, 
                          f"at least 1, S {S} at least T {T}, and every size below 2^31 (BLAS's 32-bit sizes)")
     if not forward_available():
         raise RuntimeError(f"the fused forward does not run here: {status()}")
-    out = q.new_empty((heads, T, Dv))
+    out = SCRATCH.take((heads, T, Dv))
     skipped = torch.zeros(heads, dtype=torch.int64)
     library().fa_path_forward(q.data_ptr(), k.data_ptr(), w.data_ptr(), beta.data_ptr(), values.data_ptr(),
                               _pointer(gate), gap_base, keys.data_ptr(), out.data_ptr(), skipped.data_ptr(), heads, T,
@@ -1512,14 +1584,16 @@ def _check_blocks(q: Tensor, k: Tensor, w: Tensor, beta: Tensor) -> None:
 
 
 class Scratch:
-    """Buffers of float32 kept for reuse: the training sweep's weights and carried queries (``O(T^2)``, tens
-    of MiB a layer), which a fresh tensor takes from the operating system page by page, zeroed, on every
-    call: at 2,048 tokens that took a third of the sweep's forward.  :meth:`take` hands out a view of a kept
-    buffer that nothing else references any more (no view of it alive: autograd's saved tensors hold their
-    views until the backward that reads them has run, or the graph is freed), else a new one; at most
-    :attr:`most` are kept, the least recently used dropped first (a model's layers each hold two from the
-    forward to the backward: what is kept is at most what training holds at its peak; :meth:`clear` lets it
-    go)."""
+    """Buffers of float32 kept for reuse by the fused calls: their outputs and copies (``O(T)``, a few MiB) and
+    the training sweep's weights and carried queries (``O(T^2)``, tens of MiB a layer).  A fresh tensor takes
+    its memory from the operating system page by page, zeroed, on every call: on the 2-core machine of the
+    results log a fresh 64 MiB tensor took 30 ms to write against 2.7 ms for a kept one, and at 2,048 tokens
+    the fresh outputs of one PaTH evaluation call took a tenth of its time.  :meth:`take` hands out a view of
+    the smallest kept buffer that fits (at most twice the size asked for) and that nothing references any
+    more (no view of it alive: a caller's output, or autograd's saved tensors until the backward that reads
+    them has run or the graph is freed, keep theirs), else a new one; at most :attr:`most` are kept, the least
+    recently used dropped first (what is kept is at most what the calls held at their peak; :meth:`clear`
+    lets it go)."""
 
     def __init__(self, most: int = 64):
         self.most = most
@@ -1532,15 +1606,20 @@ class Scratch:
         return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
     def take(self, shape: Tuple[int, ...]) -> Tensor:
+        """A float32 CPU tensor of ``shape``, contiguous, its values undefined."""
         size = 1
         for n in shape:
             size *= n
         with self.lock:
+            best = None
             for i, buffer in enumerate(self.kept):
-                if buffer.numel() >= size and self._references(buffer) == self.lone:
-                    self.kept.append(self.kept.pop(i))
-                    return buffer[:size].view(shape)
-            buffer = torch.empty(size, dtype=torch.float32)
+                if size <= buffer.numel() <= 2 * max(size, 1) and self._references(buffer) == self.lone:
+                    if best is None or buffer.numel() < self.kept[best].numel():
+                        best = i
+            if best is not None:
+                buffer = self.kept.pop(best)
+            else:
+                buffer = torch.empty(size, dtype=torch.float32)
             self.kept.append(buffer)
             if len(self.kept) > self.most:
                 del self.kept[0]
@@ -1551,8 +1630,15 @@ class Scratch:
             self.kept.clear()
 
 
-#: The training sweep's weights and queries (:func:`path_sweep_forward`).
+#: The fused calls' kept buffers (:class:`Scratch`).
 SCRATCH = Scratch()
+
+
+def scaled(t: Tensor, scale: float) -> Tensor:
+    """``t * scale`` in float32, contiguous, in a kept buffer (:data:`SCRATCH`): the queries a fused call reads,
+    scaled (another dtype is taken to float32 first, as ``t.float() * scale`` computes it)."""
+    out = SCRATCH.take(tuple(t.shape))
+    return torch.mul(t if t.dtype == torch.float32 else t.float(), scale, out=out)
 
 
 def path_sweep_forward(local: Tensor, carried: Tensor, k_end: Tensor, v: Tensor, gate: Optional[Tensor],

@@ -106,7 +106,8 @@ from .bias import OwnAttentionStack
 from .causal_blocks import negligible_gap
 from .fox import ForgetGates, LayerForgetGate
 from .native import path_block_terms as native_block_terms, path_block_terms_backward as native_block_terms_backward
-from .native import path_forward as native_forward, runs_for as native_runs
+from .native import path_forward as native_forward, path_w as native_w, runs_for as native_runs
+from .native import SCRATCH as native_scratch, scaled as native_scaled
 from .native import path_sweep_backward as native_sweep_backward, path_sweep_forward as native_sweep_forward
 from .native import path_merge as native_merge, path_merge_backward as native_merge_backward
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling
@@ -128,6 +129,13 @@ CHUNK = 512
 #: Queries and cached keys per product of the fused CPU call (:func:`_fused`) over the keys before a chunk.
 FUSED_QUERY_BLOCK = 128
 FUSED_KEY_BLOCK = 256
+#: The fused call's blocks and chunks where all its keys (the cache's and the new) are at most
+#: :data:`SHORT_FUSED`: smaller blocks cost fewer products for their compact forms, and smaller chunks
+#: carry fewer queries through their blocks, while the cache read once per chunk is still short (3-9 % less
+#: time at 1,024-3,072 tokens with heads of 16-64, even at 4,096 and 8,192, slower at 16,384 by 5 %:
+#: docs/results/performance-new-methods-cpu-6.md and -7.md).
+SHORT_FUSED = 4096
+SHORT_FUSED_BLOCKS = (32, 256)
 #: The rank of the projection that gives ``w`` (the authors').
 W_RANK = 32
 #: The width of the short convolution on ``w`` (the authors').
@@ -291,12 +299,16 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     gradient is taken, ``chunk`` tokens (:data:`CHUNK`) per call of
     :func:`_by_chunks`."""
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, w, beta, gate))
+    fused = not grad and _fused_runs(q, key_padding_mask, past_keys)
+    keys_in_all = q.size(2) + (0 if past_keys is None else past_keys.size(2))
+    if fused and keys_in_all <= SHORT_FUSED:  # where the caller names no size
+        block, chunk = block or SHORT_FUSED_BLOCKS[0], chunk or SHORT_FUSED_BLOCKS[1]
     if block is None:
         block = BLOCK if grad else inference_block(q.size(-1))
     chunk = chunk or CHUNK
     if block < 1 or chunk < 1:
         raise ValueError(f"block and chunk must be at least 1, not {block} and {chunk}")
-    if not grad and _fused_runs(q, key_padding_mask, past_keys):
+    if fused:
         return _fused(q, k, v, w, beta, gate, past_keys, past_values, block, chunk, return_keys)
     if not grad and q.size(2) > chunk:
         return _by_chunks(q, k, v, w, beta, gate, key_padding_mask, past_keys, past_values, block, return_keys, chunk)
@@ -361,10 +373,12 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gate: Optio
     :func:`_forgotten` leaves them out (``_count_skipped`` is told how many query-key pairs that left out)."""
     B, H, T, D = q.shape
     S0 = 0 if past_keys is None else past_keys.size(2)
-    flat = [t.to(torch.float32).reshape(B * H, *t.shape[2:]).contiguous() for t in (q * D ** -0.5, k, w, beta)]
+    flat = [native_scaled(q, D ** -0.5).view(B * H, T, D)]  # the copies in kept buffers (native.SCRATCH)
+    flat += [t.to(torch.float32).reshape(B * H, *t.shape[2:]).contiguous() for t in (k, w, beta)]
     values = v if past_values is None else torch.cat([past_values, v], dim=2)
     values = values.to(torch.float32).reshape(B * H, S0 + T, v.size(-1)).contiguous()
-    keys = q.new_empty((B * H, S0 + T, D), dtype=torch.float32)
+    keys = (q.new_empty((B * H, S0 + T, D), dtype=torch.float32) if return_keys
+            else native_scratch.take((B * H, S0 + T, D)))
     if S0:
         keys[:, :S0] = past_keys.reshape(B * H, S0, D)
     c = None if gate is None else gate.to(torch.float32).reshape(B * H, S0 + T).contiguous()
@@ -895,33 +909,56 @@ class PathProjections(nn.Module):
         padding, the convolution's state)`` of ``x`` ``[T, B, C]``;
         ``conv_state`` ``[B, H * D, 2]``: the last two projections before these
         tokens (a KV cache's; zeros at a row's start), None without the
-        convolution.  Computed in float32 (float64 for a float64 ``x``)."""
+        convolution.  Computed in float32 (float64 for a float64 ``x``);
+        without a gradient, where the fused CPU calls run, ``w``'s
+        convolution, SiLU and unit length are one C++ pass."""
         T, B, _ = x.shape
         exact = torch.promote_types(x.dtype, torch.float32)
         pad = None if key_padding_mask is None else key_padding_mask.to(torch.bool).T[:, :, None]  # [T, B, 1]
         H, D = self.num_heads, self.head_dim
+        K = CONV_WIDTH
         first, second = self.w_proj
+        taps = None if self.w_conv is None else self.w_conv.weight.to(exact)
+        params = [p for p in (second.weight, first.weight, taps) if p is not None]
+        if (taps is not None and native_runs(x) and not (torch.is_grad_enabled() and
+                                                                    (x.requires_grad or any(p.requires_grad for p in params)))):
+            # without a gradient: w's convolution, SiLU and unit length in one C++ pass (native.path_w) over the
+            # projections as the linear layer gives them, [B, T, H D]
+            u = second(first(x).transpose(0, 1)).to(exact)  # [B, T, H D]
+            if pad is not None:
+                u = u.masked_fill(pad.transpose(0, 1), 0.0)
+            prefix = None if conv_state is None else conv_state.to(exact).view(B, H, D, K - 1).transpose(2, 3)
+            w = native_w(u.contiguous(), taps[:, 0, :].T.contiguous(), H,
+                         None if prefix is None else prefix.reshape(B * H, K - 1, D).contiguous(), NORM_EPS)
+            tail = u[:, max(T - (K - 1), 0):].transpose(1, 2)  # [B, H D, <= K - 1]: the next call's prefix
+            if T < K - 1:
+                earlier = conv_state.to(exact) if conv_state is not None else u.new_zeros(B, H * D, K - 1)
+                tail = torch.cat([earlier[..., T:], tail], dim=-1)
+            return w.view(B, H, T, D), self._beta(x, pad, exact), tail.contiguous()
         low = first(x).transpose(0, 1).unsqueeze(1)  # [B, 1, T, rank]
         u = torch.matmul(low, second.weight.view(H, D, -1).transpose(1, 2)).to(exact)  # [B, H, T, D]
         if pad is not None:
             u = u.masked_fill(pad.permute(1, 2, 0)[..., None], 0.0)
         state = None
         if self.w_conv is not None:
-            K = CONV_WIDTH
             prefix = None if conv_state is None else conv_state.to(exact).view(B, H, D, K - 1).transpose(2, 3)
             tail = u[:, :, max(T - (K - 1), 0):]  # the last K - 1 inputs: the next call's prefix
             if T < K - 1:
                 earlier = prefix if prefix is not None else u.new_zeros(B, H, K - 1, D)
                 tail = torch.cat([earlier[:, :, T:], tail], dim=2)
             state = tail.transpose(2, 3).reshape(B, H * D, K - 1)
-            u = causal_convolution(u, self.w_conv.weight.to(exact), prefix)
+            u = causal_convolution(u, taps, prefix)
             u = F.silu(u, inplace=not u.requires_grad)
         scale = torch.rsqrt(torch.linalg.vector_norm(u, dim=-1, keepdim=True).square() + NORM_EPS)
         w = u * scale if u.requires_grad else u.mul_(scale)  # u is this call's own tensor: scaled in place
+        return w, self._beta(x, pad, exact), state
+
+    def _beta(self, x: Tensor, pad: Optional[Tensor], exact: torch.dtype) -> Tensor:
+        """``beta`` ``[B, H, T]`` of ``x`` ``[T, B, C]``, 0 at padding (``pad`` ``[T, B, 1]``)."""
         beta = 2 * torch.sigmoid(self.beta_proj(x).to(exact)).permute(1, 2, 0)
         if pad is not None:
             beta = beta.masked_fill(pad.permute(1, 2, 0), 0.0)
-        return w, beta, state
+        return beta
 
 
 #: The extension methods that apply: the logit methods (PaTH's is a softmax); it has no slopes or
