@@ -1547,8 +1547,8 @@ def path_block_terms(q: Tensor, k: Tensor, w: Tensor, beta: Tensor) -> Tuple[Ten
     ``saved`` ``[n, 3 c^2 + c D]`` is what :func:`path_block_terms_backward` reads."""
     n, c, D = q.shape
     _check_blocks(q, k, w, beta)
-    local, carried, k_end = q.new_empty((n, c, c)), q.new_empty((n, c, D)), q.new_empty((n, c, D))
-    m, saved = q.new_empty((n, D, D)), q.new_empty((n, 3 * c * c + c * D))
+    local, carried, k_end = SCRATCH.take((n, c, c)), SCRATCH.take((n, c, D)), SCRATCH.take((n, c, D))
+    m, saved = SCRATCH.take((n, D, D)), SCRATCH.take((n, 3 * c * c + c * D))
     library().fa_path_block_terms(q.data_ptr(), k.data_ptr(), w.data_ptr(), beta.data_ptr(), local.data_ptr(),
                                   carried.data_ptr(), k_end.data_ptr(), m.data_ptr(), saved.data_ptr(), n, c, D,
                                   torch.get_num_threads(), _state["sgemm"])
@@ -1565,7 +1565,7 @@ def path_block_terms_backward(q: Tensor, k: Tensor, w: Tensor, beta: Tensor, sav
                            ("d_carried", d_carried, (n, c, D)), ("d_k_end", d_k_end, (n, c, D)),
                            ("d_m", d_m, (n, D, D))):
         _check(name, t, shape)
-    dq, dk, dw, dbeta = (torch.empty_like(t) for t in (q, k, w, beta))
+    dq, dk, dw, dbeta = (SCRATCH.take(tuple(t.shape)) for t in (q, k, w, beta))
     library().fa_path_block_terms_backward(
         q.data_ptr(), k.data_ptr(), w.data_ptr(), beta.data_ptr(), saved.data_ptr(), d_local.data_ptr(),
         d_carried.data_ptr(), d_k_end.data_ptr(), d_m.data_ptr(), dq.data_ptr(), dk.data_ptr(), dw.data_ptr(),
@@ -1662,7 +1662,7 @@ def path_sweep_forward(local: Tensor, carried: Tensor, k_end: Tensor, v: Tensor,
         raise ValueError("sizes too large for the fused sweep")
     if not forward_available():
         raise RuntimeError(f"the fused forward does not run here: {status()}")
-    out, inverse = v.new_empty((n, heads, C, Dv)), v.new_empty((n, heads, C))
+    out, inverse = SCRATCH.take((n, heads, C, Dv)), SCRATCH.take((n, heads, C))
     weights = SCRATCH.take((heads, n * (n + 1) // 2, C, C))  # every entry written before it is read
     queries = SCRATCH.take((heads, max(n * (n - 1) // 2, 1), C, D))
     library().fa_path_sweep_forward(local.data_ptr(), carried.data_ptr(), k_end.data_ptr(), v.data_ptr(),
@@ -1686,10 +1686,10 @@ def path_sweep_backward(d_out: Tensor, out: Tensor, inverse: Tensor, weights: Te
                            ("queries", queries, (heads, max(n * (n - 1) // 2, 1), C, D)),
                            ("k_end", k_end, (n, heads, C, D)), ("v", v, (n, heads, C, Dv)), ("m", m, (n, heads, D, D))):
         _check(name, t, shape)
-    d_local = v.new_empty((n, heads, C, C))
-    d_carried, d_k_end, d_v = torch.zeros_like(k_end), torch.zeros_like(k_end), torch.zeros_like(v)
-    d_gate = v.new_zeros((n, heads, C)) if gated else None
-    d_m = torch.zeros_like(m)
+    d_local = SCRATCH.take((n, heads, C, C))
+    d_carried, d_k_end, d_v = (SCRATCH.take(tuple(t.shape)).zero_() for t in (k_end, k_end, v))
+    d_gate = SCRATCH.take((n, heads, C)).zero_() if gated else None
+    d_m = SCRATCH.take(tuple(m.shape)).zero_()
     library().fa_path_sweep_backward(d_out.data_ptr(), out.data_ptr(), inverse.data_ptr(), weights.data_ptr(),
                                      queries.data_ptr(), k_end.data_ptr(), v.data_ptr(), m.data_ptr(),
                                      d_local.data_ptr(), d_carried.data_ptr(), d_k_end.data_ptr(), d_v.data_ptr(),
@@ -1713,8 +1713,8 @@ def path_merge(local: Tensor, carried: Tensor, k_end: Tensor, m: Tensor) -> Tupl
         raise ValueError("sizes too large for the fused merge")
     if not forward_available():
         raise RuntimeError(f"the fused forward does not run here: {status()}")
-    local2, m2 = local.new_empty((n // 2, heads, 2 * C, 2 * C)), m.new_empty((n // 2, heads, D, D))
-    carried2, k_end2 = carried.new_empty((n // 2, heads, 2 * C, D)), k_end.new_empty((n // 2, heads, 2 * C, D))
+    local2, m2 = SCRATCH.take((n // 2, heads, 2 * C, 2 * C)), SCRATCH.take((n // 2, heads, D, D))
+    carried2, k_end2 = SCRATCH.take((n // 2, heads, 2 * C, D)), SCRATCH.take((n // 2, heads, 2 * C, D))
     library().fa_path_merge(local.data_ptr(), carried.data_ptr(), k_end.data_ptr(), m.data_ptr(), local2.data_ptr(),
                             carried2.data_ptr(), k_end2.data_ptr(), m2.data_ptr(), n, heads, C, D,
                             torch.get_num_threads(), _state["sgemm"])
@@ -1731,8 +1731,8 @@ def path_merge_backward(carried: Tensor, k_end: Tensor, m: Tensor, d_local2: Ten
                            ("d_carried2", d_carried2, (n // 2, heads, 2 * C, D)),
                            ("d_k_end2", d_k_end2, (n // 2, heads, 2 * C, D)), ("d_m2", d_m2, (n // 2, heads, D, D))):
         _check(name, t, shape)
-    d_local = carried.new_empty((n, heads, C, C))
-    d_carried, d_k_end, d_m = torch.empty_like(carried), torch.empty_like(k_end), torch.empty_like(m)
+    d_local = SCRATCH.take((n, heads, C, C))
+    d_carried, d_k_end, d_m = (SCRATCH.take(tuple(t.shape)) for t in (carried, k_end, m))
     library().fa_path_merge_backward(carried.data_ptr(), k_end.data_ptr(), m.data_ptr(), d_local2.data_ptr(),
                                      d_carried2.data_ptr(), d_k_end2.data_ptr(), d_m2.data_ptr(), d_local.data_ptr(),
                                      d_carried.data_ptr(), d_k_end.data_ptr(), d_m.data_ptr(), n, heads, C, D,
