@@ -178,6 +178,30 @@ def replaced(function, replacement):
             setattr(module, function.__name__, function)
 
 
+class _FreshBuffers:
+    """A stand-in for ``native.SCRATCH`` that keeps nothing: every buffer a fresh tensor."""
+
+    kept: list = []
+
+    @staticmethod
+    def take(shape):
+        return torch.empty(shape, dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def fresh_buffers():
+    """The fused calls' kept buffers (``native.SCRATCH``) replaced for the block by fresh tensors, as
+    they were before buffers were kept: what keeping them saves, timed side by side."""
+    from fairseq_alibi.core import native
+
+    kept = native.SCRATCH
+    native.SCRATCH = _FreshBuffers()
+    try:
+        yield
+    finally:
+        native.SCRATCH = kept
+
+
 @contextlib.contextmanager
 def fused_loops_off(off: bool = True):
     """The fused CPU loops (``core/native.py``) switched off for the block where ``off``: the eager

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import fused_loops_off, machine_description, median, positive  # noqa: E402
+from common import fresh_buffers, fused_loops_off, machine_description, median, positive  # noqa: E402
 from position_kernels import Case  # noqa: E402
 
 from fairseq_alibi.core import native  # noqa: E402
@@ -43,6 +43,8 @@ from fairseq_alibi.core.scaling import Scaling  # noqa: E402
 #: queries and keys shifted so that z = q . k / sqrt(d) is about -8 + N(0, 1) (each key takes about
 #: 0.05 % of the stick): no row spends its stick within 16,384 keys, so no key block is skipped; with
 #: random q and k (z about N(0, 1)) a row's stick is spent within a few hundred keys.
+#: A name ending in "-fresh": the same case with every buffer of the fused calls a fresh tensor
+#: (``common.fresh_buffers``), as before they were kept (``native.Scratch``).
 #: A name ending in "-eager": the same case with the fused CPU loops switched off (``core/native.py``),
 #: its eager PyTorch passes instead (FIRE: the shared chunked kernel, its bias built over every key; PaTH: its
 #: chunks, block terms and sweep as PyTorch operations, the cached keys by torch's fused attention).
@@ -50,7 +52,8 @@ CASES = {"alibi": ("alibi", {}), "sdpa": ("sdpa", {}), "stickbreaking": ("stickb
          "stickbreaking-far": ("stickbreaking", {}), "stickbreaking-eager": ("stickbreaking", {}),
          "stickbreaking-far-eager": ("stickbreaking", {}), "path": ("path", {}),
          "path-fox": ("path", {"path_forget_gate": 1}), "path-eager": ("path", {}),
-         "path-fox-eager": ("path", {"path_forget_gate": 1}), "fire": ("fire", {}), "fire-eager": ("fire", {})}
+         "path-fox-eager": ("path", {"path_forget_gate": 1}), "fire": ("fire", {}), "fire-eager": ("fire", {}),
+         "path-fresh": ("path", {}), "fire-fresh": ("fire", {})}
 
 
 class Sdpa:
@@ -85,6 +88,17 @@ class Eager:
 
     def seconds(self, *args) -> float:
         with fused_loops_off():
+            return self.case.seconds(*args)
+
+
+class Fresh:
+    """A case run with the fused calls' buffers fresh (``common.fresh_buffers``)."""
+
+    def __init__(self, case):
+        self.case = case
+
+    def seconds(self, *args) -> float:
+        with fresh_buffers():
             return self.case.seconds(*args)
 
 
@@ -139,7 +153,7 @@ def build(name: str, heads: int, head_dim: int, length: int):
         case.stack = P.build(method, heads, head_dim, full, Scaling("none", train_length=length))
         case.stack.fit_depth(2)
         case.layers = [case.stack.at_layer(0).for_layer()]
-    return Eager(case) if name.endswith("-eager") else case
+    return Eager(case) if name.endswith("-eager") else Fresh(case) if name.endswith("-fresh") else case
 
 
 def measure(names, shape, train: bool, repeats: int, length: int):

@@ -597,6 +597,25 @@ def test_an_eager_case_runs_without_the_fused_loops(monkeypatch):
     assert loops
 
 
+def test_a_fresh_case_keeps_no_buffer():
+    """``new_methods_cpu``'s ``-fresh`` cases run the fused calls with every buffer a fresh tensor (nothing
+    taken from ``native.SCRATCH``), and put the kept buffers back after."""
+    import new_methods_cpu
+    from fairseq_alibi.core import native
+
+    kept, taken = native.SCRATCH, []
+    real_take = kept.take
+    kept.take = lambda shape: taken.append(shape) or real_take(shape)
+    try:
+        q, k, v = (torch.randn(1, 2, 300, 8) for _ in range(3))
+        new_methods_cpu.build("fire-fresh", 2, 8, 16).seconds(q, k, v, None, 0.0, False)
+        assert not taken and native.SCRATCH is kept
+        new_methods_cpu.build("fire", 2, 8, 16).seconds(q, k, v, None, 0.0, False)
+        assert taken
+    finally:
+        del kept.take
+
+
 @pytest.mark.parametrize("evaluation", [False, True])
 def test_the_kernel_blocks_benchmark_runs_each_path_size_it_names_beside_sdpa(evaluation, capsys, monkeypatch):
     """``benchmarks/kernel_blocks.py`` (PaTH): a row per block (and sweep or chunk) size after SDPA's, each

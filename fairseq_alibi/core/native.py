@@ -1634,6 +1634,11 @@ class Scratch:
 SCRATCH = Scratch()
 
 
+def take(shape: Tuple[int, ...]) -> Tensor:
+    """:meth:`Scratch.take` of :data:`SCRATCH` (read when called: a benchmark may replace it)."""
+    return SCRATCH.take(shape)
+
+
 def scaled(t: Tensor, scale: float) -> Tensor:
     """``t * scale`` in float32, contiguous, in a kept buffer (:data:`SCRATCH`): the queries a fused call reads,
     scaled (another dtype is taken to float32 first, as ``t.float() * scale`` computes it)."""

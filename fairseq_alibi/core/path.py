@@ -107,7 +107,7 @@ from .causal_blocks import negligible_gap
 from .fox import ForgetGates, LayerForgetGate
 from .native import path_block_terms as native_block_terms, path_block_terms_backward as native_block_terms_backward
 from .native import path_forward as native_forward, path_w as native_w, runs_for as native_runs
-from .native import SCRATCH as native_scratch, scaled as native_scaled
+from .native import scaled as native_scaled, take as native_take
 from .native import path_sweep_backward as native_sweep_backward, path_sweep_forward as native_sweep_forward
 from .native import path_merge as native_merge, path_merge_backward as native_merge_backward
 from .scaling import LOGIT_METHODS, NO_SCALING, Scaling
@@ -378,7 +378,7 @@ def _fused(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gate: Optio
     values = v if past_values is None else torch.cat([past_values, v], dim=2)
     values = values.to(torch.float32).reshape(B * H, S0 + T, v.size(-1)).contiguous()
     keys = (q.new_empty((B * H, S0 + T, D), dtype=torch.float32) if return_keys
-            else native_scratch.take((B * H, S0 + T, D)))
+            else native_take((B * H, S0 + T, D)))
     if S0:
         keys[:, :S0] = past_keys.reshape(B * H, S0, D)
     c = None if gate is None else gate.to(torch.float32).reshape(B * H, S0 + T).contiguous()
