@@ -80,26 +80,20 @@ class Far(Case):
         return super().seconds(q, k, v, weight, dropout, train)
 
 
-class Eager:
-    """A case run with the fused CPU loops switched off (``common.fused_loops_off``)."""
+class Within:
+    """A case whose calls run inside ``context()``: the fused CPU loops switched off (``-eager``,
+    ``common.fused_loops_off``) or their buffers fresh (``-fresh``, ``common.fresh_buffers``)."""
 
-    def __init__(self, case):
-        self.case = case
+    def __init__(self, case, context):
+        self.case, self.context = case, context
 
     def seconds(self, *args) -> float:
-        with fused_loops_off():
+        with self.context():
             return self.case.seconds(*args)
 
 
-class Fresh:
-    """A case run with the fused calls' buffers fresh (``common.fresh_buffers``)."""
-
-    def __init__(self, case):
-        self.case = case
-
-    def seconds(self, *args) -> float:
-        with fresh_buffers():
-            return self.case.seconds(*args)
+#: The case name's ending and the context its calls run in (:class:`Within`).
+VARIANTS = {"-eager": fused_loops_off, "-fresh": fresh_buffers}
 
 
 def scored(case, q, k, v) -> float:
@@ -153,7 +147,8 @@ def build(name: str, heads: int, head_dim: int, length: int):
         case.stack = P.build(method, heads, head_dim, full, Scaling("none", train_length=length))
         case.stack.fit_depth(2)
         case.layers = [case.stack.at_layer(0).for_layer()]
-    return Eager(case) if name.endswith("-eager") else Fresh(case) if name.endswith("-fresh") else case
+    ending = name[name.rfind("-"):]
+    return Within(case, VARIANTS[ending]) if ending in VARIANTS else case
 
 
 def measure(names, shape, train: bool, repeats: int, length: int):
