@@ -130,9 +130,10 @@ CHUNK = 512
 FUSED_QUERY_BLOCK = 128
 FUSED_KEY_BLOCK = 256
 #: The fused call's blocks and chunks where all its keys (the cache's and the new) are at most
-#: :data:`SHORT_FUSED`: smaller blocks cost fewer products for their compact forms, and smaller chunks
-#: carry fewer queries through their blocks, while the cache read once per chunk is still short (3-9 % less
-#: time at 1,024-3,072 tokens with heads of 16-64, even at 4,096 and 8,192, slower at 16,384 by 5 %:
+#: :data:`SHORT_FUSED` and the head dimension at most twice the block: smaller blocks cost fewer products for
+#: their compact forms, and smaller chunks carry fewer queries through their blocks, while the cache read once
+#: per chunk is still short (3-9 % less time at 1,024-3,072 tokens with heads of 16-64, even at 4,096 and
+#: 8,192, slower at 16,384 by 5 %; with heads of 128, whose block products are D x D, 9 % slower at 3,072:
 #: docs/results/performance-new-methods-cpu-6.md and -7.md).
 SHORT_FUSED = 4096
 SHORT_FUSED_BLOCKS = (32, 256)
@@ -301,7 +302,7 @@ def path_attention(q: Tensor, k: Tensor, v: Tensor, w: Tensor, beta: Tensor, gat
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, w, beta, gate))
     fused = not grad and _fused_runs(q, key_padding_mask, past_keys)
     keys_in_all = q.size(2) + (0 if past_keys is None else past_keys.size(2))
-    if fused and keys_in_all <= SHORT_FUSED:  # where the caller names no size
+    if fused and keys_in_all <= SHORT_FUSED and q.size(-1) <= 2 * SHORT_FUSED_BLOCKS[0]:  # where no size is named
         block, chunk = block or SHORT_FUSED_BLOCKS[0], chunk or SHORT_FUSED_BLOCKS[1]
     if block is None:
         block = BLOCK if grad else inference_block(q.size(-1))
