@@ -579,3 +579,20 @@ def test_the_layer_attends_with_its_own_kernel_and_cache(forget_gate):
     with pytest.raises(ScalingError, match="linear does not apply to path"):
         PathPositions(HEADS, DIM, 16, scaling=Scaling("linear", 2.0))
     assert PathPositions(HEADS, DIM, 16, scaling=Scaling("logn", train_length=64)).scaling.method == "logn"
+
+
+@pytest.mark.parametrize("S,D,sizes", [(100, 8, (32, 256)), (100, 64, (32, 256)), (100, 128, (64, 512)),
+                                       (4097, 8, (32, 512))])
+def test_the_fused_call_takes_short_sizes_where_they_are_faster(S, D, sizes, monkeypatch):
+    """Without named sizes, the fused evaluation runs blocks of 32 in chunks of 256 where it sees at most
+    ``SHORT_FUSED`` keys and heads of at most 64, else ``inference_block`` and ``CHUNK``; named sizes win."""
+    from fairseq_alibi.core import path
+    seen = []
+    monkeypatch.setattr(path, "native_forward", lambda *a: seen.append(a[8:10]) or (torch.zeros(a[0].shape[:2] + (
+        a[4].size(-1),)), 0))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, w = (torch.randn(1, 1, S, D, generator=gen) for _ in range(4))
+    with torch.no_grad():
+        path.path_attention(q, k, v, w, torch.rand(1, 1, S, generator=gen))
+        path.path_attention(q, k, v, w, torch.rand(1, 1, S, generator=gen), block=16, chunk=64)
+    assert seen == [sizes, (16, 64)]
