@@ -377,6 +377,27 @@ def test_scratch_hands_out_only_buffers_nothing_else_holds():
     assert not scratch.kept
 
 
+def test_scratch_keeps_inference_buffers_apart_and_hands_out_no_views():
+    """A buffer made in inference mode serves only inference mode (torch refuses in-place writes to it, and
+    saving it for a backward, outside), a normal one only calls outside it; what ``take`` hands out is no view
+    (autograd treats outputs of its functions that are views apart)."""
+    scratch = native.Scratch()
+    with torch.inference_mode():
+        made_inside = scratch.take((8,))
+        inside_ptr = made_inside.data_ptr()
+        del made_inside
+    outside = scratch.take((8,))
+    assert outside.data_ptr() != inside_ptr and not outside.is_inference() and outside._base is None
+    outside.fill_(1.0)  # a normal tensor: written in place
+    outside_ptr = outside.data_ptr()
+    del outside
+    with torch.inference_mode():
+        again = scratch.take((8,))
+        assert again.data_ptr() == inside_ptr
+    normal = scratch.take((8,))
+    assert normal.data_ptr() == outside_ptr
+
+
 def test_a_fused_output_held_by_its_caller_is_never_written_again():
     """The fused calls' outputs live in kept buffers (``native.SCRATCH``): one the caller still holds keeps
     its values through later calls of every size; once dropped, the buffers serve the next calls again."""

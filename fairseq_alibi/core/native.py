@@ -25,7 +25,13 @@ such calls for evaluation (no gradient):
 and, for PaTH's training, three pairs of calls with backwards written out:
 :func:`path_block_terms` (the blocks' compact forms), :func:`path_merge`
 (blocks merged in pairs) and :func:`path_sweep_forward` (the sweep over the
-blocks and its softmax).
+blocks and its softmax); :func:`path_w` is PaTH's ``w`` (its convolution,
+SiLU and unit length) in one pass where no gradient is taken.
+
+Every tensor these calls allocate is a view of a buffer kept for reuse
+(:class:`Scratch`, :data:`SCRATCH`), handed out again only once nothing
+references it: a fresh tensor is faulted in from the operating system page
+by page, which on small virtual machines took a tenth of a call.
 
 The loops are C++ with GCC's vector extensions, 16 floats at a time with
 AVX-512, else 8 (x86-64 CPUs with AVX2 or AVX-512, the vector instructions
@@ -1597,7 +1603,7 @@ class Scratch:
 
     def __init__(self, most: int = 64):
         self.most = most
-        self.kept: list = []  # flat buffers, the least recently used first
+        self.kept: list = []  # (flat buffer, made in inference mode), the least recently used first
         self.lone = self._references(torch.empty(1))
         self.lock = threading.Lock()
 
@@ -1606,24 +1612,25 @@ class Scratch:
         return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
     def take(self, shape: Tuple[int, ...]) -> Tensor:
-        """A float32 CPU tensor of ``shape``, contiguous, its values undefined."""
+        """A float32 CPU tensor of ``shape``, contiguous, its values undefined: a tensor of its own (not a view,
+        which autograd would track as one) on a kept buffer's memory.  Buffers made in inference mode serve only
+        calls in inference mode, and the others only calls outside it (torch keeps the two kinds apart)."""
         size = 1
         for n in shape:
             size *= n
+        inference = torch.is_inference_mode_enabled()
         with self.lock:
             best = None
-            for i, buffer in enumerate(self.kept):
-                if size <= buffer.numel() <= 2 * max(size, 1) and self._references(buffer) == self.lone:
-                    if best is None or buffer.numel() < self.kept[best].numel():
-                        best = i
-            if best is not None:
-                buffer = self.kept.pop(best)
-            else:
-                buffer = torch.empty(size, dtype=torch.float32)
-            self.kept.append(buffer)
+            for i, (buffer, made_in) in enumerate(self.kept):
+                if (made_in == inference and size <= buffer.numel() <= 2 * max(size, 1)
+                        and self._references(buffer) == self.lone
+                        and (best is None or buffer.numel() < self.kept[best][0].numel())):
+                    best = i
+            entry = self.kept.pop(best) if best is not None else (torch.empty(size, dtype=torch.float32), inference)
+            self.kept.append(entry)
             if len(self.kept) > self.most:
                 del self.kept[0]
-            return buffer[:size].view(shape)
+            return torch.empty(0, dtype=torch.float32).set_(entry[0].untyped_storage(), 0, tuple(shape))
 
     def clear(self) -> None:
         with self.lock:
