@@ -181,8 +181,6 @@ def replaced(function, replacement):
 class _FreshBuffers:
     """A stand-in for ``native.SCRATCH`` that keeps nothing: every buffer a fresh tensor."""
 
-    kept: list = []
-
     @staticmethod
     def take(shape):
         return torch.empty(shape, dtype=torch.float32)

@@ -371,10 +371,27 @@ def test_scratch_hands_out_only_buffers_nothing_else_holds():
     x.grad = None
     y.sum().backward()
     assert torch.equal(x.grad, torch.arange(6.0))  # the saved buffer was not overwritten
-    assert len(scratch.kept) == 3
+    assert len(scratch) == 3
     del clobber, y
     scratch.clear()
-    assert not scratch.kept
+    assert not len(scratch)
+
+
+def test_scratch_serves_a_deep_models_layers_step_after_step():
+    """Many buffers of a few sizes held at once (a model's layers from forward to backward), then let go: the
+    next step takes every one of them again, nothing new allocated, and a size asked for that is smaller than
+    any free buffer by more than half gets its own."""
+    scratch = native.Scratch()
+    shapes = [(6,), (4, 3), (5,)] * 40
+    held = [scratch.take(shape) for shape in shapes]
+    first = {t.data_ptr() for t in held}
+    assert len(first) == len(shapes) == len(scratch)
+    del held
+    again = [scratch.take(shape) for shape in shapes]
+    assert {t.data_ptr() for t in again} == first and len(scratch) == len(shapes)
+    del again
+    assert scratch.take((2,)).data_ptr() not in first  # 2 < 5 / 2: not served by a buffer of 5 or more
+    assert scratch.take((3,)).data_ptr() in first  # a buffer of 5 or 6 serves 3
 
 
 def test_scratch_keeps_inference_buffers_apart_and_hands_out_no_views():
@@ -414,8 +431,8 @@ def test_a_fused_output_held_by_its_caller_is_never_written_again():
                                            block=4, chunk=8)
             assert later.data_ptr() != first.data_ptr()
         assert torch.equal(first, kept)
-        kept_before = len(native.SCRATCH.kept)
+        kept_before = len(native.SCRATCH)
         del first, later
         again, _ = path.path_attention(q, k, v, w, beta, block=4, chunk=8)
-        assert torch.equal(again, kept) and len(native.SCRATCH.kept) == kept_before  # nothing new allocated
+        assert torch.equal(again, kept) and len(native.SCRATCH) == kept_before  # nothing new allocated
 

@@ -61,6 +61,7 @@ exported models, which build the same library where they run (or fall back).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import logging
@@ -1591,25 +1592,37 @@ def _check_blocks(q: Tensor, k: Tensor, w: Tensor, beta: Tensor) -> None:
 
 class Scratch:
     """Buffers of float32 kept for reuse by the fused calls: their outputs and copies (``O(T)``, a few MiB) and
-    the training sweep's weights and carried queries (``O(T^2)``, tens of MiB a layer).  A fresh tensor takes
-    its memory from the operating system page by page, zeroed, on every call: on the 2-core machine of the
-    results log a fresh 64 MiB tensor took 30 ms to write against 2.7 ms for a kept one, and at 2,048 tokens
-    the fresh outputs of one PaTH evaluation call took a tenth of its time.  :meth:`take` hands out a view of
-    the smallest kept buffer that fits (at most twice the size asked for) and that nothing references any
-    more (no view of it alive: a caller's output, or autograd's saved tensors until the backward that reads
-    them has run or the graph is freed, keep theirs), else a new one; at most :attr:`most` are kept, the least
-    recently used dropped first (what is kept is at most what the calls held at their peak; :meth:`clear`
-    lets it go)."""
+    PaTH's training terms, gradients and sweep weights (``O(T^2)``, up to hundreds of MiB a layer).  A fresh
+    tensor takes its memory from the operating system page by page, zeroed, on every call; on the small
+    virtual machine of the results log that took a tenth of a PaTH evaluation call at 2,048 tokens and of its
+    training call at 4,096 (``new_methods_cpu.py``'s ``-fresh`` cases).
 
-    def __init__(self, most: int = 64):
+    :meth:`take` hands out the memory of the smallest kept buffer that fits (at most twice the size asked for)
+    and that nothing references any more: a caller's output, or a tensor autograd saved until the backward that
+    reads it has run or its graph is freed, keeps its buffer out of reach.  Else it makes a new buffer.  Kept
+    buffers are grouped by size, the least recently used first within each, so a model's layers find theirs
+    at once, step after step.  At most :attr:`most` are kept, the least recently used dropped first: what is
+    kept is at most what the calls held at their peak (:meth:`clear` lets it go)."""
+
+    def __init__(self, most: int = 4096):
         self.most = most
-        self.kept: list = []  # (flat buffer, made in inference mode), the least recently used first
+        self.groups: dict = {}  # (numel, made in inference mode) -> buffers, the least recently used first
+        self.order: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()  # id -> (group, buffer)
         self.lone = self._references(torch.empty(1))
         self.lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.order)
 
     @staticmethod
     def _references(t: Tensor) -> int:  # tensors sharing the buffer's storage, t and the query's own included
         return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+    def _free(self, group: tuple) -> Optional[Tensor]:
+        for buffer in self.groups.get(group, ()):
+            if self._references(buffer) == self.lone:
+                return buffer
+        return None
 
     def take(self, shape: Tuple[int, ...]) -> Tensor:
         """A float32 CPU tensor of ``shape``, contiguous, its values undefined: a tensor of its own (not a view,
@@ -1620,21 +1633,33 @@ class Scratch:
             size *= n
         inference = torch.is_inference_mode_enabled()
         with self.lock:
-            best = None
-            for i, (buffer, made_in) in enumerate(self.kept):
-                if (made_in == inference and size <= buffer.numel() <= 2 * max(size, 1)
-                        and self._references(buffer) == self.lone
-                        and (best is None or buffer.numel() < self.kept[best][0].numel())):
-                    best = i
-            entry = self.kept.pop(best) if best is not None else (torch.empty(size, dtype=torch.float32), inference)
-            self.kept.append(entry)
-            if len(self.kept) > self.most:
-                del self.kept[0]
-            return torch.empty(0, dtype=torch.float32).set_(entry[0].untyped_storage(), 0, tuple(shape))
+            group, buffer = (size, inference), self._free((size, inference))
+            if buffer is None:  # a larger one, the smallest that is free
+                for other in sorted(g for g in self.groups if g[1] == inference and size < g[0] <= 2 * max(size, 1)):
+                    buffer = self._free(other)
+                    if buffer is not None:
+                        group = other
+                        break
+            if buffer is None:
+                buffer = torch.empty(size, dtype=torch.float32)
+                self.groups.setdefault(group, []).append(buffer)
+            else:  # the most recently used of its group now
+                members = self.groups[group]
+                members.append(members.pop(next(i for i, b in enumerate(members) if b is buffer)))
+            self.order[id(buffer)] = (group, buffer)
+            self.order.move_to_end(id(buffer))
+            while len(self.order) > self.most:
+                old_group, old = self.order.popitem(last=False)[1]
+                members = self.groups[old_group]
+                del members[next(i for i, b in enumerate(members) if b is old)]
+                if not members:
+                    del self.groups[old_group]
+            return torch.empty(0, dtype=torch.float32).set_(buffer.untyped_storage(), 0, tuple(shape))
 
     def clear(self) -> None:
         with self.lock:
-            self.kept.clear()
+            self.groups.clear()
+            self.order.clear()
 
 
 #: The fused calls' kept buffers (:class:`Scratch`).
