@@ -920,22 +920,10 @@ class PathProjections(nn.Module):
         K = CONV_WIDTH
         first, second = self.w_proj
         taps = None if self.w_conv is None else self.w_conv.weight.to(exact)
-        params = [p for p in (second.weight, first.weight, taps) if p is not None]
-        if (taps is not None and native_runs(x) and not (torch.is_grad_enabled() and
-                                                                    (x.requires_grad or any(p.requires_grad for p in params)))):
-            # without a gradient: w's convolution, SiLU and unit length in one C++ pass (native.path_w) over the
-            # projections as the linear layer gives them, [B, T, H D]
-            u = second(first(x).transpose(0, 1)).to(exact)  # [B, T, H D]
-            if pad is not None:
-                u = u.masked_fill(pad.transpose(0, 1), 0.0)
-            prefix = None if conv_state is None else conv_state.to(exact).view(B, H, D, K - 1).transpose(2, 3)
-            w = native_w(u.contiguous(), taps[:, 0, :].T.contiguous(), H,
-                         None if prefix is None else prefix.reshape(B * H, K - 1, D).contiguous(), NORM_EPS)
-            tail = u[:, max(T - (K - 1), 0):].transpose(1, 2)  # [B, H D, <= K - 1]: the next call's prefix
-            if T < K - 1:
-                earlier = conv_state.to(exact) if conv_state is not None else u.new_zeros(B, H * D, K - 1)
-                tail = torch.cat([earlier[..., T:], tail], dim=-1)
-            return w.view(B, H, T, D), self._beta(x, pad, exact), tail.contiguous()
+        tracked = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+        if taps is not None and not tracked and native_runs(x):
+            w, state = self._fused_w(x, pad, conv_state, taps, exact)
+            return w, self._beta(x, pad, exact), state
         low = first(x).transpose(0, 1).unsqueeze(1)  # [B, 1, T, rank]
         u = torch.matmul(low, second.weight.view(H, D, -1).transpose(1, 2)).to(exact)  # [B, H, T, D]
         if pad is not None:
@@ -953,6 +941,25 @@ class PathProjections(nn.Module):
         scale = torch.rsqrt(torch.linalg.vector_norm(u, dim=-1, keepdim=True).square() + NORM_EPS)
         w = u * scale if u.requires_grad else u.mul_(scale)  # u is this call's own tensor: scaled in place
         return w, self._beta(x, pad, exact), state
+
+    def _fused_w(self, x: Tensor, pad: Optional[Tensor], conv_state: Optional[Tensor], taps: Tensor,
+                 exact: torch.dtype) -> Tuple[Tensor, Tensor]:
+        """``(w, the convolution's state)`` without a gradient: the convolution, SiLU and unit length in one C++
+        pass (``native.path_w``) over the projections as the linear layer gives them, ``[B, T, H D]``."""
+        T, B, _ = x.shape
+        H, D, K = self.num_heads, self.head_dim, CONV_WIDTH
+        first, second = self.w_proj
+        u = second(first(x).transpose(0, 1)).to(exact)  # [B, T, H D]
+        if pad is not None:
+            u = u.masked_fill(pad.transpose(0, 1), 0.0)
+        prefix = None if conv_state is None else conv_state.to(exact).view(B, H, D, K - 1).transpose(2, 3)
+        w = native_w(u.contiguous(), taps[:, 0, :].T.contiguous(), H,
+                     None if prefix is None else prefix.reshape(B * H, K - 1, D).contiguous(), NORM_EPS)
+        tail = u[:, max(T - (K - 1), 0):].transpose(1, 2)  # [B, H D, <= K - 1]: the next call's prefix
+        if T < K - 1:
+            earlier = conv_state.to(exact) if conv_state is not None else u.new_zeros(B, H * D, K - 1)
+            tail = torch.cat([earlier[..., T:], tail], dim=-1)
+        return w.view(B, H, T, D), tail.contiguous()
 
     def _beta(self, x: Tensor, pad: Optional[Tensor], exact: torch.dtype) -> Tensor:
         """``beta`` ``[B, H, T]`` of ``x`` ``[T, B, C]``, 0 at padding (``pad`` ``[T, B, 1]``)."""
