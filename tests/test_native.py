@@ -436,3 +436,14 @@ def test_a_fused_output_held_by_its_caller_is_never_written_again():
         again, _ = path.path_attention(q, k, v, w, beta, block=4, chunk=8)
         assert torch.equal(again, kept) and len(native.SCRATCH) == kept_before  # nothing new allocated
 
+
+def test_scratch_without_a_reference_count_never_reuses(monkeypatch):
+    """Where torch cannot count a storage's references (``torch._C._storage_Use_Count`` missing, as an exported
+    model may meet on another torch), every buffer is a fresh one."""
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    scratch = native.Scratch()
+    scratch.take((6,))  # a buffer of 6, nothing referencing it once the statement is done
+    assert len(scratch) == 1 and scratch._free((6, False)) is None  # not handed out again
+    scratch.take((6,))
+    assert len(scratch) == 2
+

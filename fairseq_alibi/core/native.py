@@ -1615,10 +1615,15 @@ class Scratch:
         return len(self.order)
 
     @staticmethod
-    def _references(t: Tensor) -> int:  # tensors sharing the buffer's storage, t and the query's own included
-        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    def _references(t: Tensor) -> int:
+        """Tensors sharing the buffer's storage, ``t`` and the query's own included; -1 where this torch cannot
+        count them (then no buffer is ever handed out twice)."""
+        count = getattr(torch._C, "_storage_Use_Count", None)
+        return -1 if count is None else count(t.untyped_storage()._cdata)
 
     def _free(self, group: tuple) -> Optional[Tensor]:
+        if self.lone < 0:
+            return None
         for buffer in self.groups.get(group, ()):
             if self._references(buffer) == self.lone:
                 return buffer
