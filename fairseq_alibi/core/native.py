@@ -28,10 +28,11 @@ and, for PaTH's training, three pairs of calls with backwards written out:
 blocks and its softmax); :func:`path_w` is PaTH's ``w`` (its convolution,
 SiLU and unit length) in one pass where no gradient is taken.
 
-Every tensor these calls allocate is a view of a buffer kept for reuse
+Every tensor these calls allocate lies on a buffer kept for reuse
 (:class:`Scratch`, :data:`SCRATCH`), handed out again only once nothing
 references it: a fresh tensor is faulted in from the operating system page
-by page, which on small virtual machines took a tenth of a call.
+by page, which on a small virtual machine took an eighth of PaTH's training
+call at 4,096 tokens.
 
 The loops are C++ with GCC's vector extensions, 16 floats at a time with
 AVX-512, else 8 (x86-64 CPUs with AVX2 or AVX-512, the vector instructions
@@ -1594,8 +1595,8 @@ class Scratch:
     """Buffers of float32 kept for reuse by the fused calls: their outputs and copies (``O(T)``, a few MiB) and
     PaTH's training terms, gradients and sweep weights (``O(T^2)``, up to hundreds of MiB a layer).  A fresh
     tensor takes its memory from the operating system page by page, zeroed, on every call; on the small
-    virtual machine of the results log that took a tenth of a PaTH evaluation call at 2,048 tokens and of its
-    training call at 4,096 (``new_methods_cpu.py``'s ``-fresh`` cases).
+    virtual machine of the results log that took an eighth of PaTH's training call at 4,096 tokens
+    (``new_methods_cpu.py``'s ``-fresh`` cases).
 
     :meth:`take` hands out the memory of the smallest kept buffer that fits (at most twice the size asked for)
     and that nothing references any more: a caller's output, or a tensor autograd saved until the backward that
