@@ -870,8 +870,7 @@ def causal_convolution(u: Tensor, weight: Tensor, prefix: Optional[Tensor]) -> T
     ``weight[h D + d, 0, :]`` (``[H D, 1, K]``, ``nn.Conv1d``'s) over that channel's last ``K`` inputs, the
     ``K - 1`` before the first token read from ``prefix`` ``[B, H, K - 1, D]`` (zeros where None):
     ``F.conv1d`` over ``[B, H D, K - 1 + T]``, as ``K`` products of shifted slices, in the layout the attention
-    reads.  Taking ``u`` to ``[B, H D, T]``, padding it in front and back costs three copies of ``u``; at
-    2,048 tokens they and the depthwise convolution took more time than the projections before them."""
+    reads: taking ``u`` to ``[B, H D, T]``, padding it in front and back would copy it three times."""
     B, H, T, D = u.shape
     K = weight.size(-1)
     taps = weight.view(H, D, K)
