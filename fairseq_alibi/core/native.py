@@ -377,7 +377,7 @@ static inline bool column_weights(float* z, int64_t rows, const float* top, floa
 // out += P^T V by sgemm; out [heads, T, Dv] divided by the sums at the end.  Each block's bias per distance where the block's
 // rows share a piece (the piece at the block's smallest and largest normalizer agree), per pair elsewhere; the
 // pieces of every distance the query block sees are found once for all its key blocks, by walking along the
-// distances (finding them by bisection for each key block took a quarter of the call's time at 2,048 tokens).
+// distances (by bisection for each key block, they took about a fifth of the call at 2,048 tokens).
 // x is psi times the row's 1 / norm (a multiplication per pair, not a division): within
 // one unit in the last place of fire.py's psi / norm, and monotone in the row as the quotient is, so the
 // pieces of a block's first and last rows still bound every row's.  Where no row of a key's column straddles
