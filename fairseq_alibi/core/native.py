@@ -816,6 +816,18 @@ static inline void pair_of(int64_t q, int64_t heads, int64_t* e, int64_t* o) {
     *o = (2 * p + 1) * heads + h;
 }
 
+// body(q, e, o) for each merged block q of the n / 2 * heads (its earlier block e and later o: pair_of), OpenMP
+// threads over them: fa_path_merge's and its backward's loop.
+template <typename Body>
+static void each_merged_pair(int64_t n, int64_t heads, int threads, Body body) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 2)
+    for (int64_t q = 0; q < n / 2 * heads; ++q) {
+        int64_t e, o;
+        pair_of(q, heads, &e, &o);
+        body(q, e, o);
+    }
+}
+
 // One level of PaTH's block merge (path.py's _merged_terms), blocks in pairs of each head (the earlier e = 2p, the
 // later o = 2p + 1; block b of head h at b * heads + h): local [n, heads, C, C], carried and k_end [n, heads, C, D],
 // m [n, heads, D, D] give local2 [n / 2, heads, 2C, 2C] (e's and o's own scores on the diagonal, -inf above, the
@@ -826,10 +838,7 @@ extern "C" void fa_path_merge(const float* local, const float* carried, const fl
                               int64_t cc, int64_t dd, int threads, void* gemm) {
     const sgemm_t g = (sgemm_t)gemm;
     const int C = (int)cc, D = (int)dd, C2 = 2 * C;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 2)
-    for (int64_t q = 0; q < n / 2 * heads; ++q) {
-        int64_t e, o;
-        pair_of(q, heads, &e, &o);
+    each_merged_pair(n, heads, threads, [&](int64_t q, int64_t e, int64_t o) {
         float* l2 = local2 + q * C2 * C2;
         for (int r = 0; r < C; ++r) {
             memcpy(l2 + r * C2, local + e * C * C + r * C, C * sizeof(float));
@@ -842,7 +851,7 @@ extern "C" void fa_path_merge(const float* local, const float* carried, const fl
         mm(g, false, true, C, D, D, 1.0f, k_end + e * C * D, D, m + o * D * D, D, 0.0f, k_end2 + q * C2 * D, D);
         memcpy(k_end2 + q * C2 * D + C * D, k_end + o * C * D, (size_t)C * D * sizeof(float));
         mm(g, false, false, D, D, D, 1.0f, m + o * D * D, D, m + e * D * D, D, 0.0f, m2 + q * D * D, D);
-    }
+    });
 }
 
 // fa_path_merge's backward: the gradients of its inputs (written whole) from those of its outputs.
@@ -852,10 +861,7 @@ extern "C" void fa_path_merge_backward(const float* carried, const float* k_end,
                                        int64_t cc, int64_t dd, int threads, void* gemm) {
     const sgemm_t g = (sgemm_t)gemm;
     const int C = (int)cc, D = (int)dd, C2 = 2 * C;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 2)
-    for (int64_t q = 0; q < n / 2 * heads; ++q) {
-        int64_t e, o;
-        pair_of(q, heads, &e, &o);
+    each_merged_pair(n, heads, threads, [&](int64_t q, int64_t e, int64_t o) {
         const float* dl2 = d_local2 + q * C2 * C2;
         const float* corner = dl2 + C * C2;  // [C, C], leading dimension 2C
         const float *dc2 = d_carried2 + q * C2 * D, *dk2 = d_k_end2 + q * C2 * D, *dm2 = d_m2 + q * D * D;
@@ -879,7 +885,7 @@ extern "C" void fa_path_merge_backward(const float* carried, const float* k_end,
         float* dmo = d_m + o * D * D;        // dk_end2_e^T k_end_e + dm2 M_e^T
         mm(g, true, false, D, D, C, 1.0f, dk2, D, ke, D, 0.0f, dmo, D);
         mm(g, false, true, D, D, D, 1.0f, dm2, D, me, D, 1.0f, dmo, D);
-    }
+    });
 }
 
 // PaTH's training sweep (path.py's _TrainingSweep), forward, per head: blocks of C tokens, the layouts [n, heads, ...]
